@@ -1,0 +1,3 @@
+from felactl.cli.main import main
+
+main()

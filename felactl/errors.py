@@ -1,0 +1,56 @@
+"""The one error family of felactl, and the exit code each member maps to.
+
+The CLI maps these to exit codes in exactly one place (``felactl.cli.main``): 0 ok, 1 the work
+failed, 2 bad input. Library code raises the most specific member; it never prints or exits.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class FelactlError(Exception):
+    """Base of every error felactl raises on purpose. Its message is one line for the user."""
+
+    exit_code = EXIT_FAILED
+
+
+class InputError(FelactlError):
+    """The user gave something wrong: a flag value, a file, a name. Exit 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class SpecError(InputError):
+    """A cluster, model or plan file (or dict) is malformed. The message names file and key path."""
+
+    def __init__(self, where: str, key_path: str, problem: str):
+        self.where = where
+        self.key_path = key_path
+        self.problem = problem
+        location = f"{where}: {key_path}" if key_path else where
+        super().__init__(f"{location}: {problem}")
+
+
+class PlanInfeasible(InputError):
+    """No plan meets the constraints (memory, batch split, devices). Names the constraint class."""
+
+
+class ProfilingError(FelactlError):
+    """A measurement could not be taken (a worker died, a transfer timed out)."""
+
+
+class ControlPlaneError(FelactlError):
+    """The coordinator or store could not be reached, or refused us."""
+
+
+class AuthError(ControlPlaneError):
+    """A wrong or missing job secret. Bad input: exit 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class WorkerFailed(FelactlError):
+    """A worker process died or hung and the job could not go on."""

@@ -1,0 +1,48 @@
+"""Writing files so that a crash never leaves half of one behind: temp file, fsync, rename."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, IO
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mode: int | None = None) -> Path:
+    """Call ``write(f)`` on a temp file beside ``path``, fsync it, then rename it over ``path``."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> Path:
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")), mode=mode)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

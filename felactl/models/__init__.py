@@ -1,0 +1,114 @@
+"""Models felactl can plan and train: the built-ins, or ``package.module:function`` of the user's.
+
+:func:`build` returns a :class:`ModelBundle`: the layers as an ``nn.Sequential`` (each child is
+one layer of the profile and of the plan), the data it trains on, and its loss.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from felactl.errors import InputError
+from felactl.models import builtin
+from felactl.models.data import CharCorpus, SampleSource, TeacherDataset
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets)
+
+
+@dataclass
+class ModelBundle:
+    name: str
+    source: str
+    config: dict[str, Any]
+    layers: nn.Sequential
+    data: SampleSource
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def example_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data.batch(range(batch_size))
+
+
+def _gpt_mini(config: dict[str, Any]) -> ModelBundle:
+    seq_len = int(config.get("seq_len", 64))
+    data = CharCorpus(seq_len)
+    full = {"depth": 4, "width": 256, "num_heads": 4, **config, "seq_len": seq_len, "vocab_size": len(data.vocab)}
+    return ModelBundle("gpt-mini", "gpt-mini", full, builtin.gpt_mini(**full), data, lm_loss)
+
+
+def _vgg_mini(config: dict[str, Any]) -> ModelBundle:
+    full = {"num_classes": 10, "image_size": 32, "width": 32, "fc_width": 1024, **config}
+    data = TeacherDataset((3, full["image_size"], full["image_size"]), full["num_classes"])
+    return ModelBundle("vgg-mini", "vgg-mini", full, builtin.vgg_mini(**full), data, classification_loss)
+
+
+def _mlp(config: dict[str, Any]) -> ModelBundle:
+    full = {"input_dim": 256, "hidden": 512, "depth": 4, "num_classes": 10, **config}
+    data = TeacherDataset((full["input_dim"],), full["num_classes"])
+    return ModelBundle("mlp", "mlp", full, builtin.mlp(**full), data, classification_loss)
+
+
+BUILTINS: dict[str, Callable[[dict[str, Any]], ModelBundle]] = {
+    "gpt-mini": _gpt_mini,
+    "vgg-mini": _vgg_mini,
+    "mlp": _mlp,
+}
+
+
+def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
+    """``package.module:function`` returning an ``nn.Sequential`` or a list of layers.
+
+    The function may also return ``(layers, data)`` where ``data`` has ``batch(indices)``; without
+    data felactl can profile the model (given an input shape) but not train it.
+    """
+    module_name, _, func_name = source.partition(":")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+    except (ImportError, AttributeError) as exc:
+        raise InputError(f"model {source!r}: cannot import: {exc}") from None
+    try:
+        accepted = inspect.signature(func).parameters
+        built = func(**{k: v for k, v in config.items() if k in accepted})
+    except Exception as exc:
+        raise InputError(f"model {source!r}: calling it failed: {type(exc).__name__}: {exc}") from None
+    data = None
+    if isinstance(built, tuple) and len(built) == 2:
+        built, data = built
+    if isinstance(built, (list, tuple)):
+        built = nn.Sequential(*built)
+    if not isinstance(built, nn.Sequential):
+        raise InputError(f"model {source!r}: must return an nn.Sequential or a list of layers, "
+                         f"got {type(built).__name__}")
+    return ModelBundle(func_name, source, dict(config), built, data, classification_loss)
+
+
+def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> ModelBundle:
+    """Build a model by built-in name or ``package.module:function``; weights from ``seed``."""
+    config = dict(config or {})
+    if source in BUILTINS:
+        try:
+            bundle = BUILTINS[source](config)
+        except TypeError as exc:
+            raise InputError(f"model {source!r}: bad config: {exc}") from None
+    elif ":" in source:
+        bundle = _user_model(source, config)
+    else:
+        raise InputError(f"unknown model {source!r}: use one of {', '.join(BUILTINS)} or package.module:function")
+    builtin.init_weights(bundle.layers, seed)
+    return bundle
+
+
+__all__ = ["BUILTINS", "ModelBundle", "build", "classification_loss", "lm_loss"]

@@ -1,0 +1,74 @@
+"""Training data that needs no download, addressed by a global sample index.
+
+Every sample has an index; the samples of step k are ``k * global_batch + i``. Any worker can
+therefore fetch exactly its share of a step, and a run on N workers sees the very same samples
+as a run on one, which is what lets tests compare distributed training with single-process.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol, Sequence
+
+import torch
+
+
+class SampleSource(Protocol):
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets for these global sample indices (wrapping around the data)."""
+
+    def __len__(self) -> int: ...
+
+
+@functools.lru_cache(maxsize=1)
+def python_docs_text() -> str:
+    """The documentation topics that CPython ships (``pydoc_data``): ~460 kB of English prose."""
+    import pydoc_data.topics
+
+    return "".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+
+
+class CharCorpus:
+    """Character-level language modelling on the Python docs: predict the next character."""
+
+    def __init__(self, seq_len: int):
+        text = python_docs_text()
+        self.vocab = sorted(set(text))
+        index = {ch: i for i, ch in enumerate(self.vocab)}
+        self.tokens = torch.tensor([index[ch] for ch in text], dtype=torch.long)
+        self.seq_len = seq_len
+        self.num_windows = len(self.tokens) - seq_len - 1
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def _start(self, index: int) -> int:
+        # A fixed stride co-prime with the corpus length visits windows in a scattered but
+        # deterministic order, so consecutive steps do not read neighbouring text.
+        return (index * 7919) % self.num_windows
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.tensor([self._start(i) for i in indices], dtype=torch.long)
+        offsets = torch.arange(self.seq_len + 1)
+        windows = self.tokens[starts[:, None] + offsets[None, :]]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class TeacherDataset:
+    """A learnable synthetic classification set: inputs are seeded noise, labels come from a
+    fixed random teacher network, so a student can drive the loss well below chance."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, num_samples: int = 8192, seed: int = 1234):
+        gen = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn((num_samples, *input_shape), generator=gen)
+        flat = self.inputs.reshape(num_samples, -1)
+        hidden = torch.tanh(flat @ torch.randn(flat.shape[1], 64, generator=gen) / flat.shape[1] ** 0.5)
+        logits = hidden @ torch.randn(64, num_classes, generator=gen)
+        self.labels = logits.argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor([i % len(self.labels) for i in indices], dtype=torch.long)
+        return self.inputs[idx], self.labels[idx]

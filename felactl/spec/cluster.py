@@ -1,0 +1,165 @@
+"""The Cluster format: nodes, their devices, and the directed links between devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+
+from felactl.spec.codec import FieldProblem, positive
+
+
+class DeviceKind(str, enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class LinkType(str, enum.Enum):
+    NVLINK = "nvlink"
+    PCIE = "pcie"
+    NET = "net"
+    LOOPBACK = "loopback"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Device:
+    name: str
+    """Unique in the cluster; links and plans refer to devices by this name."""
+    kind: DeviceKind
+    model: str
+    """Hardware model, e.g. ``NVIDIA A100-SXM4-40GB`` or the CPU brand; model profiles are keyed by it."""
+    tflops: float
+    """Effective (measured or rated) dense matmul throughput in fp32, TFLOP/s."""
+    memory_gb: float
+    """Memory a worker on this device may use, GB."""
+    bf16_tflops: float | None = None
+    """Measured bf16 matmul throughput where the device has it."""
+    cpu_cores: tuple[int, ...] | None = None
+    """For CPU slots: the cores the worker process is pinned to."""
+    local_index: int | None = None
+    """Index of the device within its node (the worker's LOCAL_RANK, the CUDA ordinal)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise FieldProblem("name", "must not be empty")
+        positive("tflops", self.tflops)
+        positive("memory_gb", self.memory_gb)
+        if self.bf16_tflops is not None:
+            positive("bf16_tflops", self.bf16_tflops)
+        if self.local_index is not None and self.local_index < 0:
+            raise FieldProblem("local_index", f"must be >= 0, got {self.local_index}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Node:
+    name: str
+    """Unique in the cluster."""
+    hostname: str | None = None
+    """Where to reach the node (ssh, rendezvous); absent for clusters planned on paper."""
+    num_cpu_cores: int | None = None
+    memory_gb: float | None = None
+    """Host memory."""
+    devices: tuple[Device, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise FieldProblem("name", "must not be empty")
+        if self.num_cpu_cores is not None:
+            positive("num_cpu_cores", self.num_cpu_cores)
+        if self.memory_gb is not None:
+            positive("memory_gb", self.memory_gb)
+        if not self.devices:
+            raise FieldProblem("devices", "a node needs at least one device")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    src: str
+    """Device name the data leaves from."""
+    dst: str
+    """Device name the data arrives at."""
+    bandwidth_gbps: float
+    """Sustained bandwidth in GB/s (gigabytes, not gigabits) in the src -> dst direction."""
+    latency_us: float
+    """Time of a small message, microseconds."""
+    type: LinkType
+    num_links: int = 1
+    """Physical links bundled here (e.g. 2 NVLinks between a pair); bandwidth_gbps is their sum."""
+
+    def __post_init__(self) -> None:
+        positive("bandwidth_gbps", self.bandwidth_gbps)
+        positive("latency_us", self.latency_us, allow_zero=True)
+        positive("num_links", self.num_links)
+        if self.src == self.dst:
+            raise FieldProblem("dst", f"a link must join two different devices, got {self.src} -> {self.dst}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    kind: str = "Cluster"
+    schema_version: int = 1
+    name: str
+    nodes: tuple[Node, ...]
+    links: tuple[Link, ...] = ()
+    """Directed links. A pair with no link cannot talk directly (routes go through other devices)."""
+    description: str | None = None
+    _by_name: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind != "Cluster":
+            raise FieldProblem("kind", f"must be Cluster, got {self.kind!r}")
+        if self.schema_version != 1:
+            raise FieldProblem("schema_version", f"must be 1, got {self.schema_version}")
+        if not self.nodes:
+            raise FieldProblem("nodes", "a cluster needs at least one node")
+        node_names: set[str] = set()
+        for i, node in enumerate(self.nodes):
+            if node.name in node_names:
+                raise FieldProblem(f"nodes[{i}].name", f"duplicate node name {node.name!r}")
+            node_names.add(node.name)
+            for j, dev in enumerate(node.devices):
+                if dev.name in self._by_name:
+                    raise FieldProblem(f"nodes[{i}].devices[{j}].name", f"duplicate device name {dev.name!r}")
+                self._by_name[dev.name] = (node, dev)
+        for i, link in enumerate(self.links):
+            for end in ("src", "dst"):
+                if getattr(link, end) not in self._by_name:
+                    raise FieldProblem(f"links[{i}].{end}", f"unknown device {getattr(link, end)!r}")
+            if (link.src, link.dst) in self._links:
+                raise FieldProblem(f"links[{i}]", f"duplicate link {link.src} -> {link.dst}")
+            self._links[(link.src, link.dst)] = link
+
+    # --- queries -------------------------------------------------------------------------
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """Every device, in node order then device order (the order ranks are given in)."""
+        return tuple(dev for node in self.nodes for dev in node.devices)
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        return tuple(dev.name for dev in self.devices)
+
+    def device(self, name: str) -> Device:
+        return self._by_name[name][1]
+
+    def node_of(self, device_name: str) -> Node:
+        return self._by_name[device_name][0]
+
+    def has_device(self, name: str) -> bool:
+        return name in self._by_name
+
+    def link(self, src: str, dst: str) -> Link | None:
+        """The direct link src -> dst, or None when there is none."""
+        return self._links.get((src, dst))
+
+    def subset(self, device_names: list[str] | tuple[str, ...]) -> "ClusterSpec":
+        """The same cluster restricted to some devices (nodes left empty are dropped)."""
+        keep = set(device_names)
+        nodes = []
+        for node in self.nodes:
+            devs = tuple(d for d in node.devices if d.name in keep)
+            if devs:
+                nodes.append(dataclasses.replace(node, devices=devs))
+        links = tuple(l for l in self.links if l.src in keep and l.dst in keep)
+        return ClusterSpec(name=self.name, nodes=tuple(nodes), links=links, description=self.description)

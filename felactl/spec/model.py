@@ -1,0 +1,92 @@
+"""The Model format: the ordered layers of a model with their sizes, FLOPs and measured times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from felactl.spec.codec import FieldProblem, positive
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerTiming:
+    device_model: str
+    """The ``Device.model`` these times were measured on."""
+    micro_batch: int
+    fwd_ms: float
+    """Forward time of the layer on one micro-batch of this size, median of repetitions."""
+    bwd_ms: float
+    """Backward time (input and weight gradients) on one micro-batch of this size."""
+
+    def __post_init__(self) -> None:
+        positive("micro_batch", self.micro_batch)
+        positive("fwd_ms", self.fwd_ms, allow_zero=True)
+        positive("bwd_ms", self.bwd_ms, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layer:
+    name: str
+    params: int
+    """Number of trainable parameters."""
+    param_bytes: int
+    activation_bytes_per_sample: int
+    """Bytes of this layer's output for one sample: what crosses a stage boundary after it."""
+    fwd_flops_per_sample: float
+    bwd_flops_per_sample: float
+    timings: tuple[LayerTiming, ...] = ()
+    kind: str | None = None
+    """The module's class name, for people reading the file (``Linear``, ``Conv2d``, ``Block``)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise FieldProblem("name", "must not be empty")
+        positive("params", self.params, allow_zero=True)
+        positive("param_bytes", self.param_bytes, allow_zero=True)
+        positive("activation_bytes_per_sample", self.activation_bytes_per_sample)
+        positive("fwd_flops_per_sample", self.fwd_flops_per_sample, allow_zero=True)
+        positive("bwd_flops_per_sample", self.bwd_flops_per_sample, allow_zero=True)
+        seen = set()
+        for i, t in enumerate(self.timings):
+            key = (t.device_model, t.micro_batch)
+            if key in seen:
+                raise FieldProblem(f"timings[{i}]", f"duplicate timing for {t.device_model!r} at micro_batch {t.micro_batch}")
+            seen.add(key)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    kind: str = "Model"
+    schema_version: int = 1
+    name: str
+    source: str
+    """How to build it: a built-in name (``gpt-mini``) or ``package.module:function``."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments the source was built with (depth, width, ...)."""
+    input_bytes_per_sample: int
+    """Bytes of one input sample as fed to the first layer."""
+    layers: tuple[Layer, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind != "Model":
+            raise FieldProblem("kind", f"must be Model, got {self.kind!r}")
+        if self.schema_version != 1:
+            raise FieldProblem("schema_version", f"must be 1, got {self.schema_version}")
+        if not self.source:
+            raise FieldProblem("source", "must not be empty")
+        positive("input_bytes_per_sample", self.input_bytes_per_sample)
+        if not self.layers:
+            raise FieldProblem("layers", "a model needs at least one layer")
+        names = set()
+        for i, layer in enumerate(self.layers):
+            if layer.name in names:
+                raise FieldProblem(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
+            names.add(layer.name)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.params for layer in self.layers)

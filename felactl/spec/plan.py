@@ -1,0 +1,264 @@
+"""The Plan format: the contract between planning and running.
+
+A plan says which devices take part (their order is the rank order), how the layers are cut into
+stages, which workers run each stage with which share of its samples and micro-batch, how micro-
+batches flow between stages (``schedule``), how replicas synchronise (``sync``) and over which
+collective trees, and what the planner predicted, so a run can be compared with its prediction.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from felactl.spec.codec import FieldProblem, positive
+
+SHARE_TOLERANCE = 1e-6
+
+
+class SyncMode(str, enum.Enum):
+    BSP = "bsp"
+    """Allreduce of each stage's gradients every iteration."""
+    TOKENS = "tokens"
+    """Fela: workers pull tokens from a token server; gradients weighted by samples (still BSP)."""
+    WBSP = "wbsp"
+    """Worker-busy synchronous parallel: push deltas every step, rounds close when all pushed."""
+    SDPIPE = "sdpipe"
+    """SDPipe: a central scheduler forms groups; each group averages weights by allreduce."""
+
+
+class Schedule(str, enum.Enum):
+    TOKENS = "tokens"
+    """Micro-batches are tokens pulled by any worker of the stage (Fela)."""
+    ONE_F_ONE_B = "1f1b"
+    """Static pipelines (``Plan.pipelines``), one forward one backward."""
+    GPIPE = "gpipe"
+    """Static pipelines, all forwards then all backwards."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelRef:
+    name: str
+    source: str
+    """Built-in name or ``package.module:function``."""
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageWorker:
+    device: str
+    share: float
+    """Fraction of the stage's samples of one iteration this worker computes."""
+    predicted_memory_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        positive("share", self.share)
+        if self.share > 1 + SHARE_TOLERANCE:
+            raise FieldProblem("share", f"must be <= 1, got {self.share:g}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stage:
+    layer_start: int
+    """First layer of the stage (0-based)."""
+    layer_end: int
+    """One past the last layer of the stage."""
+    micro_batch: int
+    """Samples per micro-batch (Fela's per-sub-model batch size b_i)."""
+    workers: tuple[StageWorker, ...]
+    predicted_compute_s: float | None = None
+
+    def __post_init__(self) -> None:
+        positive("layer_start", self.layer_start, allow_zero=True)
+        if self.layer_end <= self.layer_start:
+            raise FieldProblem("layer_end", f"must be > layer_start ({self.layer_start}), got {self.layer_end}")
+        positive("micro_batch", self.micro_batch)
+        if not self.workers:
+            raise FieldProblem("workers", "a stage needs at least one worker")
+        seen = set()
+        for i, w in enumerate(self.workers):
+            if w.device in seen:
+                raise FieldProblem(f"workers[{i}].device", f"device {w.device!r} listed twice in one stage")
+            seen.add(w.device)
+        total = sum(w.share for w in self.workers)
+        if abs(total - 1.0) > 1e-3:
+            raise FieldProblem("workers", f"shares must sum to 1, got {total:.4f}")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(w.device for w in self.workers)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncSpec:
+    mode: SyncMode = SyncMode.BSP
+    use_trees: bool = True
+    """BSP: allreduce along the plan's collective trees where present."""
+    overlap: bool = False
+    """WBSP: push and pull in a second thread while the first trains."""
+    max_group: int = 2
+    """SDPipe: a group closes when this many workers are ready..."""
+    initial_wait_ms: float = 1.0
+    """...or this long after the first arrived (then adapted: x2 up to 10 ms, x0.9 down to 0.01 ms)."""
+    connect_every: int = 4
+    """SDPipe: the groups' union must connect every replica at least every P rounds."""
+    token_policy: str = "ads+hf"
+    """Tokens: ``ads``, ``hf`` or ``ads+hf`` (see SEEDS.md section 1)."""
+
+    def __post_init__(self) -> None:
+        if self.max_group < 2:
+            raise FieldProblem("max_group", f"must be >= 2, got {self.max_group}")
+        positive("initial_wait_ms", self.initial_wait_ms)
+        positive("connect_every", self.connect_every)
+        if self.token_policy not in ("ads", "hf", "ads+hf"):
+            raise FieldProblem("token_policy", f"must be one of ads, hf, ads+hf, got {self.token_policy!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tree:
+    edges: tuple[tuple[str, ...], ...]
+    """Directed edges ``[parent, child]`` of a spanning arborescence rooted at the group's root."""
+    weight: float
+    """Rate this tree carries, GB/s."""
+
+    def __post_init__(self) -> None:
+        positive("weight", self.weight)
+        for i, edge in enumerate(self.edges):
+            if len(edge) != 2:
+                raise FieldProblem(f"edges[{i}]", f"an edge is [parent, child], got {list(edge)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective:
+    group: str
+    """What the group synchronises, e.g. ``stage0``."""
+    devices: tuple[str, ...]
+    root: str
+    trees: tuple[Tree, ...] = ()
+    rate_gbps: float
+    """Broadcast rate of the packed trees, GB/s."""
+    bound_gbps: float
+    """Min-cut upper bound from the root (Edmonds), GB/s."""
+    ring_gbps: float
+    """Rate of the best ring over the same devices, GB/s (0 where no ring exists)."""
+
+    def __post_init__(self) -> None:
+        if self.root not in self.devices:
+            raise FieldProblem("root", f"{self.root!r} is not one of the group's devices")
+        positive("rate_gbps", self.rate_gbps, allow_zero=True)
+        positive("bound_gbps", self.bound_gbps, allow_zero=True)
+        positive("ring_gbps", self.ring_gbps, allow_zero=True)
+        members = set(self.devices)
+        for t, tree in enumerate(self.trees):
+            for e, (a, b) in enumerate(tree.edges):
+                if a not in members or b not in members:
+                    raise FieldProblem(f"trees[{t}].edges[{e}]", f"edge {a} -> {b} leaves the group")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    iteration_s: float
+    samples_per_s: float
+    baselines: dict[str, float] = field(default_factory=dict)
+    """Predicted iteration time of each baseline (``dp``, ``mp``, ``hp``, ``no_trees``), seconds."""
+    simulated_iteration_s: float | None = None
+    """The discrete-event simulator's iteration time under this plan."""
+
+    def __post_init__(self) -> None:
+        positive("iteration_s", self.iteration_s)
+        positive("samples_per_s", self.samples_per_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverInfo:
+    name: str
+    status: str
+    solve_s: float
+    gap: float | None = None
+    """Relative optimality gap where a time limit stopped the search."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Training:
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("sgd", "adamw"):
+            raise FieldProblem("optimizer", f"must be sgd or adamw, got {self.optimizer!r}")
+        positive("lr", self.lr)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    kind: str = "Plan"
+    schema_version: int = 1
+    cluster: str
+    """Name of the cluster spec planned for."""
+    model: ModelRef
+    devices: tuple[str, ...]
+    """The devices that take part; a worker's RANK is its device's index here."""
+    global_batch: int
+    schedule: Schedule = Schedule.TOKENS
+    sync: SyncSpec = field(default_factory=SyncSpec)
+    training: Training = field(default_factory=Training)
+    stages: tuple[Stage, ...]
+    pipelines: tuple[tuple[str, ...], ...] = ()
+    """For static schedules: replica r runs stage s on ``pipelines[r][s]``."""
+    collectives: tuple[Collective, ...] = ()
+    predicted: Prediction | None = None
+    solver: SolverInfo | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind != "Plan":
+            raise FieldProblem("kind", f"must be Plan, got {self.kind!r}")
+        if self.schema_version != 1:
+            raise FieldProblem("schema_version", f"must be 1, got {self.schema_version}")
+        positive("global_batch", self.global_batch)
+        if not self.devices:
+            raise FieldProblem("devices", "a plan needs at least one device")
+        if len(set(self.devices)) != len(self.devices):
+            raise FieldProblem("devices", "a device is listed twice")
+        if not self.stages:
+            raise FieldProblem("stages", "a plan needs at least one stage")
+        self._check_stages()
+        self._check_pipelines()
+
+    def _check_stages(self) -> None:
+        members = set(self.devices)
+        used = set()
+        expected_start = 0
+        for s, stage in enumerate(self.stages):
+            if stage.layer_start != expected_start:
+                raise FieldProblem(f"stages[{s}].layer_start",
+                                   f"stages must be consecutive: expected {expected_start}, got {stage.layer_start}")
+            expected_start = stage.layer_end
+            for w, worker in enumerate(stage.workers):
+                if worker.device not in members:
+                    raise FieldProblem(f"stages[{s}].workers[{w}].device",
+                                       f"{worker.device!r} is not in the plan's devices")
+                used.add(worker.device)
+        idle = [d for d in self.devices if d not in used]
+        if idle:
+            raise FieldProblem("devices", f"device {idle[0]!r} runs no stage")
+
+    def _check_pipelines(self) -> None:
+        if self.schedule is Schedule.TOKENS:
+            return
+        if not self.pipelines:
+            raise FieldProblem("pipelines", f"schedule {self.schedule.value} needs the pipelines' devices")
+        for r, pipe in enumerate(self.pipelines):
+            if len(pipe) != len(self.stages):
+                raise FieldProblem(f"pipelines[{r}]", f"needs one device per stage ({len(self.stages)}), got {len(pipe)}")
+            for s, dev in enumerate(pipe):
+                if dev not in self.stages[s].devices:
+                    raise FieldProblem(f"pipelines[{r}][{s}]", f"{dev!r} does not run stage {s}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layer_end
+
+    def rank_of(self, device: str) -> int:
+        return self.devices.index(device)
