@@ -1,14 +1,14 @@
 """The three file formats of felactl (Cluster, Model, Plan) as frozen dataclasses, with YAML I/O."""
 
 from felactl.spec.checks import check_plan_against_cluster, check_plan_against_model
-from felactl.spec.cluster import ClusterSpec, Device, DeviceKind, Link, LinkType, Node
+from felactl.spec.cluster import ClusterSpec, Device, DeviceKind, Link, LinkDefault, LinkType, Node
 from felactl.spec.io import dump_yaml, from_dict, load, load_cluster, load_model, load_plan, save, to_dict
 from felactl.spec.model import Layer, LayerTiming, ModelSpec
 from felactl.spec.plan import (Collective, ModelRef, Plan, Prediction, Schedule, SolverInfo, Stage,
                                StageWorker, SyncMode, SyncSpec, Training, Tree)
 
 __all__ = [
-    "ClusterSpec", "Collective", "Device", "DeviceKind", "Layer", "LayerTiming", "Link", "LinkType",
+    "ClusterSpec", "Collective", "Device", "DeviceKind", "Layer", "LayerTiming", "Link", "LinkDefault", "LinkType",
     "ModelRef", "ModelSpec", "Node", "Plan", "Prediction", "Schedule", "SolverInfo", "Stage",
     "StageWorker", "SyncMode", "SyncSpec", "Training", "Tree", "check_plan_against_cluster",
     "check_plan_against_model", "dump_yaml", "from_dict", "load", "load_cluster", "load_model",

@@ -95,6 +95,19 @@ class Link:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LinkDefault:
+    """A link for every ordered pair of devices not listed in ``links`` (compact big clusters)."""
+
+    bandwidth_gbps: float
+    latency_us: float
+    type: LinkType
+
+    def __post_init__(self) -> None:
+        positive("bandwidth_gbps", self.bandwidth_gbps)
+        positive("latency_us", self.latency_us, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterSpec:
     kind: str = "Cluster"
     schema_version: int = 1
@@ -102,6 +115,10 @@ class ClusterSpec:
     nodes: tuple[Node, ...]
     links: tuple[Link, ...] = ()
     """Directed links. A pair with no link cannot talk directly (routes go through other devices)."""
+    intra_node_default: LinkDefault | None = None
+    """The link between two devices of one node that ``links`` does not list (e.g. PCIe)."""
+    inter_node_default: LinkDefault | None = None
+    """The link between devices of different nodes that ``links`` does not list (the network)."""
     description: str | None = None
     _by_name: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -150,8 +167,21 @@ class ClusterSpec:
         return name in self._by_name
 
     def link(self, src: str, dst: str) -> Link | None:
-        """The direct link src -> dst, or None when there is none."""
-        return self._links.get((src, dst))
+        """The link src -> dst: listed, else the intra/inter-node default, else None (no direct link)."""
+        listed = self._links.get((src, dst))
+        if listed is not None or src == dst:
+            return listed
+        same_node = self.node_of(src).name == self.node_of(dst).name
+        default = self.intra_node_default if same_node else self.inter_node_default
+        if default is None:
+            return None
+        return Link(src=src, dst=dst, bandwidth_gbps=default.bandwidth_gbps,
+                    latency_us=default.latency_us, type=default.type)
+
+    def links_among(self, device_names: list[str] | tuple[str, ...]) -> list[Link]:
+        """Every direct link (listed or default) between two of these devices."""
+        return [link for a in device_names for b in device_names if a != b
+                for link in (self.link(a, b),) if link is not None]
 
     def subset(self, device_names: list[str] | tuple[str, ...]) -> "ClusterSpec":
         """The same cluster restricted to some devices (nodes left empty are dropped)."""
@@ -162,4 +192,6 @@ class ClusterSpec:
             if devs:
                 nodes.append(dataclasses.replace(node, devices=devs))
         links = tuple(l for l in self.links if l.src in keep and l.dst in keep)
-        return ClusterSpec(name=self.name, nodes=tuple(nodes), links=links, description=self.description)
+        return ClusterSpec(name=self.name, nodes=tuple(nodes), links=links, description=self.description,
+                           intra_node_default=self.intra_node_default,
+                           inter_node_default=self.inter_node_default)
