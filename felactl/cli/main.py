@@ -11,15 +11,19 @@ import os
 import sys
 from typing import Annotated
 
-import click
 import typer
 import typer.core
+
+try:  # typer >= 0.2x runs on its own vendored copy of click
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException, UsageError
 
 from felactl import __version__
 from felactl.errors import EXIT_FAILED, FelactlError
 
 
-def _debug_enabled(ctx: click.Context | None) -> bool:
+def _debug_enabled(ctx: typer.Context | None) -> bool:
     if os.environ.get("FELACTL_DEBUG") == "1":
         return True
     while ctx is not None:
@@ -32,23 +36,44 @@ def _debug_enabled(ctx: click.Context | None) -> bool:
 class FelactlGroup(typer.core.TyperGroup):
     """The root group: every command runs inside ``invoke``, so errors are mapped in one place."""
 
-    def invoke(self, ctx: click.Context):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Like click's standalone mode, but a usage error (a wrong flag) is one line, exit 2."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # a bare group: its help is the answer
+                exc.show()
+            else:
+                where = exc.ctx.command_path if exc.ctx is not None else "felactl"
+                typer.echo(f"{where}: error: {exc.format_message()} (see '{where} --help')", err=True)
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            typer.echo(f"felactl: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted.", err=True)
+            sys.exit(EXIT_FAILED)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+    def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except (typer.Exit, typer.Abort, ClickException):
             raise
         except FelactlError as exc:
             if _debug_enabled(ctx):
                 raise
-            click.echo(f"felactl: error: {exc}", err=True)
+            typer.echo(f"felactl: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
-            click.echo("felactl: interrupted", err=True)
+            typer.echo("felactl: interrupted", err=True)
             ctx.exit(130)
         except Exception as exc:  # a bug: still one line, the traceback behind --debug
             if _debug_enabled(ctx):
                 raise
-            click.echo(f"felactl: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+            typer.echo(f"felactl: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
                        err=True)
             ctx.exit(EXIT_FAILED)
 
