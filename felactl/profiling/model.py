@@ -1,0 +1,281 @@
+"""Per-layer cost profile of a real model: sizes, FLOPs and measured times -> a ``ModelSpec``.
+
+The planner cuts the model between layers and gives each stage a micro-batch size, so it needs,
+per layer: parameters (memory, gradient traffic), output bytes per sample (what crosses a stage
+boundary), FLOPs per sample (to scale to devices never profiled) and the forward and backward
+time at several micro-batch sizes on this device. The times per sample shrink as the micro-batch
+grows until the device saturates: that curve is what Fela's choice of micro-batch rests on.
+
+FLOPs come from torch's own ``FlopCounterMode`` (with the CPU flash-attention kernels, which it
+does not know, mapped to its attention formulas), never from hand formulas.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils import flop_counter
+
+from felactl.errors import InputError
+from felactl.models import ModelBundle, build
+from felactl.spec import Layer, LayerTiming, ModelSpec
+
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 4, 16, 64)
+DEFAULT_REPEATS = 5
+WARMUP_RUNS = 1
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, label)``: called after each measured (layer, micro-batch) pair."""
+
+
+def this_device_model(device: str = "cpu") -> str:
+    """The hardware model a profile is keyed by (``Device.model`` in a cluster spec).
+
+    The same string the device profiler writes for this machine, so the planner can match a
+    layer's timings to the devices that ran them.
+    """
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda":
+        return torch.cuda.get_device_name(torch_device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                            out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _flop_mapping() -> dict[Any, Any]:
+    """Attention on CPU runs kernels FlopCounterMode has no formula for; give it torch's own."""
+    aten = torch.ops.aten
+    mapping: dict[Any, Any] = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_sdpa_flop
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_sdpa_backward_flop
+    return mapping
+
+
+def count_flops(layer: nn.Module, inputs: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """Forward and backward FLOPs of ``layer`` on this batch, and its output (detached)."""
+    inp = _leaf(inputs)
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as counter:
+        out = _forward(layer, inp)
+    fwd_flops = counter.get_total_flops()
+    bwd_flops = 0
+    if out.requires_grad:
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as counter:
+            out.backward(torch.ones_like(out))
+        bwd_flops = counter.get_total_flops()
+    _clear_grads(layer)
+    return fwd_flops, bwd_flops, out.detach()
+
+
+def time_layer(layer: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, *,
+               repeats: int, warmup: int = WARMUP_RUNS) -> tuple[float, float]:
+    """Median forward and backward milliseconds of ``layer`` on this micro-batch.
+
+    Backward is timed on its own: the layer's forward runs on a detached input that requires
+    grad (as it would inside a stage), then autograd runs back from a fixed upstream gradient,
+    computing the input and weight gradients a real step computes.
+    """
+    fwd_s: list[float] = []
+    bwd_s: list[float] = []
+    device = inputs.device
+    for run in range(warmup + repeats):
+        inp = _leaf(inputs)
+        _clear_grads(layer)
+        _synchronize(device)
+        start = time.perf_counter()
+        out = _forward(layer, inp)
+        _synchronize(device)
+        mid = time.perf_counter()
+        if out.requires_grad:
+            out.backward(grad_out)
+            _synchronize(device)
+        end = time.perf_counter() if out.requires_grad else mid
+        if run >= warmup:
+            fwd_s.append(mid - start)
+            bwd_s.append(end - mid)
+    _clear_grads(layer)
+    return statistics.median(fwd_s) * 1e3, statistics.median(bwd_s) * 1e3
+
+
+@dataclass
+class _LayerStatic:
+    """What a layer costs regardless of micro-batch size."""
+
+    name: str
+    kind: str
+    params: int
+    param_bytes: int
+    activation_bytes_per_sample: int
+    fwd_flops_per_sample: float
+    bwd_flops_per_sample: float
+
+
+def profile_model(source: str, config: dict[str, Any] | None = None,
+                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, *, device: str = "cpu",
+                  repeats: int = DEFAULT_REPEATS, input_shape: Sequence[int] | None = None,
+                  seed: int = 0, progress: Progress | None = None) -> ModelSpec:
+    """Profile every layer of model ``source`` (built-in name or ``package.module:function``).
+
+    ``input_shape`` (one sample, without the batch axis) is needed only for user models that
+    return no data; their inputs are then seeded standard-normal tensors.
+    """
+    batch_sizes = _check_batch_sizes(batch_sizes)
+    if repeats < 1:
+        raise InputError(f"repeats must be >= 1, got {repeats}")
+    torch_device = _check_device(device)
+    bundle = build(source, config or {}, seed=seed)
+    layers = bundle.layers.to(torch_device)
+    layers.train()
+    spec_config = dict(bundle.config)
+    if bundle.data is None:
+        if input_shape is None:
+            raise InputError(f"model {source!r} comes with no data: give the shape of one input "
+                             f"sample (--input-shape, e.g. 3,32,32)")
+        spec_config["input_shape"] = [int(d) for d in input_shape]
+    total = len(layers) * (len(batch_sizes) + 1)
+    statics = _profile_static(bundle, layers, batch_sizes[0], spec_config.get("input_shape"),
+                              torch_device, seed)
+    if progress is not None:
+        progress(len(layers), total, "flops")
+    timings: list[list[LayerTiming]] = [[] for _ in layers]
+    device_model = this_device_model(device)
+    for b_index, batch in enumerate(batch_sizes):
+        hidden = _example_input(bundle, batch, spec_config.get("input_shape"), torch_device, seed)
+        for i, layer in enumerate(layers):
+            out = _forward(layer, _leaf(hidden)).detach()
+            grad_out = _fixed_gradient(out, seed + i)
+            fwd_ms, bwd_ms = time_layer(layer, hidden, grad_out, repeats=repeats)
+            timings[i].append(LayerTiming(device_model=device_model, micro_batch=batch,
+                                          fwd_ms=fwd_ms, bwd_ms=bwd_ms))
+            hidden = out
+            if progress is not None:
+                done = len(layers) * (b_index + 1) + i + 1
+                progress(done, total, f"micro-batch {batch}, layer {i}")
+    first_input = _example_input(bundle, 1, spec_config.get("input_shape"), torch_device, seed)
+    return ModelSpec(
+        name=bundle.name, source=source, config=spec_config,
+        input_bytes_per_sample=_tensor_bytes(first_input),
+        layers=tuple(Layer(timings=tuple(t), **vars(s)) for s, t in zip(statics, timings)),
+    )
+
+
+def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int,
+                    input_shape: Sequence[int] | None, device: torch.device, seed: int) -> list[_LayerStatic]:
+    hidden = _example_input(bundle, batch, input_shape, device, seed)
+    statics = []
+    for i, (child_name, layer) in enumerate(layers.named_children()):
+        fwd_flops, bwd_flops, out = count_flops(layer, hidden)
+        trainable = [p for p in layer.parameters() if p.requires_grad]
+        kind = _kind(layer)
+        statics.append(_LayerStatic(
+            name=child_name if not child_name.isdigit() else f"{i}.{kind}",
+            kind=kind,
+            params=sum(p.numel() for p in trainable),
+            param_bytes=sum(p.numel() * p.element_size() for p in trainable),
+            activation_bytes_per_sample=max(1, _tensor_bytes(out) // batch),
+            fwd_flops_per_sample=fwd_flops / batch,
+            bwd_flops_per_sample=bwd_flops / batch,
+        ))
+        hidden = out
+    return statics
+
+
+def _kind(layer: nn.Module) -> str:
+    """Class name; for a plain ``nn.Sequential`` the names of its parts (``Conv2d+ReLU``)."""
+    if type(layer) is nn.Sequential:
+        return "+".join(type(part).__name__ for part in layer)
+    return type(layer).__name__
+
+
+def _example_input(bundle: ModelBundle, batch: int, input_shape: Sequence[int] | None,
+                   device: torch.device, seed: int) -> torch.Tensor:
+    if bundle.data is not None:
+        inputs, _targets = bundle.data.batch(range(batch))
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        inputs = torch.randn((batch, *input_shape), generator=gen)
+    return inputs.to(device)
+
+
+def _forward(layer: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    try:
+        out = layer(inputs)
+    except Exception as exc:
+        raise InputError(f"layer {_kind(layer)} failed on an input of shape {tuple(inputs.shape)}: "
+                         f"{type(exc).__name__}: {exc}".splitlines()[0]) from None
+    if not isinstance(out, torch.Tensor):
+        raise InputError(f"layer {_kind(layer)} returned {type(out).__name__}, expected one tensor "
+                         f"(each layer of a felactl model maps a tensor to a tensor)")
+    return out
+
+
+def _leaf(inputs: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the stage input; float inputs require grad as inside a pipeline."""
+    leaf = inputs.detach()
+    if leaf.is_floating_point():
+        leaf.requires_grad_(True)
+    return leaf
+
+
+def _fixed_gradient(out: torch.Tensor, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
+
+
+def _clear_grads(layer: nn.Module) -> None:
+    for p in layer.parameters():
+        p.grad = None
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    sizes = sorted(set(int(b) for b in batch_sizes))
+    if not sizes:
+        raise InputError("give at least one micro-batch size")
+    if sizes[0] < 1:
+        raise InputError(f"micro-batch sizes must be >= 1, got {sizes[0]}")
+    return sizes
+
+
+def _check_device(device: str) -> torch.device:
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError as exc:
+        raise InputError(f"device {device!r}: {exc}") from None
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r}: CUDA is not available on this machine")
+    if torch_device.type not in ("cpu", "cuda"):
+        raise InputError(f"device {device!r}: only cpu and cuda can be profiled")
+    return torch_device
+
+
+__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_REPEATS", "count_flops", "profile_model", "this_device_model",
+           "time_layer"]
