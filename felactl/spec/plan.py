@@ -225,6 +225,7 @@ class Plan:
             raise FieldProblem("stages", "a plan needs at least one stage")
         self._check_stages()
         self._check_pipelines()
+        self._check_collectives()
 
     def _check_stages(self) -> None:
         members = set(self.devices)
@@ -255,6 +256,13 @@ class Plan:
             for s, dev in enumerate(pipe):
                 if dev not in self.stages[s].devices:
                     raise FieldProblem(f"pipelines[{r}][{s}]", f"{dev!r} does not run stage {s}")
+
+    def _check_collectives(self) -> None:
+        members = set(self.devices)
+        for c, collective in enumerate(self.collectives):
+            for d, dev in enumerate(collective.devices):
+                if dev not in members:
+                    raise FieldProblem(f"collectives[{c}].devices[{d}]", f"{dev!r} is not in the plan's devices")
 
     @property
     def num_layers(self) -> int:
