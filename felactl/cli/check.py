@@ -28,8 +28,9 @@ def load_any(path: str | os.PathLike) -> ClusterSpec | ModelSpec | Plan:
         raise SpecError(where, "", f"must be a mapping with a kind: key, got {type(data).__name__}")
     kind = data.get("kind")
     if kind not in KINDS:
-        problem = "missing required key" if "kind" not in data else f"got {kind!r}"
-        raise SpecError(where, "kind", f"{problem} (expected one of: {', '.join(KINDS)})")
+        if "kind" not in data:
+            raise SpecError(where, "kind", f"missing required key (one of {'|'.join(KINDS)})")
+        raise SpecError(where, "kind", f"must be one of {'|'.join(KINDS)}, got {kind!r}")
     return from_dict(KINDS[kind], data, where)
 
 
