@@ -1,0 +1,47 @@
+"""``felactl agent``: join a coordinator with this node's worker slots and run what it assigns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from felactl.cli import output
+from felactl.errors import WorkerFailed
+
+
+def agent(
+    rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of the coordinator.")],
+    secret_file: Annotated[Path, typer.Option(help="The job secret file ('-' reads it from stdin).")],
+    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", min=1,
+                                                          help="Worker slots on this node [default: GPUs, else 2].")] = None,
+    node_name: Annotated[Optional[str], typer.Option(help="This node's name [short hostname].")] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Worker logs [a new temp dir].")] = None,
+    job: Annotated[str, typer.Option(help="Job name on the control plane.")] = "profile",
+    join_timeout: Annotated[float, typer.Option(help="Seconds to reach and join the coordinator.")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Join the job at --rdzv-endpoint (proving the secret), run its workers, exit when they end."""
+    import tempfile
+
+    from felactl.agents.agent import WorkerState, run_node_agent
+    from felactl.launcher.controlplane import read_secret_file
+    from felactl.profiling.cluster import default_nproc_per_node, local_agent_config
+
+    secret = read_secret_file(secret_file)
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="felactl-agent-"))
+    config = local_agent_config(rdzv_endpoint, secret, nproc=nproc_per_node or default_nproc_per_node(),
+                                node_name=node_name, log_dir=logs, join_timeout_s=join_timeout, job=job)
+    output.stderr.print(f"agent {config.node_name}: joining {rdzv_endpoint} with {config.nproc} slot(s)")
+    result = run_node_agent(config, on_joined=lambda agent_id: output.stderr.print(f"joined as {agent_id}"))
+    if result.state is WorkerState.FAILED:
+        failures = "; ".join(f"rank {rank}: {line}" for rank, line in result.failures.items())
+        raise WorkerFailed(f"workers failed ({failures}); logs in {logs}")
+    output.emit({"node_name": config.node_name, "state": result.state.value,
+                 "exit_codes": {str(k): v for k, v in result.exit_codes.items()}, "log_dir": str(logs)}, as_json,
+                lambda console: console.print(f"agent {config.node_name}: workers {result.state.value}"))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("agent")(agent)

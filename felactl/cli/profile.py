@@ -1,0 +1,125 @@
+"""``felactl profile``: measure this machine (or the nodes that join) into cluster.yaml.
+
+With ``--model NAME`` it profiles a model's layers into model.yaml instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from felactl.cli import output
+from felactl.errors import InputError
+
+
+def _parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"--batch-sizes: expected comma-separated integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise InputError(f"--batch-sizes: every size must be >= 1, got {text!r}")
+    return sizes
+
+
+def _render_cluster(console, result) -> None:
+    cluster = result.cluster
+    devices = Table(title=f"cluster {cluster.name}: {len(cluster.nodes)} node(s)")
+    for column in ("device", "node", "kind", "model", "TFLOP/s", "bf16 TFLOP/s", "memory GB", "cores"):
+        devices.add_column(column)
+    for node in cluster.nodes:
+        for dev in node.devices:
+            devices.add_row(dev.name, node.name, dev.kind.value, dev.model, f"{dev.tflops:.3f}",
+                            f"{dev.bf16_tflops:.2f}" if dev.bf16_tflops else "-", f"{dev.memory_gb:.1f}",
+                            ",".join(map(str, dev.cpu_cores)) if dev.cpu_cores else "-")
+    links = Table(title="links (measured send/recv, median)")
+    for column in ("src", "dst", "type", "GB/s", "latency µs"):
+        links.add_column(column)
+    for link in cluster.links:
+        links.add_row(link.src, link.dst, link.type.value + (f" x{link.num_links}" if link.num_links > 1 else ""),
+                      f"{link.bandwidth_gbps:.3f}", f"{link.latency_us:.1f}")
+    console.print(devices)
+    console.print(links)
+    for pair, gbps in result.peer_copy_gbps.items():
+        console.print(f"peer copy {pair}: {gbps:.1f} GB/s")
+    console.print(f"profiled in {result.profile_s:.1f} s; worker logs in {result.log_dir}")
+
+
+def _profile_model(model: str, batch_sizes: str, out: Optional[Path], as_json: bool) -> None:
+    """The --model branch: per-layer costs into model.yaml (felactl.profiling.model does the work)."""
+    import time
+
+    from felactl.profiling.model import profile_model
+    from felactl.spec import save, to_dict
+
+    started = time.perf_counter()
+    spec = profile_model(model, None, _parse_batch_sizes(batch_sizes))
+    path = save(spec, out or Path("model.yaml"))
+    output.emit({**to_dict(spec), "profile_s": time.perf_counter() - started}, as_json,
+                lambda console: console.print(f"wrote {path}: {len(spec.layers)} layers"))
+
+
+def profile(
+    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", min=1,
+                                                          help="Worker slots on this node [default: GPUs, else 2].")] = None,
+    out: Annotated[Optional[Path], typer.Option("-o", "--output", help="Where to write [cluster.yaml].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    name: Annotated[Optional[str], typer.Option(help="Cluster name [node name].")] = None,
+    node_name: Annotated[Optional[str], typer.Option(help="This node's name [short hostname].")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    matmul_size: Annotated[int, typer.Option(help="CPU matmul side for TFLOP/s.")] = 512,
+    gpu_matmul_size: Annotated[int, typer.Option(help="GPU matmul side for TFLOP/s.")] = 4096,
+    message_bytes: Annotated[int, typer.Option(help="Message size for bandwidth.")] = 16 * 2 ** 20,
+    small_message_bytes: Annotated[int, typer.Option(help="Message size for latency.")] = 8,
+    repetitions: Annotated[int, typer.Option(help="Timed repetitions (median taken).")] = 5,
+    hostfile: Annotated[Optional[Path], typer.Option(help="DeepSpeed hostfile: start an agent on each host over ssh.")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="HOST:PORT the coordinator listens on for agents.")] = None,
+    nnodes: Annotated[int, typer.Option(help="Agents to wait for with --rdzv-endpoint.")] = 1,
+    secret_file: Annotated[Optional[Path], typer.Option(help="Job secret (created with mode 0600 if missing).")] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Worker logs [a new temp dir].")] = None,
+    join_timeout: Annotated[float, typer.Option(help="Seconds to wait for agents.")] = 60.0,
+    timeout: Annotated[float, typer.Option(help="Seconds the measurement may take.")] = 600.0,
+    model: Annotated[Optional[str], typer.Option(help="Profile this model's layers into model.yaml instead.")] = None,
+    batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes for --model.")] = "1,4,16,64",
+) -> None:
+    """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
+    if model is not None:
+        _profile_model(model, batch_sizes, out, as_json)
+        return
+    from felactl.profiling.cluster import ProfileOptions, profile_cluster
+    from felactl.profiling.links import LinkProbe
+    from felactl.spec import save, to_dict
+
+    options = ProfileOptions(cpu_matmul_size=matmul_size, gpu_matmul_size=gpu_matmul_size, device=device,
+                             probe=LinkProbe(message_bytes=message_bytes, small_message_bytes=small_message_bytes,
+                                             repetitions=repetitions),
+                             join_timeout_s=join_timeout, timeout_s=timeout)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=output.stderr, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def on_progress(phase: str, done: int, total: int) -> None:
+            bar.update(task, description=phase, completed=done, total=total)
+
+        result = profile_cluster(nproc_per_node=nproc_per_node, nnodes=nnodes, endpoint=rdzv_endpoint,
+                                 hostfile_path=str(hostfile) if hostfile else None,
+                                 secret_file=str(secret_file) if secret_file else None, node_name=node_name,
+                                 name=name, log_dir=log_dir, options=options, on_progress=on_progress)
+    path = save(result.cluster, out or Path("cluster.yaml"))
+    payload = {**to_dict(result.cluster), "profile_s": round(result.profile_s, 3)}
+    if result.peer_copy_gbps:
+        payload["peer_copy_gbps"] = result.peer_copy_gbps
+
+    def render(console) -> None:
+        _render_cluster(console, result)
+        console.print(f"wrote {path}")
+
+    output.emit(payload, as_json, render)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("profile")(profile)

@@ -1,0 +1,217 @@
+"""Probing one machine: the node (cores, memory), each worker slot's compute, and the GPU interconnect.
+
+Compute is measured, not looked up: a square matmul timed ``repetitions`` times, median taken, so
+a throttled GPU or a busy CPU shows up as the slower device it currently is. A CPU slot is
+measured from inside the worker process pinned to its share of the cores, with torch limited to
+that many threads, so the number is what that worker will get.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import time
+
+import psutil
+
+GB = 1e9
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (honours cgroups/taskset, unlike cpu_count)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(psutil.cpu_count(logical=True) or 1))
+
+
+def node_info() -> dict:
+    """What an agent tells the coordinator about its machine."""
+    import torch
+
+    return {"hostname": socket.gethostname(), "num_cpu_cores": len(available_cores()),
+            "memory_gb": round(psutil.virtual_memory().total / GB, 3),
+            "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def matmul_tflops(size: int, repetitions: int, device=None, dtype=None) -> float:
+    """Median dense matmul throughput (2·n³ flops per product) on ``device``, TFLOP/s."""
+    import torch
+
+    device = torch.device(device or "cpu")
+    dtype = dtype or torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.matmul(a, b)  # warm-up: allocations, kernel selection
+    sync()
+    times_s = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        sync()
+        times_s.append(time.perf_counter() - start)
+    return 2.0 * size ** 3 / max(statistics.median(times_s), 1e-9) / 1e12
+
+
+def measure_cpu_slot(cores: list[int], *, matmul_size: int, repetitions: int, memory_gb: float) -> dict:
+    """Pin this process to ``cores``, then measure its matmul throughput."""
+    import torch
+
+    try:
+        os.sched_setaffinity(0, cores)
+    except (AttributeError, OSError):
+        pass
+    torch.set_num_threads(max(1, len(cores)))
+    return {"kind": "cpu", "model": cpu_model_name(), "cpu_cores": list(cores), "memory_gb": memory_gb,
+            "tflops": matmul_tflops(matmul_size, repetitions)}
+
+
+def measure_cuda_slot(local_rank: int, *, matmul_size: int, repetitions: int) -> dict:
+    """fp32 (TF32 off, so it is fp32) and bf16 matmul throughput of GPU ``local_rank``."""
+    import torch
+
+    torch.cuda.set_device(local_rank)
+    props = torch.cuda.get_device_properties(local_rank)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        fp32 = matmul_tflops(matmul_size, repetitions, f"cuda:{local_rank}", torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    bf16 = matmul_tflops(matmul_size, repetitions, f"cuda:{local_rank}", torch.bfloat16) \
+        if torch.cuda.is_bf16_supported() else None
+    return {"kind": "cuda", "model": props.name, "memory_gb": round(props.total_memory / GB, 3),
+            "tflops": fp32, "bf16_tflops": bf16}
+
+
+# --- the GPU interconnect ----------------------------------------------------------------------
+def gpu_interconnect(num_gpus: int) -> dict[tuple[int, int], dict]:
+    """(i, j) -> {"type": "nvlink"|"pcie", "num_links": n} for every pair of local GPUs.
+
+    NVML (pynvml) when importable, else ``nvidia-smi topo -m``, else everything is PCIe.
+    """
+    for reader in (_nvml_nvlinks, _smi_nvlinks):
+        counts = reader(num_gpus)
+        if counts is not None:
+            break
+    else:
+        counts = {}
+    return {(i, j): ({"type": "nvlink", "num_links": counts[(i, j)]} if counts.get((i, j), 0) > 0
+                     else {"type": "pcie", "num_links": 1})
+            for i in range(num_gpus) for j in range(num_gpus) if i != j}
+
+
+def _nvml_nvlinks(num_gpus: int) -> dict[tuple[int, int], int] | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # pynvml raises its own NVMLError family; no driver means no NVML answer
+        return None
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(num_gpus)]
+        bus_ids = [_bus_id(pynvml.nvmlDeviceGetPciInfo(h).busId) for h in handles]
+        counts: dict[tuple[int, int], int] = {}
+        for i, handle in enumerate(handles):
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        continue
+                    remote = _bus_id(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+                except Exception:  # link index not present on this GPU
+                    continue
+                if remote in bus_ids and bus_ids.index(remote) != i:
+                    key = (i, bus_ids.index(remote))
+                    counts[key] = counts.get(key, 0) + 1
+        return counts
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _bus_id(raw) -> str:
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return text.lower()[-12:]  # NVML pads the domain differently in different calls
+
+
+def _smi_nvlinks(num_gpus: int) -> dict[tuple[int, int], int] | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_nvidia_smi_topo(text, num_gpus)
+
+
+def parse_nvidia_smi_topo(text: str, num_gpus: int) -> dict[tuple[int, int], int] | None:
+    """NVLink counts from ``nvidia-smi topo -m`` (``NV4`` -> 4 links; PIX/PXB/PHB/NODE/SYS -> 0)."""
+    clean = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    rows = {}
+    header: list[str] | None = None
+    for line in clean.splitlines():
+        cells = line.split()
+        if header is None and cells and cells[0].startswith("GPU"):
+            header = cells
+            continue
+        if header is not None and cells and re.fullmatch(r"GPU\d+", cells[0]):
+            rows[int(cells[0][3:])] = cells[1:1 + len(header)]
+    if header is None or not rows:
+        return None
+    columns = [int(h[3:]) for h in header if re.fullmatch(r"GPU\d+", h)]
+    counts = {}
+    for i, cells in rows.items():
+        for col, cell in zip(columns, cells):
+            match = re.fullmatch(r"NV(\d+)", cell)
+            if match and i != col and i < num_gpus and col < num_gpus:
+                counts[(i, col)] = int(match.group(1))
+    return counts
+
+
+def peer_copy_gbps(num_gpus: int, message_bytes: int, repetitions: int) -> dict[tuple[int, int], float]:
+    """Median device-to-device copy bandwidth for every ordered pair of local GPUs, GB/s."""
+    import torch
+
+    out = {}
+    numel = max(1, message_bytes // 4)
+    for i in range(num_gpus):
+        src = torch.ones(numel, device=f"cuda:{i}")
+        for j in range(num_gpus):
+            if i == j:
+                continue
+            dst = torch.empty(numel, device=f"cuda:{j}")
+            dst.copy_(src)
+            torch.cuda.synchronize(i)
+            torch.cuda.synchronize(j)
+            times_s = []
+            for _ in range(repetitions):
+                start = time.perf_counter()
+                dst.copy_(src)
+                torch.cuda.synchronize(i)
+                torch.cuda.synchronize(j)
+                times_s.append(time.perf_counter() - start)
+            out[(i, j)] = numel * 4 / max(statistics.median(times_s), 1e-9) / GB
+    return out
