@@ -1,0 +1,133 @@
+"""A worker's settings, read from its environment: torchrun's variables plus ``FELACTL_*``.
+
+| variable | meaning | default |
+|---|---|---|
+| ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` | place of this worker; RANK indexes ``plan.devices`` | required |
+| ``MASTER_ADDR``, ``MASTER_PORT`` | store address when ``FELACTL_STORE`` is not set (rank 0 hosts it) | required then |
+| ``FELACTL_PLAN`` | path of ``plan.yaml`` | required |
+| ``FELACTL_RUN_DIR`` | where metrics, checkpoints and worker summaries go | required |
+| ``FELACTL_STORE`` | ``host:port`` of the control-plane TCPStore (a client connects) | MASTER_ADDR:PORT |
+| ``FELACTL_STORE_PREFIX`` | key prefix of this job in the store | ``felactl`` |
+| ``FELACTL_GENERATION`` | membership generation; process groups live under ``<prefix>/gen<G>/`` | 0 |
+| ``FELACTL_STEPS`` | iterations (global batches) to train | 10 |
+| ``FELACTL_CHECKPOINT_EVERY`` | checkpoint every K steps (0: never) | 0 |
+| ``FELACTL_SLOWDOWN`` | ``RANK=FACTOR[,RANK=FACTOR]`` | none |
+| ``FELACTL_STRAGGLER`` | ``roundrobin:SECONDS`` or ``prob:P:SECONDS`` | none |
+| ``FELACTL_SYNC`` | overrides ``plan.sync.mode`` (bsp, tokens, wbsp, sdpipe) | plan |
+| ``FELACTL_OVERLAP`` | overrides ``plan.sync.overlap`` (WBSP), 0 or 1 | plan |
+| ``FELACTL_TOKEN_POLICY`` | overrides ``plan.sync.token_policy`` | plan |
+| ``FELACTL_BACKEND`` | ``gloo`` or ``nccl`` | nccl with CUDA, else gloo |
+| ``FELACTL_TIMEOUT_S`` | collective and store timeout | 120 |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Mapping
+
+from felactl.agents.worker.stragglers import Pattern, parse_pattern, parse_slowdown
+from felactl.errors import InputError
+from felactl.spec import Plan, SyncMode, load_plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    rank: int
+    local_rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    host_store: bool
+    """True when this worker (rank 0 without FELACTL_STORE) hosts the store itself."""
+    plan_path: Path
+    run_dir: Path
+    store_prefix: str = "felactl"
+    generation: int = 0
+    steps: int = 10
+    checkpoint_every: int = 0
+    slowdown: float = 1.0
+    pattern: Pattern | None = None
+    sync: SyncMode | None = None
+    overlap: bool | None = None
+    token_policy: str | None = None
+    backend: str | None = None
+    timeout_s: float = 120.0
+
+    def load_plan(self) -> Plan:
+        """The plan with the environment's overrides applied."""
+        plan = load_plan(self.plan_path)
+        if len(plan.devices) != self.world_size:
+            raise InputError(f"{self.plan_path}: plan has {len(plan.devices)} devices but WORLD_SIZE is {self.world_size}")
+        sync = plan.sync
+        if self.sync is not None:
+            sync = replace(sync, mode=self.sync)
+        if self.overlap is not None:
+            sync = replace(sync, overlap=self.overlap)
+        if self.token_policy is not None:
+            sync = replace(sync, token_policy=self.token_policy)
+        return replace(plan, sync=sync)
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None, minimum: int = 0) -> int:
+    text = env.get(name)
+    if text is None or text == "":
+        if default is None:
+            raise InputError(f"{name} is not set")
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise InputError(f"{name} must be an integer, got {text!r}") from None
+    if value < minimum:
+        raise InputError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _address(env: Mapping[str, str], rank: int) -> tuple[str, int, bool]:
+    if env.get("FELACTL_STORE"):
+        host, _, port = env["FELACTL_STORE"].rpartition(":")
+        if not host or not port.isdigit():
+            raise InputError(f"FELACTL_STORE must be host:port, got {env['FELACTL_STORE']!r}")
+        return host, int(port), False
+    if "MASTER_ADDR" not in env:
+        raise InputError("set FELACTL_STORE or MASTER_ADDR/MASTER_PORT")
+    return env["MASTER_ADDR"], _int(env, "MASTER_PORT", minimum=1), rank == 0
+
+
+def _choice(env: Mapping[str, str], name: str, options: tuple[str, ...]) -> str | None:
+    value = env.get(name) or None
+    if value is not None and value not in options:
+        raise InputError(f"{name} must be one of {', '.join(options)}, got {value!r}")
+    return value
+
+
+def from_env(env: Mapping[str, str] | None = None) -> WorkerConfig:
+    env = os.environ if env is None else env
+    rank = _int(env, "RANK")
+    world_size = _int(env, "WORLD_SIZE", minimum=1)
+    if rank >= world_size:
+        raise InputError(f"RANK {rank} must be < WORLD_SIZE {world_size}")
+    for name in ("FELACTL_PLAN", "FELACTL_RUN_DIR"):
+        if not env.get(name):
+            raise InputError(f"{name} is not set")
+    host, port, host_store = _address(env, rank)
+    sync = _choice(env, "FELACTL_SYNC", tuple(m.value for m in SyncMode))
+    overlap = _choice(env, "FELACTL_OVERLAP", ("0", "1"))
+    return WorkerConfig(
+        rank=rank, local_rank=_int(env, "LOCAL_RANK", default=rank), world_size=world_size,
+        store_host=host, store_port=port, host_store=host_store,
+        plan_path=Path(env["FELACTL_PLAN"]), run_dir=Path(env["FELACTL_RUN_DIR"]),
+        store_prefix=env.get("FELACTL_STORE_PREFIX") or "felactl",
+        generation=_int(env, "FELACTL_GENERATION", default=0),
+        steps=_int(env, "FELACTL_STEPS", default=10, minimum=1),
+        checkpoint_every=_int(env, "FELACTL_CHECKPOINT_EVERY", default=0),
+        slowdown=parse_slowdown(env.get("FELACTL_SLOWDOWN")).get(rank, 1.0),
+        pattern=parse_pattern(env.get("FELACTL_STRAGGLER")),
+        sync=SyncMode(sync) if sync else None,
+        overlap=None if overlap is None else overlap == "1",
+        token_policy=_choice(env, "FELACTL_TOKEN_POLICY", ("ads", "hf", "ads+hf")),
+        backend=_choice(env, "FELACTL_BACKEND", ("gloo", "nccl")),
+        timeout_s=float(_int(env, "FELACTL_TIMEOUT_S", default=120, minimum=1)),
+    )

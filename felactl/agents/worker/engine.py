@@ -1,0 +1,137 @@
+"""The trainer inside one worker: its part of the model, its optimizer, and compute over samples.
+
+Gradients are weighted by samples: every micro-batch's mean loss is scaled by
+``samples / global_batch`` before ``backward``, so the sum over all workers of their accumulated
+gradients is exactly the gradient of the global batch's mean loss, however the samples were
+divided (uneven shares, tokens pulled at different speeds). A sum-allreduce then gives every
+replica the single-process gradient: BSP semantics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from felactl import models
+from felactl.agents.worker.checkpoint import checkpoint_path, save_checkpoint
+from felactl.agents.worker.metrics import MetricsWriter
+from felactl.agents.worker.stages import Placement, micro_batches, place
+from felactl.agents.worker.stragglers import Straggler
+from felactl.agents.worker.runtime import Runtime
+from felactl.fsutil import atomic_write_text
+from felactl.spec import Plan
+
+
+def make_optimizer(plan: Plan, params) -> torch.optim.Optimizer:
+    if plan.training.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=plan.training.lr)
+    return torch.optim.AdamW(params, lr=plan.training.lr)
+
+
+@dataclass
+class ComputeResult:
+    loss_sum: float
+    """Sum over samples of the per-sample loss (divide by ``samples`` for the mean)."""
+    samples: int
+    compute_s: float
+
+
+class Trainer:
+    def __init__(self, runtime: Runtime, plan: Plan):
+        self.runtime = runtime
+        self.plan = plan
+        self.placement: Placement = place(plan, runtime.rank)
+        stage = plan.stages[self.placement.stage]
+        self.micro_batch = stage.micro_batch
+        self.bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
+        self.model: nn.Module = self.bundle.layers[stage.layer_start:stage.layer_end].to(runtime.device)
+        self.params = [p for p in self.model.parameters()]
+        self.optimizer = make_optimizer(plan, self.params)
+        cfg = runtime.cfg
+        self.straggler = Straggler(cfg.rank, cfg.world_size, cfg.slowdown, cfg.pattern, seed=plan.training.seed)
+        self.metrics = MetricsWriter(cfg.run_dir, cfg.rank, self.placement.stage)
+        self.totals = {"samples": 0, "tokens": 0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "steps": 0}
+
+    @property
+    def global_batch(self) -> int:
+        return self.plan.global_batch
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.bundle.data.batch(list(indices))
+        return inputs.to(self.runtime.device), targets.to(self.runtime.device)
+
+    def compute(self, indices: Sequence[int], weight_by: int | None = None) -> ComputeResult:
+        """Forward and backward over ``indices`` (global sample ids) in micro-batches, accumulating
+        gradients of ``loss_mean * n / weight_by`` (``weight_by`` defaults to ``len(indices)``, a
+        plain local mean). Then the injected slowdown sleeps, counted as compute."""
+        weight_by = weight_by or len(indices)
+        start = time.perf_counter()
+        loss_sum = 0.0
+        for chunk in micro_batches(range(len(indices)), self.micro_batch):
+            inputs, targets = self.batch([indices[i] for i in chunk])
+            loss = self.bundle.loss(self.model(inputs), targets)
+            (loss * (len(chunk) / weight_by)).backward()
+            loss_sum += loss.item() * len(chunk)
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
+        compute_s = time.perf_counter() - start
+        compute_s += self.straggler.after_compute(compute_s)
+        return ComputeResult(loss_sum, len(indices), compute_s)
+
+    def step_indices(self, step: int, offsets: Sequence[int]) -> list[int]:
+        return [step * self.global_batch + o for o in offsets]
+
+    def flat_grads(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+
+    def set_flat_grads(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def flat_params(self) -> torch.Tensor:
+        return nn.utils.parameters_to_vector(self.params).detach().clone()
+
+    def set_flat_params(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            nn.utils.vector_to_parameters(flat, self.params)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def record(self, *, step: int, samples: int, loss_sum: float, compute_s: float, comm_s: float,
+               wait_s: float, duration_s: float, **extra) -> None:
+        loss = loss_sum / samples if samples else None
+        self.metrics.write(step=step, samples=samples, loss=loss, compute_s=compute_s, comm_s=comm_s,
+                           wait_s=wait_s, duration_s=duration_s, **extra)
+        t = self.totals
+        t["samples"] += samples
+        t["tokens"] += extra.get("tokens", 0)
+        t["compute_s"] += compute_s
+        t["comm_s"] += comm_s
+        t["wait_s"] += wait_s
+        t["steps"] += 1
+        t["last_loss"] = loss
+
+    def maybe_checkpoint(self, step: int, data_position: int) -> None:
+        every = self.runtime.cfg.checkpoint_every
+        if every and (step + 1) % every == 0 and self.runtime.rank == self.placement.stage_ranks[0]:
+            save_checkpoint(checkpoint_path(self.runtime.cfg.run_dir, step + 1, self.placement.stage),
+                            model=self.model, optimizer=self.optimizer, step=step + 1, data_position=data_position)
+
+    def finish(self, wall_s: float) -> None:
+        """Write this worker's summary (``workers/rank<R>.json``) and close the metrics file."""
+        summary = {"rank": self.runtime.rank, "stage": self.placement.stage, "wall_s": wall_s,
+                   "sync": self.plan.sync.mode.value, "param_checksum": float(self.flat_params().double().sum()),
+                   **self.totals}
+        atomic_write_text(self.runtime.cfg.run_dir / "workers" / f"rank{self.runtime.rank}.json",
+                          json.dumps(summary, indent=2) + "\n")
+        self.metrics.close()

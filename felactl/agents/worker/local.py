@@ -1,0 +1,83 @@
+"""Run a job's workers as local subprocesses around a store started here: for tests and benchmarks.
+
+The real path is ``felactl launch`` (coordinator + agents); this runs exactly the same worker
+entry (``python -m felactl.agents.worker``) with the same environment, without the agents, and
+always reaps every process it started.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch.distributed as dist
+
+from felactl.errors import WorkerFailed
+
+
+def worker_env(rank: int, world_size: int, *, store_port: int, plan_path: Path, run_dir: Path,
+               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
+                "FELACTL_STORE": f"127.0.0.1:{store_port}", "FELACTL_PLAN": str(plan_path),
+                "FELACTL_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+    env.update(extra or {})
+    return env
+
+
+def run_local(plan_path: str | os.PathLike, run_dir: str | os.PathLike, world_size: int,
+              extra_env: Mapping[str, str] | None = None, per_rank_env: Mapping[int, Mapping[str, str]] | None = None,
+              timeout_s: float = 120.0) -> float:
+    """Start ``world_size`` workers, wait for all; returns the wall seconds. Raises
+    :class:`WorkerFailed` (with the failing worker's last stderr lines) if any exits non-zero."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    procs: list[subprocess.Popen] = []
+    logs = []
+    start = time.perf_counter()
+    try:
+        for rank in range(world_size):
+            env = worker_env(rank, world_size, store_port=store.port, plan_path=Path(plan_path), run_dir=run_dir,
+                             extra={**(extra_env or {}), **((per_rank_env or {}).get(rank, {}))})
+            log = open(run_dir / f"worker{rank}.log", "w+b")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "-m", "felactl.agents.worker"], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+        _wait_all(procs, logs, start + timeout_s)
+        return time.perf_counter() - start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+        del store
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list, deadline: float) -> None:
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed or time.perf_counter() > deadline:
+            rank = failed[0] if failed else next(r for r, p in enumerate(procs) if p.poll() is None)
+            why = f"exited with {procs[rank].returncode}" if failed else "timed out"
+            raise WorkerFailed(f"worker {rank} {why}: {_tail(logs[rank])}")
+        time.sleep(0.05)
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise WorkerFailed(f"worker {failed[0]} exited with {procs[failed[0]].returncode}: {_tail(logs[failed[0]])}")
+
+
+def _tail(log, num_lines: int = 8) -> str:
+    log.flush()
+    log.seek(0)
+    lines = log.read().decode("utf-8", "replace").strip().splitlines()
+    return " | ".join(lines[-num_lines:])

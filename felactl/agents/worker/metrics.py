@@ -1,0 +1,103 @@
+"""What a run leaves: ``metrics.jsonl`` (one record per worker per step) and its summary.
+
+Workers append to one shared ``metrics.jsonl``: each record is one ``os.write`` of one line on a
+file opened with ``O_APPEND``, which Linux keeps whole even with several writers, so no record is
+ever half written or interleaved. :func:`summarize` turns the records into ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from felactl.errors import InputError
+
+METRICS_FILE = "metrics.jsonl"
+RECORD_KEYS = ("time", "rank", "stage", "step", "samples", "loss", "compute_s", "comm_s", "wait_s", "duration_s")
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | os.PathLike, rank: int, stage: int = 0):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.stage = stage
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, *, step: int, samples: int, loss: float | None, compute_s: float, comm_s: float,
+              wait_s: float, duration_s: float, **extra: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "rank": self.rank, "stage": self.stage, "step": step,
+                  "samples": samples, "loss": loss, "compute_s": round(compute_s, 6),
+                  "comm_s": round(comm_s, 6), "wait_s": round(wait_s, 6), "duration_s": round(duration_s, 6),
+                  **extra}
+        os.write(self._fd, (json.dumps(record) + "\n").encode("utf-8"))
+        return record
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    if not p.exists():
+        raise InputError(f"{p}: no such file (did the run start?)")
+    records = []
+    for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise InputError(f"{p}: line {number} is not JSON") from None
+    return records
+
+
+def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregate metrics records into the run summary (pure).
+
+    Samples are counted at the first stage only (later stages see the same samples again).
+    ``wall_s`` runs from the earliest step start to the last step end; ``compute_fraction`` is
+    the share of the workers' step time spent computing (injected straggler sleeps count as
+    compute: they emulate a slower device). ``final_loss`` is the sample-weighted mean of each
+    worker's last recorded loss.
+    """
+    records = list(records)
+    if not records:
+        raise InputError("no metrics records to summarize")
+    workers: dict[int, dict[str, Any]] = {}
+    last: dict[int, dict[str, Any]] = {}
+    for r in records:
+        w = workers.setdefault(r["rank"], {"rank": r["rank"], "stage": r.get("stage", 0), "steps": 0,
+                                           "samples": 0, "tokens": 0, "compute_s": 0.0, "comm_s": 0.0,
+                                           "wait_s": 0.0, "busy_s": 0.0})
+        w["steps"] += 1
+        w["samples"] += r["samples"]
+        w["tokens"] += r.get("tokens", 0)
+        for key in ("compute_s", "comm_s", "wait_s"):
+            w[key] += r[key]
+        w["busy_s"] += r["duration_s"]
+        if r["rank"] not in last or r["step"] >= last[r["rank"]]["step"]:
+            last[r["rank"]] = r
+    start = min(r["time"] - r["duration_s"] for r in records)
+    wall_s = max(r["time"] for r in records) - start
+    first_stage = min(w["stage"] for w in workers.values())
+    samples = sum(w["samples"] for w in workers.values() if w["stage"] == first_stage)
+    busy = sum(w["busy_s"] for w in workers.values())
+    losses = [(r["loss"], max(r["samples"], 1)) for r in last.values() if r.get("loss") is not None]
+    final_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses) if losses else None
+    return {
+        "samples": samples,
+        "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
+        "steps": max(w["steps"] for w in workers.values()),
+        "final_loss": final_loss,
+        "compute_fraction": sum(w["compute_s"] for w in workers.values()) / busy if busy > 0 else 0.0,
+        "wall_s": wall_s,
+        "workers": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in w.items() if k != "busy_s"}
+                    for _, w in sorted(workers.items())],
+    }

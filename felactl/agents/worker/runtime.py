@@ -1,0 +1,92 @@
+"""The worker's connection to the job: the control-plane store and the process groups.
+
+Everything lives under a store prefix per membership generation (``<prefix>/gen<G>/``): the
+default process group rendezvous there, and so do the token buckets, the WBSP data position and
+the SDPipe scheduler. Live rescaling (next issue) bumps the generation and re-forms everything
+under a fresh prefix; nothing here assumes the world size stays fixed across generations.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from felactl.agents.worker.config import WorkerConfig
+from felactl.errors import ControlPlaneError
+
+
+def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore client (or the server, for rank 0 under plain torchrun variables)."""
+    try:
+        return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as exc:
+        raise ControlPlaneError(f"cannot reach the control-plane store at {host}:{port}: {exc}") from exc
+
+
+@dataclass
+class Runtime:
+    cfg: WorkerConfig
+    store: dist.Store
+    """This generation's prefixed store (shared by the trainer thread)."""
+    backend: str
+    device: torch.device
+    _raw: dist.TCPStore
+    _groups: dict[tuple[int, ...], object] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.cfg.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.world_size
+
+    def new_store_client(self) -> dist.Store:
+        """A second connection, for a thread that blocks on the store while the trainer uses it."""
+        raw = connect_store(self.cfg.store_host, self.cfg.store_port, is_master=False, timeout_s=self.cfg.timeout_s)
+        return dist.PrefixStore(self._prefix(), raw)
+
+    def _prefix(self) -> str:
+        return f"{self.cfg.store_prefix}/gen{self.cfg.generation}"
+
+    def group(self, ranks: tuple[int, ...]):
+        """The process group of ``ranks`` (the default group for everyone). Create groups through
+        :meth:`make_groups` first: ``new_group`` is collective over all ranks."""
+        if len(ranks) == self.world_size:
+            return dist.group.WORLD
+        return self._groups[tuple(sorted(ranks))]
+
+    def make_groups(self, rank_sets: list[tuple[int, ...]]) -> None:
+        """Create every group in the same order on every rank (pass the same list everywhere)."""
+        for ranks in rank_sets:
+            key = tuple(sorted(ranks))
+            if len(key) < self.world_size and key not in self._groups:
+                self._groups[key] = dist.new_group(list(key), backend=self.backend)
+
+    def new_world_group(self, backend: str | None = None):
+        """A second group over all ranks, for traffic that runs beside the trainer's collectives
+        (``gloo`` for CPU-side control traffic even when the trainers use NCCL)."""
+        return dist.new_group(list(range(self.world_size)), backend=backend or self.backend)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start(cfg: WorkerConfig) -> Runtime:
+    """Connect to the store and rendezvous the default process group of this generation."""
+    raw = connect_store(cfg.store_host, cfg.store_port, is_master=cfg.host_store, timeout_s=cfg.timeout_s)
+    prefix = f"{cfg.store_prefix}/gen{cfg.generation}"
+    store = dist.PrefixStore(prefix, raw)
+    use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
+    backend = cfg.backend or ("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", cfg.local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=cfg.rank,
+                            world_size=cfg.world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    return Runtime(cfg, store, backend, device, raw)

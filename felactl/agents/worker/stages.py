@@ -1,0 +1,76 @@
+"""Where this rank sits in the plan, and which samples it computes: pure functions over the plan.
+
+A rank's device is ``plan.devices[rank]``. In data parallel (one stage) the replica index is the
+device's position in the stage's worker list; with static pipelines (``1f1b``/``gpipe``) it is the
+pipeline (``plan.pipelines[r]``) that holds the device. The samples of step ``k`` are
+``k * global_batch + offset``; the offsets are split among replicas by their shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from felactl.errors import InputError
+from felactl.spec import Plan, Schedule
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    rank: int
+    stage: int
+    replica: int
+    offsets: range
+    """This replica's sample offsets within each step's global batch (static split by shares)."""
+    stage_ranks: tuple[int, ...]
+    """Ranks that run this rank's stage (its sync group), in the stage's worker order."""
+    prev_rank: int | None = None
+    """Static pipelines: the rank of the previous stage in this rank's pipeline."""
+    next_rank: int | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.prev_rank is None
+
+    @property
+    def is_last(self) -> bool:
+        return self.next_rank is None
+
+
+def split_by_shares(total: int, shares: list[float]) -> list[range]:
+    """Consecutive ranges whose sizes follow ``shares`` (rounded on the cumulative sum, so they
+    always cover ``0..total`` exactly, whatever the rounding)."""
+    whole = sum(shares)
+    bounds, cumulative = [0], 0.0
+    for share in shares:
+        cumulative += share
+        bounds.append(round(total * cumulative / whole))
+    bounds[-1] = total
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def micro_batches(offsets: range, micro_batch: int) -> list[range]:
+    return [offsets[i:i + micro_batch] for i in range(0, len(offsets), micro_batch)]
+
+
+def place(plan: Plan, rank: int) -> Placement:
+    device = plan.devices[rank]
+    if len(plan.stages) == 1:
+        stage = plan.stages[0]
+        replica = stage.devices.index(device)
+        offsets = split_by_shares(plan.global_batch, [w.share for w in stage.workers])[replica]
+        return Placement(rank, 0, replica, offsets, tuple(plan.rank_of(d) for d in stage.devices))
+    if plan.schedule is Schedule.TOKENS:
+        raise InputError("the runtime runs multi-stage plans as static pipelines (schedule 1f1b or gpipe); "
+                         "token-driven flexible hybrid across stages is not implemented yet")
+    slots = [(r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe) if d == device]
+    if len(slots) != 1:
+        raise InputError(f"device {device!r} must appear in exactly one pipeline slot, found {len(slots)}")
+    replica, s = slots[0]
+    pipe = plan.pipelines[replica]
+    first = plan.stages[0]
+    shares = [first.workers[first.devices.index(p[0])].share for p in plan.pipelines]
+    offsets = split_by_shares(plan.global_batch, shares)[replica]
+    stage_ranks = tuple(plan.rank_of(p[s]) for p in plan.pipelines)
+    return Placement(rank, s, replica, offsets, stage_ranks,
+                     prev_rank=plan.rank_of(pipe[s - 1]) if s > 0 else None,
+                     next_rank=plan.rank_of(pipe[s + 1]) if s + 1 < len(pipe) else None)

@@ -1,0 +1,1 @@
+"""The sync strategies. Each module's ``run(trainer)`` trains ``cfg.steps`` iterations' worth of samples."""
