@@ -12,11 +12,9 @@ does not know, mapped to its attention formulas), never from hand formulas.
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,6 +23,7 @@ from torch.utils import flop_counter
 
 from felactl.errors import InputError
 from felactl.models import ModelBundle, build
+from felactl.profiling.devices import cpu_model_name
 from felactl.spec import Layer, LayerTiming, ModelSpec
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 4, 16, 64)
@@ -43,14 +42,8 @@ def this_device_model(device: str = "cpu") -> str:
     """
     torch_device = torch.device(device)
     if torch_device.type == "cuda":
-        return torch.cuda.get_device_name(torch_device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+        return torch.cuda.get_device_properties(torch_device).name
+    return cpu_model_name()
 
 
 def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -184,7 +177,10 @@ def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int,
     hidden = _example_input(bundle, batch, input_shape, device, seed)
     statics = []
     for i, (child_name, layer) in enumerate(layers.named_children()):
-        fwd_flops, bwd_flops, out = count_flops(layer, hidden)
+        try:
+            fwd_flops, bwd_flops, out = count_flops(layer, hidden)
+        except InputError as exc:
+            raise InputError(f"model {bundle.source!r}: layer {i}: {exc}") from None
         trainable = [p for p in layer.parameters() if p.requires_grad]
         kind = _kind(layer)
         statics.append(_LayerStatic(
@@ -221,7 +217,7 @@ def _forward(layer: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     try:
         out = layer(inputs)
     except Exception as exc:
-        raise InputError(f"layer {_kind(layer)} failed on an input of shape {tuple(inputs.shape)}: "
+        raise InputError(f"{_kind(layer)} failed on an input of shape {tuple(inputs.shape)}: "
                          f"{type(exc).__name__}: {exc}".splitlines()[0]) from None
     if not isinstance(out, torch.Tensor):
         raise InputError(f"layer {_kind(layer)} returned {type(out).__name__}, expected one tensor "

@@ -1,0 +1,110 @@
+"""The ``--model`` branch of ``felactl profile``: parse its options, profile, write, render.
+
+The table shows, per layer, its size and FLOPs and the milliseconds per sample (forward plus
+backward) at each micro-batch size: the saturation curve the planner chooses micro-batches from.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich import box
+from rich.table import Table
+
+from felactl.cli import output
+from felactl.errors import InputError
+from felactl.spec import ModelSpec, save, to_dict
+
+
+def parse_config(pairs: list[str] | None) -> dict[str, Any]:
+    """``["depth=2", "width=128"]`` -> ``{"depth": 2, "width": 128}`` (values read as YAML scalars)."""
+    config: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise InputError(f"--config: expected key=value, got {pair!r}")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        config[key.strip()] = value
+    return config
+
+
+def parse_shape(text: str | None) -> list[int] | None:
+    """``"3,32,32"`` -> ``[3, 32, 32]``: the shape of one input sample, without the batch axis."""
+    if text is None:
+        return None
+    try:
+        shape = [int(part) for part in text.replace("x", ",").split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"--input-shape: expected comma-separated integers, got {text!r}") from None
+    if not shape or any(d < 1 for d in shape):
+        raise InputError(f"--input-shape: every dimension must be >= 1, got {text!r}")
+    return shape
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, *, config: list[str] | None,
+        input_shape: str | None, device: str, repeats: int) -> None:
+    from felactl.profiling.model import profile_model
+
+    started = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=output.stderr, transient=True, disable=not output.stderr.is_terminal) as bar:
+        task = bar.add_task(f"profiling {model}", total=None)
+
+        def on_progress(done: int, total: int, label: str) -> None:
+            bar.update(task, description=f"profiling {model}: {label}", completed=done, total=total)
+
+        spec = profile_model(model, parse_config(config), batch_sizes, device=_resolve_device(device),
+                             repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress)
+    profile_s = time.perf_counter() - started
+    path = save(spec, out or Path("model.yaml"))
+
+    def render(console: Console) -> None:
+        # Piped to a file or CI log there is no terminal width to respect: keep the numbers whole.
+        wide = console if console.is_terminal else Console(file=console.file, width=160, highlight=False)
+        wide.print(layer_table(spec))
+        console.print(f"wrote {path}: {spec.num_layers} layers, {spec.total_params:,} params, "
+                      f"profiled in {profile_s:.1f} s", soft_wrap=True)
+
+    output.emit({**to_dict(spec), "path": str(path), "profile_s": round(profile_s, 3)}, as_json, render)
+
+
+def layer_table(spec: ModelSpec) -> Table:
+    device_models = sorted({t.device_model for layer in spec.layers for t in layer.timings})
+    batches = sorted({t.micro_batch for layer in spec.layers for t in layer.timings})
+    table = Table(title=f"{spec.name} on {', '.join(device_models) or '-'}", box=box.SIMPLE_HEAD,
+                  caption="out KB and MFLOP are per sample; b=N: ms per sample, forward + backward, "
+                          "at micro-batch N")
+    table.add_column("layer", no_wrap=True)
+    for column in ("params", "out KB", "MFLOP"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for batch in batches:
+        table.add_column(f"b={batch}", justify="right", no_wrap=True)
+    totals = [0.0] * len(batches)
+    for layer in spec.layers:
+        per_sample = {t.micro_batch: (t.fwd_ms + t.bwd_ms) / t.micro_batch for t in layer.timings
+                      if t.device_model == device_models[0]} if device_models else {}
+        for i, batch in enumerate(batches):
+            totals[i] += per_sample.get(batch, 0.0)
+        table.add_row(layer.name, f"{layer.params:,}", f"{layer.activation_bytes_per_sample / 1e3:,.1f}",
+                      f"{layer.fwd_flops_per_sample / 1e6:,.1f}",
+                      *(f"{per_sample[b]:.3g}" if b in per_sample else "-" for b in batches))
+    table.add_row("total", f"{spec.total_params:,}", "",
+                  f"{sum(l.fwd_flops_per_sample for l in spec.layers) / 1e6:,.1f}",
+                  *(f"{t:.3g}" for t in totals), style="bold")
+    return table
