@@ -49,20 +49,6 @@ def _render_cluster(console, result) -> None:
     console.print(f"profiled in {result.profile_s:.1f} s; worker logs in {result.log_dir}")
 
 
-def _profile_model(model: str, batch_sizes: str, out: Optional[Path], as_json: bool) -> None:
-    """The --model branch: per-layer costs into model.yaml (felactl.profiling.model does the work)."""
-    import time
-
-    from felactl.profiling.model import profile_model
-    from felactl.spec import save, to_dict
-
-    started = time.perf_counter()
-    spec = profile_model(model, None, _parse_batch_sizes(batch_sizes))
-    path = save(spec, out or Path("model.yaml"))
-    output.emit({**to_dict(spec), "profile_s": time.perf_counter() - started}, as_json,
-                lambda console: console.print(f"wrote {path}: {len(spec.layers)} layers"))
-
-
 def profile(
     nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", min=1,
                                                           help="Worker slots on this node [default: GPUs, else 2].")] = None,
@@ -85,10 +71,16 @@ def profile(
     timeout: Annotated[float, typer.Option(help="Seconds the measurement may take.")] = 600.0,
     model: Annotated[Optional[str], typer.Option(help="Profile this model's layers into model.yaml instead.")] = None,
     batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes for --model.")] = "1,4,16,64",
+    config: Annotated[Optional[list[str]], typer.Option("--config", help="--model config key=value (repeat).")] = None,
+    input_shape: Annotated[Optional[str], typer.Option(help="--model: one input sample's shape, e.g. 3,32,32 "
+                                                            "(user models that bring no data).")] = None,
 ) -> None:
     """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
     if model is not None:
-        _profile_model(model, batch_sizes, out, as_json)
+        from felactl.cli import model_profile
+
+        model_profile.run(model, _parse_batch_sizes(batch_sizes), out, as_json, config=config,
+                          input_shape=input_shape, device=device, repeats=repetitions)
         return
     from felactl.profiling.cluster import ProfileOptions, profile_cluster
     from felactl.profiling.links import LinkProbe
