@@ -1,0 +1,137 @@
+"""The per-node agent: the group decision (pure), the torchrun environment, and that nothing it starts survives.
+
+Workers are real subprocesses (``python -m <module>``) of small modules written to a temp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from felactl.agents.agent import LocalWorkerAgent, WorkerSpec, WorkerState, group_state, split_cores
+from felactl.errors import InputError
+
+S, F, H, X = WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.HEALTHY, WorkerState.STOPPED
+
+
+@pytest.mark.parametrize("states,expected", [([S, S], S), ([S, H], H), ([H, F], F), ([S, F, S], F),
+                                             ([X, S], X), ([X, F], F), ([], H)])
+def test_group_state(states, expected):
+    assert group_state(states) is expected
+
+
+def test_split_cores():
+    assert split_cores([0, 1, 2, 3], 2) == ((0, 1), (2, 3))
+    assert split_cores([0, 1, 2, 3, 4], 2) == ((0, 1, 2), (3, 4))
+    assert split_cores([4, 5], 3) == ((4,), (5,), (4,))
+
+
+def test_spec_rejects_ranks_outside_the_world(tmp_path):
+    with pytest.raises(InputError, match="do not fit"):
+        WorkerSpec(module="m", nproc=2, world_size=3, rank_offset=2, log_dir=tmp_path)
+    with pytest.raises(InputError, match="nproc-per-node"):
+        WorkerSpec(module="m", nproc=0, world_size=1, log_dir=tmp_path)
+
+
+def _module(tmp_path: Path, name: str, body: str) -> dict[str, str]:
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_workers_get_the_torchrun_environment_and_logs(tmp_path):
+    env = _module(tmp_path, "envworker", """
+        import json, os, sys
+        keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA",
+                "FELACTL_CPU_CORES"]
+        out = os.path.join(os.environ["OUT_DIR"], "env-" + os.environ["RANK"] + ".json")
+        json.dump({k: os.environ.get(k) for k in keys} | {"args": sys.argv[1:],
+                   "affinity": sorted(os.sched_getaffinity(0))}, open(out, "w"))
+        print("hello from", os.environ["RANK"])
+    """)
+    spec = WorkerSpec(module="envworker", args=("--x", "1"), nproc=2, world_size=5, rank_offset=3,
+                      master_addr="10.0.0.1", master_port=1234, log_dir=tmp_path / "logs",
+                      env={**env, "EXTRA": "yes", "OUT_DIR": str(tmp_path)}, cpu_affinity=((0,), (0,)))
+    result = LocalWorkerAgent(spec).run()
+    assert result.state is WorkerState.SUCCEEDED and result.exit_codes == {3: 0, 4: 0}
+    seen = json.loads((tmp_path / "env-4.json").read_text())
+    assert seen == {"RANK": "4", "LOCAL_RANK": "1", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "EXTRA": "yes", "FELACTL_CPU_CORES": "0",
+                    "args": ["--x", "1"], "affinity": [0]}
+    assert "hello from 3" in (tmp_path / "logs" / "worker-3.log").read_text()
+
+
+SLEEPER = """
+    import os, subprocess, sys, time
+    rank = os.environ["RANK"]
+    out = os.environ["OUT_DIR"]
+    if rank == "1":
+        while not os.path.exists(os.path.join(out, "pids-0")):
+            time.sleep(0.02)
+        print("rank 1: cannot start, giving up", flush=True)
+        sys.exit(3)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(os.path.join(out, "pids-0.tmp"), "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.replace(os.path.join(out, "pids-0.tmp"), os.path.join(out, "pids-0"))
+    time.sleep(60)
+"""
+
+
+def test_a_worker_dying_while_starting_takes_every_process_down(tmp_path):
+    env = _module(tmp_path, "sleeper", SLEEPER)
+    spec = WorkerSpec(module="sleeper", nproc=2, world_size=2, log_dir=tmp_path / "logs",
+                      env={**env, "OUT_DIR": str(tmp_path)}, stop_grace_s=2)
+    agent = LocalWorkerAgent(spec)
+    started = time.monotonic()
+    result = agent.run()
+    assert time.monotonic() - started < 20
+    assert result.state is WorkerState.FAILED
+    assert result.exit_codes[1] == 3
+    assert result.failures == {1: "rank 1: cannot start, giving up"}
+    worker_pid, grandchild_pid = map(int, (tmp_path / "pids-0").read_text().split())
+    assert worker_pid == agent.workers[0].pid
+    assert not _alive(worker_pid) and not _alive(grandchild_pid)
+    assert agent.pids() == set()
+
+
+def test_a_failed_start_kills_the_workers_already_started(tmp_path):
+    env = _module(tmp_path, "sleeper", SLEEPER)
+    logs = tmp_path / "logs"
+    (logs / "worker-1.log").mkdir(parents=True)  # rank 1's log cannot be opened: its spawn fails
+    agent = LocalWorkerAgent(WorkerSpec(module="sleeper", nproc=2, world_size=2, log_dir=logs,
+                                        env={**env, "OUT_DIR": str(tmp_path)}, stop_grace_s=2))
+    try:
+        with pytest.raises(IsADirectoryError):
+            agent.start()
+        assert len(agent.workers) == 1
+        assert not _alive(agent.workers[0].pid)
+    finally:
+        agent.stop()
+
+
+def test_stop_request_stops_healthy_workers(tmp_path):
+    env = _module(tmp_path, "napper", "import time\ntime.sleep(60)\n")
+    agent = LocalWorkerAgent(WorkerSpec(module="napper", nproc=2, world_size=2, log_dir=tmp_path, env=env,
+                                        stop_grace_s=2))
+    calls = []
+
+    def should_stop() -> str | None:
+        calls.append(agent.pids())
+        return "enough" if len(calls) > 3 else None
+
+    result = agent.run(should_stop)
+    assert result.state is WorkerState.STOPPED
+    assert len(calls[-1]) == 2 and not any(_alive(pid) for pid in calls[-1])

@@ -1,0 +1,166 @@
+"""The control plane: the secret file, sign/verify, HMAC join, signed documents, and its errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+import threading
+import time
+
+import psutil
+import pytest
+
+from felactl.errors import AuthError, ControlPlaneError, InputError
+from felactl.launcher.controlplane import (AgentSession, Assignment, Coordinator, new_secret, parse_endpoint,
+                                           read_secret_file, sign, verify, write_secret_file)
+
+
+def test_secret_file_is_private_hex_and_reads_back(tmp_path):
+    path = tmp_path / "run" / "secret"
+    secret = write_secret_file(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(secret) == 64 and int(secret, 16) >= 0
+    assert read_secret_file(path) == secret
+    assert not list(path.parent.glob(".*.tmp"))  # atomic: no temp file left behind
+
+
+@pytest.mark.parametrize("text", ["", "short", "z" * 64])
+def test_bad_secret_file_is_input_error(tmp_path, text):
+    path = tmp_path / "secret"
+    path.write_text(text)
+    with pytest.raises(InputError, match="not a felactl job secret"):
+        read_secret_file(path)
+    with pytest.raises(InputError, match="no such secret file"):
+        read_secret_file(tmp_path / "missing")
+
+
+def test_sign_verify():
+    secret, other = new_secret(), new_secret()
+    signature = sign(secret, "scale add 2")
+    assert verify(secret, "scale add 2", signature)
+    assert not verify(secret, "scale add 3", signature)
+    assert not verify(other, "scale add 2", signature)
+    assert not verify(secret, "scale add 2", "00" * 32)
+
+
+@pytest.mark.parametrize("text,expected", [("127.0.0.1:29500", ("127.0.0.1", 29500)),
+                                           ("node-1.lab:0", ("node-1.lab", 0)),
+                                           ("::1:80", ("::1", 80))])
+def test_parse_endpoint(text, expected):
+    assert parse_endpoint(text) == expected
+
+
+@pytest.mark.parametrize("text", ["nohost", "host:port", ":123", "h:70000"])
+def test_parse_endpoint_rejects(text):
+    with pytest.raises(InputError, match="HOST:PORT"):
+        parse_endpoint(text)
+
+
+def test_coordinator_listens_on_loopback_only():
+    coordinator = Coordinator(new_secret())
+    try:
+        listening = [c for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == coordinator.port]
+        assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
+    finally:
+        coordinator.close()
+
+
+def test_port_in_use_is_input_error_naming_the_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(InputError, match=f"port {port} .*already in use"):
+            Coordinator(new_secret(), endpoint=f"127.0.0.1:{port}")
+
+
+def test_unreachable_endpoint_times_out_with_control_plane_error():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, never listening: connections are refused
+    started = time.monotonic()
+    with pytest.raises(ControlPlaneError, match=f"cannot reach the coordinator at 127.0.0.1:{port} within 1 s"):
+        AgentSession(f"127.0.0.1:{port}", new_secret(), timeout_s=1)
+    assert time.monotonic() - started < 15
+
+
+def _join_in_thread(endpoint: str, secret: str, node: str, slots: int) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            session = AgentSession(endpoint, secret, timeout_s=10)
+            outcome["agent_id"] = session.join(node, slots, {"num_cpu_cores": 2})
+            outcome["session"] = session
+        except Exception as exc:  # handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _serve_until(coordinator: Coordinator, thread: threading.Thread, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        coordinator.poll_joins()
+        time.sleep(0.02)
+    thread.join(timeout=1)
+    assert not thread.is_alive()
+
+
+def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins():
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    try:
+        thread, outcome = _join_in_thread(coordinator.endpoint, new_secret(), "intruder", 8)
+        _serve_until(coordinator, thread)
+        assert isinstance(outcome.get("error"), AuthError)
+        assert "wrong job secret" in str(outcome["error"])
+        assert coordinator.members == {} and len(coordinator.refused) == 1
+
+        thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 3)
+        _serve_until(coordinator, thread)
+        assert "error" not in outcome
+        member = coordinator.members[outcome["agent_id"]]
+        assert (member.node_name, member.num_slots, member.info) == ("nodeA", 3, {"num_cpu_cores": 2})
+
+        coordinator.publish_assignments({member.agent_id: Assignment(rank_offset=0, world_size=3, module="m",
+                                                                     env={"A": "1"})})
+        assignment = outcome["session"].wait_assignment(5)
+        assert (assignment.world_size, assignment.module, assignment.env) == (3, "m", {"A": "1"})
+    finally:
+        coordinator.close()
+
+
+def test_forged_documents_are_rejected():
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    try:
+        thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 1)
+        _serve_until(coordinator, thread)
+        session = outcome["session"]
+        assert session.stop_requested() is None
+        forged = json.dumps({"reason": "forged"}, sort_keys=True)
+        coordinator.store.set(coordinator.prefix + "stop", forged)
+        coordinator.store.set(coordinator.prefix + "stop.sig", sign(new_secret(), f"stop|{forged}"))
+        with pytest.raises(AuthError, match="not signed with this job's secret"):
+            session.stop_requested()
+        coordinator.stop("done")
+        assert session.stop_requested() == "done"
+    finally:
+        coordinator.close()
+
+
+def test_lost_coordinator_is_control_plane_error():
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 1)
+    _serve_until(coordinator, thread)
+    coordinator.close()
+    with pytest.raises(ControlPlaneError):
+        for _ in range(50):  # the server's shutdown is asynchronous
+            outcome["session"].stop_requested()
+            time.sleep(0.05)

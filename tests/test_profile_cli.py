@@ -1,0 +1,115 @@
+"""``felactl profile`` and ``felactl agent`` through typer's CliRunner (real worker processes, gloo)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from felactl.cli.main import app
+from felactl.launcher.controlplane import Coordinator, new_secret, write_secret_file
+from felactl.spec import load_cluster
+
+runner = CliRunner()
+SMALL = ["--matmul-size", "128", "--message-bytes", "262144", "--repetitions", "3", "--timeout", "60",
+         "--join-timeout", "30"]
+
+
+@pytest.mark.multiprocess
+def test_profile_two_cpu_slots_json(tmp_path):
+    out = tmp_path / "cluster.yaml"
+    started = time.monotonic()
+    result = runner.invoke(app, ["profile", "--nproc-per-node", "2", "--node-name", "box", "-o", str(out),
+                                 "--log-dir", str(tmp_path / "logs"), "--json", *SMALL])
+    assert result.exit_code == 0, result.stderr
+    assert time.monotonic() - started < 60
+    data = json.loads(result.stdout)  # exactly one JSON object on stdout
+    assert data["kind"] == "Cluster" and data["profile_s"] > 0
+    names = [d["name"] for node in data["nodes"] for d in node["devices"]]
+    assert names == ["box-cpu0", "box-cpu1"]
+    assert all(d["tflops"] > 0 and d["kind"] == "cpu" for node in data["nodes"] for d in node["devices"])
+    pairs = {(link["src"], link["dst"]): link for link in data["links"]}
+    assert set(pairs) == {("box-cpu0", "box-cpu1"), ("box-cpu1", "box-cpu0")}
+    assert all(l["bandwidth_gbps"] > 0 and l["latency_us"] > 0 and l["type"] == "loopback" for l in pairs.values())
+
+    cluster = load_cluster(out)  # the file is the same cluster, valid
+    assert cluster.device_names == tuple(names)
+    cores0, cores1 = (set(d.cpu_cores) for d in cluster.devices)
+    assert cores0 and cores1 and (cores0.isdisjoint(cores1) or len(cores0 | cores1) == 1)  # pinned apart
+    assert (tmp_path / "logs" / "worker-0.log").exists()
+
+
+@pytest.mark.multiprocess
+def test_profile_table_goes_to_stderr(tmp_path):
+    result = runner.invoke(app, ["profile", "--nproc-per-node", "2", "-o", str(tmp_path / "c.yaml"), *SMALL])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == ""
+    assert "links" in result.stderr and "loopback" in result.stderr
+
+
+def test_profile_port_in_use_exits_2():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, ["profile", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nnodes", "1"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"felactl: error: port {port} on 127.0.0.1 is already in use; pick another with --rdzv-endpoint")
+
+
+def test_hostfile_without_endpoint_exits_2(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("w1 slots=2\n")
+    result = runner.invoke(app, ["profile", "--hostfile", str(hosts)])
+    assert result.exit_code == 2 and "--hostfile needs --rdzv-endpoint" in result.stderr
+
+
+def test_agent_with_wrong_secret_exits_2_and_the_coordinator_is_unaffected(tmp_path):
+    coordinator = Coordinator(new_secret())
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            coordinator.poll_joins()
+            time.sleep(0.02)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        wrong = tmp_path / "wrong-secret"
+        write_secret_file(wrong)
+        result = runner.invoke(app, ["agent", "--rdzv-endpoint", coordinator.endpoint, "--secret-file", str(wrong),
+                                     "--nproc-per-node", "1", "--join-timeout", "10", "--job", "job"])
+        assert result.exit_code == 2
+        errors = [line for line in result.stderr.splitlines() if line.startswith("felactl:")]
+        assert errors == [f"felactl: error: the coordinator at {coordinator.endpoint} refused this agent: "
+                          "wrong job secret (check --secret-file)"]
+        assert "Traceback" not in result.stderr
+        assert coordinator.members == {} and len(coordinator.refused) == 1
+    finally:
+        stop.set()
+        server.join(timeout=5)
+        coordinator.close()
+
+
+def test_agent_unreachable_coordinator_exits_1(tmp_path):
+    secret = tmp_path / "secret"
+    write_secret_file(secret)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = runner.invoke(app, ["agent", "--rdzv-endpoint", f"127.0.0.1:{port}", "--secret-file", str(secret),
+                                 "--join-timeout", "1"])
+    assert result.exit_code == 1
+    assert f"cannot reach the coordinator at 127.0.0.1:{port}" in result.stderr
+
+
+def test_agent_missing_secret_file_exits_2(tmp_path):
+    result = runner.invoke(app, ["agent", "--rdzv-endpoint", "127.0.0.1:1", "--secret-file",
+                                 str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "no such secret file" in result.stderr

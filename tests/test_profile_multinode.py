@@ -1,0 +1,82 @@
+"""Two "nodes" on one machine: a coordinator (``felactl profile --rdzv-endpoint``) and two
+``felactl agent`` processes with distinct node names, all as real subprocesses. The links between
+the nodes are measured in the same global gloo world as the links inside a node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from felactl.launcher.controlplane import write_secret_file
+
+FELACTL = [sys.executable, "-m", "felactl"]
+SMALL = ["--matmul-size", "128", "--message-bytes", "262144", "--repetitions", "3"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], log_path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(FELACTL + args, stdout=subprocess.PIPE, stderr=log, env=env,
+                                start_new_session=True)
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.mark.multiprocess
+def test_two_agents_as_two_nodes_measure_every_pair(tmp_path):
+    secret = tmp_path / "secret"
+    write_secret_file(secret)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    out = tmp_path / "cluster.yaml"
+    procs: list[subprocess.Popen] = []
+    started = time.monotonic()
+    try:
+        coordinator = _start(["profile", "--rdzv-endpoint", endpoint, "--nnodes", "2", "--secret-file", str(secret),
+                              "--name", "two", "-o", str(out), "--json", "--join-timeout", "25", "--timeout", "40",
+                              *SMALL], tmp_path / "coordinator.log")
+        procs.append(coordinator)
+        for node, slots in (("nodeA", "2"), ("nodeB", "1")):
+            procs.append(_start(["agent", "--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name",
+                                 node, "--nproc-per-node", slots, "--log-dir", str(tmp_path / node),
+                                 "--join-timeout", "25"], tmp_path / f"{node}.log"))
+        stdout, _ = coordinator.communicate(timeout=50)
+        assert coordinator.returncode == 0, (tmp_path / "coordinator.log").read_text()[-2000:]
+        for agent in procs[1:]:
+            assert agent.wait(timeout=20) == 0
+    finally:
+        _kill_all(procs)
+    assert time.monotonic() - started < 60
+
+    data = json.loads(stdout)
+    assert [n["name"] for n in data["nodes"]] == ["nodeA", "nodeB"]
+    names = [d["name"] for n in data["nodes"] for d in n["devices"]]
+    assert names == ["nodeA-cpu0", "nodeA-cpu1", "nodeB-cpu0"]
+    links = {(l["src"], l["dst"]): l for l in data["links"]}
+    assert set(links) == {(a, b) for a in names for b in names if a != b}
+    assert all(l["bandwidth_gbps"] > 0 and l["latency_us"] > 0 for l in links.values())
+    assert links[("nodeA-cpu0", "nodeA-cpu1")]["type"] == "loopback"
+    assert links[("nodeB-cpu0", "nodeA-cpu1")]["type"] == "net"
+    assert links[("nodeA-cpu1", "nodeB-cpu0")]["type"] == "net"
+    assert out.exists()
