@@ -1,0 +1,199 @@
+"""The devices of a group as a directed capacity graph: min-cut bounds and the best ring.
+
+Pure (stdlib + networkx). Capacities are GB/s in the edge attribute ``capacity``; latencies are
+microseconds in ``latency_us``. A group's graph holds only the direct links among its devices
+(``ClusterSpec.links_among``): a collective that routes through a device outside the group would
+steal that device's links from whoever runs on it.
+
+The best ring is a directed Hamiltonian cycle whose narrowest link is as wide as possible (its
+"bottleneck", the rate of a ring collective). Finding it is NP-hard in general; a depth-first
+branch and bound that tries the widest links first and prunes every partial ring no wider than
+the best found is exhaustive on the groups of one server (up to ~9-10 devices within the search
+budget) and a good heuristic beyond (the budget stops it with the best ring found so far).
+Groups spanning several servers chain each server's best Hamiltonian path, as NCCL does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+
+from felactl.errors import InputError, PlanInfeasible
+from felactl.spec.cluster import ClusterSpec
+
+RING_SEARCH_BUDGET = 200_000
+"""Partial rings the search may extend before it settles for the best ring found so far."""
+
+_VIRTUAL = object()
+"""A node joined to every device by infinitely wide links: the best cycle through it is the best path."""
+
+
+def check_devices(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[str, ...]:
+    """The devices as a tuple, after checking each exists in the cluster and none repeats."""
+    if not devices:
+        raise InputError("a collective needs at least one device")
+    for name in devices:
+        if not cluster.has_device(name):
+            raise InputError(f"unknown device {name!r} (cluster {cluster.name} has {', '.join(cluster.device_names)})")
+    if len(set(devices)) != len(devices):
+        raise InputError(f"a device is listed twice in {', '.join(devices)}")
+    return tuple(devices)
+
+
+def capacity_graph(cluster: ClusterSpec, devices: Sequence[str]) -> nx.DiGraph:
+    """Every device of the group, and a directed edge for every direct link among them."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(devices)
+    for link in cluster.links_among(tuple(devices)):
+        graph.add_edge(link.src, link.dst, capacity=link.bandwidth_gbps, latency_us=link.latency_us)
+    return graph
+
+
+def min_cut_bound(graph: nx.DiGraph, root: str) -> tuple[float, str | None]:
+    """The smallest root-to-device max-flow (Edmonds: the best broadcast rate), and that device.
+
+    Returns ``(bound_gbps, narrowest_device)``; ``narrowest_device`` is None for a group of one.
+    """
+    bound, narrowest = float("inf"), None
+    for node in graph.nodes:
+        if node == root:
+            continue
+        flow = nx.maximum_flow_value(graph, root, node, capacity="capacity") if nx.has_path(graph, root, node) else 0.0
+        if flow < bound:
+            bound, narrowest = flow, node
+    return (0.0 if narrowest is None else bound), narrowest
+
+
+def best_root(graph: nx.DiGraph, candidates: Sequence[str]) -> tuple[str, float]:
+    """The candidate with the largest min-cut bound (the first such in order), and that bound.
+
+    Raises PlanInfeasible naming a device that no candidate root reaches.
+    """
+    best, best_bound, narrowest = candidates[0], -1.0, None
+    for root in candidates:
+        bound, worst = min_cut_bound(graph, root)
+        if bound > best_bound:
+            best, best_bound = root, bound
+        if root == candidates[0]:
+            narrowest = worst
+    if best_bound <= 0 and graph.number_of_nodes() > 1:
+        raise PlanInfeasible(f"the group is disconnected: {narrowest} cannot be reached from {candidates[0]} "
+                             "over the links among the group's devices")
+    return best, best_bound
+
+
+def _bandwidth_map(graph: nx.DiGraph) -> dict:
+    """src -> [(dst, capacity)] widest first: the order the ring search tries links in."""
+    return {u: sorted(((v, d["capacity"]) for v, d in graph[u].items()), key=lambda item: -item[1])
+            for u in graph.nodes}
+
+
+class _BudgetSpent(Exception):
+    pass
+
+
+def _widest_cycle(out_links: dict, nodes: list, budget: int) -> tuple[list, float]:
+    """Branch and bound for the Hamiltonian cycle (from ``nodes[0]``) with the widest bottleneck."""
+    start, total = nodes[0], len(nodes)
+    best: list = [0.0, None]
+    steps = [0]
+
+    def extend(path: list, visited: set, bottleneck: float) -> None:
+        steps[0] += 1
+        if steps[0] > budget:
+            raise _BudgetSpent
+        if len(path) == total:
+            closing = dict(out_links[path[-1]]).get(start, 0.0)
+            if min(bottleneck, closing) > best[0]:
+                best[0], best[1] = min(bottleneck, closing), list(path)
+            return
+        for nxt, capacity in out_links[path[-1]]:
+            if capacity <= best[0]:
+                break   # widest first: nothing further can beat the best ring
+            if nxt not in visited:
+                visited.add(nxt)
+                path.append(nxt)
+                extend(path, visited, min(bottleneck, capacity))
+                path.pop()
+                visited.discard(nxt)
+
+    try:
+        extend([start], {start}, float("inf"))
+    except _BudgetSpent:
+        pass
+    return best[1] or [], best[0]
+
+
+def best_ring_in_graph(graph: nx.DiGraph, budget: int = RING_SEARCH_BUDGET) -> tuple[tuple[str, ...], float]:
+    """The widest directed Hamiltonian cycle of the graph: (device order, bottleneck GB/s); ((), 0) if none."""
+    nodes = list(graph.nodes)
+    if len(nodes) < 2:
+        return tuple(nodes), 0.0
+    order, bottleneck = _widest_cycle(_bandwidth_map(graph), nodes, budget)
+    return tuple(order), bottleneck
+
+
+def best_path_in_graph(graph: nx.DiGraph, budget: int = RING_SEARCH_BUDGET) -> tuple[tuple[str, ...], float]:
+    """The widest Hamiltonian path (any ends): (device order, bottleneck GB/s; inf for one device)."""
+    nodes = list(graph.nodes)
+    if len(nodes) == 1:
+        return tuple(nodes), float("inf")
+    out_links = _bandwidth_map(graph)
+    out_links[_VIRTUAL] = [(v, float("inf")) for v in nodes]
+    for v in nodes:
+        out_links[v] = out_links[v] + [(_VIRTUAL, float("inf"))]
+    order, bottleneck = _widest_cycle(out_links, [_VIRTUAL, *nodes], budget)
+    return tuple(order[1:]), bottleneck
+
+
+def devices_by_node(cluster: ClusterSpec, devices: Sequence[str]) -> dict[str, list[str]]:
+    """The group's devices per node, nodes in cluster order, devices in group order."""
+    grouped: dict[str, list[str]] = {node.name: [] for node in cluster.nodes}
+    for name in devices:
+        grouped[cluster.node_of(name).name].append(name)
+    return {node: names for node, names in grouped.items() if names}
+
+
+def local_signature(cluster: ClusterSpec, names: Sequence[str]) -> tuple:
+    """The group's graph on one server with devices replaced by their position in ``names``.
+
+    Two servers with the same signature (e.g. 64 identical DGX-1s) have the same trees and
+    rings up to renaming, so the work is done once.
+    """
+    index = {name: i for i, name in enumerate(names)}
+    edges = sorted((index[l.src], index[l.dst], l.bandwidth_gbps, l.latency_us) for l in cluster.links_among(tuple(names)))
+    return len(names), tuple(edges)
+
+
+def signature_graph(signature: tuple) -> nx.DiGraph:
+    """The graph a signature describes, over device positions 0..k-1."""
+    count, edges = signature
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(count))
+    for src, dst, capacity, latency_us in edges:
+        graph.add_edge(src, dst, capacity=capacity, latency_us=latency_us)
+    return graph
+
+
+def best_ring(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[str, ...], float]:
+    """The best ring over the group's direct links: (order, bottleneck GB/s), ((), 0) if none exists.
+
+    One server: the widest Hamiltonian cycle. Several: each server's widest Hamiltonian path,
+    chained in node order (servers with the same local graph share one search).
+    """
+    per_node = devices_by_node(cluster, devices)
+    if len(per_node) == 1:
+        return best_ring_in_graph(capacity_graph(cluster, devices))
+    order: list[str] = []
+    paths: dict[tuple, tuple] = {}
+    for names in per_node.values():
+        key = local_signature(cluster, names)
+        if key not in paths:
+            paths[key] = best_path_in_graph(signature_graph(key))[0]
+        order += [names[i] for i in paths[key]]
+    if len(order) < len(devices):
+        return (), 0.0
+    bottleneck = min((link.bandwidth_gbps if link else 0.0)
+                     for a, b in zip(order, order[1:] + order[:1]) for link in (cluster.link(a, b),))
+    return (tuple(order), bottleneck) if bottleneck > 0 else ((), 0.0)

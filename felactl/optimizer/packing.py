@@ -1,0 +1,247 @@
+"""Packing spanning arborescences (Blink, SEEDS.md section 4): the LP and the fewest-trees ILP.
+
+Pure (stdlib + networkx + pulp). Works on a directed capacity graph (``felactl.optimizer.graph``)
+and a root; knows nothing of clusters.
+
+1. **Columns.** A few rounds of multiplicative weights (Garg-Koenemann): take the minimum-length
+   spanning arborescence from the root (Edmonds' algorithm, networkx's
+   ``minimum_spanning_arborescence`` on the graph without the root's in-edges, so only the root
+   can be the root), then lengthen its edges by ``1 + eps * bottleneck / capacity``. This yields
+   a handful of diverse, good trees cheaply.
+2. **Packing LP with column generation** (:func:`solve_packing_lp`) over those trees; the pricing
+   problem is again a minimum-cost arborescence, with the LP's dual prices as edge costs. It
+   stops when no tree has a negative reduced cost (the LP optimum over *all* trees) or when the
+   rate reaches the min-cut bound, which by Edmonds' theorem is that optimum.
+3. **Fewest-trees ILP** (:func:`fewest_trees_ilp`) over every tree generated: keep as few trees
+   as possible that still carry ``min_share`` of the packed rate.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import pulp
+
+from felactl.errors import PlanInfeasible
+
+Edges = tuple[tuple[str, str], ...]
+"""A spanning arborescence: its directed edges (parent, child)."""
+
+SOLVER_TIME_LIMIT_S = 20
+MWU_ROUNDS_PER_NODE = 3
+MWU_EPSILON = 0.5
+MAX_PRICING_ROUNDS = 200
+REDUCED_COST_TOLERANCE = 1e-7
+BOUND_TOLERANCE = 1e-6
+CAPACITY_EPS_GBPS = 1e-7
+
+_names = itertools.count()
+
+
+def min_cost_arborescence(graph: nx.DiGraph, root, cost: dict) -> Edges:
+    """The spanning arborescence from ``root`` of least total ``cost[edge]`` (Edmonds)."""
+    pricing = nx.DiGraph()
+    pricing.add_nodes_from(graph.nodes)
+    pricing.add_weighted_edges_from(((u, v, cost[(u, v)]) for u, v in graph.edges if v != root), weight="cost")
+    try:
+        tree = nx.minimum_spanning_arborescence(pricing, attr="cost", preserve_attrs=False)
+    except nx.NetworkXException:
+        raise PlanInfeasible(f"no spanning tree from {root} over the group's links (is the group connected?)") from None
+    return tuple(sorted(tree.edges))
+
+
+def warm_start_trees(graph: nx.DiGraph, root) -> list[Edges]:
+    """Distinct trees from a few multiplicative-weights rounds (step 1 of the module docstring)."""
+    capacity = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
+    length = {edge: 1.0 / cap for edge, cap in capacity.items()}
+    trees: list[Edges] = []
+    for _ in range(MWU_ROUNDS_PER_NODE * graph.number_of_nodes()):
+        tree = min_cost_arborescence(graph, root, length)
+        if tree not in trees:
+            trees.append(tree)
+        bottleneck = min(capacity[e] for e in tree)
+        for edge in tree:
+            length[edge] *= 1.0 + MWU_EPSILON * bottleneck / capacity[edge]
+    return trees
+
+
+def _solve(problem: pulp.LpProblem, what: str) -> None:
+    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S))
+    status = pulp.LpStatus[problem.status]
+    found = pulp.LpSolution.get(problem.sol_status, "")
+    if status != "Optimal" and found != "Optimal Solution Found":
+        raise PlanInfeasible(f"{what}: the solver returned {status} ({found or 'no solution'})")
+
+
+def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges]) -> tuple[dict[Edges, float], dict]:
+    """The packing LP over the given trees; returns (rate of each tree GB/s, dual price of each edge).
+
+    Sets: E the directed links (capacity c_e, GB/s); T the candidate spanning arborescences.
+    Variables: w_T >= 0, the rate tree T carries (GB/s).
+    Objective: maximise sum_T w_T (the broadcast rate).
+    Constraints: (1) for every link e: sum over trees T containing e of w_T <= c_e.
+    The dual price y_e of (1) prices link e; a tree with sum_{e in T} y_e < 1 would improve it.
+    """
+    problem = pulp.LpProblem(f"tree_packing_{next(_names)}", pulp.LpMaximize)
+    rate = {tree: pulp.LpVariable(f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
+    problem += pulp.lpSum(rate.values())
+    names = {}
+    for e, (u, v, data) in enumerate(graph.edges(data=True)):
+        users = [rate[t] for t in trees if (u, v) in t]
+        if users:
+            names[(u, v)] = f"c1_capacity_{e}"
+            problem += (pulp.lpSum(users) <= data["capacity"], names[(u, v)])
+    _solve(problem, "tree packing LP")
+    weights = {tree: var.value() or 0.0 for tree, var in rate.items()}
+    duals = {edge: (problem.constraints[names[edge]].pi or 0.0) if edge in names else 0.0 for edge in graph.edges}
+    return weights, duals
+
+
+def pack_trees(graph: nx.DiGraph, root, bound_gbps: float,
+               known: list[Edges] = ()) -> tuple[list[Edges], dict[Edges, float]]:
+    """Column generation (step 2): every tree generated, and the optimal rate of each.
+
+    ``known`` trees that still fit the graph join the warm-start columns.
+    """
+    trees = [t for t in known if all(graph.has_edge(*e) for e in t)]
+    trees += [t for t in warm_start_trees(graph, root) if t not in trees]
+    for _ in range(MAX_PRICING_ROUNDS):
+        weights, duals = solve_packing_lp(graph, trees)
+        if sum(weights.values()) >= bound_gbps * (1 - BOUND_TOLERANCE):
+            break
+        priced = min_cost_arborescence(graph, root, {e: max(y, 0.0) for e, y in duals.items()})
+        if sum(max(duals[e], 0.0) for e in priced) >= 1 - REDUCED_COST_TOLERANCE or priced in trees:
+            break
+        trees.append(priced)
+    return trees, weights
+
+
+def fewest_trees_ilp(graph: nx.DiGraph, trees: list[Edges], packed_gbps: float,
+                     min_share: float) -> dict[Edges, float]:
+    """The fewest trees that carry ``min_share`` of the packed rate; returns the kept trees' rates.
+
+    Sets: E the directed links (capacity c_e); T the generated trees; u_T = min_{e in T} c_e.
+    Variables: z_T in {0, 1} (tree kept); w_T >= 0 its rate (GB/s).
+    Objective: minimise sum_T z_T - 0.5 * sum_T w_T / R, R the packed rate (fewest trees first;
+    the second term < 1 only breaks ties towards the fastest of the smallest sets).
+    Constraints: (1) for every link e: sum over T containing e of w_T <= c_e;
+    (2) for every tree T: w_T <= u_T z_T; (3) sum_T w_T >= min_share * R.
+    """
+    problem = pulp.LpProblem(f"fewest_trees_{next(_names)}", pulp.LpMinimize)
+    kept = {tree: pulp.LpVariable(f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
+    rate = {tree: pulp.LpVariable(f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
+    problem += pulp.lpSum(kept.values()) - 0.5 * pulp.lpSum(rate.values()) * (1.0 / packed_gbps)
+    for e, (u, v, data) in enumerate(graph.edges(data=True)):
+        users = [rate[t] for t in trees if (u, v) in t]
+        if users:
+            problem += (pulp.lpSum(users) <= data["capacity"], f"c1_capacity_{e}")
+    capacity = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
+    for t, tree in enumerate(trees):
+        problem += (rate[tree] <= min(capacity[e] for e in tree) * kept[tree], f"c2_kept_{t}")
+    problem += (pulp.lpSum(rate.values()) >= min_share * packed_gbps, "c3_share")
+    _solve(problem, "fewest-trees ILP")
+    return {tree: rate[tree].value() for tree in trees if (kept[tree].value() or 0) > 0.5 and rate[tree].value() > 0}
+
+
+def _residual_graph(graph: nx.DiGraph, residual: dict) -> nx.DiGraph:
+    remaining = nx.DiGraph()
+    remaining.add_nodes_from(graph.nodes)
+    remaining.add_edges_from((u, v, {"capacity": c}) for (u, v), c in residual.items() if c > CAPACITY_EPS_GBPS)
+    return remaining
+
+
+def max_safe_weight(graph: nx.DiGraph, residual: dict, root, tree: Edges, need_gbps: float) -> float:
+    """The largest rate ``w`` tree can take so the rest still packs ``need_gbps - w`` (Edmonds' cut test).
+
+    Removing w from the tree's links must leave every root-to-v cut S with capacity >= need - w.
+    A cut S crossed by t_S tree links violates this exactly when w > (c(S) - need) / (t_S - 1), so
+    starting from the tree's bottleneck we lower w to that value for each violated cut found
+    (a Dinkelbach-style descent that ends after a few max-flows).
+    """
+    tree_links = set(tree)
+    weight = min(residual[e] for e in tree)
+    for _ in range(4 * graph.number_of_nodes() + 8):
+        trial = {e: c - (weight if e in tree_links else 0.0) for e, c in residual.items()}
+        cut_graph = _residual_graph(graph, trial)
+        violated = None
+        for node in graph.nodes:
+            if node != root:
+                value, (side, _) = nx.minimum_cut(cut_graph, root, node)
+                if value < need_gbps - weight - CAPACITY_EPS_GBPS:
+                    violated = side
+                    break
+        if violated is None:
+            return weight
+        cut_gbps = sum(c for (a, b), c in residual.items() if a in violated and b not in violated)
+        crossing = sum(1 for a, b in tree if a in violated and b not in violated)
+        weight = min(weight, (cut_gbps - need_gbps) / (crossing - 1)) if crossing > 1 else 0.0
+        if weight <= CAPACITY_EPS_GBPS:
+            return 0.0
+    return weight
+
+
+def widest_tree(graph: nx.DiGraph, residual: dict, root) -> Edges | None:
+    """A spanning arborescence whose narrowest residual link is as wide as possible (heavy links preferred)."""
+    for threshold in sorted({c for c in residual.values() if c > CAPACITY_EPS_GBPS}, reverse=True):
+        wide = nx.DiGraph()
+        wide.add_nodes_from(graph.nodes)
+        wide.add_edges_from(e for e, c in residual.items() if c >= threshold - CAPACITY_EPS_GBPS)
+        if len(nx.descendants(wide, root)) == graph.number_of_nodes() - 1:
+            return min_cost_arborescence(wide, root, {e: -residual[e] for e in wide.edges})
+    return None
+
+
+def _safest(graph: nx.DiGraph, residual: dict, root, trees: list, need_gbps: float) -> tuple[float, Edges]:
+    """The tree that can safely carry the most; a tree's bottleneck caps it, so widest are tried first."""
+    best_weight, best_tree = 0.0, None
+    for tree in sorted((t for t in trees if t), key=lambda t: -min(residual[e] for e in t)):
+        if min(residual[e] for e in tree) <= best_weight:
+            break
+        weight = max_safe_weight(graph, residual, root, tree, need_gbps)
+        if weight > best_weight:
+            best_weight, best_tree = weight, tree
+    return best_weight, best_tree
+
+
+def peel_trees(graph: nx.DiGraph, root, bound_gbps: float, min_share: float) -> tuple[list[Edges], float]:
+    """Few trees with their rates, found greedily; also every tree an LP on the way used.
+
+    Repeatedly pack the residual graph (its optimum is the residual need, by the invariant that
+    every cut still holds it), take the tree of that packing that can carry the most while the
+    rest still packs (:func:`max_safe_weight`), and subtract it, until ``min_share`` is carried.
+    Every tree of an optimal packing is safe at least at its LP rate, so each round progresses.
+    Returns (candidate trees for the ILP, rate of the first, full LP packing).
+    """
+    residual = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
+    need, candidates, packed = bound_gbps, [], None
+    while need > (1 - min_share) * bound_gbps + CAPACITY_EPS_GBPS:
+        try:
+            trees, weights = pack_trees(_residual_graph(graph, residual), root, need, candidates)
+        except PlanInfeasible:   # the residual no longer spans: what is carried is all there is
+            break
+        used = sorted((t for t in trees if weights[t] > CAPACITY_EPS_GBPS), key=lambda t: -weights[t])
+        packed = sum(weights.values()) if packed is None else packed
+        candidates += [t for t in used if t not in candidates]
+        if not used:
+            break
+        weight, tree = _safest(graph, residual, root, [widest_tree(graph, residual, root), *used], need)
+        if tree is None:
+            break
+        if tree not in candidates:
+            candidates.append(tree)
+        for edge in tree:
+            residual[edge] -= weight
+        need -= weight
+    return candidates, packed or 0.0
+
+
+def pack_arborescences(graph: nx.DiGraph, root, bound_gbps: float,
+                       min_share: float) -> tuple[dict[Edges, float], float]:
+    """Steps 1-3: the kept trees with their rates (GB/s), and the rate of the full LP packing."""
+    if graph.number_of_nodes() == 1:
+        return {(): float("inf")}, float("inf")
+    candidates, packed = peel_trees(graph, root, bound_gbps, min_share)
+    if packed <= 0:
+        raise PlanInfeasible(f"no positive-rate spanning tree from {root}")
+    return fewest_trees_ilp(graph, candidates, packed, min_share), packed
