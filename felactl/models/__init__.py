@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from felactl.errors import InputError
 from felactl.models import builtin
-from felactl.models.data import CharCorpus, SampleSource, TeacherDataset
+from felactl.models.data import CharCorpus, PrototypeImages, SampleSource, TeacherDataset
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def _gpt_mini(config: dict[str, Any]) -> ModelBundle:
 
 def _vgg_mini(config: dict[str, Any]) -> ModelBundle:
     full = {"num_classes": 10, "image_size": 32, "width": 32, "fc_width": 1024, **config}
-    data = TeacherDataset((3, full["image_size"], full["image_size"]), full["num_classes"])
+    data = PrototypeImages((3, full["image_size"], full["image_size"]), full["num_classes"])
     return ModelBundle("vgg-mini", "vgg-mini", full, builtin.vgg_mini(**full), data, classification_loss)
 
 

@@ -11,6 +11,7 @@ import functools
 from typing import Protocol, Sequence
 
 import torch
+from torch.nn import functional as F
 
 
 class SampleSource(Protocol):
@@ -65,6 +66,33 @@ class TeacherDataset:
         hidden = torch.tanh(flat @ torch.randn(flat.shape[1], 64, generator=gen) / flat.shape[1] ** 0.5)
         logits = hidden @ torch.randn(64, num_classes, generator=gen)
         self.labels = logits.argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor([i % len(self.labels) for i in indices], dtype=torch.long)
+        return self.inputs[idx], self.labels[idx]
+
+
+class PrototypeImages:
+    """A learnable synthetic image set: each class is a smooth random pattern (4x4 noise scaled up),
+    each sample its class's pattern under strong pixel noise. Convolutions find the pattern, so a
+    few hundred steps take the loss far below chance; the noise keeps it from being instant.
+
+    (A teacher network's labels on pure-noise images, as :class:`TeacherDataset` gives, are not
+    learnable by a conv net in a few hundred steps: the loss stays at chance.)
+    """
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, num_samples: int = 8192,
+                 seed: int = 1234, noise_std: float = 3.0):
+        channels, height, width = input_shape
+        gen = torch.Generator().manual_seed(seed)
+        coarse = torch.randn((num_classes, channels, 4, 4), generator=gen)
+        self.prototypes = F.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
+        self.labels = torch.randint(num_classes, (num_samples,), generator=gen)
+        noise = torch.randn((num_samples, channels, height, width), generator=gen)
+        self.inputs = self.prototypes[self.labels] + noise_std * noise
 
     def __len__(self) -> int:
         return len(self.labels)
