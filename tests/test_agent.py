@@ -135,3 +135,41 @@ def test_stop_request_stops_healthy_workers(tmp_path):
     result = agent.run(should_stop)
     assert result.state is WorkerState.STOPPED
     assert len(calls[-1]) == 2 and not any(_alive(pid) for pid in calls[-1])
+
+
+@pytest.mark.multiprocess
+def test_agent_stops_its_workers_when_the_coordinator_goes_away(tmp_path):
+    """A real ``felactl agent`` process joins, runs sleepers, and kills them once the store is gone."""
+    import subprocess
+    import sys
+
+    from felactl.launcher.controlplane import Assignment, Coordinator, write_secret_file
+
+    secret_file = tmp_path / "secret"
+    secret = write_secret_file(secret_file)
+    env = _module(tmp_path, "sleeper", SLEEPER.replace('rank == "1"', 'rank == "never"'))
+    coordinator = Coordinator(secret, job="job")
+    agent = subprocess.Popen([sys.executable, "-m", "felactl", "agent", "--rdzv-endpoint", coordinator.endpoint,
+                              "--secret-file", str(secret_file), "--nproc-per-node", "1", "--node-name", "n0",
+                              "--log-dir", str(tmp_path / "logs"), "--job", "job", "--join-timeout", "20"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        members = coordinator.wait_members(1, timeout_s=20)
+        coordinator.publish_assignments({members[0].agent_id: Assignment(
+            rank_offset=0, world_size=1, module="sleeper", env={**env, "OUT_DIR": str(tmp_path)})})
+        pid_file = tmp_path / "pids-0"
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker_pid, grandchild_pid = map(int, pid_file.read_text().split())
+        assert _alive(worker_pid) and _alive(grandchild_pid)
+        coordinator.close()
+        _, stderr = agent.communicate(timeout=20)
+        assert agent.returncode == 1
+        errors = [line for line in stderr.decode().splitlines() if "lost the coordinator" in line]
+        assert len(errors) == 1 and errors[0].startswith("felactl: error: ") and "frame #" not in stderr.decode()
+        assert not _alive(worker_pid) and not _alive(grandchild_pid)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, 9)
+            agent.wait()

@@ -113,3 +113,21 @@ def test_agent_missing_secret_file_exits_2(tmp_path):
     result = runner.invoke(app, ["agent", "--rdzv-endpoint", "127.0.0.1:1", "--secret-file",
                                  str(tmp_path / "nope")])
     assert result.exit_code == 2 and "no such secret file" in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_failing_worker_fails_the_profile_and_leaves_no_process(tmp_path, monkeypatch):
+    import psutil
+
+    import felactl.profiling.cluster as cluster
+
+    monkeypatch.setattr(cluster, "WORKER_MODULE", "felactl.profiling.no_such_worker")
+    out = tmp_path / "cluster.yaml"
+    result = runner.invoke(app, ["profile", "--nproc-per-node", "2", "--node-name", "box", "-o", str(out),
+                                 "--log-dir", str(tmp_path / "logs"), *SMALL])
+    assert result.exit_code == 1
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("felactl: error: a profiling worker on box failed (rank ")
+    assert "No module named felactl.profiling.no_such_worker" in error and str(tmp_path / "logs") in error
+    assert not out.exists()
+    assert psutil.Process().children(recursive=True) == []

@@ -23,7 +23,11 @@ def agent(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Join the job at --rdzv-endpoint (proving the secret), run its workers, exit when they end."""
+    import os
     import tempfile
+
+    # c10d logs a C++ stack trace at warning level when the store goes away; we say it in one line.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
     from felactl.agents.agent import WorkerState, run_node_agent
     from felactl.launcher.controlplane import read_secret_file

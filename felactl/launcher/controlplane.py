@@ -122,9 +122,14 @@ def connect_store(host: str, port: int, timeout_s: float = DEFAULT_CONNECT_TIMEO
     try:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ControlPlaneError(f"cannot reach the coordinator at {host}:{port} within {timeout_s:g} s: {first}") \
-            from exc
+        raise ControlPlaneError(f"cannot reach the coordinator at {host}:{port} within {timeout_s:g} s: "
+                                f"{_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """c10d errors carry a C++ backtrace after the first line; the user needs only the first."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def job_prefix(job: str, generation: int) -> str:
@@ -142,7 +147,7 @@ def _wait_key(store, key: str, deadline: float, what: str, alive=None) -> bytes:
             if store.check([key]):
                 return store.get(key)
         except RuntimeError as exc:
-            raise ControlPlaneError(f"lost the coordinator while waiting for {what}: {exc}") from exc
+            raise ControlPlaneError(f"lost the coordinator while waiting for {what}: {_first_line(exc)}") from exc
         if alive is not None:
             alive()
         if time.monotonic() > deadline:
@@ -327,7 +332,7 @@ class AgentSession:
         try:
             document = self.read_signed("stop")
         except RuntimeError as exc:
-            raise ControlPlaneError(f"lost the coordinator at {self.host}:{self.port}: {exc}") from exc
+            raise ControlPlaneError(f"lost the coordinator at {self.host}:{self.port}: {_first_line(exc)}") from exc
         return None if document is None else str(document.get("reason", "stopped"))
 
     def report(self, state: str, **details: Any) -> None:

@@ -47,7 +47,9 @@ class ProfileOptions:
         for key in ("cpu_matmul_size", "gpu_matmul_size"):
             if getattr(self, key) < 1:
                 raise InputError(f"{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
-        if self.probe.repetitions < 1 or self.probe.message_bytes < 4 or self.probe.small_message_bytes < 4:
+        probe = self.probe
+        if min(probe.repetitions, probe.latency_repetitions) < 1 or min(probe.message_bytes,
+                                                                       probe.small_message_bytes) < 4:
             raise InputError("repetitions must be >= 1 and message sizes >= 4 bytes")
         if self.device not in ("auto", "cpu", "cuda"):
             raise InputError(f"--device must be auto, cpu or cuda, got {self.device!r}")

@@ -28,6 +28,9 @@ class LinkProbe:
     message_bytes: int = 16 * 2 ** 20
     small_message_bytes: int = 8
     repetitions: int = 5
+    """Timed large messages (median taken)."""
+    latency_repetitions: int = 30
+    """Timed small round trips: cheap, and scheduler noise on a busy host needs more of them."""
 
 
 def ordered_pairs(world_size: int) -> list[tuple[int, int]]:
@@ -50,11 +53,11 @@ def measure_links(rank: int, world_size: int, probe: LinkProbe, *, device=None,
     for src, dst in ordered_pairs(world_size):
         barrier()
         if rank == src:
-            results.append(_measure_as_source(dst, small, large, probe.repetitions, sync))
+            results.append(_measure_as_source(dst, small, large, probe, sync))
             results[-1]["src_rank"] = src
             on_pair(src, dst)
         elif rank == dst:
-            _serve_as_destination(src, small, large, probe.repetitions, sync)
+            _serve_as_destination(src, small, large, probe, sync)
     barrier()
     return results
 
@@ -71,7 +74,7 @@ def _timed(fn: Callable[[], None], sync: Callable[[], None], repetitions: int) -
     return statistics.median(times_s)
 
 
-def _measure_as_source(dst: int, small, large, repetitions: int, sync) -> dict:
+def _measure_as_source(dst: int, small, large, probe: LinkProbe, sync) -> dict:
     import torch.distributed as dist
 
     def ping() -> None:
@@ -82,8 +85,8 @@ def _measure_as_source(dst: int, small, large, repetitions: int, sync) -> dict:
         dist.send(large, dst)
         dist.recv(small, dst)
 
-    round_trip_s = _timed(ping, sync, repetitions)
-    push_s = _timed(push, sync, repetitions)
+    round_trip_s = _timed(ping, sync, probe.latency_repetitions)
+    push_s = _timed(push, sync, probe.repetitions)
     one_way_s = round_trip_s / 2
     transfer_s = max(push_s - one_way_s, push_s * 0.01)
     message_bytes = large.numel() * large.element_size()
@@ -91,14 +94,14 @@ def _measure_as_source(dst: int, small, large, repetitions: int, sync) -> dict:
             "message_bytes": message_bytes}
 
 
-def _serve_as_destination(src: int, small, large, repetitions: int, sync) -> None:
+def _serve_as_destination(src: int, small, large, probe: LinkProbe, sync) -> None:
     import torch.distributed as dist
 
-    for _ in range(repetitions + 1):
+    for _ in range(probe.latency_repetitions + 1):
         dist.recv(small, src)
         sync()
         dist.send(small, src)
-    for _ in range(repetitions + 1):
+    for _ in range(probe.repetitions + 1):
         dist.recv(large, src)
         sync()
         dist.send(small, src)

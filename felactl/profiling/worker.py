@@ -62,8 +62,8 @@ def main() -> None:
                             world_size=world_size, timeout=timedelta(seconds=config["timeout_s"]))
     try:
         barrier = (lambda: dist.barrier(device_ids=[local_rank])) if cuda else dist.barrier
-        probe = LinkProbe(message_bytes=config["message_bytes"], small_message_bytes=config["small_message_bytes"],
-                          repetitions=config["repetitions"])
+        probe = LinkProbe(**{k: config[k] for k in ("message_bytes", "small_message_bytes", "repetitions",
+                                                    "latency_repetitions")})
         links = measure_links(rank, world_size, probe, device=f"cuda:{local_rank}" if cuda else "cpu",
                               barrier=barrier, on_pair=lambda src, dst: store.add(progress_key, 1))
         extras = _gpu_extras(config, local_world_size) if cuda and local_rank == 0 else {}
