@@ -65,9 +65,14 @@ def _flop_mapping() -> dict[Any, Any]:
     return mapping
 
 
-def count_flops(layer: nn.Module, inputs: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """Forward and backward FLOPs of ``layer`` on this batch, and its output (detached)."""
-    inp = _leaf(inputs)
+def count_flops(layer: nn.Module, inputs: torch.Tensor, *,
+                input_grad: bool = True) -> tuple[int, int, torch.Tensor]:
+    """Forward and backward FLOPs of ``layer`` on this batch, and its output (detached).
+
+    ``input_grad=False`` for the first layer: its input is data, so backward computes only the
+    weight gradients there.
+    """
+    inp = _leaf(inputs, input_grad)
     with flop_counter.FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as counter:
         out = _forward(layer, inp)
     fwd_flops = counter.get_total_flops()
@@ -81,7 +86,7 @@ def count_flops(layer: nn.Module, inputs: torch.Tensor) -> tuple[int, int, torch
 
 
 def time_layer(layer: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, *,
-               repeats: int, warmup: int = WARMUP_RUNS) -> tuple[float, float]:
+               repeats: int, warmup: int = WARMUP_RUNS, input_grad: bool = True) -> tuple[float, float]:
     """Median forward and backward milliseconds of ``layer`` on this micro-batch.
 
     Backward is timed on its own: the layer's forward runs on a detached input that requires
@@ -92,7 +97,7 @@ def time_layer(layer: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, *
     bwd_s: list[float] = []
     device = inputs.device
     for run in range(warmup + repeats):
-        inp = _leaf(inputs)
+        inp = _leaf(inputs, input_grad)
         _clear_grads(layer)
         _synchronize(device)
         start = time.perf_counter()
@@ -155,9 +160,9 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
     for b_index, batch in enumerate(batch_sizes):
         hidden = _example_input(bundle, batch, spec_config.get("input_shape"), torch_device, seed)
         for i, layer in enumerate(layers):
-            out = _forward(layer, _leaf(hidden)).detach()
+            out = _forward(layer, hidden).detach()
             grad_out = _fixed_gradient(out, seed + i)
-            fwd_ms, bwd_ms = time_layer(layer, hidden, grad_out, repeats=repeats)
+            fwd_ms, bwd_ms = time_layer(layer, hidden, grad_out, repeats=repeats, input_grad=i > 0)
             timings[i].append(LayerTiming(device_model=device_model, micro_batch=batch,
                                           fwd_ms=fwd_ms, bwd_ms=bwd_ms))
             hidden = out
@@ -178,7 +183,7 @@ def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int,
     statics = []
     for i, (child_name, layer) in enumerate(layers.named_children()):
         try:
-            fwd_flops, bwd_flops, out = count_flops(layer, hidden)
+            fwd_flops, bwd_flops, out = count_flops(layer, hidden, input_grad=i > 0)
         except InputError as exc:
             raise InputError(f"model {bundle.source!r}: layer {i}: {exc}") from None
         trainable = [p for p in layer.parameters() if p.requires_grad]
@@ -225,10 +230,10 @@ def _forward(layer: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _leaf(inputs: torch.Tensor) -> torch.Tensor:
-    """A detached copy of the stage input; float inputs require grad as inside a pipeline."""
+def _leaf(inputs: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """The layer input cut from any graph; it requires grad as a layer's input does mid-model."""
     leaf = inputs.detach()
-    if leaf.is_floating_point():
+    if requires_grad and leaf.is_floating_point():
         leaf.requires_grad_(True)
     return leaf
 
