@@ -1,0 +1,195 @@
+"""Per-layer model profiles checked against closed-form counts derived from each architecture."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from felactl.cli.main import app
+from felactl.errors import InputError
+from felactl.models.data import python_docs_text
+from felactl.profiling.model import count_flops, profile_model, this_device_model
+from felactl.spec import ModelSpec, from_dict, load_model, save, to_dict
+
+FP32 = 4
+VOCAB = len(set(python_docs_text()))  # the character corpus decides gpt-mini's vocabulary
+
+
+def _profile(source: str, config: dict, batch_sizes=(1, 8), **kwargs) -> ModelSpec:
+    return profile_model(source, config, list(batch_sizes), repeats=2, **kwargs)
+
+
+def test_gpt_mini_counts():
+    depth, w, s, heads = 2, 64, 16, 4
+    spec = _profile("gpt-mini", {"depth": depth, "width": w, "seq_len": s, "num_heads": heads})
+    assert [l.kind for l in spec.layers] == ["TokenEmbedding", "Block", "Block", "LMHead"]
+    embed, *blocks, head = spec.layers
+    assert embed.params == VOCAB * w + s * w                         # token table + position table
+    # per block: qkv 3w^2+3w, proj w^2+w, MLP 4w^2+4w and 4w^2+w, two LayerNorms 2w each
+    assert all(b.params == 12 * w * w + 13 * w for b in blocks)
+    assert head.params == 2 * w + w * VOCAB + VOCAB                   # LayerNorm + Linear(w, vocab)
+    assert spec.total_params == sum(p.numel() for p in _built("gpt-mini", spec.config).parameters())
+    assert all(l.param_bytes == FP32 * l.params for l in spec.layers)
+    assert spec.input_bytes_per_sample == s * 8                      # int64 token ids
+    assert [l.activation_bytes_per_sample for l in spec.layers] == [FP32 * s * w] * (depth + 1) + [FP32 * s * VOCAB]
+    # FLOPs per sample: matmuls 2*s*12w^2; attention QK^T and AV 2*2*s^2*w (heads split w)
+    assert embed.fwd_flops_per_sample == 0 and embed.bwd_flops_per_sample == 0
+    for b in blocks:
+        assert b.fwd_flops_per_sample == 24 * s * w * w + 4 * s * s * w
+        # backward: input and weight grads of each matmul (2x), attention's 4 matmuls + recomputed scores
+        assert b.bwd_flops_per_sample == 48 * s * w * w + 10 * s * s * w
+    assert head.fwd_flops_per_sample == 2 * s * w * VOCAB and head.bwd_flops_per_sample == 4 * s * w * VOCAB
+
+
+def test_vgg_mini_counts():
+    w, fc, n, classes = 4, 32, 16, 10
+    spec = _profile("vgg-mini", {"width": w, "fc_width": fc, "image_size": n, "num_classes": classes})
+    channels = [3, w, w, 2 * w, 2 * w, 4 * w, 4 * w]
+    sides = [n, n, n // 2, n // 2, n // 4, n // 4]                    # each conv runs before its block's pool
+    pooled = [False, True, False, True, False, True]
+    convs, fcs = spec.layers[:6], spec.layers[6:]
+    for i, layer in enumerate(convs):
+        c_in, c_out, side = channels[i], channels[i + 1], sides[i]
+        assert layer.params == 9 * c_in * c_out + c_out
+        macs = 9 * c_in * c_out * side * side
+        assert layer.fwd_flops_per_sample == 2 * macs
+        assert layer.bwd_flops_per_sample == (2 if i == 0 else 4) * macs  # the first has no input grad
+        out_side = side // 2 if pooled[i] else side
+        assert layer.activation_bytes_per_sample == FP32 * c_out * out_side * out_side
+    flat = 4 * w * (n // 8) ** 2
+    dims = [(flat, fc), (fc, fc), (fc, classes)]
+    assert [l.params for l in fcs] == [a * b + b for a, b in dims]
+    assert [l.fwd_flops_per_sample for l in fcs] == [2 * a * b for a, b in dims]
+    assert [l.activation_bytes_per_sample for l in fcs] == [FP32 * fc, FP32 * fc, FP32 * classes]
+    assert spec.input_bytes_per_sample == FP32 * 3 * n * n
+
+
+def test_mlp_linear_flops_are_two_in_out():
+    d_in, hidden, depth, classes = 24, 40, 3, 6
+    spec = _profile("mlp", {"input_dim": d_in, "hidden": hidden, "depth": depth, "num_classes": classes})
+    dims = [(d_in, hidden)] + [(hidden, hidden)] * (depth - 1) + [(hidden, classes)]
+    assert [l.params for l in spec.layers] == [a * b + b for a, b in dims]
+    assert [l.fwd_flops_per_sample for l in spec.layers] == [2 * a * b for a, b in dims]
+    # backward: weight grad (2*in*out) everywhere, input grad (2*in*out more) except on the data
+    assert [l.bwd_flops_per_sample for l in spec.layers] == [(2 if i == 0 else 4) * a * b
+                                                             for i, (a, b) in enumerate(dims)]
+
+
+def test_count_flops_of_one_linear_scales_with_batch():
+    layer = nn.Linear(37, 11)
+    fwd, bwd, out = count_flops(layer, torch.randn(5, 37))
+    assert (fwd, bwd) == (2 * 37 * 11 * 5, 4 * 37 * 11 * 5) and out.shape == (5, 11) and not out.requires_grad
+    fwd, bwd, _ = count_flops(layer, torch.randn(5, 37), input_grad=False)
+    assert (fwd, bwd) == (2 * 37 * 11 * 5, 2 * 37 * 11 * 5)
+
+
+def test_flops_per_sample_do_not_depend_on_the_batch_counted_at():
+    config = {"input_dim": 16, "hidden": 32, "depth": 2}
+    one, three = _profile("mlp", config, (1,)), _profile("mlp", config, (3, 5))
+    assert [l.fwd_flops_per_sample for l in one.layers] == [l.fwd_flops_per_sample for l in three.layers]
+    assert [l.activation_bytes_per_sample for l in one.layers] == [l.activation_bytes_per_sample for l in three.layers]
+
+
+def test_timings_cover_every_layer_and_micro_batch_on_this_device():
+    spec = _profile("mlp", {"input_dim": 64, "hidden": 128, "depth": 2}, (1, 4, 16))
+    device_model = this_device_model()
+    for layer in spec.layers:
+        assert [(t.device_model, t.micro_batch) for t in layer.timings] == [(device_model, b) for b in (1, 4, 16)]
+        assert all(t.fwd_ms > 0 and t.bwd_ms > 0 for t in layer.timings)
+
+
+def test_time_per_sample_falls_as_the_micro_batch_grows():
+    """The saturation curve: one sample at a time pays each kernel's fixed cost per sample."""
+    spec = profile_model("mlp", {"input_dim": 256, "hidden": 256, "depth": 3}, [1, 64], repeats=5)
+    per_sample = {b: sum(t.fwd_ms + t.bwd_ms for l in spec.layers for t in l.timings if t.micro_batch == b) / b
+                  for b in (1, 64)}
+    assert per_sample[64] < per_sample[1], per_sample
+
+
+def test_profile_round_trips_through_a_file(tmp_path):
+    spec = _profile("gpt-mini", {"depth": 1, "width": 32, "seq_len": 8, "num_heads": 2})
+    assert load_model(save(spec, tmp_path / "model.yaml")) == spec
+    assert spec.config["vocab_size"] == VOCAB and spec.source == "gpt-mini"
+
+
+def user_net(hidden: int = 12):
+    return nn.Sequential(nn.Flatten(), nn.Linear(2 * 3 * 3, hidden), nn.Tanh(), nn.Linear(hidden, 4))
+
+
+def test_user_model_with_an_input_shape():
+    spec = _profile("test_model_profile:user_net", {"hidden": 10}, input_shape=(2, 3, 3))
+    assert spec.name == "user_net" and spec.config == {"hidden": 10, "input_shape": [2, 3, 3]}
+    assert [l.params for l in spec.layers] == [0, 18 * 10 + 10, 0, 10 * 4 + 4]
+    assert spec.layers[1].fwd_flops_per_sample == 2 * 18 * 10
+    assert spec.input_bytes_per_sample == FP32 * 18
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({}, "comes with no data: give the shape"),
+    ({"input_shape": (2, 3, 4)}, r"layer 1: Linear failed on an input of shape \(1, 24\)"),
+    ({"input_shape": (2, 3, 3), "batch_sizes": []}, "at least one micro-batch size"),
+    ({"input_shape": (2, 3, 3), "batch_sizes": [0, 4]}, "must be >= 1"),
+    ({"input_shape": (2, 3, 3), "device": "cuda:7" if not torch.cuda.is_available() else "tpu"}, "device"),
+    ({"input_shape": (2, 3, 3), "repeats": 0}, "repeats"),
+])
+def test_bad_profile_requests_are_input_errors(kwargs, words):
+    batch_sizes = kwargs.pop("batch_sizes", [1])
+    with pytest.raises(InputError, match=words):
+        profile_model("test_model_profile:user_net", {}, batch_sizes, **kwargs)
+
+
+def _built(source: str, config: dict) -> nn.Module:
+    from felactl.models import build
+
+    return build(source, config).layers
+
+
+runner = CliRunner()
+
+
+def test_cli_writes_model_yaml_and_one_json_object(tmp_path):
+    out = tmp_path / "model.yaml"
+    result = runner.invoke(app, ["profile", "--model", "mlp", "--config", "depth=2", "--config", "hidden=64",
+                                 "--batch-sizes", "1,8", "--repetitions", "2", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["path"] == str(out) and payload["profile_s"] > 0
+    spec = load_model(out)
+    assert from_dict(ModelSpec, {k: v for k, v in payload.items() if k not in ("path", "profile_s")}) == spec
+    assert spec.config["depth"] == 2 and spec.config["hidden"] == 64 and spec.num_layers == 3
+    assert runner.invoke(app, ["check", str(out)]).exit_code == 0
+
+
+def test_cli_renders_the_saturation_table(tmp_path):
+    result = runner.invoke(app, ["profile", "--model", "mlp", "--config", "depth=1", "--batch-sizes", "2,16",
+                                 "--repetitions", "1", "-o", str(tmp_path / "m.yaml")])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert "b=2" in result.stderr and "b=16" in result.stderr and "0.Linear+ReLU" in result.stderr
+    assert f"wrote {tmp_path / 'm.yaml'}" in result.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--config", "depth"], "--config: expected key=value"),
+    (["--config", "colour=blue"], "bad config"),
+    (["--batch-sizes", "1,x"], "--batch-sizes"),
+    (["--input-shape", "3,a"], "--input-shape"),
+])
+def test_cli_bad_model_options_exit_2_with_one_line(args, words, tmp_path):
+    result = runner.invoke(app, ["profile", "--model", "gpt-mini", "-o", str(tmp_path / "m.yaml"), *args])
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr
+    assert "Traceback" not in result.output and not (tmp_path / "m.yaml").exists()
+
+
+@pytest.mark.slow
+def test_default_gpt_mini_profile_is_quick(tmp_path):
+    started = time.perf_counter()
+    spec = profile_model("gpt-mini", {}, [1, 4, 16, 64])
+    elapsed_s = time.perf_counter() - started
+    assert spec.num_layers == 6 and all(len(l.timings) == 4 for l in spec.layers)
+    assert elapsed_s < 60, f"took {elapsed_s:.1f} s"
