@@ -69,8 +69,10 @@ def test_hostfile_without_endpoint_exits_2(tmp_path):
     assert result.exit_code == 2 and "--hostfile needs --rdzv-endpoint" in result.stderr
 
 
-def test_agent_with_wrong_secret_exits_2_and_the_coordinator_is_unaffected(tmp_path):
-    coordinator = Coordinator(new_secret())
+@pytest.fixture
+def serving_coordinator():
+    """A coordinator whose joins are handled by a background thread, as ``felactl profile`` would."""
+    coordinator = Coordinator(new_secret(), job="job")
     stop = threading.Event()
 
     def serve() -> None:
@@ -81,20 +83,25 @@ def test_agent_with_wrong_secret_exits_2_and_the_coordinator_is_unaffected(tmp_p
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     try:
-        wrong = tmp_path / "wrong-secret"
-        write_secret_file(wrong)
-        result = runner.invoke(app, ["agent", "--rdzv-endpoint", coordinator.endpoint, "--secret-file", str(wrong),
-                                     "--nproc-per-node", "1", "--join-timeout", "10", "--job", "job"])
-        assert result.exit_code == 2
-        errors = [line for line in result.stderr.splitlines() if line.startswith("felactl:")]
-        assert errors == [f"felactl: error: the coordinator at {coordinator.endpoint} refused this agent: "
-                          "wrong job secret (check --secret-file)"]
-        assert "Traceback" not in result.stderr
-        assert coordinator.members == {} and len(coordinator.refused) == 1
+        yield coordinator
     finally:
         stop.set()
         server.join(timeout=5)
         coordinator.close()
+
+
+def test_agent_with_wrong_secret_exits_2_and_the_coordinator_is_unaffected(tmp_path, serving_coordinator):
+    coordinator = serving_coordinator
+    wrong = tmp_path / "wrong-secret"
+    write_secret_file(wrong)
+    result = runner.invoke(app, ["agent", "--rdzv-endpoint", coordinator.endpoint, "--secret-file", str(wrong),
+                                 "--nproc-per-node", "1", "--join-timeout", "10", "--job", "job"])
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("felactl:")]
+    assert errors == [f"felactl: error: the coordinator at {coordinator.endpoint} refused this agent: "
+                      "wrong job secret (check --secret-file)"]
+    assert "Traceback" not in result.stderr
+    assert coordinator.members == {} and len(coordinator.refused) == 1
 
 
 def test_agent_unreachable_coordinator_exits_1(tmp_path):
@@ -131,3 +138,34 @@ def test_a_failing_worker_fails_the_profile_and_leaves_no_process(tmp_path, monk
     assert "No module named felactl.profiling.no_such_worker" in error and str(tmp_path / "logs") in error
     assert not out.exists()
     assert psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.parametrize("args,problem", [
+    (["--nnodes", "2"], "--nnodes needs --rdzv-endpoint"),
+    (["--rdzv-endpoint", "127.0.0.1:0", "--nproc-per-node", "2"], "--nproc-per-node is each agent's option"),
+    (["--rdzv-endpoint", "nohost"], "expected HOST:PORT"),
+    (["--device", "tpu"], "--device must be auto, cpu or cuda"),
+    (["--repetitions", "0"], "repetitions must be >= 1"),
+])
+def test_profile_flag_mistakes_exit_2(tmp_path, args, problem):
+    result = runner.invoke(app, ["profile", "-o", str(tmp_path / "c.yaml"), *args])
+    assert result.exit_code == 2, result.stderr
+    assert problem in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "c.yaml").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_profile_device_cuda_without_gpus_exits_2(tmp_path):
+    result = runner.invoke(app, ["profile", "--device", "cuda", "--node-name", "box", "-o", str(tmp_path / "c.yaml"),
+                                 "--log-dir", str(tmp_path / "logs"), *SMALL])
+    assert result.exit_code == 2
+    assert "--device cuda: node box has 0 GPU(s) for 2 slot(s)" in result.stderr
+
+
+def test_agent_reads_the_secret_from_stdin(serving_coordinator):
+    """``--secret-file -`` is how ssh hands the secret over; a wrong one read there is refused (exit 2)."""
+    coordinator = serving_coordinator
+    result = runner.invoke(app, ["agent", "--rdzv-endpoint", coordinator.endpoint, "--secret-file", "-",
+                                 "--join-timeout", "10", "--job", "job"], input=new_secret() + "\n")
+    assert result.exit_code == 2 and "refused this agent" in result.stderr
+    assert len(coordinator.refused) == 1

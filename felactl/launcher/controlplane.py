@@ -206,7 +206,9 @@ class Coordinator:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+        """Where agents connect: the bound address, or this host's name when bound to every address."""
+        host = socket.getfqdn() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
 
     def poll_joins(self) -> list[Member]:
         """Handle every pending join request; return the newly admitted members."""

@@ -117,8 +117,7 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
     hosts = hostfile.read_hostfile(hostfile_path) if hostfile_path else None
     if hosts is not None and endpoint is None:
         raise InputError("--hostfile needs --rdzv-endpoint HOST:PORT, an address the hosts can reach")
-    if nnodes < 1:
-        raise InputError(f"--nnodes must be >= 1, got {nnodes}")
+    _check_mode(nproc_per_node, nnodes, endpoint, hosts is not None)
     secret_path = Path(secret_file) if secret_file else logs / "secret"
     secret = _job_secret(secret_path)
     coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
@@ -156,6 +155,19 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
                          peer_copy_gbps=peer_copies)
 
 
+def _check_mode(nproc_per_node: int | None, nnodes: int, endpoint: str | None, with_hostfile: bool) -> None:
+    """The flags of a local profile and of a multi-node one do not mix; say so instead of ignoring one."""
+    if nnodes < 1:
+        raise InputError(f"--nnodes must be >= 1, got {nnodes}")
+    if endpoint is None and nnodes != 1:
+        raise InputError("--nnodes needs --rdzv-endpoint HOST:PORT for the agents to join")
+    if endpoint is not None and nproc_per_node is not None:
+        raise InputError("--nproc-per-node is each agent's option when agents join --rdzv-endpoint "
+                         "(felactl agent --nproc-per-node N, or slots=N in the hostfile)")
+    if with_hostfile and nnodes != 1:
+        raise InputError("--nnodes comes from the hostfile (one node per line); leave it out")
+
+
 def _job_secret(path: Path) -> str:
     """The job's secret: read from ``path`` when it exists (agents were given it), else made there."""
     return read_secret_file(path) if path.exists() else write_secret_file(path)
@@ -169,9 +181,14 @@ def _check_ssh(procs, logs: Path) -> None:
 
 
 def _device_kind(members: list[Member], choice: str) -> str:
+    """cuda only when every node has a GPU per slot: one process group needs one backend."""
+    short = [m for m in members if m.info.get("num_gpus", 0) < m.num_slots]
+    if choice == "cuda" and short:
+        raise InputError(f"--device cuda: node {short[0].node_name} has {short[0].info.get('num_gpus', 0)} GPU(s) "
+                         f"for {short[0].num_slots} slot(s)")
     if choice != "auto":
         return choice
-    return "cuda" if all(m.info.get("num_gpus", 0) >= m.num_slots for m in members) else "cpu"
+    return "cpu" if short else "cuda"
 
 
 def _run_workers(coordinator: Coordinator, members: list[Member], options: ProfileOptions, alive,
