@@ -14,10 +14,10 @@ from felactl.errors import WorkerFailed
 def agent(
     rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of the coordinator.")],
     secret_file: Annotated[Path, typer.Option(help="The job secret file ('-' reads it from stdin).")],
-    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", min=1,
-                                                          help="Worker slots on this node [default: GPUs, else 2].")] = None,
-    node_name: Annotated[Optional[str], typer.Option(help="This node's name [short hostname].")] = None,
-    log_dir: Annotated[Optional[Path], typer.Option(help="Worker logs [a new temp dir].")] = None,
+    nproc_per_node: Annotated[Optional[int], typer.Option(
+        "--nproc-per-node", min=1, help="Worker slots on this node (default: the GPUs, else 2).")] = None,
+    node_name: Annotated[Optional[str], typer.Option(help="This node's name (default: the short hostname).")] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Worker logs (default: a new temp dir).")] = None,
     job: Annotated[str, typer.Option(help="Job name on the control plane.")] = "profile",
     join_timeout: Annotated[float, typer.Option(help="Seconds to reach and join the coordinator.")] = 60.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,

@@ -50,23 +50,26 @@ def _render_cluster(console, result) -> None:
 
 
 def profile(
-    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", min=1,
-                                                          help="Worker slots on this node [default: GPUs, else 2].")] = None,
-    out: Annotated[Optional[Path], typer.Option("-o", "--output", help="Where to write [cluster.yaml].")] = None,
+    nproc_per_node: Annotated[Optional[int], typer.Option(
+        "--nproc-per-node", min=1, help="Worker slots on this node (default: the GPUs, else 2).")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        "-o", "--output", help="Where to write (default: cluster.yaml, model.yaml with --model).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-    name: Annotated[Optional[str], typer.Option(help="Cluster name [node name].")] = None,
-    node_name: Annotated[Optional[str], typer.Option(help="This node's name [short hostname].")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Cluster name (default: the node name).")] = None,
+    node_name: Annotated[Optional[str], typer.Option(help="This node's name (default: the short hostname).")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     matmul_size: Annotated[int, typer.Option(help="CPU matmul side for TFLOP/s.")] = 512,
     gpu_matmul_size: Annotated[int, typer.Option(help="GPU matmul side for TFLOP/s.")] = 4096,
     message_bytes: Annotated[int, typer.Option(help="Message size for bandwidth.")] = 16 * 2 ** 20,
     small_message_bytes: Annotated[int, typer.Option(help="Message size for latency.")] = 8,
     repetitions: Annotated[int, typer.Option(help="Timed repetitions (median taken).")] = 5,
-    hostfile: Annotated[Optional[Path], typer.Option(help="DeepSpeed hostfile: start an agent on each host over ssh.")] = None,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="HOST:PORT the coordinator listens on for agents.")] = None,
+    hostfile: Annotated[Optional[Path], typer.Option(
+        help="DeepSpeed hostfile: start an agent on each host over ssh.")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(
+        help="HOST:PORT the coordinator listens on for agents.")] = None,
     nnodes: Annotated[int, typer.Option(help="Agents to wait for with --rdzv-endpoint.")] = 1,
     secret_file: Annotated[Optional[Path], typer.Option(help="Job secret (created with mode 0600 if missing).")] = None,
-    log_dir: Annotated[Optional[Path], typer.Option(help="Worker logs [a new temp dir].")] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Worker logs (default: a new temp dir).")] = None,
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for agents.")] = 60.0,
     timeout: Annotated[float, typer.Option(help="Seconds the measurement may take.")] = 600.0,
     model: Annotated[Optional[str], typer.Option(help="Profile this model's layers into model.yaml instead.")] = None,
