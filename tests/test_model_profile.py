@@ -126,6 +126,8 @@ def test_user_model_with_an_input_shape():
     assert spec.name == "user_net" and spec.config == {"hidden": 10, "input_shape": [2, 3, 3]}
     assert [l.params for l in spec.layers] == [0, 18 * 10 + 10, 0, 10 * 4 + 4]
     assert spec.layers[1].fwd_flops_per_sample == 2 * 18 * 10
+    # only the weight gradient: nothing trainable comes before the first Linear, so its input is data
+    assert spec.layers[1].bwd_flops_per_sample == 2 * 18 * 10 and spec.layers[3].bwd_flops_per_sample == 4 * 10 * 4
     assert spec.input_bytes_per_sample == FP32 * 18
 
 
@@ -193,3 +195,14 @@ def test_default_gpt_mini_profile_is_quick(tmp_path):
     elapsed_s = time.perf_counter() - started
     assert spec.num_layers == 6 and all(len(l.timings) == 4 for l in spec.layers)
     assert elapsed_s < 60, f"took {elapsed_s:.1f} s"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_profile_matches_the_cpu_counts():
+    config = {"depth": 1, "width": 64, "seq_len": 16, "num_heads": 2}
+    cpu, gpu = _profile("gpt-mini", config), _profile("gpt-mini", config, device="cuda")
+    assert [l.params for l in gpu.layers] == [l.params for l in cpu.layers]
+    assert [l.fwd_flops_per_sample for l in gpu.layers] == [l.fwd_flops_per_sample for l in cpu.layers]
+    assert {t.device_model for l in gpu.layers for t in l.timings} == {torch.cuda.get_device_name(0)}
+    assert all(t.fwd_ms > 0 for l in gpu.layers for t in l.timings)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-from felactl.errors import InputError
+from felactl.errors import InputError, ProfilingError
 from felactl.models import ModelBundle, build
 from felactl.profiling.devices import cpu_model_name
 from felactl.spec import Layer, LayerTiming, ModelSpec
@@ -150,26 +150,29 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
             raise InputError(f"model {source!r} comes with no data: give the shape of one input "
                              f"sample (--input-shape, e.g. 3,32,32)")
         spec_config["input_shape"] = [int(d) for d in input_shape]
+    input_shape = spec_config.get("input_shape")
+    input_grads = _input_grads(layers)
+    statics = _profile_static(bundle, layers, batch_sizes[0], input_shape, input_grads, torch_device, seed)
     total = len(layers) * (len(batch_sizes) + 1)
-    statics = _profile_static(bundle, layers, batch_sizes[0], spec_config.get("input_shape"),
-                              torch_device, seed)
     if progress is not None:
         progress(len(layers), total, "flops")
     timings: list[list[LayerTiming]] = [[] for _ in layers]
     device_model = this_device_model(device)
     for b_index, batch in enumerate(batch_sizes):
-        hidden = _example_input(bundle, batch, spec_config.get("input_shape"), torch_device, seed)
+        hidden = _example_input(bundle, batch, input_shape, torch_device, seed)
         for i, layer in enumerate(layers):
-            out = _forward(layer, hidden).detach()
-            grad_out = _fixed_gradient(out, seed + i)
-            fwd_ms, bwd_ms = time_layer(layer, hidden, grad_out, repeats=repeats, input_grad=i > 0)
-            timings[i].append(LayerTiming(device_model=device_model, micro_batch=batch,
-                                          fwd_ms=fwd_ms, bwd_ms=bwd_ms))
+            try:
+                out = _forward(layer, hidden).detach()
+                fwd_ms, bwd_ms = time_layer(layer, hidden, _fixed_gradient(out, seed + i), repeats=repeats,
+                                            input_grad=input_grads[i])
+            except torch.cuda.OutOfMemoryError:
+                raise ProfilingError(f"model {source!r}: layer {i} runs out of memory on {device} at "
+                                     f"micro-batch {batch}: profile smaller --batch-sizes") from None
+            timings[i].append(LayerTiming(device_model=device_model, micro_batch=batch, fwd_ms=fwd_ms, bwd_ms=bwd_ms))
             hidden = out
             if progress is not None:
-                done = len(layers) * (b_index + 1) + i + 1
-                progress(done, total, f"micro-batch {batch}, layer {i}")
-    first_input = _example_input(bundle, 1, spec_config.get("input_shape"), torch_device, seed)
+                progress(len(layers) * (b_index + 1) + i + 1, total, f"micro-batch {batch}, layer {i}")
+    first_input = _example_input(bundle, 1, input_shape, torch_device, seed)
     return ModelSpec(
         name=bundle.name, source=source, config=spec_config,
         input_bytes_per_sample=_tensor_bytes(first_input),
@@ -177,13 +180,23 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
     )
 
 
-def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int,
-                    input_shape: Sequence[int] | None, device: torch.device, seed: int) -> list[_LayerStatic]:
+def _input_grads(layers: nn.Sequential) -> list[bool]:
+    """Whether each layer's backward must produce its input's gradient: only if a trainable
+    layer comes before it (before the first one, everything is data)."""
+    needed, seen_params = [], False
+    for layer in layers:
+        needed.append(seen_params)
+        seen_params = seen_params or any(p.requires_grad for p in layer.parameters())
+    return needed
+
+
+def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int, input_shape: Sequence[int] | None,
+                    input_grads: list[bool], device: torch.device, seed: int) -> list[_LayerStatic]:
     hidden = _example_input(bundle, batch, input_shape, device, seed)
     statics = []
     for i, (child_name, layer) in enumerate(layers.named_children()):
         try:
-            fwd_flops, bwd_flops, out = count_flops(layer, hidden, input_grad=i > 0)
+            fwd_flops, bwd_flops, out = count_flops(layer, hidden, input_grad=input_grads[i])
         except InputError as exc:
             raise InputError(f"model {bundle.source!r}: layer {i}: {exc}") from None
         trainable = [p for p in layer.parameters() if p.requires_grad]
