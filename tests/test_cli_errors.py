@@ -266,3 +266,13 @@ def test_exponent_numbers_read_as_numbers(tmp_path, monkeypatch):
     assert _check("model.yaml").exit_code == 0
     (tmp_path / "model.yaml").write_text(text.replace("params: 1000", "params: 1e3", 1))
     _assert_one_line_error(_check("model.yaml"), "model.yaml", "layers[0].params: must be an integer, got 1000.0")
+
+
+def test_a_plan_given_where_a_cluster_is_expected(tmp_path):
+    """The library loaders check kind first, so a swapped file says so instead of 'unknown key'."""
+    from felactl.errors import SpecError
+    from felactl.spec import load_cluster
+
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(PLAN))
+    with pytest.raises(SpecError, match=r"plan.yaml: kind: must be Cluster, got 'Plan'"):
+        load_cluster(tmp_path / "plan.yaml")
