@@ -1,0 +1,1 @@
+"""Per-node agents and the worker runtime that runs inside each worker process."""

@@ -1,0 +1,75 @@
+"""Shared helpers of the worker/sync tests: plans on local CPUs, runs, and single-process reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from felactl import models
+from felactl.agents.worker.checkpoint import checkpoint_path
+from felactl.agents.worker.engine import make_optimizer
+from felactl.agents.worker.local import run_local
+from felactl.agents.worker.metrics import read_metrics
+from felactl.spec import (ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec, Training, save)
+
+MLP_CONFIG = {"input_dim": 32, "hidden": 64, "depth": 2}
+
+
+def dp_plan(num_workers: int = 2, mode: str = "bsp", *, shares=None, global_batch: int = 32, micro_batch: int = 8,
+            optimizer: str = "sgd", lr: float = 0.05, overlap: bool = False, config=None, **sync) -> Plan:
+    shares = shares or [1 / num_workers] * num_workers
+    config = config or MLP_CONFIG
+    num_layers = len(models.build("mlp", config).layers)
+    return Plan(cluster="local", model=ModelRef(name="mlp", source="mlp", config=config),
+                devices=tuple(f"cpu{i}" for i in range(num_workers)), global_batch=global_batch,
+                sync=SyncSpec(mode=SyncMode(mode), overlap=overlap, **sync),
+                training=Training(optimizer=optimizer, lr=lr, seed=0),
+                stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=micro_batch,
+                              workers=tuple(StageWorker(device=f"cpu{i}", share=s) for i, s in enumerate(shares))),))
+
+
+def pipeline_plan(cuts: list[int], num_replicas: int = 1, schedule: str = "1f1b", *, global_batch: int = 32,
+                  micro_batch: int = 4, optimizer: str = "sgd", lr: float = 0.05, config=None) -> Plan:
+    """``len(cuts) - 1`` stages x ``num_replicas`` pipelines; device ``cpu{r * S + s}`` runs stage s of replica r."""
+    num_stages = len(cuts) - 1
+    devices = [f"cpu{r * num_stages + s}" for r in range(num_replicas) for s in range(num_stages)]
+    stages = tuple(Stage(layer_start=cuts[s], layer_end=cuts[s + 1], micro_batch=micro_batch,
+                         workers=tuple(StageWorker(device=f"cpu{r * num_stages + s}", share=1 / num_replicas)
+                                       for r in range(num_replicas)))
+                   for s in range(num_stages))
+    pipelines = tuple(tuple(f"cpu{r * num_stages + s}" for s in range(num_stages)) for r in range(num_replicas))
+    return Plan(cluster="local", model=ModelRef(name="mlp", source="mlp", config=config or MLP_CONFIG),
+                devices=tuple(devices), global_batch=global_batch, schedule=Schedule(schedule),
+                training=Training(optimizer=optimizer, lr=lr, seed=0), stages=stages, pipelines=pipelines)
+
+
+def run_plan(plan: Plan, tmp_path: Path, steps: int, env=None, per_rank_env=None, timeout_s: float = 60) -> Path:
+    plan_path = save(plan, tmp_path / "plan.yaml")
+    run_dir = tmp_path / "run"
+    run_local(plan_path, run_dir, len(plan.devices),
+              {"FELACTL_STEPS": str(steps), "FELACTL_CHECKPOINT_EVERY": str(steps), **(env or {})},
+              per_rank_env, timeout_s=timeout_s)
+    return run_dir
+
+
+def final_params(run_dir: Path, steps: int, stage: int = 0) -> torch.Tensor:
+    state = torch.load(checkpoint_path(run_dir, steps, stage), map_location="cpu", weights_only=False)
+    return torch.cat([v.reshape(-1) for k, v in state["model"].items()])
+
+
+def reference_params(plan: Plan, steps: int) -> torch.Tensor:
+    """Single-process training on the same global batches: what BSP must reproduce."""
+    bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
+    model = bundle.layers
+    optimizer = make_optimizer(plan, list(model.parameters()))
+    for step in range(steps):
+        inputs, targets = bundle.data.batch(range(step * plan.global_batch, (step + 1) * plan.global_batch))
+        bundle.loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([v.reshape(-1) for v in model.state_dict().values()])
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return read_metrics(run_dir)

@@ -1,0 +1,65 @@
+"""BSP and Fela tokens on real worker processes (gloo): parameters equal single-process training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _worker_helpers import dp_plan, final_params, metrics, reference_params, run_plan
+
+pytestmark = pytest.mark.multiprocess
+STEPS = 5
+
+
+def _worker_checksums(run_dir) -> list[float]:
+    return [json.loads(p.read_text())["param_checksum"] for p in sorted((run_dir / "workers").glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.05), ("adamw", 3e-3)])
+def test_bsp_matches_single_process(tmp_path, optimizer, lr):
+    plan = dp_plan(2, "bsp", optimizer=optimizer, lr=lr)
+    run_dir = run_plan(plan, tmp_path, STEPS)
+    got, want = final_params(run_dir, STEPS), reference_params(plan, STEPS)
+    assert (got - want).abs().max().item() < 1e-5
+    start = torch.cat([v.reshape(-1) for v in __import__("felactl").models.build(
+        "mlp", plan.model.config, seed=0).layers.state_dict().values()])
+    assert (got - start).abs().max().item() > 1e-3, "training must have moved the parameters"
+    checksums = _worker_checksums(run_dir)
+    assert len(checksums) == 2 and checksums[0] == pytest.approx(checksums[1], abs=1e-6)
+
+
+def test_bsp_uneven_shares_and_metrics(tmp_path):
+    plan = dp_plan(2, "bsp", shares=[0.75, 0.25], micro_batch=5)
+    run_dir = run_plan(plan, tmp_path, STEPS)
+    assert (final_params(run_dir, STEPS) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
+    records = metrics(run_dir)
+    assert sorted((r["rank"], r["step"]) for r in records) == [(r, s) for r in range(2) for s in range(STEPS)]
+    for r in records:
+        assert {"time", "step", "samples", "loss", "compute_s", "comm_s", "wait_s"} <= r.keys()
+        assert r["samples"] == (24 if r["rank"] == 0 else 8)
+
+
+def test_tokens_match_single_process_with_a_slow_worker(tmp_path):
+    config = {"input_dim": 64, "hidden": 256, "depth": 3}
+    plan = dp_plan(2, "tokens", global_batch=64, micro_batch=4, config=config, optimizer="adamw", lr=3e-3)
+    run_dir = run_plan(plan, tmp_path, STEPS, env={"FELACTL_SLOWDOWN": "1=3"})
+    assert (final_params(run_dir, STEPS) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
+    records = metrics(run_dir)
+    for step in range(STEPS):
+        at_step = [r for r in records if r["step"] == step]
+        assert sum(r["samples"] for r in at_step) == 64
+        assert sum(r["tokens"] for r in at_step) == 16
+    fast = sum(r["samples"] for r in records if r["rank"] == 0)
+    slow = sum(r["samples"] for r in records if r["rank"] == 1)
+    assert fast > slow, f"the 3x slower worker should pull fewer tokens (fast {fast}, slow {slow})"
+
+
+def test_tokens_shared_bucket_policy(tmp_path):
+    plan = dp_plan(3, "tokens", global_batch=30, micro_batch=4, token_policy="ads")
+    run_dir = run_plan(plan, tmp_path, 3)
+    assert (final_params(run_dir, 3) - reference_params(plan, 3)).abs().max().item() < 1e-5
+    records = metrics(run_dir)
+    assert sum(r["tokens"] for r in records) == 3 * 8
+    assert sum(r["samples"] for r in records) == 3 * 30

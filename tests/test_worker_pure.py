@@ -1,0 +1,160 @@
+"""The worker runtime's pure parts: straggler specs, environment, placement, summary, SDPipe groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from felactl.agents.worker.config import from_env
+from felactl.agents.worker.metrics import summarize
+from felactl.agents.worker.stages import micro_batches, place, split_by_shares
+from felactl.agents.worker.stragglers import Pattern, Straggler, parse_pattern, parse_slowdown
+from felactl.agents.worker.sync.groups import MAX_WAIT_S, MIN_WAIT_S, GroupScheduler, adapt_wait
+from felactl.errors import InputError
+from felactl.spec import save
+
+from _worker_helpers import dp_plan, pipeline_plan
+
+
+def test_parse_slowdown():
+    assert parse_slowdown("1=3, 2=1.5") == {1: 3.0, 2: 1.5}
+    assert parse_slowdown("") == {} and parse_slowdown(None) == {}
+
+
+@pytest.mark.parametrize("text,fragment", [("1", "RANK=FACTOR"), ("a=2", "integer"), ("1=0.5", ">= 1"),
+                                           ("-1=2", ">= 0"), ("1=2,1=3", "twice")])
+def test_parse_slowdown_errors(text, fragment):
+    with pytest.raises(InputError, match=fragment):
+        parse_slowdown(text)
+
+
+def test_parse_pattern():
+    assert parse_pattern("roundrobin:0.5") == Pattern("roundrobin", 0.5)
+    assert parse_pattern("prob:0.1:2") == Pattern("prob", 2.0, 0.1)
+    assert parse_pattern(None) is None
+
+
+@pytest.mark.parametrize("text", ["roundrobin", "prob:0.1", "prob:x:1", "prob:1.5:1", "roundrobin:-1", "sleep:1"])
+def test_parse_pattern_errors(text):
+    with pytest.raises(InputError):
+        parse_pattern(text)
+
+
+def test_roundrobin_sleeps_on_its_turn_and_prob_is_seeded():
+    s = [Straggler(r, 3, pattern=Pattern("roundrobin", 0.2)) for r in range(3)]
+    assert [[w.pattern_s(i) for w in s] for i in range(4)] == [[0.2, 0, 0], [0, 0.2, 0], [0, 0, 0.2], [0.2, 0, 0]]
+    stragglers = [Straggler(1, 4, pattern=Pattern("prob", 1.0, 0.3), seed=7) for _ in range(2)]
+    draws = [[s.pattern_s(i) for i in range(50)] for s in stragglers]
+    assert draws[0] == draws[1] and 5 < sum(d > 0 for d in draws[0]) < 30
+    assert Straggler(0, 2, factor=3).slowdown_s(0.1) == pytest.approx(0.2)
+
+
+def _env(tmp_path, **extra):
+    plan_path = save(dp_plan(2), tmp_path / "plan.yaml")
+    env = {"RANK": "1", "WORLD_SIZE": "2", "FELACTL_PLAN": str(plan_path), "FELACTL_RUN_DIR": str(tmp_path),
+           "FELACTL_STORE": "127.0.0.1:29500"}
+    env.update(extra)
+    return env
+
+
+def test_from_env_reads_overrides(tmp_path):
+    cfg = from_env(_env(tmp_path, FELACTL_SYNC="wbsp", FELACTL_OVERLAP="1", FELACTL_SLOWDOWN="1=3,0=2",
+                        FELACTL_STEPS="7"))
+    assert (cfg.rank, cfg.local_rank, cfg.steps, cfg.slowdown, cfg.host_store) == (1, 1, 7, 3.0, False)
+    plan = cfg.load_plan()
+    assert plan.sync.mode.value == "wbsp" and plan.sync.overlap is True
+
+
+@pytest.mark.parametrize("extra,fragment", [({"RANK": "2"}, "< WORLD_SIZE"), ({"FELACTL_SYNC": "ssp"}, "FELACTL_SYNC"),
+                                            ({"FELACTL_STEPS": "0"}, ">= 1"), ({"FELACTL_STORE": "nohost"}, "host:port"),
+                                            ({"FELACTL_PLAN": ""}, "FELACTL_PLAN")])
+def test_from_env_errors(tmp_path, extra, fragment):
+    with pytest.raises(InputError, match=fragment):
+        from_env(_env(tmp_path, **extra))
+
+
+def test_world_size_must_match_the_plan(tmp_path):
+    with pytest.raises(InputError, match="WORLD_SIZE"):
+        from_env(_env(tmp_path, WORLD_SIZE="3")).load_plan()
+
+
+@pytest.mark.parametrize("total,shares", [(32, [0.5, 0.5]), (10, [1, 1, 1]), (7, [0.9, 0.1]), (64, [0.2, 0.3, 0.5])])
+def test_split_by_shares_covers_exactly(total, shares):
+    ranges = split_by_shares(total, shares)
+    assert [i for r in ranges for i in r] == list(range(total))
+    for r, share in zip(ranges, shares):
+        assert abs(len(r) - total * share / sum(shares)) <= 1
+
+
+def test_micro_batches():
+    assert [list(m) for m in micro_batches(range(3, 10), 3)] == [[3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_place_data_parallel_and_pipelines():
+    plan = dp_plan(3, shares=[0.5, 0.25, 0.25])
+    assert [place(plan, r).offsets for r in range(3)] == [range(0, 16), range(16, 24), range(24, 32)]
+    pipe = pipeline_plan([0, 1, 3], num_replicas=2)  # cpu0,cpu1 = replica 0; cpu2,cpu3 = replica 1
+    p = place(pipe, 3)
+    assert (p.stage, p.replica, p.prev_rank, p.next_rank, p.stage_ranks) == (1, 1, 2, None, (1, 3))
+    assert p.offsets == range(16, 32) and place(pipe, 0).is_first and place(pipe, 1).is_last
+
+
+def _record(rank, step, samples, loss, start, duration, compute, stage=0, tokens=0):
+    return {"time": start + duration, "rank": rank, "stage": stage, "step": step, "samples": samples, "loss": loss,
+            "compute_s": compute, "comm_s": 0.1, "wait_s": duration - compute - 0.1, "duration_s": duration,
+            "tokens": tokens}
+
+
+def test_summarize():
+    records = [_record(0, 0, 24, 2.0, 10.0, 1.0, 0.8, tokens=3), _record(1, 0, 8, 3.0, 10.0, 1.0, 0.4, tokens=1),
+               _record(0, 1, 20, 1.0, 11.0, 1.0, 0.8, tokens=5), _record(1, 1, 12, 2.0, 11.0, 1.0, 0.4, tokens=3)]
+    s = summarize(records)
+    assert s["samples"] == 64 and s["steps"] == 2 and s["wall_s"] == pytest.approx(2.0)
+    assert s["samples_per_s"] == pytest.approx(32.0)
+    assert s["final_loss"] == pytest.approx((1.0 * 20 + 2.0 * 12) / 32)
+    assert s["compute_fraction"] == pytest.approx(2.4 / 4.0)
+    assert [(w["rank"], w["samples"], w["tokens"]) for w in s["workers"]] == [(0, 44, 8), (1, 20, 4)]
+    assert s["workers"][1]["wait_s"] == pytest.approx(2 * 0.5)
+
+
+def test_summarize_counts_samples_at_the_first_stage_only():
+    records = [_record(0, 0, 32, None, 0.0, 1.0, 0.5, stage=0), _record(1, 0, 32, 2.5, 0.0, 1.0, 0.5, stage=1)]
+    s = summarize(records)
+    assert s["samples"] == 32 and s["final_loss"] == 2.5
+    with pytest.raises(InputError):
+        summarize([])
+
+
+def test_adaptive_wait():
+    assert adapt_wait(0.001, 1) == 0.002 and adapt_wait(0.008, 1) == MAX_WAIT_S
+    assert adapt_wait(0.001, 2) == pytest.approx(0.0009) and adapt_wait(MIN_WAIT_S, 3) == MIN_WAIT_S
+
+
+def test_group_closes_at_max_group_or_after_the_wait():
+    g = GroupScheduler([0, 1, 2, 3], max_group=2, wait_s=0.001, connect_every=100)
+    g.arrive(2, 0.0)
+    g.arrive(0, 0.0001)
+    assert g.poll(0.0001) == [[2, 0]] and g.wait_s == pytest.approx(0.0009)
+    g.arrive(1, 0.01)
+    assert g.poll(0.0102) == [] and g.deadline() == pytest.approx(0.0109)
+    assert g.poll(0.011) == [[1]] and g.wait_s == pytest.approx(0.0018)
+
+
+def test_connectivity_is_forced_every_p_rounds():
+    g = GroupScheduler([0, 1, 2, 3], max_group=2, wait_s=0.001, connect_every=1)
+    g.arrive(0, 0.0)
+    g.arrive(1, 0.0)
+    assert g.poll(0.0) == [[0, 1]]
+    g.arrive(2, 0.0)
+    g.arrive(3, 0.0)  # a round (4 arrivals) has passed with {0,1}, {2}, {3} apart: a connection is due
+    assert g.connection_due and g.deadline() is None
+    assert g.poll(5.0) == [], "waits, however long, until every component is represented"
+    g.arrive(1, 5.0)
+    assert g.poll(5.0) == [[2, 3, 1]] and not g.connection_due
+
+
+def test_leavers_are_never_grouped():
+    g = GroupScheduler([0, 1, 2], max_group=2, wait_s=0.001, connect_every=100)
+    g.arrive(0, 0.0)
+    g.leave(1)
+    g.arrive(2, 0.0)
+    assert g.poll(0.0) == [[0, 2]] and g.active == {0, 2}
