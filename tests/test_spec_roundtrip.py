@@ -120,3 +120,15 @@ def test_example_clusters_round_trip(path, tmp_path):
     cluster = load(ClusterSpec, path)
     assert from_dict(ClusterSpec, to_dict(cluster)) == cluster
     assert load(ClusterSpec, save(cluster, tmp_path / path.name)) == cluster
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_specs_built_in_code_are_checked_too(bad):
+    """A NaN computed by a profiler or planner is refused when the spec is built, not when it is
+    read back (NaN slips through ``< 0`` and ``<= 0``)."""
+    from felactl.spec.codec import FieldProblem
+
+    with pytest.raises(FieldProblem, match="fwd_ms"):
+        LayerTiming(device_model="cpu", micro_batch=1, fwd_ms=bad, bwd_ms=0.1)
+    with pytest.raises(FieldProblem, match="bandwidth_gbps"):
+        Link(src="a", dst="b", bandwidth_gbps=bad, latency_us=1.0, type=LinkType.NET)

@@ -28,6 +28,8 @@ class FieldProblem(ValueError):
 
 def positive(key: str, value: float, *, allow_zero: bool = False) -> None:
     """The one check for "must be > 0" (or ">= 0"), so every message reads the same."""
+    if value != value or value in (float("inf"), float("-inf")):  # NaN passes both comparisons below
+        raise FieldProblem(key, f"must be a finite number, got {value}")
     if allow_zero and value < 0:
         raise FieldProblem(key, f"must be >= 0, got {value:g}")
     if not allow_zero and value <= 0:
