@@ -111,7 +111,8 @@ def _serve_until(coordinator: Coordinator, thread: threading.Thread, timeout_s: 
     assert not thread.is_alive()
 
 
-def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins():
+def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins(caplog):
+    caplog.set_level("WARNING", logger="felactl.launcher.controlplane")
     secret = new_secret()
     coordinator = Coordinator(secret)
     try:
@@ -120,6 +121,8 @@ def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins():
         assert isinstance(outcome.get("error"), AuthError)
         assert "wrong job secret" in str(outcome["error"])
         assert coordinator.members == {} and len(coordinator.refused) == 1
+        assert [r.getMessage() for r in caplog.records] == [
+            f"control plane: refused agent {coordinator.refused[0]!r}: wrong job secret or duplicate id"]
 
         thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 3)
         _serve_until(coordinator, thread)

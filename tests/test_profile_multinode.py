@@ -80,3 +80,28 @@ def test_two_agents_as_two_nodes_measure_every_pair(tmp_path):
     assert links[("nodeB-cpu0", "nodeA-cpu1")]["type"] == "net"
     assert links[("nodeA-cpu1", "nodeB-cpu0")]["type"] == "net"
     assert out.exists()
+
+
+@pytest.mark.multiprocess
+def test_two_agents_with_one_node_name_are_refused_with_exit_2(tmp_path):
+    secret = tmp_path / "secret"
+    write_secret_file(secret)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs: list[subprocess.Popen] = []
+    try:
+        coordinator = _start(["profile", "--rdzv-endpoint", endpoint, "--nnodes", "2", "--secret-file", str(secret),
+                              "-o", str(tmp_path / "c.yaml"), "--join-timeout", "25"], tmp_path / "coordinator.log")
+        procs.append(coordinator)
+        for i in range(2):
+            procs.append(_start(["agent", "--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name",
+                                 "same", "--nproc-per-node", "1", "--join-timeout", "25"], tmp_path / f"agent{i}.log"))
+        assert coordinator.wait(timeout=40) == 2
+        assert "2 agents call their node 'same'; give each its own --node-name" in \
+            (tmp_path / "coordinator.log").read_text()
+        for agent in procs[1:]:
+            assert agent.wait(timeout=20) == 1  # told to stop before any worker started
+        assert "the coordinator stopped the job before it started: the coordinator gave up: 2 agents call" in \
+            (tmp_path / "agent0.log").read_text()
+    finally:
+        _kill_all(procs)
+    assert not (tmp_path / "c.yaml").exists()

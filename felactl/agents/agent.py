@@ -26,7 +26,7 @@ from typing import Callable
 
 import psutil
 
-from felactl.errors import InputError
+from felactl.errors import ControlPlaneError, InputError
 
 
 class WorkerState(str, enum.Enum):
@@ -289,7 +289,11 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
                            timeout_s=config.join_timeout_s)
     agent_id = session.join(config.node_name, config.nproc, config.node_info)
     on_joined(agent_id)
-    assignment = session.wait_assignment(config.join_timeout_s, alive=lambda: _raise_if_stopped(session))
+    try:
+        assignment = session.wait_assignment(config.join_timeout_s, alive=lambda: _raise_if_stopped(session))
+    except ControlPlaneError as exc:
+        _report_quietly(session, WorkerState.STOPPED.value, message=str(exc))
+        raise
     spec = WorkerSpec(module=assignment.module, args=tuple(assignment.args), nproc=config.nproc,
                       world_size=assignment.world_size, rank_offset=assignment.rank_offset,
                       master_addr=session.host, master_port=session.port, log_dir=config.log_dir,
@@ -299,17 +303,19 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
     session.report(WorkerState.HEALTHY.value)
     agent = LocalWorkerAgent(spec)
     result = agent.run(should_stop=session.stop_requested)
-    try:
-        session.report(result.state.value, failures={str(k): v for k, v in result.failures.items()},
-                       log_dir=str(config.log_dir))
-    except RuntimeError:
-        pass  # the coordinator is gone; nobody to tell
+    _report_quietly(session, result.state.value, failures={str(k): v for k, v in result.failures.items()},
+                    log_dir=str(config.log_dir))
     return result
 
 
-def _raise_if_stopped(session) -> None:
-    from felactl.errors import ControlPlaneError
+def _report_quietly(session, state: str, **details) -> None:
+    try:
+        session.report(state, **details)
+    except RuntimeError:
+        pass  # the coordinator is gone; nobody to tell
 
+
+def _raise_if_stopped(session) -> None:
     reason = session.stop_requested()
     if reason is not None:
         raise ControlPlaneError(f"the coordinator stopped the job before it started: {reason}")

@@ -190,6 +190,7 @@ class Coordinator:
         self.host = host
         self.port = sock.getsockname()[1]
         self.secret = secret
+        self.job, self.generation = job, generation
         self.prefix = job_prefix(job, generation)
         self.members: dict[str, Member] = {}
         self.refused: list[str] = []
@@ -198,7 +199,10 @@ class Coordinator:
             self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
                                        master_listen_fd=sock.fileno(), timeout=timedelta(seconds=30))
         except RuntimeError as exc:
-            sock.close()
+            try:
+                sock.close()
+            except OSError:
+                pass  # the store had already taken the socket over
             raise ControlPlaneError(f"cannot start the store on {host}:{self.port}: {exc}") from exc
         sock.detach()
         self.nonce = secrets.token_hex(16)

@@ -123,6 +123,7 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
     coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
     local_agent: _AgentThread | None = None
     ssh_procs = []
+    reason = "the profile is over"
     try:
         if endpoint is None:
             nproc = nproc_per_node or default_nproc_per_node()
@@ -144,13 +145,17 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
         on_progress(waiting, 0, nnodes)
         members = coordinator.wait_members(nnodes, options.join_timeout_s, alive)
         members.sort(key=lambda m: m.node_name)
+        _check_unique_node_names(members)
         results = _run_workers(coordinator, members, options, alive, on_progress)
         cluster = assemble_cluster(name or (members[0].node_name if len(members) == 1 else "cluster"),
                                    members, results)
         _wait_agents_done(coordinator, members, alive)
         peer_copies = _peer_copies(members, results)
+    except BaseException as exc:
+        reason = f"the coordinator gave up: {exc or type(exc).__name__}"
+        raise
     finally:
-        _shutdown(coordinator, local_agent, ssh_procs)
+        _shutdown(coordinator, local_agent, ssh_procs, reason)
     return ProfileResult(cluster=cluster, profile_s=time.perf_counter() - started, log_dir=logs,
                          peer_copy_gbps=peer_copies)
 
@@ -166,6 +171,13 @@ def _check_mode(nproc_per_node: int | None, nnodes: int, endpoint: str | None, w
                          "(felactl agent --nproc-per-node N, or slots=N in the hostfile)")
     if with_hostfile and nnodes != 1:
         raise InputError("--nnodes comes from the hostfile (one node per line); leave it out")
+
+
+def _check_unique_node_names(members: list[Member]) -> None:
+    names = [m.node_name for m in members]
+    for name in names:
+        if names.count(name) > 1:
+            raise InputError(f"{names.count(name)} agents call their node {name!r}; give each its own --node-name")
 
 
 def _job_secret(path: Path) -> str:
@@ -238,9 +250,10 @@ def _wait_agents_done(coordinator: Coordinator, members: list[Member], alive, ti
         time.sleep(0.05)
 
 
-def _shutdown(coordinator: Coordinator, local_agent: _AgentThread | None, ssh_procs) -> None:
+def _shutdown(coordinator: Coordinator, local_agent: _AgentThread | None, ssh_procs, reason: str) -> None:
     try:
-        coordinator.stop("the profile is over")
+        coordinator.stop(reason)
+        _wait_agents_done(coordinator, list(coordinator.members.values()), alive=lambda: None, timeout_s=10)
     except RuntimeError:
         pass
     if local_agent is not None:
