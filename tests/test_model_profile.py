@@ -206,3 +206,11 @@ def test_cuda_profile_matches_the_cpu_counts():
     assert [l.fwd_flops_per_sample for l in gpu.layers] == [l.fwd_flops_per_sample for l in cpu.layers]
     assert {t.device_model for l in gpu.layers for t in l.timings} == {torch.cuda.get_device_name(0)}
     assert all(t.fwd_ms > 0 for l in gpu.layers for t in l.timings)
+
+
+def test_progress_reports_every_layer_once_per_phase():
+    calls = []
+    profile_model("mlp", {"depth": 1, "hidden": 16, "input_dim": 8}, [1, 2], repeats=1,
+                  progress=lambda phase, done, total: calls.append((phase, done, total)))
+    assert [c[1] for c in calls] == [2, 3, 4, 5, 6] and {c[2] for c in calls} == {6}
+    assert calls[0][0] == "flops" and calls[-1][0] == "micro-batch 2, layer 1"

@@ -66,8 +66,8 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
                   console=output.stderr, transient=True, disable=not output.stderr.is_terminal) as bar:
         task = bar.add_task(f"profiling {model}", total=None)
 
-        def on_progress(done: int, total: int, label: str) -> None:
-            bar.update(task, description=f"profiling {model}: {label}", completed=done, total=total)
+        def on_progress(phase: str, done: int, total: int) -> None:
+            bar.update(task, description=f"profiling {model}: {phase}", completed=done, total=total)
 
         spec = profile_model(model, parse_config(config), batch_sizes, device=_resolve_device(device),
                              repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress)

@@ -30,8 +30,8 @@ DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 4, 16, 64)
 DEFAULT_REPEATS = 5
 WARMUP_RUNS = 1
 
-Progress = Callable[[int, int, str], None]
-"""``progress(done, total, label)``: called after each measured (layer, micro-batch) pair."""
+Progress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``, as the cluster profiler calls it: after each measured layer."""
 
 
 def this_device_model(device: str = "cpu") -> str:
@@ -155,7 +155,7 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
     statics = _profile_static(bundle, layers, batch_sizes[0], input_shape, input_grads, torch_device, seed)
     total = len(layers) * (len(batch_sizes) + 1)
     if progress is not None:
-        progress(len(layers), total, "flops")
+        progress("flops", len(layers), total)
     timings: list[list[LayerTiming]] = [[] for _ in layers]
     device_model = this_device_model(device)
     for b_index, batch in enumerate(batch_sizes):
@@ -171,7 +171,7 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
             timings[i].append(LayerTiming(device_model=device_model, micro_batch=batch, fwd_ms=fwd_ms, bwd_ms=bwd_ms))
             hidden = out
             if progress is not None:
-                progress(len(layers) * (b_index + 1) + i + 1, total, f"micro-batch {batch}, layer {i}")
+                progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
     first_input = _example_input(bundle, 1, input_shape, torch_device, seed)
     return ModelSpec(
         name=bundle.name, source=source, config=spec_config,
