@@ -111,3 +111,18 @@ def test_user_model_from_a_list_of_layers():
     bundle = build("test_models:user_layers", {"hidden": 16, "unused": 1})
     assert isinstance(bundle.layers, nn.Sequential) and bundle.layers[0].out_features == 16
     assert bundle.data is None
+
+
+def test_user_model_found_in_the_working_directory(tmp_path, monkeypatch):
+    """``felactl profile --model mynet:build`` run beside mynet.py finds it, as ``python -m`` would."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "felactl_cwd_net.py").write_text(
+        "from torch import nn\ndef make(width=3):\n    return [nn.Linear(2, width), nn.Linear(width, 1)]\n")
+    try:
+        bundle = build("felactl_cwd_net:make", {"width": 5})
+    finally:
+        sys.modules.pop("felactl_cwd_net", None)
+    assert [m.out_features for m in bundle.layers] == [5, 1]

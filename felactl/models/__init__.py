@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -68,6 +70,19 @@ BUILTINS: dict[str, Callable[[dict[str, Any]], ModelBundle]] = {
 }
 
 
+def _import_user_module(module_name: str):
+    """Import the user's module, also from the working directory as ``python -m`` would (the
+    ``felactl`` script's own directory, not the user's, is first on ``sys.path``)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        cwd = os.getcwd()
+        if exc.name != module_name.split(".")[0] or cwd in sys.path:
+            raise
+        sys.path.insert(0, cwd)
+        return importlib.import_module(module_name)
+
+
 def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
     """``package.module:function`` returning an ``nn.Sequential`` or a list of layers.
 
@@ -76,7 +91,7 @@ def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
     """
     module_name, _, func_name = source.partition(":")
     try:
-        func = getattr(importlib.import_module(module_name), func_name)
+        func = getattr(_import_user_module(module_name), func_name)
     except (ImportError, AttributeError) as exc:
         raise InputError(f"model {source!r}: cannot import: {exc}") from None
     try:
