@@ -107,9 +107,9 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def record(self, *, step: int, samples: int, loss_sum: float, compute_s: float, comm_s: float,
+    def record(self, *, step: int, samples: int, loss_sum: float | None, compute_s: float, comm_s: float,
                wait_s: float, duration_s: float, **extra) -> None:
-        loss = loss_sum / samples if samples else None
+        loss = loss_sum / samples if samples and loss_sum is not None else None
         self.metrics.write(step=step, samples=samples, loss=loss, compute_s=compute_s, comm_s=comm_s,
                            wait_s=wait_s, duration_s=duration_s, **extra)
         t = self.totals

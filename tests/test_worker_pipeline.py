@@ -1,0 +1,42 @@
+"""Static pipelines (1F1B, GPipe) over point-to-point: parameters equal single-process training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from felactl.agents.worker.pipeline import gpipe, one_f_one_b
+
+from _worker_helpers import final_params, metrics, pipeline_plan, reference_params, run_plan
+
+STEPS = 3
+
+
+def test_one_f_one_b_order():
+    assert one_f_one_b(3, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert one_f_one_b(3, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert one_f_one_b(4, 0, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert gpipe(2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+def _all_params(run_dir, num_stages: int) -> torch.Tensor:
+    return torch.cat([final_params(run_dir, STEPS, stage=s) for s in range(num_stages)])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule,cuts", [("1f1b", [0, 1, 2, 3]), ("gpipe", [0, 2, 3])])
+def test_pipeline_matches_single_process(tmp_path, schedule, cuts):
+    plan = pipeline_plan(cuts, 1, schedule, micro_batch=6, optimizer="adamw", lr=3e-3)
+    run_dir = run_plan(plan, tmp_path, STEPS)
+    got, want = _all_params(run_dir, len(cuts) - 1), reference_params(plan, STEPS)
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-5
+    records = metrics(run_dir)
+    assert len(records) == STEPS * (len(cuts) - 1)
+    assert all((r["loss"] is None) == (r["stage"] < len(cuts) - 2) for r in records)
+
+
+@pytest.mark.multiprocess
+def test_two_pipelines_allreduce_each_stage(tmp_path):
+    plan = pipeline_plan([0, 2, 3], 2, "1f1b", micro_batch=4)
+    run_dir = run_plan(plan, tmp_path, STEPS)
+    assert (_all_params(run_dir, 2) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
