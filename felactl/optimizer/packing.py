@@ -29,6 +29,8 @@ Edges = tuple[tuple[str, str], ...]
 """A spanning arborescence: its directed edges (parent, child)."""
 
 SOLVER_TIME_LIMIT_S = 20
+FEWEST_TREES_TIME_LIMIT_S = 3
+"""The ILP starts from the peeled trees, so when time runs out it still has a good answer."""
 MWU_ROUNDS_PER_NODE = 3
 MWU_EPSILON = 0.5
 MAX_PRICING_ROUNDS = 200
@@ -41,13 +43,21 @@ _names = itertools.count()
 
 def min_cost_arborescence(graph: nx.DiGraph, root, cost: dict) -> Edges:
     """The spanning arborescence from ``root`` of least total ``cost[edge]`` (Edmonds)."""
+    if len(nx.descendants(graph, root)) < graph.number_of_nodes() - 1:
+        raise PlanInfeasible(f"no spanning tree from {root} over the group's links (is the group connected?)")
+    # A maximum branching with weight BIG - cost, BIG > n * (cost range), has as many edges as it
+    # can (n - 1: without in-edges of the root, a spanning arborescence from the root) and among
+    # those the least cost. (networkx's minimum_spanning_arborescence gave up on some graphs
+    # that have one.)
+    lowest = min(cost[e] for e in graph.edges)
+    big = graph.number_of_nodes() * (max(cost[e] for e in graph.edges) - lowest + 1.0)
     pricing = nx.DiGraph()
     pricing.add_nodes_from(graph.nodes)
-    pricing.add_weighted_edges_from(((u, v, cost[(u, v)]) for u, v in graph.edges if v != root), weight="cost")
-    try:
-        tree = nx.minimum_spanning_arborescence(pricing, attr="cost", preserve_attrs=False)
-    except nx.NetworkXException:
-        raise PlanInfeasible(f"no spanning tree from {root} over the group's links (is the group connected?)") from None
+    pricing.add_weighted_edges_from(((u, v, big - (cost[(u, v)] - lowest)) for u, v in graph.edges if v != root),
+                                    weight="gain")
+    tree = nx.maximum_branching(pricing, attr="gain", preserve_attrs=False)
+    if tree.number_of_edges() != graph.number_of_nodes() - 1:
+        raise PlanInfeasible(f"Edmonds' algorithm found no spanning tree from {root} although one exists")
     return tuple(sorted(tree.edges))
 
 
@@ -66,8 +76,21 @@ def warm_start_trees(graph: nx.DiGraph, root) -> list[Edges]:
     return trees
 
 
-def _solve(problem: pulp.LpProblem, what: str) -> None:
-    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=SOLVER_TIME_LIMIT_S))
+def _variable(problem: pulp.LpProblem, name: str, **bounds) -> pulp.LpVariable:
+    """A variable of ``problem`` (PuLP >= 3.3 attaches it to the model; older PuLP builds it alone)."""
+    add = getattr(problem, "add_variable", None)
+    return add(name, **bounds) if add else pulp.LpVariable(name, **bounds)
+
+
+def _dual_price(problem: pulp.LpProblem, name: str) -> float:
+    getter = getattr(problem, "get_constraint_by_name", None)
+    constraint = getter(name) if getter else problem.constraints[name]
+    return constraint.pi or 0.0
+
+
+def _solve(problem: pulp.LpProblem, what: str, time_limit_s: float = SOLVER_TIME_LIMIT_S,
+           warm_start: bool = False) -> None:
+    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm_start))
     status = pulp.LpStatus[problem.status]
     found = pulp.LpSolution.get(problem.sol_status, "")
     if status != "Optimal" and found != "Optimal Solution Found":
@@ -84,7 +107,7 @@ def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges]) -> tuple[dict[Edges,
     The dual price y_e of (1) prices link e; a tree with sum_{e in T} y_e < 1 would improve it.
     """
     problem = pulp.LpProblem(f"tree_packing_{next(_names)}", pulp.LpMaximize)
-    rate = {tree: pulp.LpVariable(f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
+    rate = {tree: _variable(problem, f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
     problem += pulp.lpSum(rate.values())
     names = {}
     for e, (u, v, data) in enumerate(graph.edges(data=True)):
@@ -94,7 +117,7 @@ def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges]) -> tuple[dict[Edges,
             problem += (pulp.lpSum(users) <= data["capacity"], names[(u, v)])
     _solve(problem, "tree packing LP")
     weights = {tree: var.value() or 0.0 for tree, var in rate.items()}
-    duals = {edge: (problem.constraints[names[edge]].pi or 0.0) if edge in names else 0.0 for edge in graph.edges}
+    duals = {edge: _dual_price(problem, names[edge]) if edge in names else 0.0 for edge in graph.edges}
     return weights, duals
 
 
@@ -117,8 +140,8 @@ def pack_trees(graph: nx.DiGraph, root, bound_gbps: float,
     return trees, weights
 
 
-def fewest_trees_ilp(graph: nx.DiGraph, trees: list[Edges], packed_gbps: float,
-                     min_share: float) -> dict[Edges, float]:
+def fewest_trees_ilp(graph: nx.DiGraph, trees: list[Edges], packed_gbps: float, min_share: float,
+                     start: dict[Edges, float] | None = None) -> dict[Edges, float]:
     """The fewest trees that carry ``min_share`` of the packed rate; returns the kept trees' rates.
 
     Sets: E the directed links (capacity c_e); T the generated trees; u_T = min_{e in T} c_e.
@@ -127,10 +150,11 @@ def fewest_trees_ilp(graph: nx.DiGraph, trees: list[Edges], packed_gbps: float,
     the second term < 1 only breaks ties towards the fastest of the smallest sets).
     Constraints: (1) for every link e: sum over T containing e of w_T <= c_e;
     (2) for every tree T: w_T <= u_T z_T; (3) sum_T w_T >= min_share * R.
+    ``start`` (tree -> rate), a feasible solution, warm-starts CBC.
     """
     problem = pulp.LpProblem(f"fewest_trees_{next(_names)}", pulp.LpMinimize)
-    kept = {tree: pulp.LpVariable(f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
-    rate = {tree: pulp.LpVariable(f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
+    kept = {tree: _variable(problem, f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
+    rate = {tree: _variable(problem, f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
     problem += pulp.lpSum(kept.values()) - 0.5 * pulp.lpSum(rate.values()) * (1.0 / packed_gbps)
     for e, (u, v, data) in enumerate(graph.edges(data=True)):
         users = [rate[t] for t in trees if (u, v) in t]
@@ -140,7 +164,10 @@ def fewest_trees_ilp(graph: nx.DiGraph, trees: list[Edges], packed_gbps: float,
     for t, tree in enumerate(trees):
         problem += (rate[tree] <= min(capacity[e] for e in tree) * kept[tree], f"c2_kept_{t}")
     problem += (pulp.lpSum(rate.values()) >= min_share * packed_gbps, "c3_share")
-    _solve(problem, "fewest-trees ILP")
+    for tree in trees:
+        kept[tree].setInitialValue(1 if start and tree in start else 0)
+        rate[tree].setInitialValue(start.get(tree, 0.0) if start else 0.0)
+    _solve(problem, "fewest-trees ILP", FEWEST_TREES_TIME_LIMIT_S, warm_start=start is not None)
     return {tree: rate[tree].value() for tree in trees if (kept[tree].value() or 0) > 0.5 and rate[tree].value() > 0}
 
 
@@ -204,17 +231,19 @@ def _safest(graph: nx.DiGraph, residual: dict, root, trees: list, need_gbps: flo
     return best_weight, best_tree
 
 
-def peel_trees(graph: nx.DiGraph, root, bound_gbps: float, min_share: float) -> tuple[list[Edges], float]:
+def peel_trees(graph: nx.DiGraph, root, bound_gbps: float,
+               min_share: float) -> tuple[list[Edges], dict[Edges, float], float]:
     """Few trees with their rates, found greedily; also every tree an LP on the way used.
 
     Repeatedly pack the residual graph (its optimum is the residual need, by the invariant that
     every cut still holds it), take the tree of that packing that can carry the most while the
     rest still packs (:func:`max_safe_weight`), and subtract it, until ``min_share`` is carried.
     Every tree of an optimal packing is safe at least at its LP rate, so each round progresses.
-    Returns (candidate trees for the ILP, rate of the first, full LP packing).
+    Returns (candidate trees for the ILP, the peeled trees with their rates, rate of the first,
+    full LP packing).
     """
     residual = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
-    need, candidates, packed = bound_gbps, [], None
+    need, candidates, packed, peeled = bound_gbps, [], None, {}
     while need > (1 - min_share) * bound_gbps + CAPACITY_EPS_GBPS:
         try:
             trees, weights = pack_trees(_residual_graph(graph, residual), root, need, candidates)
@@ -233,7 +262,8 @@ def peel_trees(graph: nx.DiGraph, root, bound_gbps: float, min_share: float) -> 
         for edge in tree:
             residual[edge] -= weight
         need -= weight
-    return candidates, packed or 0.0
+        peeled[tree] = peeled.get(tree, 0.0) + weight
+    return candidates, peeled, packed or 0.0
 
 
 def pack_arborescences(graph: nx.DiGraph, root, bound_gbps: float,
@@ -241,7 +271,7 @@ def pack_arborescences(graph: nx.DiGraph, root, bound_gbps: float,
     """Steps 1-3: the kept trees with their rates (GB/s), and the rate of the full LP packing."""
     if graph.number_of_nodes() == 1:
         return {(): float("inf")}, float("inf")
-    candidates, packed = peel_trees(graph, root, bound_gbps, min_share)
+    candidates, peeled, packed = peel_trees(graph, root, bound_gbps, min_share)
     if packed <= 0:
         raise PlanInfeasible(f"no positive-rate spanning tree from {root}")
-    return fewest_trees_ilp(graph, candidates, packed, min_share), packed
+    return fewest_trees_ilp(graph, candidates, packed, min_share, start=peeled), packed

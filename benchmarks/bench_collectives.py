@@ -1,0 +1,112 @@
+"""Blink trees vs the min-cut bound and the best ring on every 3-8 GPU subset of a DGX-1V.
+
+Run: ``python benchmarks/bench_collectives.py [--cluster plans/clusters/dgx1v.yaml] [--json]``
+
+For each of the 219 subsets of 3..8 GPUs, twice (NVLink only, as Blink packs; and NVLink + the
+PCIe links between the other pairs), it plans the trees from the best root and reports, per
+subset size: packed rate / min-cut bound (target >= 0.98), number of trees (target <= n),
+tree rate / best ring rate, the modelled allreduce time of 256 MB over the trees vs the ring,
+and solve time. NVLink-only subsets whose graph is disconnected are counted, not planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from felactl.errors import PlanInfeasible
+from felactl.optimizer.collectives import allreduce_time_s, plan_collective, ring_allreduce_time_s
+from felactl.spec import ClusterSpec, load_cluster
+
+ALLREDUCE_BYTES = 256e6
+
+
+def measure(cluster: ClusterSpec, devices: tuple[str, ...]) -> dict | None:
+    started = time.perf_counter()
+    try:
+        collective = plan_collective(cluster, devices)
+    except PlanInfeasible:
+        return None
+    solve_s = time.perf_counter() - started
+    tree_s = allreduce_time_s(cluster, collective, ALLREDUCE_BYTES)
+    ring_s = ring_allreduce_time_s(cluster, devices, ALLREDUCE_BYTES) if collective.ring_gbps > 0 else None
+    return {
+        "n": len(devices),
+        "rate_over_bound": collective.rate_gbps / collective.bound_gbps,
+        "num_trees": len(collective.trees),
+        "rate_over_ring": collective.rate_gbps / collective.ring_gbps if collective.ring_gbps > 0 else float("inf"),
+        "ring_s_over_tree_s": ring_s / tree_s if ring_s is not None else None,
+        "solve_s": solve_s,
+    }
+
+
+def summarise(rows: list[dict], size: int | str, disconnected: int) -> dict:
+    finite = [r["rate_over_ring"] for r in rows if r["rate_over_ring"] != float("inf")]
+    speedups = [r["ring_s_over_tree_s"] for r in rows if r["ring_s_over_tree_s"] is not None]
+    return {
+        "n": size, "subsets": len(rows) + disconnected, "disconnected": disconnected,
+        "rate/bound min": min(r["rate_over_bound"] for r in rows),
+        "rate/bound median": statistics.median(r["rate_over_bound"] for r in rows),
+        "trees max": max(r["num_trees"] for r in rows),
+        "trees median": statistics.median(r["num_trees"] for r in rows),
+        "over n": sum(r["num_trees"] > r["n"] for r in rows),
+        "no ring": len(rows) - len(finite),
+        "rate/ring median": statistics.median(finite) if finite else float("nan"),
+        "rate/ring min": min(finite) if finite else float("nan"),
+        "ring time/tree time median": statistics.median(speedups) if speedups else float("nan"),
+        "solve s median": statistics.median(r["solve_s"] for r in rows),
+        "solve s max": max(r["solve_s"] for r in rows),
+    }
+
+
+def run(cluster: ClusterSpec) -> list[dict]:
+    names = cluster.device_names
+    table = []
+    for variant, spec in (("nvlink", dataclasses.replace(cluster, intra_node_default=None)), ("nvlink+pcie", cluster)):
+        everything, all_disconnected = [], 0
+        for size in range(3, len(names) + 1):
+            rows, disconnected = [], 0
+            for subset in itertools.combinations(names, size):
+                row = measure(spec, subset)
+                if row is None:
+                    disconnected += 1
+                else:
+                    rows.append(row)
+            table.append({"graph": variant, **summarise(rows, size, disconnected)})
+            everything += rows
+            all_disconnected += disconnected
+        table.append({"graph": variant, **summarise(everything, "3-8", all_disconnected)})
+    return table
+
+
+def render(table: list[dict]) -> str:
+    columns = list(table[0])
+    lines = [" | ".join(columns), " | ".join("---" for _ in columns)]
+    for row in table:
+        lines.append(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", default=str(Path(__file__).resolve().parent.parent / "plans/clusters/dgx1v.yaml"))
+    parser.add_argument("--json", action="store_true", help="print the table as JSON")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    table = run(load_cluster(args.cluster))
+    if args.json:
+        print(json.dumps(table))
+    else:
+        print(render(table))
+        print(f"\n{sum(r['subsets'] for r in table if r['n'] == '3-8')} groups in "
+              f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

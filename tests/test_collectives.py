@@ -1,0 +1,234 @@
+"""Blink collective trees: validity of every packing, the DGX-1V numbers, errors, the time model."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import random
+import time
+from pathlib import Path
+
+import pulp
+import pytest
+
+from felactl.errors import InputError, PlanInfeasible
+from felactl.optimizer.collectives import allreduce_time_s, plan_collective, ring_allreduce_time_s
+from felactl.optimizer.graph import best_ring, capacity_graph, min_cut_bound
+from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, load_cluster
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTERS = REPO / "plans" / "clusters"
+DGX = load_cluster(CLUSTERS / "dgx1v.yaml")
+NVLINK_ONLY = dataclasses.replace(DGX, intra_node_default=None)
+EPS = 1e-6
+
+
+def gpus(*indices: int) -> tuple[str, ...]:
+    return tuple(f"gpu{i}" for i in indices)
+
+
+def assert_valid(cluster: ClusterSpec, collective: Collective) -> None:
+    """Every tree is a spanning arborescence from the root; no link carries more than it has."""
+    members, root = set(collective.devices), collective.root
+    load: dict[tuple[str, str], float] = {}
+    for tree in collective.trees:
+        parent: dict[str, str] = {}
+        for a, b in tree.edges:
+            assert b not in parent, f"{b} has two parents"
+            parent[b] = a
+            load[(a, b)] = load.get((a, b), 0.0) + tree.weight
+        assert set(parent) == members - {root}, "a tree must give every non-root device one parent"
+        for device in parent:
+            hops, here = 0, device
+            while here != root:
+                here, hops = parent[here], hops + 1
+                assert hops <= len(members), f"{device} is on a cycle, not below the root"
+    for (a, b), gbps in load.items():
+        assert cluster.link(a, b) is not None, f"tree edge {a} -> {b} has no link"
+        assert gbps <= cluster.link(a, b).bandwidth_gbps + EPS, f"{a} -> {b} carries {gbps} GB/s"
+    assert sum(t.weight for t in collective.trees) == pytest.approx(collective.rate_gbps)
+    assert collective.rate_gbps <= collective.bound_gbps + EPS
+
+
+GROUPS = [
+    (NVLINK_ONLY, NVLINK_ONLY.device_names), (DGX, gpus(0, 1, 5)),
+    (NVLINK_ONLY, gpus(0, 1, 2, 4, 5)), (DGX, gpus(0, 1, 2, 4, 5)), (DGX, gpus(1, 2, 3, 4, 6, 7)),
+    (NVLINK_ONLY, gpus(2, 3, 6, 7)),
+]
+
+
+@pytest.mark.parametrize("cluster,devices", GROUPS, ids=lambda x: ",".join(x) if isinstance(x, tuple) else x.name)
+def test_trees_are_arborescences_within_capacity(cluster, devices):
+    collective = plan_collective(cluster, devices)
+    assert_valid(cluster, collective)
+    assert collective.rate_gbps >= 0.99 * collective.bound_gbps - EPS
+
+
+def test_full_dgx1v_from_gpu0_reaches_the_min_cut():
+    # gpu0 has 6 NVLinks (0-1, 0-2, 2x 0-3, 2x 0-4) of 25 GB/s: 150 GB/s; PCIe adds 3 x 10 GB/s.
+    nvlink = plan_collective(NVLINK_ONLY, NVLINK_ONLY.device_names, root="gpu0", min_share=1.0)
+    assert nvlink.bound_gbps == pytest.approx(150.0)
+    assert nvlink.rate_gbps == pytest.approx(150.0)
+    assert len(nvlink.trees) <= 8
+    both = plan_collective(DGX, DGX.device_names, root="gpu0", min_share=1.0)
+    assert_valid(DGX, both)
+    assert both.bound_gbps == pytest.approx(180.0) and both.rate_gbps == pytest.approx(180.0)
+    assert both.ring_gbps == pytest.approx(50.0)   # the widest Hamiltonian cycle uses only 2-link pairs
+
+
+def test_three_gpus_without_nvlink_ring_trees_beat_the_ring():
+    # 0-1 (1 link), 1-5 (2 links), no 0-5 NVLink: no NVLink ring; NCCL would fall back to PCIe.
+    devices = gpus(0, 1, 5)
+    assert best_ring(NVLINK_ONLY, devices) == ((), 0.0)
+    collective = plan_collective(DGX, devices)
+    assert collective.ring_gbps == pytest.approx(10.0)         # the ring must take a PCIe hop
+    assert collective.rate_gbps == pytest.approx(35.0)         # 25 over NVLink + 10 over PCIe
+    num_bytes = 100e6
+    assert allreduce_time_s(DGX, collective, num_bytes) * 3 < ring_allreduce_time_s(DGX, devices, num_bytes)
+
+
+@pytest.mark.parametrize("devices", [NVLINK_ONLY.device_names, *itertools.combinations(NVLINK_ONLY.device_names, 7)])
+def test_at_most_n_trees_on_the_nvlink_graph(devices):
+    collective = plan_collective(NVLINK_ONLY, devices)
+    assert 1 <= len(collective.trees) <= len(devices)
+    assert collective.rate_gbps >= 0.99 * collective.bound_gbps - EPS
+
+
+def _random_cluster(seed: int, size: int) -> ClusterSpec:
+    rng = random.Random(seed)
+    devices = tuple(Device(name=f"d{i}", kind=DeviceKind.CUDA, model="x", tflops=1.0, memory_gb=1.0)
+                    for i in range(size))
+    links = tuple(Link(src=f"d{a}", dst=f"d{b}", bandwidth_gbps=float(rng.choice([5, 10, 25, 50])),
+                       latency_us=1.0, type=LinkType.NVLINK)
+                  for a in range(size) for b in range(size) if a != b and (rng.random() < 0.6 or b == (a + 1) % size))
+    return ClusterSpec(name=f"random{seed}", nodes=(Node(name="n", devices=devices),), links=links)
+
+
+def _all_arborescences(devices: tuple[str, ...], root: str, edges: set) -> list[tuple]:
+    others = [d for d in devices if d != root]
+    trees = []
+    for parents in itertools.product(devices, repeat=len(others)):
+        tree = tuple(zip(parents, others))
+        if all(e in edges for e in tree):
+            parent = dict((b, a) for a, b in tree)
+            def reaches(d, seen=()):
+                return d == root or (d not in seen and reaches(parent[d], seen + (d,)))
+            if all(reaches(d) for d in others):
+                trees.append(tree)
+    return trees
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packing_matches_an_lp_over_every_arborescence(seed):
+    """A second implementation: enumerate every spanning arborescence, solve the full LP."""
+    cluster = _random_cluster(seed, 5)
+    devices = cluster.device_names
+    collective = plan_collective(cluster, devices, root="d0", min_share=1.0)
+    assert_valid(cluster, collective)
+    capacity = {(l.src, l.dst): l.bandwidth_gbps for l in cluster.links}
+    trees = _all_arborescences(devices, "d0", set(capacity))
+    problem = pulp.LpProblem("all_trees", pulp.LpMaximize)
+    w = [pulp.LpVariable(f"w{i}", lowBound=0) for i in range(len(trees))]
+    problem += pulp.lpSum(w)
+    for e, cap in capacity.items():
+        users = [w[i] for i, t in enumerate(trees) if e in t]
+        if users:
+            problem += pulp.lpSum(users) <= cap
+    problem.solve(pulp.PULP_CBC_CMD(msg=False))
+    assert pulp.LpStatus[problem.status] == "Optimal"
+    optimum = pulp.value(problem.objective)
+    assert collective.rate_gbps == pytest.approx(optimum, rel=1e-6)
+    assert min_cut_bound(capacity_graph(cluster, devices), "d0")[0] == pytest.approx(optimum, rel=1e-6)  # Edmonds
+
+
+def test_unknown_device_and_foreign_root_are_input_errors():
+    with pytest.raises(InputError, match="unknown device 'gpu9'"):
+        plan_collective(DGX, ["gpu0", "gpu9"])
+    with pytest.raises(InputError, match="root 'gpu3'"):
+        plan_collective(DGX, gpus(0, 1), root="gpu3")
+    with pytest.raises(InputError, match="listed twice"):
+        plan_collective(DGX, ["gpu0", "gpu0"])
+
+
+def test_disconnected_group_names_the_unreachable_device():
+    # NVLink only: gpu0 has no NVLink to gpu5 or gpu6 (they are linked to each other).
+    with pytest.raises(PlanInfeasible, match="gpu0 cannot be reached from gpu5"):
+        plan_collective(NVLINK_ONLY, gpus(0, 5, 6), root="gpu5")
+    with pytest.raises(PlanInfeasible, match="disconnected"):
+        plan_collective(NVLINK_ONLY, gpus(0, 5, 6))
+    no_network = dataclasses.replace(load_cluster(CLUSTERS / "dgx1v-x2.yaml"), inter_node_default=None)
+    with pytest.raises(PlanInfeasible, match="dgx1.gpu0 cannot be reached"):
+        plan_collective(no_network, ["dgx0.gpu0", "dgx1.gpu0"])
+
+
+def test_a_group_of_one_needs_no_collective():
+    collective = plan_collective(DGX, ["gpu3"])
+    assert collective.trees == () and collective.root == "gpu3" and collective.rate_gbps == 0
+    assert allreduce_time_s(DGX, collective, 1e9) == 0.0
+    assert ring_allreduce_time_s(DGX, ["gpu3"], 1e9) == 0.0
+
+
+def _pair_cluster(*links: tuple[str, str, float, float]) -> ClusterSpec:
+    names = sorted({x for link in links for x in link[:2]})
+    devices = tuple(Device(name=n, kind=DeviceKind.CPU, model="x", tflops=1.0, memory_gb=1.0) for n in names)
+    return ClusterSpec(name="hand", nodes=(Node(name="n", devices=devices),), links=tuple(
+        Link(src=s, dst=d, bandwidth_gbps=gbps, latency_us=lat, type=LinkType.PCIE)
+        for a, b, gbps, lat in links for s, d in ((a, b), (b, a))))
+
+
+def test_time_formulas_on_hand_computed_groups():
+    pair = _pair_cluster(("a", "b", 10.0, 5.0))
+    collective = plan_collective(pair, ["a", "b"])
+    # n = 2: ring 2(n-1)/n * N / 10 GB/s + 2(n-1) * 5 us; trees: reduce and broadcast overlap on the two directions.
+    assert ring_allreduce_time_s(pair, ["a", "b"], 1e9) == pytest.approx(0.1 + 10e-6)
+    assert allreduce_time_s(pair, collective, 1e9) == pytest.approx(0.1 + 10e-6)
+    chain = _pair_cluster(("a", "b", 20.0, 2.0), ("b", "c", 20.0, 3.0))
+    collective = plan_collective(chain, ["a", "b", "c"], root="a")
+    assert collective.rate_gbps == pytest.approx(20.0) and collective.ring_gbps == 0.0
+    assert allreduce_time_s(chain, collective, 1e9) == pytest.approx(1e9 / 20e9 + 2 * (2 + 3) * 1e-6)
+    with pytest.raises(PlanInfeasible, match="no ring"):
+        ring_allreduce_time_s(chain, ["a", "b", "c"], 1e9)
+
+
+def test_two_dgx1v_three_phase_trees():
+    cluster = load_cluster(CLUSTERS / "dgx1v-x2.yaml")
+    rooted = plan_collective(dataclasses.replace(cluster, intra_node_default=None), cluster.device_names,
+                             root="dgx1.gpu2")
+    assert rooted.root == "dgx1.gpu2" and rooted.rate_gbps == pytest.approx(12.5)
+    assert rooted.trees[0].edges[0][0] == "dgx1.gpu2"
+    collective = plan_collective(cluster, cluster.device_names)   # identical servers: one packing serves both
+    assert_valid(cluster, collective)
+    assert collective.rate_gbps == pytest.approx(12.5) and collective.bound_gbps == pytest.approx(12.5)
+    assert len(collective.trees) <= 16
+    # two servers: the broadcast crosses one way and the reduce the other, each NIC busy once per direction
+    # plus the pipeline's fill: twice the deepest latency (<= 7 PCIe-or-NVLink hops per server + the network)
+    assert 1e9 / 12.5e9 < allreduce_time_s(cluster, collective, 1e9) <= 1e9 / 12.5e9 + 2 * (14 * 8 + 5) * 1e-6
+    assert ring_allreduce_time_s(cluster, cluster.device_names, 1e9) == pytest.approx(
+        2 * 15 / 16 * 1e9 / 12.5e9 + 2 * 15 * 5e-6)
+
+
+def test_64_servers_of_8_gpus_plan_in_seconds():
+    spec = importlib.util.spec_from_file_location("generate", CLUSTERS / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    cluster = dataclasses.replace(generate.dgx1v(64), intra_node_default=None)
+    started = time.perf_counter()
+    collective = plan_collective(cluster, cluster.device_names)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 5.0
+    assert len(collective.devices) == 512 and len(collective.trees) <= 8
+    assert all(len(tree.edges) == 511 for tree in collective.trees)
+    assert collective.rate_gbps == pytest.approx(12.5)
+    assert allreduce_time_s(cluster, collective, 1e9) > 0
+
+
+def test_mixed_cluster_loads_and_plans():
+    cluster = load_cluster(CLUSTERS / "mixed.yaml")
+    assert len(cluster.devices) == 24
+    a100 = [d.name for d in cluster.nodes[0].devices]
+    local = plan_collective(cluster, a100, min_share=1.0)
+    assert local.rate_gbps == pytest.approx(300.0)   # 3 peers x 4 NVLinks x 25 GB/s
+    everything = plan_collective(cluster, cluster.device_names)
+    assert_valid(cluster, everything)
+    assert everything.rate_gbps == pytest.approx(3.125)   # 25 Gb/s Ethernet between nodes
