@@ -140,6 +140,8 @@ MUTATIONS: list[tuple[str, str, Callable[[dict], Any], str]] = [
     ("model-negative-params", "model", lambda d: d["layers"][2].update(params=-1), "layers[2].params"),
     ("model-zero-activation", "model", lambda d: d["layers"][4].update(activation_bytes_per_sample=0),
      "layers[4].activation_bytes_per_sample"),
+    ("model-negative-saved", "model", lambda d: d["layers"][1].update(saved_bytes_per_sample=-8),
+     "layers[1].saved_bytes_per_sample"),
     ("model-duplicate-timing", "model", lambda d: d["layers"][0]["timings"][1].update(micro_batch=1),
      "layers[0].timings[1]"),
     ("model-negative-time", "model", lambda d: d["layers"][1]["timings"][0].update(bwd_ms=-0.2),

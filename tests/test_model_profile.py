@@ -78,6 +78,9 @@ def test_mlp_linear_flops_are_two_in_out():
     # backward: weight grad (2*in*out) everywhere, input grad (2*in*out more) except on the data
     assert [l.bwd_flops_per_sample for l in spec.layers] == [(2 if i == 0 else 4) * a * b
                                                              for i, (a, b) in enumerate(dims)]
+    # kept for backward: each Linear's input (for its weight gradient) and each ReLU's output
+    assert [l.saved_bytes_per_sample for l in spec.layers] == (
+        [FP32 * (d_in + hidden)] + [FP32 * 2 * hidden] * (depth - 1) + [FP32 * hidden])
 
 
 def test_count_flops_of_one_linear_scales_with_batch():
@@ -126,6 +129,7 @@ def test_user_model_with_an_input_shape():
     assert spec.name == "user_net" and spec.config == {"hidden": 10, "input_shape": [2, 3, 3]}
     assert [l.params for l in spec.layers] == [0, 18 * 10 + 10, 0, 10 * 4 + 4]
     assert spec.layers[1].fwd_flops_per_sample == 2 * 18 * 10
+    assert [l.saved_bytes_per_sample for l in spec.layers] == [0, FP32 * 18, FP32 * 10, FP32 * 10]
     # only the weight gradient: nothing trainable comes before the first Linear, so its input is data
     assert spec.layers[1].bwd_flops_per_sample == 2 * 18 * 10 and spec.layers[3].bwd_flops_per_sample == 4 * 10 * 4
     assert spec.input_bytes_per_sample == FP32 * 18

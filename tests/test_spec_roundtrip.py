@@ -39,7 +39,8 @@ def make_model() -> ModelSpec:
                         for dm, speed in (("Tesla V100-SXM2-16GB", 3.0), ("Intel(R) Xeon(R) Gold 6148", 1 / 7))
                         for b in (1, 4, 16))
         return Layer(name=f"{i}.Block", kind="Block", params=params, param_bytes=4 * params,
-                     activation_bytes_per_sample=act, fwd_flops_per_sample=flops,
+                     activation_bytes_per_sample=act, saved_bytes_per_sample=9 * act if i else None,
+                     fwd_flops_per_sample=flops,
                      bwd_flops_per_sample=2 * flops, timings=timings)
 
     return ModelSpec(name="gpt-mini", source="gpt-mini",

@@ -88,10 +88,10 @@ def layer_table(spec: ModelSpec) -> Table:
     device_models = sorted({t.device_model for layer in spec.layers for t in layer.timings})
     batches = sorted({t.micro_batch for layer in spec.layers for t in layer.timings})
     table = Table(title=f"{spec.name} on {', '.join(device_models) or '-'}", box=box.SIMPLE_HEAD,
-                  caption="out KB and MFLOP are per sample; b=N: ms per sample, forward + backward, "
+                  caption="KB and MFLOP per sample (saved: kept for backward); b=N: ms per sample, forward + backward, "
                           "at micro-batch N")
     table.add_column("layer", no_wrap=True)
-    for column in ("params", "out KB", "MFLOP"):
+    for column in ("params", "out KB", "saved KB", "MFLOP"):
         table.add_column(column, justify="right", no_wrap=True)
     for batch in batches:
         table.add_column(f"b={batch}", justify="right", no_wrap=True)
@@ -101,10 +101,11 @@ def layer_table(spec: ModelSpec) -> Table:
                       if t.device_model == device_models[0]} if device_models else {}
         for i, batch in enumerate(batches):
             totals[i] += per_sample.get(batch, 0.0)
-        table.add_row(layer.name, f"{layer.params:,}", f"{layer.activation_bytes_per_sample / 1e3:,.1f}",
+        saved_kb = "-" if layer.saved_bytes_per_sample is None else f"{layer.saved_bytes_per_sample / 1e3:,.1f}"
+        table.add_row(layer.name, f"{layer.params:,}", f"{layer.activation_bytes_per_sample / 1e3:,.1f}", saved_kb,
                       f"{layer.fwd_flops_per_sample / 1e6:,.1f}",
                       *(f"{per_sample[b]:.3g}" if b in per_sample else "-" for b in batches))
-    table.add_row("total", f"{spec.total_params:,}", "",
+    table.add_row("total", f"{spec.total_params:,}", "", "",
                   f"{sum(l.fwd_flops_per_sample for l in spec.layers) / 1e6:,.1f}",
                   *(f"{t:.3g}" for t in totals), style="bold")
     return table

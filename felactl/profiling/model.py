@@ -85,6 +85,23 @@ def count_flops(layer: nn.Module, inputs: torch.Tensor, *,
     return fwd_flops, bwd_flops, out.detach()
 
 
+def saved_bytes(layer: nn.Module, inputs: torch.Tensor, *, input_grad: bool = True) -> int:
+    """Bytes of the tensors autograd saves in ``layer``'s forward for its backward (weights
+    excluded, each storage counted once): what a micro-batch in flight keeps in memory."""
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _forward(layer, _leaf(inputs, input_grad))
+    return sum(saved.values())
+
+
 def time_layer(layer: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, *,
                repeats: int, warmup: int = WARMUP_RUNS, input_grad: bool = True) -> tuple[float, float]:
     """Median forward and backward milliseconds of ``layer`` on this micro-batch.
@@ -124,6 +141,7 @@ class _LayerStatic:
     params: int
     param_bytes: int
     activation_bytes_per_sample: int
+    saved_bytes_per_sample: int
     fwd_flops_per_sample: float
     bwd_flops_per_sample: float
 
@@ -197,6 +215,7 @@ def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int, inpu
     for i, (child_name, layer) in enumerate(layers.named_children()):
         try:
             fwd_flops, bwd_flops, out = count_flops(layer, hidden, input_grad=input_grads[i])
+            saved = saved_bytes(layer, hidden, input_grad=input_grads[i])
         except InputError as exc:
             raise InputError(f"model {bundle.source!r}: layer {i}: {exc}") from None
         trainable = [p for p in layer.parameters() if p.requires_grad]
@@ -207,6 +226,7 @@ def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int, inpu
             params=sum(p.numel() for p in trainable),
             param_bytes=sum(p.numel() * p.element_size() for p in trainable),
             activation_bytes_per_sample=max(1, _tensor_bytes(out) // batch),
+            saved_bytes_per_sample=saved // batch,
             fwd_flops_per_sample=fwd_flops / batch,
             bwd_flops_per_sample=bwd_flops / batch,
         ))
@@ -291,5 +311,5 @@ def _check_device(device: str) -> torch.device:
     return torch_device
 
 
-__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_REPEATS", "count_flops", "profile_model", "this_device_model",
-           "time_layer"]
+__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_REPEATS", "count_flops", "profile_model", "saved_bytes",
+           "this_device_model", "time_layer"]

@@ -32,6 +32,9 @@ class Layer:
     param_bytes: int
     activation_bytes_per_sample: int
     """Bytes of this layer's output for one sample: what crosses a stage boundary after it."""
+    saved_bytes_per_sample: int | None = None
+    """Bytes autograd keeps from this layer's forward until its backward, per sample (its input and
+    intermediates, not its weights): the memory one micro-batch in flight holds."""
     fwd_flops_per_sample: float
     bwd_flops_per_sample: float
     timings: tuple[LayerTiming, ...] = ()
@@ -44,6 +47,8 @@ class Layer:
         positive("params", self.params, allow_zero=True)
         positive("param_bytes", self.param_bytes, allow_zero=True)
         positive("activation_bytes_per_sample", self.activation_bytes_per_sample)
+        if self.saved_bytes_per_sample is not None:
+            positive("saved_bytes_per_sample", self.saved_bytes_per_sample, allow_zero=True)
         positive("fwd_flops_per_sample", self.fwd_flops_per_sample, allow_zero=True)
         positive("bwd_flops_per_sample", self.bwd_flops_per_sample, allow_zero=True)
         seen = set()
