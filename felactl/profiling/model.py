@@ -2,9 +2,10 @@
 
 The planner cuts the model between layers and gives each stage a micro-batch size, so it needs,
 per layer: parameters (memory, gradient traffic), output bytes per sample (what crosses a stage
-boundary), bytes kept for backward per sample (the memory of a micro-batch in flight), FLOPs per sample (to scale to devices never profiled) and the forward and backward
-time at several micro-batch sizes on this device. The times per sample shrink as the micro-batch
-grows until the device saturates: that curve is what Fela's choice of micro-batch rests on.
+boundary), bytes kept for backward per sample (the memory of a micro-batch in flight), FLOPs per
+sample (to scale to devices never profiled) and the forward and backward time at several
+micro-batch sizes on this device. The times per sample shrink as the micro-batch grows until the
+device saturates: that curve is what Fela's choice of micro-batch rests on.
 
 FLOPs come from torch's own ``FlopCounterMode`` (with the CPU flash-attention kernels, which it
 does not know, mapped to its attention formulas), never from hand formulas.
