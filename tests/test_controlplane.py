@@ -13,7 +13,7 @@ import pytest
 
 from felactl.errors import AuthError, ControlPlaneError, InputError
 from felactl.launcher.controlplane import (AgentSession, Assignment, Coordinator, new_secret, parse_endpoint,
-                                           read_secret_file, sign, verify, write_secret_file)
+                                           read_secret_file, sign, signed_envelope, verify, write_secret_file)
 
 
 def test_secret_file_is_private_hex_and_reads_back(tmp_path):
@@ -138,6 +138,14 @@ def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins(cap
         coordinator.close()
 
 
+def _eventually(check, timeout_s: float = 5.0):
+    """TCPStore's set is not acknowledged: a key set on one connection shows on another a little later."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return result
+
+
 def test_forged_documents_are_rejected():
     secret = new_secret()
     coordinator = Coordinator(secret)
@@ -146,13 +154,16 @@ def test_forged_documents_are_rejected():
         _serve_until(coordinator, thread)
         session = outcome["session"]
         assert session.stop_requested() is None
-        forged = json.dumps({"reason": "forged"}, sort_keys=True)
+        forged = signed_envelope(new_secret(), "stop", {"reason": "forged"})
         coordinator.store.set(coordinator.prefix + "stop", forged)
-        coordinator.store.set(coordinator.prefix + "stop.sig", sign(new_secret(), f"stop|{forged}"))
         with pytest.raises(AuthError, match="not signed with this job's secret"):
-            session.stop_requested()
+            _eventually(session.stop_requested)
+        renamed = signed_envelope(secret, "job", {"reason": "a job document posing as a stop"})
+        coordinator.store.set(coordinator.prefix + "stop", renamed)
+        with pytest.raises(AuthError, match="not signed with this job's secret"):
+            _eventually(lambda: session.stop_requested() == "a job document posing as a stop")
         coordinator.stop("done")
-        assert session.stop_requested() == "done"
+        assert _eventually(lambda: session.stop_requested() == "done")
     finally:
         coordinator.close()
 

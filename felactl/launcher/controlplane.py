@@ -83,6 +83,24 @@ def verify(secret: str, message: str | bytes, signature: str) -> bool:
     return hmac.compare_digest(sign(secret, message), str(signature))
 
 
+def signed_envelope(secret: str, name: str, document: dict) -> str:
+    """A document for the store with its signature; the name is signed too, so one cannot pose as another."""
+    text = json.dumps(document, sort_keys=True)
+    return json.dumps({"document": text, "signature": sign(secret, f"{name}|{text}")})
+
+
+def open_envelope(secret: str, name: str, raw: bytes | str) -> dict:
+    """The document in an envelope; AuthError unless it is signed with ``secret`` under ``name``."""
+    try:
+        envelope = json.loads(raw)
+        text, signature = str(envelope["document"]), str(envelope["signature"])
+    except (ValueError, KeyError, TypeError):
+        raise AuthError(f"the {name} document on the control plane is not signed with this job's secret") from None
+    if not verify(secret, f"{name}|{text}", signature):
+        raise AuthError(f"the {name} document on the control plane is not signed with this job's secret")
+    return json.loads(text)
+
+
 # --- endpoints and stores ----------------------------------------------------------------------
 def parse_endpoint(endpoint: str, default_port: int | None = None) -> tuple[str, int]:
     """``HOST:PORT`` (or ``HOST`` when a default port is given) -> (host, port)."""
@@ -141,7 +159,11 @@ def _get_json(store, key: str) -> Any:
 
 
 def _wait_key(store, key: str, deadline: float, what: str, alive=None) -> bytes:
-    """Poll for ``key`` until ``deadline`` (monotonic); a broken store is a ControlPlaneError."""
+    """Poll for ``key`` until ``deadline`` (monotonic); a broken store is a ControlPlaneError.
+
+    TCPStore's ``set`` does not wait for the server, so a key set on one connection shows up on
+    another a little later: readers poll, they never assume.
+    """
     while True:
         try:
             if store.check([key]):
@@ -262,9 +284,8 @@ class Coordinator:
         return list(self.members.values())
 
     def publish_signed(self, name: str, document: dict) -> None:
-        text = json.dumps(document, sort_keys=True)
-        self.store.set(self.prefix + name + ".sig", sign(self.secret, f"{name}|{text}"))
-        self.store.set(self.prefix + name, text)
+        """Set ``name`` to the document and its signature in one value, so no reader sees one without the other."""
+        self.store.set(self.prefix + name, signed_envelope(self.secret, name, document))
 
     def publish_assignments(self, assignments: dict[str, Assignment]) -> None:
         self.publish_signed("job", {agent_id: asdict(a) for agent_id, a in assignments.items()})
@@ -318,10 +339,7 @@ class AgentSession:
         key = self.prefix + name
         if not self.store.check([key]):
             return None
-        text = self.store.get(key).decode("utf-8")
-        if not verify(self.secret, f"{name}|{text}", self.store.get(key + ".sig").decode()):
-            raise AuthError(f"the {name} document on the control plane is not signed with this job's secret")
-        return json.loads(text)
+        return open_envelope(self.secret, name, self.store.get(key))
 
     def wait_assignment(self, timeout_s: float, alive=None) -> Assignment:
         deadline = time.monotonic() + timeout_s
