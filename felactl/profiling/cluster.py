@@ -212,7 +212,8 @@ def _run_workers(coordinator: Coordinator, members: list[Member], options: Profi
     assignments, offset = {}, 0
     for member in members:
         assignments[member.agent_id] = Assignment(rank_offset=offset, world_size=world_size, module=WORKER_MODULE,
-                                                  env={"FELACTL_PROFILE_CONFIG": json.dumps(config)})
+                                                  env={"FELACTL_PROFILE_CONFIG": json.dumps(config),
+                                                       "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
         offset += member.num_slots
     coordinator.publish_assignments(assignments)
     store, prefix = coordinator.store, coordinator.prefix

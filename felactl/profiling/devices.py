@@ -128,7 +128,7 @@ def _nvml_nvlinks(num_gpus: int) -> dict[tuple[int, int], int] | None:
     except Exception:  # pynvml raises its own NVMLError family; no driver means no NVML answer
         return None
     try:
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(num_gpus)]
+        handles = [_nvml_handle(pynvml, i) for i in range(num_gpus)]
         bus_ids = [_bus_id(pynvml.nvmlDeviceGetPciInfo(h).busId) for h in handles]
         counts: dict[tuple[int, int], int] = {}
         for i, handle in enumerate(handles):
@@ -152,12 +152,25 @@ def _nvml_nvlinks(num_gpus: int) -> dict[tuple[int, int], int] | None:
             pass
 
 
-def _bus_id(raw) -> str:
+def _nvml_handle(pynvml, cuda_ordinal: int):
+    """NVML numbers GPUs in PCI order, CUDA by speed and CUDA_VISIBLE_DEVICES: match them by PCI address."""
+    import torch
+
+    props = torch.cuda.get_device_properties(cuda_ordinal)
+    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        address = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return pynvml.nvmlDeviceGetHandleByPciBusId(address.encode())
+    return pynvml.nvmlDeviceGetHandleByIndex(cuda_ordinal)
+
+
+def _bus_id(raw) -> tuple[int, ...]:
+    """``00000000:3B:00.0`` / ``0000:3b:00.0`` -> (domain, bus, device): NVML pads domains differently."""
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    return text.lower()[-12:]  # NVML pads the domain differently in different calls
+    return tuple(int(part, 16) for part in text.replace(".", ":").split(":")[:3])
 
 
 def _smi_nvlinks(num_gpus: int) -> dict[tuple[int, int], int] | None:
+    """nvidia-smi's GPU indices are PCI order: right for profiling workers (CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
