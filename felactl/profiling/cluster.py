@@ -21,7 +21,8 @@ from typing import Callable
 from felactl.agents.agent import NodeAgentConfig, WorkerState, run_node_agent, split_cores
 from felactl.errors import ControlPlaneError, InputError, ProfilingError
 from felactl.launcher import hosts as hostfile
-from felactl.launcher.controlplane import Assignment, Coordinator, Member, read_secret_file, write_secret_file
+from felactl.launcher.controlplane import (Assignment, Coordinator, Member, parse_endpoint, read_secret_file,
+                                           write_secret_file)
 from felactl.profiling.devices import available_cores, node_info
 from felactl.profiling.links import LinkProbe, ordered_pairs
 from felactl.spec import ClusterSpec, Device, DeviceKind, Link, LinkType, Node
@@ -113,11 +114,9 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
                     ) -> ProfileResult:
     """Profile this machine (no endpoint/hostfile) or the agents that join ``endpoint``."""
     started = time.perf_counter()
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="felactl-profile-"))
     hosts = hostfile.read_hostfile(hostfile_path) if hostfile_path else None
-    if hosts is not None and endpoint is None:
-        raise InputError("--hostfile needs --rdzv-endpoint HOST:PORT, an address the hosts can reach")
     _check_mode(nproc_per_node, nnodes, endpoint, hosts is not None)
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="felactl-profile-"))
     secret_path = Path(secret_file) if secret_file else logs / "secret"
     secret = _job_secret(secret_path)
     coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
@@ -162,6 +161,10 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
 
 def _check_mode(nproc_per_node: int | None, nnodes: int, endpoint: str | None, with_hostfile: bool) -> None:
     """The flags of a local profile and of a multi-node one do not mix; say so instead of ignoring one."""
+    if with_hostfile and endpoint is None:
+        raise InputError("--hostfile needs --rdzv-endpoint HOST:PORT, an address the hosts can reach")
+    if endpoint is not None:
+        parse_endpoint(endpoint)
     if nnodes < 1:
         raise InputError(f"--nnodes must be >= 1, got {nnodes}")
     if endpoint is None and nnodes != 1:
