@@ -232,3 +232,9 @@ def test_mixed_cluster_loads_and_plans():
     everything = plan_collective(cluster, cluster.device_names)
     assert_valid(cluster, everything)
     assert everything.rate_gbps == pytest.approx(3.125)   # 25 Gb/s Ethernet between nodes
+
+
+def test_a_server_whose_part_is_disconnected_is_named():
+    cluster = dataclasses.replace(load_cluster(CLUSTERS / "dgx1v-x2.yaml"), intra_node_default=None)
+    with pytest.raises(PlanInfeasible, match=r"on dgx1 \(dgx1.gpu0, dgx1.gpu5\) are not connected"):
+        plan_collective(cluster, ["dgx0.gpu0", "dgx0.gpu1", "dgx1.gpu0", "dgx1.gpu5"])

@@ -9,7 +9,8 @@ maximise sum_T w_T subject to sum_{T contains e} w_T <= c_e, keep the fewest tre
 ``min_share`` of that rate (see ``packing``), and record the rate R = sum_T w_T beside the
 min-cut bound B = min_v maxflow(r, v) (Edmonds: the packing optimum equals B) and the best
 ring's bottleneck. Without a root given, the root with the largest B is taken (so the root
-choice costs max-flows only, not packings).
+choice costs max-flows, not packings); where that root needs more than n trees, the other roots
+with the same B are packed too and the one needing the fewest trees is kept.
 
 **Several servers** (Blink's three phases, composed into trees of the whole group): each server
 packs its own devices from a local root (the group's root on its server, elsewhere the device
@@ -50,8 +51,8 @@ from collections.abc import Sequence
 import networkx as nx
 
 from felactl.errors import InputError, PlanInfeasible
-from felactl.optimizer.graph import (best_ring, best_root, capacity_graph, check_devices, devices_by_node,
-                                     local_signature, min_cut_bound, signature_graph)
+from felactl.optimizer.graph import (best_ring, capacity_graph, check_devices, devices_by_node, local_signature,
+                                     min_cut_bound, roots_by_bound, signature_graph)
 from felactl.optimizer.packing import pack_arborescences
 from felactl.spec.cluster import ClusterSpec
 from felactl.spec.plan import Collective, Tree
@@ -65,15 +66,23 @@ def _pack_group(graph: nx.DiGraph, root, min_share: float) -> tuple[object, dict
     if graph.number_of_nodes() == 1:
         only = next(iter(graph.nodes))
         return only, {(): math.inf}, math.inf
-    if root is None:
-        root, bound = best_root(graph, list(graph.nodes))
-    else:
+    if root is not None:
         bound, narrowest = min_cut_bound(graph, root)
         if bound <= 0:
             raise PlanInfeasible(f"the group is disconnected: {narrowest} cannot be reached from {root} "
                                  "over the links among the group's devices")
-    kept, _ = pack_arborescences(graph, root, bound, min_share)
-    return root, kept, bound
+        return root, pack_arborescences(graph, root, bound, min_share)[0], bound
+    ranked = roots_by_bound(graph, list(graph.nodes))
+    best = None
+    for candidate, bound in ranked:
+        if bound < ranked[0][1] * (1 - 1e-9):
+            break
+        kept = pack_arborescences(graph, candidate, bound, min_share)[0]
+        if best is None or (len(kept), -sum(kept.values())) < (len(best[1]), -sum(best[1].values())):
+            best = (candidate, kept, bound)
+        if len(best[1]) <= graph.number_of_nodes():
+            break   # the first root with the best bound usually needs <= n trees; else try its ties
+    return best
 
 
 def _single_server(cluster: ClusterSpec, devices: tuple[str, ...], root: str | None,
@@ -132,7 +141,11 @@ def _multi_server(cluster: ClusterSpec, per_node: dict[str, list[str]], root: st
         forced = names.index(root) if root and server == root_server else None
         key = (local_signature(cluster, names), forced)
         if key not in cache:
-            cache[key] = _pack_group(signature_graph(key[0]), forced, min_share)
+            try:
+                cache[key] = _pack_group(signature_graph(key[0]), forced, min_share)
+            except PlanInfeasible:
+                raise PlanInfeasible(f"the group's devices on {server} ({', '.join(names)}) are not connected among "
+                                     "themselves; the three-phase collective needs each server's part connected") from None
         local_root, kept, bound = cache[key]
         local_roots[server] = names[local_root]
         rate = sum(kept.values())

@@ -65,22 +65,28 @@ def min_cut_bound(graph: nx.DiGraph, root: str) -> tuple[float, str | None]:
     return (0.0 if narrowest is None else bound), narrowest
 
 
-def best_root(graph: nx.DiGraph, candidates: Sequence[str]) -> tuple[str, float]:
-    """The candidate with the largest min-cut bound (the first such in order), and that bound.
+def roots_by_bound(graph: nx.DiGraph, candidates: Sequence[str]) -> list[tuple[str, float]]:
+    """Every candidate root with its min-cut bound, largest bound first (ties in candidate order).
 
-    Raises PlanInfeasible naming a device that no candidate root reaches.
+    Raises PlanInfeasible naming a device that the first candidate cannot reach when no
+    candidate reaches every device.
     """
-    best, best_bound, narrowest = candidates[0], -1.0, None
+    ranked, narrowest = [], None
     for root in candidates:
         bound, worst = min_cut_bound(graph, root)
-        if bound > best_bound:
-            best, best_bound = root, bound
+        ranked.append((root, bound))
         if root == candidates[0]:
             narrowest = worst
-    if best_bound <= 0 and graph.number_of_nodes() > 1:
+    ranked.sort(key=lambda item: -item[1])   # stable: ties keep the candidates' order
+    if ranked[0][1] <= 0 and graph.number_of_nodes() > 1:
         raise PlanInfeasible(f"the group is disconnected: {narrowest} cannot be reached from {candidates[0]} "
                              "over the links among the group's devices")
-    return best, best_bound
+    return ranked
+
+
+def best_root(graph: nx.DiGraph, candidates: Sequence[str]) -> tuple[str, float]:
+    """The candidate with the largest min-cut bound (the first such in order), and that bound."""
+    return roots_by_bound(graph, candidates)[0]
 
 
 def _bandwidth_map(graph: nx.DiGraph) -> dict:

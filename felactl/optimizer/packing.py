@@ -4,21 +4,26 @@ Pure (stdlib + networkx + pulp). Works on a directed capacity graph (``felactl.o
 and a root; knows nothing of clusters.
 
 1. **Columns.** A few rounds of multiplicative weights (Garg-Koenemann): take the minimum-length
-   spanning arborescence from the root (Edmonds' algorithm, networkx's
-   ``minimum_spanning_arborescence`` on the graph without the root's in-edges, so only the root
-   can be the root), then lengthen its edges by ``1 + eps * bottleneck / capacity``. This yields
-   a handful of diverse, good trees cheaply.
-2. **Packing LP with column generation** (:func:`solve_packing_lp`) over those trees; the pricing
-   problem is again a minimum-cost arborescence, with the LP's dual prices as edge costs. It
-   stops when no tree has a negative reduced cost (the LP optimum over *all* trees) or when the
-   rate reaches the min-cut bound, which by Edmonds' theorem is that optimum.
-3. **Fewest-trees ILP** (:func:`fewest_trees_ilp`) over every tree generated: keep as few trees
-   as possible that still carry ``min_share`` of the packed rate.
+   spanning arborescence from the root (Edmonds' algorithm: :func:`min_cost_arborescence`), then
+   lengthen its edges by ``1 + eps * bottleneck / capacity``. This yields diverse, good trees.
+2. **Packing LP with column generation** (:func:`solve_packing_lp`, :func:`pack_trees`) over
+   those trees; the pricing problem is again a minimum-cost arborescence, with the LP's dual
+   prices as edge costs. It stops when no tree has a negative reduced cost (the LP optimum over
+   *all* trees) or when the rate reaches the min-cut bound, which by Edmonds' theorem is that
+   optimum.
+3. **Peeling** (:func:`peel_trees`): an LP optimum spreads its rate over many trees, so we also
+   build a packing of few trees greedily, each round taking the tree that can carry the most
+   while the rest still packs (checked with min-cuts, :func:`max_safe_weight`).
+4. **Fewest-trees ILP** (:func:`fewest_trees_ilp`), warm-started from the peeled trees, over
+   every tree steps 2-3 produced, or, where the group is small enough to list every
+   arborescence (``ENUMERATION_LIMIT``), over all of them, which makes the count the true
+   minimum: keep as few trees as possible that still carry ``min_share`` of the packed rate.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import networkx as nx
 import pulp
@@ -37,6 +42,8 @@ MAX_PRICING_ROUNDS = 200
 REDUCED_COST_TOLERANCE = 1e-7
 BOUND_TOLERANCE = 1e-6
 CAPACITY_EPS_GBPS = 1e-7
+ENUMERATION_LIMIT = 256
+"""Groups with at most this many candidate arborescences give the ILP every one of them (exact)."""
 
 _names = itertools.count()
 
@@ -266,12 +273,39 @@ def peel_trees(graph: nx.DiGraph, root, bound_gbps: float,
     return candidates, peeled, packed or 0.0
 
 
+def all_arborescences(graph: nx.DiGraph, root, limit: int = ENUMERATION_LIMIT) -> list[Edges] | None:
+    """Every spanning arborescence from ``root``, or None when there could be more than ``limit``.
+
+    Each non-root device picks one parent among its in-links; the picks that leave no cycle are
+    the arborescences. The product of the in-degrees bounds their number.
+    """
+    others = [v for v in graph.nodes if v != root]
+    choices = [[u for u in graph.predecessors(v)] for v in others]
+    if math.prod(len(c) for c in choices) > limit:
+        return None
+    trees = []
+    for parents in itertools.product(*choices):
+        parent_of = dict(zip(others, parents))
+        if all(_reaches_root(v, parent_of, root) for v in others):
+            trees.append(tuple(sorted(zip(parents, others))))
+    return trees
+
+
+def _reaches_root(node, parent_of: dict, root) -> bool:
+    for _ in range(len(parent_of) + 1):
+        if node == root:
+            return True
+        node = parent_of[node]
+    return False
+
+
 def pack_arborescences(graph: nx.DiGraph, root, bound_gbps: float,
                        min_share: float) -> tuple[dict[Edges, float], float]:
-    """Steps 1-3: the kept trees with their rates (GB/s), and the rate of the full LP packing."""
+    """Steps 1-4: the kept trees with their rates (GB/s), and the rate of the full LP packing."""
     if graph.number_of_nodes() == 1:
         return {(): float("inf")}, float("inf")
     candidates, peeled, packed = peel_trees(graph, root, bound_gbps, min_share)
     if packed <= 0:
         raise PlanInfeasible(f"no positive-rate spanning tree from {root}")
+    candidates = all_arborescences(graph, root) or candidates   # small groups: the ILP is exact
     return fewest_trees_ilp(graph, candidates, packed, min_share, start=peeled), packed
