@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from felactl.spec.cluster import ClusterSpec, DeviceKind
 from felactl.spec.codec import FieldProblem, positive
 
 SHARE_TOLERANCE = 1e-6
@@ -43,6 +44,32 @@ class ModelRef:
     source: str
     """Built-in name or ``package.module:function``."""
     config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Where a device of the plan lives: the launcher gives each node's agent its devices' ranks."""
+
+    device: str
+    node: str
+    kind: DeviceKind = DeviceKind.CPU
+    local_index: int = 0
+    """The device's index within its node (the worker's LOCAL_RANK; the CUDA ordinal)."""
+
+    def __post_init__(self) -> None:
+        positive("local_index", self.local_index, allow_zero=True)
+
+
+def placements_from(cluster: ClusterSpec, devices: tuple[str, ...] | list[str]) -> tuple[Placement, ...]:
+    """The placement of ``devices`` (rank order) in ``cluster``; the planner records it in the plan."""
+    out = []
+    for name in devices:
+        node = cluster.node_of(name)
+        index = next(i for i, d in enumerate(node.devices) if d.name == name)
+        dev = cluster.device(name)
+        out.append(Placement(device=name, node=node.name, kind=dev.kind,
+                             local_index=dev.local_index if dev.local_index is not None else index))
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -208,6 +235,9 @@ class Plan:
     pipelines: tuple[tuple[str, ...], ...] = ()
     """For static schedules: replica r runs stage s on ``pipelines[r][s]``."""
     collectives: tuple[Collective, ...] = ()
+    placement: tuple[Placement, ...] = ()
+    """One entry per device, in ``devices`` order: its node, kind and local index. Empty: every
+    device is a CPU slot of the one node the job is launched on."""
     predicted: Prediction | None = None
     solver: SolverInfo | None = None
 
@@ -226,6 +256,16 @@ class Plan:
         self._check_stages()
         self._check_pipelines()
         self._check_collectives()
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        if not self.placement:
+            return
+        if len(self.placement) != len(self.devices):
+            raise FieldProblem("placement", f"needs one entry per device ({len(self.devices)}), got {len(self.placement)}")
+        for i, (placed, dev) in enumerate(zip(self.placement, self.devices)):
+            if placed.device != dev:
+                raise FieldProblem(f"placement[{i}].device", f"must be {dev!r} (devices[{i}]), got {placed.device!r}")
 
     def _check_stages(self) -> None:
         members = set(self.devices)
@@ -270,3 +310,12 @@ class Plan:
 
     def rank_of(self, device: str) -> int:
         return self.devices.index(device)
+
+    def nodes(self) -> dict[str, tuple[str, ...]]:
+        """Node name -> its devices in rank order ({"": devices} when the plan has no placement)."""
+        if not self.placement:
+            return {"": self.devices}
+        out: dict[str, list[str]] = {}
+        for placed in self.placement:
+            out.setdefault(placed.node, []).append(placed.device)
+        return {node: tuple(devs) for node, devs in out.items()}

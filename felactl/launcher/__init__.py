@@ -1,0 +1,1 @@
+"""The job: the control plane, starting agents, run directories, launch and status."""
