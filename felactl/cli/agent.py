@@ -31,7 +31,8 @@ def agent(
 
     from felactl.agents.agent import WorkerState, run_node_agent
     from felactl.launcher.controlplane import read_secret_file
-    from felactl.profiling.cluster import default_nproc_per_node, local_agent_config
+    from felactl.agents.local_node import local_agent_config
+    from felactl.profiling.cluster import default_nproc_per_node
 
     secret = read_secret_file(secret_file)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="felactl-agent-"))

@@ -10,20 +10,19 @@ group over all slots of all nodes, so links between nodes are measured like link
 from __future__ import annotations
 
 import json
-import socket
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from felactl.agents.agent import NodeAgentConfig, WorkerState, run_node_agent, split_cores
+from felactl.agents.agent import WorkerState
+from felactl.agents.local_node import AgentThread, local_agent_config
 from felactl.errors import ControlPlaneError, InputError, ProfilingError
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import (Assignment, Coordinator, Member, parse_endpoint, read_secret_file,
                                            write_secret_file)
-from felactl.profiling.devices import available_cores, node_info
+from felactl.profiling.devices import available_cores
 from felactl.profiling.links import LinkProbe, ordered_pairs
 from felactl.spec import ClusterSpec, Device, DeviceKind, Link, LinkType, Node
 
@@ -74,39 +73,6 @@ def default_nproc_per_node() -> int:
     return max(1, min(2, len(available_cores())))
 
 
-def local_agent_config(endpoint: str, secret: str, *, nproc: int, node_name: str | None, log_dir: Path,
-                       join_timeout_s: float, job: str = JOB) -> NodeAgentConfig:
-    """The agent of this machine: CPU slots are pinned to disjoint shares of its cores."""
-    info = node_info()
-    affinity = None if info["num_gpus"] >= nproc else split_cores(available_cores(), nproc)
-    return NodeAgentConfig(endpoint=endpoint, secret=secret, node_name=node_name or short_hostname(),
-                           nproc=nproc, log_dir=log_dir, node_info=info, cpu_affinity=affinity, job=job,
-                           join_timeout_s=join_timeout_s)
-
-
-def short_hostname() -> str:
-    return socket.gethostname().split(".")[0] or "localhost"
-
-
-class _AgentThread(threading.Thread):
-    """The in-process agent of a local profile: same protocol as a remote one, errors kept for the caller."""
-
-    def __init__(self, config: NodeAgentConfig):
-        super().__init__(name="felactl-local-agent", daemon=True)
-        self.config = config
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            run_node_agent(self.config)
-        except BaseException as exc:  # handed to the coordinator's thread, which raises it
-            self.error = exc
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
 def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpoint: str | None = None,
                     hostfile_path: str | None = None, secret_file: str | None = None, node_name: str | None = None,
                     name: str | None = None, log_dir: str | Path | None = None,
@@ -120,15 +86,15 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
     secret_path = Path(secret_file) if secret_file else logs / "secret"
     secret = _job_secret(secret_path)
     coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
-    local_agent: _AgentThread | None = None
+    local_agent: AgentThread | None = None
     ssh_procs = []
     reason = "the profile is over"
     try:
         if endpoint is None:
             nproc = nproc_per_node or default_nproc_per_node()
-            local_agent = _AgentThread(local_agent_config(coordinator.endpoint, secret, nproc=nproc,
+            local_agent = AgentThread(local_agent_config(coordinator.endpoint, secret, nproc=nproc,
                                                           node_name=node_name, log_dir=logs,
-                                                          join_timeout_s=options.join_timeout_s))
+                                                          join_timeout_s=options.join_timeout_s, job=JOB))
             local_agent.start()
         elif hosts is not None:
             nnodes = len(hosts)
@@ -254,7 +220,7 @@ def _wait_agents_done(coordinator: Coordinator, members: list[Member], alive, ti
         time.sleep(0.05)
 
 
-def _shutdown(coordinator: Coordinator, local_agent: _AgentThread | None, ssh_procs, reason: str) -> None:
+def _shutdown(coordinator: Coordinator, local_agent: AgentThread | None, ssh_procs, reason: str) -> None:
     try:
         coordinator.stop(reason)
         _wait_agents_done(coordinator, list(coordinator.members.values()), alive=lambda: None, timeout_s=10)
