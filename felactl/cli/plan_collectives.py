@@ -17,6 +17,7 @@ from rich.table import Table
 from felactl.cli import output
 from felactl.errors import InputError
 from felactl.optimizer.collectives import allreduce_time_s, plan_collective, ring_allreduce_time_s
+from felactl.optimizer.graph import abbreviate_names
 from felactl.spec import ClusterSpec, Collective, load_cluster
 
 
@@ -31,7 +32,7 @@ def resolve_device(cluster: ClusterSpec, token: str) -> str:
             return names[int(token)]
         raise InputError(f"device index {token} is out of range: cluster {cluster.name} has {len(names)} devices "
                          f"(0..{len(names) - 1})")
-    raise InputError(f"unknown device {token!r} (cluster {cluster.name} has {', '.join(names)})")
+    raise InputError(f"unknown device {token!r} (cluster {cluster.name} has {abbreviate_names(names)})")
 
 
 def resolve_devices(cluster: ClusterSpec, text: str | None) -> list[str]:

@@ -10,7 +10,8 @@ maximise sum_T w_T subject to sum_{T contains e} w_T <= c_e, keep the fewest tre
 min-cut bound B = min_v maxflow(r, v) (Edmonds: the packing optimum equals B) and the best
 ring's bottleneck. Without a root given, the root with the largest B is taken (so the root
 choice costs max-flows, not packings); where that root needs more than n trees, the other roots
-with the same B are packed too and the one needing the fewest trees is kept.
+with the same B are packed too (up to ``MAX_ROOTS_TRIED``) and the one needing the fewest trees
+is kept.
 
 **Several servers** (Blink's three phases, composed into trees of the whole group): each server
 packs its own devices from a local root (the group's root on its server, elsewhere the device
@@ -59,6 +60,8 @@ from felactl.spec.plan import Collective, Tree
 
 GBPS_TO_BYTES_PER_S = 1e9
 US_TO_S = 1e-6
+MAX_ROOTS_TRIED = 3
+"""Roots with the best bound packed (in device order) when the first needs more than n trees."""
 
 
 def _pack_group(graph: nx.DiGraph, root, min_share: float) -> tuple[object, dict, float]:
@@ -74,7 +77,7 @@ def _pack_group(graph: nx.DiGraph, root, min_share: float) -> tuple[object, dict
         return root, pack_arborescences(graph, root, bound, min_share)[0], bound
     ranked = roots_by_bound(graph, list(graph.nodes))
     best = None
-    for candidate, bound in ranked:
+    for candidate, bound in ranked[:MAX_ROOTS_TRIED]:
         if bound < ranked[0][1] * (1 - 1e-9):
             break
         kept = pack_arborescences(graph, candidate, bound, min_share)[0]
@@ -145,7 +148,8 @@ def _multi_server(cluster: ClusterSpec, per_node: dict[str, list[str]], root: st
                 cache[key] = _pack_group(signature_graph(key[0]), forced, min_share)
             except PlanInfeasible:
                 raise PlanInfeasible(f"the group's devices on {server} ({', '.join(names)}) are not connected among "
-                                     "themselves; the three-phase collective needs each server's part connected") from None
+                                     "themselves; the three-phase collective needs each server's part "
+                                     "connected") from None
         local_root, kept, bound = cache[key]
         local_roots[server] = names[local_root]
         rate = sum(kept.values())

@@ -29,15 +29,21 @@ _VIRTUAL = object()
 """A node joined to every device by infinitely wide links: the best cycle through it is the best path."""
 
 
+def abbreviate_names(names: Sequence[str], shown: int = 8) -> str:
+    """The first few names for a message, so a 512-device cluster still makes a one-line error."""
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
 def check_devices(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[str, ...]:
     """The devices as a tuple, after checking each exists in the cluster and none repeats."""
     if not devices:
         raise InputError("a collective needs at least one device")
     for name in devices:
         if not cluster.has_device(name):
-            raise InputError(f"unknown device {name!r} (cluster {cluster.name} has {', '.join(cluster.device_names)})")
+            known = abbreviate_names(cluster.device_names)
+            raise InputError(f"unknown device {name!r} (cluster {cluster.name} has {known})")
     if len(set(devices)) != len(devices):
-        raise InputError(f"a device is listed twice in {', '.join(devices)}")
+        raise InputError(f"a device is listed twice in {abbreviate_names(devices)}")
     return tuple(devices)
 
 
@@ -168,7 +174,8 @@ def local_signature(cluster: ClusterSpec, names: Sequence[str]) -> tuple:
     rings up to renaming, so the work is done once.
     """
     index = {name: i for i, name in enumerate(names)}
-    edges = sorted((index[l.src], index[l.dst], l.bandwidth_gbps, l.latency_us) for l in cluster.links_among(tuple(names)))
+    edges = sorted((index[link.src], index[link.dst], link.bandwidth_gbps, link.latency_us)
+                   for link in cluster.links_among(tuple(names)))
     return len(names), tuple(edges)
 
 
