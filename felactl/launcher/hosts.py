@@ -52,24 +52,25 @@ def read_hostfile(path: str | Path) -> list[Host]:
 
 
 def agent_ssh_command(host: Host, endpoint: str, *, felactl: str = "felactl", log_dir: str | None = None,
-                      ssh: str = "ssh") -> list[str]:
+                      ssh: str = "ssh", job: str = "profile") -> list[str]:
     """The ssh command line that starts one host's agent (the secret comes on stdin)."""
     remote = [felactl, "agent", "--rdzv-endpoint", endpoint, "--secret-file", "-",
-              "--nproc-per-node", str(host.num_slots), "--node-name", host.hostname]
+              "--nproc-per-node", str(host.num_slots), "--node-name", host.hostname, "--job", job]
     if log_dir:
         remote += ["--log-dir", log_dir]
     return [ssh, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", host.hostname,
             shlex.join(remote)]
 
 
-def start_ssh_agents(hosts: list[Host], endpoint: str, secret: str, log_dir: Path) -> list[subprocess.Popen]:
+def start_ssh_agents(hosts: list[Host], endpoint: str, secret: str, log_dir: Path,
+                     job: str = "profile") -> list[subprocess.Popen]:
     """Start ``felactl agent`` on every host; each ssh's output goes to ``log_dir/ssh-<host>.log``."""
     procs: list[subprocess.Popen] = []
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for host in hosts:
             with open(log_dir / f"ssh-{host.hostname}.log", "ab") as log_file:
-                proc = subprocess.Popen(agent_ssh_command(host, endpoint), stdin=subprocess.PIPE, stdout=log_file,
+                proc = subprocess.Popen(agent_ssh_command(host, endpoint, job=job), stdin=subprocess.PIPE, stdout=log_file,
                                         stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(proc)
             assert proc.stdin is not None

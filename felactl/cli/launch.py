@@ -1,0 +1,53 @@
+"""``felactl launch PLAN``: run a plan with the coordinator here and one agent per node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.live import Live
+
+from felactl.cli import output
+from felactl.cli.runview import run_table
+from felactl.spec import SyncMode
+
+
+def launch(
+    plan: Annotated[Path, typer.Argument(help="The plan to run (felactl plan -o plan.yaml).")],
+    run_id: Annotated[Optional[str], typer.Option(help="Name of the run directory under runs/.")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Iterations (global batches) to train.")] = 100,
+    sync: Annotated[Optional[SyncMode], typer.Option(help="Override the plan's sync mode.")] = None,
+    slowdown: Annotated[Optional[str], typer.Option(
+        help="RANK=FACTOR[,RANK=FACTOR]: slow workers on purpose (sleep (factor-1) x compute).")] = None,
+    straggler: Annotated[Optional[str], typer.Option(help="roundrobin:SECONDS or prob:P:SECONDS.")] = None,
+    checkpoint_every: Annotated[int, typer.Option(min=0, help="Checkpoint every K steps (0: never).")] = 0,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(
+        help="HOST:PORT the control plane listens on (default: loopback, a free port).")] = None,
+    nnodes: Annotated[int, typer.Option(min=1, help="Nodes (agents) to wait for.")] = 1,
+    hostfile: Annotated[Optional[Path], typer.Option(help="DeepSpeed-style 'host slots=N' file: start agents over ssh.")] = None,
+    node_name: Annotated[Optional[str], typer.Option(help="This machine's node name (default: short hostname).")] = None,
+    runs_root: Annotated[Path, typer.Option(help="Where run directories go.")] = Path("runs"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")] = False,
+) -> None:
+    """Train: start the coordinator and this machine's agent, run the plan, write runs/<id>/."""
+    from felactl.launcher.launch import LaunchOptions, launch as run_launch
+
+    options = LaunchOptions(plan_path=plan, run_id=run_id, runs_root=runs_root, steps=steps, sync=sync,
+                            slowdown=slowdown, straggler=straggler, checkpoint_every=checkpoint_every,
+                            rdzv_endpoint=rdzv_endpoint, nnodes=nnodes, hostfile=hostfile, node_name=node_name)
+    with Live(console=output.stderr, refresh_per_second=4, transient=False) as live:
+        def update(state) -> None:
+            from felactl.agents.worker.metrics import summarize
+
+            if state.records:
+                live.update(run_table(summarize(state.records), f"run {state.run.run_id} (of {steps} steps)"))
+
+        summary = run_launch(options, on_update=update)
+    output.emit(summary, as_json, lambda console: console.print(
+        f"run {summary['run']}: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"{summary['samples_per_s']:.1f} samples/s; results in {summary['run_dir']}"))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("launch")(launch)

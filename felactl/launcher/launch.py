@@ -1,0 +1,269 @@
+"""``felactl launch``: run a plan — the coordinator here, one agent per node, workers per device.
+
+The launch process hosts the control plane (:class:`Coordinator`), starts this machine's agent in a
+thread (and, with a hostfile, the other nodes' agents over ssh), waits until every node of the
+plan has joined and proved the job secret, hands each agent the ranks of its node's devices, then
+watches: agents' states on the store, workers' records in ``metrics.jsonl``. It ends by writing
+``summary.json``. Whatever happens, every process it started is stopped before it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from felactl.agents.agent import WorkerState
+from felactl.agents.local_node import AgentThread, local_agent_config, short_hostname
+from felactl.agents.worker.metrics import summarize
+from felactl.agents.worker.stragglers import parse_pattern, parse_slowdown
+from felactl.errors import ControlPlaneError, InputError, WorkerFailed
+from felactl.fsutil import atomic_write_text
+from felactl.launcher import hosts as hostfile
+from felactl.launcher.controlplane import Assignment, Coordinator, Member, write_secret_file
+from felactl.launcher.rundir import RunDir, append_jsonl
+from felactl.spec import Plan, SyncMode, load_plan, save
+
+WORKER_MODULE = "felactl.agents.worker"
+POLL_S = 0.2
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    plan_path: Path
+    run_id: str | None = None
+    runs_root: Path = Path("runs")
+    steps: int = 100
+    sync: SyncMode | None = None
+    slowdown: str | None = None
+    """``RANK=FACTOR[,RANK=FACTOR]``: after each compute, sleep (factor - 1) x its compute time."""
+    straggler: str | None = None
+    """``roundrobin:SECONDS`` or ``prob:P:SECONDS``."""
+    checkpoint_every: int = 0
+    rdzv_endpoint: str | None = None
+    nnodes: int = 1
+    hostfile: Path | None = None
+    node_name: str | None = None
+    join_timeout_s: float = 60.0
+    timeout_s: float = 120.0
+    """Collective and store timeout inside the workers."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise InputError(f"--steps must be >= 1, got {self.steps}")
+        if self.checkpoint_every < 0:
+            raise InputError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.nnodes < 1:
+            raise InputError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if self.nnodes > 1 and not (self.rdzv_endpoint or self.hostfile):
+            raise InputError("--nnodes > 1 needs --rdzv-endpoint (agents join there) or --hostfile")
+        parse_slowdown(self.slowdown)
+        parse_pattern(self.straggler)
+
+
+@dataclass
+class LaunchState:
+    """What the live view shows: the run, its members, the records so far."""
+
+    run: RunDir
+    plan: Plan
+    sync: SyncMode
+    members: list[Member] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+
+def node_devices(plan: Plan, local_node: str) -> dict[str, tuple[str, ...]]:
+    """Node -> its devices in rank order; a plan without placement runs wholly on ``local_node``."""
+    nodes = plan.nodes()
+    return {local_node: nodes[""]} if "" in nodes else nodes
+
+
+def assign_ranks(plan: Plan, members: list[Member], nodes: dict[str, tuple[str, ...]],
+                 env: dict[str, str]) -> dict[str, Assignment]:
+    """Give each member the ranks of its node's devices (pure; every mismatch is an InputError)."""
+    by_node = {m.node_name: m for m in members}
+    missing = [n for n in nodes if n not in by_node]
+    if missing:
+        raise InputError(f"no agent joined for node {missing[0]!r} of the plan (joined: {', '.join(by_node)})")
+    assignments = {}
+    for node, devices in nodes.items():
+        member = by_node[node]
+        if member.num_slots != len(devices):
+            raise InputError(f"node {node!r} offers {member.num_slots} worker slot(s) but the plan puts "
+                             f"{len(devices)} device(s) there")
+        ranks = [plan.rank_of(d) for d in devices]
+        if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+            raise InputError(f"the devices of node {node!r} must have consecutive ranks in plan.devices, got {ranks}")
+        assignments[member.agent_id] = Assignment(rank_offset=ranks[0], world_size=len(plan.devices),
+                                                  module=WORKER_MODULE, env=dict(env))
+    return assignments
+
+
+def worker_env(options: LaunchOptions, run: RunDir, store_endpoint: str) -> dict[str, str]:
+    """The FELACTL_* variables every worker reads (see felactl.agents.worker.config)."""
+    env = {"FELACTL_PLAN": str(run.plan.resolve()), "FELACTL_RUN_DIR": str(run.path.resolve()),
+           "FELACTL_STORE": store_endpoint, "FELACTL_STEPS": str(options.steps),
+           "FELACTL_CHECKPOINT_EVERY": str(options.checkpoint_every),
+           "FELACTL_TIMEOUT_S": str(int(options.timeout_s)),
+           # A user's own script calling init_process_group("env://") connects to our store as a
+           # client instead of trying to host one on MASTER_PORT (torchrun's agent does the same).
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if options.sync is not None:
+        env["FELACTL_SYNC"] = options.sync.value
+    if options.slowdown:
+        env["FELACTL_SLOWDOWN"] = options.slowdown
+    if options.straggler:
+        env["FELACTL_STRAGGLER"] = options.straggler
+    return env
+
+
+def prepare_run(options: LaunchOptions) -> tuple[RunDir, Plan, str]:
+    """Load and check the plan, make the run directory, its secret and its copy of the plan."""
+    plan = load_plan(options.plan_path)
+    run = RunDir.create(options.run_id, root=options.runs_root)
+    secret = write_secret_file(run.secret)
+    save(plan, run.plan)
+    atomic_write_text(run.path / "launch.json", json.dumps(
+        {k: (str(v) if isinstance(v, Path) else getattr(v, "value", v)) for k, v in asdict(options).items()},
+        indent=2) + "\n")
+    return run, plan, secret
+
+
+def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = lambda state: None) -> dict[str, Any]:
+    """Run the plan to the end; return the summary (also written to ``summary.json``)."""
+    local_node = options.node_name or short_hostname()
+    plan = load_plan(options.plan_path)
+    nodes = node_devices(plan, local_node)
+    _check_nodes(options, nodes, local_node)
+    run, plan, secret = prepare_run(options)
+    state = LaunchState(run=run, plan=plan, sync=options.sync or plan.sync.mode)
+    coordinator = Coordinator(secret, endpoint=options.rdzv_endpoint, job=run.run_id)
+    append_jsonl(run.events, {"time": time.time(), "kind": "launch", "run": run.run_id,
+                              "endpoint": coordinator.endpoint, "devices": list(plan.devices)})
+    agents = _Agents(options, run, coordinator, secret, nodes.get(local_node, ()), local_node)
+    try:
+        agents.start()
+        state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
+        env = worker_env(options, run, coordinator.endpoint)
+        coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env))
+        append_jsonl(run.events, {"time": time.time(), "kind": "start",
+                                  "members": [m.node_name for m in state.members]})
+        _watch(coordinator, state, agents, on_update)
+    except BaseException as exc:
+        coordinator.stop(f"launch ended: {type(exc).__name__}")
+        append_jsonl(run.events, {"time": time.time(), "kind": "failed", "reason": str(exc) or type(exc).__name__})
+        raise
+    finally:
+        agents.stop()
+        coordinator.close()
+    summary = _summary(state)
+    run.write_summary(summary)
+    append_jsonl(run.events, {"time": time.time(), "kind": "finished", "steps": summary["steps"]})
+    return summary
+
+
+def _check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local_node: str) -> None:
+    if options.rdzv_endpoint is None and options.hostfile is None and local_node not in nodes:
+        names = ", ".join(sorted(nodes))
+        raise InputError(f"{options.plan_path}: placement: the plan runs on node(s) {names} but this machine is "
+                         f"{local_node!r} (plan for a cluster profiled here, or pass --node-name)")
+    if options.rdzv_endpoint is None and options.hostfile is None and len(nodes) > 1:
+        raise InputError(f"{options.plan_path}: the plan spans {len(nodes)} nodes; start their agents with "
+                         "--hostfile, or with --rdzv-endpoint and `felactl agent` on each node")
+
+
+class _Agents:
+    """The agents this launch starts itself: this machine's (a thread) and, with a hostfile, ssh's."""
+
+    def __init__(self, options: LaunchOptions, run: RunDir, coordinator: Coordinator, secret: str,
+                 local_devices: tuple[str, ...], local_node: str):
+        self.options, self.run, self.coordinator, self.secret = options, run, coordinator, secret
+        self.local_devices, self.local_node = local_devices, local_node
+        self.thread: AgentThread | None = None
+        self.ssh: list = []
+
+    def start(self) -> None:
+        if self.options.hostfile is not None:
+            hosts = hostfile.read_hostfile(self.options.hostfile)
+            self.ssh = hostfile.start_ssh_agents(hosts, self.coordinator.endpoint, self.secret, self.run.logs,
+                                                 job=self.run.run_id)
+        if self.local_devices:
+            config = local_agent_config(self.coordinator.endpoint, self.secret, nproc=len(self.local_devices),
+                                        node_name=self.local_node, log_dir=self.run.logs,
+                                        join_timeout_s=self.options.join_timeout_s, job=self.run.run_id)
+            self.thread = AgentThread(config)
+            self.thread.start()
+
+    def check(self) -> None:
+        if self.thread is not None:
+            self.thread.check()
+        for proc in self.ssh:
+            if proc.poll() not in (None, 0):
+                raise ControlPlaneError(f"an ssh agent exited with {proc.returncode}; see {self.run.logs}/ssh-*.log")
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+        hostfile.stop_processes(self.ssh)
+
+
+def _watch(coordinator: Coordinator, state: LaunchState, agents: _Agents,
+           on_update: Callable[[LaunchState], None]) -> None:
+    """Until every agent reports its workers done: follow metrics, and fail fast on a failure."""
+    reader = _MetricsTail(state.run.metrics)
+    while True:
+        agents.check()
+        state.records.extend(reader.read_new())
+        on_update(state)
+        states = {m.agent_id: coordinator.agent_state(m.agent_id) for m in state.members}
+        failed = {aid: s for aid, s in states.items() if s and s.get("state") == WorkerState.FAILED.value}
+        if failed:
+            raise WorkerFailed(_failure_line(failed, state))
+        if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
+            state.records.extend(reader.read_new())
+            return
+        time.sleep(POLL_S)
+
+
+def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
+    parts = []
+    for s in failed.values():
+        for rank, line in sorted(s.get("failures", {}).items()):
+            parts.append(f"rank {rank}: {line}")
+    return f"worker failed ({'; '.join(parts) or 'no message'}); logs in {state.run.logs}"
+
+
+class _MetricsTail:
+    """Reads the records appended to metrics.jsonl since the last call (whole lines only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def _summary(state: LaunchState) -> dict[str, Any]:
+    if not state.records:
+        raise WorkerFailed(f"the workers ended without recording a step; logs in {state.run.logs}")
+    summary = summarize(state.records)
+    predicted = state.plan.predicted
+    measured_iteration_s = summary["wall_s"] / max(summary["steps"], 1)
+    summary.update(run=state.run.run_id, run_dir=str(state.run.path), iteration_s=measured_iteration_s,
+                   sync=state.sync.value)
+    if predicted is not None:
+        summary["predicted_iteration_s"] = predicted.iteration_s
+        summary["predicted_ratio"] = measured_iteration_s / predicted.iteration_s
+    return summary

@@ -1,0 +1,21 @@
+"""What ``felactl status`` reports about a run, read from its directory alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from felactl.agents.worker.metrics import summarize
+from felactl.launcher.rundir import RunDir, read_jsonl
+
+
+def run_status(run: str, runs_root: Path) -> dict[str, Any]:
+    """The run's state (running, finished, failed), its summary so far and its events."""
+    rundir = RunDir.find(run, root=runs_root)
+    events = read_jsonl(rundir.events)
+    final = rundir.read_summary()
+    records = read_jsonl(rundir.metrics)
+    summary = final or (summarize(records) if records else None)
+    kinds = [e.get("kind") for e in events]
+    state = "finished" if final else "failed" if "failed" in kinds else "running" if kinds else "created"
+    return {"run": rundir.run_id, "run_dir": str(rundir.path), "state": state, "summary": summary, "events": events}

@@ -1,0 +1,112 @@
+"""felactl launch end to end: coordinator, this machine's agent, real worker processes (gloo)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import stat
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from felactl.agents.local_node import short_hostname
+from felactl.cli.main import app
+from felactl.launcher.rundir import read_jsonl
+from felactl.spec import DeviceKind, ModelRef, Placement, save
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_helpers import dp_plan  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture
+def no_leftovers():
+    before = _children()
+    yield
+    leftover = [psutil.Process(pid) for pid in _children() - before if psutil.pid_exists(pid)]
+    gone, alive = psutil.wait_procs(leftover, timeout=5)
+    assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
+
+
+def _launch(tmp_path: Path, *args: str):
+    return CliRunner().invoke(app, ["launch", *args, "--runs-root", str(tmp_path / "runs")])
+
+
+def test_launch_runs_the_plan_and_leaves_a_run_directory(tmp_path, no_leftovers):
+    plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
+    result = _launch(tmp_path, str(plan_path), "--steps", "6", "--run-id", "r1", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 6 and summary["samples"] == 6 * 32
+    assert summary["final_loss"] > 0 and len(summary["workers"]) == 2
+    run = tmp_path / "runs" / "r1"
+    records = read_jsonl(run / "metrics.jsonl")
+    assert sorted((r["rank"], r["step"]) for r in records) == [(r, s) for r in range(2) for s in range(6)]
+    assert stat.S_IMODE((run / "secret").stat().st_mode) == 0o600
+    assert [e["kind"] for e in read_jsonl(run / "events.jsonl")] == ["launch", "start", "finished"]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+
+    status = CliRunner().invoke(app, ["status", "r1", "--runs-root", str(tmp_path / "runs"), "--json"])
+    assert status.exit_code == 0, status.output
+    assert json.loads(status.stdout)["state"] == "finished"
+
+
+def test_a_worker_that_dies_at_start_fails_the_launch_and_leaves_nothing(tmp_path, no_leftovers):
+    plan = dp_plan(2, "bsp")
+    broken = dataclasses.replace(plan, model=ModelRef(name="x", source="no_such_module:build"))
+    plan_path = save(broken, tmp_path / "plan.yaml")
+    result = _launch(tmp_path, str(plan_path), "--steps", "3")
+    assert result.exit_code == 1, result.output
+    assert "worker failed" in result.stderr and "no_such_module" in result.stderr
+    assert [e["kind"] for e in read_jsonl(tmp_path / "runs" / next(iter(
+        p.name for p in (tmp_path / "runs").iterdir())) / "events.jsonl")][-1] == "failed"
+
+
+def test_a_plan_for_another_machine_is_refused(tmp_path, no_leftovers):
+    plan = dp_plan(2, "bsp")
+    placed = dataclasses.replace(plan, placement=tuple(Placement(device=d, node="elsewhere", kind=DeviceKind.CPU,
+                                                                 local_index=i) for i, d in enumerate(plan.devices)))
+    plan_path = save(placed, tmp_path / "plan.yaml")
+    result = _launch(tmp_path, str(plan_path))
+    assert result.exit_code == 2
+    assert "elsewhere" in result.stderr and short_hostname() in result.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("content, needle", [(None, "no such file"), ("kind: Plan\nstages: [", "not valid YAML"),
+                                             ("kind: Cluster\n", "must be Plan")])
+def test_bad_plan_files(tmp_path, content, needle):
+    path = tmp_path / "plan.yaml"
+    if content is not None:
+        path.write_text(content)
+    result = _launch(tmp_path, str(path))
+    assert result.exit_code == 2 and needle in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_port_in_use_is_bad_input(tmp_path):
+    plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        result = _launch(tmp_path, str(plan_path), "--rdzv-endpoint", f"127.0.0.1:{port}")
+    assert result.exit_code == 2 and f"port {port}" in result.stderr
+
+
+def test_bad_flags(tmp_path):
+    plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
+    for args, needle in [(["--slowdown", "1=x"], "slowdown"), (["--straggler", "sometimes"], "straggler"),
+                         (["--nnodes", "2"], "--rdzv-endpoint")]:
+        result = _launch(tmp_path, str(plan_path), *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert needle.lower() in result.stderr.lower(), (args, result.stderr)
