@@ -7,12 +7,17 @@ PCIe links between the other pairs), it plans the trees from the best root and r
 subset size: packed rate / min-cut bound (target >= 0.98), number of trees (target <= n),
 tree rate / best ring rate, the modelled allreduce time of 256 MB over the trees vs the ring,
 and solve time. NVLink-only subsets whose graph is disconnected are counted, not planned.
+
+A second table plans every device of each cluster in plans/clusters/ and of 64 DGX-1Vs (512
+GPUs, Blink's three phases across servers): trees, rates, and the modelled 256 MB allreduce
+over the trees and over the best ring.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import itertools
 import json
 import statistics
@@ -25,6 +30,7 @@ from felactl.optimizer.collectives import allreduce_time_s, plan_collective, rin
 from felactl.spec import ClusterSpec, load_cluster
 
 ALLREDUCE_BYTES = 256e6
+CLUSTERS = Path(__file__).resolve().parent.parent / "plans" / "clusters"
 
 
 def measure(cluster: ClusterSpec, devices: tuple[str, ...]) -> dict | None:
@@ -85,6 +91,31 @@ def run(cluster: ClusterSpec) -> list[dict]:
     return table
 
 
+def _generated_dgx1v(num_servers: int) -> ClusterSpec:
+    spec = importlib.util.spec_from_file_location("generate", CLUSTERS / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    return generate.dgx1v(num_servers)
+
+
+def whole_clusters() -> list[dict]:
+    big = _generated_dgx1v(64)
+    cases = [(path.stem, load_cluster(path)) for path in sorted(CLUSTERS.glob("*.yaml"))]
+    cases += [("64 x dgx1v", big), ("64 x dgx1v nvlink only", dataclasses.replace(big, intra_node_default=None))]
+    rows = []
+    for name, cluster in cases:
+        started = time.perf_counter()
+        collective = plan_collective(cluster, cluster.device_names)
+        solve_s = time.perf_counter() - started
+        rows.append({"cluster": name, "devices": len(cluster.devices), "trees": len(collective.trees),
+                     "rate GB/s": collective.rate_gbps, "bound GB/s": collective.bound_gbps,
+                     "ring GB/s": collective.ring_gbps,
+                     "trees 256MB ms": allreduce_time_s(cluster, collective, ALLREDUCE_BYTES) * 1e3,
+                     "ring 256MB ms": ring_allreduce_time_s(cluster, cluster.device_names, ALLREDUCE_BYTES) * 1e3,
+                     "solve s": solve_s})
+    return rows
+
+
 def render(table: list[dict]) -> str:
     columns = list(table[0])
     lines = [" | ".join(columns), " | ".join("---" for _ in columns)]
@@ -95,15 +126,18 @@ def render(table: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", default=str(Path(__file__).resolve().parent.parent / "plans/clusters/dgx1v.yaml"))
+    parser.add_argument("--cluster", default=str(CLUSTERS / "dgx1v.yaml"))
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args()
     started = time.perf_counter()
     table = run(load_cluster(args.cluster))
+    clusters = whole_clusters()
     if args.json:
-        print(json.dumps(table))
+        print(json.dumps({"subsets": table, "clusters": clusters}))
     else:
         print(render(table))
+        print()
+        print(render(clusters))
         print(f"\n{sum(r['subsets'] for r in table if r['n'] == '3-8')} groups in "
               f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
 
