@@ -73,3 +73,15 @@ def reference_params(plan: Plan, steps: int) -> torch.Tensor:
 
 def metrics(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
+
+
+def hybrid_plan(stages: list[tuple[int, int, int, list[int]]], num_devices: int, *, global_batch: int = 32,
+                optimizer: str = "sgd", lr: float = 0.05, policy: str = "ads+hf", config=None) -> Plan:
+    """Fela's flexible hybrid: ``stages`` = [(layer_start, layer_end, micro_batch, [device ids])]."""
+    return Plan(cluster="local", model=ModelRef(name="mlp", source="mlp", config=config or MLP_CONFIG),
+                devices=tuple(f"cpu{i}" for i in range(num_devices)), global_batch=global_batch,
+                schedule=Schedule.TOKENS, sync=SyncSpec(mode=SyncMode.TOKENS, token_policy=policy),
+                training=Training(optimizer=optimizer, lr=lr, seed=0),
+                stages=tuple(Stage(layer_start=a, layer_end=b, micro_batch=mb,
+                                   workers=tuple(StageWorker(device=f"cpu{d}", share=1 / len(ds)) for d in ds))
+                             for a, b, mb, ds in stages))

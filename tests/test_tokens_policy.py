@@ -137,3 +137,12 @@ def test_complete_rejects_a_token_not_handed_out():
     server = TokenServer(TokenDAG(2), [0, 1])
     with pytest.raises(ValueError):
         server.complete(0, Token(0, False, 1))
+
+
+def test_pinned_backward_runs_where_its_forward_ran():
+    dag = TokenDAG(4, (1, 2))
+    server = TokenServer(dag, [0, 1], policy="ads+hf", pin_backward=True)
+    done = _drain(server, [0, 1])
+    for token, worker in done.items():
+        if token.backward:
+            assert worker == done[Token(token.level, False, token.index)]

@@ -16,6 +16,8 @@ Policies (SEEDS.md section 1):
   the owner's completed tokens this iteration (plus one). That is "the slowest worker with the
   fewest helpers" as one number; ties go to fewer helpers, then the lower rank.
 - **CTD**: a level may be restricted to a subset of workers (a stage's worker set).
+- ``pin_backward``: a backward token runs where its forward ran (the autograd graph and the
+  saved activations live there), as the runtime requires.
 
 No I/O here: the runtime keeps the same state in the control-plane store (data parallel) or feeds
 this server its requests; tests drive it directly.
@@ -137,13 +139,14 @@ class TokenServer:
 
     def __init__(self, dag: TokenDAG, workers: Sequence[int], policy: str = "ads+hf",
                  level_workers: Mapping[int, Sequence[int]] | None = None,
-                 shares: Mapping[int, float] | None = None):
+                 shares: Mapping[int, float] | None = None, pin_backward: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"token policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.dag = dag
         self.workers = tuple(workers)
         self.policy = policy
         self.level_workers = {lvl: tuple(ws) for lvl, ws in (level_workers or {}).items()}
+        self.pin_backward = pin_backward
         self.state = _State(completed={w: 0 for w in self.workers}, helpers={w: set() for w in self.workers})
         self._assign_first_level(shares or {w: 1.0 for w in self.allowed(0)})
 
@@ -165,6 +168,11 @@ class TokenServer:
     def finished(self) -> bool:
         return len(self.state.done_by) == 2 * sum(self.dag.count(i) for i in range(self.dag.num_levels))
 
+    def may_run(self, worker: int, token: Token) -> bool:
+        if self.pin_backward and token.backward:
+            return self.state.done_by.get(Token(token.level, False, token.index)) == worker
+        return worker in self.allowed(token.level)
+
     def locality(self, worker: int, token: Token) -> float:
         inputs = self.dag.inputs(token)
         if not inputs:
@@ -173,7 +181,7 @@ class TokenServer:
 
     def request(self, worker: int) -> Token | None:
         """The next token for ``worker`` under the policy, or None if none is ready for it now."""
-        mine = [t for t in self.state.ready if worker in self.allowed(t.level)]
+        mine = [t for t in self.state.ready if self.may_run(worker, t)]
         if not mine:
             return None
         if "hf" in self.policy:
@@ -225,6 +233,8 @@ class TokenServer:
     def _owner_of(self, token: Token) -> int:
         """A new token goes to the sub-bucket of the allowed worker that produced most of its inputs
         (ties: the shorter sub-bucket, then the lower rank)."""
+        if self.pin_backward and token.backward:
+            return self.state.done_by[Token(token.level, False, token.index)]
         backlog = {w: 0 for w in self.workers}
         for owner in self.state.ready.values():
             backlog[owner] += 1

@@ -108,8 +108,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def record(self, *, step: int, samples: int, loss_sum: float | None, compute_s: float, comm_s: float,
-               wait_s: float, duration_s: float, **extra) -> None:
-        loss = loss_sum / samples if samples and loss_sum is not None else None
+               wait_s: float, duration_s: float, loss_samples: int | None = None, **extra) -> None:
+        """``loss_samples``: the samples ``loss_sum`` is over, where not ``samples`` (a worker of the
+        flexible hybrid may compute the first sub-model of some samples and the loss of others)."""
+        loss_samples = samples if loss_samples is None else loss_samples
+        loss = loss_sum / loss_samples if loss_samples and loss_sum is not None else None
         self.metrics.write(step=step, samples=samples, loss=loss, compute_s=compute_s, comm_s=comm_s,
                            wait_s=wait_s, duration_s=duration_s, **extra)
         t = self.totals

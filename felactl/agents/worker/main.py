@@ -10,14 +10,20 @@ import torch.distributed as dist
 from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker import runtime as runtime_mod
-from felactl.spec import Plan, Schedule
+from felactl.errors import InputError
+from felactl.spec import Plan, Schedule, SyncMode
 
 SYNC_MODULES = {"bsp": "bsp", "tokens": "tokens", "wbsp": "wbsp", "sdpipe": "sdpipe"}
 
 
 def strategy(plan: Plan):
     """The module whose ``run(trainer)`` trains under this plan."""
+    if len(plan.stages) > 1 and plan.schedule is Schedule.TOKENS:
+        return importlib.import_module("felactl.agents.worker.flexible")
     if len(plan.stages) > 1:
+        if plan.sync.mode not in (SyncMode.BSP, SyncMode.TOKENS):
+            raise InputError(f"sync {plan.sync.mode.value} runs on data-parallel plans (one stage); static pipelines "
+                             f"synchronise each stage's replicas with bsp")
         return importlib.import_module("felactl.agents.worker.pipeline")
     return importlib.import_module(f"felactl.agents.worker.sync.{SYNC_MODULES[plan.sync.mode.value]}")
 

@@ -60,8 +60,11 @@ def place(plan: Plan, rank: int) -> Placement:
         offsets = split_by_shares(plan.global_batch, [w.share for w in stage.workers])[replica]
         return Placement(rank, 0, replica, offsets, tuple(plan.rank_of(d) for d in stage.devices))
     if plan.schedule is Schedule.TOKENS:
-        raise InputError("the runtime runs multi-stage plans as static pipelines (schedule 1f1b or gpipe); "
-                         "token-driven flexible hybrid across stages is not implemented yet")
+        # Flexible hybrid: the rank may run several stages; its "home" is the first one it is in.
+        s = next(i for i, stage in enumerate(plan.stages) if device in stage.devices)
+        stage = plan.stages[s]
+        return Placement(rank, s, stage.devices.index(device), range(0),
+                         tuple(plan.rank_of(d) for d in stage.devices))
     slots = [(r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe) if d == device]
     if len(slots) != 1:
         raise InputError(f"device {device!r} must appear in exactly one pipeline slot, found {len(slots)}")

@@ -1,0 +1,336 @@
+"""Fela's flexible hybrid: sub-models with their own micro-batch sizes and worker sets, driven by tokens.
+
+Stage ``s`` of the plan is sub-model ``s``; its micro-batch ``b_s`` gives the weight
+``w_s = b_s / b_0`` and its workers are the CTD subset allowed to run it. A worker builds every
+sub-model it may run. Per iteration, a :class:`~felactl.launcher.tokens.TokenServer` (a thread in
+rank 0, fed through the store) hands out tokens; each request carries the token just finished
+("report and ask in one small message"), and the reply names the token and which workers hold
+its inputs. A backward token normally goes back to the worker that ran its forward (locality:
+that worker holds the autograd graph); when an idle worker steals one from a straggler, it
+recomputes the forward from the same inputs first (activation recomputation), so stragglers can
+shed backward work too.
+
+Data plane: every worker keeps what its tokens produced (forward outputs; input gradients split
+per consumer) and serves them from a thread: a consumer sends ``[kind, level, index, rank]`` on a
+request group, the producer answers on a data group (point-to-point, gloo). Tensors never pass
+the token server or the store. At the end of the iteration each stage's workers sum-allreduce that
+stage's gradients (sample-weighted, so the result equals single-process training), then step.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from felactl.agents.worker.checkpoint import checkpoint_path, save_checkpoint
+from felactl.agents.worker.engine import Trainer, make_optimizer
+from felactl.agents.worker.pipeline import MAX_DIMS
+from felactl.errors import InputError
+from felactl.launcher.tokens import Token, TokenDAG, TokenServer, num_first_level_tokens, token_samples
+from felactl.spec import Plan
+
+ACTIVATION, GRADIENT, STOP = 0, 1, 2
+TAG_REQUEST, TAG_DATA = 31, 32
+
+
+def token_weights(plan: Plan) -> tuple[int, ...]:
+    first = plan.stages[0].micro_batch
+    weights = []
+    for s, stage in enumerate(plan.stages):
+        if stage.micro_batch % first:
+            raise InputError(f"stages[{s}].micro_batch ({stage.micro_batch}) must be a multiple of the first "
+                             f"stage's ({first}) for token scheduling")
+        weights.append(stage.micro_batch // first)
+    return tuple(weights)
+
+
+def make_dag(plan: Plan) -> TokenDAG:
+    weights = token_weights(plan)
+    n1 = num_first_level_tokens(plan.global_batch, plan.stages[0].micro_batch, len(plan.stages[0].workers))
+    n1 = -(-n1 // weights[-1]) * weights[-1]  # round up so the last level's tokens are whole
+    try:
+        return TokenDAG(n1, weights)
+    except ValueError as exc:
+        raise InputError(f"cannot build the token DAG: {exc}") from None
+
+
+class TokenService:
+    """Rank 0's thread: pops requests from a store queue (``queue_push``/``queue_pop``: one round
+    trip each way) and answers on each worker's reply queue, parking a request until a token is
+    ready for its worker. One :class:`TokenServer` per iteration."""
+
+    def __init__(self, store, plan: Plan, steps: int):
+        self.store, self.plan, self.steps = store, plan, steps
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="token-server", daemon=True)
+
+    def _server(self) -> TokenServer:
+        plan = self.plan
+        level_workers = {s: tuple(plan.rank_of(d) for d in st.devices) for s, st in enumerate(plan.stages)}
+        shares = {plan.rank_of(w.device): w.share for w in plan.stages[0].workers}
+        return TokenServer(make_dag(plan), tuple(range(len(plan.devices))), plan.sync.token_policy,
+                           level_workers=level_workers, shares=shares)
+
+    def _run(self) -> None:
+        try:
+            for step in range(self.steps):
+                self._iteration(step)
+        except BaseException as exc:
+            self.error = exc
+
+    def _iteration(self, step: int) -> None:
+        server, parked, ended = self._server(), [], set()
+        while len(ended) < len(server.workers):
+            request = json.loads(self.store.queue_pop(f"fx/{step}/requests", block=True))
+            if request["done"] is not None:
+                server.complete(request["rank"], Token(*request["done"]))
+            parked.append(request["rank"])
+            still = []
+            for rank in parked:
+                token = server.request(rank)
+                if token is None and not server.finished:
+                    still.append(rank)
+                    continue
+                reply = {"end": True} if token is None else self._reply(server, token)
+                self.store.queue_push(f"fx/{step}/reply/{rank}", json.dumps(reply))
+                if token is None:
+                    ended.add(rank)
+            parked = still
+
+    @staticmethod
+    def _reply(server: TokenServer, token: Token) -> dict:
+        """The token and who holds its inputs (for a backward, also its forward's inputs, in case
+        it must be recomputed where the forward did not run)."""
+        def holders(t: Token) -> list[int]:
+            return [server.state.done_by[i] for i in server.dag.inputs(t)]
+        reply = {"token": [token.level, token.backward, token.index], "inputs": holders(token)}
+        if token.backward:
+            reply["forward_inputs"] = holders(Token(token.level, False, token.index))
+        return reply
+
+
+def _send(tensor: torch.Tensor, dst: int, group) -> None:
+    tensor = tensor.detach().contiguous()
+    header = torch.zeros(MAX_DIMS + 1, dtype=torch.long)
+    header[0] = tensor.dim()
+    header[1:1 + tensor.dim()] = torch.tensor(tensor.shape)
+    dist.send(header, dst, group=group, tag=TAG_DATA)
+    dist.send(tensor, dst, group=group, tag=TAG_DATA)
+
+
+def _recv(src: int, group) -> torch.Tensor:
+    header = torch.zeros(MAX_DIMS + 1, dtype=torch.long)
+    dist.recv(header, src, group=group, tag=TAG_DATA)
+    tensor = torch.empty(tuple(header[1:1 + int(header[0])].tolist()))
+    dist.recv(tensor, src, group=group, tag=TAG_DATA)
+    return tensor
+
+
+class TensorStore:
+    """What this worker's tokens produced, served to peers by a thread (CPU tensors, gloo)."""
+
+    def __init__(self, rank: int, request_group, data_group):
+        self.rank, self.request_group, self.data_group = rank, request_group, data_group
+        self.produced: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name="tensor-server", daemon=True)
+
+    def put(self, step: int, kind: int, level: int, index: int, tensor: torch.Tensor) -> None:
+        with self.lock:
+            self.produced[(step, kind, level, index)] = tensor.detach().cpu()
+
+    def forget_before(self, step: int) -> None:
+        with self.lock:
+            self.produced = {k: v for k, v in self.produced.items() if k[0] >= step}
+
+    def fetch(self, step: int, kind: int, level: int, index: int, holder: int) -> torch.Tensor:
+        if holder == self.rank:
+            with self.lock:
+                return self.produced[(step, kind, level, index)]
+        dist.send(torch.tensor([kind, level, index, step]), holder, group=self.request_group, tag=TAG_REQUEST)
+        return _recv(holder, self.data_group)
+
+    def _serve(self) -> None:
+        try:
+            header = torch.zeros(4, dtype=torch.long)
+            while True:
+                src = dist.recv(header, None, group=self.request_group, tag=TAG_REQUEST)
+                kind, level, index, step = (int(x) for x in header)
+                if kind == STOP:
+                    return
+                with self.lock:
+                    tensor = self.produced[(step, kind, level, index)]
+                _send(tensor, src, self.data_group)
+        except BaseException as exc:
+            self.error = exc
+
+    def stop_peer(self, peer: int) -> None:
+        dist.send(torch.tensor([STOP, 0, 0, 0]), peer, group=self.request_group, tag=TAG_REQUEST)
+
+
+class FlexibleWorker:
+    def __init__(self, trainer: Trainer):
+        self.t = trainer
+        plan, rank = trainer.plan, trainer.runtime.rank
+        self.dag = make_dag(plan)
+        self.stages = [s for s, st in enumerate(plan.stages) if plan.devices[rank] in st.devices]
+        self.modules, self.optimizers = {}, {}
+        for s in self.stages:
+            st = plan.stages[s]
+            module = trainer.bundle.layers[st.layer_start:st.layer_end].to(trainer.runtime.device)
+            self.modules[s] = module
+            self.optimizers[s] = make_optimizer(plan, list(module.parameters()))
+        self.saved: dict[tuple[int, int], tuple] = {}
+        self.store = TensorStore(rank, trainer.runtime.new_world_group("gloo"), trainer.runtime.new_world_group("gloo"))
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.loss_sum, self.loss_samples, self.samples, self.tokens, self.compute_s = 0.0, 0, 0, 0, 0.0
+        self.recomputed = 0
+        self.saved = {}  # graphs of forwards whose backward another worker took
+
+    def indices(self, step: int, token: Token) -> list[int]:
+        w = self.dag.weights[token.level]
+        first = token_samples(self.t.global_batch, self.dag.num_first, token.index * w)
+        last = token_samples(self.t.global_batch, self.dag.num_first, (token.index + 1) * w - 1)
+        return self.t.step_indices(step, range(first.start, last.stop))
+
+    def _timed(self, fn):
+        start = time.perf_counter()
+        out = fn()
+        elapsed = time.perf_counter() - start
+        self.compute_s += elapsed + self.t.straggler.after_compute(elapsed)
+        return out
+
+    def forward(self, step: int, token: Token, holders: list[int], recompute: bool = False) -> tuple:
+        """Run forward token ``token`` (or, with ``recompute``, rebuild its graph for a stolen
+        backward: same inputs fetched again, nothing counted or published twice)."""
+        s, j, device = token.level, token.index, self.t.runtime.device
+        indices = self.indices(step, token)
+        last = s == self.dag.num_levels - 1
+        if s == 0 or last:
+            inputs, targets = self.t.batch(indices)
+        if s == 0:
+            x, sizes = inputs, []
+            self.samples += 0 if recompute else len(indices)
+        else:
+            r = self.dag.weights[s] // self.dag.weights[s - 1]
+            parts = [self.store.fetch(step, ACTIVATION, s - 1, j * r + q, holders[q]) for q in range(r)]
+            sizes = [p.shape[0] for p in parts]
+            x = torch.cat(parts).to(device).requires_grad_()
+        y = self._timed(lambda: self.modules[s](x))
+        if last:
+            loss = self._timed(lambda: self.t.bundle.loss(y, targets))
+            if not recompute:
+                self.loss_sum += loss.item() * len(indices)
+                self.loss_samples += len(indices)
+            y = loss * (len(indices) / self.t.global_batch)
+        elif not recompute:
+            self.store.put(step, ACTIVATION, s, j, y)
+        self.saved[(s, j)] = (x, y, sizes)
+        return self.saved[(s, j)]
+
+    def backward(self, step: int, token: Token, holders: list[int], forward_holders: list[int]) -> None:
+        """Run backward token ``token``; where its forward ran elsewhere (an idle worker stole it
+        from a straggler), recompute that forward here first."""
+        s, j = token.level, token.index
+        if (s, j) not in self.saved:
+            self.recomputed += 1
+            self.forward(step, Token(s, False, j), forward_holders, recompute=True)
+        x, out, sizes = self.saved.pop((s, j))
+        if s == self.dag.num_levels - 1:
+            self._timed(out.backward)
+        else:
+            grad = self.store.fetch(step, GRADIENT, s, j, holders[0]).to(self.t.runtime.device)
+            self._timed(lambda: out.backward(grad))
+        if s > 0:
+            for q, chunk in enumerate(x.grad.split(sizes)):
+                self.store.put(step, GRADIENT, s - 1, j * len(sizes) + q, chunk)
+
+    def iteration(self, step: int) -> float:
+        """Pull tokens until the server says the iteration is over; returns seconds spent waiting."""
+        store, rank = self.t.runtime.store, self.t.runtime.rank
+        done, wait_s = None, 0.0
+        while True:
+            start = time.perf_counter()
+            store.queue_push(f"fx/{step}/requests", json.dumps({"rank": rank, "done": done}))
+            reply = json.loads(store.queue_pop(f"fx/{step}/reply/{rank}", block=True))
+            wait_s += time.perf_counter() - start
+            if reply.get("end"):
+                return wait_s
+            token = Token(*reply["token"])
+            if token.backward:
+                self.backward(step, token, reply["inputs"], reply["forward_inputs"])
+            else:
+                self.forward(step, token, reply["inputs"])
+            self.tokens += 1
+            done = reply["token"]
+
+    def sync_and_step(self) -> float:
+        """Each stage's workers sum their gradients (stage order: the same on every rank), then step."""
+        start = time.perf_counter()
+        runtime = self.t.runtime
+        for s in self.stages:
+            group_ranks = tuple(self.t.plan.rank_of(d) for d in self.t.plan.stages[s].devices)
+            params = list(self.modules[s].parameters())
+            if len(group_ranks) > 1:
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+                dist.all_reduce(flat, group=runtime.group(group_ranks))
+                offset = 0
+                for p in params:
+                    p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+        comm_s = time.perf_counter() - start
+        for s in self.stages:
+            self.optimizers[s].step()
+            self.optimizers[s].zero_grad(set_to_none=True)
+        return comm_s
+
+    def checkpoint(self, step: int) -> None:
+        every, plan, rank = self.t.runtime.cfg.checkpoint_every, self.t.plan, self.t.runtime.rank
+        if not every or (step + 1) % every:
+            return
+        for s in self.stages:
+            if plan.rank_of(plan.stages[s].devices[0]) == rank:
+                save_checkpoint(checkpoint_path(self.t.runtime.cfg.run_dir, step + 1, s), model=self.modules[s],
+                                optimizer=self.optimizers[s], step=step + 1,
+                                data_position=(step + 1) * self.t.global_batch)
+
+
+def run(trainer: Trainer) -> None:
+    runtime = trainer.runtime
+    worker = FlexibleWorker(trainer)
+    service = None
+    if runtime.rank == 0:
+        service = TokenService(runtime.new_store_client(), trainer.plan, runtime.cfg.steps)
+        service.thread.start()
+    if runtime.world_size > 1:
+        worker.store.thread.start()
+    try:
+        for step in range(runtime.cfg.steps):
+            start = time.perf_counter()
+            pattern_s = trainer.straggler.at_iteration(step)
+            worker.reset_counters()
+            worker.store.forget_before(step)
+            wait_s = worker.iteration(step)
+            comm_s = worker.sync_and_step()
+            trainer.record(step=step, samples=worker.samples, loss_sum=worker.loss_sum,
+                           loss_samples=worker.loss_samples,
+                           compute_s=worker.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s,
+                           duration_s=time.perf_counter() - start, tokens=worker.tokens,
+                           recomputed=worker.recomputed)
+            worker.checkpoint(step)
+    finally:
+        for thread_owner in (service, worker.store):
+            if thread_owner is not None and thread_owner.error is not None:
+                raise thread_owner.error
+    if runtime.world_size > 1:
+        worker.store.stop_peer((runtime.rank + 1) % runtime.world_size)
+        worker.store.thread.join()
+    if service is not None:
+        service.thread.join()
