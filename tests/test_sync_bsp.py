@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from felactl.agents.worker.metrics import write_summary
+
 from _worker_helpers import dp_plan, final_params, metrics, reference_params, run_plan
 
 pytestmark = pytest.mark.multiprocess
@@ -39,6 +41,9 @@ def test_bsp_uneven_shares_and_metrics(tmp_path):
     for r in records:
         assert {"time", "step", "samples", "loss", "compute_s", "comm_s", "wait_s"} <= r.keys()
         assert r["samples"] == (24 if r["rank"] == 0 else 8)
+    summary = write_summary(run_dir)
+    assert summary["samples"] == STEPS * 32 and summary["steps"] == STEPS
+    assert json.loads((run_dir / "summary.json").read_text())["samples_per_s"] == summary["samples_per_s"] > 0
 
 
 def test_tokens_match_single_process_with_a_slow_worker(tmp_path):

@@ -101,3 +101,12 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "workers": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in w.items() if k != "busy_s"}
                     for _, w in sorted(workers.items())],
     }
+
+
+def write_summary(run_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Summarize ``run_dir/metrics.jsonl`` into ``run_dir/summary.json`` (atomically); returns it."""
+    from felactl.fsutil import atomic_write_text
+
+    summary = {**summarize(read_metrics(run_dir)), **(extra or {})}
+    atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
