@@ -1,0 +1,240 @@
+"""The cost model every planner part shares: compute, transfer, sync and memory of a stage.
+
+One source of truth: the ILP's coefficients, the exhaustive oracle, the baselines and the
+simulator all call these functions, so they can only disagree on how they combine costs.
+
+Formulas (times in seconds, sizes in bytes):
+
+* **Compute** of layer ``l`` on device ``d`` at micro-batch ``b``, per sample:
+  measured ``(fwd_ms + bwd_ms) / b`` where the model profile has a timing for ``d.model`` at
+  ``b``; where it has timings for ``d.model`` at other sizes, the nearest one (in log2 b) scaled
+  by the saturation curve ``eff(b_meas) / eff(b)``; else ``flops / (tflops * 1e12 * eff(b))``.
+  The saturation curve is ``eff(b) = b / (b + b_half)``. ``b_half`` is derived per layer from its
+  arithmetic intensity rather than from a table of kinds: a layer reuses each weight byte
+  ``i = fwd_flops_per_sample / param_bytes`` times per sample, and a device saturates once
+  ``b * i`` reaches its ridge point (``RIDGE_FLOPS_PER_BYTE``), so ``b_half = RIDGE / i``,
+  clamped to [``B_HALF_MIN``, ``B_HALF_MAX``]. A linear layer (i = 0.5) gets b_half = 100 and
+  saturates only at large batches; a 32x32 conv (i ~ 500) saturates at once: Fela's observation.
+* **Transfer** of a stage boundary per micro-batch: the activation forward and its gradient
+  backward, each ``latency + b * activation_bytes_per_sample / bandwidth`` on the actual link.
+* **Sync** of a stage group: an allreduce of the stage's gradients (``param_bytes``), over the
+  group's packed Blink trees or a ring, whichever is faster when trees are on; a ring otherwise.
+* **Memory** per device holding a stage: parameters + gradients (``2 * param_bytes``) + AdamW's
+  two fp32 moments (``8 * params``) + activations of ``in_flight`` micro-batches of the stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from felactl.spec import ClusterSpec, Collective, Device, Layer, ModelSpec
+
+RIDGE_FLOPS_PER_BYTE = 50.0
+"""FLOPs per weight byte a device needs to be compute-bound (typical GPU ridge point ~ 10-100)."""
+B_HALF_MIN = 0.5
+B_HALF_MAX = 4096.0
+ADAMW_STATE_BYTES_PER_PARAM = 8
+"""Two fp32 moments per parameter."""
+GB = 1e9
+
+
+def b_half(layer: Layer) -> float:
+    """Micro-batch at which ``layer`` reaches half its device's throughput (see module doc)."""
+    if layer.param_bytes <= 0 or layer.fwd_flops_per_sample <= 0:
+        return B_HALF_MIN
+    intensity = layer.fwd_flops_per_sample / layer.param_bytes
+    return min(max(RIDGE_FLOPS_PER_BYTE / intensity, B_HALF_MIN), B_HALF_MAX)
+
+
+def efficiency(micro_batch: float, half: float) -> float:
+    """Fraction of peak throughput a layer with ``b_half = half`` reaches at ``micro_batch``."""
+    return micro_batch / (micro_batch + half)
+
+
+def layer_times_s(layer: Layer, device: Device, micro_batch: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch of ``layer`` on ``device``."""
+    measured = {t.micro_batch: t for t in layer.timings if t.device_model == device.model}
+    if micro_batch in measured:
+        t = measured[micro_batch]
+        return t.fwd_ms / 1e3, t.bwd_ms / 1e3
+    half = b_half(layer)
+    if measured:
+        nearest = min(measured, key=lambda b: (abs(math.log2(b / micro_batch)), b))
+        t = measured[nearest]
+        scale = micro_batch / nearest * efficiency(nearest, half) / efficiency(micro_batch, half)
+        return t.fwd_ms / 1e3 * scale, t.bwd_ms / 1e3 * scale
+    rate = device.tflops * 1e12 * efficiency(micro_batch, half)
+    return (layer.fwd_flops_per_sample * micro_batch / rate,
+            layer.bwd_flops_per_sample * micro_batch / rate)
+
+
+def stage_param_bytes(model: ModelSpec, start: int, end: int) -> int:
+    return sum(layer.param_bytes for layer in model.layers[start:end])
+
+
+def stage_memory_bytes(model: ModelSpec, start: int, end: int, micro_batch: int, in_flight: int) -> float:
+    """Bytes a device needs to hold layers [start, end) and ``in_flight`` micro-batches of them."""
+    layers = model.layers[start:end]
+    weights = sum(2 * l.param_bytes + ADAMW_STATE_BYTES_PER_PARAM * l.params for l in layers)
+    inputs = model.input_bytes_per_sample if start == 0 else model.layers[start - 1].activation_bytes_per_sample
+    activations = (inputs + sum(l.activation_bytes_per_sample for l in layers)) * micro_batch * in_flight
+    return weights + activations
+
+
+def boundary_bytes_per_sample(model: ModelSpec, boundary: int) -> int:
+    """Bytes per sample crossing the cut before layer ``boundary`` (0 and num_layers cross nothing)."""
+    if boundary <= 0 or boundary >= model.num_layers:
+        return 0
+    return model.layers[boundary - 1].activation_bytes_per_sample
+
+
+@dataclass
+class CostModel:
+    """Costs of one model on one cluster, with the per-layer sums cached for fast segment queries."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    use_trees: bool = True
+    max_tree_devices: int = 64
+    """Groups larger than this use a ring: packing trees over hundreds of devices costs seconds."""
+    _prefix: dict = field(default_factory=dict, init=False, repr=False)
+    _collectives: dict = field(default_factory=dict, init=False, repr=False)
+    _round_trip: dict = field(default_factory=dict, init=False, repr=False)
+    _sync: dict = field(default_factory=dict, init=False, repr=False)
+
+    # --- compute -------------------------------------------------------------------------
+    def _prefix_sums(self, device: Device, micro_batch: int) -> tuple[list[float], list[float]]:
+        key = (device.model, device.tflops, micro_batch)
+        if key not in self._prefix:
+            fwd, bwd = [0.0], [0.0]
+            for layer in self.model.layers:
+                f, b = layer_times_s(layer, device, micro_batch)
+                fwd.append(fwd[-1] + f)
+                bwd.append(bwd[-1] + b)
+            self._prefix[key] = (fwd, bwd)
+        return self._prefix[key]
+
+    def stage_times_s(self, start: int, end: int, device_name: str, micro_batch: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch of layers [start, end) on a device."""
+        fwd, bwd = self._prefix_sums(self.cluster.device(device_name), micro_batch)
+        return fwd[end] - fwd[start], bwd[end] - bwd[start]
+
+    def per_sample_s(self, start: int, end: int, device_name: str, micro_batch: int) -> float:
+        fwd, bwd = self.stage_times_s(start, end, device_name, micro_batch)
+        return (fwd + bwd) / micro_batch
+
+    # --- transfer ------------------------------------------------------------------------
+    def link_time_s(self, src: str, dst: str, num_bytes: float) -> float:
+        """One message src -> dst: the direct link, else the best relay through one device."""
+        if src == dst:
+            return 0.0
+        link = self.cluster.link(src, dst)
+        if link is not None:
+            return link.latency_us * 1e-6 + num_bytes / (link.bandwidth_gbps * GB)
+        relays = [self.link_time_s(src, k, num_bytes) + self.link_time_s(k, dst, num_bytes)
+                  for k in self.cluster.device_names if k not in (src, dst)
+                  and self.cluster.link(src, k) is not None and self.cluster.link(k, dst) is not None]
+        if not relays:
+            return math.inf
+        return min(relays)
+
+    def _direct_or_relay(self, src: str, dst: str) -> tuple[float, float]:
+        """(latency s, seconds per byte) of src -> dst: the direct link, else the relay through one
+        device with the least seconds per byte (large messages dominate activation traffic)."""
+        link = self.cluster.link(src, dst)
+        if link is not None:
+            return link.latency_us * 1e-6, 1.0 / (link.bandwidth_gbps * GB)
+        best = (math.inf, math.inf)
+        for k in self.cluster.device_names:
+            first, second = self.cluster.link(src, k), self.cluster.link(k, dst)
+            if k in (src, dst) or first is None or second is None:
+                continue
+            per_byte = 1.0 / (first.bandwidth_gbps * GB) + 1.0 / (second.bandwidth_gbps * GB)
+            if per_byte < best[1]:
+                best = ((first.latency_us + second.latency_us) * 1e-6, per_byte)
+        return best
+
+    def link_time_s(self, src: str, dst: str, num_bytes: float) -> float:
+        """One message src -> dst (direct link, else the best one-device relay)."""
+        if src == dst:
+            return 0.0
+        latency_s, per_byte_s = self._direct_or_relay(src, dst)
+        return latency_s + num_bytes * per_byte_s
+
+    def mean_round_trip_s(self, device: str, num_bytes: float) -> float:
+        """Expected time of one boundary exchange (activation one way, its gradient back) between
+        ``device`` and a peer drawn uniformly from the cluster's other devices.
+
+        Under token scheduling a stage's input comes from whichever worker produced it, so the
+        planner charges the mean over the plan's devices; the simulator uses the actual producer.
+        """
+        if num_bytes <= 0 or len(self.cluster.device_names) < 2:
+            return 0.0
+        if device not in self._round_trip:
+            others = [p for p in self.cluster.device_names if p != device]
+            latency_s = per_byte_s = 0.0
+            for p in others:
+                for src, dst in ((p, device), (device, p)):
+                    lat, per_byte = self._direct_or_relay(src, dst)
+                    latency_s += lat
+                    per_byte_s += per_byte
+            self._round_trip[device] = (latency_s / len(others), per_byte_s / len(others))
+        latency_s, per_byte_s = self._round_trip[device]
+        return latency_s + num_bytes * per_byte_s
+
+    def exchange_signature(self, device: str) -> tuple[float, float]:
+        """What the device's exchange cost depends on; devices alike here cost alike."""
+        self.mean_round_trip_s(device, 1.0)
+        return self._round_trip[device]
+
+    # --- sync ----------------------------------------------------------------------------
+    def collective(self, devices: tuple[str, ...]) -> Collective | None:
+        """The packed trees of a group (cached), or None where trees are off or not worth it."""
+        if not self.use_trees or len(devices) < 2 or len(devices) > self.max_tree_devices:
+            return None
+        key = tuple(sorted(devices))
+        if key not in self._collectives:
+            from felactl.optimizer.collectives import plan_collective
+
+            self._collectives[key] = plan_collective(self.cluster, list(key), group="group")
+        return self._collectives[key]
+
+    def sync_time_s(self, devices: tuple[str, ...], num_bytes: float) -> float:
+        """Allreduce of ``num_bytes`` over ``devices``: trees or ring, whichever is faster."""
+        if len(devices) < 2 or num_bytes <= 0:
+            return 0.0
+        key = (tuple(sorted(devices)), num_bytes)
+        if key not in self._sync:
+            from felactl.optimizer.collectives import allreduce_time_s, ring_allreduce_time_s
+
+            ring_s = ring_allreduce_time_s(self.cluster, list(key[0]), num_bytes)
+            coll = self.collective(devices)
+            tree_s = math.inf if coll is None else allreduce_time_s(self.cluster, coll, num_bytes)
+            self._sync[key] = min(ring_s, tree_s)
+        return self._sync[key]
+
+    def uses_trees(self, devices: tuple[str, ...], num_bytes: float) -> bool:
+        """Whether the group's allreduce goes over its trees (faster than the ring)."""
+        coll = self.collective(devices)
+        if coll is None or num_bytes <= 0:
+            return False
+        from felactl.optimizer.collectives import allreduce_time_s, ring_allreduce_time_s
+
+        return allreduce_time_s(self.cluster, coll, num_bytes) < ring_allreduce_time_s(
+            self.cluster, list(devices), num_bytes)
+
+
+@lru_cache(maxsize=None)
+def micro_batch_options(global_batch: int, largest: int = 1024, max_options: int | None = None) -> tuple[int, ...]:
+    """Powers of two up to the global batch (and ``largest``): the micro-batches searched; with
+    ``max_options``, every second (third, ...) power from the largest down, so at most that many."""
+    options, b = [], 1
+    while b <= min(global_batch, largest):
+        options.append(b)
+        b *= 2
+    if max_options is not None and len(options) > max_options:
+        step = -(-len(options) // max_options)
+        options = options[::-1][::step][::-1]
+    return tuple(options)

@@ -1,0 +1,120 @@
+"""The predicted iteration time of any candidate plan, in the shared cost model.
+
+A candidate is a list of stages, each a layer range, a micro-batch and the share of the stage's
+samples each device computes. Under token scheduling every device pulls work from every stage it
+serves, so over one iteration of global batch ``B``:
+
+* ``load(d)  = sum_s share(s, d) * B * (compute_per_sample(s, d, b_s) + exchange_per_sample(s, d))``
+  where the exchange is one boundary round trip per micro-batch on each cut the stage touches;
+* ``sync(d)  = sum_{s served by d} allreduce_s(group_s, param_bytes_s)``;
+* ``fill     = sum_{s >= 1} max_{d in s} (fwd + bwd of one micro-batch of s on d)`` — the time the
+  first micro-batch needs to reach a later stage and its gradient to come back (pipeline bubble);
+* ``iteration = max_d (load(d) + sync(d)) + fill``.
+
+The ILP minimises exactly this expression (its coefficients come from :func:`stage_device_cost`),
+the exhaustive oracle enumerates it, and the baselines are candidates evaluated by it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_memory_bytes, stage_param_bytes
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    start: int
+    end: int
+    micro_batch: int
+    shares: tuple[tuple[str, float], ...]
+    """(device, fraction of the stage's samples), fractions summing to 1."""
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.shares)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    iteration_s: float
+    load_s: dict[str, float]
+    """Compute + boundary exchange per device."""
+    sync_s: dict[str, float]
+    fill_s: float
+    memory_bytes: dict[str, float]
+    stage_sync_s: tuple[float, ...]
+
+
+def in_flight(max_stages: int, global_batch: int, micro_batch: int, whole_model: bool) -> int:
+    """Micro-batches of one stage whose activations a device holds at once: one where the stage is
+    the whole model (forward, then its backward at once), else the 1F1B bound of ``max_stages``."""
+    if whole_model:
+        return 1
+    return max(1, min(max_stages, math.ceil(global_batch / micro_batch)))
+
+
+def proportional_shares(cost: CostModel, start: int, end: int, micro_batch: int,
+                        devices: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
+    """Shares in proportion to each device's speed on the stage: what token pulling converges to."""
+    rates = [1.0 / max(cost.per_sample_s(start, end, d, micro_batch), 1e-15) for d in devices]
+    total = sum(rates)
+    return tuple((d, r / total) for d, r in zip(devices, rates))
+
+
+def exchange_per_sample_s(cost: CostModel, start: int, end: int, micro_batch: int, device: str) -> float:
+    """Boundary round trips (activation + gradient) per sample of a stage on ``device``."""
+    total = 0.0
+    for boundary in (start, end):
+        num_bytes = boundary_bytes_per_sample(cost.model, boundary) * micro_batch
+        total += cost.mean_round_trip_s(device, num_bytes)
+    return total / micro_batch
+
+
+def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, share: float,
+                      global_batch: int) -> float:
+    """Seconds ``device`` spends on ``stage`` in one iteration: compute, exchange, and the sync."""
+    per_sample = cost.per_sample_s(stage.start, stage.end, device, stage.micro_batch)
+    exchange = exchange_per_sample_s(cost, stage.start, stage.end, stage.micro_batch, device)
+    sync = cost.sync_time_s(stage.devices, stage_param_bytes(cost.model, stage.start, stage.end))
+    return share * global_batch * (per_sample + exchange) + sync
+
+
+def stage_fill_s(cost: CostModel, stage: StageChoice) -> float:
+    """One micro-batch's forward + backward of a non-first stage on its slowest member."""
+    if stage.start == 0:
+        return 0.0
+    return max(sum(cost.stage_times_s(stage.start, stage.end, d, stage.micro_batch)) for d in stage.devices)
+
+
+def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int, max_stages: int) -> Prediction:
+    """The iteration time of a candidate (see module doc), with its per-device parts."""
+    load: dict[str, float] = {}
+    sync: dict[str, float] = {}
+    memory: dict[str, float] = {}
+    stage_sync = []
+    for stage in stages:
+        param_bytes = stage_param_bytes(cost.model, stage.start, stage.end)
+        group_sync = cost.sync_time_s(stage.devices, param_bytes)
+        stage_sync.append(group_sync)
+        held = stage_memory_bytes(cost.model, stage.start, stage.end, stage.micro_batch,
+                                  in_flight(max_stages, global_batch, stage.micro_batch,
+                                            whole_model=stage.start == 0 and stage.end == cost.model.num_layers))
+        for device, share in stage.shares:
+            total = stage_device_cost(cost, stage, device, share, global_batch)
+            load[device] = load.get(device, 0.0) + total - group_sync
+            sync[device] = sync.get(device, 0.0) + group_sync
+            memory[device] = memory.get(device, 0.0) + held
+    fill = sum(stage_fill_s(cost, stage) for stage in stages)
+    busiest = max(load[d] + sync[d] for d in load)
+    return Prediction(iteration_s=busiest + fill, load_s=load, sync_s=sync, fill_s=fill,
+                      memory_bytes=memory, stage_sync_s=tuple(stage_sync))
+
+
+def memory_fits(cost: CostModel, prediction: Prediction) -> str | None:
+    """The first device whose predicted memory exceeds its capacity, or None."""
+    for device, used in prediction.memory_bytes.items():
+        if used > cost.cluster.device(device).memory_gb * 1e9:
+            return device
+    return None

@@ -1,0 +1,148 @@
+"""The planner's integer program (PuLP + CBC) over the shared search space.
+
+Notation (see :mod:`felactl.optimizer.space` and :mod:`felactl.optimizer.evaluate`):
+
+Sets
+    ``C``  cut points 0 = c_0 < c_1 < ... < c_n = L (layers or equal-FLOP blocks)
+    ``O``  stage options o = (layer range [i_o, j_o) between two cut points, micro-batch b_o,
+           group g_o of slots); ``O(p)`` the options whose group holds profile ``p``; ``O(u)`` those
+           holding slot ``u``
+    ``P``  device profiles (devices of one slot with identical costs); ``U`` slots
+
+Data
+    ``cost[o, p]``  seconds a device of profile p spends on option o per iteration (its share of
+                    compute + boundary exchange, plus the group's gradient allreduce)
+    ``mem[o, u]``   bytes a device of slot u holds for option o; ``M[u]`` its capacity
+    ``fill[o]``     pipeline fill of o (0 for a first stage)
+    ``K``           most stages
+
+Variables
+    ``x[o]`` in {0, 1}: option o is a stage of the plan;  ``T >= 0``: iteration time
+
+Objective
+    minimise ``T``
+
+Constraints
+    (1) start:     sum_{o: i_o = 0} x[o] = 1                          (the first layer is covered)
+    (2) flow:      sum_{o: j_o = c} x[o] = sum_{o: i_o = c} x[o]     for every inner cut point c
+                   (stages are consecutive: one ending at c means one starting at c)
+    (3) stages:    sum_o x[o] <= K
+    (4) memory:    sum_{o in O(u)} mem[o, u] x[o] <= M[u]             for every slot u
+    (5) time:      sum_{o in O(p)} cost[o, p] x[o] + sum_o fill[o] x[o] <= T   for every profile p
+    (6) exclusive: sum_{o in O(u)} x[o] <= 1  for every slot u       (only for static pipelines)
+
+(1)-(2) make the chosen options a path from layer 0 to layer L, so the last layer is covered too.
+The stage cut, each stage's group (its degree and which device classes), its micro-batch, and
+whether devices serve several stages or one are chosen jointly; the shares within a group are
+proportional to the members' speed (what token pulling converges to), which keeps the program
+linear. T equals :func:`felactl.optimizer.evaluate.predict` of the chosen stages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from felactl.errors import PlanInfeasible
+from felactl.optimizer.space import SearchSpace, StageOption
+
+
+@dataclass(frozen=True)
+class Solution:
+    options: tuple[StageOption, ...]
+    """The chosen stages in layer order."""
+    objective_s: float
+    status: str
+    solve_s: float
+    gap: float | None
+
+
+def _build(space: SearchSpace, exclusive: bool) -> tuple[pulp.LpProblem, list, pulp.LpVariable]:
+    prob = pulp.LpProblem("felactl_plan", pulp.LpMinimize)
+    x = [pulp.LpVariable(f"x_{k}", cat="Binary") for k in range(len(space.options))]
+    t = pulp.LpVariable("T", lowBound=0)
+    prob += t
+    starts: dict[int, list] = {}
+    ends: dict[int, list] = {}
+    for var, opt in zip(x, space.options):
+        starts.setdefault(opt.choice.start, []).append(var)
+        ends.setdefault(opt.choice.end, []).append(var)
+    prob += pulp.lpSum(starts.get(0, [])) == 1, "c1_start"
+    for c in space.boundaries[1:-1]:
+        prob += pulp.lpSum(ends.get(c, [])) == pulp.lpSum(starts.get(c, [])), f"c2_flow_{c}"
+    prob += pulp.lpSum(x) <= space.max_stages, "c3_stages"
+    fill = pulp.lpSum(opt.fill_s * var for var, opt in zip(x, space.options) if opt.fill_s > 0)
+    for u, slot in enumerate(space.slots):
+        held = [(opt.memory_bytes[u] / 1e9, var) for var, opt in zip(x, space.options) if u in opt.memory_bytes]
+        if held:
+            prob += pulp.lpSum(gb * var for gb, var in held) <= slot.memory_bytes / 1e9, f"c4_memory_{u}"
+        if exclusive and held:
+            prob += pulp.lpSum(var for _, var in held) <= 1, f"c6_exclusive_{u}"
+    for p in range(len(space.profiles)):
+        busy = [(opt.cost_s[p], var) for var, opt in zip(x, space.options) if p in opt.cost_s]
+        prob += pulp.lpSum(s * var for s, var in busy) + fill <= t, f"c5_time_{p}"
+    return prob, x, t
+
+
+def solve(space: SearchSpace, *, exclusive: bool = False, time_limit_s: float | None = None,
+          lp_path: str | None = None) -> Solution:
+    """Solve the program; raise PlanInfeasible naming the constraint class when nothing fits."""
+    if not space.options:
+        raise PlanInfeasible("memory: no stage of the model fits on any device at any micro-batch")
+    prob, x, t = _build(space, exclusive)
+    warm = _warm_start(space, x, exclusive)
+    if lp_path:
+        prob.writeLP(lp_path)
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-6, warmStart=warm)
+    began = time.perf_counter()
+    prob.solve(solver)
+    solve_s = time.perf_counter() - began
+    status = pulp.LpStatus[prob.status]
+    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if not has_solution:
+        raise PlanInfeasible(_infeasible_reason(space, exclusive))
+    chosen = sorted((opt for var, opt in zip(x, space.options) if (var.value() or 0) > 0.5),
+                    key=lambda o: o.choice.start)
+    objective_s = float(t.value())
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return Solution(tuple(chosen), objective_s, status, solve_s, gap=0.0)
+    return Solution(tuple(chosen), objective_s, "time limit", solve_s, gap=_gap(prob, t, objective_s))
+
+
+def _warm_start(space: SearchSpace, x: list, exclusive: bool) -> bool:
+    """Start CBC from the best single-stage plan (data parallel over some group), if one fits:
+    a good incumbent from the first node lets it prune most of the tree."""
+    whole = [(max(o.cost_s.values()), k) for k, o in enumerate(space.options)
+             if o.choice.start == 0 and o.choice.end == space.boundaries[-1]]
+    if not whole:
+        return False
+    _, best = min(whole)
+    for k, var in enumerate(x):
+        var.setInitialValue(1 if k == best else 0)
+    return True
+
+
+def _gap(prob: pulp.LpProblem, t: pulp.LpVariable, incumbent_s: float) -> float | None:
+    """Relative gap of an incumbent against the LP relaxation's bound (PuLP does not pass CBC's on)."""
+    for var in prob.variables():
+        var.cat = pulp.LpContinuous
+    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    if prob.status != pulp.LpStatusOptimal or not t.value():
+        return None
+    return max(0.0, (incumbent_s - float(t.value())) / incumbent_s)
+
+
+def _infeasible_reason(space: SearchSpace, exclusive: bool) -> str:
+    covered = {c for o in space.options for c in range(o.choice.start, o.choice.end)}
+    missing = [c for c in range(space.boundaries[-1]) if c not in covered]
+    if missing:
+        layer = space.cost.model.layers[missing[0]]
+        return (f"memory: layer {missing[0]} ({layer.name!r}) fits on no device at micro-batch 1 "
+                f"with parameters, gradients and AdamW state")
+    if exclusive:
+        return (f"degree: the devices cannot form equal pipelines of at most {space.max_stages} stages "
+                f"in which each device runs one stage within its memory")
+    return (f"memory: no cut of the model into at most {space.max_stages} stages fits the devices' "
+            f"memory (largest {max(s.memory_bytes for s in space.slots) / 1e9:g} GB)")

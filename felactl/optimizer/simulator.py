@@ -1,0 +1,291 @@
+"""A discrete-event simulation of one training iteration under a plan, with optional stragglers.
+
+Work is tokens (SEEDS.md section 1): stage s's forward token j covers samples
+[j * b_s, (j + 1) * b_s); it is ready once the forward tokens of stage s - 1 covering those samples
+are done; its backward token once its forward and the backward tokens of stage s + 1 covering
+them are done. Devices take ready tokens of the stages they serve:
+
+* every token is first placed in one member's sub-bucket by weighted round robin on the plan's
+  shares (Fela's HF; for ``1f1b`` / ``gpipe`` this is the static pipeline's assignment);
+* ``tokens``: a worker takes its own ready tokens, deepest level of the token DAG first (ADS:
+  forward s has depth s, backward s depth 2K - 1 - s), then locality (it produced the inputs),
+  then id; with none ready it helps: it takes a busy worker's ready token if it would finish it
+  sooner than that worker could (so fast workers pull more, stragglers shed work);
+* ``1f1b`` prefers backward tokens, ``gpipe`` forward ones; no helping (static pipelines).
+
+A token's duration is its compute (cost model, times the device's slowdown) plus receiving its
+inputs from the devices that produced them on the actual links; the producer pays the same time
+to send, before its next token. When a stage's last backward token is done its group allreduces
+its gradients (trees or ring, as the cost model says): a barrier among the members, who join once
+they have no token to run, in the order the allreduces became due. Stragglers: per-device slowdown factors, and sleeps at the iteration's start:
+``roundrobin:SECONDS`` (device ``iteration mod N`` sleeps) or ``prob:P:SECONDS`` (each device
+sleeps with probability P, seeded).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+
+from felactl.errors import InputError
+from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_param_bytes
+from felactl.spec import Plan, Schedule
+
+
+@dataclass(frozen=True)
+class Stragglers:
+    slowdown: dict[str, float] = field(default_factory=dict)
+    pattern: str | None = None
+    """``roundrobin:SECONDS`` or ``prob:P:SECONDS``."""
+    seed: int = 0
+    iteration: int = 0
+
+
+@dataclass(frozen=True)
+class Interval:
+    device: str
+    start_s: float
+    end_s: float
+    label: str
+    """``F0`` / ``B1`` (forward/backward of a stage), ``S0`` (sync), ``sleep``, ``send``."""
+
+
+@dataclass(frozen=True)
+class SimResult:
+    iteration_s: float
+    intervals: tuple[Interval, ...]
+
+    def busy_s(self, device: str) -> float:
+        return sum(i.end_s - i.start_s for i in self.intervals if i.device == device and i.label != "sleep")
+
+
+def sleeps_s(devices: tuple[str, ...], stragglers: Stragglers) -> dict[str, float]:
+    """Seconds each device sleeps at the iteration's start under the straggler pattern."""
+    if not stragglers.pattern:
+        return {}
+    parts = stragglers.pattern.split(":")
+    try:
+        if parts[0] == "roundrobin" and len(parts) == 2:
+            return {devices[stragglers.iteration % len(devices)]: float(parts[1])}
+        if parts[0] == "prob" and len(parts) == 3:
+            p, seconds = float(parts[1]), float(parts[2])
+            rng = random.Random(stragglers.seed * 1_000_003 + stragglers.iteration)
+            return {d: seconds for d in devices if rng.random() < p}
+    except ValueError:
+        pass
+    raise InputError(f"straggler pattern {stragglers.pattern!r}: expected roundrobin:SECONDS or prob:P:SECONDS")
+
+
+@dataclass
+class _Token:
+    stage: int
+    index: int
+    backward: bool
+    first: int
+    last: int
+    """Samples [first, last)."""
+    waiting: int = 0
+    producers: list = field(default_factory=list)
+    device: str | None = None
+    bound: str | None = None
+
+
+class _Simulation:
+    def __init__(self, plan: Plan, cost: CostModel, stragglers: Stragglers):
+        self.plan, self.cost, self.stragglers = plan, cost, stragglers
+        self.num_stages = len(plan.stages)
+        self.events: list = []
+        self.seq = 0
+        self.intervals: list[Interval] = []
+        self.free: dict[str, bool] = {d: True for d in plan.devices}
+        self.debt_s: dict[str, float] = {d: 0.0 for d in plan.devices}
+        self.busy_until: dict[str, float] = {d: 0.0 for d in plan.devices}
+        self.ready: list[list[_Token]] = [[] for _ in range(2 * self.num_stages)]
+        self.remaining_bwd = [0] * self.num_stages
+        self.sync_joined: list[set] = [set() for _ in plan.stages]
+        self.sync_order: list[int] = []
+        """Stages whose allreduce is due, in the order they became due: every member joins them in
+        this one order, as collectives must be issued, so two barriers never wait on each other."""
+        self._make_tokens()
+
+    def _make_tokens(self) -> None:
+        batch = self.plan.global_batch
+        self.fwd: list[list[_Token]] = []
+        self.bwd: list[list[_Token]] = []
+        for s, stage in enumerate(self.plan.stages):
+            b = stage.micro_batch
+            spans = [(j * b, min((j + 1) * b, batch)) for j in range((batch + b - 1) // b)]
+            self.fwd.append([_Token(s, j, False, a, z) for j, (a, z) in enumerate(spans)])
+            self.bwd.append([_Token(s, j, True, a, z) for j, (a, z) in enumerate(spans)])
+            self.remaining_bwd[s] = len(spans)
+            self._bind(stage, self.fwd[s], self.bwd[s])
+        for s in range(self.num_stages):
+            for tok in self.fwd[s]:
+                tok.waiting = len(self._overlap(self.fwd[s - 1], tok)) if s > 0 else 0
+            for tok in self.bwd[s]:
+                later = self._overlap(self.bwd[s + 1], tok) if s + 1 < self.num_stages else []
+                tok.waiting = 1 + len(later)
+        for tok in self.fwd[0]:
+            self._make_ready(tok)
+
+    def _bind(self, stage, fwd: list[_Token], bwd: list[_Token]) -> None:
+        """Give each worker a contiguous run of the batch in proportion to its share, and each token
+        to the worker owning its middle sample: a worker's tokens of consecutive stages then cover
+        the same samples (locality, as ADS prefers) and its sub-bucket matches its share."""
+        bounds, acc = [], 0.0
+        for w in stage.workers:
+            acc += w.share * self.plan.global_batch
+            bounds.append((acc, w.device))
+        for f, b in zip(fwd, bwd):
+            middle = (f.first + f.last) / 2
+            f.bound = b.bound = next((dev for edge, dev in bounds if middle < edge), bounds[-1][1])
+
+    @staticmethod
+    def _overlap(tokens: list[_Token], tok: _Token) -> list[_Token]:
+        return [t for t in tokens if t.first < tok.last and tok.first < t.last]
+
+    def _level(self, tok: _Token) -> int:
+        return 2 * self.num_stages - 1 - tok.stage if tok.backward else tok.stage
+
+    def _make_ready(self, tok: _Token) -> None:
+        self.ready[self._level(tok)].append(tok)
+
+    def _push(self, time_s: float, kind: str, payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (time_s, self.seq, kind, payload))
+
+    def _levels(self, device: str):
+        """Token levels ``device`` serves, in the order it takes them (see module doc)."""
+        levels = range(len(self.ready))
+        if self.plan.schedule is Schedule.GPIPE:
+            levels = sorted(levels, key=lambda lv: (lv >= self.num_stages, lv))
+        else:
+            levels = reversed(levels)
+        for level in levels:
+            stage = level if level < self.num_stages else 2 * self.num_stages - 1 - level
+            if device in self.plan.stages[stage].devices:
+                yield level
+
+    def _pick(self, device: str, now: float) -> _Token | None:
+        """Its own ready tokens first (deepest level, then locality, then id); else, under token
+        scheduling, help: take another worker's ready token if it finishes sooner here than there."""
+        for level in self._levels(device):
+            mine = [t for t in self.ready[level] if t.bound in (None, device)]
+            if mine:
+                tok = min(mine, key=lambda t: (-sum(p == device for p, _ in t.producers), t.index))
+                self.ready[level].remove(tok)
+                return tok
+        if self.plan.schedule is not Schedule.TOKENS:
+            return None
+        for level in self._levels(device):
+            for tok in self.ready[level]:
+                owner = tok.bound
+                if now + self._compute_s(tok, device) < self.busy_until[owner] + self._compute_s(tok, owner):
+                    self.ready[level].remove(tok)
+                    return tok
+        return None
+
+    def _compute_s(self, tok: _Token, device: str) -> float:
+        stage = self.plan.stages[tok.stage]
+        fwd_s, bwd_s = self.cost.stage_times_s(stage.layer_start, stage.layer_end, device, stage.micro_batch)
+        compute = (bwd_s if tok.backward else fwd_s) * (tok.last - tok.first) / stage.micro_batch
+        return compute * self.stragglers.slowdown.get(device, 1.0)
+
+    def _duration_s(self, tok: _Token, device: str) -> float:
+        stage = self.plan.stages[tok.stage]
+        compute = self._compute_s(tok, device)
+        boundary = stage.layer_end if tok.backward else stage.layer_start
+        per_sample = boundary_bytes_per_sample(self.cost.model, boundary)
+        receive = 0.0
+        for producer, samples in tok.producers:
+            link_s = self.cost.link_time_s(producer, device, samples * per_sample)
+            receive += link_s
+            self.debt_s[producer] += link_s
+        return compute + receive
+
+    def _dispatch(self, now: float) -> None:
+        for device in self.plan.devices:
+            if not self.free[device]:
+                continue
+            tok = self._pick(device, now)
+            if tok is None:
+                self._join_sync(device, now)
+                continue
+            self.free[device] = False
+            start = now
+            if self.debt_s[device] > 0:
+                self.intervals.append(Interval(device, now, now + self.debt_s[device], "send"))
+                start, self.debt_s[device] = now + self.debt_s[device], 0.0
+            end = start + self._duration_s(tok, device)
+            self.busy_until[device] = end
+            tok.device = device
+            label = f"{'B' if tok.backward else 'F'}{tok.stage}"
+            self.intervals.append(Interval(device, start, end, label))
+            self._push(end, "token", tok)
+
+    def _join_sync(self, device: str, now: float) -> bool:
+        for s in self.sync_order:
+            stage = self.plan.stages[s]
+            if device in stage.devices and device not in self.sync_joined[s]:
+                self.sync_joined[s].add(device)
+                self.free[device] = False
+                self.busy_until[device] = math.inf
+                if len(self.sync_joined[s]) == len(stage.workers):
+                    nbytes = stage_param_bytes(self.cost.model, stage.layer_start, stage.layer_end)
+                    end = now + self.cost.sync_time_s(stage.devices, nbytes)
+                    for member in stage.devices:
+                        self.intervals.append(Interval(member, now, end, f"S{s}"))
+                        self.busy_until[member] = end
+                    self._push(end, "sync", s)
+                return True
+        return False
+
+    def _finish(self, tok: _Token) -> None:
+        self.free[tok.device] = True
+        s = tok.stage
+        if not tok.backward:
+            followers = self._overlap(self.fwd[s + 1], tok) if s + 1 < self.num_stages else []
+            followers.append(self.bwd[s][tok.index])
+        else:
+            followers = self._overlap(self.bwd[s - 1], tok) if s > 0 else []
+            self.remaining_bwd[s] -= 1
+            if self.remaining_bwd[s] == 0 and len(self.plan.stages[s].workers) > 1:
+                self.sync_order.append(s)
+        for nxt in followers:
+            if nxt.stage != s:
+                shared = min(nxt.last, tok.last) - max(nxt.first, tok.first)
+                nxt.producers.append((tok.device, shared))
+            nxt.waiting -= 1
+            if nxt.waiting == 0:
+                self._make_ready(nxt)
+
+    def run(self, sleeps: dict[str, float]) -> SimResult:
+        for device, seconds in sleeps.items():
+            self.free[device] = False
+            self.intervals.append(Interval(device, 0.0, seconds, "sleep"))
+            self.busy_until[device] = seconds
+            self._push(seconds, "wake", device)
+        self._dispatch(0.0)
+        now = 0.0
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "token":
+                self._finish(payload)
+            elif kind == "wake":
+                self.free[payload] = True
+            else:
+                for member in self.plan.stages[payload].devices:
+                    self.free[member] = True
+                    self.busy_until[member] = now
+            self._dispatch(now)
+        end = max((i.end_s for i in self.intervals), default=0.0)
+        return SimResult(iteration_s=end, intervals=tuple(self.intervals))
+
+
+def simulate(plan: Plan, cost: CostModel, stragglers: Stragglers | None = None) -> SimResult:
+    """Simulate one iteration of ``plan`` with the cost model's cluster and model."""
+    stragglers = stragglers or Stragglers()
+    sim = _Simulation(plan, cost, stragglers)
+    return sim.run(sleeps_s(plan.devices, stragglers))

@@ -1,0 +1,177 @@
+"""The search space the ILP and the exhaustive oracle share: blocks, slots, groups, stage options.
+
+* **Blocks**: consecutive layers the planner never cuts inside. Models up to ``max_blocks`` layers
+  are planned layer by layer; deeper ones are coarsened into blocks of about equal FLOPs.
+* **Device classes and slots**: devices with the same model, throughput and memory form a class;
+  each class is split (in rank order) into at most ``max_slots_per_class`` slots of consecutive
+  devices, so the variables scale with slots, not devices. A slot always acts as a whole.
+* **Groups** (who runs a stage): unions of slots of two shapes. *Prefix groups* take none, the
+  first, or all slots of each class (any mix of classes), so groups nest like Fela's
+  conditional token distribution (conv layers on everyone, FC on a subset). *Aligned groups* take
+  one class's slots ``[k*m, (k+1)*m)`` for a power of two ``m``: disjoint, so stages can form
+  pipelines (SDPipe). A device may serve several stages (tokens) or, with ``exclusive``, one.
+* **Stage options**: (layer range, micro-batch, group) with, per device profile, the seconds the
+  option costs it (compute + exchange + sync, :func:`evaluate.stage_device_cost`), its memory, and
+  its pipeline fill. Options that cannot fit a member's memory, or that have fewer micro-batches
+  than workers, are left out; with ``prune``, options dominated by the same range and group at
+  another micro-batch (no better on any device's time, memory, or fill) are dropped too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import product
+
+from felactl.optimizer.cost import CostModel, micro_batch_options, stage_memory_bytes
+from felactl.optimizer.evaluate import StageChoice, in_flight, stage_device_cost, stage_fill_s
+
+
+@dataclass(frozen=True)
+class Slot:
+    device_class: int
+    devices: tuple[str, ...]
+    memory_bytes: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Devices of one slot whose costs are identical: one load constraint stands for them all."""
+
+    slot: int
+    devices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StageOption:
+    choice: StageChoice
+    group: int
+    slots: tuple[int, ...]
+    cost_s: dict[int, float]
+    """Profile index -> seconds one device of that profile spends on this stage per iteration."""
+    memory_bytes: dict[int, float]
+    """Slot index -> bytes one device of that slot holds for this stage."""
+    fill_s: float
+
+
+@dataclass
+class SearchSpace:
+    cost: CostModel
+    global_batch: int
+    max_stages: int
+    boundaries: tuple[int, ...]
+    """Layer indices where a cut may fall: 0, ..., num_layers."""
+    slots: tuple[Slot, ...]
+    profiles: tuple[Profile, ...]
+    groups: tuple[tuple[int, ...], ...]
+    options: list[StageOption]
+
+
+def block_boundaries(cost: CostModel, max_blocks: int) -> tuple[int, ...]:
+    """Cut points: every layer when the model is small, else about equal-FLOP blocks."""
+    layers = cost.model.layers
+    if len(layers) <= max_blocks:
+        return tuple(range(len(layers) + 1))
+    weights = [l.fwd_flops_per_sample + l.bwd_flops_per_sample + 1.0 for l in layers]
+    total, cuts, acc = sum(weights), [0], 0.0
+    for i, w in enumerate(weights[:-1]):
+        acc += w
+        if acc >= total * len(cuts) / max_blocks and len(cuts) < max_blocks:
+            cuts.append(i + 1)
+    return tuple(cuts) + (len(layers),)
+
+
+def make_slots(cost: CostModel, max_slots_per_class: int) -> tuple[tuple[Slot, ...], tuple[Profile, ...]]:
+    classes: dict[tuple, list[str]] = {}
+    for dev in cost.cluster.devices:
+        classes.setdefault((dev.model, dev.tflops, dev.memory_gb), []).append(dev.name)
+    slots, profiles = [], []
+    for c, ((_, _, memory_gb), names) in enumerate(classes.items()):
+        num_slots = min(len(names), max_slots_per_class)
+        for k in range(num_slots):
+            part = tuple(names[k * len(names) // num_slots:(k + 1) * len(names) // num_slots])
+            by_signature: dict[tuple, list[str]] = {}
+            for name in part:
+                sig = tuple(round(x, 15) for x in cost.exchange_signature(name))
+                by_signature.setdefault(sig, []).append(name)
+            profiles += [Profile(slot=len(slots), devices=tuple(p)) for p in by_signature.values()]
+            slots.append(Slot(device_class=c, devices=part, memory_bytes=memory_gb * 1e9))
+    return tuple(slots), tuple(profiles)
+
+
+def _powers_upto(n: int) -> list[int]:
+    sizes, m = [], 1
+    while m < n:
+        sizes.append(m)
+        m *= 2
+    return sizes + [n]
+
+
+def make_groups(slots: tuple[Slot, ...]) -> tuple[tuple[int, ...], ...]:
+    by_class: dict[int, list[int]] = {}
+    for i, slot in enumerate(slots):
+        by_class.setdefault(slot.device_class, []).append(i)
+    groups: dict[tuple[int, ...], None] = {}
+    counts = [sorted({0, 1, len(members)}) for members in by_class.values()]
+    for choice in product(*counts):
+        members = tuple(sorted(s for m, cls in zip(choice, by_class.values()) for s in cls[:m]))
+        if members:
+            groups[members] = None
+    for cls in by_class.values():
+        for size in _powers_upto(len(cls)):
+            for start in range(0, len(cls) - size + 1, size):
+                groups[tuple(cls[start:start + size])] = None
+    return tuple(groups)
+
+
+def _option(space: SearchSpace, start: int, end: int, micro_batch: int, group: int) -> StageOption | None:
+    cost, slots = space.cost, space.slots
+    members = space.groups[group]
+    devices = tuple(d for s in members for d in slots[s].devices)
+    if math.ceil(space.global_batch / micro_batch) < len(devices):
+        return None  # fewer micro-batches than workers: someone would idle
+    held = stage_memory_bytes(cost.model, start, end, micro_batch,
+                              in_flight(space.max_stages, space.global_batch, micro_batch,
+                                        whole_model=start == 0 and end == cost.model.num_layers))
+    if any(held > slots[s].memory_bytes for s in members):
+        return None
+    rate = {s: 1.0 / max(cost.per_sample_s(start, end, slots[s].devices[0], micro_batch), 1e-15) for s in members}
+    total = sum(rate[s] * len(slots[s].devices) for s in members)
+    choice = StageChoice(start, end, micro_batch, tuple((d, rate[s] / total) for s in members for d in slots[s].devices))
+    cost_s = {p: stage_device_cost(cost, choice, prof.devices[0], rate[prof.slot] / total, space.global_batch)
+              for p, prof in enumerate(space.profiles) if prof.slot in members}
+    return StageOption(choice=choice, group=group, slots=members, cost_s=cost_s,
+                       memory_bytes={s: held for s in members}, fill_s=stage_fill_s(cost, choice))
+
+
+def _dominates(a: StageOption, b: StageOption) -> bool:
+    return (a.fill_s <= b.fill_s and all(a.cost_s[p] <= b.cost_s[p] for p in a.cost_s)
+            and all(a.memory_bytes[s] <= b.memory_bytes[s] for s in a.memory_bytes))
+
+
+def _pareto(options: list[StageOption]) -> list[StageOption]:
+    kept: list[StageOption] = []
+    for opt in sorted(options, key=lambda o: (sum(o.cost_s.values()), o.fill_s)):
+        if not any(_dominates(k, opt) for k in kept):
+            kept.append(opt)
+    return kept
+
+
+def build_space(cost: CostModel, global_batch: int, *, max_stages: int = 4, max_blocks: int = 8,
+                max_slots_per_class: int = 4, max_micro_batches: int = 4, prune: bool = True,
+                extra_micro_batches: tuple[int, ...] = (), groups: tuple | None = None) -> SearchSpace:
+    """Every stage option of the model on the cost model's cluster (see module doc)."""
+    slots, profiles = make_slots(cost, max_slots_per_class)
+    space = SearchSpace(cost=cost, global_batch=global_batch, max_stages=max_stages,
+                        boundaries=block_boundaries(cost, max_blocks), slots=slots, profiles=profiles,
+                        groups=groups if groups is not None else make_groups(slots), options=[])
+    cuts = space.boundaries
+    micro_batches = sorted(set(micro_batch_options(global_batch, max_options=max_micro_batches))
+                           | set(extra_micro_batches))
+    for i, start in enumerate(cuts):
+        for end in cuts[i + 1:]:
+            for g in range(len(space.groups)):
+                found = [o for b in micro_batches
+                         if (o := _option(space, start, end, b, g)) is not None]
+                space.options += _pareto(found) if prune else found
+    return space
