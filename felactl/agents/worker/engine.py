@@ -9,12 +9,14 @@ replica the single-process gradient: BSP semantics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from felactl import models
@@ -39,6 +41,7 @@ class ComputeResult:
     """Sum over samples of the per-sample loss (divide by ``samples`` for the mean)."""
     samples: int
     compute_s: float
+    waited_s: float = 0.0
 
 
 class Trainer:
@@ -65,23 +68,35 @@ class Trainer:
         inputs, targets = self.bundle.data.batch(list(indices))
         return inputs.to(self.runtime.device), targets.to(self.runtime.device)
 
-    def compute(self, indices: Sequence[int], weight_by: int | None = None) -> ComputeResult:
+    def compute(self, indices: Sequence[int], weight_by: int | None = None, ddp=None,
+                before_last: Callable[[], float] | None = None) -> ComputeResult:
         """Forward and backward over ``indices`` (global sample ids) in micro-batches, accumulating
         gradients of ``loss_mean * n / weight_by`` (``weight_by`` defaults to ``len(indices)``, a
-        plain local mean). Then the injected slowdown sleeps, counted as compute."""
+        plain local mean). Then the injected slowdown sleeps, counted as compute.
+
+        With ``ddp`` (a ``DistributedDataParallel`` wrapper of this stage), only the last micro-batch
+        synchronises, its allreduce overlapping the backward; the loss is multiplied by the group
+        size because DDP averages and sample-weighted gradients must be summed. ``before_last`` runs
+        just before the last micro-batch (the BSP arrival barrier); its seconds are not compute."""
         weight_by = weight_by or len(indices)
-        start = time.perf_counter()
-        loss_sum = 0.0
-        for chunk in micro_batches(range(len(indices)), self.micro_batch):
+        module = ddp if ddp is not None else self.model
+        scale = dist.get_world_size(ddp.process_group) if ddp is not None else 1
+        chunks = micro_batches(range(len(indices)), self.micro_batch)
+        start, waited_s, loss_sum = time.perf_counter(), 0.0, 0.0
+        for k, chunk in enumerate(chunks):
+            last = k == len(chunks) - 1
+            if last and before_last is not None:
+                waited_s = before_last()
             inputs, targets = self.batch([indices[i] for i in chunk])
-            loss = self.bundle.loss(self.model(inputs), targets)
-            (loss * (len(chunk) / weight_by)).backward()
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                loss = self.bundle.loss(module(inputs), targets)
+                (loss * (len(chunk) * scale / weight_by)).backward()
             loss_sum += loss.item() * len(chunk)
         if self.runtime.device.type == "cuda":
             torch.cuda.synchronize(self.runtime.device)
-        compute_s = time.perf_counter() - start
+        compute_s = time.perf_counter() - start - waited_s
         compute_s += self.straggler.after_compute(compute_s)
-        return ComputeResult(loss_sum, len(indices), compute_s)
+        return ComputeResult(loss_sum, len(indices), compute_s, waited_s)
 
     def step_indices(self, step: int, offsets: Sequence[int]) -> list[int]:
         return [step * self.global_batch + o for o in offsets]
@@ -93,7 +108,7 @@ class Trainer:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+            p.grad = flat[offset:offset + n].view_as(p)
             offset += n
 
     def flat_params(self) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""BSP: every iteration each replica computes its share, then one sum-allreduce per stage group.
+"""BSP: every iteration each replica computes its share, then the stage's gradients are summed.
 
-Gradients are flattened into one buffer so a step costs one collective (not one per tensor).
-Before it, a one-element allreduce measures how long this worker waited for the others
-(``wait_s``); the gradient allreduce itself is ``comm_s``.
+Data parallel runs through torch's ``DistributedDataParallel`` on the stage's group: its bucketed
+allreduce overlaps the last micro-batch's backward (only the last one synchronises), so the
+communication is hidden inside ``compute_s`` and ``comm_s`` is 0. Just before that micro-batch a
+one-element allreduce measures how long this worker waited for the others (``wait_s``).
+Where DDP does not fit (a replica with no samples this step) and for the pipelines and tokens,
+:func:`allreduce_grads` sums one flat buffer in one collective (its time is ``comm_s``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.stages import split_by_shares
 
 
 def arrive(group, device: torch.device) -> float:
@@ -31,16 +36,34 @@ def allreduce_grads(trainer: Trainer, group) -> float:
     return time.perf_counter() - start
 
 
+def data_parallel(trainer: Trainer, group) -> DistributedDataParallel | None:
+    """DDP over the stage's replicas, where every replica computes samples each step."""
+    plan = trainer.plan
+    shares = split_by_shares(plan.global_batch, [w.share for w in plan.stages[0].workers])
+    if len(trainer.placement.stage_ranks) < 2 or min(len(s) for s in shares) == 0:
+        return None
+    device_ids = [trainer.runtime.device.index] if trainer.runtime.device.type == "cuda" else None
+    return DistributedDataParallel(trainer.model, device_ids=device_ids, process_group=group,
+                                   broadcast_buffers=False, gradient_as_bucket_view=True)
+
+
 def run(trainer: Trainer) -> None:
     placement = trainer.placement
     group = trainer.runtime.group(placement.stage_ranks)
     device = trainer.runtime.device
+    ddp = data_parallel(trainer, group)
     for step in range(trainer.runtime.cfg.steps):
         start = time.perf_counter()
         pattern_s = trainer.straggler.at_iteration(step)
-        result = trainer.compute(trainer.step_indices(step, placement.offsets), weight_by=trainer.global_batch)
-        wait_s = arrive(group, device)
-        comm_s = allreduce_grads(trainer, group)
+        indices = trainer.step_indices(step, placement.offsets)
+        if ddp is not None:
+            result = trainer.compute(indices, weight_by=trainer.global_batch, ddp=ddp,
+                                     before_last=lambda: arrive(group, device))
+            wait_s, comm_s = result.waited_s, 0.0
+        else:
+            result = trainer.compute(indices, weight_by=trainer.global_batch)
+            wait_s = arrive(group, device)
+            comm_s = allreduce_grads(trainer, group)
         trainer.optimizer_step()
         trainer.record(step=step, samples=result.samples, loss_sum=result.loss_sum,
                        compute_s=result.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s,
