@@ -187,7 +187,7 @@ class CostModel:
     def exchange_signature(self, device: str) -> tuple[float, float]:
         """What the device's exchange cost depends on; devices alike here cost alike."""
         self.mean_round_trip_s(device, 1.0)
-        return self._round_trip[device]
+        return self._round_trip.get(device, (0.0, 0.0))
 
     # --- sync ----------------------------------------------------------------------------
     def collective(self, devices: tuple[str, ...]) -> Collective | None:

@@ -4,11 +4,12 @@ A candidate is a list of stages, each a layer range, a micro-batch and the share
 samples each device computes. Under token scheduling every device pulls work from every stage it
 serves, so over one iteration of global batch ``B``:
 
-* ``load(d)  = sum_s share(s, d) * B * (compute_per_sample(s, d, b_s) + exchange_per_sample(s, d))``
-  where the exchange is one boundary round trip per micro-batch on each cut the stage touches;
+* ``load(d)  = sum_s samples(s, d) * (compute_per_sample(s, d, b_s) + exchange_per_sample(s, d))``
+  where ``samples`` apportions whole tokens by share (:func:`token_samples`) and the exchange is
+  one boundary round trip per micro-batch on each cut the stage touches;
 * ``sync(d)  = sum_{s served by d} allreduce_s(group_s, param_bytes_s)``;
-* ``fill     = sum_{s >= 1} max_{d in s} (fwd + bwd of one micro-batch of s on d)`` — the time the
-  first micro-batch needs to reach a later stage and its gradient to come back (pipeline bubble);
+* ``fill     = sum_s fill_s`` (:func:`stage_fill_s`): the pipeline's bubble, one micro-batch's
+  forward + backward of each later stage on its slowest member and the first stage's backward;
 * ``iteration = max_d (load(d) + sync(d)) + fill``.
 
 The ILP minimises exactly this expression (its coefficients come from :func:`stage_device_cost`),
@@ -55,12 +56,25 @@ def in_flight(max_stages: int, global_batch: int, micro_batch: int, whole_model:
     return max(1, min(max_stages, math.ceil(global_batch / micro_batch)))
 
 
-def proportional_shares(cost: CostModel, start: int, end: int, micro_batch: int,
-                        devices: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
-    """Shares in proportion to each device's speed on the stage: what token pulling converges to."""
-    rates = [1.0 / max(cost.per_sample_s(start, end, d, micro_batch), 1e-15) for d in devices]
-    total = sum(rates)
-    return tuple((d, r / total) for d, r in zip(devices, rates))
+def token_samples(shares: tuple[tuple[str, float], ...], global_batch: int, micro_batch: int) -> dict[str, int]:
+    """Samples each worker computes: the stage's ceil(B / b) tokens apportioned by largest
+    remainder of ``share * num_tokens`` (ties to the earlier worker), each worker taking a
+    contiguous run of tokens in worker order; the last token holds what is left of the batch.
+
+    Tokens are indivisible, so this, not ``share * B``, is a worker's load: with few tokens per
+    worker the split is coarse, and the planner sees it (and picks a smaller micro-batch)."""
+    num_tokens = math.ceil(global_batch / micro_batch)
+    exact = [share * num_tokens for _, share in shares]
+    counts = [math.floor(x + 1e-9) for x in exact]
+    order = sorted(range(len(shares)), key=lambda k: (-(exact[k] - counts[k]), k))
+    for k in order[:num_tokens - sum(counts)]:
+        counts[k] += 1
+    samples, first = {}, 0
+    for (device, _), count in zip(shares, counts):
+        last = min(first + count * micro_batch, global_batch)
+        samples[device] = last - first
+        first = last
+    return samples
 
 
 def exchange_per_sample_s(cost: CostModel, start: int, end: int, micro_batch: int, device: str) -> float:
@@ -72,20 +86,25 @@ def exchange_per_sample_s(cost: CostModel, start: int, end: int, micro_batch: in
     return total / micro_batch
 
 
-def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, share: float,
-                      global_batch: int) -> float:
+def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples: int) -> float:
     """Seconds ``device`` spends on ``stage`` in one iteration: compute, exchange, and the sync."""
     per_sample = cost.per_sample_s(stage.start, stage.end, device, stage.micro_batch)
     exchange = exchange_per_sample_s(cost, stage.start, stage.end, stage.micro_batch, device)
     sync = cost.sync_time_s(stage.devices, stage_param_bytes(cost.model, stage.start, stage.end))
-    return share * global_batch * (per_sample + exchange) + sync
+    return samples * (per_sample + exchange) + sync
 
 
 def stage_fill_s(cost: CostModel, stage: StageChoice) -> float:
-    """One micro-batch's forward + backward of a non-first stage on its slowest member."""
-    if stage.start == 0:
+    """The pipeline's fill and drain a stage adds: one micro-batch's forward + backward on its
+    slowest member, except for a first stage, which adds only its backward (the drain: after the
+    last gradient comes back, its micro-batch still has to go through it); nothing for a stage
+    that is the whole model."""
+    if stage.start == 0 and stage.end == cost.model.num_layers:
         return 0.0
-    return max(sum(cost.stage_times_s(stage.start, stage.end, d, stage.micro_batch)) for d in stage.devices)
+    times = [cost.stage_times_s(stage.start, stage.end, d, stage.micro_batch) for d in stage.devices]
+    if stage.start == 0:
+        return max(bwd for _, bwd in times)
+    return max(fwd + bwd for fwd, bwd in times)
 
 
 def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int, max_stages: int) -> Prediction:
@@ -101,8 +120,9 @@ def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int,
         held = stage_memory_bytes(cost.model, stage.start, stage.end, stage.micro_batch,
                                   in_flight(max_stages, global_batch, stage.micro_batch,
                                             whole_model=stage.start == 0 and stage.end == cost.model.num_layers))
-        for device, share in stage.shares:
-            total = stage_device_cost(cost, stage, device, share, global_batch)
+        samples = token_samples(stage.shares, global_batch, stage.micro_batch)
+        for device, _ in stage.shares:
+            total = stage_device_cost(cost, stage, device, samples[device])
             load[device] = load.get(device, 0.0) + total - group_sync
             sync[device] = sync.get(device, 0.0) + group_sync
             memory[device] = memory.get(device, 0.0) + held

@@ -49,6 +49,11 @@ from felactl.errors import PlanInfeasible
 from felactl.optimizer.space import SearchSpace, StageOption
 
 
+MS = 1e3
+"""The program counts time in milliseconds: CBC's tolerances (~1e-7) are absolute, and iterations
+of a few milliseconds in seconds would sit close to them."""
+
+
 @dataclass(frozen=True)
 class Solution:
     options: tuple[StageOption, ...]
@@ -61,8 +66,8 @@ class Solution:
 
 def _build(space: SearchSpace, exclusive: bool) -> tuple[pulp.LpProblem, list, pulp.LpVariable]:
     prob = pulp.LpProblem("felactl_plan", pulp.LpMinimize)
-    x = [pulp.LpVariable(f"x_{k}", cat="Binary") for k in range(len(space.options))]
-    t = pulp.LpVariable("T", lowBound=0)
+    x = [prob.add_variable(f"x_{k}", cat=pulp.LpBinary) for k in range(len(space.options))]
+    t = prob.add_variable("T", lowBound=0)
     prob += t
     starts: dict[int, list] = {}
     ends: dict[int, list] = {}
@@ -73,7 +78,7 @@ def _build(space: SearchSpace, exclusive: bool) -> tuple[pulp.LpProblem, list, p
     for c in space.boundaries[1:-1]:
         prob += pulp.lpSum(ends.get(c, [])) == pulp.lpSum(starts.get(c, [])), f"c2_flow_{c}"
     prob += pulp.lpSum(x) <= space.max_stages, "c3_stages"
-    fill = pulp.lpSum(opt.fill_s * var for var, opt in zip(x, space.options) if opt.fill_s > 0)
+    fill = pulp.lpSum(opt.fill_s * MS * var for var, opt in zip(x, space.options) if opt.fill_s > 0)
     for u, slot in enumerate(space.slots):
         held = [(opt.memory_bytes[u] / 1e9, var) for var, opt in zip(x, space.options) if u in opt.memory_bytes]
         if held:
@@ -81,7 +86,7 @@ def _build(space: SearchSpace, exclusive: bool) -> tuple[pulp.LpProblem, list, p
         if exclusive and held:
             prob += pulp.lpSum(var for _, var in held) <= 1, f"c6_exclusive_{u}"
     for p in range(len(space.profiles)):
-        busy = [(opt.cost_s[p], var) for var, opt in zip(x, space.options) if p in opt.cost_s]
+        busy = [(opt.cost_s[p] * MS, var) for var, opt in zip(x, space.options) if p in opt.cost_s]
         prob += pulp.lpSum(s * var for s, var in busy) + fill <= t, f"c5_time_{p}"
     return prob, x, t
 
@@ -105,7 +110,7 @@ def solve(space: SearchSpace, *, exclusive: bool = False, time_limit_s: float | 
         raise PlanInfeasible(_infeasible_reason(space, exclusive))
     chosen = sorted((opt for var, opt in zip(x, space.options) if (var.value() or 0) > 0.5),
                     key=lambda o: o.choice.start)
-    objective_s = float(t.value())
+    objective_s = float(t.value()) / MS
     if prob.sol_status == pulp.LpSolutionOptimal:
         return Solution(tuple(chosen), objective_s, status, solve_s, gap=0.0)
     return Solution(tuple(chosen), objective_s, "time limit", solve_s, gap=_gap(prob, t, objective_s))
@@ -131,7 +136,7 @@ def _gap(prob: pulp.LpProblem, t: pulp.LpVariable, incumbent_s: float) -> float 
     prob.solve(pulp.PULP_CBC_CMD(msg=False))
     if prob.status != pulp.LpStatusOptimal or not t.value():
         return None
-    return max(0.0, (incumbent_s - float(t.value())) / incumbent_s)
+    return max(0.0, (incumbent_s - float(t.value()) / MS) / incumbent_s)
 
 
 def _infeasible_reason(space: SearchSpace, exclusive: bool) -> str:

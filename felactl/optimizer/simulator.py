@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from felactl.errors import InputError
 from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_param_bytes
+from felactl.optimizer.evaluate import token_samples
 from felactl.spec import Plan, Schedule
 
 
@@ -131,16 +132,17 @@ class _Simulation:
             self._make_ready(tok)
 
     def _bind(self, stage, fwd: list[_Token], bwd: list[_Token]) -> None:
-        """Give each worker a contiguous run of the batch in proportion to its share, and each token
-        to the worker owning its middle sample: a worker's tokens of consecutive stages then cover
-        the same samples (locality, as ADS prefers) and its sub-bucket matches its share."""
-        bounds, acc = [], 0.0
+        """Put each token in one worker's sub-bucket: contiguous runs of tokens, as many samples per
+        worker as the cost model apportions (:func:`token_samples`), so a worker's tokens of
+        consecutive stages cover the same samples (locality, as ADS prefers)."""
+        samples = token_samples(tuple((w.device, w.share) for w in stage.workers), self.plan.global_batch,
+                                stage.micro_batch)
+        edges, acc = [], 0
         for w in stage.workers:
-            acc += w.share * self.plan.global_batch
-            bounds.append((acc, w.device))
+            acc += samples[w.device]
+            edges.append((acc, w.device))
         for f, b in zip(fwd, bwd):
-            middle = (f.first + f.last) / 2
-            f.bound = b.bound = next((dev for edge, dev in bounds if middle < edge), bounds[-1][1])
+            f.bound = b.bound = next(dev for edge, dev in edges if f.first < edge)
 
     @staticmethod
     def _overlap(tokens: list[_Token], tok: _Token) -> list[_Token]:

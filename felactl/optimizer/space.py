@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from felactl.optimizer.cost import CostModel, micro_batch_options, stage_memory_bytes
-from felactl.optimizer.evaluate import StageChoice, in_flight, stage_device_cost, stage_fill_s
+from felactl.optimizer.evaluate import StageChoice, in_flight, stage_device_cost, stage_fill_s, token_samples
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,9 @@ def _option(space: SearchSpace, start: int, end: int, micro_batch: int, group: i
     rate = {s: 1.0 / max(cost.per_sample_s(start, end, slots[s].devices[0], micro_batch), 1e-15) for s in members}
     total = sum(rate[s] * len(slots[s].devices) for s in members)
     choice = StageChoice(start, end, micro_batch, tuple((d, rate[s] / total) for s in members for d in slots[s].devices))
-    cost_s = {p: stage_device_cost(cost, choice, prof.devices[0], rate[prof.slot] / total, space.global_batch)
+    samples = token_samples(choice.shares, space.global_batch, micro_batch)
+    # A profile's first device gets the most tokens of the profile (ties go to earlier workers).
+    cost_s = {p: stage_device_cost(cost, choice, prof.devices[0], samples[prof.devices[0]])
               for p, prof in enumerate(space.profiles) if prof.slot in members}
     return StageOption(choice=choice, group=group, slots=members, cost_s=cost_s,
                        memory_bytes={s: held for s in members}, fill_s=stage_fill_s(cost, choice))

@@ -1,0 +1,86 @@
+"""The ILP against exhaustive enumeration over the same space and cost model (tiny instances)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from felactl.errors import PlanInfeasible
+from felactl.optimizer import ilp
+from felactl.optimizer.cost import CostModel
+from felactl.optimizer.evaluate import predict
+from felactl.optimizer.search import best_by_enumeration
+from felactl.optimizer.space import build_space
+from tests.planner_fixtures import cluster, model, random_instance
+
+
+def _both(cost: CostModel, batch: int, *, max_stages: int = 3, exclusive: bool = False):
+    pruned = build_space(cost, batch, max_stages=max_stages, max_micro_batches=3)
+    full = build_space(cost, batch, max_stages=max_stages, max_micro_batches=3, prune=False, groups=pruned.groups)
+    solution = ilp.solve(pruned, exclusive=exclusive)
+    oracle_s, _ = best_by_enumeration(full, exclusive=exclusive)
+    return solution, oracle_s, pruned
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_equals_exhaustive_search(seed):
+    spec, net, batch = random_instance(seed)
+    cost = CostModel(spec, net, use_trees=False)
+    solution, oracle_s, space = _both(cost, batch)
+    assert solution.status == "Optimal"
+    assert solution.objective_s == pytest.approx(oracle_s, rel=1e-6)
+    # The objective is the shared cost model's prediction of the chosen stages, not a proxy.
+    stages = tuple(o.choice for o in solution.options)
+    assert predict(cost, stages, batch, space.max_stages).iteration_s == pytest.approx(solution.objective_s, rel=1e-6)
+    assert stages[0].start == 0 and stages[-1].end == net.num_layers
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_ilp_equals_exhaustive_search_for_pipelines(seed):
+    spec, net, batch = random_instance(seed)
+    cost = CostModel(spec, net, use_trees=False)
+    try:
+        solution, oracle_s, _ = _both(cost, batch, exclusive=True)
+    except PlanInfeasible:
+        _, oracle_s = None, best_by_enumeration(build_space(cost, batch, max_stages=3, max_micro_batches=3,
+                                                             prune=False), exclusive=True)[0]
+        assert oracle_s == math.inf
+        return
+    assert solution.objective_s == pytest.approx(oracle_s, rel=1e-6)
+    used = [s for o in solution.options for s in o.slots]
+    assert len(used) == len(set(used))  # (6) each device serves one stage
+
+
+def test_ilp_with_trees_equals_exhaustive_search():
+    spec, net, batch = random_instance(3)
+    cost = CostModel(spec, net, use_trees=True)
+    solution, oracle_s, _ = _both(cost, batch, max_stages=2)
+    assert solution.objective_s == pytest.approx(oracle_s, rel=1e-6)
+
+
+def test_memory_forces_the_model_apart():
+    # Two 1.6 GB layers (x4 with grads and AdamW = 6.4 GB each) on 8 GB devices: one per device.
+    spec = cluster([[("g", 10.0, 8.0), ("g", 10.0, 8.0)]])
+    net = model([(400_000_000, 1000, 8e8), (400_000_000, 1000, 8e8)])
+    solution = ilp.solve(build_space(CostModel(spec, net, use_trees=False), 8))
+    assert [(o.choice.start, o.choice.end) for o in solution.options] == [(0, 1), (1, 2)]
+    assert all(len(o.choice.devices) == 1 for o in solution.options)
+    assert {o.choice.devices for o in solution.options} == {("n0.d0",), ("n0.d1",)}
+
+
+def test_a_layer_that_fits_nowhere_names_memory():
+    spec = cluster([[("g", 10.0, 8.0)]])
+    net = model([(1000, 1000, 1e6), (900_000_000, 1000, 1e9)])
+    with pytest.raises(PlanInfeasible, match=r"memory: .*'l1'"):
+        ilp.solve(build_space(CostModel(spec, net, use_trees=False), 8))
+
+
+def test_constraints_are_named_after_their_numbers(tmp_path):
+    spec, net, batch = random_instance(1)
+    space = build_space(CostModel(spec, net, use_trees=False), batch)
+    lp = tmp_path / "plan.lp"
+    ilp.solve(space, lp_path=str(lp))
+    text = lp.read_text()
+    for name in ("c1_start", "c3_stages", "c4_memory_0", "c5_time_0"):
+        assert name in text
