@@ -20,7 +20,8 @@ Formulas (times in seconds, sizes in bytes):
 * **Sync** of a stage group: an allreduce of the stage's gradients (``param_bytes``), over the
   group's packed Blink trees or a ring, whichever is faster when trees are on; a ring otherwise.
 * **Memory** per device holding a stage: parameters + gradients (``2 * param_bytes``) + AdamW's
-  two fp32 moments (``8 * params``) + activations of ``in_flight`` micro-batches of the stage.
+  two fp32 moments (``8 * params``) + what autograd saves (``saved_bytes_per_sample``, else each
+  layer's input + output) for ``in_flight`` micro-batches of the stage.
 """
 
 from __future__ import annotations
@@ -74,12 +75,20 @@ def stage_param_bytes(model: ModelSpec, start: int, end: int) -> int:
     return sum(layer.param_bytes for layer in model.layers[start:end])
 
 
+def saved_bytes_per_sample(model: ModelSpec, index: int) -> int:
+    """What autograd keeps of layer ``index`` per sample until its backward: the profiled number
+    where there is one, else the layer's input plus its output (a fair bound for simple layers)."""
+    layer = model.layers[index]
+    if layer.saved_bytes_per_sample is not None:
+        return layer.saved_bytes_per_sample
+    inputs = model.input_bytes_per_sample if index == 0 else model.layers[index - 1].activation_bytes_per_sample
+    return inputs + layer.activation_bytes_per_sample
+
+
 def stage_memory_bytes(model: ModelSpec, start: int, end: int, micro_batch: int, in_flight: int) -> float:
     """Bytes a device needs to hold layers [start, end) and ``in_flight`` micro-batches of them."""
-    layers = model.layers[start:end]
-    weights = sum(2 * l.param_bytes + ADAMW_STATE_BYTES_PER_PARAM * l.params for l in layers)
-    inputs = model.input_bytes_per_sample if start == 0 else model.layers[start - 1].activation_bytes_per_sample
-    activations = (inputs + sum(l.activation_bytes_per_sample for l in layers)) * micro_batch * in_flight
+    weights = sum(2 * l.param_bytes + ADAMW_STATE_BYTES_PER_PARAM * l.params for l in model.layers[start:end])
+    activations = sum(saved_bytes_per_sample(model, i) for i in range(start, end)) * micro_batch * in_flight
     return weights + activations
 
 

@@ -57,17 +57,17 @@ def in_flight(max_stages: int, global_batch: int, micro_batch: int, whole_model:
 
 
 def token_samples(shares: tuple[tuple[str, float], ...], global_batch: int, micro_batch: int) -> dict[str, int]:
-    """Samples each worker computes: the stage's ceil(B / b) tokens apportioned by largest
-    remainder of ``share * num_tokens`` (ties to the earlier worker), each worker taking a
-    contiguous run of tokens in worker order; the last token holds what is left of the batch.
+    """Samples each worker computes: the stage's ceil(B / b) tokens dealt one at a time to the
+    worker that would finish its next token first at a speed proportional to its share (a divisor
+    apportionment: ties go to the earlier worker), each worker then taking a contiguous run of
+    tokens in worker order; the last token holds what is left of the batch.
 
     Tokens are indivisible, so this, not ``share * B``, is a worker's load: with few tokens per
     worker the split is coarse, and the planner sees it (and picks a smaller micro-batch)."""
     num_tokens = math.ceil(global_batch / micro_batch)
-    exact = [share * num_tokens for _, share in shares]
-    counts = [math.floor(x + 1e-9) for x in exact]
-    order = sorted(range(len(shares)), key=lambda k: (-(exact[k] - counts[k]), k))
-    for k in order[:num_tokens - sum(counts)]:
+    counts = [0] * len(shares)
+    for _ in range(num_tokens):
+        k = min(range(len(shares)), key=lambda i: ((counts[i] + 1) / max(shares[i][1], 1e-12), i))
         counts[k] += 1
     samples, first = {}, 0
     for (device, _), count in zip(shares, counts):

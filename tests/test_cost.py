@@ -1,0 +1,89 @@
+"""The cost model's formulas, each checked against a hand-computed number."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from felactl.optimizer.cost import (CostModel, b_half, efficiency, layer_times_s, micro_batch_options,
+                                    stage_memory_bytes)
+from felactl.optimizer.evaluate import StageChoice, predict, token_samples
+from felactl.spec import Device, DeviceKind, Layer, LayerTiming
+from tests.planner_fixtures import cluster, model
+
+GPU = Device(name="g", kind=DeviceKind.CUDA, model="G1", tflops=10.0, memory_gb=16.0)
+
+
+def _linear(params: int = 1_000_000, timings=()) -> Layer:
+    return Layer(name="fc", params=params, param_bytes=4 * params, activation_bytes_per_sample=4000,
+                 fwd_flops_per_sample=2.0 * params, bwd_flops_per_sample=4.0 * params, timings=timings)
+
+
+def test_b_half_follows_arithmetic_intensity():
+    assert b_half(_linear()) == pytest.approx(100.0)  # 2 FLOPs per 4 bytes: ridge 50 / 0.5
+    conv = Layer(name="conv", params=1000, param_bytes=4000, activation_bytes_per_sample=1,
+                 fwd_flops_per_sample=4e6, bwd_flops_per_sample=8e6)
+    assert b_half(conv) == 0.5  # clamped: a conv saturates at once
+    assert efficiency(100, 100.0) == 0.5
+
+
+def test_flops_time_uses_the_saturation_curve():
+    fwd, bwd = layer_times_s(_linear(), GPU, 100)
+    # 2e6 FLOPs x 100 samples at 10 TFLOP/s x efficiency 0.5
+    assert fwd == pytest.approx(2e8 / (10e12 * 0.5))
+    assert bwd == pytest.approx(2 * fwd)
+
+
+def test_measured_times_win_and_are_scaled_to_other_batches():
+    layer = _linear(timings=(LayerTiming(device_model="G1", micro_batch=100, fwd_ms=3.0, bwd_ms=6.0),))
+    assert layer_times_s(layer, GPU, 100) == pytest.approx((0.003, 0.006))
+    fwd_200, _ = layer_times_s(layer, GPU, 200)
+    # per sample: 0.03 ms at eff(100) = 0.5; at eff(200) = 2/3 -> 0.0225 ms; x 200 samples
+    assert fwd_200 == pytest.approx(200 * 0.003 / 100 * 0.5 / (2 / 3))
+    other = Device(name="h", kind=DeviceKind.CUDA, model="H9", tflops=10.0, memory_gb=16.0)
+    assert layer_times_s(layer, other, 100) == layer_times_s(_linear(), GPU, 100)
+
+
+def test_memory_counts_weights_grads_adamw_and_activations():
+    net = model([(1000, 10, 1.0), (2000, 20, 1.0)], input_bytes=5)
+    # weights: 2 x 4 bytes (param + grad) + 8 bytes AdamW per param = 16 bytes/param
+    # saved per sample, without a profiled number: input + output of each layer
+    assert stage_memory_bytes(net, 0, 2, micro_batch=4, in_flight=3) == 16 * 3000 + (5 + 10 + 10 + 20) * 4 * 3
+    assert stage_memory_bytes(net, 1, 2, micro_batch=1, in_flight=1) == 16 * 2000 + (10 + 20)
+    profiled = dataclasses.replace(net, layers=(net.layers[0], dataclasses.replace(net.layers[1], saved_bytes_per_sample=7)))
+    assert stage_memory_bytes(profiled, 1, 2, micro_batch=2, in_flight=1) == 16 * 2000 + 7 * 2
+
+
+def test_links_relay_when_there_is_no_direct_link():
+    spec = cluster([[("g", 10.0, 8.0)], [("g", 10.0, 8.0)]], inter_gbps=2.0)
+    cost = CostModel(spec, model([(1, 1, 1.0)]), use_trees=False)
+    assert cost.link_time_s("n0.d0", "n1.d0", 2e9) == pytest.approx(20e-6 + 1.0)
+    # one exchange = activation there and gradient back, averaged over the (one) peer
+    assert cost.mean_round_trip_s("n0.d0", 2e9) == pytest.approx(2 * (20e-6 + 1.0))
+
+
+def test_tokens_are_apportioned_whole():
+    shares = (("a", 0.5), ("b", 0.3), ("c", 0.2))
+    assert token_samples(shares, 10, 1) == {"a": 5, "b": 3, "c": 2}
+    assert token_samples(shares, 10, 4) == {"a": 8, "b": 2, "c": 0}  # 3 tokens, the last holds 2 samples
+    assert token_samples((("f", 0.4), ("g", 0.4), ("s", 0.1), ("t", 0.1)), 16, 1) == {"f": 7, "g": 7, "s": 1, "t": 1}
+    assert sum(token_samples((("a", 0.5), ("b", 0.5)), 7, 2).values()) == 7
+
+
+def test_prediction_of_data_parallel_by_hand():
+    spec = cluster([[("g", 10.0, 8.0), ("g", 10.0, 8.0)]], intra_gbps=10.0)
+    net = model([(1_000_000, 1000, 1e9)])
+    cost = CostModel(spec, net, use_trees=False)
+    stage = StageChoice(0, 1, 4, (("n0.d0", 0.5), ("n0.d1", 0.5)))
+    got = predict(cost, (stage,), 8, max_stages=1)
+    compute = 4 * 3e9 / 10e12  # 4 samples x (fwd + bwd) FLOPs at full speed (conv-like layer)
+    from felactl.optimizer.collectives import ring_allreduce_time_s
+    ring = ring_allreduce_time_s(spec, ["n0.d0", "n0.d1"], 4e6)
+    assert got.fill_s == 0.0
+    assert got.iteration_s == pytest.approx(compute / efficiency(4, b_half(net.layers[0])) + ring)
+
+
+def test_micro_batch_options():
+    assert micro_batch_options(20) == (1, 2, 4, 8, 16)
+    assert micro_batch_options(256, max_options=4) == (4, 32, 256)

@@ -1,0 +1,106 @@
+"""``felactl plan`` through typer's CliRunner: JSON keys, the plan file, errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from felactl.cli.main import app
+from felactl.spec import load_plan, save
+from tests.planner_fixtures import cluster, model
+
+ROOT = Path(__file__).resolve().parents[1]
+DGX1V = str(ROOT / "plans" / "clusters" / "dgx1v.yaml")
+VGG = str(ROOT / "plans" / "models" / "vgg-mini.yaml")
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_json_has_the_promised_keys(runner):
+    result = runner.invoke(app, ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64",
+                                 "--devices", "0,1,2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("iteration_s", "samples_per_s", "solve_s", "status", "baselines", "collectives"):
+        assert key in data
+    assert data["status"] == "Optimal"
+    assert set(data["baselines"]) >= {"dp", "mp", "hp", "no_trees"}
+    assert data["iteration_s"] <= data["baselines"]["dp"] * (1 + 1e-9)  # DP is in the plan's space
+    assert data["samples_per_s"] == pytest.approx(64 / data["iteration_s"])
+    for coll in data["collectives"]:
+        assert set(coll) >= {"devices", "root", "trees", "rate_gbps", "bound_gbps", "ring_gbps"}
+        assert all(set(t) == {"edges", "weight"} for t in coll["trees"])
+    assert set(data["devices"]) <= {"gpu0", "gpu1", "gpu2"}
+
+
+def test_writes_a_plan_that_loads_and_shows_compare_and_explain(runner, tmp_path):
+    out = tmp_path / "plan.yaml"
+    result = runner.invoke(app, ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64",
+                                 "--devices", "gpu0,gpu3,gpu4", "-o", str(out), "--compare", "--explain"])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.global_batch == 64 and plan.predicted.baselines["dp"] > 0
+    assert "speedup" in result.output and "one iteration" in result.output
+
+
+def test_debug_writes_the_lp_file(runner, tmp_path):
+    out = tmp_path / "p.yaml"
+    result = runner.invoke(app, ["--debug", "plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "16",
+                                 "--devices", "0,1", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "c1_start" in (tmp_path / "p.lp").read_text()
+
+
+def test_sdpipe_gives_static_pipelines(runner, tmp_path):
+    spec = cluster([[("g", 10.0, 8.0), ("g", 10.0, 8.0)], [("g", 10.0, 8.0), ("g", 10.0, 8.0)]])
+    net = model([(300_000_000, 16_000, 6e8), (50_000, 400, 5e8), (250_000_000, 400, 4e8)])
+    save(spec, tmp_path / "c.yaml")
+    save(net, tmp_path / "m.yaml")
+    result = runner.invoke(app, ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml"),
+                                 "--global-batch", "32", "--sync", "sdpipe", "-o", str(tmp_path / "p.yaml")])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(tmp_path / "p.yaml")
+    assert plan.schedule.value == "1f1b" and len(plan.pipelines) >= 1
+    used = [d for st in plan.stages for d in st.devices]
+    assert len(used) == len(set(used))  # each device runs one stage
+
+
+def test_a_model_that_fits_nowhere_exits_2_naming_memory(runner, tmp_path):
+    save(cluster([[("g", 10.0, 1.0)]]), tmp_path / "c.yaml")
+    save(model([(1000, 100, 1e6), (100_000_000, 100, 1e8)]), tmp_path / "m.yaml")
+    result = runner.invoke(app, ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml"),
+                                 "--global-batch", "8"])
+    assert result.exit_code == 2
+    assert "memory" in result.output and "'l1'" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--global-batch", "0"], "batch split"),
+    (["--global-batch", "8", "--devices", ","], "--devices"),
+    (["--global-batch", "8", "--devices", "gpu9"], "gpu9"),
+    (["--global-batch", "8", "--sync", "async"], "--sync"),
+    (["--global-batch", "8", "--time-limit", "0"], "--time-limit"),
+])
+def test_bad_input_exits_2_with_one_line(runner, args, needle):
+    result = runner.invoke(app, ["plan", "--cluster", DGX1V, "--model", VGG, *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_options_exit_2(runner):
+    result = runner.invoke(app, ["plan", "--cluster", DGX1V])
+    assert result.exit_code == 2 and "--model" in result.output
+
+
+def test_plan_collectives_is_still_a_subcommand(runner):
+    result = runner.invoke(app, ["plan", "collectives", "--cluster", DGX1V, "--devices", "0,1,2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["devices"] == ["gpu0", "gpu1", "gpu2"]

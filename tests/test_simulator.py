@@ -1,0 +1,72 @@
+"""The discrete-event simulator: agreement with the ILP, and what stragglers cost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from felactl.errors import InputError
+from felactl.optimizer.cost import CostModel
+from felactl.optimizer.planner import make_plan
+from felactl.optimizer.simulator import Stragglers, simulate, sleeps_s
+from felactl.spec import load_cluster, load_model
+from tests.planner_fixtures import cluster, model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _two_stage_plan():
+    # conv-like layers, then two FC layers too large to share an 8 GB device: a 3-stage plan
+    spec = cluster([[("fast", 20.0, 8.0), ("fast", 20.0, 8.0)], [("slow", 5.0, 8.0), ("slow", 5.0, 8.0)]],
+                   intra_gbps=50.0, inter_gbps=10.0)
+    net = model([(50_000, 200_000, 5e9), (100_000, 100_000, 5e9), (300_000_000, 16_000, 6e8),
+                 (200_000_000, 400, 4e8)])
+    return spec, net, make_plan(spec, net, 64, use_trees=False)
+
+
+@pytest.mark.parametrize("cluster_name,model_name", [("dgx1v", "vgg-mini"), ("dgx1v", "gpt-mini"),
+                                                     ("dgx1v-x2", "mlp")])
+def test_simulator_agrees_with_the_ilp_on_shipped_examples(cluster_name, model_name):
+    spec = load_cluster(ROOT / "plans" / "clusters" / f"{cluster_name}.yaml")
+    net = load_model(ROOT / "plans" / "models" / f"{model_name}.yaml")
+    plan = make_plan(spec, net, 256)
+    assert plan.predicted.simulated_iteration_s == pytest.approx(plan.predicted.iteration_s, rel=0.10)
+
+
+def test_simulator_agrees_with_the_ilp_on_a_memory_forced_pipeline():
+    _, _, plan = _two_stage_plan()
+    assert len(plan.stages) == 3
+    # The ILP charges a whole micro-batch of fill per stage; token pulling overlaps part of it.
+    simulated, predicted = plan.predicted.simulated_iteration_s, plan.predicted.iteration_s
+    assert 0.8 * predicted <= simulated <= 1.05 * predicted
+
+
+def test_a_slow_device_costs_time_and_helpers_absorb_part_of_it():
+    spec, net, plan = _two_stage_plan()
+    cost = CostModel(spec.subset(plan.devices), net, use_trees=False)
+    base = simulate(plan, cost).iteration_s
+    victim = plan.stages[0].workers[0].device
+    slowed = simulate(plan, cost, Stragglers(slowdown={victim: 3.0})).iteration_s
+    busy = simulate(plan, cost).busy_s(victim)
+    assert base < slowed
+    # without helping the victim's own work would take 3x: others take some of its tokens
+    assert slowed < base + 2.0 * busy
+
+
+def test_sleep_patterns():
+    devices = ("a", "b", "c")
+    assert sleeps_s(devices, Stragglers(pattern="roundrobin:0.5", iteration=4)) == {"b": 0.5}
+    first = sleeps_s(devices, Stragglers(pattern="prob:0.5:1", seed=7))
+    assert first == sleeps_s(devices, Stragglers(pattern="prob:0.5:1", seed=7))  # seeded
+    assert set(first.values()) <= {1.0}
+    with pytest.raises(InputError, match="straggler pattern"):
+        sleeps_s(devices, Stragglers(pattern="sometimes"))
+
+
+def test_a_round_robin_sleep_delays_the_iteration_by_at_most_the_sleep():
+    spec, net, plan = _two_stage_plan()
+    cost = CostModel(spec.subset(plan.devices), net, use_trees=False)
+    base = simulate(plan, cost).iteration_s
+    delayed = simulate(plan, cost, Stragglers(pattern=f"roundrobin:{base / 2}")).iteration_s
+    assert base < delayed <= base * 1.5 + 1e-9
