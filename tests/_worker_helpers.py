@@ -30,7 +30,8 @@ def dp_plan(num_workers: int = 2, mode: str = "bsp", *, shares=None, global_batc
 
 
 def pipeline_plan(cuts: list[int], num_replicas: int = 1, schedule: str = "1f1b", *, global_batch: int = 32,
-                  micro_batch: int = 4, optimizer: str = "sgd", lr: float = 0.05, config=None) -> Plan:
+                  micro_batch: int = 4, optimizer: str = "sgd", lr: float = 0.05, config=None,
+                  sync: str = "bsp") -> Plan:
     """``len(cuts) - 1`` stages x ``num_replicas`` pipelines; device ``cpu{r * S + s}`` runs stage s of replica r."""
     num_stages = len(cuts) - 1
     devices = [f"cpu{r * num_stages + s}" for r in range(num_replicas) for s in range(num_stages)]
@@ -41,6 +42,7 @@ def pipeline_plan(cuts: list[int], num_replicas: int = 1, schedule: str = "1f1b"
     pipelines = tuple(tuple(f"cpu{r * num_stages + s}" for s in range(num_stages)) for r in range(num_replicas))
     return Plan(cluster="local", model=ModelRef(name="mlp", source="mlp", config=config or MLP_CONFIG),
                 devices=tuple(devices), global_batch=global_batch, schedule=Schedule(schedule),
+                sync=SyncSpec(mode=SyncMode(sync)),
                 training=Training(optimizer=optimizer, lr=lr, seed=0), stages=stages, pipelines=pipelines)
 
 

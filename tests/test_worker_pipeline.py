@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -40,3 +42,21 @@ def test_two_pipelines_allreduce_each_stage(tmp_path):
     plan = pipeline_plan([0, 2, 3], 2, "1f1b", micro_batch=4)
     run_dir = run_plan(plan, tmp_path, STEPS)
     assert (_all_params(run_dir, 2) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_sdpipe_pipelines_train_and_stage_replicas_end_equal(tmp_path):
+    steps = 20
+    plan = pipeline_plan([0, 2, 3], 2, "1f1b", micro_batch=8, optimizer="adamw", lr=1e-2, sync="sdpipe",
+                         config={"input_dim": 256, "hidden": 1024, "depth": 2})  # compute >> the 10 ms max wait
+    run_dir = run_plan(plan, tmp_path, steps, env={"FELACTL_SLOWDOWN": "0=3"})  # stage 0 holds the heavy layers
+    records = metrics(run_dir)
+    assert sum(r["samples"] for r in records if r["stage"] == 0) == steps * 32, "every sample trained once"
+    assert sum(r["samples"] for r in records if r["stage"] == 1) == steps * 32
+    sums = {r: json.loads((run_dir / "workers" / f"rank{r}.json").read_text())["param_checksum"] for r in range(4)}
+    assert abs(sums[0] - sums[2]) < 1e-6 and abs(sums[1] - sums[3]) < 1e-6, f"stage replicas differ: {sums}"
+    losses = [r["loss"] for r in sorted(records, key=lambda r: r["time"]) if r["loss"] is not None]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, f"loss should fall: {losses[:4]} .. {losses[-4:]}"
+    slow_pipeline = sum(1 for r in records if r["rank"] == 0)
+    fast_pipeline = sum(1 for r in records if r["rank"] == 2)
+    assert fast_pipeline > slow_pipeline, "pipelines run at their own pace: the one without the straggler does more"

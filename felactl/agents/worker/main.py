@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.stages import stage_rank_sets
 from felactl.agents.worker import runtime as runtime_mod
 from felactl.errors import InputError
 from felactl.spec import Plan, Schedule, SyncMode
@@ -21,18 +22,11 @@ def strategy(plan: Plan):
     if len(plan.stages) > 1 and plan.schedule is Schedule.TOKENS:
         return importlib.import_module("felactl.agents.worker.flexible")
     if len(plan.stages) > 1:
-        if plan.sync.mode not in (SyncMode.BSP, SyncMode.TOKENS):
-            raise InputError(f"sync {plan.sync.mode.value} runs on data-parallel plans (one stage); static pipelines "
-                             f"synchronise each stage's replicas with bsp")
+        if plan.sync.mode is SyncMode.WBSP:
+            raise InputError("sync wbsp runs on data-parallel plans (one stage); static pipelines synchronise "
+                             "each stage's replicas with bsp or sdpipe")
         return importlib.import_module("felactl.agents.worker.pipeline")
     return importlib.import_module(f"felactl.agents.worker.sync.{SYNC_MODULES[plan.sync.mode.value]}")
-
-
-def stage_groups(plan: Plan) -> list[tuple[int, ...]]:
-    """Every stage's rank set, in plan order (the same list on every rank: ``new_group`` is collective)."""
-    if len(plan.stages) > 1 and plan.schedule is not Schedule.TOKENS:
-        return [tuple(plan.rank_of(p[s]) for p in plan.pipelines) for s in range(len(plan.stages))]
-    return [tuple(plan.rank_of(d) for d in stage.devices) for stage in plan.stages]
 
 
 def run_worker(cfg: WorkerConfig) -> dict:
@@ -40,7 +34,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
     module = strategy(plan)
     runtime = runtime_mod.start(cfg)
     try:
-        runtime.make_groups(stage_groups(plan))
+        runtime.make_groups(stage_rank_sets(plan))
         trainer = Trainer(runtime, plan)
         dist.barrier()
         start = time.perf_counter()

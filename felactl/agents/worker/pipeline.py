@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.stages import micro_batches
+from felactl.agents.worker.stages import micro_batches, stage_rank_sets
+from felactl.agents.worker.sync._local import claim_samples
 from felactl.agents.worker.sync.bsp import allreduce_grads, arrive
-from felactl.spec import Schedule
+from felactl.agents.worker.sync.sdpipe import SDPipeSync
+from felactl.spec import Schedule, SyncMode
 
-TAG_ACTIVATION, TAG_GRADIENT = 21, 22
+TAG_ACTIVATION, TAG_GRADIENT, TAG_CHUNK = 21, 22, 23
 MAX_DIMS = 7
 
 
@@ -76,12 +78,10 @@ class _Link:
 class PipelineStep:
     """One iteration of this rank's stage over its replica's micro-batches."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, prev: _Link | None, next: _Link | None):
         self.trainer = trainer
-        p = trainer.placement
-        device = trainer.runtime.device
-        self.prev = _Link(p.prev_rank, device) if p.prev_rank is not None else None
-        self.next = _Link(p.next_rank, device) if p.next_rank is not None else None
+        self.prev, self.next = prev, next
+        self.weight_by = trainer.global_batch
         self.compute_s = self.wait_s = self.loss_sum = 0.0
         self.saved: dict[int, tuple] = {}
 
@@ -107,7 +107,7 @@ class PipelineStep:
         if self.next is None:
             loss = self._timed(lambda: t.bundle.loss(y, targets))
             self.loss_sum += loss.item() * len(indices)
-            return x, loss * (len(indices) / t.global_batch)
+            return x, loss * (len(indices) / self.weight_by)
         self.next.send(y, TAG_ACTIVATION)
         return x, y
 
@@ -120,10 +120,12 @@ class PipelineStep:
         if self.prev is not None:
             self.prev.send(x.grad, TAG_GRADIENT)
 
-    def run(self, step: int) -> None:
+    def run(self, indices: list[int], weight_by: int) -> None:
+        """Forward and backward ``indices`` through the pipeline; losses weighted by ``weight_by``."""
         t = self.trainer
+        self.weight_by = weight_by
         micro_batch = t.plan.stages[0].micro_batch  # one micro-batch size along a static pipeline
-        chunks = [t.step_indices(step, m) for m in micro_batches(t.placement.offsets, micro_batch)]
+        chunks = [[indices[i] for i in m] for m in micro_batches(range(len(indices)), micro_batch)]
         num_stages = len(t.plan.stages)
         order = gpipe(len(chunks)) if t.plan.schedule is Schedule.GPIPE else \
             one_f_one_b(num_stages, t.placement.stage, len(chunks))
@@ -137,15 +139,24 @@ class PipelineStep:
                 link.flush()
 
 
+def links(trainer: Trainer) -> tuple[_Link | None, _Link | None]:
+    p, device = trainer.placement, trainer.runtime.device
+    return (_Link(p.prev_rank, device) if p.prev_rank is not None else None,
+            _Link(p.next_rank, device) if p.next_rank is not None else None)
+
+
 def run(trainer: Trainer) -> None:
+    if trainer.plan.sync.mode is SyncMode.SDPIPE:
+        return run_sdpipe(trainer)
     placement = trainer.placement
     group = trainer.runtime.group(placement.stage_ranks)
     device = trainer.runtime.device
+    prev, next = links(trainer)
     for step in range(trainer.runtime.cfg.steps):
         start = time.perf_counter()
         pattern_s = trainer.straggler.at_iteration(step)
-        it = PipelineStep(trainer)
-        it.run(step)
+        it = PipelineStep(trainer, prev, next)
+        it.run(trainer.step_indices(step, placement.offsets), trainer.global_batch)
         wait_s = it.wait_s + (arrive(group, device) if len(placement.stage_ranks) > 1 else 0.0)
         comm_s = allreduce_grads(trainer, group) if len(placement.stage_ranks) > 1 else 0.0
         trainer.optimizer_step()
@@ -154,3 +165,39 @@ def run(trainer: Trainer) -> None:
                        compute_s=it.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s,
                        duration_s=time.perf_counter() - start)
         trainer.maybe_checkpoint(step, (step + 1) * trainer.global_batch)
+
+
+def pass_chunk(trainer: Trainer, prev: _Link | None, next: _Link | None) -> list[int]:
+    """SDPipe pipelines run at their own pace: the first stage claims the replica's next samples
+    from the store counter and hands ``[start, count]`` down its pipeline (count 0: the data is done)."""
+    if prev is None:
+        indices = claim_samples(trainer)
+        header = torch.tensor([indices[0] if indices else 0, len(indices)])
+    else:
+        header = torch.zeros(2, dtype=torch.long)
+        dist.recv(header, prev.peer, tag=TAG_CHUNK)
+    if next is not None:
+        dist.send(header, next.peer, tag=TAG_CHUNK)
+    start, count = int(header[0]), int(header[1])
+    return list(range(start, start + count))
+
+
+def run_sdpipe(trainer: Trainer) -> None:
+    """SDPipe proper: S stages x N pipelines, 1F1B inside each, no waiting for other pipelines;
+    after each local step a stage's worker averages with the group its stage's scheduler forms."""
+    sdpipe = SDPipeSync(trainer, stage_rank_sets(trainer.plan))
+    prev, next = links(trainer)
+    step = 0
+    while indices := pass_chunk(trainer, prev, next):
+        start = time.perf_counter()
+        pattern_s = trainer.straggler.at_iteration(step)
+        it = PipelineStep(trainer, prev, next)
+        it.run(indices, len(indices))
+        trainer.optimizer_step()
+        comm_s, wait_s = sdpipe.sync(step)
+        trainer.record(step=step, samples=len(indices), loss_sum=it.loss_sum if trainer.placement.is_last else None,
+                       compute_s=it.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s + it.wait_s,
+                       duration_s=time.perf_counter() - start)
+        trainer.maybe_checkpoint(step, indices[-1] + 1)
+        step += 1
+    sdpipe.finish()

@@ -77,3 +77,11 @@ def place(plan: Plan, rank: int) -> Placement:
     return Placement(rank, s, replica, offsets, stage_ranks,
                      prev_rank=plan.rank_of(pipe[s - 1]) if s > 0 else None,
                      next_rank=plan.rank_of(pipe[s + 1]) if s + 1 < len(pipe) else None)
+
+
+def stage_rank_sets(plan: Plan) -> list[tuple[int, ...]]:
+    """Every stage's ranks in plan order (static pipelines: in pipeline order), the same list on
+    every rank: the stages' process groups are created from it, collectively."""
+    if len(plan.stages) > 1 and plan.schedule is not Schedule.TOKENS:
+        return [tuple(plan.rank_of(p[s]) for p in plan.pipelines) for s in range(len(plan.stages))]
+    return [tuple(plan.rank_of(d) for d in stage.devices) for stage in plan.stages]

@@ -30,11 +30,13 @@ TAG_BASE = 1000
 
 
 class SchedulerService:
-    """Feeds the store's arrival log to a :class:`GroupScheduler` and publishes the groups."""
+    """Feeds one stage's arrival log (keys under ``prefix``) to a :class:`GroupScheduler` and
+    publishes the groups."""
 
-    def __init__(self, store: dist.Store, scheduler: GroupScheduler):
+    def __init__(self, store: dist.Store, scheduler: GroupScheduler, prefix: str = "sd/"):
         self.store = store
         self.scheduler = scheduler
+        self.prefix = prefix
         self.error: BaseException | None = None
         self.sizes: list[int] = []
         self.thread = threading.Thread(target=self._run, name="sdpipe-scheduler", daemon=True)
@@ -43,7 +45,7 @@ class SchedulerService:
         try:
             ticket, rounds = 1, {r: 0 for r in self.scheduler.members}
             while self.scheduler.active:
-                key = f"sd/arrival/{ticket}"
+                key = f"{self.prefix}arrival/{ticket}"
                 if self._arrived(key):
                     rank, kind = (int(x) for x in self.store.get(key).decode().split(":"))
                     ticket += 1
@@ -71,13 +73,13 @@ class SchedulerService:
         document = json.dumps({"id": self.scheduler.groups_formed, "members": sorted(group)})
         self.sizes.append(len(group))
         for rank in group:
-            self.store.set(f"sd/group/{rank}/{rounds[rank]}", document)
+            self.store.set(f"{self.prefix}group/{rank}/{rounds[rank]}", document)
             rounds[rank] += 1
 
 
-def announce(store: dist.Store, rank: int, kind: int = 0) -> None:
-    ticket = store.add("sd/tickets", 1)
-    store.set(f"sd/arrival/{ticket}", f"{rank}:{kind}")
+def announce(store: dist.Store, prefix: str, rank: int, kind: int = 0) -> None:
+    ticket = store.add(f"{prefix}tickets", 1)
+    store.set(f"{prefix}arrival/{ticket}", f"{rank}:{kind}")
 
 
 def average_in_group(trainer: Trainer, members: list[int], group_id: int, group) -> None:
@@ -102,32 +104,49 @@ def average_in_group(trainer: Trainer, members: list[int], group_id: int, group)
     trainer.set_flat_params(flat.to(trainer.runtime.device))
 
 
-def run(trainer: Trainer) -> None:
-    runtime, sync_spec = trainer.runtime, trainer.plan.sync
-    group = runtime.new_world_group(backend="gloo")
-    service = None
-    if runtime.rank == 0:
-        scheduler = GroupScheduler(list(range(runtime.world_size)), sync_spec.max_group,
-                                   sync_spec.initial_wait_ms / 1000, sync_spec.connect_every)
-        service = SchedulerService(runtime.new_store_client(), scheduler)
-        service.thread.start()
-    store = runtime.store
+class SDPipeSync:
+    """One worker's SDPipe: its stage's scheduler (hosted by rank 0, one per stage), the p2p group
+    for averaging, and the final average that leaves the stage's replicas identical."""
 
-    def sync(step: int) -> tuple[float, float]:
+    def __init__(self, trainer: Trainer, stage_rank_sets: list[tuple[int, ...]]):
+        self.trainer = trainer
+        runtime, spec = trainer.runtime, trainer.plan.sync
+        self.prefix = f"sd/s{trainer.placement.stage}/"
+        self.group = runtime.new_world_group(backend="gloo")
+        self.services = []
+        if runtime.rank == 0:
+            for stage, ranks in enumerate(stage_rank_sets):
+                scheduler = GroupScheduler(list(ranks), spec.max_group, spec.initial_wait_ms / 1000, spec.connect_every)
+                self.services.append(SchedulerService(runtime.new_store_client(), scheduler, f"sd/s{stage}/"))
+            for service in self.services:
+                service.thread.start()
+
+    def sync(self, step: int) -> tuple[float, float]:
+        """After a local step: report ready, get a group, average in it. Returns (comm_s, wait_s)."""
+        store, rank = self.trainer.runtime.store, self.trainer.runtime.rank
         start = time.perf_counter()
-        announce(store, runtime.rank)
-        document = json.loads(store.get(f"sd/group/{runtime.rank}/{step}").decode())
+        announce(store, self.prefix, rank)
+        document = json.loads(store.get(f"{self.prefix}group/{rank}/{step}").decode())
         waited = time.perf_counter()
-        average_in_group(trainer, document["members"], document["id"], group)
+        average_in_group(self.trainer, document["members"], document["id"], self.group)
         return time.perf_counter() - waited, waited - start
 
-    local_steps(trainer, sync)
-    announce(store, runtime.rank, LEAVE)
-    if service is not None:
-        service.thread.join()
-        if service.error is not None:
-            raise service.error
-        runtime.store.set("sd/group_sizes", json.dumps(service.sizes))
-    flat = trainer.flat_params()
-    dist.all_reduce(flat, group=group if flat.device.type == "cpu" else None)
-    trainer.set_flat_params(flat / runtime.world_size)
+    def finish(self) -> None:
+        runtime = self.trainer.runtime
+        announce(runtime.store, self.prefix, runtime.rank, LEAVE)
+        for stage, service in enumerate(self.services):
+            service.thread.join()
+            if service.error is not None:
+                raise service.error
+            runtime.store.set(f"sd/s{stage}/group_sizes", json.dumps(service.sizes))
+        ranks = self.trainer.placement.stage_ranks
+        flat = self.trainer.flat_params()
+        if len(ranks) > 1:
+            dist.all_reduce(flat, group=runtime.group(ranks))
+        self.trainer.set_flat_params(flat / len(ranks))
+
+
+def run(trainer: Trainer) -> None:
+    sdpipe = SDPipeSync(trainer, [trainer.placement.stage_ranks])
+    local_steps(trainer, sdpipe.sync)
+    sdpipe.finish()
