@@ -18,6 +18,7 @@ the exhaustive oracle enumerates it, and the baselines are candidates evaluated 
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -66,9 +67,13 @@ def token_samples(shares: tuple[tuple[str, float], ...], global_batch: int, micr
     worker the split is coarse, and the planner sees it (and picks a smaller micro-batch)."""
     num_tokens = math.ceil(global_batch / micro_batch)
     counts = [0] * len(shares)
+    rates = [max(share, 1e-12) for _, share in shares]
+    finish = [(1.0 / rate, k) for k, rate in enumerate(rates)]
+    heapq.heapify(finish)
     for _ in range(num_tokens):
-        k = min(range(len(shares)), key=lambda i: ((counts[i] + 1) / max(shares[i][1], 1e-12), i))
+        _, k = heapq.heappop(finish)
         counts[k] += 1
+        heapq.heappush(finish, ((counts[k] + 1) / rates[k], k))
     samples, first = {}, 0
     for (device, _), count in zip(shares, counts):
         last = min(first + count * micro_batch, global_batch)

@@ -41,7 +41,7 @@ linear. T equals :func:`felactl.optimizer.evaluate.predict` of the chosen stages
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pulp
 
@@ -93,11 +93,30 @@ def _build(space: SearchSpace, exclusive: bool) -> tuple[pulp.LpProblem, list, p
 
 def solve(space: SearchSpace, *, exclusive: bool = False, time_limit_s: float | None = None,
           lp_path: str | None = None) -> Solution:
-    """Solve the program; raise PlanInfeasible naming the constraint class when nothing fits."""
+    """Solve the program in two phases: first over the prefix groups only (they have no symmetric
+    twins, so CBC proves that optimum fast), then over every group, started from that solution.
+    The second phase is the full program: its optimum is exact; under a time limit it returns the
+    best plan found (never worse than the first phase's) with the gap to the LP bound."""
+    began = time.perf_counter()
+    prefix = space.prefix_options()
+    warm: tuple[StageOption, ...] | None = None
+    if 0 < len(prefix) < len(space.options):
+        try:
+            warm = solve_once(replace(space, options=prefix), exclusive=exclusive, time_limit_s=time_limit_s).options
+        except PlanInfeasible:
+            warm = None
+    left_s = None if time_limit_s is None else max(time_limit_s - (time.perf_counter() - began), 0.5)
+    found = solve_once(space, exclusive=exclusive, time_limit_s=left_s, lp_path=lp_path, warm=warm)
+    return replace(found, solve_s=time.perf_counter() - began)
+
+
+def solve_once(space: SearchSpace, *, exclusive: bool = False, time_limit_s: float | None = None,
+               lp_path: str | None = None, warm: tuple[StageOption, ...] | None = None) -> Solution:
+    """One CBC run; raise PlanInfeasible naming the constraint class when nothing fits."""
     if not space.options:
         raise PlanInfeasible("memory: no stage of the model fits on any device at any micro-batch")
     prob, x, t = _build(space, exclusive)
-    warm = _warm_start(space, x, exclusive)
+    warm = _warm_start(space, x, warm)
     if lp_path:
         prob.writeLP(lp_path)
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-6, warmStart=warm)
@@ -116,16 +135,19 @@ def solve(space: SearchSpace, *, exclusive: bool = False, time_limit_s: float | 
     return Solution(tuple(chosen), objective_s, "time limit", solve_s, gap=_gap(prob, t, objective_s))
 
 
-def _warm_start(space: SearchSpace, x: list, exclusive: bool) -> bool:
-    """Start CBC from the best single-stage plan (data parallel over some group), if one fits:
-    a good incumbent from the first node lets it prune most of the tree."""
-    whole = [(max(o.cost_s.values()), k) for k, o in enumerate(space.options)
-             if o.choice.start == 0 and o.choice.end == space.boundaries[-1]]
-    if not whole:
-        return False
-    _, best = min(whole)
-    for k, var in enumerate(x):
-        var.setInitialValue(1 if k == best else 0)
+def _warm_start(space: SearchSpace, x: list, warm: tuple[StageOption, ...] | None) -> bool:
+    """Start CBC from ``warm`` (options of this space), else from the best single-stage plan
+    (data parallel over some group) if one fits: a good incumbent lets it prune most of the tree."""
+    if warm:
+        chosen = {id(o) for o in warm}
+    else:
+        whole = [(max(o.cost_s.values()), k) for k, o in enumerate(space.options)
+                 if o.choice.start == 0 and o.choice.end == space.boundaries[-1]]
+        if not whole:
+            return False
+        chosen = {id(space.options[min(whole)[1]])}
+    for var, opt in zip(x, space.options):
+        var.setInitialValue(1 if id(opt) in chosen else 0)
     return True
 
 

@@ -65,6 +65,11 @@ class SearchSpace:
     profiles: tuple[Profile, ...]
     groups: tuple[tuple[int, ...], ...]
     options: list[StageOption]
+    num_prefix_groups: int = 0
+    """``groups[:num_prefix_groups]`` are the prefix groups (nested, free of symmetric twins)."""
+
+    def prefix_options(self) -> list[StageOption]:
+        return [o for o in self.options if o.group < self.num_prefix_groups]
 
 
 def block_boundaries(cost: CostModel, max_blocks: int) -> tuple[int, ...]:
@@ -107,7 +112,8 @@ def _powers_upto(n: int) -> list[int]:
     return sizes + [n]
 
 
-def make_groups(slots: tuple[Slot, ...]) -> tuple[tuple[int, ...], ...]:
+def make_groups(slots: tuple[Slot, ...]) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The groups (prefix groups first) and how many of them are prefix groups."""
     by_class: dict[int, list[int]] = {}
     for i, slot in enumerate(slots):
         by_class.setdefault(slot.device_class, []).append(i)
@@ -117,11 +123,12 @@ def make_groups(slots: tuple[Slot, ...]) -> tuple[tuple[int, ...], ...]:
         members = tuple(sorted(s for m, cls in zip(choice, by_class.values()) for s in cls[:m]))
         if members:
             groups[members] = None
+    num_prefix = len(groups)
     for cls in by_class.values():
         for size in _powers_upto(len(cls)):
             for start in range(0, len(cls) - size + 1, size):
                 groups[tuple(cls[start:start + size])] = None
-    return tuple(groups)
+    return tuple(groups), num_prefix
 
 
 def _option(space: SearchSpace, start: int, end: int, micro_batch: int, group: int) -> StageOption | None:
@@ -164,9 +171,10 @@ def build_space(cost: CostModel, global_batch: int, *, max_stages: int = 4, max_
                 extra_micro_batches: tuple[int, ...] = (), groups: tuple | None = None) -> SearchSpace:
     """Every stage option of the model on the cost model's cluster (see module doc)."""
     slots, profiles = make_slots(cost, max_slots_per_class)
+    groups, num_prefix = (groups, len(groups)) if groups is not None else make_groups(slots)
     space = SearchSpace(cost=cost, global_batch=global_batch, max_stages=max_stages,
                         boundaries=block_boundaries(cost, max_blocks), slots=slots, profiles=profiles,
-                        groups=groups if groups is not None else make_groups(slots), options=[])
+                        groups=groups, options=[], num_prefix_groups=num_prefix)
     cuts = space.boundaries
     micro_batches = sorted(set(micro_batch_options(global_batch, max_options=max_micro_batches))
                            | set(extra_micro_batches))
