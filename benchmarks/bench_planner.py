@@ -1,0 +1,125 @@
+"""felactl plan: solve times at scale, and the plan's predicted speedup over each baseline.
+
+Run: ``python benchmarks/bench_planner.py`` (add ``--skip-large`` to leave out the 512-GPU case).
+
+Table 1 times the planner's search (building the stage-option space, Blink trees included, then
+the two-phase ILP) for a 48-layer transformer on ``plans/clusters/mixed.yaml`` and a 128-layer
+one on a generated 64-node x 8-GPU DGX-1V cluster, with and without a time limit; where a limit
+stops CBC it prints the gap to the LP bound. Table 2 runs ``make_plan`` (the whole of
+``felactl plan``) for every shipped cluster x model: the profiled built-in models in
+``plans/models/`` and two analytic ones (VGG-16-like, 48-layer transformer), and prints the
+plan's predicted iteration, the simulator's, and the speedup over DP, MP, HP and no-trees, all
+predicted in the same cost model. The plan's space contains DP, so "vs dp" is never below 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from synthetic_models import transformer_spec, vgg_spec  # noqa: E402
+
+from felactl.optimizer import ilp  # noqa: E402
+from felactl.optimizer.cost import CostModel  # noqa: E402
+from felactl.optimizer.planner import make_plan  # noqa: E402
+from felactl.optimizer.space import build_space  # noqa: E402
+from felactl.spec import load_cluster, load_model  # noqa: E402
+
+GLOBAL_BATCH = 256
+
+
+def generated_dgx1v(num_servers: int):
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "plans" / "clusters" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    return generate.dgx1v(num_servers)
+
+
+def time_search(name: str, cluster, model, batch: int, limit_s: float | None, **space_kw) -> dict:
+    began = time.perf_counter()
+    space = build_space(CostModel(cluster, model), batch, **space_kw)
+    built = time.perf_counter()
+    found = ilp.solve(space, time_limit_s=limit_s)
+    done = time.perf_counter()
+    return {"case": name, "limit": "-" if limit_s is None else f"{limit_s:g} s", "options": len(space.options),
+            "space_s": built - began, "ilp_s": done - built, "total_s": done - began, "status": found.status,
+            "gap": found.gap, "iteration_s": found.objective_s, "stages": len(found.options)}
+
+
+def scale_table(skip_large: bool) -> list[dict]:
+    mixed = load_cluster(ROOT / "plans" / "clusters" / "mixed.yaml")
+    deep = transformer_spec(48, width=1024, seq_len=512)
+    rows = [time_search("48-layer transformer, mixed (24 GPUs)", mixed, deep, GLOBAL_BATCH, None),
+            time_search("48-layer transformer, mixed (24 GPUs)", mixed, deep, GLOBAL_BATCH, 2.0)]
+    if not skip_large:
+        big = generated_dgx1v(64)
+        deeper = transformer_spec(128, width=1024, seq_len=512)
+        rows.append(time_search("128-layer transformer, 64 x 8 DGX-1V (512 GPUs)", big, deeper, 1024, 30.0,
+                                max_stages=8, max_blocks=16))
+    return rows
+
+
+def render_scale(rows: list[dict]) -> str:
+    lines = ["| case | time limit | stage options | space s | ILP s | total s | status | gap | iteration s | stages |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = "0" if r["gap"] == 0 else ("n/a" if r["gap"] is None else f"{r['gap']:.1%}")
+        lines.append(f"| {r['case']} | {r['limit']} | {r['options']} | {r['space_s']:.2f} | {r['ilp_s']:.2f} | "
+                     f"{r['total_s']:.2f} | {r['status']} | {gap} | {r['iteration_s']:.4g} | {r['stages']} |")
+    return "\n".join(lines)
+
+
+def models() -> list:
+    found = [load_model(p) for p in sorted((ROOT / "plans" / "models").glob("*.yaml"))]
+    return found + [vgg_spec(), transformer_spec(48, width=1024, seq_len=512)]
+
+
+def speedup_table() -> list[dict]:
+    rows = []
+    for path in sorted((ROOT / "plans" / "clusters").glob("*.yaml")):
+        cluster = load_cluster(path)
+        for model in models():
+            began = time.perf_counter()
+            plan = make_plan(cluster, model, GLOBAL_BATCH)
+            p = plan.predicted
+            rows.append({"cluster": path.stem, "model": model.name, "iteration_s": p.iteration_s,
+                         "simulated_s": p.simulated_iteration_s, "stages": len(plan.stages),
+                         "devices": len(plan.devices), "wall_s": time.perf_counter() - began,
+                         **{f"vs_{k}": v / p.iteration_s for k, v in p.baselines.items()}})
+            print(f"  planned {model.name} on {path.stem} in {rows[-1]['wall_s']:.1f} s", file=sys.stderr)
+    return rows
+
+
+def render_speedups(rows: list[dict]) -> str:
+    names = ("dp", "mp", "hp", "no_trees")
+    lines = ["| cluster | model | stages | devices | plan iteration s | simulated s | "
+             + " | ".join(f"vs {n}" for n in names) + " | make_plan s |",
+             "|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
+    for r in rows:
+        ratios = " | ".join(f"{r[f'vs_{n}']:.2f}x" if f"vs_{n}" in r else "-" for n in names)
+        lines.append(f"| {r['cluster']} | {r['model']} | {r['stages']} | {r['devices']} | {r['iteration_s']:.4g} | "
+                     f"{r['simulated_s']:.4g} | {ratios} | {r['wall_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-large", action="store_true", help="Leave out the 512-GPU case.")
+    args = parser.parse_args()
+    print(f"## felactl plan: search time (global batch {GLOBAL_BATCH}; 1024 for 512 GPUs)\n")
+    print(render_scale(scale_table(args.skip_large)))
+    print(f"\n## felactl plan: predicted speedup of the plan over each baseline (global batch {GLOBAL_BATCH})\n")
+    rows = speedup_table()
+    print(render_speedups(rows))
+    worse = [r for r in rows if r.get("vs_dp", 1.0) < 1.0 - 1e-9]
+    print(f"\nplans worse than DP: {len(worse)} of {len(rows)}")
+
+
+if __name__ == "__main__":
+    main()
