@@ -34,13 +34,17 @@ def test_bsp_matches_single_process(tmp_path, optimizer, lr):
 
 def test_bsp_uneven_shares_and_metrics(tmp_path):
     plan = dp_plan(2, "bsp", shares=[0.75, 0.25], micro_batch=5)
-    run_dir = run_plan(plan, tmp_path, STEPS)
+    run_dir = run_plan(plan, tmp_path, STEPS, env={"FELACTL_STRAGGLER": "roundrobin:0.2"})
     assert (final_params(run_dir, STEPS) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
     records = metrics(run_dir)
     assert sorted((r["rank"], r["step"]) for r in records) == [(r, s) for r in range(2) for s in range(STEPS)]
     for r in records:
         assert {"time", "step", "samples", "loss", "compute_s", "comm_s", "wait_s"} <= r.keys()
         assert r["samples"] == (24 if r["rank"] == 0 else 8)
+        if r["step"] % 2 == r["rank"]:  # roundrobin: worker i mod N sleeps in iteration i
+            assert r["compute_s"] >= 0.2
+        elif r["step"] != 1:  # DDP's one-time bucket rebuild (a collective in the 2nd forward) waits instead
+            assert r["wait_s"] >= 0.1, "the other worker waits for the sleeper"
     summary = write_summary(run_dir)
     assert summary["samples"] == STEPS * 32 and summary["steps"] == STEPS
     assert json.loads((run_dir / "summary.json").read_text())["samples_per_s"] == summary["samples_per_s"] > 0

@@ -158,3 +158,14 @@ def test_leavers_are_never_grouped():
     g.leave(1)
     g.arrive(2, 0.0)
     assert g.poll(0.0) == [[0, 2]] and g.active == {0, 2}
+
+
+def test_worker_entry_exits_2_with_one_line_on_bad_input(tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in _env(tmp_path).items() if k != "FELACTL_PLAN"}
+    done = subprocess.run([sys.executable, "-m", "felactl.agents.worker"], env={**env, "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "felactl worker: FELACTL_PLAN is not set"

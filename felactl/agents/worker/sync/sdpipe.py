@@ -48,6 +48,7 @@ class SchedulerService:
                 key = f"{self.prefix}arrival/{ticket}"
                 if self._arrived(key):
                     rank, kind = (int(x) for x in self.store.get(key).decode().split(":"))
+                    self.store.delete_key(key)
                     ticket += 1
                     if kind == LEAVE:
                         self.scheduler.leave(rank)
@@ -126,7 +127,9 @@ class SDPipeSync:
         store, rank = self.trainer.runtime.store, self.trainer.runtime.rank
         start = time.perf_counter()
         announce(store, self.prefix, rank)
-        document = json.loads(store.get(f"{self.prefix}group/{rank}/{step}").decode())
+        key = f"{self.prefix}group/{rank}/{step}"
+        document = json.loads(store.get(key).decode())
+        store.delete_key(key)
         waited = time.perf_counter()
         average_in_group(self.trainer, document["members"], document["id"], self.group)
         return time.perf_counter() - waited, waited - start

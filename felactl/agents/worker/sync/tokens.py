@@ -40,9 +40,20 @@ class StoreTokenBucket:
         self.ranges = dict(zip(workers, split_by_shares(num_tokens, shares))) if self.hf else {}
         self.prefix = ""
         self.helping: set[int] = set()
+        self.claimed: dict[int, list[int]] = {}
 
     def begin(self, step: int) -> None:
+        """Open iteration ``step``; drop this worker's keys of two iterations ago (everyone has
+        finished that one: a step ends with an allreduce over all workers)."""
+        old = self.claimed.pop(step - 2, None)
+        if old is not None:
+            keys = [f"tok/{step - 2}/by/{t}" for t in old]
+            keys += [f"tok/{step - 2}/{k}/{self.rank}" for k in ("next", "helpers", "done")]
+            for key in keys:
+                self.store.delete_key(key)
         self.prefix = f"tok/{step}/"
+        self.step = step
+        self.claimed[step] = []
         self.helping = set()
 
     def _claim(self, bucket: str, tokens: range) -> int | None:
@@ -78,6 +89,7 @@ class StoreTokenBucket:
         return views
 
     def done(self, token: int) -> None:
+        self.claimed[self.step].append(token)
         self.store.set(f"{self.prefix}by/{token}", str(self.rank))
         if self.hf:
             self.store.add(f"{self.prefix}done/{self.rank}", 1)
