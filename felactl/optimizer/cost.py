@@ -112,6 +112,7 @@ class CostModel:
     _collectives: dict = field(default_factory=dict, init=False, repr=False)
     _round_trip: dict = field(default_factory=dict, init=False, repr=False)
     _sync: dict = field(default_factory=dict, init=False, repr=False)
+    _links: dict = field(default_factory=dict, init=False, repr=False)
 
     # --- compute -------------------------------------------------------------------------
     def _prefix_sums(self, device: Device, micro_batch: int) -> tuple[list[float], list[float]]:
@@ -135,23 +136,14 @@ class CostModel:
         return (fwd + bwd) / micro_batch
 
     # --- transfer ------------------------------------------------------------------------
-    def link_time_s(self, src: str, dst: str, num_bytes: float) -> float:
-        """One message src -> dst: the direct link, else the best relay through one device."""
-        if src == dst:
-            return 0.0
-        link = self.cluster.link(src, dst)
-        if link is not None:
-            return link.latency_us * 1e-6 + num_bytes / (link.bandwidth_gbps * GB)
-        relays = [self.link_time_s(src, k, num_bytes) + self.link_time_s(k, dst, num_bytes)
-                  for k in self.cluster.device_names if k not in (src, dst)
-                  and self.cluster.link(src, k) is not None and self.cluster.link(k, dst) is not None]
-        if not relays:
-            return math.inf
-        return min(relays)
-
     def _direct_or_relay(self, src: str, dst: str) -> tuple[float, float]:
         """(latency s, seconds per byte) of src -> dst: the direct link, else the relay through one
         device with the least seconds per byte (large messages dominate activation traffic)."""
+        if (src, dst) not in self._links:
+            self._links[(src, dst)] = self._find_route(src, dst)
+        return self._links[(src, dst)]
+
+    def _find_route(self, src: str, dst: str) -> tuple[float, float]:
         link = self.cluster.link(src, dst)
         if link is not None:
             return link.latency_us * 1e-6, 1.0 / (link.bandwidth_gbps * GB)
