@@ -42,3 +42,5 @@ def test_sdpipe_trains_and_replicas_end_equal(tmp_path):
     plan = dp_plan(3, "sdpipe", optimizer="adamw", lr=1e-2, shares=[0.375, 0.3125, 0.3125], connect_every=2)
     run_dir = run_plan(plan, tmp_path, STEPS)
     _checks(run_dir, 3)
+    sizes = json.loads((run_dir / "workers" / "rank0.json").read_text())["sdpipe_group_sizes"]["stage0"]
+    assert sum(int(n) * count for n, count in sizes.items() if int(n) >= 2) > 0, f"groups formed: {sizes}"

@@ -141,7 +141,8 @@ class SDPipeSync:
             service.thread.join()
             if service.error is not None:
                 raise service.error
-            runtime.store.set(f"sd/s{stage}/group_sizes", json.dumps(service.sizes))
+            sizes = {str(n): service.sizes.count(n) for n in sorted(set(service.sizes))}
+            self.trainer.totals.setdefault("sdpipe_group_sizes", {})[f"stage{stage}"] = sizes
         ranks = self.trainer.placement.stage_ranks
         flat = self.trainer.flat_params()
         if len(ranks) > 1:
