@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer import baselines, ilp
 from felactl.optimizer.cost import CostModel
-from felactl.optimizer.evaluate import predict
+from felactl.optimizer.evaluate import predict, token_samples
 from felactl.optimizer.simulator import simulate
 from felactl.optimizer.space import build_space
 from felactl.spec import (ClusterSpec, ModelRef, ModelSpec, Plan, Prediction, Schedule, SolverInfo, Stage,
@@ -76,8 +76,9 @@ def _plan_from(solution: ilp.Solution, cost: CostModel, model: ModelSpec, global
     for opt in solution.options:
         c = opt.choice
         memory_gb = max(opt.memory_bytes.values()) / 1e9
-        workers = tuple(StageWorker(device=d, share=round(share, 9), predicted_memory_gb=round(memory_gb, 4))
-                        for d, share in c.shares)
+        samples = token_samples(c.shares, global_batch, c.micro_batch)
+        workers = tuple(StageWorker(device=d, share=round(samples[d] / global_batch, 9),
+                                    predicted_memory_gb=round(memory_gb, 4)) for d, _ in c.shares)
         fix = 1.0 - sum(w.share for w in workers)
         workers = (replace(workers[0], share=workers[0].share + fix),) + workers[1:]
         stages.append(Stage(layer_start=c.start, layer_end=c.end, micro_batch=c.micro_batch, workers=workers))

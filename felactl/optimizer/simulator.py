@@ -5,7 +5,7 @@ Work is tokens (SEEDS.md section 1): stage s's forward token j covers samples
 are done; its backward token once its forward and the backward tokens of stage s + 1 covering
 them are done. Devices take ready tokens of the stages they serve:
 
-* every token is first placed in one member's sub-bucket by weighted round robin on the plan's
+* every token is first placed in one member's sub-bucket: contiguous runs of the batch by the plan's
   shares (Fela's HF; for ``1f1b`` / ``gpipe`` this is the static pipeline's assignment);
 * ``tokens``: a worker takes its own ready tokens, deepest level of the token DAG first (ADS:
   forward s has depth s, backward s depth 2K - 1 - s), then locality (it produced the inputs),
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 from felactl.errors import InputError
 from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_param_bytes
-from felactl.optimizer.evaluate import token_samples
 from felactl.spec import Plan, Schedule
 
 
@@ -132,17 +131,15 @@ class _Simulation:
             self._make_ready(tok)
 
     def _bind(self, stage, fwd: list[_Token], bwd: list[_Token]) -> None:
-        """Put each token in one worker's sub-bucket: contiguous runs of tokens, as many samples per
-        worker as the cost model apportions (:func:`token_samples`), so a worker's tokens of
-        consecutive stages cover the same samples (locality, as ADS prefers)."""
-        samples = token_samples(tuple((w.device, w.share) for w in stage.workers), self.plan.global_batch,
-                                stage.micro_batch)
-        edges, acc = [], 0
+        """Put each token in one worker's sub-bucket: workers take contiguous runs of the batch,
+        ``share * B`` samples each (the planner writes shares as whole tokens' samples), so a
+        worker's tokens of consecutive stages cover the same samples (locality, as ADS prefers)."""
+        edges, acc = [], 0.0
         for w in stage.workers:
-            acc += samples[w.device]
-            edges.append((acc, w.device))
+            acc += w.share * self.plan.global_batch
+            edges.append((round(acc), w.device))
         for f, b in zip(fwd, bwd):
-            f.bound = b.bound = next(dev for edge, dev in edges if f.first < edge)
+            f.bound = b.bound = next((dev for edge, dev in edges if f.first < edge), edges[-1][1])
 
     @staticmethod
     def _overlap(tokens: list[_Token], tok: _Token) -> list[_Token]:

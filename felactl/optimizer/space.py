@@ -12,8 +12,8 @@
   pipelines (SDPipe). A device may serve several stages (tokens) or, with ``exclusive``, one.
 * **Stage options**: (layer range, micro-batch, group) with, per device profile, the seconds the
   option costs it (compute + exchange + sync, :func:`evaluate.stage_device_cost`), its memory, and
-  its pipeline fill. Options that cannot fit a member's memory, or that have fewer micro-batches
-  than workers, are left out; with ``prune``, options dominated by the same range and group at
+  its pipeline fill. Options that cannot fit a member's memory, or in which a member would get no
+  whole token (:func:`evaluate.token_samples`), are left out; with ``prune``, options dominated by the same range and group at
   another micro-batch (no better on any device's time, memory, or fill) are dropped too.
 """
 
@@ -146,6 +146,8 @@ def _option(space: SearchSpace, start: int, end: int, micro_batch: int, group: i
     total = sum(rate[s] * len(slots[s].devices) for s in members)
     choice = StageChoice(start, end, micro_batch, tuple((d, rate[s] / total) for s in members for d in slots[s].devices))
     samples = token_samples(choice.shares, space.global_batch, micro_batch)
+    if min(samples.values()) == 0:
+        return None  # a member would get no token: that is a smaller group, listed on its own
     # A profile's first device gets the most tokens of the profile (ties go to earlier workers).
     cost_s = {p: stage_device_cost(cost, choice, prof.devices[0], samples[prof.devices[0]])
               for p, prof in enumerate(space.profiles) if prof.slot in members}
