@@ -114,7 +114,7 @@ def plan(
     global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Samples per iteration.")] = None,
     sync: Annotated[str, typer.Option("--sync", help=f"Sync mode: {'|'.join(SYNC_MODES)}.")] = "tokens",
     devices: Annotated[Optional[str], typer.Option(
-        "--devices", help="Comma-separated device names or indices to plan for [all].")] = None,
+        "--devices", help="Comma-separated device names or indices to plan for (default: all).")] = None,
     out: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the plan here (YAML).")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Show the plan against each baseline.")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Stages, trees and a Gantt chart of one iteration.")] = False,
