@@ -44,7 +44,7 @@ def plan_result(plan: Plan) -> dict:
     }
 
 
-def _render_summary(console, plan: Plan, out: Path | None) -> None:
+def render_summary(console, plan: Plan, out: Path | None) -> None:
     p = plan.predicted
     console.print(f"plan for {plan.model.name} on {plan.cluster}: {len(plan.stages)} stage(s) on "
                   f"{len(plan.devices)} device(s), global batch {plan.global_batch}, sync {plan.sync.mode.value}")
@@ -54,7 +54,7 @@ def _render_summary(console, plan: Plan, out: Path | None) -> None:
         console.print(f"wrote {out}")
 
 
-def _render_compare(console, plan: Plan) -> None:
+def render_compare(console, plan: Plan) -> None:
     table = Table(title="plan vs baselines (predicted, same cost model)")
     for column in ("plan", "iteration s", "speedup of the plan"):
         table.add_column(column)
@@ -143,9 +143,9 @@ def plan(
     cost = CostModel(cluster_spec.subset(result.devices), model_spec, use_trees=not no_trees)
 
     def render(console) -> None:
-        _render_summary(console, result, out)
+        render_summary(console, result, out)
         if compare:
-            _render_compare(console, result)
+            render_compare(console, result)
         if explain:
             _render_explain(console, result, cost)
         if lp_path:

@@ -26,7 +26,7 @@ def _parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _render_cluster(console, result) -> None:
+def render_cluster(console, result) -> None:
     cluster = result.cluster
     devices = Table(title=f"cluster {cluster.name}: {len(cluster.nodes)} node(s)")
     for column in ("device", "node", "kind", "model", "TFLOP/s", "bf16 TFLOP/s", "memory GB", "cores"):
@@ -110,7 +110,7 @@ def profile(
         payload["peer_copy_gbps"] = result.peer_copy_gbps
 
     def render(console) -> None:
-        _render_cluster(console, result)
+        render_cluster(console, result)
         console.print(f"wrote {path}")
 
     output.emit(payload, as_json, render)

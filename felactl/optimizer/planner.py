@@ -21,7 +21,7 @@ from felactl.optimizer.cost import CostModel
 from felactl.optimizer.evaluate import predict, token_samples
 from felactl.optimizer.simulator import simulate
 from felactl.optimizer.space import build_space
-from felactl.spec import (ClusterSpec, ModelRef, ModelSpec, Plan, Prediction, Schedule, SolverInfo, Stage,
+from felactl.spec import (ClusterSpec, placements_from, ModelRef, ModelSpec, Plan, Prediction, Schedule, SolverInfo, Stage,
                           StageWorker, SyncMode, SyncSpec)
 
 SYNC_MODES = tuple(m.value for m in SyncMode)
@@ -132,4 +132,4 @@ def make_plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, sync
     prediction = Prediction(iteration_s=iteration_s, samples_per_s=global_batch / iteration_s,
                             baselines={k: round(v, 9) for k, v in found_s.items()}, simulated_iteration_s=simulated)
     info = SolverInfo(name="PULP_CBC_CMD", status=solution.status, solve_s=round(solve_s, 4), gap=solution.gap)
-    return replace(plan, predicted=prediction, solver=info)
+    return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))

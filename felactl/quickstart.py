@@ -1,0 +1,94 @@
+"""The main job on one machine, with defaults: profile -> plan -> launch, as ``felactl demo`` runs it.
+
+Each step is the library call its own command makes (``felactl profile``, ``felactl profile
+--model``, ``felactl plan``, ``felactl launch``), and each writes the file that command would, so
+the demo leaves exactly what a user doing it by hand would have: ``<out>/cluster.yaml``,
+``<out>/model.yaml``, ``<out>/plan.yaml`` and ``runs/<id>/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from felactl.errors import InputError
+from felactl.spec import save
+
+Say = Callable[[str], None]
+Show = Callable[[str, Any], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuickstartOptions:
+    nproc: int = 2
+    model: str = "gpt-mini"
+    model_config: dict[str, Any] = field(default_factory=lambda: {"depth": 2, "width": 128, "seq_len": 64})
+    global_batch: int = 32
+    steps: int = 300
+    sync: str = "bsp"
+    out_dir: Path = Path("felactl-demo")
+    runs_root: Path = Path("runs")
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise InputError(f"--nproc-per-node must be >= 1, got {self.nproc}")
+        if self.steps < 1:
+            raise InputError(f"--steps must be >= 1, got {self.steps}")
+
+
+def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, result: None,
+               on_update=lambda state: None) -> dict[str, Any]:
+    """Profile this machine and the model, plan, train; return the files made and the run's summary.
+
+    ``say`` announces each step; ``show("cluster" | "model" | "plan", result)`` hands over each
+    step's result as soon as it exists; ``on_update`` follows the training (see launch)."""
+    from felactl.launcher.launch import LaunchOptions, launch
+    from felactl.optimizer.planner import make_plan
+    from felactl.profiling.cluster import profile_cluster
+    from felactl.profiling.model import profile_model
+
+    out = options.out_dir
+    say(f"1/4 profiling this machine: {options.nproc} worker slot(s), every link between them")
+    profiled = profile_cluster(nproc_per_node=options.nproc, log_dir=out / "profile-logs")
+    cluster = profiled.cluster
+    save(cluster, out / "cluster.yaml")
+    show("cluster", profiled)
+    say(f"2/4 profiling {options.model} layer by layer")
+    model = _profile_model_like_a_slot(profile_model, options, cluster)
+    save(model, out / "model.yaml")
+    show("model", model)
+    say(f"3/4 planning a global batch of {options.global_batch} on {len(cluster.devices)} device(s)")
+    plan = make_plan(cluster, model, options.global_batch, sync=options.sync)
+    save(plan, out / "plan.yaml")
+    show("plan", plan)
+    say(f"4/4 training {options.steps} steps")
+    summary = launch(LaunchOptions(plan_path=out / "plan.yaml", run_id=options.run_id, runs_root=options.runs_root,
+                                   steps=options.steps), on_update=on_update)
+    return {"cluster": str(out / "cluster.yaml"), "model": str(out / "model.yaml"), "plan": str(out / "plan.yaml"),
+            "profile": profiled, "model_spec": model, "plan_spec": plan, "summary": summary}
+
+
+def _profile_model_like_a_slot(profile_model, options: QuickstartOptions, cluster):
+    """Time the layers with as many threads as one worker slot has cores, so the plan's predicted
+    times match what a pinned worker will see."""
+    import torch
+
+    cores = cluster.devices[0].cpu_cores
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(cores)) if cores else threads_before)
+    try:
+        return profile_model(options.model, options.model_config, [1, 4, 8, 16, 32])
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def as_dict(result: dict[str, Any]) -> dict[str, Any]:
+    """The JSON view of :func:`quickstart`'s result (file paths and the run's summary)."""
+    plan = result["plan_spec"]
+    return {"cluster": result["cluster"], "model": result["model"], "plan": result["plan"],
+            "predicted_iteration_s": plan.predicted.iteration_s if plan.predicted else None,
+            "summary": result["summary"]}
+
+

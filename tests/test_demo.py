@@ -1,0 +1,25 @@
+"""README's main job, shortened: profile -> plan -> launch on 2 local workers; the loss must fall."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from felactl.cli.main import app
+from felactl.spec import load_cluster, load_model, load_plan
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_demo_profiles_plans_and_trains(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "--steps", "40", "--out-dir", str(tmp_path / "demo"),
+                                      "--runs-root", str(tmp_path / "runs"), "--run-id", "d", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    cluster, model, plan = load_cluster(out["cluster"]), load_model(out["model"]), load_plan(out["plan"])
+    assert len(cluster.devices) == 2 and len(cluster.links) == 2
+    assert model.name == "gpt-mini" and plan.num_layers == model.num_layers
+    summary = out["summary"]
+    assert summary["steps"] == 40 and summary["samples"] == 40 * plan.global_batch
+    assert summary["final_loss"] < 0.8 * summary["first_loss"]
+    assert (tmp_path / "runs" / "d" / "summary.json").exists()
