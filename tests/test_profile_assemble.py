@@ -88,8 +88,8 @@ def test_parse_hostfile_rejects(text, problem):
 
 
 def test_agent_ssh_command_keeps_the_secret_off_the_command_line():
-    command = agent_ssh_command(Host(hostname="w1", num_slots=4), "10.0.0.5:29400")
+    command = agent_ssh_command(Host(hostname="w1", num_slots=4), "10.0.0.5:29400", job="run-7")
     assert command[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
     assert command[5] == "w1"
     assert command[6] == ("felactl agent --rdzv-endpoint 10.0.0.5:29400 --secret-file - "
-                          "--nproc-per-node 4 --node-name w1")
+                          "--nproc-per-node 4 --node-name w1 --job run-7")
