@@ -41,6 +41,20 @@ def make_plan(workers: int, mode: str, global_batch: int, micro_batch: int, over
                               workers=tuple(StageWorker(device=f"cpu{i}", share=1 / workers) for i in range(workers))),))
 
 
+def make_hybrid_plan(workers: int, global_batch: int, micro_batch: int):
+    """Fela's flexible hybrid on the same model: the first half of the layers with ``micro_batch``
+    tokens, the rest with tokens twice as large, every worker allowed on both sub-models."""
+    from felactl.spec import Schedule, Stage, StageWorker, SyncMode, SyncSpec
+    from dataclasses import replace
+
+    base = make_plan(workers, "tokens", global_batch, micro_batch)
+    cut = base.num_layers // 2
+    workers_of = tuple(StageWorker(device=d, share=1 / workers) for d in base.devices)
+    stages = (Stage(layer_start=0, layer_end=cut, micro_batch=micro_batch, workers=workers_of),
+              Stage(layer_start=cut, layer_end=base.num_layers, micro_batch=2 * micro_batch, workers=workers_of))
+    return replace(base, schedule=Schedule.TOKENS, sync=SyncSpec(mode=SyncMode.TOKENS), stages=stages)
+
+
 def run_felactl(workdir: Path, name: str, plan, steps: int, slowdown: str) -> dict:
     from felactl.agents.worker.local import run_local
     from felactl.agents.worker.metrics import read_metrics, summarize
@@ -111,7 +125,8 @@ def main() -> None:
              ("tokens", "tokens", False, "", args.micro_batch),
              (f"bsp, {slow}", "bsp", False, slow, share), (f"tokens, {slow}", "tokens", False, slow, args.micro_batch),
              (f"wbsp, {slow}", "wbsp", False, slow, share), (f"wbsp overlap, {slow}", "wbsp", True, slow, share),
-             (f"sdpipe, {slow}", "sdpipe", False, slow, share)]
+             (f"sdpipe, {slow}", "sdpipe", False, slow, share),
+             (f"hybrid tokens, {slow}", "hybrid", False, slow, args.micro_batch)]
     best: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_runtime.") as tmp:
         for attempt in range(args.repeat):  # interleaved rounds, best of each: the machine may be shared
@@ -119,7 +134,8 @@ def main() -> None:
                 if mode is None:
                     result = run_ddp(args.workers, args.steps, args.global_batch)
                 else:
-                    plan = make_plan(args.workers, mode, args.global_batch, micro_batch, overlap=overlap)
+                    plan = make_hybrid_plan(args.workers, args.global_batch, micro_batch) if mode == "hybrid" else \
+                        make_plan(args.workers, mode, args.global_batch, micro_batch, overlap=overlap)
                     result = run_felactl(Path(tmp), f"case{i}-{attempt}", plan, args.steps, slowdown)
                 print(f"{name:28s} {result['samples_per_s']:10.1f} samples/s", file=sys.stderr)
                 if name not in best or result["samples_per_s"] > best[name]["samples_per_s"]:
