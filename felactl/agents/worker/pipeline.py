@@ -170,11 +170,12 @@ def run(trainer: Trainer) -> None:
 def pass_chunk(trainer: Trainer, prev: _Link | None, next: _Link | None) -> list[int]:
     """SDPipe pipelines run at their own pace: the first stage claims the replica's next samples
     from the store counter and hands ``[start, count]`` down its pipeline (count 0: the data is done)."""
+    device = trainer.runtime.device  # the default group may be NCCL: tensors on the device
     if prev is None:
         indices = claim_samples(trainer)
-        header = torch.tensor([indices[0] if indices else 0, len(indices)])
+        header = torch.tensor([indices[0] if indices else 0, len(indices)], device=device)
     else:
-        header = torch.zeros(2, dtype=torch.long)
+        header = torch.zeros(2, dtype=torch.long, device=device)
         dist.recv(header, prev.peer, tag=TAG_CHUNK)
     if next is not None:
         dist.send(header, next.peer, tag=TAG_CHUNK)
