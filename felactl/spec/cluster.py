@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from felactl.spec.codec import FieldProblem, positive
+from felactl.spec.codec import SCHEMA_VERSION, FieldProblem, check_header, positive
 
 
 class DeviceKind(str, enum.Enum):
@@ -110,7 +110,7 @@ class LinkDefault:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterSpec:
     kind: str = "Cluster"
-    schema_version: int = 1
+    schema_version: int = SCHEMA_VERSION
     name: str
     nodes: tuple[Node, ...]
     links: tuple[Link, ...] = ()
@@ -124,10 +124,7 @@ class ClusterSpec:
     _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.kind != "Cluster":
-            raise FieldProblem("kind", f"must be Cluster, got {self.kind!r}")
-        if self.schema_version != 1:
-            raise FieldProblem("schema_version", f"must be 1, got {self.schema_version}")
+        check_header(self.kind, "Cluster", self.schema_version)
         if not self.nodes:
             raise FieldProblem("nodes", "a cluster needs at least one node")
         node_names: set[str] = set()

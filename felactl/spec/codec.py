@@ -36,6 +36,18 @@ def positive(key: str, value: float, *, allow_zero: bool = False) -> None:
         raise FieldProblem(key, f"must be > 0, got {value:g}")
 
 
+SCHEMA_VERSION = 1
+"""The one schema version every felactl file is written in and read at."""
+
+
+def check_header(kind: str, expected_kind: str, schema_version: int) -> None:
+    """The ``kind:`` and ``schema_version:`` every spec file starts with."""
+    if kind != expected_kind:
+        raise FieldProblem("kind", f"must be {expected_kind}, got {kind!r}")
+    if schema_version != SCHEMA_VERSION:
+        raise FieldProblem("schema_version", f"must be {SCHEMA_VERSION}, got {schema_version}")
+
+
 def _join(path: str, key: str) -> str:
     if not path:
         return key

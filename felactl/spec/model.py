@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from felactl.spec.codec import FieldProblem, positive
+from felactl.spec.codec import SCHEMA_VERSION, FieldProblem, check_header, positive
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +62,7 @@ class Layer:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     kind: str = "Model"
-    schema_version: int = 1
+    schema_version: int = SCHEMA_VERSION
     name: str
     source: str
     """How to build it: a built-in name (``gpt-mini``) or ``package.module:function``."""
@@ -73,10 +73,7 @@ class ModelSpec:
     layers: tuple[Layer, ...]
 
     def __post_init__(self) -> None:
-        if self.kind != "Model":
-            raise FieldProblem("kind", f"must be Model, got {self.kind!r}")
-        if self.schema_version != 1:
-            raise FieldProblem("schema_version", f"must be 1, got {self.schema_version}")
+        check_header(self.kind, "Model", self.schema_version)
         if not self.source:
             raise FieldProblem("source", "must not be empty")
         positive("input_bytes_per_sample", self.input_bytes_per_sample)

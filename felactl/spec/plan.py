@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from felactl.spec.cluster import ClusterSpec, DeviceKind
-from felactl.spec.codec import FieldProblem, positive
+from felactl.spec.codec import SCHEMA_VERSION, FieldProblem, check_header, positive
 
 SHARE_TOLERANCE = 1e-6
 
@@ -221,7 +221,7 @@ class Training:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     kind: str = "Plan"
-    schema_version: int = 1
+    schema_version: int = SCHEMA_VERSION
     cluster: str
     """Name of the cluster spec planned for."""
     model: ModelRef
@@ -242,10 +242,7 @@ class Plan:
     solver: SolverInfo | None = None
 
     def __post_init__(self) -> None:
-        if self.kind != "Plan":
-            raise FieldProblem("kind", f"must be Plan, got {self.kind!r}")
-        if self.schema_version != 1:
-            raise FieldProblem("schema_version", f"must be 1, got {self.schema_version}")
+        check_header(self.kind, "Plan", self.schema_version)
         positive("global_batch", self.global_batch)
         if not self.devices:
             raise FieldProblem("devices", "a plan needs at least one device")
