@@ -1,0 +1,96 @@
+"""Gradients in a few flat buffers, summed by allreduce as soon as each buffer is complete.
+
+``p.grad`` of every parameter is a view into one of the buffers (like DDP's
+``gradient_as_bucket_view``), so accumulating micro-batches writes straight into what the
+allreduce sends: no concatenation before, no copy back after. Buckets follow the reverse
+parameter order, the order backward produces gradients in.
+
+Once :meth:`arm` is called (the worker knows the micro-batch it starts is its last of the
+iteration), a hook launches each bucket's asynchronous sum-allreduce the moment backward has
+accumulated every gradient of that bucket, so communication overlaps the rest of the backward
+(and, for an injected straggler, its sleep). :meth:`finish` launches whatever was not launched
+yet, always in bucket order, so every rank issues the same collectives in the same order whether
+it armed or not.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 4 << 20
+
+
+class GradBuckets:
+    def __init__(self, params: Sequence[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES):
+        self.group = group
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets: list[list[torch.Tensor]] = []
+        size_bytes = bucket_bytes
+        for p in reversed(self.params):
+            if size_bytes >= bucket_bytes:
+                self.buckets.append([])
+                size_bytes = 0
+            self.buckets[-1].append(p)
+            size_bytes += p.numel() * p.element_size()
+        self.buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                        for b in self.buckets]
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.views: dict[int, torch.Tensor] = {}
+        for bucket, buffer in zip(self.buckets, self.buffers):
+            offset = 0
+            for p in bucket:
+                self.views[id(p)] = buffer[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        self.armed = False
+        self.pending: list[int] = []
+        self.works: list = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def begin(self) -> None:
+        """Zero the buffers and point every ``p.grad`` at its view (the optimizer's
+        ``zero_grad(set_to_none=True)`` dropped them)."""
+        for buffer in self.buffers:
+            buffer.zero_()
+        for p in self.params:
+            p.grad = self.views[id(p)]
+        self.armed = False
+        self.pending = [len(b) for b in self.buckets]
+        self.works = []
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        view = self.views[id(p)]
+        if p.grad.data_ptr() != view.data_ptr():  # autograd accumulates in place; just in case
+            view.copy_(p.grad)
+            p.grad = view
+        if not self.armed:
+            return
+        self.pending[self.bucket_of[id(p)]] -= 1
+        while len(self.works) < len(self.buckets) and self.pending[len(self.works)] <= 0:
+            self._launch(len(self.works))
+
+    def _launch(self, index: int) -> None:
+        self.works.append(dist.all_reduce(self.buffers[index], group=self.group, async_op=True))
+
+    def finish(self) -> tuple[float, float]:
+        """Launch the rest, wait for all; returns ``(wait_s, comm_s)``: seconds until the first
+        bucket was summed (the peers' arrival dominates it), then the rest."""
+        for p in self.params:  # a parameter backward never reached keeps its zero view
+            if p.grad is None:
+                p.grad = self.views[id(p)]
+        while len(self.works) < len(self.buckets):
+            self._launch(len(self.works))
+        start = time.perf_counter()
+        self.works[0].wait()
+        first = time.perf_counter()
+        for work in self.works[1:]:
+            work.wait()
+        self.armed = False
+        return first - start, time.perf_counter() - first
