@@ -82,5 +82,27 @@ def test_constraints_are_named_after_their_numbers(tmp_path):
     lp = tmp_path / "plan.lp"
     ilp.solve(space, lp_path=str(lp))
     text = lp.read_text()
-    for name in ("c1_start", "c3_stages", "c4_memory_0", "c5_time_0"):
+    for name in ("c1_start", "c3_stages", "c4_memory_0", "c5_time_0", "c7_block_0"):
         assert name in text
+
+
+def test_twin_blocks_break_symmetry_without_changing_the_optimum():
+    # Four identical devices on one node: swapping slots {0}<->{1}, {2}<->{3} or {0,1}<->{2,3} maps
+    # every option onto an equal one, so (8) may order their loads; the optimum must not move.
+    spec = cluster([[("g", 10.0, 16.0)] * 4])
+    net = model([(40_000_000, 8000, 8e7), (200_000, 200_000, 2e8), (30_000_000, 4000, 6e7), (1_000_000, 9000, 2e6)])
+    cost = CostModel(spec, net, use_trees=False)
+    space = build_space(cost, 32, max_stages=3, max_micro_batches=3)
+    assert len(space.twin_blocks()) == 3
+    solution, oracle_s, _ = _both(cost, 32)
+    assert solution.objective_s == pytest.approx(oracle_s, rel=1e-6)
+
+
+def test_prefix_groups_of_two_classes_tell_slots_apart():
+    # The prefix group {g0, h0} has no mirror image {g1, h0}: slots of either class are not twins,
+    # though each class alone would be symmetric.
+    spec = cluster([[("g", 10.0, 16.0)] * 2, [("h", 5.0, 16.0)] * 2])
+    net = model([(1_000_000, 8000, 8e7), (1_000_000, 8000, 8e7)])
+    assert build_space(CostModel(spec, net, use_trees=False), 32, max_stages=2).twin_blocks() == []
+    alone = cluster([[("g", 10.0, 16.0)] * 2])
+    assert build_space(CostModel(alone, net, use_trees=False), 32, max_stages=2).twin_blocks() == [((0,), (1,))]

@@ -68,8 +68,68 @@ class SearchSpace:
     num_prefix_groups: int = 0
     """``groups[:num_prefix_groups]`` are the prefix groups (nested, free of symmetric twins)."""
 
-    def prefix_options(self) -> list[StageOption]:
-        return [o for o in self.options if o.group < self.num_prefix_groups]
+    def twin_blocks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Sibling blocks of one class's slots that the program cannot tell apart, as (profiles of
+        the left block, profiles of the right block), larger blocks first.
+
+        The siblings are ``[a, a+m)`` and ``[a+m, a+2m)`` of a class's slots (``m`` a power of two,
+        ``a`` a multiple of ``2m``): the blocks of the aligned groups. They are twins when swapping
+        them maps every option onto an option of the same range and micro-batch whose costs,
+        memory and fill are the same (relative ``TWIN_TOLERANCE``): then any plan has a mirror
+        image with the same iteration time. Prefix groups holding one block's first slot but not
+        the other's have no image, so only blocks that no such group tells apart are twins."""
+        by_class: dict[int, list[int]] = {}
+        for u, slot in enumerate(self.slots):
+            by_class.setdefault(slot.device_class, []).append(u)
+        index = {(o.choice.start, o.choice.end, o.choice.micro_batch, o.group): o for o in self.options}
+        group_index = {g: k for k, g in enumerate(self.groups)}
+        twins = []
+        for members in by_class.values():
+            for m in reversed(_powers_upto(len(members))[:-1] if len(members) > 1 else []):
+                for a in range(0, len(members) - 2 * m + 1, 2 * m):
+                    left, right = members[a:a + m], members[a + m:a + 2 * m]
+                    swap = self._swap_map(left, right)
+                    if swap and self._is_symmetry(swap, index, group_index):
+                        twins.append((tuple(p for u in left for p in swap[2][u]),
+                                      tuple(p for u in right for p in swap[2][u])))
+        return twins
+
+    def _swap_map(self, left: list[int], right: list[int]):
+        """(slot map, profile map, profiles of each slot) of swapping ``left`` and ``right``."""
+        of_slot: dict[int, list[int]] = {}
+        for p, prof in enumerate(self.profiles):
+            of_slot.setdefault(prof.slot, []).append(p)
+        slot_map = {u: u for u in range(len(self.slots))}
+        profile_map = {p: p for p in range(len(self.profiles))}
+        for a, b in zip(left, right):
+            if len(of_slot.get(a, [])) != len(of_slot.get(b, [])):
+                return None
+            slot_map[a], slot_map[b] = b, a
+            for pa, pb in zip(of_slot.get(a, []), of_slot.get(b, [])):
+                profile_map[pa], profile_map[pb] = pb, pa
+        return slot_map, profile_map, of_slot
+
+    def _is_symmetry(self, swap, index: dict, group_index: dict) -> bool:
+        slot_map, profile_map, _ = swap
+        for (start, end, micro_batch, g), opt in index.items():
+            image_group = group_index.get(tuple(sorted(slot_map[u] for u in self.groups[g])))
+            image = index.get((start, end, micro_batch, image_group))
+            if image is None or not _close(opt.fill_s, image.fill_s):
+                return False
+            if any(not _close(c, image.cost_s.get(profile_map[p], math.inf)) for p, c in opt.cost_s.items()):
+                return False
+            if any(not _close(b, image.memory_bytes.get(slot_map[u], math.inf)) for u, b in opt.memory_bytes.items()):
+                return False
+        return True
+
+
+TWIN_TOLERANCE = 1e-9
+"""Costs this close (relative) count as equal for twins: sums over different devices may differ in
+the last bits; a plan's time moves by at most this fraction when its mirror image is used."""
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TWIN_TOLERANCE * max(abs(a), abs(b), 1e-30)
 
 
 def block_boundaries(cost: CostModel, max_blocks: int) -> tuple[int, ...]:
