@@ -27,7 +27,7 @@ Formulas (times in seconds, sizes in bytes):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from felactl.spec import ClusterSpec, Collective, Device, Layer, ModelSpec
@@ -110,6 +110,7 @@ class CostModel:
     """Groups larger than this use a ring: packing trees over hundreds of devices costs seconds."""
     _prefix: dict = field(default_factory=dict, init=False, repr=False)
     _collectives: dict = field(default_factory=dict, init=False, repr=False)
+    _shapes: dict = field(default_factory=dict, init=False, repr=False)
     _round_trip: dict = field(default_factory=dict, init=False, repr=False)
     _sync: dict = field(default_factory=dict, init=False, repr=False)
     _links: dict = field(default_factory=dict, init=False, repr=False)
@@ -197,10 +198,28 @@ class CostModel:
             return None
         key = tuple(sorted(devices))
         if key not in self._collectives:
-            from felactl.optimizer.collectives import plan_collective
-
-            self._collectives[key] = plan_collective(self.cluster, list(key), group="group")
+            self._collectives[key] = self._pack_like(key)
         return self._collectives[key]
+
+    def _pack_like(self, key: tuple[str, ...]) -> Collective:
+        """The trees of ``key``: those of an earlier group with the same shape, renamed, else packed.
+
+        The shape is what packing reads: the links among the group's devices (by position in the
+        sorted group) and how the positions fall into nodes. Identical servers (or identical
+        halves of a server) give identical shapes, so a cluster of them packs each shape once."""
+        from felactl.optimizer.collectives import plan_collective
+        from felactl.optimizer.graph import devices_by_node, local_signature
+
+        position = {name: i for i, name in enumerate(key)}
+        nodes = tuple(tuple(position[d] for d in names) for names in devices_by_node(self.cluster, key).values())
+        shape = (nodes, local_signature(self.cluster, key))
+        if shape not in self._shapes:
+            self._shapes[shape] = (key, plan_collective(self.cluster, list(key), group="group"))
+            return self._shapes[shape][1]
+        first, packed = self._shapes[shape]
+        rename = dict(zip(first, key))
+        trees = tuple(replace(t, edges=tuple((rename[a], rename[b]) for a, b in t.edges)) for t in packed.trees)
+        return replace(packed, devices=tuple(rename[d] for d in packed.devices), root=rename[packed.root], trees=trees)
 
     def sync_time_s(self, devices: tuple[str, ...], num_bytes: float) -> float:
         """Allreduce of ``num_bytes`` over ``devices``: trees or ring, whichever is faster."""

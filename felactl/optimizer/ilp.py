@@ -85,37 +85,53 @@ class Solution:
     gap: float | None
 
 
+def _expr(terms) -> pulp.LpAffineExpression:
+    """sum of coef * var over (var, coef) pairs (a variable may repeat), built in one step: lpSum
+    of products is ~5x slower, and the program is rebuilt for every solve."""
+    summed: dict = {}
+    for var, coef in terms:
+        summed[var] = summed.get(var, 0.0) + coef
+    return pulp.LpAffineExpression(list(summed.items()))
+
+
 def _build(space: SearchSpace, exclusive: bool) -> tuple[pulp.LpProblem, list, pulp.LpVariable]:
     prob = pulp.LpProblem("felactl_plan", pulp.LpMinimize)
-    x = [prob.add_variable(f"x_{k}", cat=pulp.LpBinary) for k in range(len(space.options))]
+    options = space.options
+    x = [prob.add_variable(f"x_{k}", cat=pulp.LpBinary) for k in range(len(options))]
     t = prob.add_variable("T", lowBound=0)
     prob += t
     starts: dict[int, list] = {}
     ends: dict[int, list] = {}
-    for var, opt in zip(x, space.options):
-        starts.setdefault(opt.choice.start, []).append(var)
-        ends.setdefault(opt.choice.end, []).append(var)
-    prob += pulp.lpSum(starts.get(0, [])) == 1, "c1_start"
+    for var, opt in zip(x, options):
+        starts.setdefault(opt.choice.start, []).append((var, 1))
+        ends.setdefault(opt.choice.end, []).append((var, -1))
+    prob += _expr(starts.get(0, [])) == 1, "c1_start"
     for c in space.boundaries[1:-1]:
-        prob += pulp.lpSum(ends.get(c, [])) == pulp.lpSum(starts.get(c, [])), f"c2_flow_{c}"
-    prob += pulp.lpSum(x) <= space.max_stages, "c3_stages"
-    fill = pulp.lpSum(opt.fill_s * MS * var for var, opt in zip(x, space.options) if opt.fill_s > 0)
+        prob += _expr(ends.get(c, []) + starts.get(c, [])) == 0, f"c2_flow_{c}"
+    prob += _expr((var, 1) for var in x) <= space.max_stages, "c3_stages"
+    fill = [(var, opt.fill_s * MS) for var, opt in zip(x, options) if opt.fill_s > 0]
+    held: dict[int, list] = {}
+    busy: dict[int, list] = {}
+    for var, opt in zip(x, options):
+        for u, num_bytes in opt.memory_bytes.items():
+            held.setdefault(u, []).append((var, num_bytes / 1e9))
+        for p, cost_s in opt.cost_s.items():
+            busy.setdefault(p, []).append((var, cost_s * MS))
     for u, slot in enumerate(space.slots):
-        held = [(opt.memory_bytes[u] / 1e9, var) for var, opt in zip(x, space.options) if u in opt.memory_bytes]
-        if held:
-            prob += pulp.lpSum(gb * var for gb, var in held) <= slot.memory_bytes / 1e9, f"c4_memory_{u}"
-        if exclusive and held:
-            prob += pulp.lpSum(var for _, var in held) <= 1, f"c6_exclusive_{u}"
-    load = [pulp.lpSum(opt.cost_s[p] * MS * var for var, opt in zip(x, space.options) if p in opt.cost_s)
-            for p in range(len(space.profiles))]
-    for p, busy in enumerate(load):
-        prob += busy + fill <= t, f"c5_time_{p}"
+        if u in held:
+            prob += _expr(held[u]) <= slot.memory_bytes / 1e9, f"c4_memory_{u}"
+        if exclusive and u in held:
+            prob += _expr((var, 1) for var, _ in held[u]) <= 1, f"c6_exclusive_{u}"
+    for p in range(len(space.profiles)):
+        prob += _expr(busy.get(p, []) + fill + [(t, -1)]) <= 0, f"c5_time_{p}"
     for lo, hi in zip(space.boundaries, space.boundaries[1:]):
-        covering = [(max(opt.cost_s.values()) * MS, var) for var, opt in zip(x, space.options)
+        covering = [(var, max(opt.cost_s.values()) * MS) for var, opt in zip(x, options)
                     if opt.choice.start <= lo and hi <= opt.choice.end]
-        prob += pulp.lpSum(s * var for s, var in covering) + fill <= t, f"c7_block_{lo}"
+        prob += _expr(covering + fill + [(t, -1)]) <= 0, f"c7_block_{lo}"
     for k, (left, right) in enumerate(space.twin_blocks()):
-        prob += pulp.lpSum(load[p] for p in left) >= pulp.lpSum(load[p] for p in right), f"c8_twins_{k}"
+        terms = [pair for p in left for pair in busy.get(p, [])]
+        terms += [(var, -coef) for p in right for var, coef in busy.get(p, [])]
+        prob += _expr(terms) >= 0, f"c8_twins_{k}"
     return prob, x, t
 
 

@@ -39,22 +39,35 @@ def check_devices(cluster: ClusterSpec, devices: Sequence[str] | None) -> tuple[
     return tuple(d for d in cluster.device_names if d in set(devices))
 
 
+def _same_stages(space, options: Sequence) -> tuple | None:
+    """The options of ``space`` with the same layer range, micro-batch and group as ``options``
+    (another space's solution), or None where one is missing."""
+    def key(o):
+        return o.choice.start, o.choice.end, o.choice.micro_batch, o.group
+
+    index = {key(o): o for o in space.options}
+    found = tuple(index.get(key(o)) for o in options)
+    return None if not found or None in found else found
+
+
 def _solve_best(cost: CostModel, global_batch: int, mode: SyncMode, max_stages: int, time_limit_s: float | None,
                 lp_path: str | None, progress: Callable[[str], None],
-                extra_micro_batches: tuple[int, ...] = ()) -> ilp.Solution:
-    """Tokens/BSP: one solve. WBSP: one stage. SDPipe: one solve per pipeline degree R."""
+                extra_micro_batches: tuple[int, ...] = (), warm: Sequence = ()) -> ilp.Solution:
+    """Tokens/BSP: one solve. WBSP: one stage. SDPipe: one solve per pipeline degree R. ``warm``:
+    stages of an earlier solution (of another cost model) to start CBC from where they exist."""
     if mode is SyncMode.WBSP:
         max_stages = 1
     space = build_space(cost, global_batch, max_stages=max_stages, extra_micro_batches=extra_micro_batches)
     progress(f"search space: {len(space.options)} stage options, {len(space.slots)} slots, "
              f"{len(space.boundaries) - 1} blocks")
     if mode is not SyncMode.SDPIPE:
-        return ilp.solve(space, time_limit_s=time_limit_s, lp_path=lp_path)
+        return ilp.solve(space, time_limit_s=time_limit_s, lp_path=lp_path, warm=_same_stages(space, warm))
     best, last_error = None, None
     for degree in sorted({len(cost_devices(space, g)) for g in range(len(space.groups))}):
         sub = replace(space, options=[o for o in space.options if len(o.choice.devices) == degree])
         try:
-            found = ilp.solve(sub, exclusive=True, time_limit_s=time_limit_s, lp_path=lp_path)
+            found = ilp.solve(sub, exclusive=True, time_limit_s=time_limit_s, lp_path=lp_path,
+                              warm=_same_stages(sub, warm))
         except PlanInfeasible as exc:
             last_error = exc
             continue
@@ -126,8 +139,9 @@ def make_plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, sync
     if use_trees:
         progress("re-solving with rings only (no_trees baseline)")
         rings = replace(cost, use_trees=False)
+        # The plan found with trees is a plan with rings too: CBC starts from it.
         found_s["no_trees"] = _solve_best(rings, global_batch, mode, max_stages, time_limit_s, None,
-                                          progress, extra).objective_s
+                                          progress, extra, warm=solution.options).objective_s
     simulated = simulate(plan, cost).iteration_s
     prediction = Prediction(iteration_s=iteration_s, samples_per_s=global_batch / iteration_s,
                             baselines={k: round(v, 9) for k, v in found_s.items()}, simulated_iteration_s=simulated)
