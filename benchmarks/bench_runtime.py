@@ -1,18 +1,22 @@
 """Runtime throughput: felactl's sync modes on real worker processes, against plain DDP.
 
-Two questions, one run:
-1. Overhead: with no straggler, how does felactl BSP compare with ``DistributedDataParallel``
-   under ``torchrun`` on the same model, data, global batch and optimizer?
-2. Stragglers: with one of the workers slowed ``--factor`` x, samples/s of bsp, tokens, wbsp
-   (and its overlapped variant) and sdpipe.
+Three tables, one run (interleaved rounds: every case once per round, ``--repeat`` rounds; each
+number is the median over rounds, because the machine may be shared):
 
-samples/s come from each run's ``metrics.jsonl`` (:func:`summarize`: first step start to last
-step end, so process start-up is excluded for felactl); DDP times its own loop the same way.
+1. Overhead, no straggler: felactl ``bsp`` against ``DistributedDataParallel`` under ``torchrun``
+   on the same model, data, global batch (each worker's half in one micro-batch) and optimizer,
+   for ``mlp`` and ``gpt-mini``.
+2. One worker ``--factor`` x slower (an injected sleep of ``factor - 1`` times each compute, in
+   DDP too): DDP, bsp, tokens, wbsp (+ overlap), sdpipe, the flexible hybrid.
+3. Straggler patterns ``roundrobin:S`` and ``prob:P:S`` (bsp, tokens, wbsp, sdpipe).
 
-    python benchmarks/bench_runtime.py [--steps 40] [--workers 2] [--factor 3] [--repeat 2] [--json]
+samples/s come from each run's ``metrics.jsonl`` (first step start to last step end, so process
+start-up is excluded); DDP times its own loop the same way. Per felactl run also: the
+*capacity bound* (each worker's own rate, samples / its compute seconds with injected sleeps,
+summed: what perfect balancing with free synchronisation would reach), ``compute_fraction``,
+the loss over the last 10% of the samples, and the wall seconds to reach the loss bsp ends with.
 
-The no-straggler rows give DDP and felactl BSP the same per-pass batch (each worker's share in
-one micro-batch); tokens use ``--micro-batch`` sized tokens, as do the straggler rows of tokens.
+    python benchmarks/bench_runtime.py [--steps 40] [--repeat 3] [--factor 3] [--tables 1,2,3] [--json]
 """
 
 from __future__ import annotations
@@ -20,34 +24,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
-MODEL = {"input_dim": 256, "hidden": 1024, "depth": 4}
+MODELS = {"mlp": ("mlp", {"input_dim": 256, "hidden": 1024, "depth": 4}, 128),
+          "gpt-mini": ("gpt-mini", {"depth": 2, "width": 128, "seq_len": 64}, 64)}
+"""name -> (source, config, global batch)."""
 
 
-def make_plan(workers: int, mode: str, global_batch: int, micro_batch: int, overlap: bool = False):
+def make_plan(model: str, workers: int, mode: str, micro_batch: int, overlap: bool = False):
     from felactl import models
     from felactl.spec import ModelRef, Plan, Stage, StageWorker, SyncMode, SyncSpec, Training
 
-    num_layers = len(models.build("mlp", MODEL).layers)
-    return Plan(cluster="local", model=ModelRef(name="mlp", source="mlp", config=MODEL),
+    source, config, global_batch = MODELS[model]
+    num_layers = len(models.build(source, config).layers)
+    return Plan(cluster="local", model=ModelRef(name=model, source=source, config=config),
                 devices=tuple(f"cpu{i}" for i in range(workers)), global_batch=global_batch,
                 sync=SyncSpec(mode=SyncMode(mode), overlap=overlap), training=Training(optimizer="sgd", lr=0.05),
                 stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=micro_batch,
                               workers=tuple(StageWorker(device=f"cpu{i}", share=1 / workers) for i in range(workers))),))
 
 
-def make_hybrid_plan(workers: int, global_batch: int, micro_batch: int):
-    """Fela's flexible hybrid on the same model: the first half of the layers with ``micro_batch``
-    tokens, the rest with tokens twice as large, every worker allowed on both sub-models."""
+def make_hybrid_plan(model: str, workers: int, micro_batch: int):
+    """Fela's flexible hybrid: the first half of the layers with ``micro_batch`` tokens, the rest
+    with tokens twice as large, every worker allowed on both sub-models."""
     from felactl.spec import Schedule, Stage, StageWorker, SyncMode, SyncSpec
-    from dataclasses import replace
 
-    base = make_plan(workers, "tokens", global_batch, micro_batch)
+    base = make_plan(model, workers, "tokens", micro_batch)
     cut = base.num_layers // 2
     workers_of = tuple(StageWorker(device=d, share=1 / workers) for d in base.devices)
     stages = (Stage(layer_start=0, layer_end=cut, micro_batch=micro_batch, workers=workers_of),
@@ -55,38 +63,68 @@ def make_hybrid_plan(workers: int, global_batch: int, micro_batch: int):
     return replace(base, schedule=Schedule.TOKENS, sync=SyncSpec(mode=SyncMode.TOKENS), stages=stages)
 
 
-def run_felactl(workdir: Path, name: str, plan, steps: int, slowdown: str) -> dict:
+def analyse(records: list[dict]) -> dict:
+    """samples/s, compute fraction, capacity bound, the loss over the last 10% of samples and
+    the loss curve (seconds since start, smoothed loss) of one run's metrics records."""
+    from felactl.agents.worker.metrics import summarize
+
+    summary = summarize(records)
+    capacity = sum(w["samples"] / w["compute_s"] for w in summary["workers"] if w["compute_s"] > 0)
+    ordered = sorted((r for r in records if r.get("loss") is not None and r["samples"]), key=lambda r: r["time"])
+    start = min(r["time"] - r["duration_s"] for r in records)
+    total = sum(r["samples"] for r in ordered)
+    curve, window, seen, tail = [], [], 0, []
+    for r in ordered:
+        seen += r["samples"]
+        window = (window + [(r["loss"], r["samples"])])[-10:]
+        curve.append((r["time"] - start, sum(l * n for l, n in window) / sum(n for _, n in window)))
+        if seen > 0.9 * total:
+            tail.append((r["loss"], r["samples"]))
+    return {"samples_per_s": summary["samples_per_s"], "compute_fraction": summary["compute_fraction"],
+            "capacity": capacity, "tail_loss": sum(l * n for l, n in tail) / sum(n for _, n in tail),
+            "samples_by_worker": [w["samples"] for w in summary["workers"]], "curve": curve}
+
+
+def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, loss in curve if loss <= target), None)
+
+
+def run_felactl(workdir: Path, name: str, plan, steps: int, env: dict[str, str]) -> dict:
     from felactl.agents.worker.local import run_local
-    from felactl.agents.worker.metrics import read_metrics, summarize
+    from felactl.agents.worker.metrics import read_metrics
     from felactl.spec import save
 
     plan_path = save(plan, workdir / f"{name}.yaml")
     run_dir = workdir / name
-    run_local(plan_path, run_dir, len(plan.devices), {"FELACTL_STEPS": str(steps), "FELACTL_SLOWDOWN": slowdown},
-              timeout_s=600)
-    return summarize(read_metrics(run_dir))
+    run_local(plan_path, run_dir, len(plan.devices), {"FELACTL_STEPS": str(steps), **env}, timeout_s=600)
+    return analyse(read_metrics(run_dir))
 
 
-def ddp_worker(steps: int, global_batch: int) -> None:
-    """Runs under torchrun: plain DDP, each rank its half of each global batch, SGD."""
+def ddp_worker(model: str, steps: int, slow_rank: int, factor: float) -> None:
+    """Runs under torchrun: plain DDP, each rank its half of each global batch, SGD; rank
+    ``slow_rank`` sleeps ``factor - 1`` times each compute, as felactl's ``--slowdown`` does."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from felactl import models
 
+    source, config, global_batch = MODELS[model]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    bundle = models.build("mlp", MODEL, seed=0)
-    model = DistributedDataParallel(bundle.layers)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    bundle = models.build(source, config, seed=0)
+    ddp = DistributedDataParallel(bundle.layers)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     share = global_batch // world
     dist.barrier()
     start = time.perf_counter()
     for step in range(steps):
+        compute_start = time.perf_counter()
         base = step * global_batch + rank * share
         inputs, targets = bundle.data.batch(range(base, base + share))
-        bundle.loss(model(inputs), targets).backward()
+        bundle.loss(ddp(inputs), targets).backward()
+        if rank == slow_rank:
+            time.sleep((factor - 1) * (time.perf_counter() - compute_start))
         optimizer.step()
         optimizer.zero_grad()
     dist.barrier()
@@ -96,12 +134,108 @@ def ddp_worker(steps: int, global_batch: int) -> None:
     dist.destroy_process_group()
 
 
-def run_ddp(workers: int, steps: int, global_batch: int) -> dict:
+def run_ddp(model: str, workers: int, steps: int, slow_rank: int = -1, factor: float = 1.0) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-                          __file__, "--ddp-worker", "--steps", str(steps), "--global-batch", str(global_batch)],
+                          __file__, "--ddp-worker", "--model", model, "--steps", str(steps),
+                          "--slow-rank", str(slow_rank), "--factor", str(factor)],
                          env=env, capture_output=True, text=True, check=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cases(args) -> list[dict]:
+    """Every case: table, scenario (rows of a scenario compare with its bsp), name, how to run it."""
+    slow = f"{args.workers - 1}={args.factor:g}"
+    share = {m: MODELS[m][2] // args.workers for m in MODELS}
+    out = []
+    for model in MODELS:
+        out += [dict(table=1, scenario=model, name="ddp (torchrun)", model=model, mode="ddp", mb=share[model]),
+                dict(table=1, scenario=model, name="bsp", model=model, mode="bsp", mb=share[model])]
+    straggler = {"FELACTL_SLOWDOWN": slow}
+    for model in args.straggler_models:
+        gb, sc = MODELS[model][2], f"{model} {slow}"
+        out += [dict(table=2, scenario=sc, name="ddp (torchrun)", model=model, mode="ddp", mb=share[model]),
+                dict(table=2, scenario=sc, name="bsp", model=model, mode="bsp", mb=share[model], env=straggler),
+                dict(table=2, scenario=sc, name="tokens", model=model, mode="tokens", mb=gb // 4, env=straggler),
+                dict(table=2, scenario=sc, name="tokens", model=model, mode="tokens", mb=gb // 8, env=straggler),
+                dict(table=2, scenario=sc, name="wbsp", model=model, mode="wbsp", mb=share[model], env=straggler),
+                dict(table=2, scenario=sc, name="wbsp overlap", model=model, mode="wbsp", mb=share[model],
+                     overlap=True, env=straggler),
+                dict(table=2, scenario=sc, name="sdpipe", model=model, mode="sdpipe", mb=share[model], env=straggler),
+                dict(table=2, scenario=sc, name="hybrid tokens", model=model, mode="hybrid", mb=gb // 8,
+                     env=straggler)]
+    gb = MODELS["mlp"][2]
+    for pattern in (f"roundrobin:{args.roundrobin_s:g}", f"prob:{args.prob:g}:{args.prob_s:g}"):
+        env = {"FELACTL_STRAGGLER": pattern}
+        out += [dict(table=3, scenario=pattern, name=mode, model="mlp", mode=mode, mb=mb, env=env)
+                for mode, mb in (("bsp", share["mlp"]), ("tokens", gb // 4), ("wbsp", share["mlp"]),
+                                 ("sdpipe", share["mlp"]))]
+    return [c for c in out if c["table"] in args.tables]
+
+
+def run_case(case: dict, args, workdir: Path, tag: str) -> dict:
+    if case["mode"] == "ddp":
+        slowed = case["table"] == 2
+        return run_ddp(case["model"], args.workers, args.steps, args.workers - 1 if slowed else -1,
+                       args.factor if slowed else 1.0)
+    plan = make_hybrid_plan(case["model"], args.workers, case["mb"]) if case["mode"] == "hybrid" else \
+        make_plan(case["model"], args.workers, case["mode"], case["mb"], overlap=case.get("overlap", False))
+    return run_felactl(workdir, tag, plan, args.steps, case.get("env", {}))
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def aggregate(all_cases: list[dict], rounds: list[list[dict]]) -> list[dict]:
+    """Per case: medians over rounds; ratios against the scenario's ddp and bsp (same round)."""
+    rows = []
+    for i, case in enumerate(all_cases):
+        runs = [r[i] for r in rounds]
+        ref = {c["name"]: j for j, c in enumerate(all_cases) if c["scenario"] == case["scenario"]
+               and c["name"] in ("ddp (torchrun)", "bsp")}
+        row = {k: case[k] for k in ("table", "scenario", "name", "model", "mb")}
+        row["samples_per_s"] = _median(r["samples_per_s"] for r in runs)
+        row["spread"] = [min(r["samples_per_s"] for r in runs), max(r["samples_per_s"] for r in runs)]
+        for key in ("capacity", "compute_fraction", "tail_loss"):
+            row[key] = _median(r.get(key) for r in runs)
+        row["of_capacity"] = row["samples_per_s"] / row["capacity"] if row["capacity"] else None
+        row["samples_by_worker"] = runs[-1].get("samples_by_worker")
+        for label, j in (("vs_ddp", ref.get("ddp (torchrun)")), ("vs_bsp", ref.get("bsp"))):
+            row[label] = _median(r[i]["samples_per_s"] / r[j]["samples_per_s"] for r in rounds) if j is not None else None
+        j = ref.get("bsp")
+        row["time_to_bsp_loss"] = None
+        if j is not None and "curve" in runs[0]:
+            ratios = []
+            for r in rounds:
+                target = r[j]["curve"][-1][1]
+                mine, theirs = time_to_loss(r[i]["curve"], target), time_to_loss(r[j]["curve"], target)
+                ratios.append(mine / theirs if mine is not None and theirs else None)
+            row["time_to_bsp_loss"] = _median(ratios)
+            row["reached_bsp_loss"] = sum(x is not None for x in ratios)
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict], args) -> None:
+    titles = {1: "1. overhead, no straggler (2 workers, vs DDP of the same model)",
+              2: f"2. worker {args.workers - 1} slowed {args.factor:g}x",
+              3: "3. straggler patterns (mlp)"}
+    for table in args.tables:
+        print(f"\n{titles[table]}")
+        print(f"{'scenario':16s} {'case':16s} {'mb':>3s} {'samples/s':>9s} {'min-max':>11s} {'vs DDP':>6s} "
+              f"{'vs BSP':>6s} {'capacity':>8s} {'of cap':>6s} {'compute':>7s} {'tail loss':>9s} {'t/t_bsp':>7s}")
+        for r in (r for r in rows if r["table"] == table):
+            print(f"{r['scenario']:16s} {r['name']:16s} {r['mb']:3d} {r['samples_per_s']:9.0f} "
+                  f"{r['spread'][0]:5.0f}-{r['spread'][1]:<5.0f} {_fmt(r['vs_ddp'], '6.2f')} "
+                  f"{_fmt(r['vs_bsp'], '6.2f')} {_fmt(r['capacity'], '8.0f')} {_fmt(r['of_capacity'], '6.2f')} "
+                  f"{_fmt(r['compute_fraction'], '7.2f')} {_fmt(r['tail_loss'], '9.4f')} "
+                  f"{_fmt(r['time_to_bsp_loss'], '7.2f')}")
 
 
 def main() -> None:
@@ -109,54 +243,42 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--factor", type=float, default=3.0)
-    parser.add_argument("--global-batch", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the best of each case counts")
+    parser.add_argument("--roundrobin-s", type=float, default=0.05)
+    parser.add_argument("--prob", type=float, default=0.1)
+    parser.add_argument("--prob-s", type=float, default=0.3)
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians over rounds")
+    parser.add_argument("--straggler-models", default="mlp,gpt-mini", help="models of table 2")
+    parser.add_argument("--tables", default="1,2,3", help="which tables: 1 overhead, 2 slowdown, 3 patterns")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
+    parser.add_argument("--slow-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ddp_worker:
-        ddp_worker(args.steps, args.global_batch)
+        ddp_worker(args.model, args.steps, args.slow_rank, args.factor)
         return
-    slow = f"{args.workers - 1}={args.factor:g}"
-    share = args.global_batch // args.workers
-    # (name, sync mode or None for DDP, overlap, slowdown, micro-batch)
-    cases = [("ddp (torchrun)", None, False, "", share), ("bsp", "bsp", False, "", share),
-             ("tokens", "tokens", False, "", args.micro_batch),
-             (f"bsp, {slow}", "bsp", False, slow, share), (f"tokens, {slow}", "tokens", False, slow, args.micro_batch),
-             (f"wbsp, {slow}", "wbsp", False, slow, share), (f"wbsp overlap, {slow}", "wbsp", True, slow, share),
-             (f"sdpipe, {slow}", "sdpipe", False, slow, share),
-             (f"hybrid tokens, {slow}", "hybrid", False, slow, args.micro_batch)]
-    best: dict[str, dict] = {}
+    args.tables = [int(t) for t in args.tables.split(",")]
+    args.straggler_models = args.straggler_models.split(",")
+    all_cases = cases(args)
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="bench_runtime.") as tmp:
-        for attempt in range(args.repeat):  # interleaved rounds, best of each: the machine may be shared
-            for i, (name, mode, overlap, slowdown, micro_batch) in enumerate(cases):
-                if mode is None:
-                    result = run_ddp(args.workers, args.steps, args.global_batch)
-                else:
-                    plan = make_hybrid_plan(args.workers, args.global_batch, micro_batch) if mode == "hybrid" else \
-                        make_plan(args.workers, mode, args.global_batch, micro_batch, overlap=overlap)
-                    result = run_felactl(Path(tmp), f"case{i}-{attempt}", plan, args.steps, slowdown)
-                print(f"{name:28s} {result['samples_per_s']:10.1f} samples/s", file=sys.stderr)
-                if name not in best or result["samples_per_s"] > best[name]["samples_per_s"]:
-                    best[name] = {"case": name, "micro_batch": micro_batch, "samples_per_s": result["samples_per_s"],
-                                  "final_loss": result.get("final_loss"),
-                                  "compute_fraction": result.get("compute_fraction"),
-                                  "samples_by_worker": [w["samples"] for w in result.get("workers", [])]}
-    rows = [best[name] for name, *_ in cases]
-    base = {r["case"]: r["samples_per_s"] for r in rows}
-    for r in rows:
-        r["vs_ddp"] = r["samples_per_s"] / base["ddp (torchrun)"]
-        r["vs_bsp_slowed"] = r["samples_per_s"] / base[f"bsp, {slow}"]
+        for attempt in range(args.repeat):
+            results = []
+            for i, case in enumerate(all_cases):
+                result = run_case(case, args, Path(tmp), f"case{i}-{attempt}")
+                print(f"round {attempt}: {case['scenario']:20s} {case['name']:16s} mb {case['mb']:3d} "
+                      f"{result['samples_per_s']:8.0f} samples/s", file=sys.stderr)
+                results.append(result)
+            rounds.append(results)
+    rows = aggregate(all_cases, rounds)
     if args.json:
-        print(json.dumps({"steps": args.steps, "workers": args.workers, "factor": args.factor, "rows": rows}))
+        print(json.dumps({"steps": args.steps, "workers": args.workers, "factor": args.factor,
+                          "repeat": args.repeat, "rows": rows}))
         return
-    print(f"{'case':28s} {'mb':>4s} {'samples/s':>10s} {'vs DDP':>7s} {'vs BSP(slow)':>12s} {'compute':>8s}  "
-          f"samples/worker")
-    for r in rows:
-        cf = f"{r['compute_fraction']:.2f}" if r["compute_fraction"] is not None else "-"
-        print(f"{r['case']:28s} {r['micro_batch']:4d} {r['samples_per_s']:10.1f} {r['vs_ddp']:7.2f} "
-              f"{r['vs_bsp_slowed']:12.2f} {cf:>8s}  {r['samples_by_worker']}")
+    print(f"{args.steps} steps, {args.workers} gloo workers, OMP_NUM_THREADS=1, medians of {args.repeat} "
+          f"interleaved rounds; mlp {MODELS['mlp'][1]} batch {MODELS['mlp'][2]}, "
+          f"gpt-mini {MODELS['gpt-mini'][1]} batch {MODELS['gpt-mini'][2]}")
+    print_table(rows, args)
 
 
 if __name__ == "__main__":
