@@ -106,3 +106,39 @@ def test_prefix_groups_of_two_classes_tell_slots_apart():
     assert build_space(CostModel(spec, net, use_trees=False), 32, max_stages=2).twin_blocks() == []
     alone = cluster([[("g", 10.0, 16.0)] * 2])
     assert build_space(CostModel(alone, net, use_trees=False), 32, max_stages=2).twin_blocks() == [((0,), (1,))]
+
+
+def test_groups_of_one_shape_share_a_packing_renamed():
+    # Two identical servers: the second server's group reuses the first's trees under its own names,
+    # and they are as good as packing it afresh.
+    from felactl.optimizer.collectives import allreduce_time_s, plan_collective
+
+    spec = cluster([[("g", 10.0, 16.0)] * 4, [("g", 10.0, 16.0)] * 4], intra_gbps=100.0, inter_gbps=10.0)
+    cost = CostModel(spec, model([(1_000_000, 8000, 8e7)]), use_trees=True)
+    first = cost.collective(("n0.d0", "n0.d1", "n0.d2", "n0.d3"))
+    second = cost.collective(("n1.d0", "n1.d1", "n1.d2", "n1.d3"))
+    assert len(cost._shapes) == 1 and len(cost._collectives) == 2
+    fresh = plan_collective(spec, ["n1.d0", "n1.d1", "n1.d2", "n1.d3"])
+    assert second.devices == fresh.devices and second.root == "n1.d0" and first.root == "n0.d0"
+    assert {d for t in second.trees for e in t.edges for d in e} == set(fresh.devices)
+    assert (second.rate_gbps, second.bound_gbps, second.ring_gbps) == (fresh.rate_gbps, fresh.bound_gbps,
+                                                                      fresh.ring_gbps)
+    assert allreduce_time_s(spec, second, 1e8) == pytest.approx(allreduce_time_s(spec, fresh, 1e8), rel=1e-12)
+    # A group across both servers has another shape: packed, not renamed.
+    cost.collective(("n0.d0", "n1.d0"))
+    assert len(cost._shapes) == 2
+
+
+def test_no_trees_is_the_same_program_when_no_sync_uses_trees():
+    # Two devices: a ring moves N / b, trees no less, so every sync is a ring and make_plan skips the
+    # second solve; its no_trees baseline must still equal a plan made with rings only.
+    from felactl.optimizer.planner import make_plan
+
+    spec = cluster([[("g", 10.0, 16.0), ("g", 10.0, 16.0)]])
+    net = model([(20_000_000, 8000, 4e7), (200_000, 200_000, 2e8), (10_000_000, 4000, 2e7)])
+    probe = CostModel(spec, net, use_trees=True)
+    build_space(probe, 32)
+    assert not probe.trees_ever_faster
+    with_trees = make_plan(spec, net, 32)
+    rings = make_plan(spec, net, 32, use_trees=False)
+    assert with_trees.predicted.baselines["no_trees"] == pytest.approx(rings.predicted.iteration_s, rel=1e-6)

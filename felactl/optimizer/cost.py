@@ -108,6 +108,8 @@ class CostModel:
     use_trees: bool = True
     max_tree_devices: int = 64
     """Groups larger than this use a ring: packing trees over hundreds of devices costs seconds."""
+    trees_ever_faster: bool = field(default=False, init=False)
+    """Whether some sync time asked so far went over trees: if not, rings-only costs are the same."""
     _prefix: dict = field(default_factory=dict, init=False, repr=False)
     _collectives: dict = field(default_factory=dict, init=False, repr=False)
     _shapes: dict = field(default_factory=dict, init=False, repr=False)
@@ -233,6 +235,7 @@ class CostModel:
             coll = self.collective(devices)
             tree_s = math.inf if coll is None else allreduce_time_s(self.cluster, coll, num_bytes)
             self._sync[key] = min(ring_s, tree_s)
+            self.trees_ever_faster = self.trees_ever_faster or tree_s < ring_s
         return self._sync[key]
 
     def uses_trees(self, devices: tuple[str, ...], num_bytes: float) -> bool:

@@ -136,7 +136,9 @@ def make_plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, sync
     stages = tuple(o.choice for o in solution.options)
     iteration_s = predict(cost, stages, global_batch, max_stages).iteration_s
     found_s = {name: t for name, (t, _) in found.items()}
-    if use_trees:
+    if use_trees and not cost.trees_ever_faster:
+        found_s["no_trees"] = solution.objective_s  # no stage's sync used trees: the same program
+    elif use_trees:
         progress("re-solving with rings only (no_trees baseline)")
         rings = replace(cost, use_trees=False)
         # The plan found with trees is a plan with rings too: CBC starts from it.
