@@ -16,7 +16,7 @@ from felactl.cli import output
 from felactl.cli.plan_collectives import collective_result, register_collectives, resolve_devices
 from felactl.errors import InputError
 from felactl.optimizer.cost import CostModel
-from felactl.optimizer.planner import SYNC_MODES, make_plan
+from felactl.optimizer.planner import DEFAULT_TIME_LIMIT_S, SYNC_MODES, make_plan
 from felactl.optimizer.simulator import simulate
 from felactl.spec import Plan, load_cluster, load_model, save
 
@@ -118,7 +118,9 @@ def plan(
     out: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the plan here (YAML).")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Show the plan against each baseline.")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Stages, trees and a Gantt chart of one iteration.")] = False,
-    time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="Seconds the ILP may take.")] = None,
+    time_limit: Annotated[Optional[float], typer.Option(
+        "--time-limit", help="Seconds each ILP solve may take; the plan records the gap where it stops.")
+    ] = DEFAULT_TIME_LIMIT_S,
     no_trees: Annotated[bool, typer.Option("--no-trees", help="Sync over rings only.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:

@@ -25,6 +25,9 @@ from felactl.spec import (ClusterSpec, placements_from, ModelRef, ModelSpec, Pla
                           StageWorker, SyncMode, SyncSpec)
 
 SYNC_MODES = tuple(m.value for m in SyncMode)
+DEFAULT_TIME_LIMIT_S = 30.0
+"""Seconds each CBC solve may take by default: the issue's 512-GPU case proves its optimum in a
+few seconds; where a larger one does not, the plan keeps the best found and records the gap."""
 
 
 def check_devices(cluster: ClusterSpec, devices: Sequence[str] | None) -> tuple[str, ...]:
@@ -114,7 +117,8 @@ def _plan_from(solution: ilp.Solution, cost: CostModel, model: ModelSpec, global
 
 
 def make_plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, sync: str = "tokens",
-              devices: Sequence[str] | None = None, time_limit_s: float | None = None, use_trees: bool = True,
+              devices: Sequence[str] | None = None, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
+              use_trees: bool = True,
               debug_lp_path: str | None = None, max_stages: int = 4,
               progress: Callable[[str], None] | None = None) -> Plan:
     """Plan ``model`` on ``cluster`` (or the ``devices`` of it) for one global batch per iteration."""
