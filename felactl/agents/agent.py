@@ -139,7 +139,7 @@ class LocalWorkerAgent:
         env = {**os.environ, **{k: str(v) for k, v in s.env.items()}}
         env.update(RANK=str(s.rank_offset + local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(s.world_size),
                    LOCAL_WORLD_SIZE=str(s.nproc), MASTER_ADDR=s.master_addr, MASTER_PORT=str(s.master_port),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", FELACTL_WORKER_ID=str(s.rank_offset + local_rank))
         if s.cpu_affinity is not None:
             env["FELACTL_CPU_CORES"] = ",".join(map(str, s.cpu_affinity[local_rank]))
         return env
@@ -171,6 +171,39 @@ class LocalWorkerAgent:
                 pass  # it already exited (monitor will see it) or the platform cannot pin
         worker.state = WorkerState.HEALTHY
         return worker
+
+    def add_worker(self, worker_id: int, env: dict[str, str]) -> Worker:
+        """Start one more worker beside the running ones (a rescale's newcomer): ``env`` overrides
+        the spec's torchrun variables (a newcomer learns its rank when it is admitted)."""
+        local_rank = len(self.workers)
+        worker = Worker(local_rank=local_rank, global_rank=worker_id,
+                        log_path=self.spec.log_dir / f"worker-{worker_id}.log")
+        full_env = {**self.worker_env(0), "LOCAL_RANK": str(local_rank), **{k: str(v) for k, v in env.items()}}
+        full_env.pop("FELACTL_CPU_CORES", None)
+        with open(worker.log_path, "ab") as log_file:
+            worker.process = subprocess.Popen(
+                [sys.executable, "-m", self.spec.module, *self.spec.args], env=full_env,
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        worker.state = WorkerState.HEALTHY
+        self.workers.append(worker)
+        return worker
+
+    def kill_worker(self, worker_id: int) -> bool:
+        """SIGKILL one worker's process group (a hung or dropped member); False if it is not ours."""
+        for w in self.workers:
+            if w.global_rank == worker_id and w.process is not None:
+                try:
+                    os.killpg(w.process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                return True
+        return False
+
+    def worker_table(self) -> dict[str, dict]:
+        """Each worker's pid, state and exit code, by its global rank (an elastic worker's id)."""
+        return {str(w.global_rank): {"pid": w.pid, "state": w.state.value, "exit_code": w.exit_code,
+                                     **({"failure": last_line(w.log_path)} if w.state is WorkerState.FAILED else {})}
+                for w in self.workers}
 
     def monitor(self) -> RunResult:
         """Poll every worker once and say how the group stands."""
@@ -302,7 +335,10 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
                       cpu_affinity=config.cpu_affinity)
     session.report(WorkerState.HEALTHY.value)
     agent = LocalWorkerAgent(spec)
-    result = agent.run(should_stop=session.stop_requested)
+    if assignment.env.get("FELACTL_ELASTIC") == "1":
+        result = _run_elastic(agent, session, config)
+    else:
+        result = agent.run(should_stop=session.stop_requested)
     _report_quietly(session, result.state.value, failures={str(k): v for k, v in result.failures.items()},
                     log_dir=str(config.log_dir))
     return result
@@ -319,3 +355,53 @@ def _raise_if_stopped(session) -> None:
     reason = session.stop_requested()
     if reason is not None:
         raise ControlPlaneError(f"the coordinator stopped the job before it started: {reason}")
+
+
+# --- elastic jobs: the coordinator adds and kills workers while the group runs --------------------
+def _run_elastic(agent: LocalWorkerAgent, session, config: NodeAgentConfig) -> RunResult:
+    """Start the assigned workers, then follow the coordinator's signed commands (``add``, ``kill``)
+    and report every worker's state; a worker that ends does not end the group — the coordinator
+    re-forms the job without it — and the agent runs until the coordinator says stop."""
+    try:
+        agent.start()
+        reported = None
+        while True:
+            for command in _pop_commands(session):
+                if command.get("op") == "add":
+                    agent.add_worker(int(command["worker_id"]), dict(command.get("env", {})))
+                elif command.get("op") == "kill":
+                    agent.kill_worker(int(command["worker_id"]))
+            agent.monitor()
+            table = agent.worker_table()
+            if table != reported:
+                session.report(WorkerState.HEALTHY.value, workers=table)
+                reported = table
+            reason = session.stop_requested()
+            if reason is not None:
+                agent.stop()
+                result = agent._result()
+                state = WorkerState.SUCCEEDED if reason == "finished" else result.state
+                return RunResult(state=state, exit_codes=result.exit_codes, failures=result.failures)
+            time.sleep(agent.spec.monitor_interval_s)
+    finally:
+        agent.stop()
+
+
+def command_queue(prefix: str, agent_id: str) -> str:
+    return f"{prefix}agents/{agent_id}/commands"
+
+
+def _pop_commands(session) -> list[dict]:
+    """The coordinator's pending commands to this agent; unsigned ones are dropped (and said so)."""
+    from felactl.errors import AuthError
+    from felactl.launcher.controlplane import open_envelope
+
+    queue = command_queue(session.prefix, session.agent_id)
+    commands = []
+    while session.store.queue_len(queue) > 0:
+        raw = session.store.queue_pop(queue, block=False)
+        try:
+            commands.append(open_envelope(session.secret, "command", raw))
+        except AuthError as exc:
+            print(f"felactl agent: dropped a command: {exc}", file=sys.stderr)
+    return commands

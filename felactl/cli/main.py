@@ -107,7 +107,7 @@ def root(
 
 
 # One module per command, each with a ``register(app)``; add a command by adding its module here.
-COMMAND_MODULES: tuple[str, ...] = ("check", "profile", "agent", "launch", "status", "plan", "demo")
+COMMAND_MODULES: tuple[str, ...] = ("check", "profile", "agent", "launch", "status", "plan", "demo", "scale")
 
 
 def _register_commands() -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from felactl.cli import output
 from felactl.cli.runview import events_table, run_table
@@ -25,10 +27,27 @@ def status(
         console.print(f"run {result['run']} ({result['state']}) in {result['run_dir']}")
         if result.get("summary"):
             console.print(run_table(result["summary"], "progress"))
+        if result["history"]:
+            console.print(history_table(result["history"]))
         if result["events"]:
             console.print(events_table(result["events"]))
 
     output.emit(result, as_json, render)
+
+
+def history_table(history: list[dict]) -> Table:
+    """One row per membership change: who was in before and after, the pause, what was replicated."""
+    table = Table(title="membership history", title_justify="left")
+    for col in ("time", "kind", "gen", "before", "after", "pause_s", "replicated", "from / why"):
+        table.add_column(col)
+    for e in history:
+        sources = ", ".join(f"{w}: {b / 1e6:.2f} MB" for w, b in (e.get("replicated_from") or {}).items())
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(e.get("time", 0))), e["kind"],
+                      str(e.get("generation", "")), str(e.get("members_before", e.get("members", ""))),
+                      str(e.get("members_after", "")), "" if e.get("pause_s") is None else f"{e['pause_s']:.3f}",
+                      f"{e.get('replicated_bytes', 0) / 1e6:.2f} MB" if e.get("replicated_bytes") else "",
+                      sources or e.get("reason", "") or (f"from step {e['from_step']}" if "from_step" in e else ""))
+    return table
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,7 @@ watches: agents' states on the store, workers' records in ``metrics.jsonl``. It 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,8 +23,11 @@ from felactl.agents.worker.stragglers import parse_pattern, parse_slowdown
 from felactl.errors import ControlPlaneError, InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text
 from felactl.launcher import hosts as hostfile
-from felactl.launcher.controlplane import Assignment, Coordinator, Member, write_secret_file
+from felactl.launcher.controlplane import Assignment, Coordinator, Member, read_secret_file, write_secret_file
+from felactl.launcher.elastic import ElasticController, ElasticSettings
+from felactl.launcher.resume import ResumePoint, find_resume_point
 from felactl.launcher.rundir import RunDir, append_jsonl
+from felactl.launcher.scale_plan import ScalingPolicy
 from felactl.spec import Plan, SyncMode, load_plan, save
 
 WORKER_MODULE = "felactl.agents.worker"
@@ -49,6 +53,17 @@ class LaunchOptions:
     join_timeout_s: float = 60.0
     timeout_s: float = 120.0
     """Collective and store timeout inside the workers."""
+    resume: str | None = None
+    """A run to continue from its newest complete checkpoint (its directory is reused)."""
+    elastic: bool = True
+    """Data-parallel BSP plans run under live rescaling (``felactl scale``) and survive failures."""
+    max_nproc_per_node: int | None = None
+    scaling_policy: str = "fixed-batch"
+    max_batch: int | None = None
+    heartbeat_timeout_s: float = 5.0
+    collective_timeout_s: float = 10.0
+    """Elastic jobs: the data-parallel group's collective timeout (a survivor blocked with a dead
+    peer fails after at most this; usually at once, when the dead peer's sockets close)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -59,8 +74,18 @@ class LaunchOptions:
             raise InputError(f"--nnodes must be >= 1, got {self.nnodes}")
         if self.nnodes > 1 and not (self.rdzv_endpoint or self.hostfile):
             raise InputError("--nnodes > 1 needs --rdzv-endpoint (agents join there) or --hostfile")
+        if self.max_nproc_per_node is not None and self.max_nproc_per_node < 1:
+            raise InputError(f"--max-nproc-per-node must be >= 1, got {self.max_nproc_per_node}")
+        if self.heartbeat_timeout_s <= 0:
+            raise InputError(f"--heartbeat-timeout must be > 0, got {self.heartbeat_timeout_s}")
+        ScalingPolicy(self.scaling_policy, self.max_batch)
         parse_slowdown(self.slowdown)
         parse_pattern(self.straggler)
+
+    def elastic_settings(self) -> ElasticSettings:
+        return ElasticSettings(policy=ScalingPolicy(self.scaling_policy, self.max_batch),
+                               heartbeat_timeout_s=self.heartbeat_timeout_s,
+                               max_nproc_per_node=self.max_nproc_per_node, ready_timeout_s=self.join_timeout_s)
 
 
 @dataclass
@@ -102,7 +127,8 @@ def assign_ranks(plan: Plan, members: list[Member], nodes: dict[str, tuple[str, 
     return assignments
 
 
-def worker_env(options: LaunchOptions, run: RunDir, store_endpoint: str) -> dict[str, str]:
+def worker_env(options: LaunchOptions, run: RunDir, store_endpoint: str, *, elastic: bool = False,
+               resume: ResumePoint | None = None) -> dict[str, str]:
     """The FELACTL_* variables every worker reads (see felactl.agents.worker.config)."""
     env = {"FELACTL_PLAN": str(run.plan.resolve()), "FELACTL_RUN_DIR": str(run.path.resolve()),
            "FELACTL_STORE": store_endpoint, "FELACTL_STEPS": str(options.steps),
@@ -117,11 +143,20 @@ def worker_env(options: LaunchOptions, run: RunDir, store_endpoint: str) -> dict
         env["FELACTL_SLOWDOWN"] = options.slowdown
     if options.straggler:
         env["FELACTL_STRAGGLER"] = options.straggler
+    if resume is not None:
+        env.update(FELACTL_PLAN=str(resume.plan_path.resolve()), FELACTL_RESUME_FROM=str(resume.checkpoint.resolve()),
+                   FELACTL_GENERATION=str(resume.generation))
+    if elastic:
+        env.update(FELACTL_ELASTIC="1", FELACTL_COLLECTIVE_TIMEOUT_S=str(options.collective_timeout_s),
+                   FELACTL_HEARTBEAT_S=str(min(0.5, options.heartbeat_timeout_s / 4)))
     return env
 
 
-def prepare_run(options: LaunchOptions) -> tuple[RunDir, Plan, str]:
-    """Load and check the plan, make the run directory, its secret and its copy of the plan."""
+def prepare_run(options: LaunchOptions, resume: ResumePoint | None = None) -> tuple[RunDir, Plan, str]:
+    """Load and check the plan, make the run directory, its secret and its copy of the plan
+    (a resumed run keeps its directory and secret; its plan is the checkpoint's generation's)."""
+    if resume is not None:
+        return resume.run, load_plan(resume.plan_path), read_secret_file(resume.run.secret)
     plan = load_plan(options.plan_path)
     run = RunDir.create(options.run_id, root=options.runs_root)
     secret = write_secret_file(run.secret)
@@ -135,23 +170,36 @@ def prepare_run(options: LaunchOptions) -> tuple[RunDir, Plan, str]:
 def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = lambda state: None) -> dict[str, Any]:
     """Run the plan to the end; return the summary (also written to ``summary.json``)."""
     local_node = options.node_name or short_hostname()
-    plan = load_plan(options.plan_path)
+    resume = find_resume_point(options.resume, options.runs_root) if options.resume else None
+    if resume is not None:  # the resumed generation's own copy of its plan, so a later resume finds it
+        copy = save(load_plan(resume.plan_path), resume.run.path / f"plan.{resume.generation}.yaml")
+        resume = dataclasses.replace(resume, plan_path=copy)
+    plan = load_plan(resume.plan_path if resume else options.plan_path)
     nodes = node_devices(plan, local_node)
     _check_nodes(options, nodes, local_node)
-    run, plan, secret = prepare_run(options)
-    state = LaunchState(run=run, plan=plan, sync=options.sync or plan.sync.mode)
+    run, plan, secret = prepare_run(options, resume)
+    sync = options.sync or plan.sync.mode
+    elastic = options.elastic and len(plan.stages) == 1 and sync is SyncMode.BSP
+    state = LaunchState(run=run, plan=plan, sync=sync)
     coordinator = Coordinator(secret, endpoint=options.rdzv_endpoint, job=run.run_id)
-    append_jsonl(run.events, {"time": time.time(), "kind": "launch", "run": run.run_id,
-                              "endpoint": coordinator.endpoint, "devices": list(plan.devices)})
+    append_jsonl(run.events, {"time": time.time(), "kind": "resume" if resume else "launch", "run": run.run_id,
+                              "endpoint": coordinator.endpoint, "devices": list(plan.devices),
+                              **({"from_step": resume.step, "checkpoint": str(resume.checkpoint)} if resume else {})})
     agents = _Agents(options, run, coordinator, secret, nodes.get(local_node, ()), local_node)
     try:
         agents.start()
         state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
-        env = worker_env(options, run, coordinator.endpoint)
+        env = worker_env(options, run, coordinator.endpoint, elastic=elastic, resume=resume)
+        controller = None
+        if elastic:
+            controller = ElasticController(coordinator, run, plan, state.members, nodes, options.elastic_settings(),
+                                           start_generation=resume.generation if resume else 0,
+                                           plan_path=resume.plan_path if resume else run.plan)
         coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env))
         append_jsonl(run.events, {"time": time.time(), "kind": "start",
                                   "members": [m.node_name for m in state.members]})
-        _watch(coordinator, state, agents, on_update)
+        _watch(coordinator, state, agents, on_update, controller)
+        coordinator.stop("finished")
     except BaseException as exc:
         coordinator.stop(f"launch ended: {type(exc).__name__}")
         append_jsonl(run.events, {"time": time.time(), "kind": "failed", "reason": str(exc) or type(exc).__name__})
@@ -211,13 +259,20 @@ class _Agents:
 
 
 def _watch(coordinator: Coordinator, state: LaunchState, agents: _Agents,
-           on_update: Callable[[LaunchState], None]) -> None:
-    """Until every agent reports its workers done: follow metrics, and fail fast on a failure."""
+           on_update: Callable[[LaunchState], None], controller: ElasticController | None = None) -> None:
+    """Until every agent reports its workers done: follow metrics, and fail fast on a failure
+    (an elastic job instead re-forms without the failed worker; its controller says when it is done)."""
     reader = _MetricsTail(state.run.metrics)
     while True:
         agents.check()
         state.records.extend(reader.read_new())
         on_update(state)
+        if controller is not None:
+            if controller.poll():
+                state.records.extend(reader.read_new())
+                return
+            time.sleep(POLL_S / 4)
+            continue
         states = {m.agent_id: coordinator.agent_state(m.agent_id) for m in state.members}
         failed = {aid: s for aid, s in states.items() if s and s.get("state") == WorkerState.FAILED.value}
         if failed:

@@ -9,6 +9,10 @@ from felactl.agents.worker.metrics import summarize
 from felactl.launcher.rundir import RunDir, read_jsonl
 
 
+HISTORY_KINDS = ("scale-out", "scale-in", "failure", "re-form", "refused", "resume")
+"""The events that changed (or were refused to change) the job's membership."""
+
+
 def run_status(run: str, runs_root: Path) -> dict[str, Any]:
     """The run's state (running, finished, failed), its summary so far and its events."""
     rundir = RunDir.find(run, root=runs_root)
@@ -18,4 +22,6 @@ def run_status(run: str, runs_root: Path) -> dict[str, Any]:
     summary = final or (summarize(records) if records else None)
     kinds = [e.get("kind") for e in events]
     state = "finished" if final else "failed" if "failed" in kinds else "running" if kinds else "created"
-    return {"run": rundir.run_id, "run_dir": str(rundir.path), "state": state, "summary": summary, "events": events}
+    history = [e for e in events if e.get("kind") in HISTORY_KINDS]
+    return {"run": rundir.run_id, "run_dir": str(rundir.path), "state": state, "summary": summary, "events": events,
+            "history": history}

@@ -18,6 +18,12 @@
 | ``FELACTL_TOKEN_POLICY`` | overrides ``plan.sync.token_policy`` | plan |
 | ``FELACTL_BACKEND`` | ``gloo`` or ``nccl`` | nccl with CUDA, else gloo |
 | ``FELACTL_TIMEOUT_S`` | collective and store timeout | 120 |
+| ``FELACTL_ELASTIC`` | 1: train data parallel under live rescaling (felactl.agents.worker.elastic) | 0 |
+| ``FELACTL_WORKER_ID`` | elastic: this worker's id, stable across generations (metrics' ``rank``) | RANK |
+| ``FELACTL_JOIN`` | elastic: 1 for a newcomer (RANK/WORLD_SIZE are placeholders until it is admitted) | 0 |
+| ``FELACTL_RESUME_FROM`` | a checkpoint file to start from (``felactl launch --resume``) | none |
+| ``FELACTL_HEARTBEAT_S`` | elastic: seconds between heartbeats | 0.5 |
+| ``FELACTL_COLLECTIVE_TIMEOUT_S`` | elastic: timeout of the data-parallel group's collectives | 30 |
 """
 
 from __future__ import annotations
@@ -54,6 +60,12 @@ class WorkerConfig:
     token_policy: str | None = None
     backend: str | None = None
     timeout_s: float = 120.0
+    elastic: bool = False
+    worker_id: int = 0
+    join: bool = False
+    resume_from: Path | None = None
+    heartbeat_s: float = 0.5
+    collective_timeout_s: float = 30.0
 
     def load_plan(self) -> Plan:
         """The plan with the environment's overrides applied."""
@@ -130,4 +142,22 @@ def from_env(env: Mapping[str, str] | None = None) -> WorkerConfig:
         token_policy=_choice(env, "FELACTL_TOKEN_POLICY", ("ads", "hf", "ads+hf")),
         backend=_choice(env, "FELACTL_BACKEND", ("gloo", "nccl")),
         timeout_s=float(_int(env, "FELACTL_TIMEOUT_S", default=120, minimum=1)),
+        elastic=env.get("FELACTL_ELASTIC") == "1", worker_id=_int(env, "FELACTL_WORKER_ID", default=rank),
+        join=env.get("FELACTL_JOIN") == "1",
+        resume_from=Path(env["FELACTL_RESUME_FROM"]) if env.get("FELACTL_RESUME_FROM") else None,
+        heartbeat_s=_float(env, "FELACTL_HEARTBEAT_S", 0.5),
+        collective_timeout_s=_float(env, "FELACTL_COLLECTIVE_TIMEOUT_S", 30.0),
     )
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    text = env.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {text!r}") from None
+    if value <= 0:
+        raise InputError(f"{name} must be > 0, got {value}")
+    return value

@@ -45,20 +45,33 @@ class ComputeResult:
 
 
 class Trainer:
-    def __init__(self, runtime: Runtime, plan: Plan):
+    def __init__(self, runtime: Runtime, plan: Plan, bundle: models.ModelBundle | None = None,
+                 metrics_rank: int | None = None):
+        """``bundle``: the model already built (a newcomer builds it before it knows its rank);
+        ``metrics_rank``: the id its metrics carry (an elastic worker's stable id), default the rank."""
         self.runtime = runtime
         self.plan = plan
         self.placement: Placement = place(plan, runtime.rank)
         stage = plan.stages[self.placement.stage]
         self.micro_batch = stage.micro_batch
-        self.bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
+        self.bundle = bundle or models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
         self.model: nn.Module = self.bundle.layers[stage.layer_start:stage.layer_end].to(runtime.device)
         self.params = [p for p in self.model.parameters()]
         self.optimizer = make_optimizer(plan, self.params)
         cfg = runtime.cfg
         self.straggler = Straggler(cfg.rank, cfg.world_size, cfg.slowdown, cfg.pattern, seed=plan.training.seed)
-        self.metrics = MetricsWriter(cfg.run_dir, cfg.rank, self.placement.stage)
+        self.worker_id = cfg.rank if metrics_rank is None else metrics_rank
+        self.metrics = MetricsWriter(cfg.run_dir, self.worker_id, self.placement.stage)
         self.totals = {"samples": 0, "tokens": 0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "steps": 0}
+
+    def rebind(self, runtime: Runtime, plan: Plan) -> None:
+        """Take a new generation's place (rank, shares, batch) keeping the model and optimizer:
+        a rescale re-plans data parallelism only, so this rank's layers stay the same."""
+        self.runtime, self.plan = runtime, plan
+        self.placement = place(plan, runtime.rank)
+        self.micro_batch = plan.stages[self.placement.stage].micro_batch
+        cfg = runtime.cfg
+        self.straggler = Straggler(cfg.rank, cfg.world_size, cfg.slowdown, cfg.pattern, seed=plan.training.seed)
 
     @property
     def global_batch(self) -> int:
@@ -147,9 +160,9 @@ class Trainer:
 
     def finish(self, wall_s: float) -> None:
         """Write this worker's summary (``workers/rank<R>.json``) and close the metrics file."""
-        summary = {"rank": self.runtime.rank, "stage": self.placement.stage, "wall_s": wall_s,
+        summary = {"rank": self.worker_id, "stage": self.placement.stage, "wall_s": wall_s,
                    "sync": self.plan.sync.mode.value, "param_checksum": float(self.flat_params().double().sum()),
                    **self.totals}
-        atomic_write_text(self.runtime.cfg.run_dir / "workers" / f"rank{self.runtime.rank}.json",
+        atomic_write_text(self.runtime.cfg.run_dir / "workers" / f"rank{self.worker_id}.json",
                           json.dumps(summary, indent=2) + "\n")
         self.metrics.close()

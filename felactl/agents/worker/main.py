@@ -30,6 +30,10 @@ def strategy(plan: Plan):
 
 
 def run_worker(cfg: WorkerConfig) -> dict:
+    if cfg.elastic:
+        from felactl.agents.worker.elastic import run_elastic
+
+        return run_elastic(cfg)
     plan = cfg.load_plan()
     module = strategy(plan)
     runtime = runtime_mod.start(cfg)

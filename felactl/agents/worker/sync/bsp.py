@@ -36,15 +36,28 @@ def allreduce_grads(trainer: Trainer, group) -> float:
     return time.perf_counter() - start
 
 
-def data_parallel(trainer: Trainer, group) -> DistributedDataParallel | None:
-    """DDP over the stage's replicas, where every replica computes samples each step."""
+def data_parallel(trainer: Trainer, group, init_sync: bool = True) -> DistributedDataParallel | None:
+    """DDP over the stage's replicas, where every replica computes samples each step
+    (``init_sync=False``: the replicas already hold the same parameters; skip DDP's broadcast)."""
     plan = trainer.plan
     shares = split_by_shares(plan.global_batch, [w.share for w in plan.stages[0].workers])
     if len(trainer.placement.stage_ranks) < 2 or min(len(s) for s in shares) == 0:
         return None
     device_ids = [trainer.runtime.device.index] if trainer.runtime.device.type == "cuda" else None
     return DistributedDataParallel(trainer.model, device_ids=device_ids, process_group=group,
-                                   broadcast_buffers=False, gradient_as_bucket_view=True)
+                                   broadcast_buffers=False, gradient_as_bucket_view=True, init_sync=init_sync)
+
+
+def settle_buckets(ddp: DistributedDataParallel | None) -> None:
+    """Rebuild DDP's gradient buckets now, after the first synchronised step, on every rank at once.
+
+    DDP otherwise rebuilds them inside the next forward, with a broadcast: replicas that run a
+    different number of micro-batches (uneven shares) would reach that broadcast and the arrival
+    all-reduce in different orders and deadlock."""
+    if ddp is not None and not getattr(ddp, "_felactl_settled", False):
+        ddp.reducer._rebuild_buckets()
+        ddp._has_rebuilt_buckets = True
+        ddp._felactl_settled = True
 
 
 def run(trainer: Trainer) -> None:
@@ -65,6 +78,7 @@ def run(trainer: Trainer) -> None:
             wait_s = arrive(group, device)
             comm_s = allreduce_grads(trainer, group)
         trainer.optimizer_step()
+        settle_buckets(ddp)
         trainer.record(step=step, samples=result.samples, loss_sum=result.loss_sum,
                        compute_s=result.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s,
                        duration_s=time.perf_counter() - start)

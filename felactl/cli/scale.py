@@ -1,0 +1,55 @@
+"""``felactl scale RUN``: add, remove or set the workers of a running job (signed with its secret)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from felactl.cli import output
+from felactl.errors import InputError
+
+
+def scale(
+    run: Annotated[str, typer.Argument(help="Run id or directory of the running job.")],
+    add: Annotated[Optional[int], typer.Option("--add", help="Start N more workers.")] = None,
+    node: Annotated[Optional[str], typer.Option(help="Node for --add (default: the first node).")] = None,
+    remove: Annotated[Optional[str], typer.Option(help="RANK[,RANK...]: worker ids (metrics' rank) to remove.")] = None,
+    to: Annotated[Optional[int], typer.Option("--to", help="Grow or shrink to N workers.")] = None,
+    scaling_policy: Annotated[Optional[str], typer.Option(
+        help="fixed-batch or linear-lr (default: the launch's).")] = None,
+    max_batch: Annotated[Optional[int], typer.Option(help="linear-lr: cap on the global batch.")] = None,
+    secret_file: Annotated[Optional[Path], typer.Option(help="The job secret (default: runs/<id>/secret).")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the job to switch.")] = 120.0,
+    runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = Path("runs"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print what changed as one JSON object.")] = False,
+) -> None:
+    """Rescale a running data-parallel job; the workers that stay keep their processes and memory."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d's connect retries are not the user's news
+    from felactl.launcher.scale import request_scale
+
+    chosen = [name for name, value in (("--add", add), ("--remove", remove), ("--to", to)) if value is not None]
+    if len(chosen) != 1:
+        raise InputError("give exactly one of --add N, --remove RANK[,RANK...], --to N")
+    if add is not None:
+        command = {"op": "add", "count": add, "node": node}
+    elif to is not None:
+        command = {"op": "to", "count": to, "node": node}
+    else:
+        try:
+            ranks = [int(r) for r in remove.split(",") if r.strip()]
+        except ValueError:
+            raise InputError(f"--remove {remove!r}: expected RANK[,RANK...] (integers)") from None
+        command = {"op": "remove", "ranks": ranks}
+    if scaling_policy is not None:
+        command.update(scaling_policy=scaling_policy, max_batch=max_batch)
+    result = request_scale(run, command, runs_root=runs_root, secret_file=secret_file, timeout_s=timeout)
+    output.emit(result, as_json, lambda console: console.print(
+        f"{result['kind']}: workers {result.get('members_before')} -> {result.get('members_after', result.get('members'))}"
+        f", pause {result.get('pause_s')} s, {result.get('replicated_bytes', 0)} bytes replicated"))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("scale")(scale)

@@ -1,0 +1,349 @@
+"""The coordinator's side of live rescaling: signed scale commands, failures, new generations.
+
+The launch process polls :meth:`ElasticController.poll` between its other chores. It
+
+* pops ``felactl scale`` requests from the store queue ``<job>elastic/scale/requests``; each is
+  ``{id, command, signature = sign(secret, "scale|id|command")}``. A wrong signature or a replayed
+  id is refused, logged in ``events.jsonl`` and changes nothing; so is a request that cannot be
+  met (more workers than the node's slots, an unknown worker, removing the last one). The answer
+  goes under ``scale/reply/<id>``.
+* scales out by asking the node's agent (a signed ``add`` command) to start newcomers, waiting
+  until each says ``ready`` (torch imported, model built: start-up happens while the job trains),
+  re-planning (felactl.launcher.scale_plan), and only then publishing the next generation;
+* scales in by publishing a generation without the removed workers (they leave after the step);
+* drops a member whose process ended or whose heartbeat has not moved for ``heartbeat_timeout_s``
+  (killing it through its agent, so peers blocked in a collective with it fail at once), then
+  publishes a generation of the survivors.
+
+Each change waits for every member's ``switched`` report and appends one event: kind, members
+before and after, ``pause_s`` (the longest gap, on workers that stayed, between their last step
+before and their first step after), bytes replicated and from whom. Worker ids (``rank`` in
+metrics) are stable across generations; the ``--remove`` ranks are those ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from felactl.agents.agent import command_queue
+from felactl.errors import InputError, WorkerFailed
+from felactl.launcher.controlplane import Coordinator, Member, signed_envelope, verify
+from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
+from felactl.launcher.scale_plan import ScalingPolicy, replan
+from felactl.spec import Plan, save
+
+log = logging.getLogger(__name__)
+POLL_S = 0.02
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticSettings:
+    policy: ScalingPolicy = field(default_factory=ScalingPolicy)
+    heartbeat_timeout_s: float = 5.0
+    max_nproc_per_node: int | None = None
+    """Worker slots per node; default: GPUs, or for a CPU node its cores."""
+    ready_timeout_s: float = 60.0
+    switch_timeout_s: float = 60.0
+
+
+@dataclass
+class _Worker:
+    device: str
+    node: str
+    agent_id: str
+    since: float = field(default_factory=time.monotonic)
+    beat: str | None = None
+
+
+class ElasticController:
+    def __init__(self, coordinator: Coordinator, run: RunDir, plan: Plan, members: list[Member],
+                 nodes: dict[str, tuple[str, ...]], settings: ElasticSettings, start_generation: int = 0,
+                 plan_path=None):
+        self.coordinator, self.run, self.plan, self.settings = coordinator, run, plan, settings
+        self.store = coordinator.store
+        self.kv = coordinator.prefix + "elastic/"
+        self.agents = {m.node_name: m for m in members}
+        self.workers: dict[int, _Worker] = {}
+        for node, devices in nodes.items():
+            for d in devices:
+                self.workers[plan.rank_of(d)] = _Worker(d, node, self.agents[node].agent_id)
+        self.members = sorted(self.workers)
+        self.base = (plan.global_batch, plan.training.lr, len(self.members))
+        self.generation = start_generation
+        self.next_id = len(self.members)
+        self.seen_ids: set[str] = set()
+        self.stuck_since: float | None = None
+        self.first_plan = (start_generation, plan_path or run.plan)
+        self.store.set(self.kv + "generation", str(self.generation))
+
+    # --- the loop's step --------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Handle failures and commands; True once every member has finished its last step."""
+        dead = self._dead(self.members)
+        if dead:
+            self._drop(dead)
+        elif self._stuck_long():
+            self._switch(list(self.members), "re-form", reason="a collective failed with every member alive")
+        self._serve_requests()
+        return all(self.store.check([f"{self.kv}done/{w}"]) for w in self.members)
+
+    def _stuck_long(self) -> bool:
+        """A member said its step failed, and for a heartbeat timeout since nobody was found dead."""
+        if not any(self.store.check([f"{self.kv}stuck/{self.generation}/{w}"]) for w in self.members):
+            self.stuck_since = None
+            return False
+        now = time.monotonic()
+        self.stuck_since = self.stuck_since or now
+        return now - self.stuck_since > self.settings.heartbeat_timeout_s
+
+    def _tables(self) -> dict[str, dict]:
+        table = {}
+        for member in self.agents.values():
+            state = self.coordinator.agent_state(member.agent_id) or {}
+            table.update(state.get("workers", {}))
+        return table
+
+    def _dead(self, wids: list[int]) -> dict[int, str]:
+        """Members whose process ended unasked or whose heartbeat stopped, with why."""
+        table, now, dead = self._tables(), time.monotonic(), {}
+        for wid in wids:
+            w, entry = self.workers[wid], table.get(str(wid))
+            if entry and entry.get("exit_code") is not None and not self.store.check([f"{self.kv}done/{wid}"]):
+                dead[wid] = f"worker {wid} exited with code {entry['exit_code']}" + (
+                    f": {entry['failure']}" if entry.get("failure") else "")
+                continue
+            key = f"{self.kv}hb/{wid}"
+            beat = self.store.get(key).decode() if self.store.check([key]) else None
+            if beat != w.beat:
+                w.beat, w.since = beat, now
+            grace = self.settings.heartbeat_timeout_s if beat is not None else self.settings.ready_timeout_s
+            if now - w.since > grace and not self.store.check([f"{self.kv}done/{wid}"]):
+                dead[wid] = f"worker {wid}: no heartbeat for {now - w.since:.1f} s"
+        return dead
+
+    def _drop(self, dead: dict[int, str]) -> None:
+        for wid in dead:
+            self._command(wid, {"op": "kill", "worker_id": wid})
+        survivors = [w for w in self.members if w not in dead]
+        if not survivors:
+            raise WorkerFailed(f"worker failed: no worker is left ({'; '.join(dead.values())}); logs in "
+                               f"{self.run.logs}; a run with checkpoints continues with "
+                               f"`felactl launch --resume {self.run.run_id}`")
+        log.warning("elastic: dropping %s", "; ".join(dead.values()))
+        self._switch(survivors, "failure", reason="; ".join(dead.values()))
+
+    def _command(self, wid: int, command: dict) -> None:
+        agent_id = self.workers[wid].agent_id
+        self.store.queue_push(command_queue(self.coordinator.prefix, agent_id),
+                              signed_envelope(self.coordinator.secret, "command", command))
+
+    # --- scale requests -------------------------------------------------------------------------
+    def _serve_requests(self) -> None:
+        queue = self.kv + "scale/requests"
+        while self.store.queue_len(queue) > 0:
+            raw = self.store.queue_pop(queue, block=False)
+            request_id, answer = self._answer(raw)
+            if request_id:
+                self.store.set(f"{self.kv}scale/reply/{request_id}", json.dumps(answer))
+
+    def _answer(self, raw: bytes) -> tuple[str, dict]:
+        try:
+            request = json.loads(raw)
+            request_id, text, signature = str(request["id"]), str(request["command"]), str(request["signature"])
+            command = json.loads(text)
+        except (ValueError, KeyError, TypeError):
+            self._refuse("a malformed scale request")
+            return "", {}
+        if not request_id.isalnum() or len(request_id) > 64:
+            self._refuse("a scale request with a bad id")
+            return "", {}
+        if not verify(self.coordinator.secret, f"scale|{request_id}|{text}", signature):
+            return request_id, self._refuse("the scale command is not signed with this job's secret", command)
+        if request_id in self.seen_ids:
+            return request_id, self._refuse("a replayed scale command", command)
+        self.seen_ids.add(request_id)
+        try:
+            return request_id, {"ok": True, "result": self._execute(command)}
+        except InputError as exc:
+            return request_id, self._refuse(str(exc), command)
+
+    def _refuse(self, reason: str, command: dict | None = None) -> dict:
+        log.warning("elastic: refused %s", reason)
+        append_jsonl(self.run.events, {"time": time.time(), "kind": "refused", "reason": reason,
+                                       "command": command, "members": list(self.members)})
+        return {"ok": False, "error": reason}
+
+    def _execute(self, command: dict) -> dict:
+        op = command.get("op")
+        policy = ScalingPolicy(command["scaling_policy"], command.get("max_batch")) \
+            if command.get("scaling_policy") else None
+        if op == "add":
+            return self._add(int(command.get("count", 0)), command.get("node"), policy)
+        if op == "remove":
+            return self._remove([int(r) for r in command.get("ranks", [])], policy)
+        if op == "to":
+            target = int(command.get("count", 0))
+            if target < 1:
+                raise InputError(f"--to {target}: a job needs at least one worker")
+            if target > len(self.members):
+                return self._add(target - len(self.members), command.get("node"), policy)
+            if target < len(self.members):
+                return self._remove(self.members[target:], policy)
+            return {"kind": "unchanged", "members": list(self.members), "generation": self.generation}
+        raise InputError(f"unknown scale operation {op!r}")
+
+    def capacity(self, node: str) -> int:
+        if self.settings.max_nproc_per_node is not None:
+            return self.settings.max_nproc_per_node
+        info = self.agents[node].info
+        return int(info.get("num_gpus") or info.get("num_cpu_cores") or self.agents[node].num_slots)
+
+    def _add(self, count: int, node: str | None, policy: ScalingPolicy | None) -> dict:
+        if count < 1:
+            raise InputError(f"--add {count}: add at least one worker")
+        node = node or next(iter(self.agents))
+        if node not in self.agents:
+            raise InputError(f"--node {node!r}: no agent of this job runs there (nodes: {', '.join(self.agents)})")
+        used = sum(1 for w in self.members if self.workers[w].node == node)
+        slots = self.capacity(node)
+        if used + count > slots:
+            raise InputError(f"node {node!r} has {slots} worker slot(s) and {used} in use: cannot add {count} "
+                             "(a CPU node offers one slot per core; launch with --max-nproc-per-node to allow more)")
+        newcomers = self._start_newcomers(count, node)
+        return self._switch(self.members + newcomers, "scale-out", policy=policy)
+
+    def _start_newcomers(self, count: int, node: str) -> list[int]:
+        taken = {w.device for w in self.workers.values()}
+        newcomers = []
+        for _ in range(count):
+            wid, self.next_id = self.next_id, self.next_id + 1
+            device = f"cpu{wid}" if f"cpu{wid}" not in taken else f"w{wid}"
+            self.workers[wid] = _Worker(device, node, self.agents[node].agent_id)
+            newcomers.append(wid)
+            self._command(wid, {"op": "add", "worker_id": wid, "env": {
+                "FELACTL_WORKER_ID": str(wid), "FELACTL_JOIN": "1", "RANK": "0", "WORLD_SIZE": "1",
+                "FELACTL_PLAN": str(self._plan_path(self.generation).resolve())}})
+        deadline = time.monotonic() + self.settings.ready_timeout_s
+        waiting = set(newcomers)
+        while waiting:
+            waiting = {w for w in waiting if not self.store.check([f"{self.kv}ready/{w}"])}
+            failed = self._dead(sorted(waiting))
+            failed = {w: why for w, why in failed.items() if "exited" in why}
+            if failed or (waiting and time.monotonic() > deadline):
+                for wid in newcomers:
+                    self._command(wid, {"op": "kill", "worker_id": wid})
+                why = "; ".join(failed.values()) or f"not ready within {self.settings.ready_timeout_s:g} s"
+                raise InputError(f"the new worker(s) did not start ({why}); see {self.run.logs}")
+            dead = self._dead(self.members)
+            if dead:
+                self._drop(dead)
+            time.sleep(POLL_S)
+        return newcomers
+
+    def _remove(self, wids: list[int], policy: ScalingPolicy | None) -> dict:
+        unknown = [w for w in wids if w not in self.members]
+        if unknown:
+            raise InputError(f"--remove {unknown[0]}: no such worker in the job (workers: "
+                             f"{', '.join(map(str, self.members))})")
+        stay = [w for w in self.members if w not in wids]
+        if not stay:
+            raise InputError("cannot remove every worker: at least one must stay (stop the job instead)")
+        return self._switch(stay, "scale-in", policy=policy)
+
+    # --- a new generation -----------------------------------------------------------------------
+    def _plan_path(self, generation: int):
+        if generation == self.first_plan[0]:
+            return self.first_plan[1]
+        return self.run.path / f"plan.{generation}.yaml"
+
+    def _speeds(self) -> dict[str, float]:
+        recent: dict[int, list[dict]] = {}
+        for r in read_jsonl(self.run.metrics)[-200:]:
+            recent.setdefault(int(r["rank"]), []).append(r)
+        speeds = {}
+        for wid, records in recent.items():
+            compute_s = sum(r["compute_s"] for r in records[-5:])
+            if wid in self.workers and compute_s > 0:
+                speeds[self.workers[wid].device] = sum(r["samples"] for r in records[-5:]) / compute_s
+        return speeds
+
+    def _switch(self, members: list[int], kind: str, *, policy: ScalingPolicy | None = None,
+                reason: str | None = None) -> dict:
+        policy = policy or self.settings.policy
+        batch, lr = policy.batch_and_lr(*self.base[:2], self.base[2], len(members))
+        devices = [self.workers[w].device for w in members]
+        speeds = self._speeds()
+        node_speed = {}  # a newcomer runs at the mean speed of its node's workers
+        for w in members:
+            if self.workers[w].device in speeds:
+                node_speed.setdefault(self.workers[w].node, []).append(speeds[self.workers[w].device])
+        for w in members:
+            d = self.workers[w].device
+            if d not in speeds and self.workers[w].node in node_speed:
+                values = node_speed[self.workers[w].node]
+                speeds[d] = sum(values) / len(values)
+        plan = replan(self.plan, devices, speeds, {self.workers[w].device: self.workers[w].node for w in members},
+                      global_batch=batch, lr=lr)
+        generation = self.generation + 1
+        plan_path = save(plan, self._plan_path(generation))
+        before = list(self.members)
+        self.store.set(f"{self.kv}gen/{generation}", json.dumps(
+            {"generation": generation, "members": members, "plan": str(plan_path.resolve()), "kind": kind}))
+        self.store.set(self.kv + "generation", str(generation))
+        self.generation, self.plan, self.members = generation, plan, list(members)
+        reports = self._wait_switched(generation, members)
+        event = _event(kind, generation, before, members, reports, plan, reason)
+        append_jsonl(self.run.events, event)
+        return event
+
+    def _wait_switched(self, generation: int, members: list[int]) -> dict[int, dict]:
+        deadline = time.monotonic() + self.settings.switch_timeout_s
+        reports: dict[int, dict] = {}
+        while len(reports) < len(members):
+            for w in members:
+                key = f"{self.kv}switched/{generation}/{w}"
+                if w not in reports and self.store.check([key]):
+                    reports[w] = json.loads(self.store.get(key))
+            if len(reports) == len(members):
+                break
+            dead = self._dead([w for w in members if w not in reports])
+            if dead:
+                self._drop(dead)
+                return reports
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"generation {generation}: workers {sorted(set(members) - set(reports))} did not "
+                                   f"switch within {self.settings.switch_timeout_s:g} s; see {self.run.logs}")
+            time.sleep(POLL_S)
+        return reports
+
+
+def _event(kind: str, generation: int, before: list[int], after: list[int], reports: dict[int, dict],
+           plan: Plan, reason: str | None) -> dict:
+    stayed = [r["pause_s"] for r in reports.values() if r.get("stayed") and r.get("pause_s") is not None]
+    senders: dict[str, int] = {}
+    for r in reports.values():
+        if r.get("received"):
+            for wid, nbytes in r.get("senders", {}).items():
+                senders[wid] = senders.get(wid, 0) + int(nbytes)
+    event = {"time": time.time(), "kind": kind, "generation": generation, "members_before": before,
+             "members_after": after, "added": [w for w in after if w not in before],
+             "removed": [w for w in before if w not in after],
+             "pause_s": round(max(stayed), 6) if stayed else None,
+             "replicated_bytes": sum(senders.values()), "replicated_from": senders,
+             "step": max((r.get("step", 0) for r in reports.values()), default=None),
+             "global_batch": plan.global_batch, "lr": plan.training.lr,
+             "switch_s": {str(w): _timings(r) for w, r in sorted(reports.items())}}
+    if reason:
+        event["reason"] = reason
+    return event
+
+
+def _timings(report: dict) -> dict:
+    """One worker's switch: its pause, re-form, replication and DDP times, and its parameters' checksum."""
+    out = {k: round(report[k], 4) for k in ("pause_s", "form_s", "replicate_s", "wrap_s") if report.get(k) is not None}
+    if report.get("param_checksum") is not None:
+        out["param_checksum"] = report["param_checksum"]
+    return out

@@ -1,0 +1,61 @@
+"""``felactl launch --resume RUN``: where a run that died continues from.
+
+Checkpoints are ``checkpoints/step<K>/stage0.pt``, each written atomically, so one that exists is
+complete; the newest wins. A data-parallel checkpoint records the membership generation it was
+taken in, and the run resumes on that generation's plan (``plan.<G>.yaml``, or ``plan.yaml``),
+under a fresh generation number so nothing of the dead job's store keys is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from felactl.errors import InputError
+from felactl.launcher.rundir import RunDir
+
+STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    run: RunDir
+    checkpoint: Path
+    step: int
+    plan_path: Path
+    generation: int
+    """The generation the resumed job starts at (past every generation the run has used)."""
+
+
+def find_resume_point(run: str, runs_root: Path) -> ResumePoint:
+    rundir = RunDir.find(run, root=runs_root)
+    if rundir.read_summary() is not None:
+        raise InputError(f"run {rundir.run_id} already finished (summary.json exists); nothing to resume")
+    steps = sorted((int(m.group(1)), p) for p in rundir.checkpoints.glob("step*")
+                   if (m := STEP_DIR.match(p.name)) and (p / "stage0.pt").exists())
+    if not steps:
+        raise InputError(f"run {rundir.run_id} has no complete checkpoint in {rundir.checkpoints} "
+                         "(launch with --checkpoint-every K to make resumable runs)")
+    step, directory = steps[-1]
+    checkpoint = directory / "stage0.pt"
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    generation = int(saved.get("generation", 0))
+    plan_path = rundir.plan if generation == 0 else rundir.path / f"plan.{generation}.yaml"
+    if not plan_path.exists():
+        raise InputError(f"{plan_path}: the plan of the checkpoint's generation is missing")
+    used = [int(p.name.split(".")[1]) for p in rundir.path.glob("plan.*.yaml") if p.name.split(".")[1].isdigit()]
+    return ResumePoint(run=rundir, checkpoint=checkpoint, step=step, plan_path=plan_path,
+                       generation=max(used + [generation]) + 1)
+
+
+def previous_launch(run: str, runs_root: Path) -> dict:
+    """The options the run was launched with (``launch.json``), for what ``--resume`` does not restate."""
+    path = RunDir.find(run, root=runs_root).path / "launch.json"
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}

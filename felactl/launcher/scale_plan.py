@@ -1,0 +1,89 @@
+"""Re-planning a data-parallel job for a new membership, and the hybrid-scaling policies (pure).
+
+A run launched from a plan file carries no cluster or model profile, so a rescale does not run
+the ILP again: it keeps the plan's structure (one stage, its micro-batch, optimizer and sync mode)
+on the new device set, data parallel, with each device's share of the global batch proportional
+to its measured speed (samples per compute second in the run's recent metrics; a newcomer is
+credited with the mean speed of the workers already on its node, equal shares when nothing was
+measured). Pipelines and flexible-hybrid plans are refused (see felactl.launcher.elastic).
+
+Hybrid scaling (Elan): how the global batch and the learning rate follow the number of workers.
+
+``fixed-batch``
+    The global batch and the learning rate stay as launched; more workers only split the same
+    batch finer (each step is the same computation, so the loss curve does not change).
+``linear-lr``
+    The global batch grows (and shrinks) in proportion to the workers, ``B = B0 * n / n0``, up to
+    a cap (``--max-batch``, default ``4 * B0``), never below one sample per worker; the learning
+    rate follows the batch linearly, ``lr = lr0 * B / B0`` (Goyal et al.'s linear scaling rule),
+    so it is capped with it and held once the cap is reached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from felactl.errors import InputError
+from felactl.spec import Placement, Plan, Schedule, Stage, StageWorker
+
+POLICIES = ("fixed-batch", "linear-lr")
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    name: str = "fixed-batch"
+    max_batch: int | None = None
+    """linear-lr's cap on the global batch (default: 4 x the launch's batch)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise InputError(f"--scaling-policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise InputError(f"--max-batch must be >= 1, got {self.max_batch}")
+
+    def batch_and_lr(self, base_batch: int, base_lr: float, base_workers: int, workers: int) -> tuple[int, float]:
+        """The global batch and learning rate for ``workers`` (the launch ran ``base_workers``)."""
+        if self.name == "fixed-batch":
+            return base_batch, base_lr
+        cap = self.max_batch or 4 * base_batch
+        batch = max(workers, min(cap, round(base_batch * workers / base_workers)))
+        return batch, base_lr * batch / base_batch
+
+
+def shares_by_speed(devices: list[str], speeds: dict[str, float]) -> list[float]:
+    """Shares proportional to ``speeds`` (a device without one gets the mean of the others)."""
+    known = [speeds[d] for d in devices if speeds.get(d, 0) > 0]
+    mean = sum(known) / len(known) if known else 1.0
+    weights = [speeds[d] if speeds.get(d, 0) > 0 else mean for d in devices]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def replan(plan: Plan, devices: list[str], speeds: dict[str, float], nodes: dict[str, str], *,
+           global_batch: int, lr: float) -> Plan:
+    """``plan``'s single stage on ``devices`` (rank order), shares by speed; ``nodes`` places them."""
+    if len(plan.stages) != 1:
+        raise InputError(f"rescaling re-plans data-parallel plans only; this plan has {len(plan.stages)} stages")
+    if global_batch < len(devices):
+        raise InputError(f"a global batch of {global_batch} cannot feed {len(devices)} workers")
+    stage = plan.stages[0]
+    shares = shares_by_speed(devices, speeds)
+    new_stage = Stage(layer_start=stage.layer_start, layer_end=stage.layer_end, micro_batch=stage.micro_batch,
+                      workers=tuple(StageWorker(device=d, share=s) for d, s in zip(devices, shares)))
+    kinds = {p.device: p for p in plan.placement}
+    placement = ()
+    if plan.placement:
+        local_index: dict[str, int] = {}
+        entries = []
+        for d in devices:
+            node = nodes.get(d) or (kinds[d].node if d in kinds else "")
+            index = local_index.get(node, 0)
+            local_index[node] = index + 1
+            kind = kinds[d].kind if d in kinds else plan.placement[0].kind
+            entries.append(Placement(device=d, node=node, kind=kind, local_index=index))
+        placement = tuple(entries)
+    pipelines = () if plan.schedule is Schedule.TOKENS else tuple((d,) for d in devices)
+    return dataclasses.replace(plan, devices=tuple(devices), global_batch=global_batch, stages=(new_stage,),
+                               pipelines=pipelines, collectives=(), placement=placement, predicted=None,
+                               solver=None, training=dataclasses.replace(plan.training, lr=lr))

@@ -1,0 +1,247 @@
+"""felactl scale end to end: a gpt-mini job on CPU workers grows, shrinks, loses workers and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from felactl import models
+from felactl.cli.main import app
+from felactl.launcher.rundir import read_jsonl
+from felactl.spec import ModelRef, Plan, Stage, StageWorker, SyncMode, SyncSpec, Training, save
+
+pytestmark = pytest.mark.multiprocess
+GPT_CONFIG = {"depth": 1, "width": 64}
+
+
+def gpt_plan(num_workers: int, global_batch: int = 16) -> Plan:
+    num_layers = len(models.build("gpt-mini", GPT_CONFIG).layers)
+    return Plan(cluster="local", model=ModelRef(name="gpt-mini", source="gpt-mini", config=GPT_CONFIG),
+                devices=tuple(f"cpu{i}" for i in range(num_workers)), global_batch=global_batch,
+                sync=SyncSpec(mode=SyncMode.BSP), training=Training(optimizer="adamw", lr=3e-3, seed=0),
+                stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=8,
+                              workers=tuple(StageWorker(device=f"cpu{i}", share=1 / num_workers)
+                                            for i in range(num_workers))),))
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture
+def no_leftovers():
+    before = _descendants()
+    yield
+    leftover = [psutil.Process(pid) for pid in _descendants() - before if psutil.pid_exists(pid)]
+    _, alive = psutil.wait_procs(leftover, timeout=5)
+    assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
+
+
+class Job:
+    """``felactl launch`` in a subprocess of its own session; stop() reaps it and its workers."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.root = tmp_path / "runs"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "felactl", "launch", *args, "--runs-root", str(self.root),
+                                      "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+
+    def records(self, run: str) -> list[dict]:
+        return read_jsonl(self.root / run / "metrics.jsonl")
+
+    def wait_step(self, run: str, step: int, timeout_s: float = 40) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(r["step"] >= step for r in self.records(run)):
+                return
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+        raise AssertionError(f"step {step} not reached")
+
+    def scale(self, run: str, *args: str):
+        return CliRunner().invoke(app, ["scale", run, *args, "--runs-root", str(self.root), "--json"])
+
+    def finish(self, timeout_s: float = 60) -> dict:
+        out, err = self.proc.communicate(timeout=timeout_s)
+        assert self.proc.returncode == 0, err.decode()[-3000:]
+        return json.loads(out)
+
+    def stop(self) -> None:
+        pids = {p.pid for p in _procs_of(self.proc.pid)}
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        for r in self.records_all():
+            try:
+                os.kill(r, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def records_all(self) -> set[int]:
+        pids = set()
+        for metrics in self.root.glob("*/metrics.jsonl"):
+            pids |= {r["pid"] for r in read_jsonl(metrics) if "pid" in r and psutil.pid_exists(r["pid"])}
+        return pids & _descendants()
+
+
+def _procs_of(pid: int) -> list[psutil.Process]:
+    try:
+        proc = psutil.Process(pid)
+        return [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _steps(records: list[dict], wid: int) -> list[int]:
+    return [r["step"] for r in records if r["rank"] == wid]
+
+
+def _checksums(event: dict) -> set[float]:
+    return {round(w["param_checksum"], 6) for w in event["switch_s"].values()}
+
+
+def test_scale_out_and_in_keeps_processes_steps_and_identical_replicas(tmp_path, no_leftovers):
+    plan = save(gpt_plan(2), tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan), "--run-id", "s", "--steps", "400", "--max-nproc-per-node", "3")
+    try:
+        job.wait_step("s", 30)
+        grown = job.scale("s", "--add", "1")
+        assert grown.exit_code == 0, grown.output
+        out = json.loads(grown.stdout)
+        assert out["kind"] == "scale-out" and out["members_before"] == [0, 1] and out["members_after"] == [0, 1, 2]
+        assert out["replicated_bytes"] > 0 and set(out["replicated_from"]) == {"0", "1"}  # two senders at once
+        assert len(_checksums(out)) == 1, out["switch_s"]  # the newcomer holds exactly the stayers' parameters
+        assert out["pause_s"] < 1.0
+        too_many = job.scale("s", "--add", "1")  # 3 slots, 3 in use: refused, nothing changes
+        assert too_many.exit_code == 2 and "slot" in too_many.stderr
+        shrunk = job.scale("s", "--remove", "2")
+        assert shrunk.exit_code == 0, shrunk.output
+        out2 = json.loads(shrunk.stdout)
+        assert out2["kind"] == "scale-in" and out2["members_after"] == [0, 1] and len(_checksums(out2)) == 1
+        summary = job.finish()
+    finally:
+        job.stop()
+    assert summary["steps"] == 400
+    records = job.records("s")
+    for wid in (0, 1):
+        assert _steps(records, wid) == list(range(400))  # continuous: no step lost or repeated
+        assert len({r["pid"] for r in records if r["rank"] == wid}) == 1  # same process throughout
+    joined = _steps(records, 2)
+    assert joined and joined == list(range(joined[0], joined[-1] + 1)) and joined[0] > 30
+    losses = [r["loss"] for r in records if r["rank"] == 0]
+    assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.3
+    finals = [json.loads((tmp_path / "runs" / "s" / "workers" / f"rank{w}.json").read_text())["param_checksum"]
+              for w in (0, 1)]
+    assert finals[0] == finals[1]
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "runs" / "s" / "events.jsonl")]
+    assert kinds == ["launch", "start", "scale-out", "refused", "scale-in", "finished"]
+    status = CliRunner().invoke(app, ["status", "s", "--runs-root", str(tmp_path / "runs"), "--json"])
+    history = json.loads(status.stdout)["history"]
+    assert [h["kind"] for h in history] == ["scale-out", "refused", "scale-in"]
+
+
+def test_wrong_secret_and_impossible_requests_are_refused(tmp_path, no_leftovers):
+    plan = save(gpt_plan(2), tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan), "--run-id", "w", "--steps", "250", "--max-nproc-per-node", "2")
+    try:
+        job.wait_step("w", 5)
+        bad = tmp_path / "bad-secret"
+        bad.write_text("ab" * 32 + "\n")
+        for args, needle in [(("--add", "1", "--secret-file", str(bad)), "secret"), (("--add", "1"), "slot"),
+                             (("--remove", "0,1"), "at least one"), (("--remove", "9"), "no such worker"),
+                             (("--to", "0"), "at least one")]:
+            result = job.scale("w", *args)
+            assert result.exit_code == 2, (args, result.output)
+            assert needle in result.stderr, (args, result.stderr)
+        summary = job.finish()
+    finally:
+        job.stop()
+    assert summary["steps"] == 250
+    events = read_jsonl(tmp_path / "runs" / "w" / "events.jsonl")
+    assert [e["kind"] for e in events].count("refused") == 5
+    assert all(_steps(job.records("w"), w) == list(range(250)) for w in (0, 1))
+
+
+def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers):
+    plan = save(gpt_plan(3, global_batch=24), tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan), "--run-id", "k", "--steps", "300", "--max-nproc-per-node", "3",
+              "--heartbeat-timeout", "2")
+    try:
+        job.wait_step("k", 40)
+        victim = next(r["pid"] for r in job.records("k") if r["rank"] == 1)
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        summary = job.finish()
+    finally:
+        job.stop()
+    events = read_jsonl(tmp_path / "runs" / "k" / "events.jsonl")
+    failure = next(e for e in events if e["kind"] == "failure")
+    assert failure["members_before"] == [0, 1, 2] and failure["members_after"] == [0, 2]
+    assert failure["pause_s"] < 5.0 and failure["time"] - killed_at < 5.0
+    assert summary["steps"] == 300
+    records = job.records("k")
+    for wid in (0, 2):
+        assert _steps(records, wid) == list(range(300))  # the failed step was redone, none was lost
+    assert len(_checksums(failure)) == 1
+
+
+def test_a_hung_worker_is_noticed_by_heartbeat_and_dropped(tmp_path, no_leftovers):
+    plan = save(gpt_plan(3, global_batch=24), tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan), "--run-id", "h", "--steps", "250", "--max-nproc-per-node", "3",
+              "--heartbeat-timeout", "1.5", "--collective-timeout", "3")
+    try:
+        job.wait_step("h", 30)
+        victim = next(r["pid"] for r in job.records("h") if r["rank"] == 2)
+        os.kill(victim, signal.SIGSTOP)
+        summary = job.finish()
+    finally:
+        job.stop()
+    failure = next(e for e in read_jsonl(tmp_path / "runs" / "h" / "events.jsonl") if e["kind"] == "failure")
+    assert "no heartbeat" in failure["reason"] and failure["members_after"] == [0, 1]
+    assert failure["pause_s"] < 10.0  # heartbeat timeout + kill + re-form, not a 30-minute collective timeout
+    assert summary["steps"] == 250
+
+
+def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(tmp_path, no_leftovers):
+    plan = save(gpt_plan(2), tmp_path / "plan.yaml")
+    reference = Job(tmp_path, str(plan), "--run-id", "ref", "--steps", "120")
+    try:
+        reference.finish()
+    finally:
+        reference.stop()
+    job = Job(tmp_path, str(plan), "--run-id", "r", "--steps", "120", "--checkpoint-every", "20")
+    try:
+        job.wait_step("r", 50)
+        job.stop()  # the whole job dies: launcher, agent and workers
+    finally:
+        job.stop()
+    checkpoints = sorted(p.name for p in (tmp_path / "runs" / "r" / "checkpoints").iterdir())
+    assert checkpoints and int(checkpoints[-1][4:]) >= 40
+    resumed = Job(tmp_path, "--resume", "r")
+    try:
+        summary = resumed.finish()
+    finally:
+        resumed.stop()
+    assert summary["run"] == "r"
+    records = resumed.records("r")
+    last_checkpoint = int(checkpoints[-1][4:])
+    resumed_steps = [r["step"] for r in records if r["rank"] == 0 and r["generation"] > 0]
+    assert resumed_steps == list(range(last_checkpoint, 120))
+    runs = tmp_path / "runs"
+    final = json.loads((runs / "r" / "workers" / "rank0.json").read_text())["param_checksum"]
+    assert final == json.loads((runs / "ref" / "workers" / "rank0.json").read_text())["param_checksum"]
+    kinds = [e["kind"] for e in read_jsonl(runs / "r" / "events.jsonl")]
+    assert kinds[0] == "launch" and "resume" in kinds and kinds[-1] == "finished"
