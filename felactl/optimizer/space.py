@@ -15,6 +15,8 @@
   its pipeline fill. Options that cannot fit a member's memory, or in which a member would get no
   whole token (:func:`evaluate.token_samples`), are left out; with ``prune``, options dominated by the same range and group at
   another micro-batch (no better on any device's time, memory, or fill) are dropped too.
+* **Twin blocks** (:meth:`SearchSpace.twin_blocks`): sibling slot blocks of one class whose swap
+  maps every option onto an equal one; the ILP orders their loads to break the symmetry.
 """
 
 from __future__ import annotations
