@@ -96,6 +96,8 @@ class _Simulation:
     def __init__(self, plan: Plan, cost: CostModel, stragglers: Stragglers):
         self.plan, self.cost, self.stragglers = plan, cost, stragglers
         self.num_stages = len(plan.stages)
+        # Stage.devices builds a tuple per call; membership is asked millions of times on big plans.
+        self.stage_members = [frozenset(stage.devices) for stage in plan.stages]
         self.events: list = []
         self.seq = 0
         self.intervals: list[Interval] = []
@@ -164,7 +166,7 @@ class _Simulation:
             levels = reversed(levels)
         for level in levels:
             stage = level if level < self.num_stages else 2 * self.num_stages - 1 - level
-            if device in self.plan.stages[stage].devices:
+            if device in self.stage_members[stage]:
                 yield level
 
     def _pick(self, device: str, now: float) -> _Token | None:
