@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 
 from felactl import models
 from felactl.cli.main import app
+from felactl.errors import InputError
+from felactl.launcher.scale_plan import ScalingPolicy, replan
 from felactl.launcher.rundir import read_jsonl
 from felactl.spec import ModelRef, Plan, Stage, StageWorker, SyncMode, SyncSpec, Training, save
 
@@ -178,7 +180,7 @@ def test_wrong_secret_and_impossible_requests_are_refused(tmp_path, no_leftovers
 def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers):
     plan = save(gpt_plan(3, global_batch=24), tmp_path / "plan.yaml")
     job = Job(tmp_path, str(plan), "--run-id", "k", "--steps", "300", "--max-nproc-per-node", "3",
-              "--heartbeat-timeout", "2")
+              "--heartbeat-timeout", "2", "--scaling-policy", "linear-lr")
     try:
         job.wait_step("k", 40)
         victim = next(r["pid"] for r in job.records("k") if r["rank"] == 1)
@@ -196,6 +198,7 @@ def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers
     for wid in (0, 2):
         assert _steps(records, wid) == list(range(300))  # the failed step was redone, none was lost
     assert len(_checksums(failure)) == 1
+    assert failure["global_batch"] == 16 and failure["lr"] == pytest.approx(2e-3)  # linear-lr: 3 -> 2 workers
 
 
 def test_a_hung_worker_is_noticed_by_heartbeat_and_dropped(tmp_path, no_leftovers):
@@ -245,3 +248,31 @@ def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(tmp
     assert final == json.loads((runs / "ref" / "workers" / "rank0.json").read_text())["param_checksum"]
     kinds = [e["kind"] for e in read_jsonl(runs / "r" / "events.jsonl")]
     assert kinds[0] == "launch" and "resume" in kinds and kinds[-1] == "finished"
+
+
+def test_a_job_that_is_not_elastic_refuses_scale_at_once(tmp_path, no_leftovers):
+    plan = save(gpt_plan(2), tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan), "--run-id", "n", "--steps", "150", "--no-elastic")
+    try:
+        job.wait_step("n", 3)
+        result = job.scale("n", "--add", "1")
+        assert result.exit_code == 2 and "cannot be rescaled" in result.stderr, result.output
+        assert job.finish()["steps"] == 150
+    finally:
+        job.stop()
+    status = CliRunner().invoke(app, ["status", "n", "--runs-root", str(tmp_path / "runs")])
+    assert status.exit_code == 0 and "membership history" in status.stderr and "refused" in status.stderr
+
+
+def test_scaling_policies_and_replan():
+    fixed, linear = ScalingPolicy("fixed-batch"), ScalingPolicy("linear-lr", max_batch=48)
+    assert fixed.batch_and_lr(16, 1e-3, 2, 5) == (16, 1e-3)
+    assert linear.batch_and_lr(16, 1e-3, 2, 3) == (24, pytest.approx(1.5e-3))
+    assert linear.batch_and_lr(16, 1e-3, 2, 8) == (48, pytest.approx(3e-3))  # capped, then held
+    assert linear.batch_and_lr(16, 1e-3, 2, 1) == (8, pytest.approx(5e-4))
+    with pytest.raises(InputError, match="scaling-policy"):
+        ScalingPolicy("sometimes")
+    plan = replan(gpt_plan(2), ["cpu0", "cpu1", "cpu7"], {"cpu0": 100.0, "cpu1": 300.0}, {}, global_batch=24, lr=2e-3)
+    shares = [w.share for w in plan.stages[0].workers]
+    assert plan.devices == ("cpu0", "cpu1", "cpu7") and plan.global_batch == 24 and plan.training.lr == 2e-3
+    assert shares == pytest.approx([1 / 6, 1 / 2, 1 / 3])  # by speed; the newcomer gets the mean speed

@@ -347,3 +347,18 @@ def _timings(report: dict) -> dict:
     if report.get("param_checksum") is not None:
         out["param_checksum"] = report["param_checksum"]
     return out
+
+
+def refuse_requests(coordinator: Coordinator, run: RunDir, reason: str) -> None:
+    """A job that cannot be rescaled still answers ``felactl scale`` (refused, logged), never leaves it waiting."""
+    store, prefix = coordinator.store, coordinator.prefix + "elastic/"
+    queue = prefix + "scale/requests"
+    while store.queue_len(queue) > 0:
+        raw = store.queue_pop(queue, block=False)
+        try:
+            request_id = str(json.loads(raw)["id"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if request_id.isalnum() and len(request_id) <= 64:
+            append_jsonl(run.events, {"time": time.time(), "kind": "refused", "reason": reason})
+            store.set(f"{prefix}scale/reply/{request_id}", json.dumps({"ok": False, "error": reason}))

@@ -24,7 +24,7 @@ from felactl.errors import ControlPlaneError, InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Assignment, Coordinator, Member, read_secret_file, write_secret_file
-from felactl.launcher.elastic import ElasticController, ElasticSettings
+from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_requests
 from felactl.launcher.resume import ResumePoint, find_resume_point
 from felactl.launcher.rundir import RunDir, append_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy
@@ -98,6 +98,8 @@ class LaunchState:
     members: list[Member] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    not_elastic: str = ""
+    """Why ``felactl scale`` is refused (a job that is not elastic)."""
 
 
 def node_devices(plan: Plan, local_node: str) -> dict[str, tuple[str, ...]]:
@@ -198,6 +200,10 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env))
         append_jsonl(run.events, {"time": time.time(), "kind": "start",
                                   "members": [m.node_name for m in state.members]})
+        if controller is None:
+            state.not_elastic = (f"this job cannot be rescaled: live rescaling covers data-parallel plans (one stage) "
+                                 f"with sync bsp; it runs {len(plan.stages)} stage(s) with sync {sync.value}"
+                                 + ("" if options.elastic else " and was launched --no-elastic"))
         _watch(coordinator, state, agents, on_update, controller)
         coordinator.stop("finished")
     except BaseException as exc:
@@ -271,8 +277,9 @@ def _watch(coordinator: Coordinator, state: LaunchState, agents: _Agents,
             if controller.poll():
                 state.records.extend(reader.read_new())
                 return
-            time.sleep(POLL_S / 4)
+            time.sleep(POLL_S)
             continue
+        refuse_requests(coordinator, state.run, state.not_elastic)
         states = {m.agent_id: coordinator.agent_state(m.agent_id) for m in state.members}
         failed = {aid: s for aid, s in states.items() if s and s.get("state") == WorkerState.FAILED.value}
         if failed:

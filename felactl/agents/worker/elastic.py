@@ -2,9 +2,10 @@
 
 Membership generations. The coordinator (felactl.launcher.elastic) publishes generation ``G`` as a
 document under ``<job prefix>elastic/gen/<G>`` (members' worker ids in rank order, the plan file)
-and then bumps the key ``generation``. Every worker reads that key once per iteration (one store
-round trip) and folds it into the one-element all-reduce that BSP already does before the last
-micro-batch (``MAX``), so all members agree on the *same* boundary: after this step, switch.
+and then bumps the key ``generation``. Each worker's heartbeat thread watches that key (every
+100 ms, off the training thread), and each iteration folds the newest value it saw into the
+one-element all-reduce that BSP already does before the last micro-batch (``MAX``), so all
+members agree on the *same* boundary at no extra cost: after this step, switch.
 
 Switching: staying workers destroy their process group and rendezvous a new one under
 ``<prefix>/gen<G>/`` (rank = position in the members list), rebind the trainer to the new plan
@@ -60,7 +61,11 @@ def elastic_prefix(store_prefix: str) -> str:
 
 
 class Heartbeat(threading.Thread):
-    """Sets ``hb/<id>`` to a growing counter (and this worker's step) on its own store connection."""
+    """On its own store connection: sets ``hb/<id>`` (a growing counter and this worker's step)
+    every ``FELACTL_HEARTBEAT_S``, and watches the ``generation`` key every ``WATCH_S``, so the
+    training loop reads the newest generation from memory instead of asking the store each step."""
+
+    WATCH_S = 0.1
 
     def __init__(self, cfg: WorkerConfig):
         super().__init__(name="felactl-heartbeat", daemon=True)
@@ -68,17 +73,21 @@ class Heartbeat(threading.Thread):
         self.kv = dist.PrefixStore(elastic_prefix(cfg.store_prefix), raw)
         self.key, self.interval_s = f"hb/{cfg.worker_id}", cfg.heartbeat_s
         self.step = -1
+        self.generation = int(self.kv.get("generation"))
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        count = 0
+        count, next_beat = 0, 0.0
         while not self.stopped.is_set():
-            count += 1
             try:
-                self.kv.set(self.key, json.dumps({"n": count, "step": self.step, "pid": os.getpid()}))
+                if time.monotonic() >= next_beat:
+                    count += 1
+                    self.kv.set(self.key, json.dumps({"n": count, "step": self.step, "pid": os.getpid()}))
+                    next_beat = time.monotonic() + self.interval_s
+                self.generation = int(self.kv.get("generation"))
             except RuntimeError:
                 return  # the coordinator is gone; the main thread will notice too
-            self.stopped.wait(self.interval_s)
+            self.stopped.wait(self.WATCH_S)
 
 
 class ElasticWorker:
@@ -217,7 +226,7 @@ class ElasticWorker:
         """Train one iteration; return the newest generation any member had seen before it ended."""
         trainer, group = self.trainer, dist.group.WORLD
         start = time.perf_counter()
-        seen = [float(self.kv.get("generation"))]
+        seen = [float(self.heartbeat.generation)]
 
         def arrive() -> float:
             t = time.perf_counter()
@@ -281,6 +290,7 @@ class ElasticWorker:
         survivors are still blocked in, instead of leaving them to the collective timeout."""
         log.warning("worker %d: step %d failed (%s); waiting for the next generation", self.wid, self.step, why)
         self.trainer.optimizer.zero_grad(set_to_none=True)
+        _sever_peer_connections(self.cfg.store_port)
         self._drop_group()
         gc.collect()
         self.kv.set(f"stuck/{self.generation}/{self.wid}", why)
@@ -288,6 +298,29 @@ class ElasticWorker:
     def close(self) -> None:
         self.heartbeat.stopped.set()
         self._drop_group()
+
+
+def _sever_peer_connections(store_port: int) -> None:
+    """Shut down this process's TCP connections to its peers (all but the store's): a survivor
+    blocked in a collective waiting on *this* worker then fails at once instead of after the
+    collective timeout. Destroying the group alone does not do it while gloo still holds the
+    pairs of the failed operation."""
+    import psutil
+    import socket as socketlib
+
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.raddr.port == store_port:
+            continue
+        if conn.laddr and conn.laddr.port == store_port:
+            continue
+        try:
+            sock = socketlib.socket(fileno=os.dup(conn.fd))
+            try:
+                sock.shutdown(socketlib.SHUT_RDWR)
+            finally:
+                sock.close()
+        except OSError:
+            pass
 
 
 def _warm_up(trainer: Trainer) -> None:
