@@ -14,7 +14,8 @@ samples/s come from each run's ``metrics.jsonl`` (first step start to last step 
 start-up is excluded); DDP times its own loop the same way. Per felactl run also: the
 *capacity bound* (each worker's own rate, samples / its compute seconds with injected sleeps,
 summed: what perfect balancing with free synchronisation would reach), ``compute_fraction``,
-the loss over the last 10% of the samples, and the wall seconds to reach the loss bsp ends with.
+the loss over the last 10% of the samples, and the wall seconds to reach the loss bsp ends with
+(within 5% of bsp's loss reduction; ``t/t_bsp`` is that time over bsp's own, ``-`` if never reached).
 
     python benchmarks/bench_runtime.py [--steps 40] [--repeat 3] [--factor 3] [--tables 1,2,3] [--json]
 """
@@ -35,6 +36,9 @@ from pathlib import Path
 MODELS = {"mlp": ("mlp", {"input_dim": 256, "hidden": 1024, "depth": 4}, 128),
           "gpt-mini": ("gpt-mini", {"depth": 2, "width": 128, "seq_len": 64}, 64)}
 """name -> (source, config, global batch)."""
+LOSS_TOLERANCE = 0.05
+"""Time to bsp's loss: the first moment the smoothed loss is within this fraction of bsp's own
+loss reduction (first to last smoothed value) of bsp's final smoothed loss."""
 
 
 def make_plan(model: str, workers: int, mode: str, micro_batch: int, overlap: bool = False):
@@ -209,7 +213,8 @@ def aggregate(all_cases: list[dict], rounds: list[list[dict]]) -> list[dict]:
         if j is not None and "curve" in runs[0]:
             ratios = []
             for r in rounds:
-                target = r[j]["curve"][-1][1]
+                first, last = r[j]["curve"][0][1], r[j]["curve"][-1][1]
+                target = last + LOSS_TOLERANCE * (first - last)
                 mine, theirs = time_to_loss(r[i]["curve"], target), time_to_loss(r[j]["curve"], target)
                 ratios.append(mine / theirs if mine is not None and theirs else None)
             row["time_to_bsp_loss"] = _median(ratios)
