@@ -10,7 +10,8 @@ Three measurements in one run (``OMP_NUM_THREADS=1 python benchmarks/bench_scale
    checkpoint, 3 workers are started and load it. The pause is the last step of the old job to
    the first step of the new one (the steps redone since the checkpoint are not even counted).
 3. **cost of being elastic when nothing changes**: the same plan launched ``--elastic`` and
-   ``--no-elastic`` (plain BSP loop), interleaved rounds, best samples/s of each.
+   ``--no-elastic`` (plain BSP loop), interleaved rounds: best samples/s of each, the median of
+   the paired rounds, and the median step time (less sensitive to a shared machine's load).
 """
 
 from __future__ import annotations
@@ -145,16 +146,26 @@ def measure_torchrun_way(root: Path, plan2: Path, plan3: Path) -> dict:
 
 
 def measure_overhead(root: Path, plan_path: Path, steps: int, rounds: int) -> dict:
-    best = {"elastic": 0.0, "no-elastic": 0.0}
+    """Interleaved launches of the same plan, elastic then plain; best of each, and the median of
+    each round's paired ratio (the machine's load drifts between rounds, less within one)."""
+    runs: dict[str, list[float]] = {"elastic": [], "no-elastic": []}
+    medians: dict[str, list[float]] = {"elastic": [], "no-elastic": []}
     for i in range(rounds):
         for mode in ("elastic", "no-elastic"):
             proc = _launch(root, str(plan_path), "--run-id", f"{mode}-{i}", "--steps", str(steps), f"--{mode}")
             out, err = proc.communicate(timeout=600)
             if proc.returncode != 0:
                 raise RuntimeError(err.decode()[-2000:])
-            best[mode] = max(best[mode], json.loads(out)["samples_per_s"])
-    return {"elastic_samples_per_s": best["elastic"], "plain_samples_per_s": best["no-elastic"],
-            "cost_pct": 100 * (1 - best["elastic"] / best["no-elastic"])}
+            runs[mode].append(json.loads(out)["samples_per_s"])
+            durations = sorted(r["duration_s"] for r in read_jsonl(root / f"{mode}-{i}" / "metrics.jsonl")
+                               if r["rank"] == 0 and r["step"] >= 10)
+            medians[mode].append(durations[len(durations) // 2])
+    paired = sorted(100 * (1 - e / p) for e, p in zip(runs["elastic"], runs["no-elastic"]))
+    best_e, best_p = max(runs["elastic"]), max(runs["no-elastic"])
+    return {"elastic_samples_per_s": best_e, "plain_samples_per_s": best_p, "cost_pct": 100 * (1 - best_e / best_p),
+            "paired_median_cost_pct": paired[len(paired) // 2], "runs": runs,
+            "step_ms": {m: 1000 * min(v) for m, v in medians.items()},
+            "step_cost_pct": 100 * (min(medians["elastic"]) / min(medians["no-elastic"]) - 1)}
 
 
 def main() -> None:
@@ -179,7 +190,10 @@ def main() -> None:
     print(f"per-worker switch: {json.dumps(ours['switch_s'])}")
     print(f"throughput when nothing changes (best of {args.rounds}, {args.steps} steps): elastic "
           f"{overhead['elastic_samples_per_s']:.1f} samples/s, plain {overhead['plain_samples_per_s']:.1f} samples/s, "
-          f"cost {overhead['cost_pct']:+.2f}%")
+          f"cost {overhead['cost_pct']:+.2f}% (median of paired rounds {overhead['paired_median_cost_pct']:+.2f}%)")
+    print(f"median step time (rank 0, best round): elastic {overhead['step_ms']['elastic']:.2f} ms, plain "
+          f"{overhead['step_ms']['no-elastic']:.2f} ms, cost {overhead['step_cost_pct']:+.2f}%")
+    print(f"all rounds (samples/s): {json.dumps(overhead['runs'])}")
 
 
 if __name__ == "__main__":
