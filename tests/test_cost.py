@@ -87,3 +87,22 @@ def test_prediction_of_data_parallel_by_hand():
 def test_micro_batch_options():
     assert micro_batch_options(20) == (1, 2, 4, 8, 16)
     assert micro_batch_options(256, max_options=4) == (4, 32, 256)
+
+
+def test_optimizer_step_is_charged_by_parameter_share_on_the_profiled_hardware():
+    timing = (LayerTiming(device_model="G1", micro_batch=1, fwd_ms=1.0, bwd_ms=2.0),)
+    net = dataclasses.replace(model([(1000, 10, 1.0), (3000, 10, 1.0)]), optimizer_step_ms=8.0)
+    net = dataclasses.replace(net, layers=tuple(dataclasses.replace(l, timings=timing) for l in net.layers))
+    spec = cluster([[("G1", 10.0, 8.0), ("H9", 10.0, 8.0)]])
+    cost = CostModel(spec, net, use_trees=False)
+    assert cost.optimizer_step_s(0, 2, "n0.d0") == pytest.approx(0.008)
+    assert cost.optimizer_step_s(1, 2, "n0.d0") == pytest.approx(0.006)  # 3000 of 4000 parameters
+    assert cost.optimizer_step_s(0, 2, "n0.d1") == 0.0  # not profiled on H9: unknown
+    assert CostModel(spec, dataclasses.replace(net, optimizer_step_ms=None)).optimizer_step_s(0, 2, "n0.d0") == 0.0
+    # a one-stage, one-device plan: the iteration is its micro-batches' compute plus one step
+    stage = StageChoice(0, 2, 1, (("n0.d0", 1.0),))
+    with_step = predict(cost, (stage,), 4, 1).iteration_s
+    without = predict(CostModel(spec, dataclasses.replace(net, optimizer_step_ms=None), use_trees=False),
+                      (stage,), 4, 1).iteration_s
+    assert without == pytest.approx(4 * 2 * 0.003)
+    assert with_step - without == pytest.approx(0.008)

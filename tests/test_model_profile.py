@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.models.data import python_docs_text
-from felactl.profiling.model import count_flops, profile_model, this_device_model
+from felactl.models import build
+from felactl.profiling.model import (count_flops, profile_model, this_device_model, time_optimizer_step,
+                                     time_whole_model)
 from felactl.spec import ModelSpec, from_dict, load_model, save, to_dict
 
 FP32 = 4
@@ -218,3 +220,32 @@ def test_progress_reports_every_layer_once_per_phase():
                   progress=lambda phase, done, total: calls.append((phase, done, total)))
     assert [c[1] for c in calls] == [2, 3, 4, 5, 6] and {c[2] for c in calls} == {6}
     assert calls[0][0] == "flops" and calls[-1][0] == "micro-batch 2, layer 1"
+
+
+def test_layer_times_are_scaled_to_the_whole_models_time():
+    """A stage of every layer must cost what forward + loss + backward of the whole model took."""
+    spec = _profile("gpt-mini", {"depth": 1, "width": 32, "seq_len": 8, "num_heads": 2}, (1, 4))
+    assert set(spec.whole_model_scale) == {"1", "4"}
+    for batch, scale in spec.whole_model_scale.items():
+        assert 0.1 < scale < 20.0, (batch, scale)
+    user = _profile("test_model_profile:user_net", {}, input_shape=(2, 3, 3))
+    assert user.whole_model_scale == {}  # no data, no loss: the layer times stand
+
+
+def test_time_whole_model_grows_with_the_micro_batch():
+    bundle = build("mlp", {"input_dim": 256, "hidden": 512, "depth": 3}, seed=0)
+    small = time_whole_model(bundle, bundle.layers, 1, repeats=5)
+    large = time_whole_model(bundle, bundle.layers, 256, repeats=5)
+    assert 0 < small < large
+    assert all(p.grad is None for p in bundle.layers.parameters())
+
+
+def test_optimizer_step_is_timed_and_really_steps():
+    layers = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    before = [p.detach().clone() for p in layers.parameters()]
+    step_ms = time_optimizer_step(layers, repeats=3)
+    assert step_ms > 0
+    assert all(not torch.equal(a, b) for a, b in zip(before, layers.parameters()))
+    assert time_optimizer_step(nn.Sequential(nn.ReLU()), repeats=1) == 0.0
+    spec = _profile("mlp", {"input_dim": 8, "hidden": 16, "depth": 1})
+    assert spec.optimizer_step_ms is not None and spec.optimizer_step_ms > 0

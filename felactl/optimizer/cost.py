@@ -19,6 +19,11 @@ Formulas (times in seconds, sizes in bytes):
   backward, each ``latency + b * activation_bytes_per_sample / bandwidth`` on the actual link.
 * **Sync** of a stage group: an allreduce of the stage's gradients (``param_bytes``), over the
   group's packed Blink trees or a ring, whichever is faster when trees are on; a ring otherwise.
+* **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
+  ``step()`` over the whole model (``ModelSpec.optimizer_step_ms``) times the stage's share of
+  the parameters (the step is a few passes over each parameter: linear in their number). Charged
+  only on a device whose hardware model the profile timed; elsewhere (and for profiles without
+  the field) it is not known and costs 0.
 * **Memory** per device holding a stage: parameters + gradients (``2 * param_bytes``) + AdamW's
   two fp32 moments (``8 * params``) + what autograd saves (``saved_bytes_per_sample``, else each
   layer's input + output) for ``in_flight`` micro-batches of the stage.
@@ -137,6 +142,17 @@ class CostModel:
     def per_sample_s(self, start: int, end: int, device_name: str, micro_batch: int) -> float:
         fwd, bwd = self.stage_times_s(start, end, device_name, micro_batch)
         return (fwd + bwd) / micro_batch
+
+    def optimizer_step_s(self, start: int, end: int, device_name: str) -> float:
+        """Seconds of one optimizer step over layers [start, end) on a device (see module doc)."""
+        model = self.model
+        device = self.cluster.device(device_name)
+        if not model.optimizer_step_ms or model.total_params <= 0:
+            return 0.0
+        if not any(t.device_model == device.model for layer in model.layers for t in layer.timings):
+            return 0.0
+        share = sum(layer.params for layer in model.layers[start:end]) / model.total_params
+        return model.optimizer_step_ms / 1e3 * share
 
     # --- transfer ------------------------------------------------------------------------
     def _direct_or_relay(self, src: str, dst: str) -> tuple[float, float]:

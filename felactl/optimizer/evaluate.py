@@ -92,11 +92,13 @@ def exchange_per_sample_s(cost: CostModel, start: int, end: int, micro_batch: in
 
 
 def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples: int) -> float:
-    """Seconds ``device`` spends on ``stage`` in one iteration: compute, exchange, and the sync."""
+    """Seconds ``device`` spends on ``stage`` in one iteration: compute, exchange, the optimizer
+    step and the sync."""
     per_sample = cost.per_sample_s(stage.start, stage.end, device, stage.micro_batch)
     exchange = exchange_per_sample_s(cost, stage.start, stage.end, stage.micro_batch, device)
     sync = cost.sync_time_s(stage.devices, stage_param_bytes(cost.model, stage.start, stage.end))
-    return samples * (per_sample + exchange) + sync
+    step = cost.optimizer_step_s(stage.start, stage.end, device)
+    return samples * (per_sample + exchange) + step + sync
 
 
 def stage_fill_s(cost: CostModel, stage: StageChoice) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,6 +30,8 @@ from felactl.spec import Layer, LayerTiming, ModelSpec
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 4, 16, 64)
 DEFAULT_REPEATS = 5
 WARMUP_RUNS = 1
+WHOLE_MODEL_REPEATS = 11
+"""The whole-model time is one number per micro-batch that all its layers are scaled by: more runs."""
 
 Progress = Callable[[str, int, int], None]
 """``progress(phase, done, total)``, as the cluster profiler calls it: after each measured layer."""
@@ -177,6 +179,7 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
         progress("flops", len(layers), total)
     timings: list[list[LayerTiming]] = [[] for _ in layers]
     device_model = this_device_model(device)
+    scales: dict[str, float] = {}
     for b_index, batch in enumerate(batch_sizes):
         hidden = _example_input(bundle, batch, input_shape, torch_device, seed)
         for i, layer in enumerate(layers):
@@ -191,12 +194,85 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
             hidden = out
             if progress is not None:
                 progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
+        scale = _scale_to_whole_model(bundle, layers, timings, torch_device, repeats)
+        if scale is not None:
+            scales[str(batch)] = scale
     first_input = _example_input(bundle, 1, input_shape, torch_device, seed)
     return ModelSpec(
         name=bundle.name, source=source, config=spec_config,
         input_bytes_per_sample=_tensor_bytes(first_input),
         layers=tuple(Layer(timings=tuple(t), **vars(s)) for s, t in zip(statics, timings)),
+        optimizer_step_ms=time_optimizer_step(layers, repeats=repeats, seed=seed),
+        whole_model_scale=scales,
     )
+
+
+def time_whole_model(bundle: ModelBundle, layers: nn.Sequential, batch: int, *, repeats: int,
+                     warmup: int = WARMUP_RUNS) -> float:
+    """Median milliseconds of forward, loss and backward of the whole model on one micro-batch.
+
+    This is what a worker holding the whole model runs; the per-layer timings miss the loss, the
+    glue between layers and the cache effects of one long graph (together ~15% on gpt-mini)."""
+    device = next((p.device for p in layers.parameters()), torch.device("cpu"))
+    inputs, targets = bundle.data.batch(range(batch))
+    inputs, targets = inputs.to(device), targets.to(device)
+    runs_s: list[float] = []
+    for run in range(warmup + repeats):
+        _clear_grads(layers)
+        _synchronize(device)
+        start = time.perf_counter()
+        bundle.loss(layers(inputs), targets).backward()
+        _synchronize(device)
+        if run >= warmup:
+            runs_s.append(time.perf_counter() - start)
+    _clear_grads(layers)
+    return statistics.median(runs_s) * 1e3
+
+
+def _scale_to_whole_model(bundle: ModelBundle, layers: nn.Sequential, timings: list[list[LayerTiming]],
+                          device: torch.device, repeats: int) -> float | None:
+    """Scale the last timing of every layer (one micro-batch) by (whole model) / (sum of the
+    layers), timed right after the layers so both see the same machine, so a stage of all layers
+    costs what the whole model measured; return the factor. None (nothing scaled) for models
+    without data: no targets for a loss."""
+    row = [t[-1] for t in timings]
+    layers_ms = sum(t.fwd_ms + t.bwd_ms for t in row)
+    if bundle.data is None or layers_ms <= 0:
+        return None
+    batch = row[0].micro_batch
+    try:
+        whole_ms = time_whole_model(bundle, layers, batch, repeats=max(repeats, WHOLE_MODEL_REPEATS))
+    except torch.cuda.OutOfMemoryError:
+        raise ProfilingError(f"model {bundle.source!r}: the whole model runs out of memory on {device} "
+                             f"at micro-batch {batch}: profile smaller --batch-sizes") from None
+    scale = whole_ms / layers_ms
+    for layer_timings in timings:
+        t = layer_timings[-1]
+        layer_timings[-1] = replace(t, fwd_ms=t.fwd_ms * scale, bwd_ms=t.bwd_ms * scale)
+    return scale
+
+
+def time_optimizer_step(layers: nn.Module, *, repeats: int, seed: int = 0,
+                        warmup: int = WARMUP_RUNS) -> float:
+    """Median milliseconds of one AdamW ``step()`` over ``layers``' trainable parameters (the
+    workers' optimizer), with seeded gradients. It updates the weights: call it last."""
+    params = [p for p in layers.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device)
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    runs_s: list[float] = []
+    for run in range(warmup + repeats):
+        _synchronize(params[0].device)
+        start = time.perf_counter()
+        optimizer.step()
+        _synchronize(params[0].device)
+        if run >= warmup:
+            runs_s.append(time.perf_counter() - start)
+    _clear_grads(layers)
+    return statistics.median(runs_s) * 1e3
 
 
 def _input_grads(layers: nn.Sequential) -> list[bool]:
@@ -313,4 +389,4 @@ def _check_device(device: str) -> torch.device:
 
 
 __all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_REPEATS", "count_flops", "profile_model", "saved_bytes",
-           "this_device_model", "time_layer"]
+           "this_device_model", "time_layer", "time_optimizer_step", "time_whole_model"]

@@ -71,9 +71,17 @@ class ModelSpec:
     input_bytes_per_sample: int
     """Bytes of one input sample as fed to the first layer."""
     layers: tuple[Layer, ...]
+    optimizer_step_ms: float | None = None
+    """Optional: one AdamW ``optimizer.step()`` over all the model's parameters, measured on the
+    device the timings came from; the cost model charges each stage its share by parameters."""
+    whole_model_scale: dict[str, float] = field(default_factory=dict)
+    """Optional record, per micro-batch (as a string): the whole model's forward + loss + backward
+    time divided by the sum of its layers' times, by which the layers' timings were scaled."""
 
     def __post_init__(self) -> None:
         check_header(self.kind, "Model", self.schema_version)
+        if self.optimizer_step_ms is not None:
+            positive("optimizer_step_ms", self.optimizer_step_ms, allow_zero=True)
         if not self.source:
             raise FieldProblem("source", "must not be empty")
         positive("input_bytes_per_sample", self.input_bytes_per_sample)
