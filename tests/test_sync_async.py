@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from _worker_helpers import dp_plan, metrics, run_plan
+import torch
+
+from _worker_helpers import dp_plan, final_params, metrics, reference_params, run_plan
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 30
@@ -36,6 +38,22 @@ def test_wbsp_trains_and_replicas_end_equal(tmp_path, overlap):
     slow = sum(1 for r in records if r["rank"] == 1)
     assert fast > slow, f"nobody waits in WBSP: the fast worker takes more local steps ({fast} vs {slow})"
     assert all(r["wait_s"] == 0 for r in records)
+
+
+def test_wbsp_with_one_worker_is_plain_sgd(tmp_path):
+    """N = 1: every push closes a round and pulls theta_g += delta back, so WBSP must equal
+    single-process SGD on the same batches. Catches a delta measured against a base that moved with
+    the model after a pull (``set_flat_params`` makes the parameters views of the pulled tensor):
+    then every delta was zero and theta_g never left its initial value."""
+    plan = dp_plan(1, "wbsp")
+    run_dir = run_plan(plan, tmp_path, STEPS)
+    expected = reference_params(plan, STEPS)
+    initial = reference_params(plan, 0)
+    assert (expected - initial).norm() > 0.1, "the reference must move, or this test proves nothing"
+    torch.testing.assert_close(final_params(run_dir, STEPS), expected, atol=1e-5, rtol=0)
+    checksum = json.loads((run_dir / "workers" / "rank0.json").read_text())["param_checksum"]
+    assert abs(checksum - float(expected.double().sum())) < 1e-3, \
+        f"theta_g after the final pull: {checksum} vs SGD {float(expected.double().sum())}"
 
 
 def test_sdpipe_trains_and_replicas_end_equal(tmp_path):

@@ -171,7 +171,10 @@ def run(trainer: Trainer) -> None:
         pulled = overlapped.offer(delta) if overlapped else client.exchange(delta)
         if pulled is not None:
             trainer.set_flat_params(pulled.to(runtime.device))
-            last_pushed = pulled
+            # A fresh copy, never ``pulled`` itself: ``set_flat_params`` may make the parameters
+            # views of the tensor it is given, and the next optimizer step would then move the base
+            # along with the model, so the next delta would be zero and that step's progress lost.
+            last_pushed = trainer.flat_params().cpu()
         return time.perf_counter() - start, 0.0
 
     local_steps(trainer, sync)
