@@ -106,3 +106,14 @@ def test_optimizer_step_is_charged_by_parameter_share_on_the_profiled_hardware()
                       (stage,), 4, 1).iteration_s
     assert without == pytest.approx(4 * 2 * 0.003)
     assert with_step - without == pytest.approx(0.008)
+
+
+def test_simulator_charges_the_same_optimizer_step_as_the_prediction():
+    from felactl.optimizer.planner import make_plan
+
+    timing = (LayerTiming(device_model="G1", micro_batch=1, fwd_ms=1.0, bwd_ms=2.0),)
+    net = dataclasses.replace(model([(1000, 10, 1.0), (3000, 10, 1.0)]), optimizer_step_ms=8.0)
+    net = dataclasses.replace(net, layers=tuple(dataclasses.replace(l, timings=timing) for l in net.layers))
+    plan = make_plan(cluster([[("G1", 10.0, 8.0)]]), net, 4, sync="bsp")
+    assert plan.predicted.simulated_iteration_s == pytest.approx(plan.predicted.iteration_s)
+    assert plan.predicted.iteration_s > 0.008

@@ -281,8 +281,19 @@ class _Simulation:
                     self.free[member] = True
                     self.busy_until[member] = now
             self._dispatch(now)
+        self._optimizer_steps()
         end = max((i.end_s for i in self.intervals), default=0.0)
         return SimResult(iteration_s=end, intervals=tuple(self.intervals))
+
+    def _optimizer_steps(self) -> None:
+        """Each device steps the optimizer of every stage it serves once its last work is done
+        (the same term :func:`felactl.optimizer.evaluate.predict` charges)."""
+        for device in self.plan.devices:
+            step_s = sum(self.cost.optimizer_step_s(st.layer_start, st.layer_end, device)
+                         for st, members in zip(self.plan.stages, self.stage_members) if device in members)
+            if step_s > 0:
+                done = max((i.end_s for i in self.intervals if i.device == device), default=0.0)
+                self.intervals.append(Interval(device, done, done + step_s, "O"))
 
 
 def simulate(plan: Plan, cost: CostModel, stragglers: Stragglers | None = None) -> SimResult:
