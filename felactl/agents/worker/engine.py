@@ -128,8 +128,15 @@ class Trainer:
         return nn.utils.parameters_to_vector(self.params).detach().clone()
 
     def set_flat_params(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` into the parameters' own storage. (``vector_to_parameters`` would make
+        the parameters views of ``flat``: a caller keeping ``flat`` would see it change under the
+        optimizer, which is how WBSP once sent zero deltas.)"""
         with torch.no_grad():
-            nn.utils.vector_to_parameters(flat, self.params)
+            offset = 0
+            for param in self.params:
+                size = param.numel()
+                param.copy_(flat[offset:offset + size].view_as(param))
+                offset += size
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
