@@ -9,7 +9,6 @@ import stat
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 from typer.testing import CliRunner
 
@@ -22,19 +21,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _worker_helpers import dp_plan  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
-
-
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-@pytest.fixture
-def no_leftovers():
-    before = _children()
-    yield
-    leftover = [psutil.Process(pid) for pid in _children() - before if psutil.pid_exists(pid)]
-    gone, alive = psutil.wait_procs(leftover, timeout=5)
-    assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
 
 
 def _launch(tmp_path: Path, *args: str):

@@ -35,19 +35,6 @@ def gpt_plan(num_workers: int, global_batch: int = 16) -> Plan:
                                             for i in range(num_workers))),))
 
 
-def _descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-@pytest.fixture
-def no_leftovers():
-    before = _descendants()
-    yield
-    leftover = [psutil.Process(pid) for pid in _descendants() - before if psutil.pid_exists(pid)]
-    _, alive = psutil.wait_procs(leftover, timeout=5)
-    assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
-
-
 class Job:
     """``felactl launch`` in a subprocess of its own session; stop() reaps it and its workers."""
 
@@ -96,7 +83,7 @@ class Job:
         pids = set()
         for metrics in self.root.glob("*/metrics.jsonl"):
             pids |= {r["pid"] for r in read_jsonl(metrics) if "pid" in r and psutil.pid_exists(r["pid"])}
-        return pids & _descendants()
+        return pids & {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def _procs_of(pid: int) -> list[psutil.Process]:
