@@ -43,15 +43,14 @@ loss reduction (first to last smoothed value) of bsp's final smoothed loss."""
 
 def make_plan(model: str, workers: int, mode: str, micro_batch: int, overlap: bool = False):
     from felactl import models
-    from felactl.spec import ModelRef, Plan, Stage, StageWorker, SyncMode, SyncSpec, Training
+    from felactl.spec import ModelRef, SyncMode, SyncSpec, Training, data_parallel_plan
 
     source, config, global_batch = MODELS[model]
-    num_layers = len(models.build(source, config).layers)
-    return Plan(cluster="local", model=ModelRef(name=model, source=source, config=config),
-                devices=tuple(f"cpu{i}" for i in range(workers)), global_batch=global_batch,
-                sync=SyncSpec(mode=SyncMode(mode), overlap=overlap), training=Training(optimizer="sgd", lr=0.05),
-                stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=micro_batch,
-                              workers=tuple(StageWorker(device=f"cpu{i}", share=1 / workers) for i in range(workers))),))
+    return data_parallel_plan(model=ModelRef(name=model, source=source, config=config),
+                              num_layers=len(models.build(source, config).layers),
+                              devices=[f"cpu{i}" for i in range(workers)], global_batch=global_batch,
+                              micro_batch=micro_batch, sync=SyncSpec(mode=SyncMode(mode), overlap=overlap),
+                              training=Training(optimizer="sgd", lr=0.05))
 
 
 def make_hybrid_plan(model: str, workers: int, micro_batch: int):

@@ -32,19 +32,17 @@ import torch.distributed as dist
 from felactl import models
 from felactl.agents.worker.local import worker_env
 from felactl.launcher.rundir import read_jsonl
-from felactl.spec import ModelRef, Plan, Stage, StageWorker, SyncMode, SyncSpec, Training, save
+from felactl.spec import ModelRef, Plan, SyncMode, SyncSpec, Training, data_parallel_plan, save
 
 CONFIG = {"depth": 1, "width": 256}
 
 
 def gpt_plan(num_workers: int, global_batch: int = 16) -> Plan:
-    num_layers = len(models.build("gpt-mini", CONFIG).layers)
-    return Plan(cluster="local", model=ModelRef(name="gpt-mini", source="gpt-mini", config=CONFIG),
-                devices=tuple(f"cpu{i}" for i in range(num_workers)), global_batch=global_batch,
-                sync=SyncSpec(mode=SyncMode.BSP), training=Training(optimizer="adamw", lr=3e-3, seed=0),
-                stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=8,
-                              workers=tuple(StageWorker(device=f"cpu{i}", share=1 / num_workers)
-                                            for i in range(num_workers))),))
+    return data_parallel_plan(model=ModelRef(name="gpt-mini", source="gpt-mini", config=CONFIG),
+                              num_layers=len(models.build("gpt-mini", CONFIG).layers),
+                              devices=[f"cpu{i}" for i in range(num_workers)], global_batch=global_batch,
+                              micro_batch=8, sync=SyncSpec(mode=SyncMode.BSP),
+                              training=Training(optimizer="adamw", lr=3e-3, seed=0))
 
 
 def _env() -> dict[str, str]:

@@ -16,7 +16,7 @@ from felactl.models.data import python_docs_text
 from felactl.models import build
 from felactl.profiling.model import (count_flops, profile_model, this_device_model, time_optimizer_step,
                                      time_whole_model)
-from felactl.spec import ModelSpec, from_dict, load_model, save, to_dict
+from felactl.spec import ModelSpec, from_dict, load_model, save
 
 FP32 = 4
 VOCAB = len(set(python_docs_text()))  # the character corpus decides gpt-mini's vocabulary

@@ -19,20 +19,18 @@ from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.launcher.scale_plan import ScalingPolicy, replan
 from felactl.launcher.rundir import read_jsonl
-from felactl.spec import ModelRef, Plan, Stage, StageWorker, SyncMode, SyncSpec, Training, save
+from felactl.spec import ModelRef, Plan, SyncMode, SyncSpec, Training, data_parallel_plan, save
 
 pytestmark = pytest.mark.multiprocess
 GPT_CONFIG = {"depth": 1, "width": 64}
 
 
 def gpt_plan(num_workers: int, global_batch: int = 16) -> Plan:
-    num_layers = len(models.build("gpt-mini", GPT_CONFIG).layers)
-    return Plan(cluster="local", model=ModelRef(name="gpt-mini", source="gpt-mini", config=GPT_CONFIG),
-                devices=tuple(f"cpu{i}" for i in range(num_workers)), global_batch=global_batch,
-                sync=SyncSpec(mode=SyncMode.BSP), training=Training(optimizer="adamw", lr=3e-3, seed=0),
-                stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=8,
-                              workers=tuple(StageWorker(device=f"cpu{i}", share=1 / num_workers)
-                                            for i in range(num_workers))),))
+    return data_parallel_plan(model=ModelRef(name="gpt-mini", source="gpt-mini", config=GPT_CONFIG),
+                              num_layers=len(models.build("gpt-mini", GPT_CONFIG).layers),
+                              devices=[f"cpu{i}" for i in range(num_workers)], global_batch=global_batch,
+                              micro_batch=8, sync=SyncSpec(mode=SyncMode.BSP),
+                              training=Training(optimizer="adamw", lr=3e-3, seed=0))
 
 
 class Job:

@@ -316,3 +316,15 @@ class Plan:
         for placed in self.placement:
             out.setdefault(placed.node, []).append(placed.device)
         return {node: tuple(devs) for node, devs in out.items()}
+
+
+def data_parallel_plan(*, model: ModelRef, num_layers: int, devices: tuple[str, ...] | list[str], global_batch: int,
+                       micro_batch: int, sync: SyncSpec | None = None, training: Training | None = None,
+                       shares: tuple[float, ...] | list[float] | None = None, cluster: str = "local") -> Plan:
+    """One stage with every layer on every device (equal shares unless given): plain data parallel,
+    the plan a hand-run job, a test or a benchmark wants without profiling and planning."""
+    shares = shares or [1 / len(devices)] * len(devices)
+    workers = tuple(StageWorker(device=d, share=s) for d, s in zip(devices, shares))
+    return Plan(cluster=cluster, model=model, devices=tuple(devices), global_batch=global_batch,
+                sync=sync or SyncSpec(), training=training or Training(),
+                stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=micro_batch, workers=workers),))
