@@ -1,11 +1,13 @@
-"""Writing files so that a crash never leaves half of one behind: temp file, fsync, rename."""
+"""Writing files so that a crash never leaves half of one behind: temp file, fsync, rename; and
+JSON-lines logs appended one whole line per write."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, IO
+from typing import IO, Any, Callable
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mode: int | None = None) -> Path:
@@ -46,3 +48,29 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line with a single write(2) on an O_APPEND file, so concurrent writers
+    (several workers) never interleave within a line and a crash leaves whole lines only."""
+    line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete record; a torn last line (a crash mid-write) is skipped, not an error."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from felactl.errors import InputError
-from felactl.fsutil import atomic_write_text
+from felactl.fsutil import append_jsonl, atomic_write_text, read_jsonl  # noqa: F401 (re-exported)
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEFAULT_RUNS_ROOT = Path("runs")
@@ -107,29 +107,3 @@ class RunDir:
             return json.loads(self.summary.read_text())
         except FileNotFoundError:
             return None
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line with a single write(2) on an O_APPEND file, so concurrent writers
-    (several workers) never interleave within a line and a crash leaves whole lines only."""
-    line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete record; a torn last line (a crash mid-write) is skipped, not an error."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records

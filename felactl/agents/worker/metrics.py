@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from felactl.errors import InputError
+from felactl.fsutil import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 RECORD_KEYS = ("time", "rank", "stage", "step", "samples", "loss", "compute_s", "comm_s", "wait_s", "duration_s")
@@ -43,19 +44,13 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every complete record of a run's metrics (a torn last line from a crash is skipped)."""
     p = Path(path)
     if p.is_dir():
         p = p / METRICS_FILE
     if not p.exists():
         raise InputError(f"{p}: no such file (did the run start?)")
-    records = []
-    for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise InputError(f"{p}: line {number} is not JSON") from None
-    return records
+    return read_jsonl(p)
 
 
 def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
