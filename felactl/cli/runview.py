@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.table import Table
@@ -30,10 +31,8 @@ def events_table(events: list[dict[str, Any]]) -> Table:
     table = Table(title="events", title_justify="left")
     for col in ("time", "kind", "details"):
         table.add_column(col)
-    import time as _time
-
     for e in events:
         details = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "kind"))
-        table.add_row(_time.strftime("%H:%M:%S", _time.localtime(e.get("time", 0))), e.get("kind", "?"),
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(e.get("time", 0))), e.get("kind", "?"),
                       Text(details, overflow="fold"))
     return table
