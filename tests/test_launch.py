@@ -96,3 +96,22 @@ def test_bad_flags(tmp_path):
         result = _launch(tmp_path, str(plan_path), *args)
         assert result.exit_code == 2, (args, result.output)
         assert needle.lower() in result.stderr.lower(), (args, result.stderr)
+
+
+def test_the_backend_follows_the_plans_devices_not_the_machine():
+    """A CPU plan stays on gloo even where a GPU exists (a 2-slot CPU demo on a 1-GPU box used to
+    put worker 1 on a GPU that does not exist); an all-GPU plan gets NCCL."""
+    from felactl.agents.worker.config import WorkerConfig
+    from felactl.agents.worker.runtime import choose_device
+    from felactl.launcher.launch import plan_backend
+
+    def placed(kind):
+        plan = dp_plan(2)
+        return dataclasses.replace(plan, placement=tuple(
+            Placement(device=d, node="box", kind=kind, local_index=i) for i, d in enumerate(plan.devices)))
+
+    assert plan_backend(placed(DeviceKind.CPU)) == "gloo"
+    assert plan_backend(placed(DeviceKind.CUDA)) == "nccl"
+    cfg = WorkerConfig(rank=1, local_rank=1, world_size=2, store_host="127.0.0.1", store_port=1, host_store=False,
+                       plan_path=Path("p.yaml"), run_dir=Path("."), backend="gloo")
+    assert choose_device(cfg) == ("gloo", __import__("torch").device("cpu"))

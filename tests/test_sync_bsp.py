@@ -65,6 +65,14 @@ def test_tokens_match_single_process_with_a_slow_worker(tmp_path):
     assert fast > slow, f"the 3x slower worker should pull fewer tokens (fast {fast}, slow {slow})"
 
 
+@pytest.mark.parametrize("policy", ["hf", "ads"])
+def test_tokens_with_a_single_worker_match_single_process(tmp_path, policy):
+    """A one-device plan (what the planner gives a one-GPU machine) pulls every token itself."""
+    plan = dp_plan(1, "tokens", micro_batch=4, token_policy=policy)
+    run_dir = run_plan(plan, tmp_path, STEPS)
+    assert (final_params(run_dir, STEPS) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
+
+
 def test_tokens_shared_bucket_policy(tmp_path):
     plan = dp_plan(3, "tokens", global_batch=30, micro_batch=4, token_policy="ads")
     run_dir = run_plan(plan, tmp_path, 3)

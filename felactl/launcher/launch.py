@@ -28,7 +28,7 @@ from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_
 from felactl.launcher.resume import ResumePoint, find_resume_point
 from felactl.launcher.rundir import RunDir, append_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy
-from felactl.spec import Plan, SyncMode, load_plan, save
+from felactl.spec import DeviceKind, Plan, SyncMode, load_plan, save
 
 WORKER_MODULE = "felactl.agents.worker"
 POLL_S = 0.2
@@ -129,7 +129,7 @@ def assign_ranks(plan: Plan, members: list[Member], nodes: dict[str, tuple[str, 
     return assignments
 
 
-def worker_env(options: LaunchOptions, run: RunDir, store_endpoint: str, *, elastic: bool = False,
+def worker_env(options: LaunchOptions, run: RunDir, plan: Plan, store_endpoint: str, *, elastic: bool = False,
                resume: ResumePoint | None = None) -> dict[str, str]:
     """The FELACTL_* variables every worker reads (see felactl.agents.worker.config)."""
     env = {"FELACTL_PLAN": str(run.plan.resolve()), "FELACTL_RUN_DIR": str(run.path.resolve()),
@@ -139,6 +139,8 @@ def worker_env(options: LaunchOptions, run: RunDir, store_endpoint: str, *, elas
            # A user's own script calling init_process_group("env://") connects to our store as a
            # client instead of trying to host one on MASTER_PORT (torchrun's agent does the same).
            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if plan.placement:
+        env["FELACTL_BACKEND"] = plan_backend(plan)
     if options.sync is not None:
         env["FELACTL_SYNC"] = options.sync.value
     if options.slowdown:
@@ -152,6 +154,12 @@ def worker_env(options: LaunchOptions, run: RunDir, store_endpoint: str, *, elas
         env.update(FELACTL_ELASTIC="1", FELACTL_COLLECTIVE_TIMEOUT_S=str(options.collective_timeout_s),
                    FELACTL_HEARTBEAT_S=str(min(0.5, options.heartbeat_timeout_s / 4)))
     return env
+
+
+def plan_backend(plan: Plan) -> str:
+    """NCCL when every device of the plan is a GPU, else gloo: one process group has one backend,
+    and a CPU plan must stay on the CPU even on a machine that has a GPU."""
+    return "nccl" if all(p.kind == DeviceKind.CUDA for p in plan.placement) else "gloo"
 
 
 def prepare_run(options: LaunchOptions, resume: ResumePoint | None = None) -> tuple[RunDir, Plan, str]:
@@ -191,7 +199,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     try:
         agents.start()
         state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
-        env = worker_env(options, run, coordinator.endpoint, elastic=elastic, resume=resume)
+        env = worker_env(options, run, plan, coordinator.endpoint, elastic=elastic, resume=resume)
         controller = None
         if elastic:
             controller = ElasticController(coordinator, run, plan, state.members, nodes, options.elastic_settings(),

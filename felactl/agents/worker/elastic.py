@@ -46,7 +46,7 @@ from felactl.agents.worker.checkpoint import checkpoint_path, load_checkpoint, s
 from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.replicate import replicate
-from felactl.agents.worker.runtime import Runtime, connect_store
+from felactl.agents.worker.runtime import Runtime, choose_device, connect_store
 from felactl.agents.worker.sync.bsp import allreduce_grads, data_parallel, settle_buckets
 from felactl.errors import InputError, WorkerFailed
 from felactl.spec import SyncMode, load_plan
@@ -108,9 +108,7 @@ class ElasticWorker:
     def form(self, rank: int, world_size: int, generation: int) -> Runtime:
         cfg = dataclasses.replace(self.cfg, rank=rank, world_size=world_size, generation=generation)
         store = dist.PrefixStore(f"{cfg.store_prefix}/gen{generation}", self.raw)
-        use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
-        backend = cfg.backend or ("nccl" if use_cuda else "gloo")
-        device = torch.device("cuda", cfg.local_rank) if backend == "nccl" else torch.device("cpu")
+        backend, device = choose_device(cfg)
         self._arrive(generation, world_size)
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
                                 timeout=_timedelta(cfg.collective_timeout_s))

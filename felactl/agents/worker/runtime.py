@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.config import WorkerConfig
-from felactl.errors import ControlPlaneError
+from felactl.errors import ControlPlaneError, InputError
 
 
 def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
@@ -77,16 +77,26 @@ class Runtime:
             dist.destroy_process_group()
 
 
+def choose_device(cfg: WorkerConfig) -> tuple[str, torch.device]:
+    """The backend and device this worker trains on: ``FELACTL_BACKEND`` (the launcher sets it from
+    the plan's device kinds), else NCCL on GPU ``LOCAL_RANK`` when this machine has that GPU."""
+    backend = cfg.backend or ("nccl" if cfg.local_rank < torch.cuda.device_count() else "gloo")
+    if backend == "gloo":
+        return backend, torch.device("cpu")
+    if cfg.local_rank >= torch.cuda.device_count():
+        raise InputError(f"worker {cfg.rank}: the plan puts it on GPU {cfg.local_rank} but this machine has "
+                         f"{torch.cuda.device_count()} GPU(s)")
+    device = torch.device("cuda", cfg.local_rank)
+    torch.cuda.set_device(device)
+    return backend, device
+
+
 def start(cfg: WorkerConfig) -> Runtime:
     """Connect to the store and rendezvous the default process group of this generation."""
     raw = connect_store(cfg.store_host, cfg.store_port, is_master=cfg.host_store, timeout_s=cfg.timeout_s)
     prefix = f"{cfg.store_prefix}/gen{cfg.generation}"
     store = dist.PrefixStore(prefix, raw)
-    use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
-    backend = cfg.backend or ("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", cfg.local_rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    backend, device = choose_device(cfg)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=cfg.rank,
                             world_size=cfg.world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
     return Runtime(cfg, store, backend, device, raw)

@@ -136,6 +136,8 @@ class StoreTokenBucket:
         or retire when the others, all started, would drain what is left before this worker's
         token ends (at least one worker never retires, so every token is still claimed)."""
         others = [w for w in self.workers if w != self.rank]
+        if not others:  # a group of one: nobody to leave tokens to
+            return left_here == 0
         if self.token_s is None or any(w not in self.others_token_s for w in others):
             unknown = True
         else:
