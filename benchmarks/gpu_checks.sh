@@ -31,10 +31,12 @@ echo "== felactl plan"
 $FELACTL plan --cluster "$OUT/cluster.yaml" --model "$OUT/model.yaml" --global-batch 64 -o "$OUT/plan.yaml" \
     || echo "plan failed: $?"
 
-echo "== felactl launch (NCCL, bsp)"
+echo "== felactl launch (NCCL, the plan's sync; then --sync bsp)"
 $FELACTL launch "$OUT/plan.yaml" --steps 200 --runs-root "$RUNS" --run-id gpu --json >"$OUT/launch.json" \
     || echo "launch failed: $?"
 cat "$OUT/launch.json"
+$FELACTL launch "$OUT/plan.yaml" --sync bsp --steps 100 --runs-root "$RUNS" --run-id gpu-bsp --json \
+    >"$OUT/launch-bsp.json" || echo "launch --sync bsp failed: $?"
 python3 - "$RUNS/gpu" "$OUT/plan.yaml" <<'EOF'
 import json, sys, statistics, yaml
 from pathlib import Path
@@ -48,4 +50,4 @@ EOF
 grep -h "backend\|nccl\|cuda" "$RUNS"/gpu/logs/* | head -5
 
 echo "== whole suite with CUDA visible"
-timeout 300 python3 -m pytest -p no:cacheprovider -x -q 2>&1 | tail -25 | tee "$OUT/suite.log"
+timeout 330 python3 -m pytest -p no:cacheprovider -q 2>&1 | tail -40 >"$OUT/suite.log"; cat "$OUT/suite.log"
