@@ -102,7 +102,10 @@ def _checksums(event: dict) -> set[float]:
 
 def test_scale_out_and_in_keeps_processes_steps_and_identical_replicas(tmp_path, no_leftovers):
     plan = save(gpt_plan(2), tmp_path / "plan.yaml")
-    job = Job(tmp_path, str(plan), "--run-id", "s", "--steps", "400", "--max-nproc-per-node", "3")
+    # Long enough that the job still trains when the newcomer is ready: its start (importing
+    # torch, building the model) takes 3-9 s here while two workers hold both cores.
+    steps = 1200
+    job = Job(tmp_path, str(plan), "--run-id", "s", "--steps", str(steps), "--max-nproc-per-node", "3")
     try:
         job.wait_step("s", 30)
         grown = job.scale("s", "--add", "1")
@@ -121,10 +124,10 @@ def test_scale_out_and_in_keeps_processes_steps_and_identical_replicas(tmp_path,
         summary = job.finish()
     finally:
         job.stop()
-    assert summary["steps"] == 400
+    assert summary["steps"] == steps
     records = job.records("s")
     for wid in (0, 1):
-        assert _steps(records, wid) == list(range(400))  # continuous: no step lost or repeated
+        assert _steps(records, wid) == list(range(steps))  # continuous: no step lost or repeated
         assert len({r["pid"] for r in records if r["rank"] == wid}) == 1  # same process throughout
     joined = _steps(records, 2)
     assert joined and joined == list(range(joined[0], joined[-1] + 1)) and joined[0] > 30
@@ -160,6 +163,24 @@ def test_wrong_secret_and_impossible_requests_are_refused(tmp_path, no_leftovers
     events = read_jsonl(tmp_path / "runs" / "w" / "events.jsonl")
     assert [e["kind"] for e in events].count("refused") == 5
     assert all(_steps(job.records("w"), w) == list(range(250)) for w in (0, 1))
+
+
+def test_a_scale_out_the_job_outruns_is_refused_and_the_job_still_finishes(tmp_path, no_leftovers):
+    """200 steps (~2 s) end before a newcomer can start (3-9 s): the request is answered (refused, nothing
+    changed), the newcomer is stopped, and the job ends as finished, not as a failed switch."""
+    plan = save(gpt_plan(2), tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan), "--run-id", "o", "--steps", "200", "--max-nproc-per-node", "3")
+    try:
+        job.wait_step("o", 2)
+        late = job.scale("o", "--add", "1")
+        summary = job.finish()
+    finally:
+        job.stop()
+    assert late.exit_code == 2 and "finished" in late.stderr, late.output
+    assert summary["steps"] == 200
+    assert [e["kind"] for e in read_jsonl(tmp_path / "runs" / "o" / "events.jsonl")] == \
+        ["launch", "start", "refused", "finished"]
+    assert all(_steps(job.records("o"), w) == list(range(200)) for w in (0, 1))
 
 
 def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers):

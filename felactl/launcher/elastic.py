@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 POLL_S = 0.02
 
 
+class JobFinished(InputError):
+    """The workers that would stay finished their last step before a change could take effect."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ElasticSettings:
     policy: ScalingPolicy = field(default_factory=ScalingPolicy)
@@ -133,7 +137,10 @@ class ElasticController:
                                f"{self.run.logs}; a run with checkpoints continues with "
                                f"`felactl launch --resume {self.run.run_id}`")
         log.warning("elastic: dropping %s", "; ".join(dead.values()))
-        self._switch(survivors, "failure", reason="; ".join(dead.values()))
+        try:
+            self._switch(survivors, "failure", reason="; ".join(dead.values()))
+        except JobFinished:
+            log.warning("elastic: the survivors had already finished; nothing to re-form")
 
     def _command(self, wid: int, command: dict) -> None:
         agent_id = self.workers[wid].agent_id
@@ -240,8 +247,21 @@ class ElasticController:
             dead = self._dead(self.members)
             if dead:
                 self._drop(dead)
+            if self._all_done(self.members):
+                self._abandon(newcomers)
+                raise JobFinished("the job finished its last step while the new worker(s) were starting; "
+                                  "nothing changed")
             time.sleep(POLL_S)
         return newcomers
+
+    def _all_done(self, wids: list[int]) -> bool:
+        return all(self.store.check([f"{self.kv}done/{w}"]) for w in wids)
+
+    def _abandon(self, wids: list[int]) -> None:
+        """Stop workers that never joined a generation and forget them."""
+        for wid in wids:
+            self._command(wid, {"op": "kill", "worker_id": wid})
+            self.workers.pop(wid, None)
 
     def _remove(self, wids: list[int], policy: ScalingPolicy | None) -> dict:
         unknown = [w for w in wids if w not in self.members]
@@ -293,13 +313,22 @@ class ElasticController:
         self.store.set(f"{self.kv}gen/{generation}", json.dumps(
             {"generation": generation, "members": members, "plan": str(plan_path.resolve()), "kind": kind}))
         self.store.set(self.kv + "generation", str(generation))
+        previous = self.plan
         self.generation, self.plan, self.members = generation, plan, list(members)
-        reports = self._wait_switched(generation, members)
+        stayers = [w for w in members if w in before]
+        try:
+            reports = self._wait_switched(generation, members, stayers)
+        except JobFinished:
+            # Nobody trains any more: the change is moot. The finished workers are the members
+            # again (their done/ marks end the job) and a newcomer that never joined is stopped.
+            self.plan, self.members = previous, before
+            self._abandon([w for w in members if w not in before])
+            raise
         event = _event(kind, generation, before, members, reports, plan, reason)
         append_jsonl(self.run.events, event)
         return event
 
-    def _wait_switched(self, generation: int, members: list[int]) -> dict[int, dict]:
+    def _wait_switched(self, generation: int, members: list[int], stayers: list[int]) -> dict[int, dict]:
         deadline = time.monotonic() + self.settings.switch_timeout_s
         reports: dict[int, dict] = {}
         while len(reports) < len(members):
@@ -309,6 +338,9 @@ class ElasticController:
                     reports[w] = json.loads(self.store.get(key))
             if len(reports) == len(members):
                 break
+            if stayers and not any(w in reports for w in stayers) and self._all_done(stayers):
+                raise JobFinished(f"the job finished its last step before generation {generation} could start; "
+                                  "nothing changed")
             dead = self._dead([w for w in members if w not in reports])
             if dead:
                 self._drop(dead)

@@ -139,8 +139,7 @@ def worker_env(options: LaunchOptions, run: RunDir, plan: Plan, store_endpoint: 
            # A user's own script calling init_process_group("env://") connects to our store as a
            # client instead of trying to host one on MASTER_PORT (torchrun's agent does the same).
            "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    if plan.placement:
-        env["FELACTL_BACKEND"] = plan_backend(plan)
+    env["FELACTL_BACKEND"] = plan_backend(plan)
     if options.sync is not None:
         env["FELACTL_SYNC"] = options.sync.value
     if options.slowdown:
@@ -157,9 +156,10 @@ def worker_env(options: LaunchOptions, run: RunDir, plan: Plan, store_endpoint: 
 
 
 def plan_backend(plan: Plan) -> str:
-    """NCCL when every device of the plan is a GPU, else gloo: one process group has one backend,
-    and a CPU plan must stay on the CPU even on a machine that has a GPU."""
-    return "nccl" if all(p.kind == DeviceKind.CUDA for p in plan.placement) else "gloo"
+    """NCCL when the plan places every device on a GPU, else gloo: one process group has one
+    backend, and a CPU plan (or one that places nothing) stays on the CPU on a machine with a GPU."""
+    on_gpus = plan.placement and all(p.kind == DeviceKind.CUDA for p in plan.placement)
+    return "nccl" if on_gpus else "gloo"
 
 
 def prepare_run(options: LaunchOptions, resume: ResumePoint | None = None) -> tuple[RunDir, Plan, str]:
@@ -284,6 +284,7 @@ def _watch(coordinator: Coordinator, state: LaunchState, agents: _Agents,
         if controller is not None:
             if controller.poll():
                 state.records.extend(reader.read_new())
+                on_update(state)
                 return
             time.sleep(POLL_S)
             continue
@@ -294,6 +295,7 @@ def _watch(coordinator: Coordinator, state: LaunchState, agents: _Agents,
             raise WorkerFailed(_failure_line(failed, state))
         if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
             state.records.extend(reader.read_new())
+            on_update(state)
             return
         time.sleep(POLL_S)
 

@@ -16,7 +16,7 @@
 | ``FELACTL_SYNC`` | overrides ``plan.sync.mode`` (bsp, tokens, wbsp, sdpipe) | plan |
 | ``FELACTL_OVERLAP`` | overrides ``plan.sync.overlap`` (WBSP), 0 or 1 | plan |
 | ``FELACTL_TOKEN_POLICY`` | overrides ``plan.sync.token_policy`` | plan |
-| ``FELACTL_BACKEND`` | ``gloo`` or ``nccl`` | nccl with CUDA, else gloo |
+| ``FELACTL_BACKEND`` | ``gloo`` or ``nccl`` (the launcher sets it from the plan's placement) | gloo |
 | ``FELACTL_TIMEOUT_S`` | collective and store timeout | 120 |
 | ``FELACTL_ELASTIC`` | 1: train data parallel under live rescaling (felactl.agents.worker.elastic) | 0 |
 | ``FELACTL_WORKER_ID`` | elastic: this worker's id, stable across generations (metrics' ``rank``) | RANK |

@@ -78,17 +78,17 @@ class Runtime:
 
 
 def choose_device(cfg: WorkerConfig) -> tuple[str, torch.device]:
-    """The backend and device this worker trains on: ``FELACTL_BACKEND`` (the launcher sets it from
-    the plan's device kinds), else NCCL on GPU ``LOCAL_RANK`` when this machine has that GPU."""
-    backend = cfg.backend or ("nccl" if cfg.local_rank < torch.cuda.device_count() else "gloo")
-    if backend == "gloo":
-        return backend, torch.device("cpu")
+    """The backend and device this worker trains on. ``FELACTL_BACKEND`` decides (the launcher sets
+    it from the plan's device kinds, the same for every rank); unset means gloo on the CPU, since a
+    guess made rank by rank could put one group on two backends."""
+    if cfg.backend != "nccl":
+        return "gloo", torch.device("cpu")
     if cfg.local_rank >= torch.cuda.device_count():
         raise InputError(f"worker {cfg.rank}: the plan puts it on GPU {cfg.local_rank} but this machine has "
                          f"{torch.cuda.device_count()} GPU(s)")
     device = torch.device("cuda", cfg.local_rank)
     torch.cuda.set_device(device)
-    return backend, device
+    return "nccl", device
 
 
 def start(cfg: WorkerConfig) -> Runtime:
