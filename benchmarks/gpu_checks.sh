@@ -37,6 +37,11 @@ $FELACTL launch "$OUT/plan.yaml" --steps 200 --runs-root "$RUNS" --run-id gpu --
 cat "$OUT/launch.json"
 $FELACTL launch "$OUT/plan.yaml" --sync bsp --steps 100 --runs-root "$RUNS" --run-id gpu-bsp --json \
     >"$OUT/launch-bsp.json" || echo "launch --sync bsp failed: $?"
+for mode in wbsp sdpipe; do
+    $FELACTL launch "$OUT/plan.yaml" --sync $mode --steps 50 --runs-root "$RUNS" --run-id gpu-$mode --json \
+        >"$OUT/launch-$mode.json" 2>"$RUNS/launch-$mode.err" && echo "launch --sync $mode: ok" \
+        || { echo "launch --sync $mode failed: $?"; tail -3 "$RUNS/launch-$mode.err"; grep -h Error "$RUNS"/gpu-$mode/logs/*; }
+done
 python3 - "$RUNS/gpu" "$OUT/plan.yaml" <<'EOF'
 import json, sys, statistics, yaml
 from pathlib import Path
@@ -50,4 +55,4 @@ EOF
 grep -h "backend\|nccl\|cuda" "$RUNS"/gpu/logs/* | head -5
 
 echo "== whole suite with CUDA visible"
-timeout 330 python3 -m pytest -p no:cacheprovider -q 2>&1 | tail -40 >"$OUT/suite.log"; cat "$OUT/suite.log"
+timeout 420 python3 -m pytest -p no:cacheprovider -q 2>&1 | tail -40 >"$OUT/suite.log"; cat "$OUT/suite.log"
