@@ -55,4 +55,4 @@ EOF
 grep -h "backend\|nccl\|cuda" "$RUNS"/gpu/logs/* | head -5
 
 echo "== whole suite with CUDA visible"
-timeout 420 python3 -m pytest -p no:cacheprovider -q 2>&1 | tail -40 >"$OUT/suite.log"; cat "$OUT/suite.log"
+timeout ${SUITE_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q 2>&1 | tail -40 >"$OUT/suite.log"; cat "$OUT/suite.log"
