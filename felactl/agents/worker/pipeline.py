@@ -23,6 +23,7 @@ from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.stages import micro_batches, stage_rank_sets
 from felactl.agents.worker.sync._local import claim_samples
 from felactl.agents.worker.sync.bsp import allreduce_grads, arrive
+from felactl.agents.worker.sync.trees import stage_trees
 from felactl.agents.worker.sync.sdpipe import SDPipeSync
 from felactl.spec import Schedule, SyncMode
 
@@ -152,13 +153,14 @@ def run(trainer: Trainer) -> None:
     group = trainer.runtime.group(placement.stage_ranks)
     device = trainer.runtime.device
     prev, next = links(trainer)
+    trees = stage_trees(trainer.plan, placement.stage, trainer.runtime.rank, group)
     for step in range(trainer.runtime.cfg.steps):
         start = time.perf_counter()
         pattern_s = trainer.straggler.at_iteration(step)
         it = PipelineStep(trainer, prev, next)
         it.run(trainer.step_indices(step, placement.offsets), trainer.global_batch)
         wait_s = it.wait_s + (arrive(group, device) if len(placement.stage_ranks) > 1 else 0.0)
-        comm_s = allreduce_grads(trainer, group) if len(placement.stage_ranks) > 1 else 0.0
+        comm_s = allreduce_grads(trainer, group, trees) if len(placement.stage_ranks) > 1 else 0.0
         trainer.optimizer_step()
         samples = len(placement.offsets)
         trainer.record(step=step, samples=samples, loss_sum=it.loss_sum if placement.is_last else None,

@@ -4,7 +4,9 @@ Data parallel runs through torch's ``DistributedDataParallel`` on the stage's gr
 allreduce overlaps the last micro-batch's backward (only the last one synchronises), so the
 communication is hidden inside ``compute_s`` and ``comm_s`` is 0. Just before that micro-batch a
 one-element allreduce measures how long this worker waited for the others (``wait_s``).
-Where DDP does not fit (a replica with no samples this step) and for the pipelines and tokens,
+Where the plan packed trees for the stage's group, DDP's buckets are summed along them
+(felactl.agents.worker.sync.trees, a DDP communication hook), else by the backend's allreduce.
+Where DDP does not fit (a replica with no samples this step) and for the pipelines,
 :func:`allreduce_grads` sums one flat buffer in one collective (its time is ``comm_s``).
 """
 
@@ -18,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.stages import split_by_shares
+from felactl.agents.worker.sync.trees import TreeAllreduce, ddp_hook, stage_trees
 
 
 def arrive(group, device: torch.device) -> float:
@@ -27,11 +30,14 @@ def arrive(group, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def allreduce_grads(trainer: Trainer, group) -> float:
-    """Sum the stage's gradients over ``group`` in one collective; returns its seconds."""
+def allreduce_grads(trainer: Trainer, group, trees: TreeAllreduce | None = None) -> float:
+    """Sum the stage's gradients over ``group`` (along ``trees`` where given); returns its seconds."""
     start = time.perf_counter()
     flat = trainer.flat_grads()
-    dist.all_reduce(flat, group=group)
+    if trees is not None:
+        trees(flat)
+    else:
+        dist.all_reduce(flat, group=group)
     trainer.set_flat_grads(flat)
     return time.perf_counter() - start
 
@@ -44,8 +50,12 @@ def data_parallel(trainer: Trainer, group, init_sync: bool = True) -> Distribute
     if len(trainer.placement.stage_ranks) < 2 or min(len(s) for s in shares) == 0:
         return None
     device_ids = [trainer.runtime.device.index] if trainer.runtime.device.type == "cuda" else None
-    return DistributedDataParallel(trainer.model, device_ids=device_ids, process_group=group,
-                                   broadcast_buffers=False, gradient_as_bucket_view=True, init_sync=init_sync)
+    ddp = DistributedDataParallel(trainer.model, device_ids=device_ids, process_group=group,
+                                  broadcast_buffers=False, gradient_as_bucket_view=True, init_sync=init_sync)
+    trees = stage_trees(plan, trainer.placement.stage, trainer.runtime.rank, group)
+    if trees is not None:
+        ddp.register_comm_hook(trees, ddp_hook)
+    return ddp
 
 
 def settle_buckets(ddp: DistributedDataParallel | None) -> None:
@@ -65,6 +75,7 @@ def run(trainer: Trainer) -> None:
     group = trainer.runtime.group(placement.stage_ranks)
     device = trainer.runtime.device
     ddp = data_parallel(trainer, group)
+    trees = stage_trees(trainer.plan, placement.stage, trainer.runtime.rank, group)
     for step in range(trainer.runtime.cfg.steps):
         start = time.perf_counter()
         pattern_s = trainer.straggler.at_iteration(step)
@@ -76,7 +87,7 @@ def run(trainer: Trainer) -> None:
         else:
             result = trainer.compute(indices, weight_by=trainer.global_batch)
             wait_s = arrive(group, device)
-            comm_s = allreduce_grads(trainer, group)
+            comm_s = allreduce_grads(trainer, group, trees)
         trainer.optimizer_step()
         settle_buckets(ddp)
         trainer.record(step=step, samples=result.samples, loss_sum=result.loss_sum,

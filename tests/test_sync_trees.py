@@ -1,0 +1,100 @@
+"""BSP along the plan's packed trees (Blink) on real gloo workers: same parameters as one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from felactl.agents.worker.sync.trees import stage_trees
+from felactl.spec import Collective, Tree
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_helpers import dp_plan, final_params, pipeline_plan, reference_params, run_plan  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+STEPS = 4
+
+
+def with_trees(plan, devices, trees, root="cpu0"):
+    """``plan`` with one packed collective over ``devices``: (edges, weight) per tree."""
+    collective = Collective(group="stage0", devices=tuple(devices), root=root,
+                            trees=tuple(Tree(edges=tuple(map(tuple, e)), weight=w) for e, w in trees),
+                            rate_gbps=sum(w for _, w in trees), bound_gbps=sum(w for _, w in trees), ring_gbps=0.0)
+    return dataclasses.replace(plan, collectives=(collective,))
+
+
+THREE_WORKER_TREES = [([("cpu0", "cpu1"), ("cpu1", "cpu2")], 2.0),  # a chain carrying 2/3
+                      ([("cpu0", "cpu2"), ("cpu0", "cpu1")], 1.0)]  # a star carrying 1/3
+
+
+def test_bsp_over_two_packed_trees_matches_single_process(tmp_path):
+    plan = with_trees(dp_plan(3, "bsp", global_batch=30, micro_batch=4, optimizer="adamw", lr=3e-3),
+                      ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
+    run_dir = run_plan(plan, tmp_path, STEPS)
+    assert (final_params(run_dir, STEPS) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
+
+
+def test_pipeline_replicas_sum_their_stage_gradients_over_trees(tmp_path):
+    plan = pipeline_plan([0, 2, 4], num_replicas=2)  # stage 0 on cpu0, cpu2; stage 1 on cpu1, cpu3
+    trees = []
+    for s, (a, b) in enumerate([("cpu0", "cpu2"), ("cpu1", "cpu3")]):
+        trees.append(Collective(group=f"stage{s}", devices=(a, b), root=b, trees=(Tree(edges=((b, a),), weight=1.0),),
+                                rate_gbps=1.0, bound_gbps=1.0, ring_gbps=0.0))
+    plan = dataclasses.replace(plan, collectives=tuple(trees))
+    run_dir = run_plan(plan, tmp_path, STEPS)
+    got = torch.cat([final_params(run_dir, STEPS, stage=0), final_params(run_dir, STEPS, stage=1)])
+    assert (got - reference_params(plan, STEPS)).abs().max().item() < 1e-5
+
+
+def test_trees_that_do_not_span_the_group_are_not_used():
+    plan = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], [([("cpu0", "cpu1")], 1.0)])
+    assert stage_trees(plan, 0, 0, None) is None
+    no_trees = dataclasses.replace(plan, sync=dataclasses.replace(plan.sync, use_trees=False))
+    assert stage_trees(no_trees, 0, 0, None) is None
+    good = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
+    assert [t.children for t in stage_trees(good, 0, 1, None).trees] == [(2,), ()]
+
+
+def _sum_over_trees(rank: int, world: int, port: int, plan, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        allreduce = stage_trees(plan, 0, rank, dist.group.WORLD)
+        dist.all_reduce = None  # the trees must not fall back on the backend's allreduce
+        for n in (1, 2, 7, 1000):  # fewer elements than trees, uneven chunks
+            flat = torch.arange(n, dtype=torch.float64) * (rank + 1)
+            allreduce(flat)
+            results.put((rank, n, bool(torch.equal(flat, torch.arange(n, dtype=torch.float64) * 6))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tree_allreduce_sums_exactly_with_point_to_point_only():
+    plan = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_sum_over_trees, args=(r, 3, port, plan, results)) for r in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=30) for _ in range(3 * 4)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert all(ok for _, _, ok in got) and len(got) == 12
