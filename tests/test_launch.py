@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import socket
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from typer.testing import CliRunner
 
@@ -115,3 +120,36 @@ def test_the_backend_follows_the_plans_devices_not_the_machine():
     cfg = WorkerConfig(rank=1, local_rank=1, world_size=2, store_host="127.0.0.1", store_port=1, host_store=False,
                        plan_path=Path("p.yaml"), run_dir=Path("."), backend="gloo")
     assert choose_device(cfg) == ("gloo", __import__("torch").device("cpu"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_killed_launch_leaves_no_worker_running(tmp_path, sig):
+    """SIGTERM takes Ctrl-C's way out (workers stopped, exit 130); after SIGKILL nobody can stop
+    the workers, which run in sessions of their own, so each leaves once its parent is gone."""
+    plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
+    launch = subprocess.Popen([sys.executable, "-m", "felactl", "launch", str(plan_path), "--steps", "1000000",
+                               "--runs-root", str(tmp_path / "runs"), "--run-id", "k"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    workers: list[psutil.Process] = []
+    try:
+        metrics = tmp_path / "runs" / "k" / "metrics.jsonl"
+        deadline = time.monotonic() + 30
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert launch.poll() is None and time.monotonic() < deadline, launch.stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+        workers = [c for c in psutil.Process(launch.pid).children(recursive=True) if "felactl.agents.worker" in
+                   " ".join(c.cmdline())]
+        assert len(workers) == 2
+        os.kill(launch.pid, sig)
+        launch.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive, f"workers still running after the launch got signal {sig}"
+        if sig == signal.SIGTERM:
+            assert launch.returncode == 130 and "interrupted" in launch.stderr.read().decode()
+    finally:
+        for proc in [launch, *workers]:
+            try:
+                proc.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        launch.wait()

@@ -8,6 +8,7 @@ prints one line and exits 1. ``--debug`` (or ``FELACTL_DEBUG=1``) shows the trac
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -120,5 +121,12 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
+    # SIGTERM (kill, a scheduler's stop) takes Ctrl-C's path: the launch and agent commands then
+    # stop their workers and the coordinator on the way out instead of dying with them running.
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(app(standalone_mode=True))
