@@ -183,6 +183,62 @@ def test_a_scale_out_the_job_outruns_is_refused_and_the_job_still_finishes(tmp_p
     assert all(_steps(job.records("o"), w) == list(range(200)) for w in (0, 1))
 
 
+def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_path, no_leftovers):
+    """Two agents on this machine act as two nodes: the launch's own (na: workers 0, 1) and a
+    ``felactl agent`` process (nb: worker 2). SIGKILL that agent mid-run: its worker leaves with
+    it, the survivors drop it by heartbeat and finish every step, and adding on nb is refused."""
+    import dataclasses
+    import socket
+
+    from felactl.spec import Placement
+
+    plan = gpt_plan(3, global_batch=24)
+    plan = dataclasses.replace(plan, placement=tuple(
+        Placement(device=d, node=n, local_index=i) for d, n, i in [("cpu0", "na", 0), ("cpu1", "na", 1),
+                                                                  ("cpu2", "nb", 0)]))
+    plan_path = save(plan, tmp_path / "plan.yaml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    steps = 900
+    job = Job(tmp_path, str(plan_path), "--run-id", "a", "--steps", str(steps), "--node-name", "na",
+              "--rdzv-endpoint", endpoint, "--nnodes", "2", "--heartbeat-timeout", "2", "--max-nproc-per-node", "3")
+    agent = None
+    try:
+        secret = tmp_path / "runs" / "a" / "secret"
+        deadline = time.monotonic() + 20
+        while not secret.exists():
+            assert time.monotonic() < deadline and job.proc.poll() is None
+            time.sleep(0.05)
+        agent = subprocess.Popen([sys.executable, "-m", "felactl", "agent", "--rdzv-endpoint", endpoint,
+                                  "--secret-file", str(secret), "--node-name", "nb", "--nproc-per-node", "1",
+                                  "--job", "a"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
+        job.wait_step("a", 30)
+        assert {r["rank"] for r in job.records("a")} == {0, 1, 2}
+        agent.kill()
+        agent.wait()
+        events = tmp_path / "runs" / "a" / "events.jsonl"
+        deadline = time.monotonic() + 15
+        while not any(e["kind"] == "failure" for e in read_jsonl(events)):
+            assert time.monotonic() < deadline, read_jsonl(events)
+            time.sleep(0.1)
+        refused = job.scale("a", "--add", "1", "--node", "nb")
+        assert refused.exit_code == 2 and "agent" in refused.stderr, refused.output
+        summary = job.finish()
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        job.stop()
+    assert summary["steps"] == steps
+    failure = next(e for e in read_jsonl(tmp_path / "runs" / "a" / "events.jsonl") if e["kind"] == "failure")
+    assert failure["members_before"] == [0, 1, 2] and failure["members_after"] == [0, 1]
+    assert "agent of node 'nb' is gone" in failure["reason"]
+    for wid in (0, 1):
+        assert _steps(job.records("a"), wid) == list(range(steps))
+
+
 def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers):
     plan = save(gpt_plan(3, global_batch=24), tmp_path / "plan.yaml")
     job = Job(tmp_path, str(plan), "--run-id", "k", "--steps", "300", "--max-nproc-per-node", "3",

@@ -358,14 +358,19 @@ def _raise_if_stopped(session) -> None:
 
 
 # --- elastic jobs: the coordinator adds and kills workers while the group runs --------------------
+AGENT_BEAT_S = 0.5
+
 def _run_elastic(agent: LocalWorkerAgent, session, config: NodeAgentConfig) -> RunResult:
     """Start the assigned workers, then follow the coordinator's signed commands (``add``, ``kill``)
     and report every worker's state; a worker that ends does not end the group — the coordinator
     re-forms the job without it — and the agent runs until the coordinator says stop."""
     try:
         agent.start()
-        reported = None
+        reported, last_beat = None, 0.0
         while True:
+            if time.monotonic() - last_beat >= AGENT_BEAT_S:
+                session.beat()
+                last_beat = time.monotonic()
             for command in _pop_commands(session):
                 if command.get("op") == "add":
                     agent.add_worker(int(command["worker_id"]), dict(command.get("env", {})))

@@ -302,6 +302,10 @@ class Coordinator:
         self.store = None  # the server (and its socket) stops when the last reference goes
 
 
+def agent_beat_key(prefix: str, agent_id: str) -> str:
+    return f"{prefix}agents/{agent_id}/beat"
+
+
 class AgentSession:
     """An agent's side of the control plane: join, wait for the job, report state, watch for stop."""
 
@@ -361,3 +365,7 @@ class AgentSession:
 
     def report(self, state: str, **details: Any) -> None:
         self.store.set(f"{self.prefix}agents/{self.agent_id}/state", json.dumps({"state": state, **details}))
+
+    def beat(self) -> None:
+        """Say this agent is alive (an elastic job's coordinator stops sending work to a silent one)."""
+        self.store.add(agent_beat_key(self.prefix, self.agent_id), 1)

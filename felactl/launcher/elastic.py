@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from felactl.agents.agent import command_queue
 from felactl.errors import InputError, WorkerFailed
-from felactl.launcher.controlplane import Coordinator, Member, signed_envelope, verify
+from felactl.launcher.controlplane import Coordinator, Member, agent_beat_key, signed_envelope, verify
 from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy, replan
 from felactl.spec import Plan, save
@@ -79,6 +79,7 @@ class ElasticController:
         self.generation = start_generation
         self.next_id = len(self.members)
         self.seen_ids: set[str] = set()
+        self.agent_beats: dict[str, tuple[str | None, float]] = {}
         self.stuck_since: float | None = None
         self.first_plan = (start_generation, plan_path or run.plan)
         self.store.set(self.kv + "generation", str(self.generation))
@@ -86,6 +87,8 @@ class ElasticController:
     # --- the loop's step --------------------------------------------------------------------------
     def poll(self) -> bool:
         """Handle failures and commands; True once every member has finished its last step."""
+        for node in self.agents:  # follow each agent's beat, so its silence is timed from its last one
+            self._agent_silent_s(node)
         dead = self._dead(self.members)
         if dead:
             self._drop(dead)
@@ -102,6 +105,19 @@ class ElasticController:
         now = time.monotonic()
         self.stuck_since = self.stuck_since or now
         return now - self.stuck_since > self.settings.heartbeat_timeout_s
+
+    def _agent_silent_s(self, node: str) -> float | None:
+        """Seconds the agent of ``node`` has been silent, once past the heartbeat timeout; else None."""
+        agent_id = self.agents[node].agent_id
+        key = agent_beat_key(self.coordinator.prefix, agent_id)
+        beat = self.store.get(key).decode() if self.store.check([key]) else None
+        last = self.agent_beats.get(agent_id)
+        now = time.monotonic()
+        if last is None or last[0] != beat:
+            self.agent_beats[agent_id] = last = (beat, now)
+        silent = now - last[1]
+        grace = self.settings.heartbeat_timeout_s if beat is not None else self.settings.ready_timeout_s
+        return silent if silent > grace else None
 
     def _tables(self) -> dict[str, dict]:
         table = {}
@@ -126,6 +142,8 @@ class ElasticController:
             grace = self.settings.heartbeat_timeout_s if beat is not None else self.settings.ready_timeout_s
             if now - w.since > grace and not self.store.check([f"{self.kv}done/{wid}"]):
                 dead[wid] = f"worker {wid}: no heartbeat for {now - w.since:.1f} s"
+                if self._agent_silent_s(w.node) is not None:
+                    dead[wid] += f" (the agent of node {w.node!r} is gone too)"
         return dead
 
     def _drop(self, dead: dict[int, str]) -> None:
@@ -214,6 +232,10 @@ class ElasticController:
         node = node or next(iter(self.agents))
         if node not in self.agents:
             raise InputError(f"--node {node!r}: no agent of this job runs there (nodes: {', '.join(self.agents)})")
+        silent_s = self._agent_silent_s(node)
+        if silent_s is not None:
+            raise InputError(f"--node {node!r}: its agent has not answered for {silent_s:.1f} s (killed or "
+                             "unreachable); add workers on another node or restart `felactl agent` there")
         used = sum(1 for w in self.members if self.workers[w].node == node)
         slots = self.capacity(node)
         if used + count > slots:
