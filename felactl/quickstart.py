@@ -65,7 +65,8 @@ def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, r
     show("plan", plan)
     say(f"4/4 training {options.steps} steps")
     summary = launch(LaunchOptions(plan_path=out / "plan.yaml", run_id=options.run_id, runs_root=options.runs_root,
-                                   steps=options.steps), on_update=on_update)
+                                   steps=options.steps, cluster_path=out / "cluster.yaml",
+                                   model_path=out / "model.yaml"), on_update=on_update)
     return {"cluster": str(out / "cluster.yaml"), "model": str(out / "model.yaml"), "plan": str(out / "plan.yaml"),
             "profile": profiled, "model_spec": model, "plan_spec": plan, "summary": summary}
 

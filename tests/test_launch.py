@@ -153,3 +153,21 @@ def test_a_killed_launch_leaves_no_worker_running(tmp_path, sig):
             except (ProcessLookupError, psutil.NoSuchProcess):
                 pass
         launch.wait()
+
+
+def test_profiles_that_do_not_fit_the_plan_are_refused(tmp_path):
+    from felactl.spec import ClusterSpec, Device, Node
+
+    plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
+    other = ClusterSpec(name="x", nodes=(Node(name="x", devices=(
+        Device(name="gpu7", kind=DeviceKind.CPU, model="m", tflops=1.0, memory_gb=1.0),)),))
+    cluster = save(other, tmp_path / "cluster.yaml")
+    result = _launch(tmp_path, str(plan_path), "--cluster", str(cluster))
+    assert result.exit_code == 2 and "--cluster and --model go together" in result.stderr
+    from felactl.profiling.model import profile_model
+
+    model = save(profile_model("mlp", {"input_dim": 32, "hidden": 64, "depth": 2}, [4], repeats=1),
+                 tmp_path / "model.yaml")
+    result = _launch(tmp_path, str(plan_path), "--cluster", str(cluster), "--model", str(model))
+    assert result.exit_code == 2 and "'cpu0' is not in this cluster profile" in result.stderr, result.output
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -92,6 +92,20 @@ def _procs_of(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _no_step_lost(records: list[dict], survivors: tuple[int, ...], steps: int) -> bool:
+    """Across a failure, every step was completed by some survivor and none twice by one. (A
+    peer that dies inside the last allreduce of a step can leave one survivor with the step done,
+    the full sum applied, and another with it failed: the second then takes the first's state by
+    replication and goes on from the next step, so its own records skip that one.)"""
+    done = set()
+    for wid in survivors:
+        own = _steps(records, wid)
+        if own != sorted(set(own)):
+            return False
+        done |= set(own)
+    return done == set(range(steps))
+
+
 def _steps(records: list[dict], wid: int) -> list[int]:
     return [r["step"] for r in records if r["rank"] == wid]
 
@@ -235,8 +249,7 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
     failure = next(e for e in read_jsonl(tmp_path / "runs" / "a" / "events.jsonl") if e["kind"] == "failure")
     assert failure["members_before"] == [0, 1, 2] and failure["members_after"] == [0, 1]
     assert "agent of node 'nb' is gone" in failure["reason"]
-    for wid in (0, 1):
-        assert _steps(job.records("a"), wid) == list(range(steps))
+    assert _no_step_lost(job.records("a"), (0, 1), steps)
 
 
 def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers):
@@ -257,8 +270,7 @@ def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers
     assert failure["pause_s"] < 5.0 and failure["time"] - killed_at < 5.0
     assert summary["steps"] == 300
     records = job.records("k")
-    for wid in (0, 2):
-        assert _steps(records, wid) == list(range(300))  # the failed step was redone, none was lost
+    assert _no_step_lost(records, (0, 2), 300)
     assert len(_checksums(failure)) == 1
     assert failure["global_batch"] == 16 and failure["lr"] == pytest.approx(2e-3)  # linear-lr: 3 -> 2 workers
 
@@ -338,3 +350,53 @@ def test_scaling_policies_and_replan():
     shares = [w.share for w in plan.stages[0].workers]
     assert plan.devices == ("cpu0", "cpu1", "cpu7") and plan.global_batch == 24 and plan.training.lr == 2e-3
     assert shares == pytest.approx([1 / 6, 1 / 2, 1 / 3])  # by speed; the newcomer gets the mean speed
+
+
+def _local_profiles(tmp_path: Path, num_devices: int):
+    """A cluster profile of this machine as ``num_devices`` CPU slots (cpu0..), and gpt-mini's
+    model profile: what ``felactl launch --cluster --model`` keeps for re-planning."""
+    from felactl.agents.local_node import short_hostname
+    from felactl.profiling.model import profile_model
+    from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node
+
+    node = Node(name=short_hostname(), devices=tuple(
+        Device(name=f"cpu{i}", kind=DeviceKind.CPU, model="cpu", tflops=0.05, memory_gb=4.0, local_index=i)
+        for i in range(num_devices)))
+    cluster = ClusterSpec(name="here", nodes=(node,), intra_node_default=LinkDefault(
+        bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK))
+    model = profile_model("gpt-mini", GPT_CONFIG, [8], repeats=1)
+    return save(cluster, tmp_path / "cluster.yaml"), save(model, tmp_path / "model.yaml")
+
+
+def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftovers):
+    """Launched with --cluster/--model, a scale-out names the newcomer after a free device of the
+    profile, and the new generation's plan is the planner's: its micro-batch, shares, packed
+    trees and prediction for the three devices. Beyond the profile's devices: refused."""
+    from felactl.optimizer.planner import make_plan
+
+    cluster_path, model_path = _local_profiles(tmp_path, 3)
+    from felactl.spec import load_cluster, load_model
+
+    first = make_plan(load_cluster(cluster_path), load_model(model_path), 16, sync="bsp", devices=["cpu0", "cpu1"],
+                      max_stages=1)
+    plan_path = save(first, tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan_path), "--run-id", "p", "--steps", "1000", "--cluster", str(cluster_path),
+              "--model", str(model_path))
+    try:
+        job.wait_step("p", 20)
+        grown = job.scale("p", "--add", "1")
+        assert grown.exit_code == 0, grown.output
+        event = json.loads(grown.stdout)
+        full = job.scale("p", "--add", "1")
+        summary = job.finish(timeout_s=90)
+    finally:
+        job.stop()
+    assert event["planned_by"] == "planner" and event["predicted_iteration_s"] > 0
+    assert full.exit_code == 2 and "cluster profile" in full.stderr + full.stdout, full.output
+    from felactl.spec import load_plan
+
+    replanned = load_plan(tmp_path / "runs" / "p" / f"plan.{event['generation']}.yaml")
+    assert replanned.devices == ("cpu0", "cpu1", "cpu2")  # the newcomer is the profile's free device
+    assert replanned.collectives and set(replanned.collectives[0].devices) == {"cpu0", "cpu1", "cpu2"}
+    assert replanned.predicted is not None and replanned.solver is not None
+    assert summary["steps"] == 1000 and len({r["rank"] for r in job.records("p")}) == 3

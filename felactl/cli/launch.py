@@ -42,6 +42,10 @@ def launch(
     collective_timeout: Annotated[float, typer.Option(
         help="Elastic jobs: seconds before a blocked collective fails (then the job re-forms).")] = 10.0,
     elastic: Annotated[bool, typer.Option(help="Run data-parallel bsp plans under live rescaling.")] = True,
+    cluster: Annotated[Optional[Path], typer.Option(
+        help="The cluster profile the plan was made from: felactl scale then re-plans with the planner.")] = None,
+    model: Annotated[Optional[Path], typer.Option(
+        help="The model profile the plan was made from (with --cluster).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")] = False,
 ) -> None:
     """Train: start the coordinator and this machine's agent, run the plan, write runs/<id>/."""
@@ -64,7 +68,7 @@ def launch(
                             rdzv_endpoint=rdzv_endpoint, nnodes=nnodes, hostfile=hostfile, node_name=node_name,
                             resume=resume, max_nproc_per_node=max_nproc_per_node, scaling_policy=scaling_policy,
                             max_batch=max_batch, heartbeat_timeout_s=heartbeat_timeout, elastic=elastic,
-                            collective_timeout_s=collective_timeout)
+                            collective_timeout_s=collective_timeout, cluster_path=cluster, model_path=model)
     with Live(console=output.stderr, refresh_per_second=4, transient=False) as live:
         def update(state) -> None:
             from felactl.agents.worker.metrics import summarize

@@ -28,12 +28,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from felactl.agents.agent import command_queue
+from felactl.agents.agent import AGENT_BEAT_S, command_queue
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator, Member, agent_beat_key, signed_envelope, verify
 from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
-from felactl.launcher.scale_plan import ScalingPolicy, replan
-from felactl.spec import Plan, save
+from felactl.launcher.scale_plan import ScalingPolicy, replan, replan_with_planner
+from felactl.spec import Plan, load_cluster, load_model, save
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -82,6 +82,8 @@ class ElasticController:
         self.agent_beats: dict[str, tuple[str | None, float]] = {}
         self.stuck_since: float | None = None
         self.first_plan = (start_generation, plan_path or run.plan)
+        # With the profiles the plan came from, every change runs the planner again on them.
+        self.profiles = (load_cluster(run.cluster), load_model(run.model)) if run.cluster.exists() else None
         self.store.set(self.kv + "generation", str(self.generation))
 
     # --- the loop's step --------------------------------------------------------------------------
@@ -93,7 +95,8 @@ class ElasticController:
         if dead:
             self._drop(dead)
         elif self._stuck_long():
-            self._switch(list(self.members), "re-form", reason="a collective failed with every member alive")
+            self._switch(list(self.members), "re-form", planned=(self.plan, {"planned_by": "unchanged"}),
+                         reason="a collective failed with every member alive")
         self._serve_requests()
         return all(self.store.check([f"{self.kv}done/{w}"]) for w in self.members)
 
@@ -106,8 +109,9 @@ class ElasticController:
         self.stuck_since = self.stuck_since or now
         return now - self.stuck_since > self.settings.heartbeat_timeout_s
 
-    def _agent_silent_s(self, node: str) -> float | None:
-        """Seconds the agent of ``node`` has been silent, once past the heartbeat timeout; else None."""
+    def _agent_silent_s(self, node: str, grace_s: float | None = None) -> float | None:
+        """Seconds the agent of ``node`` has been silent, once past ``grace_s`` (default: the
+        heartbeat timeout); else None."""
         agent_id = self.agents[node].agent_id
         key = agent_beat_key(self.coordinator.prefix, agent_id)
         beat = self.store.get(key).decode() if self.store.check([key]) else None
@@ -116,7 +120,9 @@ class ElasticController:
         if last is None or last[0] != beat:
             self.agent_beats[agent_id] = last = (beat, now)
         silent = now - last[1]
-        grace = self.settings.heartbeat_timeout_s if beat is not None else self.settings.ready_timeout_s
+        grace = grace_s if grace_s is not None else self.settings.heartbeat_timeout_s
+        if beat is None:
+            grace = max(grace, self.settings.ready_timeout_s)
         return silent if silent > grace else None
 
     def _tables(self) -> dict[str, dict]:
@@ -142,7 +148,9 @@ class ElasticController:
             grace = self.settings.heartbeat_timeout_s if beat is not None else self.settings.ready_timeout_s
             if now - w.since > grace and not self.store.check([f"{self.kv}done/{wid}"]):
                 dead[wid] = f"worker {wid}: no heartbeat for {now - w.since:.1f} s"
-                if self._agent_silent_s(w.node) is not None:
+                # Its worker's silence and the agent's start within a beat of each other: two
+                # missed agent beats (and a half, for a busy machine) tell the agent is gone with it.
+                if self._agent_silent_s(w.node, grace_s=2.5 * AGENT_BEAT_S) is not None:
                     dead[wid] += f" (the agent of node {w.node!r} is gone too)"
         return dead
 
@@ -156,9 +164,24 @@ class ElasticController:
                                f"`felactl launch --resume {self.run.run_id}`")
         log.warning("elastic: dropping %s", "; ".join(dead.values()))
         try:
-            self._switch(survivors, "failure", reason="; ".join(dead.values()))
+            self._switch(survivors, "failure", planned=self._plan_for_survivors(survivors),
+                         reason="; ".join(dead.values()))
         except JobFinished:
             log.warning("elastic: the survivors had already finished; nothing to re-form")
+
+    def _plan_for_survivors(self, survivors: list[int]) -> tuple[Plan, dict]:
+        """A failure must not end the job: if the planner finds nothing for the survivors, they
+        keep the launched stage with shares by measured speed."""
+        try:
+            return self._plan_for(survivors)
+        except InputError as exc:
+            log.warning("elastic: %s; re-planning by measured speeds instead", exc)
+            policy = self.settings.policy
+            batch, lr = policy.batch_and_lr(*self.base[:2], self.base[2], len(survivors))
+            devices = [self.workers[w].device for w in survivors]
+            plan = replan(self.plan, devices, self._member_speeds(survivors),
+                          {self.workers[w].device: self.workers[w].node for w in survivors}, global_batch=batch, lr=lr)
+            return plan, {"planned_by": "measured speeds", "planner_refused": str(exc)}
 
     def _command(self, wid: int, command: dict) -> None:
         agent_id = self.workers[wid].agent_id
@@ -223,6 +246,9 @@ class ElasticController:
     def capacity(self, node: str) -> int:
         if self.settings.max_nproc_per_node is not None:
             return self.settings.max_nproc_per_node
+        profiled = self._profiled_node(node)
+        if profiled is not None:
+            return len(profiled.devices)
         info = self.agents[node].info
         return int(info.get("num_gpus") or info.get("num_cpu_cores") or self.agents[node].num_slots)
 
@@ -239,22 +265,51 @@ class ElasticController:
         used = sum(1 for w in self.members if self.workers[w].node == node)
         slots = self.capacity(node)
         if used + count > slots:
-            raise InputError(f"node {node!r} has {slots} worker slot(s) and {used} in use: cannot add {count} "
+            where = ("device(s) in the run's cluster profile" if self._profiled_node(node) is not None
+                     and self.settings.max_nproc_per_node is None else "worker slot(s)")
+            raise InputError(f"node {node!r} has {slots} {where} and {used} in use: cannot add {count} "
                              "(a CPU node offers one slot per core; launch with --max-nproc-per-node to allow more)")
         newcomers = self._start_newcomers(count, node)
-        return self._switch(self.members + newcomers, "scale-out", policy=policy)
+        try:  # planning runs while the newcomers import torch and build the model
+            planned = self._plan_for(self.members + newcomers, policy)
+        except InputError:
+            self._abandon(newcomers)
+            raise
+        self._wait_ready(newcomers)
+        return self._switch(self.members + newcomers, "scale-out", planned=planned)
 
     def _start_newcomers(self, count: int, node: str) -> list[int]:
-        taken = {w.device for w in self.workers.values()}
+        """Ask ``node``'s agent for ``count`` more workers; they start while the job trains."""
+        devices = self._free_devices(node, count)
         newcomers = []
-        for _ in range(count):
+        for device in devices:
             wid, self.next_id = self.next_id, self.next_id + 1
-            device = f"cpu{wid}" if f"cpu{wid}" not in taken else f"w{wid}"
             self.workers[wid] = _Worker(device, node, self.agents[node].agent_id)
             newcomers.append(wid)
             self._command(wid, {"op": "add", "worker_id": wid, "env": {
                 "FELACTL_WORKER_ID": str(wid), "FELACTL_JOIN": "1", "RANK": "0", "WORLD_SIZE": "1",
                 "FELACTL_PLAN": str(self._plan_path(self.generation).resolve())}})
+        return newcomers
+
+    def _free_devices(self, node: str, count: int) -> list[str]:
+        """Names for newcomers: the profile's devices of ``node`` that no member holds (so the
+        planner knows them); without a profile, ``cpu<id>``."""
+        taken = {self.workers[w].device for w in self.members}
+        if self.profiles is None:
+            return [f"cpu{self.next_id + i}" if f"cpu{self.next_id + i}" not in taken else f"w{self.next_id + i}"
+                    for i in range(count)]
+        profiled = self._profiled_node(node)
+        if profiled is None:
+            raise InputError(f"node {node!r} is not in the run's cluster profile: the planner cannot place workers there")
+        free = [d.name for d in profiled.devices if d.name not in taken]
+        if len(free) < count:
+            raise InputError(f"node {node!r} has {len(free)} free device(s) in the cluster profile: cannot add {count}")
+        return free[:count]
+
+    def _profiled_node(self, node: str):
+        return None if self.profiles is None else next((n for n in self.profiles[0].nodes if n.name == node), None)
+
+    def _wait_ready(self, newcomers: list[int]) -> None:
         deadline = time.monotonic() + self.settings.ready_timeout_s
         waiting = set(newcomers)
         while waiting:
@@ -274,7 +329,6 @@ class ElasticController:
                 raise JobFinished("the job finished its last step while the new worker(s) were starting; "
                                   "nothing changed")
             time.sleep(POLL_S)
-        return newcomers
 
     def _all_done(self, wids: list[int]) -> bool:
         return all(self.store.check([f"{self.kv}done/{w}"]) for w in wids)
@@ -293,7 +347,7 @@ class ElasticController:
         stay = [w for w in self.members if w not in wids]
         if not stay:
             raise InputError("cannot remove every worker: at least one must stay (stop the job instead)")
-        return self._switch(stay, "scale-in", policy=policy)
+        return self._switch(stay, "scale-in", planned=self._plan_for(stay, policy))
 
     # --- a new generation -----------------------------------------------------------------------
     def _plan_path(self, generation: int):
@@ -312,11 +366,24 @@ class ElasticController:
                 speeds[self.workers[wid].device] = sum(r["samples"] for r in records[-5:]) / compute_s
         return speeds
 
-    def _switch(self, members: list[int], kind: str, *, policy: ScalingPolicy | None = None,
-                reason: str | None = None) -> dict:
+    def _plan_for(self, members: list[int], policy: ScalingPolicy | None = None) -> tuple[Plan, dict]:
+        """The plan for ``members`` (rank order) and how it was made: the planner on the run's
+        profiles where it has them, else the launched plan's stage with shares by measured speed."""
         policy = policy or self.settings.policy
         batch, lr = policy.batch_and_lr(*self.base[:2], self.base[2], len(members))
         devices = [self.workers[w].device for w in members]
+        nodes = {self.workers[w].device: self.workers[w].node for w in members}
+        began = time.perf_counter()
+        if self.profiles is not None:
+            plan = replan_with_planner(self.plan, *self.profiles, devices, nodes, global_batch=batch, lr=lr)
+            how = "planner"
+        else:
+            plan = replan(self.plan, devices, self._member_speeds(members), nodes, global_batch=batch, lr=lr)
+            how = "measured speeds"
+        return plan, {"planned_by": how, "plan_s": round(time.perf_counter() - began, 3),
+                      "predicted_iteration_s": plan.predicted.iteration_s if plan.predicted else None}
+
+    def _member_speeds(self, members: list[int]) -> dict[str, float]:
         speeds = self._speeds()
         node_speed = {}  # a newcomer runs at the mean speed of its node's workers
         for w in members:
@@ -327,8 +394,11 @@ class ElasticController:
             if d not in speeds and self.workers[w].node in node_speed:
                 values = node_speed[self.workers[w].node]
                 speeds[d] = sum(values) / len(values)
-        plan = replan(self.plan, devices, speeds, {self.workers[w].device: self.workers[w].node for w in members},
-                      global_batch=batch, lr=lr)
+        return speeds
+
+    def _switch(self, members: list[int], kind: str, *, planned: tuple[Plan, dict],
+                reason: str | None = None) -> dict:
+        plan, how = planned
         generation = self.generation + 1
         plan_path = save(plan, self._plan_path(generation))
         before = list(self.members)
@@ -346,7 +416,7 @@ class ElasticController:
             self.plan, self.members = previous, before
             self._abandon([w for w in members if w not in before])
             raise
-        event = _event(kind, generation, before, members, reports, plan, reason)
+        event = {**_event(kind, generation, before, members, reports, plan, reason), **how}
         append_jsonl(self.run.events, event)
         return event
 

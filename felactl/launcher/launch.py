@@ -28,7 +28,8 @@ from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_
 from felactl.launcher.resume import ResumePoint, find_resume_point
 from felactl.launcher.rundir import RunDir, append_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy
-from felactl.spec import DeviceKind, Plan, SyncMode, load_plan, save
+from felactl.spec import (DeviceKind, Plan, SyncMode, check_plan_against_model, load_cluster, load_model,
+                          load_plan, save)
 
 WORKER_MODULE = "felactl.agents.worker"
 POLL_S = 0.2
@@ -64,6 +65,9 @@ class LaunchOptions:
     collective_timeout_s: float = 10.0
     """Elastic jobs: the data-parallel group's collective timeout (a survivor blocked with a dead
     peer fails after at most this; usually at once, when the dead peer's sockets close)."""
+    cluster_path: Path | None = None
+    model_path: Path | None = None
+    """The profiles the plan was made from: kept in the run, so a rescale runs the planner again."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -74,6 +78,8 @@ class LaunchOptions:
             raise InputError(f"--nnodes must be >= 1, got {self.nnodes}")
         if self.nnodes > 1 and not (self.rdzv_endpoint or self.hostfile):
             raise InputError("--nnodes > 1 needs --rdzv-endpoint (agents join there) or --hostfile")
+        if (self.cluster_path is None) != (self.model_path is None):
+            raise InputError("--cluster and --model go together: the planner needs both profiles to re-plan")
         if self.max_nproc_per_node is not None and self.max_nproc_per_node < 1:
             raise InputError(f"--max-nproc-per-node must be >= 1, got {self.max_nproc_per_node}")
         if self.heartbeat_timeout_s <= 0:
@@ -168,9 +174,19 @@ def prepare_run(options: LaunchOptions, resume: ResumePoint | None = None) -> tu
     if resume is not None:
         return resume.run, load_plan(resume.plan_path), read_secret_file(resume.run.secret)
     plan = load_plan(options.plan_path)
+    profiles = None
+    if options.cluster_path is not None:
+        profiles = load_cluster(options.cluster_path), load_model(options.model_path)
+        check_plan_against_model(plan, profiles[1])
+        missing = [d for d in plan.devices if d not in {dev.name for dev in profiles[0].devices}]
+        if missing:
+            raise InputError(f"{options.cluster_path}: the plan's device {missing[0]!r} is not in this cluster profile")
     run = RunDir.create(options.run_id, root=options.runs_root)
     secret = write_secret_file(run.secret)
     save(plan, run.plan)
+    if profiles is not None:  # what felactl scale re-plans with (felactl.launcher.elastic)
+        save(profiles[0], run.cluster)
+        save(profiles[1], run.model)
     atomic_write_text(run.path / "launch.json", json.dumps(
         {k: (str(v) if isinstance(v, Path) else getattr(v, "value", v)) for k, v in asdict(options).items()},
         indent=2) + "\n")

@@ -72,6 +72,16 @@ class RunDir:
         return self.path.name
 
     @property
+    def cluster(self) -> Path:
+        """The cluster profile the plan was made from, when the launch was given it."""
+        return self.path / "cluster.yaml"
+
+    @property
+    def model(self) -> Path:
+        """The model profile the plan was made from, when the launch was given it."""
+        return self.path / "model.yaml"
+
+    @property
     def plan(self) -> Path:
         return self.path / "plan.yaml"
 

@@ -1,11 +1,15 @@
-"""Re-planning a data-parallel job for a new membership, and the hybrid-scaling policies (pure).
+"""Re-planning a data-parallel job for a new membership, and the hybrid-scaling policies.
 
-A run launched from a plan file carries no cluster or model profile, so a rescale does not run
-the ILP again: it keeps the plan's structure (one stage, its micro-batch, optimizer and sync mode)
-on the new device set, data parallel, with each device's share of the global batch proportional
-to its measured speed (samples per compute second in the run's recent metrics; a newcomer is
-credited with the mean speed of the workers already on its node, equal shares when nothing was
-measured). Pipelines and flexible-hybrid plans are refused (see felactl.launcher.elastic).
+A run launched with the profiles its plan was made from (``felactl launch --cluster --model``;
+``felactl demo`` does) runs the planner again on them for the new device set
+(:func:`replan_with_planner`): the ILP picks the micro-batch and the shares, Blink packs the
+group's trees, and the plan carries its prediction, restricted to one stage because the live
+runtime re-forms data-parallel groups. Without the profiles (:func:`replan`) the plan's structure
+is kept (one stage, its micro-batch, optimizer and sync mode) on the new device set, with each
+device's share of the global batch proportional to its measured speed (samples per compute second
+in the run's recent metrics; a newcomer is credited with the mean speed of the workers already on
+its node, equal shares when nothing was measured). Pipelines and flexible-hybrid plans are refused
+(see felactl.launcher.elastic).
 
 Hybrid scaling (Elan): how the global batch and the learning rate follow the number of workers.
 
@@ -24,8 +28,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from felactl.errors import InputError
-from felactl.spec import Placement, Plan, Schedule, Stage, StageWorker
+from felactl.errors import InputError, PlanInfeasible
+from felactl.spec import ClusterSpec, ModelSpec, Placement, Plan, Schedule, Stage, StageWorker
+
+REPLAN_TIME_LIMIT_S = 10.0
 
 POLICIES = ("fixed-batch", "linear-lr")
 
@@ -87,3 +93,24 @@ def replan(plan: Plan, devices: list[str], speeds: dict[str, float], nodes: dict
     return dataclasses.replace(plan, devices=tuple(devices), global_batch=global_batch, stages=(new_stage,),
                                pipelines=pipelines, collectives=(), placement=placement, predicted=None,
                                solver=None, training=dataclasses.replace(plan.training, lr=lr))
+
+
+def replan_with_planner(plan: Plan, cluster: ClusterSpec, model: ModelSpec, devices: list[str],
+                        nodes: dict[str, str], *, global_batch: int, lr: float,
+                        time_limit_s: float = REPLAN_TIME_LIMIT_S) -> Plan:
+    """The planner, run again on the profiles for ``devices`` (rank order), one stage: its
+    micro-batch, shares, trees and prediction, laid out in the members' rank order."""
+    from felactl.optimizer.planner import make_plan
+
+    try:
+        solved = make_plan(cluster, model, global_batch, sync=plan.sync.mode.value, devices=devices, max_stages=1,
+                           time_limit_s=time_limit_s, use_trees=plan.sync.use_trees)
+    except PlanInfeasible as exc:
+        raise InputError(f"the planner finds no plan for workers {', '.join(devices)}: {exc}") from None
+    stage = solved.stages[0]
+    shares = {w.device: w.share for w in stage.workers}
+    if set(shares) != set(devices) or min(shares.values()) <= 0:
+        raise InputError(f"the planner leaves some of {', '.join(devices)} idle; a live job keeps every member busy")
+    laid_out = replan(plan, devices, shares, nodes, global_batch=global_batch, lr=lr)
+    return dataclasses.replace(laid_out, stages=(dataclasses.replace(laid_out.stages[0], micro_batch=stage.micro_batch),),
+                               collectives=solved.collectives, predicted=solved.predicted, solver=solved.solver)
