@@ -249,3 +249,8 @@ def test_optimizer_step_is_timed_and_really_steps():
     assert time_optimizer_step(nn.Sequential(nn.ReLU()), repeats=1) == 0.0
     spec = _profile("mlp", {"input_dim": 8, "hidden": 16, "depth": 1})
     assert spec.optimizer_step_ms is not None and spec.optimizer_step_ms > 0
+    calls = []
+    step_ms = time_optimizer_step(layers, repeats=3, warmup=1, backward=lambda: calls.append(
+        layers(torch.ones(2, 64)).sum().backward()))
+    assert step_ms > 0 and len(calls) == 4  # one backward before each step, as in training
+    assert all(p.grad is None for p in layers.parameters())
