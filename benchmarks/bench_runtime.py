@@ -41,16 +41,27 @@ LOSS_TOLERANCE = 0.05
 loss reduction (first to last smoothed value) of bsp's final smoothed loss."""
 
 
-def make_plan(model: str, workers: int, mode: str, micro_batch: int, overlap: bool = False):
+def make_plan(model: str, workers: int, mode: str, micro_batch: int, overlap: bool = False, trees: bool = False):
+    """A data-parallel plan; ``trees``: with one packed broadcast tree (a star from cpu0) for
+    the group, so BSP sums along it instead of gloo's allreduce."""
+    import dataclasses
+
     from felactl import models
-    from felactl.spec import ModelRef, SyncMode, SyncSpec, Training, data_parallel_plan
+    from felactl.spec import Collective, ModelRef, SyncMode, SyncSpec, Training, Tree, data_parallel_plan
 
     source, config, global_batch = MODELS[model]
-    return data_parallel_plan(model=ModelRef(name=model, source=source, config=config),
+    devices = [f"cpu{i}" for i in range(workers)]
+    plan = data_parallel_plan(model=ModelRef(name=model, source=source, config=config),
                               num_layers=len(models.build(source, config).layers),
-                              devices=[f"cpu{i}" for i in range(workers)], global_batch=global_batch,
+                              devices=devices, global_batch=global_batch,
                               micro_batch=micro_batch, sync=SyncSpec(mode=SyncMode(mode), overlap=overlap),
                               training=Training(optimizer="sgd", lr=0.05))
+    if not trees:
+        return plan
+    star = Tree(edges=tuple(("cpu0", d) for d in devices[1:]), weight=1.0)
+    return dataclasses.replace(plan, collectives=(Collective(group="stage0", devices=tuple(devices), root="cpu0",
+                                                             trees=(star,), rate_gbps=1.0, bound_gbps=1.0,
+                                                             ring_gbps=0.0),))
 
 
 def make_hybrid_plan(model: str, workers: int, micro_batch: int):
@@ -153,7 +164,9 @@ def cases(args) -> list[dict]:
     out = []
     for model in MODELS:
         out += [dict(table=1, scenario=model, name="ddp (torchrun)", model=model, mode="ddp", mb=share[model]),
-                dict(table=1, scenario=model, name="bsp", model=model, mode="bsp", mb=share[model])]
+                dict(table=1, scenario=model, name="bsp", model=model, mode="bsp", mb=share[model]),
+                dict(table=1, scenario=model, name="bsp (trees)", model=model, mode="bsp", mb=share[model],
+                     trees=True)]
     straggler = {"FELACTL_SLOWDOWN": slow}
     for model in args.straggler_models:
         gb, sc = MODELS[model][2], f"{model} {slow}"
@@ -182,7 +195,8 @@ def run_case(case: dict, args, workdir: Path, tag: str) -> dict:
         return run_ddp(case["model"], args.workers, args.steps, args.workers - 1 if slowed else -1,
                        args.factor if slowed else 1.0)
     plan = make_hybrid_plan(case["model"], args.workers, case["mb"]) if case["mode"] == "hybrid" else \
-        make_plan(case["model"], args.workers, case["mode"], case["mb"], overlap=case.get("overlap", False))
+        make_plan(case["model"], args.workers, case["mode"], case["mb"], overlap=case.get("overlap", False),
+                  trees=case.get("trees", False))
     return run_felactl(workdir, tag, plan, args.steps, case.get("env", {}))
 
 
