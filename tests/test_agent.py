@@ -73,6 +73,35 @@ def test_workers_get_the_torchrun_environment_and_logs(tmp_path):
     assert "hello from 3" in (tmp_path / "logs" / "worker-3.log").read_text()
 
 
+def test_local_rank_is_the_devices_index_on_the_node(tmp_path):
+    """A plan that uses GPUs 0 and 2 of a node: its workers get LOCAL_RANK 0 and 2 (the CUDA
+    ordinals), not 0 and 1; the launcher takes them from the plan's placement."""
+    import dataclasses
+
+    from felactl.launcher.controlplane import Member
+    from felactl.launcher.launch import assign_ranks
+    from felactl.spec import Placement
+
+    env = _module(tmp_path, "localrank", """
+        import os
+        open(os.path.join(os.environ["OUT_DIR"], "lr-" + os.environ["RANK"]), "w").write(os.environ["LOCAL_RANK"])
+    """)
+    spec = WorkerSpec(module="localrank", nproc=2, world_size=2, log_dir=tmp_path / "logs",
+                      env={**env, "OUT_DIR": str(tmp_path)}, local_ranks=(0, 2))
+    assert LocalWorkerAgent(spec).run().state is WorkerState.SUCCEEDED
+    assert [(tmp_path / f"lr-{r}").read_text() for r in (0, 1)] == ["0", "2"]
+    with pytest.raises(InputError, match="local ranks"):
+        WorkerSpec(module="m", nproc=2, world_size=2, local_ranks=(0,))
+
+    from _worker_helpers import dp_plan
+
+    plan = dataclasses.replace(dp_plan(2), placement=(Placement(device="cpu0", node="box", local_index=0),
+                                                      Placement(device="cpu1", node="box", local_index=2)))
+    member = Member(agent_id="a1", node_name="box", num_slots=2, hostname="box")
+    assignment = assign_ranks(plan, [member], {"box": ("cpu0", "cpu1")}, {})["a1"]
+    assert assignment.local_indices == (0, 2) and assignment.rank_offset == 0
+
+
 SLEEPER = """
     import os, subprocess, sys, time
     rank = os.environ["RANK"]

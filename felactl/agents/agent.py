@@ -55,6 +55,9 @@ class WorkerSpec:
     """Worker ``i`` writes stdout and stderr to ``log_dir/worker-<rank>.log``."""
     cpu_affinity: tuple[tuple[int, ...], ...] | None = None
     """Cores per local worker; each process is pinned to its share with ``sched_setaffinity``."""
+    local_ranks: tuple[int, ...] = ()
+    """Each worker's LOCAL_RANK (its device's index on the node: a plan may use GPUs 0 and 2);
+    empty: 0, 1, ..."""
     monitor_interval_s: float = 0.1
     stop_grace_s: float = 3.0
     """How long ``stop`` waits after SIGTERM before SIGKILL."""
@@ -62,6 +65,8 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise InputError(f"--nproc-per-node must be >= 1, got {self.nproc}")
+        if self.local_ranks and len(self.local_ranks) != self.nproc:
+            raise InputError(f"{len(self.local_ranks)} local ranks given for {self.nproc} worker(s)")
         if not 0 <= self.rank_offset or self.rank_offset + self.nproc > self.world_size:
             raise InputError(f"ranks {self.rank_offset}..{self.rank_offset + self.nproc - 1} do not fit in a world "
                              f"of {self.world_size}")
@@ -137,7 +142,8 @@ class LocalWorkerAgent:
     def worker_env(self, local_rank: int) -> dict[str, str]:
         s = self.spec
         env = {**os.environ, **{k: str(v) for k, v in s.env.items()}}
-        env.update(RANK=str(s.rank_offset + local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(s.world_size),
+        device_index = s.local_ranks[local_rank] if s.local_ranks else local_rank
+        env.update(RANK=str(s.rank_offset + local_rank), LOCAL_RANK=str(device_index), WORLD_SIZE=str(s.world_size),
                    LOCAL_WORLD_SIZE=str(s.nproc), MASTER_ADDR=s.master_addr, MASTER_PORT=str(s.master_port),
                    PYTHONUNBUFFERED="1", FELACTL_WORKER_ID=str(s.rank_offset + local_rank))
         if s.cpu_affinity is not None:
@@ -332,7 +338,7 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
                       master_addr=session.host, master_port=session.port, log_dir=config.log_dir,
                       env={**assignment.env, "FELACTL_STORE_PREFIX": session.prefix,
                            "FELACTL_NODE_NAME": config.node_name},
-                      cpu_affinity=config.cpu_affinity)
+                      cpu_affinity=config.cpu_affinity, local_ranks=tuple(assignment.local_indices))
     session.report(WorkerState.HEALTHY.value)
     agent = LocalWorkerAgent(spec)
     if assignment.env.get("FELACTL_ELASTIC") == "1":

@@ -199,6 +199,8 @@ class Assignment:
     module: str
     args: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
+    local_indices: tuple[int, ...] = ()
+    """Each slot's device index on the node (its LOCAL_RANK: the CUDA ordinal); empty: 0, 1, ..."""
 
 
 class Coordinator:

@@ -286,9 +286,13 @@ class ElasticController:
             wid, self.next_id = self.next_id, self.next_id + 1
             self.workers[wid] = _Worker(device, node, self.agents[node].agent_id)
             newcomers.append(wid)
-            self._command(wid, {"op": "add", "worker_id": wid, "env": {
-                "FELACTL_WORKER_ID": str(wid), "FELACTL_JOIN": "1", "RANK": "0", "WORLD_SIZE": "1",
-                "FELACTL_PLAN": str(self._plan_path(self.generation).resolve())}})
+            env = {"FELACTL_WORKER_ID": str(wid), "FELACTL_JOIN": "1", "RANK": "0", "WORLD_SIZE": "1",
+                   "FELACTL_PLAN": str(self._plan_path(self.generation).resolve())}
+            if self._profiled_node(node) is not None:  # the device's own index (its GPU), not a count
+                index = next(i for i, d in enumerate(self._profiled_node(node).devices) if d.name == device)
+                local_index = self.profiles[0].device(device).local_index
+                env["LOCAL_RANK"] = str(index if local_index is None else local_index)
+            self._command(wid, {"op": "add", "worker_id": wid, "env": env})
         return newcomers
 
     def _free_devices(self, node: str, count: int) -> list[str]:

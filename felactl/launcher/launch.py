@@ -130,8 +130,10 @@ def assign_ranks(plan: Plan, members: list[Member], nodes: dict[str, tuple[str, 
         ranks = [plan.rank_of(d) for d in devices]
         if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
             raise InputError(f"the devices of node {node!r} must have consecutive ranks in plan.devices, got {ranks}")
+        placed = {p.device: p.local_index for p in plan.placement}
+        local_indices = tuple(placed[d] for d in devices) if all(d in placed for d in devices) else ()
         assignments[member.agent_id] = Assignment(rank_offset=ranks[0], world_size=len(plan.devices),
-                                                  module=WORKER_MODULE, env=dict(env))
+                                                  module=WORKER_MODULE, env=dict(env), local_indices=local_indices)
     return assignments
 
 
