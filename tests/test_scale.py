@@ -400,3 +400,19 @@ def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftove
     assert replanned.collectives and set(replanned.collectives[0].devices) == {"cpu0", "cpu1", "cpu2"}
     assert replanned.predicted is not None and replanned.solver is not None
     assert summary["steps"] == 1000 and len({r["rank"] for r in job.records("p")}) == 3
+
+
+def test_status_history_says_how_each_generation_was_planned():
+    from rich.console import Console
+
+    from felactl.cli.status import history_table
+
+    events = [{"time": 0, "kind": "scale-out", "generation": 1, "members_before": [0, 1],
+               "members_after": [0, 1, 2], "pause_s": 0.05, "replicated_bytes": 2e6,
+               "replicated_from": {"0": 1e6, "1": 1e6}, "planned_by": "planner", "predicted_iteration_s": 0.0123},
+              {"time": 1, "kind": "failure", "generation": 2, "members_before": [0, 1, 2], "members_after": [0, 1],
+               "pause_s": 1.2, "planned_by": "measured speeds", "reason": "worker 2: no heartbeat for 5.0 s"}]
+    console = Console(width=200, record=True)
+    console.print(history_table(events))
+    text = console.export_text()
+    assert "planner (12.3 ms/it)" in text and "measured speeds" in text and "no heartbeat" in text

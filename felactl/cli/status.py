@@ -36,16 +36,21 @@ def status(
 
 
 def history_table(history: list[dict]) -> Table:
-    """One row per membership change: who was in before and after, the pause, what was replicated."""
+    """One row per membership change: who was in before and after, the pause, what was replicated,
+    and how the new generation was planned (the planner's predicted iteration where it ran)."""
     table = Table(title="membership history", title_justify="left")
-    for col in ("time", "kind", "gen", "before", "after", "pause_s", "replicated", "from / why"):
+    for col in ("time", "kind", "gen", "before", "after", "pause_s", "replicated", "planned by", "from / why"):
         table.add_column(col)
     for e in history:
         sources = ", ".join(f"{w}: {b / 1e6:.2f} MB" for w, b in (e.get("replicated_from") or {}).items())
+        planned = e.get("planned_by", "")
+        if e.get("predicted_iteration_s"):
+            planned += f" ({e['predicted_iteration_s'] * 1e3:.1f} ms/it)"
         table.add_row(time.strftime("%H:%M:%S", time.localtime(e.get("time", 0))), e["kind"],
                       str(e.get("generation", "")), str(e.get("members_before", e.get("members", ""))),
                       str(e.get("members_after", "")), "" if e.get("pause_s") is None else f"{e['pause_s']:.3f}",
                       f"{e.get('replicated_bytes', 0) / 1e6:.2f} MB" if e.get("replicated_bytes") else "",
+                      planned,
                       sources or e.get("reason", "") or (f"from step {e['from_step']}" if "from_step" in e else ""))
     return table
 
