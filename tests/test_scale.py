@@ -350,6 +350,14 @@ def test_scaling_policies_and_replan():
     shares = [w.share for w in plan.stages[0].workers]
     assert plan.devices == ("cpu0", "cpu1", "cpu7") and plan.global_batch == 24 and plan.training.lr == 2e-3
     assert shares == pytest.approx([1 / 6, 1 / 2, 1 / 3])  # by speed; the newcomer gets the mean speed
+    import dataclasses
+
+    from felactl.spec import Placement
+
+    on_gpus_0_and_2 = dataclasses.replace(gpt_plan(2), placement=(
+        Placement(device="cpu0", node="n", local_index=0), Placement(device="cpu1", node="n", local_index=2)))
+    grown = replan(on_gpus_0_and_2, ["cpu0", "cpu1", "cpu7"], {}, {"cpu7": "n"}, global_batch=24, lr=2e-3)
+    assert [p.local_index for p in grown.placement] == [0, 2, 1]  # stayers keep theirs; the newcomer takes 1
 
 
 def _local_profiles(tmp_path: Path, num_devices: int):

@@ -60,6 +60,11 @@ def test_trees_that_do_not_span_the_group_are_not_used():
     assert stage_trees(plan, 0, 0, None) is None
     no_trees = dataclasses.replace(plan, sync=dataclasses.replace(plan.sync, use_trees=False))
     assert stage_trees(no_trees, 0, 0, None) is None
+    two_parents = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"],
+                             [([("cpu0", "cpu1"), ("cpu0", "cpu2"), ("cpu1", "cpu2")], 1.0)])
+    assert stage_trees(two_parents, 0, 0, None) is None  # cpu2 would wait for a second parent's send
+    into_root = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], [([("cpu0", "cpu1"), ("cpu1", "cpu0")], 1.0)])
+    assert stage_trees(into_root, 0, 0, None) is None
     good = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
     assert [t.children for t in stage_trees(good, 0, 1, None).trees] == [(2,), ()]
 

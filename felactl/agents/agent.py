@@ -145,7 +145,8 @@ class LocalWorkerAgent:
         device_index = s.local_ranks[local_rank] if s.local_ranks else local_rank
         env.update(RANK=str(s.rank_offset + local_rank), LOCAL_RANK=str(device_index), WORLD_SIZE=str(s.world_size),
                    LOCAL_WORLD_SIZE=str(s.nproc), MASTER_ADDR=s.master_addr, MASTER_PORT=str(s.master_port),
-                   PYTHONUNBUFFERED="1", FELACTL_WORKER_ID=str(s.rank_offset + local_rank))
+                   PYTHONUNBUFFERED="1", FELACTL_WORKER_ID=str(s.rank_offset + local_rank),
+                   FELACTL_PARENT_PID=str(os.getpid()))
         if s.cpu_affinity is not None:
             env["FELACTL_CPU_CORES"] = ",".join(map(str, s.cpu_affinity[local_rank]))
         return env

@@ -32,11 +32,13 @@ from felactl.agents.agent import AGENT_BEAT_S, command_queue
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator, Member, agent_beat_key, signed_envelope, verify
 from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
-from felactl.launcher.scale_plan import ScalingPolicy, replan, replan_with_planner
+from felactl.launcher.scale_plan import REPLAN_TIME_LIMIT_S, ScalingPolicy, replan, replan_with_planner
 from felactl.spec import Plan, load_cluster, load_model, save
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
+FAILURE_REPLAN_TIME_LIMIT_S = 2.0
+"""Survivors of a failure wait while the coordinator re-plans: the solver gets less time."""
 
 
 class JobFinished(InputError):
@@ -95,8 +97,11 @@ class ElasticController:
         if dead:
             self._drop(dead)
         elif self._stuck_long():
-            self._switch(list(self.members), "re-form", planned=(self.plan, {"planned_by": "unchanged"}),
-                         reason="a collective failed with every member alive")
+            try:
+                self._switch(list(self.members), "re-form", planned=(self.plan, {"planned_by": "unchanged"}),
+                             reason="a collective failed with every member alive")
+            except JobFinished:
+                pass  # everyone finished meanwhile: nothing to re-form
         self._serve_requests()
         return all(self.store.check([f"{self.kv}done/{w}"]) for w in self.members)
 
@@ -167,14 +172,16 @@ class ElasticController:
             self._switch(survivors, "failure", planned=self._plan_for_survivors(survivors),
                          reason="; ".join(dead.values()))
         except JobFinished:
+            # The survivors finished: they are the members now (the dead never writes done/).
+            self.members = survivors
             log.warning("elastic: the survivors had already finished; nothing to re-form")
 
     def _plan_for_survivors(self, survivors: list[int]) -> tuple[Plan, dict]:
         """A failure must not end the job: if the planner finds nothing for the survivors, they
         keep the launched stage with shares by measured speed."""
         try:
-            return self._plan_for(survivors)
-        except InputError as exc:
+            return self._plan_for(survivors, time_limit_s=FAILURE_REPLAN_TIME_LIMIT_S)
+        except Exception as exc:  # a failure must never end the job because of the planner
             log.warning("elastic: %s; re-planning by measured speeds instead", exc)
             policy = self.settings.policy
             batch, lr = policy.batch_and_lr(*self.base[:2], self.base[2], len(survivors))
@@ -271,12 +278,21 @@ class ElasticController:
                              "(a CPU node offers one slot per core; launch with --max-nproc-per-node to allow more)")
         newcomers = self._start_newcomers(count, node)
         try:  # planning runs while the newcomers import torch and build the model
-            planned = self._plan_for(self.members + newcomers, policy)
-        except InputError:
-            self._abandon(newcomers)
+            members = self.members + newcomers
+            planned = self._plan_for(members, policy)
+            self._wait_ready(newcomers)
+            if self.members + newcomers != members:  # a member died meanwhile: plan for who is left
+                members = self.members + newcomers
+                planned = self._plan_for(members, policy)
+        except JobFinished:
             raise
-        self._wait_ready(newcomers)
-        return self._switch(self.members + newcomers, "scale-out", planned=planned)
+        except Exception as exc:
+            self._abandon(newcomers)
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(f"re-planning for the new membership failed ({type(exc).__name__}: {exc}); "
+                             "nothing changed") from exc
+        return self._switch(members, "scale-out", planned=planned)
 
     def _start_newcomers(self, count: int, node: str) -> list[int]:
         """Ask ``node``'s agent for ``count`` more workers; they start while the job trains."""
@@ -370,7 +386,8 @@ class ElasticController:
                 speeds[self.workers[wid].device] = sum(r["samples"] for r in records[-5:]) / compute_s
         return speeds
 
-    def _plan_for(self, members: list[int], policy: ScalingPolicy | None = None) -> tuple[Plan, dict]:
+    def _plan_for(self, members: list[int], policy: ScalingPolicy | None = None,
+                  time_limit_s: float = REPLAN_TIME_LIMIT_S) -> tuple[Plan, dict]:
         """The plan for ``members`` (rank order) and how it was made: the planner on the run's
         profiles where it has them, else the launched plan's stage with shares by measured speed."""
         policy = policy or self.settings.policy
@@ -379,7 +396,8 @@ class ElasticController:
         nodes = {self.workers[w].device: self.workers[w].node for w in members}
         began = time.perf_counter()
         if self.profiles is not None:
-            plan = replan_with_planner(self.plan, *self.profiles, devices, nodes, global_batch=batch, lr=lr)
+            plan = replan_with_planner(self.plan, *self.profiles, devices, nodes, global_batch=batch, lr=lr,
+                                       time_limit_s=time_limit_s)
             how = "planner"
         else:
             plan = replan(self.plan, devices, self._member_speeds(members), nodes, global_batch=batch, lr=lr)
@@ -403,6 +421,9 @@ class ElasticController:
     def _switch(self, members: list[int], kind: str, *, planned: tuple[Plan, dict],
                 reason: str | None = None) -> dict:
         plan, how = planned
+        if list(plan.devices) != [self.workers[w].device for w in members]:
+            raise RuntimeError(f"internal: the plan for generation {self.generation + 1} does not list the members' "
+                               "devices in rank order")
         generation = self.generation + 1
         plan_path = save(plan, self._plan_path(generation))
         before = list(self.members)

@@ -207,7 +207,9 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     _check_nodes(options, nodes, local_node)
     run, plan, secret = prepare_run(options, resume)
     sync = options.sync or plan.sync.mode
-    elastic = options.elastic and len(plan.stages) == 1 and sync is SyncMode.BSP
+    # Live rescaling covers CPU data-parallel BSP plans: a newcomer builds its model on the CPU
+    # and is not yet moved to its GPU, so plans on GPUs run without it.
+    elastic = options.elastic and len(plan.stages) == 1 and sync is SyncMode.BSP and plan_backend(plan) == "gloo"
     state = LaunchState(run=run, plan=plan, sync=sync)
     coordinator = Coordinator(secret, endpoint=options.rdzv_endpoint, job=run.run_id)
     append_jsonl(run.events, {"time": time.time(), "kind": "resume" if resume else "launch", "run": run.run_id,
@@ -228,7 +230,8 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
                                   "members": [m.node_name for m in state.members]})
         if controller is None:
             state.not_elastic = (f"this job cannot be rescaled: live rescaling covers data-parallel plans (one stage) "
-                                 f"with sync bsp; it runs {len(plan.stages)} stage(s) with sync {sync.value}"
+                                 f"with sync bsp on CPU workers; it runs {len(plan.stages)} stage(s) with sync "
+                                 f"{sync.value} on {'GPUs' if plan_backend(plan) == 'nccl' else 'CPUs'}"
                                  + ("" if options.elastic else " and was launched --no-elastic"))
         _watch(coordinator, state, agents, on_update, controller)
         coordinator.stop("finished")

@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from felactl.errors import InputError, PlanInfeasible
-from felactl.spec import ClusterSpec, ModelSpec, Placement, Plan, Schedule, Stage, StageWorker
+from felactl.spec import ClusterSpec, ModelSpec, Placement, Plan, Schedule, Stage, StageWorker, placements_from
 
 REPLAN_TIME_LIMIT_S = 10.0
 
@@ -67,8 +67,10 @@ def shares_by_speed(devices: list[str], speeds: dict[str, float]) -> list[float]
 
 
 def replan(plan: Plan, devices: list[str], speeds: dict[str, float], nodes: dict[str, str], *,
-           global_batch: int, lr: float) -> Plan:
-    """``plan``'s single stage on ``devices`` (rank order), shares by speed; ``nodes`` places them."""
+           global_batch: int, lr: float, placement: tuple[Placement, ...] | None = None) -> Plan:
+    """``plan``'s single stage on ``devices`` (rank order), shares by speed; ``nodes`` places them
+    (a device keeps its index on its node; a new one takes the lowest free index there), unless
+    ``placement`` gives the devices' places outright."""
     if len(plan.stages) != 1:
         raise InputError(f"rescaling re-plans data-parallel plans only; this plan has {len(plan.stages)} stages")
     if global_batch < len(devices):
@@ -78,16 +80,20 @@ def replan(plan: Plan, devices: list[str], speeds: dict[str, float], nodes: dict
     new_stage = Stage(layer_start=stage.layer_start, layer_end=stage.layer_end, micro_batch=stage.micro_batch,
                       workers=tuple(StageWorker(device=d, share=s) for d, s in zip(devices, shares)))
     kinds = {p.device: p for p in plan.placement}
-    placement = ()
-    if plan.placement:
-        local_index: dict[str, int] = {}
+    if placement is None:
+        placement = ()
+    if plan.placement and not placement:
+        where = {d: nodes.get(d) or (kinds[d].node if d in kinds else "") for d in devices}
+        used = {(where[d], kinds[d].local_index) for d in devices if d in kinds}
         entries = []
         for d in devices:
-            node = nodes.get(d) or (kinds[d].node if d in kinds else "")
-            index = local_index.get(node, 0)
-            local_index[node] = index + 1
+            if d in kinds:
+                index = kinds[d].local_index
+            else:
+                index = next(i for i in range(len(devices) + len(used)) if (where[d], i) not in used)
+                used.add((where[d], index))
             kind = kinds[d].kind if d in kinds else plan.placement[0].kind
-            entries.append(Placement(device=d, node=node, kind=kind, local_index=index))
+            entries.append(Placement(device=d, node=where[d], kind=kind, local_index=index))
         placement = tuple(entries)
     pipelines = () if plan.schedule is Schedule.TOKENS else tuple((d,) for d in devices)
     return dataclasses.replace(plan, devices=tuple(devices), global_batch=global_batch, stages=(new_stage,),
@@ -111,6 +117,7 @@ def replan_with_planner(plan: Plan, cluster: ClusterSpec, model: ModelSpec, devi
     shares = {w.device: w.share for w in stage.workers}
     if set(shares) != set(devices) or min(shares.values()) <= 0:
         raise InputError(f"the planner leaves some of {', '.join(devices)} idle; a live job keeps every member busy")
-    laid_out = replan(plan, devices, shares, nodes, global_batch=global_batch, lr=lr)
+    laid_out = replan(plan, devices, shares, nodes, global_batch=global_batch, lr=lr,
+                      placement=placements_from(cluster, devices))
     return dataclasses.replace(laid_out, stages=(dataclasses.replace(laid_out.stages[0], micro_batch=stage.micro_batch),),
                                collectives=solved.collectives, predicted=solved.predicted, solver=solved.solver)

@@ -20,7 +20,9 @@ def exit_with_parent() -> None:
     a crashed one) cannot stop its workers, which run in sessions of their own: each notices its
     parent changed and exits, so nothing trains on for a job nobody watches, and the job's
     coordinator sees the node's workers fail instead of waiting on them."""
-    parent = os.getppid()
+    # The agent names itself: a parent that died while this process was still importing torch
+    # would otherwise be missed (getppid() would already be the reaper's).
+    parent = int(os.environ.get("FELACTL_PARENT_PID") or os.getppid())
 
     def watch() -> None:
         while os.getppid() == parent:

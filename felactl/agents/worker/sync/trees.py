@@ -12,9 +12,10 @@ Why not the backend's allreduce: on this project's 2-core machine, gloo's ring a
 gpt-mini's 1.1 MB of gradients between two single-core workers took 4.6–5.2 ms, the two-edge tree
 1.7–1.9 ms (both measured in the same run); the link profile the planner uses predicts the tree.
 
-BSP installs it as a ``DistributedDataParallel`` communication hook (DDP keeps its buckets and
-its overlap with the backward; only the collective changes) and uses it for the flat-buffer
-allreduce of the other modes.
+BSP installs it as a ``DistributedDataParallel`` communication hook (DDP keeps its buckets; only
+the collective changes). The hook's sends and receives block the backward thread, so unlike
+gloo's asynchronous allreduce a bucket's transfer does not overlap the rest of the backward; on
+one core per worker nothing overlaps anyway. Pipelines use it for their replicas' flat buffer.
 """
 
 from __future__ import annotations
@@ -79,13 +80,34 @@ def stage_trees(plan: Plan, stage: int, rank: int, group) -> TreeAllreduce | Non
     me = plan.devices[rank]
     trees = []
     for tree in collective.trees:
+        if not _spans(tree.edges, collective.root, devices) or tree.weight <= 0:
+            return None  # not a spanning arborescence of this group: a receive would never be matched
         parent = next((a for a, b in tree.edges if b == me), None)
         children = tuple(plan.rank_of(b) for a, b in tree.edges if a == me)
-        reached = {collective.root} | {b for _, b in tree.edges}
-        if reached != devices:
-            return None  # not a spanning tree of this group: do not guess
         trees.append(_Tree(tree.weight, None if parent is None else plan.rank_of(parent), children))
     return TreeAllreduce(trees, group, len(devices))
+
+
+def _spans(edges, root: str, devices: set[str]) -> bool:
+    """Whether ``edges`` form an arborescence from ``root`` over exactly ``devices``: n - 1 edges,
+    one parent for every other device, none for the root, every device reached from the root."""
+    parents = {}
+    for a, b in edges:
+        if b in parents or b == root or a not in devices or b not in devices:
+            return False
+        parents[b] = a
+    if len(parents) != len(devices) - 1:
+        return False
+    children: dict[str, list[str]] = {}
+    for b, a in parents.items():
+        children.setdefault(a, []).append(b)
+    reached, frontier = {root}, [root]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in reached:
+                reached.add(child)
+                frontier.append(child)
+    return reached == devices
 
 
 def ddp_hook(allreduce: TreeAllreduce, bucket):  # no return annotation: DDP rejects the string one
