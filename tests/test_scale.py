@@ -424,3 +424,34 @@ def test_status_history_says_how_each_generation_was_planned():
     console.print(history_table(events))
     text = console.export_text()
     assert "planner (12.3 ms/it)" in text and "measured speeds" in text and "no heartbeat" in text
+
+
+def test_a_worker_lost_after_the_others_finished_ends_the_job_instead_of_hanging(tmp_path):
+    """The coordinator alone, on a real store, with workers played by store keys: workers 0 and 1
+    finished their last step; worker 2 went silent. The failure's re-plan finds nobody to switch:
+    the job is done with the survivors (it used to put worker 2 back and poll forever)."""
+    from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
+    from felactl.launcher.elastic import ElasticController, ElasticSettings
+    from felactl.launcher.rundir import RunDir
+
+    run = RunDir.create("end", root=tmp_path)
+    plan = gpt_plan(3, global_batch=24)
+    save(plan, run.plan)
+    coordinator = Coordinator(write_secret_file(run.secret), job="end")
+    try:
+        member = Member(agent_id="a", node_name="n", num_slots=3, hostname="n")
+        controller = ElasticController(coordinator, run, plan, [member], {"n": plan.devices},
+                                       ElasticSettings(heartbeat_timeout_s=0.2, ready_timeout_s=0.3,
+                                                       switch_timeout_s=5))
+        kv = controller.kv
+        for wid in (0, 1):
+            coordinator.store.set(f"{kv}hb/{wid}", "1")
+            coordinator.store.set(f"{kv}done/{wid}", "1")
+        deadline = time.monotonic() + 10
+        while not controller.poll():
+            assert time.monotonic() < deadline, f"the finished job never ended (members {controller.members})"
+            time.sleep(0.05)
+        assert controller.members == [0, 1]
+        assert not any(e["kind"] == "failure" for e in read_jsonl(run.events))  # nothing re-formed
+    finally:
+        coordinator.close()
