@@ -455,3 +455,60 @@ def test_a_worker_lost_after_the_others_finished_ends_the_job_instead_of_hanging
         assert not any(e["kind"] == "failure" for e in read_jsonl(run.events))  # nothing re-formed
     finally:
         coordinator.close()
+
+
+def test_a_member_lost_while_a_newcomer_starts_is_planned_out_of_the_scale_out(tmp_path):
+    """Same harness: worker 1 goes silent while newcomer 2 starts. The coordinator drops 1 (a
+    failure generation of [0]), then publishes the scale-out for [0, 2] with a plan of exactly
+    their devices (it used to publish the plan made for [0, 1, 2])."""
+    import threading
+
+    from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
+    from felactl.launcher.elastic import ElasticController, ElasticSettings
+    from felactl.launcher.rundir import RunDir
+    from felactl.spec import load_plan
+
+    run = RunDir.create("race", root=tmp_path)
+    plan = gpt_plan(2)
+    save(plan, run.plan)
+    coordinator = Coordinator(write_secret_file(run.secret), job="race")
+    stop = threading.Event()
+    store = coordinator.store
+    try:
+        member = Member(agent_id="a", node_name="n", num_slots=3, hostname="n")
+        controller = ElasticController(coordinator, run, plan, [member], {"n": plan.devices},
+                                       ElasticSettings(heartbeat_timeout_s=0.5, ready_timeout_s=20,
+                                                       switch_timeout_s=10, max_nproc_per_node=3))
+        kv = controller.kv
+
+        def workers() -> None:
+            """Workers 0 and (once started) 2 beat and report every generation that names them;
+            worker 1 beats once and then never again."""
+            store.set(f"{kv}hb/1", "1")
+            beat, reported = 0, set()
+            while not stop.is_set():
+                beat += 1
+                store.set(f"{kv}hb/0", str(beat))
+                if beat == 20:  # the newcomer is ready once worker 1 has been silent a while
+                    store.set(f"{kv}ready/2", "{}")
+                if beat > 20:
+                    store.set(f"{kv}hb/2", str(beat))
+                gen = int(store.get(f"{kv}generation"))
+                if gen > 0 and gen not in reported:
+                    doc = json.loads(store.get(f"{kv}gen/{gen}"))
+                    for w in doc["members"]:
+                        store.set(f"{kv}switched/{gen}/{w}", json.dumps({"stayed": w == 0, "pause_s": 0.01,
+                                                                         "step": 5, "param_checksum": 1.0}))
+                    reported.add(gen)
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=workers, daemon=True)
+        thread.start()
+        event = controller._add(1, None, None)
+    finally:
+        stop.set()
+        coordinator.close()
+    kinds = [(e["kind"], e["members_after"]) for e in read_jsonl(run.events)]
+    assert kinds == [("failure", [0]), ("scale-out", [0, 2])], kinds
+    assert event["members_after"] == [0, 2]
+    assert load_plan(run.path / f"plan.{event['generation']}.yaml").devices == ("cpu0", "cpu2")
