@@ -35,8 +35,10 @@ def test_split_cores():
 def test_spec_rejects_ranks_outside_the_world(tmp_path):
     with pytest.raises(InputError, match="do not fit"):
         WorkerSpec(module="m", nproc=2, world_size=3, rank_offset=2, log_dir=tmp_path)
-    with pytest.raises(InputError, match="nproc-per-node"):
-        WorkerSpec(module="m", nproc=0, world_size=1, log_dir=tmp_path)
+    with pytest.raises(InputError, match="nproc must be >= 0"):
+        WorkerSpec(module="m", nproc=-1, world_size=1, log_dir=tmp_path)
+    # No workers at first: an agent that joins a running elastic job waits for add commands.
+    assert LocalWorkerAgent(WorkerSpec(module="m", nproc=0, world_size=1, log_dir=tmp_path)).start() == []
 
 
 def _module(tmp_path: Path, name: str, body: str) -> dict[str, str]:

@@ -200,7 +200,8 @@ def test_a_scale_out_the_job_outruns_is_refused_and_the_job_still_finishes(tmp_p
 def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_path, no_leftovers):
     """Two agents on this machine act as two nodes: the launch's own (na: workers 0, 1) and a
     ``felactl agent`` process (nb: worker 2). SIGKILL that agent mid-run: its worker leaves with
-    it, the survivors drop it by heartbeat and finish every step, and adding on nb is refused."""
+    it, the survivors drop it by heartbeat and go on, and adding on nb is refused. Start a new
+    agent on nb: it joins the running job, and ``--add 1 --node nb`` puts a worker there again."""
     import dataclasses
     import socket
 
@@ -214,7 +215,7 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-    steps = 900
+    steps = 1000  # the worker is back on nb by about step 520 here
     job = Job(tmp_path, str(plan_path), "--run-id", "a", "--steps", str(steps), "--node-name", "na",
               "--rdzv-endpoint", endpoint, "--nnodes", "2", "--heartbeat-timeout", "2", "--max-nproc-per-node", "3")
     agent = None
@@ -224,10 +225,13 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
         while not secret.exists():
             assert time.monotonic() < deadline and job.proc.poll() is None
             time.sleep(0.05)
-        agent = subprocess.Popen([sys.executable, "-m", "felactl", "agent", "--rdzv-endpoint", endpoint,
-                                  "--secret-file", str(secret), "--node-name", "nb", "--nproc-per-node", "1",
-                                  "--job", "a"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 start_new_session=True)
+        def start_agent():
+            return subprocess.Popen([sys.executable, "-m", "felactl", "agent", "--rdzv-endpoint", endpoint,
+                                     "--secret-file", str(secret), "--node-name", "nb", "--nproc-per-node", "1",
+                                     "--job", "a"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+
+        agent = start_agent()
         job.wait_step("a", 30)
         assert {r["rank"] for r in job.records("a")} == {0, 1, 2}
         agent.kill()
@@ -239,6 +243,14 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
             time.sleep(0.1)
         refused = job.scale("a", "--add", "1", "--node", "nb")
         assert refused.exit_code == 2 and "agent" in refused.stderr, refused.output
+        agent = start_agent()  # a new agent on nb joins the running job, with no workers yet
+        deadline = time.monotonic() + 20
+        while not any(e["kind"] == "node-joined" for e in read_jsonl(events)):
+            assert time.monotonic() < deadline and agent.poll() is None, read_jsonl(events)
+            time.sleep(0.1)
+        back = job.scale("a", "--add", "1", "--node", "nb")
+        assert back.exit_code == 0, back.output
+        assert json.loads(back.stdout)["members_after"] == [0, 1, 3]
         summary = job.finish()
     finally:
         if agent is not None and agent.poll() is None:
@@ -250,6 +262,8 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
     assert failure["members_before"] == [0, 1, 2] and failure["members_after"] == [0, 1]
     assert "agent of node 'nb' is gone" in failure["reason"]
     assert _no_step_lost(job.records("a"), (0, 1), steps)
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "runs" / "a" / "events.jsonl")]
+    assert kinds == ["launch", "start", "failure", "refused", "node-joined", "scale-out", "finished"], kinds
 
 
 def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers):

@@ -63,8 +63,8 @@ class WorkerSpec:
     """How long ``stop`` waits after SIGTERM before SIGKILL."""
 
     def __post_init__(self) -> None:
-        if self.nproc < 1:
-            raise InputError(f"--nproc-per-node must be >= 1, got {self.nproc}")
+        if self.nproc < 0:  # 0: an elastic node that waits for the coordinator's add commands
+            raise InputError(f"nproc must be >= 0, got {self.nproc}")
         if self.local_ranks and len(self.local_ranks) != self.nproc:
             raise InputError(f"{len(self.local_ranks)} local ranks given for {self.nproc} worker(s)")
         if not 0 <= self.rank_offset or self.rank_offset + self.nproc > self.world_size:
@@ -334,12 +334,14 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
     except ControlPlaneError as exc:
         _report_quietly(session, WorkerState.STOPPED.value, message=str(exc))
         raise
-    spec = WorkerSpec(module=assignment.module, args=tuple(assignment.args), nproc=config.nproc,
+    nproc = config.nproc if assignment.num_workers is None else assignment.num_workers
+    spec = WorkerSpec(module=assignment.module, args=tuple(assignment.args), nproc=nproc,
                       world_size=assignment.world_size, rank_offset=assignment.rank_offset,
                       master_addr=session.host, master_port=session.port, log_dir=config.log_dir,
                       env={**assignment.env, "FELACTL_STORE_PREFIX": session.prefix,
                            "FELACTL_NODE_NAME": config.node_name},
-                      cpu_affinity=config.cpu_affinity, local_ranks=tuple(assignment.local_indices))
+                      cpu_affinity=config.cpu_affinity if nproc == config.nproc else None,
+                      local_ranks=tuple(assignment.local_indices) if nproc == config.nproc else ())
     session.report(WorkerState.HEALTHY.value)
     agent = LocalWorkerAgent(spec)
     if assignment.env.get("FELACTL_ELASTIC") == "1":

@@ -51,7 +51,8 @@ def history_table(history: list[dict]) -> Table:
                       str(e.get("members_after", "")), "" if e.get("pause_s") is None else f"{e['pause_s']:.3f}",
                       f"{e.get('replicated_bytes', 0) / 1e6:.2f} MB" if e.get("replicated_bytes") else "",
                       planned,
-                      sources or e.get("reason", "") or (f"from step {e['from_step']}" if "from_step" in e else ""))
+                      sources or e.get("reason", "") or (f"from step {e['from_step']}" if "from_step" in e else "")
+                      or (f"agent of node {e['node']} joined" if "node" in e else ""))
     return table
 
 

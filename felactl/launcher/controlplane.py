@@ -201,6 +201,9 @@ class Assignment:
     env: dict = field(default_factory=dict)
     local_indices: tuple[int, ...] = ()
     """Each slot's device index on the node (its LOCAL_RANK: the CUDA ordinal); empty: 0, 1, ..."""
+    num_workers: int | None = None
+    """Workers to start at once: None, one per slot; 0, a node joining a running elastic job,
+    whose workers come later with the coordinator's ``add`` commands."""
 
 
 class Coordinator:

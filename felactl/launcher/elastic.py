@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from felactl.agents.agent import AGENT_BEAT_S, command_queue
 from felactl.errors import InputError, WorkerFailed
-from felactl.launcher.controlplane import Coordinator, Member, agent_beat_key, signed_envelope, verify
+from felactl.launcher.controlplane import (Assignment, Coordinator, Member, agent_beat_key, signed_envelope,
+                                           verify)
 from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
 from felactl.launcher.scale_plan import REPLAN_TIME_LIMIT_S, ScalingPolicy, replan, replan_with_planner
 from felactl.spec import Plan, load_cluster, load_model, save
@@ -67,8 +68,11 @@ class _Worker:
 class ElasticController:
     def __init__(self, coordinator: Coordinator, run: RunDir, plan: Plan, members: list[Member],
                  nodes: dict[str, tuple[str, ...]], settings: ElasticSettings, start_generation: int = 0,
-                 plan_path=None):
+                 plan_path=None, worker: tuple[str, dict[str, str]] | None = None):
         self.coordinator, self.run, self.plan, self.settings = coordinator, run, plan, settings
+        # What an agent that joins mid-job is told to run: the launch's worker module and environment.
+        self.worker_module, self.worker_env = worker or ("felactl.agents.worker", {})
+        self.joined: dict[str, Assignment] = {}
         self.store = coordinator.store
         self.kv = coordinator.prefix + "elastic/"
         self.agents = {m.node_name: m for m in members}
@@ -91,6 +95,7 @@ class ElasticController:
     # --- the loop's step --------------------------------------------------------------------------
     def poll(self) -> bool:
         """Handle failures and commands; True once every member has finished its last step."""
+        self._admit_joiners()
         for node in self.agents:  # follow each agent's beat, so its silence is timed from its last one
             self._agent_silent_s(node)
         dead = self._dead(self.members)
@@ -104,6 +109,23 @@ class ElasticController:
                 pass  # everyone finished meanwhile: nothing to re-form
         self._serve_requests()
         return all(self.store.check([f"{self.kv}done/{w}"]) for w in self.members)
+
+    def _admit_joiners(self) -> None:
+        """A ``felactl agent`` joining the running job — a new node, or a node whose agent died —
+        is given no workers; ``felactl scale --add N --node NAME`` starts them there."""
+        for member in self.coordinator.poll_joins():
+            node, old = member.node_name, self.agents.get(member.node_name)
+            if old is not None and self._agent_silent_s(node) is None:
+                log.warning("elastic: agent %s joined for node %r, whose agent still answers; ignored",
+                            member.agent_id, node)
+                continue
+            self.agents[node] = member
+            self.joined[member.agent_id] = Assignment(rank_offset=0, world_size=1, module=self.worker_module,
+                                                      env=dict(self.worker_env), num_workers=0)
+            self.coordinator.publish_assignments(self.joined)
+            append_jsonl(self.run.events, {"time": time.time(), "kind": "node-joined", "node": node,
+                                           "agent": member.agent_id, "replaces": old.agent_id if old else None,
+                                           "members": list(self.members)})
 
     def _stuck_long(self) -> bool:
         """A member said its step failed, and for a heartbeat timeout since nobody was found dead."""

@@ -224,7 +224,8 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         if elastic:
             controller = ElasticController(coordinator, run, plan, state.members, nodes, options.elastic_settings(),
                                            start_generation=resume.generation if resume else 0,
-                                           plan_path=resume.plan_path if resume else run.plan)
+                                           plan_path=resume.plan_path if resume else run.plan,
+                                           worker=(WORKER_MODULE, env))
         coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env))
         append_jsonl(run.events, {"time": time.time(), "kind": "start",
                                   "members": [m.node_name for m in state.members]})

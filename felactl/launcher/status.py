@@ -9,7 +9,7 @@ from felactl.agents.worker.metrics import summarize
 from felactl.launcher.rundir import RunDir, read_jsonl
 
 
-HISTORY_KINDS = ("scale-out", "scale-in", "failure", "re-form", "refused", "resume")
+HISTORY_KINDS = ("scale-out", "scale-in", "failure", "re-form", "refused", "resume", "node-joined")
 """The events that changed (or were refused to change) the job's membership."""
 
 
