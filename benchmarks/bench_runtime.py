@@ -46,16 +46,14 @@ def make_plan(model: str, workers: int, mode: str, micro_batch: int, overlap: bo
     the group, so BSP sums along it instead of gloo's allreduce."""
     import dataclasses
 
-    from felactl import models
-    from felactl.spec import Collective, ModelRef, SyncMode, SyncSpec, Training, Tree, data_parallel_plan
+    from felactl.models import local_data_parallel_plan
+    from felactl.spec import Collective, SyncMode, SyncSpec, Training, Tree
 
     source, config, global_batch = MODELS[model]
-    devices = [f"cpu{i}" for i in range(workers)]
-    plan = data_parallel_plan(model=ModelRef(name=model, source=source, config=config),
-                              num_layers=len(models.build(source, config).layers),
-                              devices=devices, global_batch=global_batch,
-                              micro_batch=micro_batch, sync=SyncSpec(mode=SyncMode(mode), overlap=overlap),
-                              training=Training(optimizer="sgd", lr=0.05))
+    plan = local_data_parallel_plan(source, config, workers, global_batch=global_batch, micro_batch=micro_batch,
+                                    sync=SyncSpec(mode=SyncMode(mode), overlap=overlap),
+                                    training=Training(optimizer="sgd", lr=0.05))
+    devices = plan.devices
     if not trees:
         return plan
     star = Tree(edges=tuple(("cpu0", d) for d in devices[1:]), weight=1.0)

@@ -32,17 +32,15 @@ import torch.distributed as dist
 from felactl import models
 from felactl.agents.worker.local import worker_env
 from felactl.launcher.rundir import read_jsonl
-from felactl.spec import ModelRef, Plan, SyncMode, SyncSpec, Training, data_parallel_plan, save
+from felactl.spec import Plan, SyncMode, SyncSpec, Training, save
 
 CONFIG = {"depth": 1, "width": 256}
 
 
 def gpt_plan(num_workers: int, global_batch: int = 16) -> Plan:
-    return data_parallel_plan(model=ModelRef(name="gpt-mini", source="gpt-mini", config=CONFIG),
-                              num_layers=len(models.build("gpt-mini", CONFIG).layers),
-                              devices=[f"cpu{i}" for i in range(num_workers)], global_batch=global_batch,
-                              micro_batch=8, sync=SyncSpec(mode=SyncMode.BSP),
-                              training=Training(optimizer="adamw", lr=3e-3, seed=0))
+    return models.local_data_parallel_plan("gpt-mini", CONFIG, num_workers, global_batch=global_batch,
+                                           micro_batch=8, sync=SyncSpec(mode=SyncMode.BSP),
+                                           training=Training(optimizer="adamw", lr=3e-3, seed=0))
 
 
 def _env() -> dict[str, str]:

@@ -11,21 +11,17 @@ from felactl.agents.worker.checkpoint import checkpoint_path
 from felactl.agents.worker.engine import make_optimizer
 from felactl.agents.worker.local import run_local
 from felactl.agents.worker.metrics import read_metrics
-from felactl.spec import (ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec, Training,
-                          data_parallel_plan, save)
+from felactl.spec import (ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec, Training, save)
 
 MLP_CONFIG = {"input_dim": 32, "hidden": 64, "depth": 2}
 
 
 def dp_plan(num_workers: int = 2, mode: str = "bsp", *, shares=None, global_batch: int = 32, micro_batch: int = 8,
             optimizer: str = "sgd", lr: float = 0.05, overlap: bool = False, config=None, **sync) -> Plan:
-    config = config or MLP_CONFIG
-    return data_parallel_plan(model=ModelRef(name="mlp", source="mlp", config=config),
-                              num_layers=len(models.build("mlp", config).layers),
-                              devices=[f"cpu{i}" for i in range(num_workers)], global_batch=global_batch,
-                              micro_batch=micro_batch, shares=shares,
-                              sync=SyncSpec(mode=SyncMode(mode), overlap=overlap, **sync),
-                              training=Training(optimizer=optimizer, lr=lr, seed=0))
+    return models.local_data_parallel_plan("mlp", config or MLP_CONFIG, num_workers, global_batch=global_batch,
+                                           micro_batch=micro_batch, shares=shares,
+                                           sync=SyncSpec(mode=SyncMode(mode), overlap=overlap, **sync),
+                                           training=Training(optimizer=optimizer, lr=lr, seed=0))
 
 
 def pipeline_plan(cuts: list[int], num_replicas: int = 1, schedule: str = "1f1b", *, global_batch: int = 32,

@@ -19,18 +19,16 @@ from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.launcher.scale_plan import ScalingPolicy, replan
 from felactl.launcher.rundir import read_jsonl
-from felactl.spec import ModelRef, Plan, SyncMode, SyncSpec, Training, data_parallel_plan, save
+from felactl.spec import Plan, SyncMode, SyncSpec, Training, save
 
 pytestmark = pytest.mark.multiprocess
 GPT_CONFIG = {"depth": 1, "width": 64}
 
 
 def gpt_plan(num_workers: int, global_batch: int = 16) -> Plan:
-    return data_parallel_plan(model=ModelRef(name="gpt-mini", source="gpt-mini", config=GPT_CONFIG),
-                              num_layers=len(models.build("gpt-mini", GPT_CONFIG).layers),
-                              devices=[f"cpu{i}" for i in range(num_workers)], global_batch=global_batch,
-                              micro_batch=8, sync=SyncSpec(mode=SyncMode.BSP),
-                              training=Training(optimizer="adamw", lr=3e-3, seed=0))
+    return models.local_data_parallel_plan("gpt-mini", GPT_CONFIG, num_workers, global_batch=global_batch,
+                                           micro_batch=8, sync=SyncSpec(mode=SyncMode.BSP),
+                                           training=Training(optimizer="adamw", lr=3e-3, seed=0))
 
 
 class Job:
@@ -54,6 +52,13 @@ class Job:
             assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
             time.sleep(0.05)
         raise AssertionError(f"step {step} not reached")
+
+    def signal_worker(self, run: str, wid: int, sig: int) -> float:
+        """Send ``sig`` to worker ``wid``'s process (its pid from the metrics); returns when."""
+        pid = next(r["pid"] for r in self.records(run) if r["rank"] == wid)
+        sent_at = time.time()
+        os.kill(pid, sig)
+        return sent_at
 
     def scale(self, run: str, *args: str):
         return CliRunner().invoke(app, ["scale", run, *args, "--runs-root", str(self.root), "--json"])
@@ -272,9 +277,7 @@ def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, no_leftovers
               "--heartbeat-timeout", "2", "--scaling-policy", "linear-lr")
     try:
         job.wait_step("k", 40)
-        victim = next(r["pid"] for r in job.records("k") if r["rank"] == 1)
-        killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
+        killed_at = job.signal_worker("k", 1, signal.SIGKILL)
         summary = job.finish()
     finally:
         job.stop()
@@ -295,8 +298,7 @@ def test_a_hung_worker_is_noticed_by_heartbeat_and_dropped(tmp_path, no_leftover
               "--heartbeat-timeout", "1.5", "--collective-timeout", "3")
     try:
         job.wait_step("h", 30)
-        victim = next(r["pid"] for r in job.records("h") if r["rank"] == 2)
-        os.kill(victim, signal.SIGSTOP)
+        job.signal_worker("h", 2, signal.SIGSTOP)
         summary = job.finish()
     finally:
         job.stop()

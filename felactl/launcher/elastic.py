@@ -205,12 +205,8 @@ class ElasticController:
             return self._plan_for(survivors, time_limit_s=FAILURE_REPLAN_TIME_LIMIT_S)
         except Exception as exc:  # a failure must never end the job because of the planner
             log.warning("elastic: %s; re-planning by measured speeds instead", exc)
-            policy = self.settings.policy
-            batch, lr = policy.batch_and_lr(*self.base[:2], self.base[2], len(survivors))
-            devices = [self.workers[w].device for w in survivors]
-            plan = replan(self.plan, devices, self._member_speeds(survivors),
-                          {self.workers[w].device: self.workers[w].node for w in survivors}, global_batch=batch, lr=lr)
-            return plan, {"planned_by": "measured speeds", "planner_refused": str(exc)}
+            plan, how = self._plan_for(survivors, use_profiles=False)
+            return plan, {**how, "planner_refused": str(exc)}
 
     def _command(self, wid: int, command: dict) -> None:
         agent_id = self.workers[wid].agent_id
@@ -409,15 +405,16 @@ class ElasticController:
         return speeds
 
     def _plan_for(self, members: list[int], policy: ScalingPolicy | None = None,
-                  time_limit_s: float = REPLAN_TIME_LIMIT_S) -> tuple[Plan, dict]:
+                  time_limit_s: float = REPLAN_TIME_LIMIT_S, use_profiles: bool = True) -> tuple[Plan, dict]:
         """The plan for ``members`` (rank order) and how it was made: the planner on the run's
-        profiles where it has them, else the launched plan's stage with shares by measured speed."""
+        profiles where it has them (and ``use_profiles``), else the launched plan's stage with
+        shares by measured speed."""
         policy = policy or self.settings.policy
         batch, lr = policy.batch_and_lr(*self.base[:2], self.base[2], len(members))
         devices = [self.workers[w].device for w in members]
         nodes = {self.workers[w].device: self.workers[w].node for w in members}
         began = time.perf_counter()
-        if self.profiles is not None:
+        if self.profiles is not None and use_profiles:
             plan = replan_with_planner(self.plan, *self.profiles, devices, nodes, global_batch=batch, lr=lr,
                                        time_limit_s=time_limit_s)
             how = "planner"

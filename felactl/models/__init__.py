@@ -127,3 +127,16 @@ def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> M
 
 
 __all__ = ["BUILTINS", "ModelBundle", "build", "classification_loss", "lm_loss"]
+
+
+def local_data_parallel_plan(source: str, config: dict[str, Any], num_workers: int, *, global_batch: int,
+                             micro_batch: int, sync=None, training=None, shares=None):
+    """A data-parallel plan of model ``source`` on ``num_workers`` local CPU slots ``cpu0, cpu1, ...``
+    (:func:`felactl.spec.data_parallel_plan`, the layers counted by building the model): what tests
+    and benchmarks train without profiling and planning."""
+    from felactl.spec import ModelRef, data_parallel_plan
+
+    return data_parallel_plan(model=ModelRef(name=source, source=source, config=config),
+                              num_layers=len(build(source, config).layers),
+                              devices=[f"cpu{i}" for i in range(num_workers)], global_batch=global_batch,
+                              micro_batch=micro_batch, sync=sync, training=training, shares=shares)
