@@ -57,6 +57,7 @@ def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, r
     show("cluster", profiled)
     say(f"2/4 profiling {options.model} layer by layer")
     model = _profile_model_like_a_slot(profile_model, options, cluster)
+    model = _with_measured_sync(model, options, cluster, say)
     save(model, out / "model.yaml")
     show("model", model)
     say(f"3/4 planning a global batch of {options.global_batch} on {len(cluster.devices)} device(s)")
@@ -111,6 +112,30 @@ def _profile_model_like_a_slot(profile_model, options: QuickstartOptions, cluste
         torch.set_num_threads(threads_before)
         if affinity_before is not None:
             os.sched_setaffinity(0, affinity_before)
+
+
+def _with_measured_sync(model, options: QuickstartOptions, cluster, say: Say):
+    """The model profile plus its gradient sync measured on this machine's CPU slots (see
+    ``felactl.profiling.data_parallel``), which the link profile prices at a fraction of its cost.
+    If the measurement fails, the plan falls back on the link-based estimate: said, not fatal."""
+    from dataclasses import replace
+
+    from felactl.errors import ProfilingError
+    from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
+    from felactl.spec import DeviceKind
+
+    devices = cluster.devices
+    if len(devices) < 2 or any(d.kind != DeviceKind.CPU for d in devices):
+        return model
+    say(f"    timing a data-parallel step on the {len(devices)} slots, with and without gradient sync")
+    try:
+        timing = measure_data_parallel_sync(options.model, options.model_config,
+                                            max(1, options.global_batch // len(devices)),
+                                            [Slot(d.name, tuple(d.cpu_cores)) for d in devices])
+    except ProfilingError as exc:
+        say(f"    (skipped: {exc}; the plan prices sync from the link profile)")
+        return model
+    return replace(model, data_parallel_sync=(timing,))
 
 
 def _keep_busy(model: str, config: dict[str, Any], batch: int, cores: list[int], stop, started) -> None:

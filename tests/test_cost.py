@@ -9,7 +9,7 @@ import pytest
 from felactl.optimizer.cost import (CostModel, b_half, efficiency, layer_times_s, micro_batch_options,
                                     stage_memory_bytes)
 from felactl.optimizer.evaluate import StageChoice, predict, token_samples
-from felactl.spec import Device, DeviceKind, Layer, LayerTiming
+from felactl.spec import Device, DeviceKind, Layer, LayerTiming, SyncTiming
 from tests.planner_fixtures import cluster, model
 
 GPU = Device(name="g", kind=DeviceKind.CUDA, model="G1", tflops=10.0, memory_gb=16.0)
@@ -117,3 +117,20 @@ def test_simulator_charges_the_same_optimizer_step_as_the_prediction():
     plan = make_plan(cluster([[("G1", 10.0, 8.0)]]), net, 4, sync="bsp")
     assert plan.predicted.simulated_iteration_s == pytest.approx(plan.predicted.iteration_s)
     assert plan.predicted.iteration_s > 0.008
+
+
+def test_a_measured_data_parallel_sync_replaces_the_link_estimate_for_its_group_only():
+    spec = cluster([[("g", 10.0, 8.0), ("g", 10.0, 8.0), ("g", 10.0, 8.0)]], intra_gbps=10.0)
+    plain = model([(1_000_000, 1000, 1e9), (3_000_000, 1000, 1e9)])  # 16 MB of gradients
+    measured = dataclasses.replace(plain, data_parallel_sync=(
+        SyncTiming(devices=("n0.d1", "n0.d0"), backend="gloo", micro_batch=4, sync_ms=20.0),))
+    link_based = CostModel(spec, plain, use_trees=False)
+    cost = CostModel(spec, measured, use_trees=False)
+    pair, trio = ("n0.d0", "n0.d1"), ("n0.d0", "n0.d1", "n0.d2")
+    assert cost.sync_time_s(pair, 16e6) == pytest.approx(0.020)  # the whole model, any device order
+    assert cost.sync_time_s(pair[::-1], 4e6) == pytest.approx(0.005)  # a stage: its share of the bytes
+    assert link_based.sync_time_s(pair, 16e6) == pytest.approx(0.0016 + 2 * spec.link(*pair).latency_us * 1e-6)
+    assert cost.sync_time_s(trio, 16e6) == pytest.approx(link_based.sync_time_s(trio, 16e6))  # not measured
+    stage = StageChoice(0, 2, 4, (("n0.d0", 0.5), ("n0.d1", 0.5)))
+    gap = predict(cost, (stage,), 8, 1).iteration_s - predict(link_based, (stage,), 8, 1).iteration_s
+    assert gap == pytest.approx(0.020 - link_based.sync_time_s(pair, 16e6))

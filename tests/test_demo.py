@@ -19,6 +19,10 @@ def test_demo_profiles_plans_and_trains(tmp_path):
     cluster, model, plan = load_cluster(out["cluster"]), load_model(out["model"]), load_plan(out["plan"])
     assert len(cluster.devices) == 2 and len(cluster.links) == 2
     assert model.name == "gpt-mini" and plan.num_layers == model.num_layers
+    # the sync of the 2 slots was measured as training runs it, and the plan priced it
+    (sync,) = model.data_parallel_sync
+    assert set(sync.devices) == {d.name for d in cluster.devices} and sync.sync_ms > 0
+    assert plan.predicted.iteration_s > sync.sync_ms / 1e3
     summary = out["summary"]
     assert summary["steps"] == 40 and summary["samples"] == 40 * plan.global_batch
     assert summary["final_loss"] < 0.8 * summary["first_loss"]

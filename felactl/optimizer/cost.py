@@ -19,6 +19,9 @@ Formulas (times in seconds, sizes in bytes):
   backward, each ``latency + b * activation_bytes_per_sample / bandwidth`` on the actual link.
 * **Sync** of a stage group: an allreduce of the stage's gradients (``param_bytes``), over the
   group's packed Blink trees or a ring, whichever is faster when trees are on; a ring otherwise.
+  Where the model profile measured the whole model's sync on exactly this group
+  (``ModelSpec.data_parallel_sync``: a DDP step with and without sync, as training runs it), that
+  time instead, times the stage's share of the model's parameter bytes.
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
   ``step()`` over the whole model (``ModelSpec.optimizer_step_ms``) times the stage's share of
   the parameters (the step is a few passes over each parameter: linear in their number). Charged
@@ -210,6 +213,15 @@ class CostModel:
         return self._round_trip.get(device, (0.0, 0.0))
 
     # --- sync ----------------------------------------------------------------------------
+    @property
+    def model_param_bytes(self) -> int:
+        return stage_param_bytes(self.model, 0, self.model.num_layers)
+
+    @property
+    def _measured_sync(self) -> dict[tuple[str, ...], float]:
+        """Seconds of the whole model's gradient sync measured on a group (sorted names)."""
+        return {tuple(sorted(t.devices)): t.sync_ms / 1e3 for t in self.model.data_parallel_sync}
+
     def collective(self, devices: tuple[str, ...]) -> Collective | None:
         """The packed trees of a group (cached), or None where trees are off or not worth it."""
         if not self.use_trees or len(devices) < 2 or len(devices) > self.max_tree_devices:
@@ -244,6 +256,8 @@ class CostModel:
         if len(devices) < 2 or num_bytes <= 0:
             return 0.0
         key = (tuple(sorted(devices)), num_bytes)
+        if key not in self._sync and key[0] in self._measured_sync:
+            self._sync[key] = self._measured_sync[key[0]] * num_bytes / max(1, self.model_param_bytes)
         if key not in self._sync:
             from felactl.optimizer.collectives import allreduce_time_s, ring_allreduce_time_s
 

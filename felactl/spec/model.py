@@ -60,6 +60,26 @@ class Layer:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SyncTiming:
+    """What gradient sync adds to a data-parallel step of the whole model on a group of devices,
+    measured as training runs it (``felactl.profiling.data_parallel``)."""
+
+    devices: tuple[str, ...]
+    """The group, by device name: one process per device, all in one process group."""
+    backend: str
+    micro_batch: int
+    """Samples per device in the measured step."""
+    sync_ms: float
+    """Median step with DDP's gradient allreduce minus median step without it (``no_sync``)."""
+
+    def __post_init__(self) -> None:
+        if len(self.devices) < 2 or len(set(self.devices)) != len(self.devices):
+            raise FieldProblem("devices", "a sync timing needs two or more distinct devices")
+        positive("micro_batch", self.micro_batch)
+        positive("sync_ms", self.sync_ms, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     kind: str = "Model"
     schema_version: int = SCHEMA_VERSION
@@ -77,6 +97,9 @@ class ModelSpec:
     whole_model_scale: dict[str, float] = field(default_factory=dict)
     """Optional record, per micro-batch (as a string): the whole model's forward + loss + backward
     time divided by the sum of its layers' times, by which the layers' timings were scaled."""
+    data_parallel_sync: tuple[SyncTiming, ...] = ()
+    """Optional: measured gradient sync of the whole model on groups of devices; where a stage
+    group is one of these groups the cost model charges this instead of its link-based estimate."""
 
     def __post_init__(self) -> None:
         check_header(self.kind, "Model", self.schema_version)
