@@ -10,8 +10,10 @@ Three measurements in one run (``OMP_NUM_THREADS=1 python benchmarks/bench_scale
    checkpoint, 3 workers are started and load it. The pause is the last step of the old job to
    the first step of the new one (the steps redone since the checkpoint are not even counted).
 3. **cost of being elastic when nothing changes**: the same plan launched ``--elastic`` and
-   ``--no-elastic`` (plain BSP loop), interleaved rounds: best samples/s of each, the median of
-   the paired rounds, and the median step time (less sensitive to a shared machine's load).
+   ``--no-elastic`` (plain BSP loop) in ABBA rounds; per round the ratio of steady-state
+   samples/s (start-up and the first 10 steps left out), its median and quartiles over rounds;
+   and the CPU time of the one thing an elastic worker runs beyond the plain loop in steady state,
+   its heartbeat / generation-watch thread, as a share of its wall time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -141,56 +144,82 @@ def measure_torchrun_way(root: Path, plan2: Path, plan3: Path) -> dict:
             p.wait()
 
 
+def steady_rate(metrics: Path, skip: int = 10) -> tuple[float, float]:
+    """(samples/s, median step s) after the first ``skip`` steps: step ``s`` ends when its last
+    worker records it; the rate is the samples of steps after ``skip`` over the time they took."""
+    records = read_jsonl(metrics)
+    ends: dict[int, float] = {}
+    samples: dict[int, int] = {}
+    for r in records:
+        ends[r["step"]] = max(ends.get(r["step"], 0.0), r["time"])
+        samples[r["step"]] = samples.get(r["step"], 0) + r["samples"]
+    steps = sorted(s for s in ends if s >= skip)
+    rate = sum(samples[s] for s in steps[1:]) / (ends[steps[-1]] - ends[steps[0]])
+    durations = sorted(r["duration_s"] for r in records if r["step"] >= skip)
+    return rate, durations[len(durations) // 2]
+
+
 def measure_overhead(root: Path, plan_path: Path, steps: int, rounds: int) -> dict:
-    """Interleaved launches of the same plan, elastic then plain; best of each, and the median of
-    each round's paired ratio (the machine's load drifts between rounds, less within one)."""
-    runs: dict[str, list[float]] = {"elastic": [], "no-elastic": []}
-    medians: dict[str, list[float]] = {"elastic": [], "no-elastic": []}
+    """Launches of the same plan, ``--elastic`` and ``--no-elastic``, in rounds ordered ABBA (which
+    of the two goes first alternates, so a drifting load falls on both alike): the per-round ratio
+    of steady-state samples/s (after 10 steps), its median and quartiles over the rounds."""
+    rates: dict[str, list[float]] = {"elastic": [], "no-elastic": []}
+    step_s: dict[str, list[float]] = {"elastic": [], "no-elastic": []}
+    heartbeat_share: list[float] = []
     for i in range(rounds):
-        for mode in ("elastic", "no-elastic"):
+        for mode in (("elastic", "no-elastic") if i % 2 == 0 else ("no-elastic", "elastic")):
             proc = _launch(root, str(plan_path), "--run-id", f"{mode}-{i}", "--steps", str(steps), f"--{mode}")
             out, err = proc.communicate(timeout=600)
             if proc.returncode != 0:
                 raise RuntimeError(err.decode()[-2000:])
-            runs[mode].append(json.loads(out)["samples_per_s"])
-            durations = sorted(r["duration_s"] for r in read_jsonl(root / f"{mode}-{i}" / "metrics.jsonl")
-                               if r["rank"] == 0 and r["step"] >= 10)
-            medians[mode].append(durations[len(durations) // 2])
-    paired = sorted(100 * (1 - e / p) for e, p in zip(runs["elastic"], runs["no-elastic"]))
-    best_e, best_p = max(runs["elastic"]), max(runs["no-elastic"])
-    return {"elastic_samples_per_s": best_e, "plain_samples_per_s": best_p, "cost_pct": 100 * (1 - best_e / best_p),
-            "paired_median_cost_pct": paired[len(paired) // 2], "runs": runs,
-            "step_ms": {m: 1000 * min(v) for m, v in medians.items()},
-            "step_cost_pct": 100 * (min(medians["elastic"]) / min(medians["no-elastic"]) - 1)}
+            rate, step = steady_rate(root / f"{mode}-{i}" / "metrics.jsonl")
+            rates[mode].append(rate)
+            step_s[mode].append(step)
+            if mode == "elastic":
+                for summary in (root / f"{mode}-{i}" / "workers").glob("rank*.json"):
+                    worker = json.loads(summary.read_text())
+                    heartbeat_share.append(100 * worker["heartbeat_cpu_s"] / worker["wall_s"])
+    costs = sorted(100 * (1 - e / p) for e, p in zip(rates["elastic"], rates["no-elastic"]))
+    step_costs = sorted(100 * (e / p - 1) for e, p in zip(step_s["elastic"], step_s["no-elastic"]))
+    return {"rates": rates, "step_s": step_s, "cost_pct": statistics.median(costs),
+            "cost_quartiles_pct": statistics.quantiles(costs, n=4)[::2] if len(costs) > 1 else costs * 2,
+            "step_cost_pct": statistics.median(step_costs),
+            "heartbeat_cpu_pct": statistics.median(heartbeat_share), "heartbeat_cpu_pct_max": max(heartbeat_share),
+            "elastic_samples_per_s": statistics.median(rates["elastic"]),
+            "plain_samples_per_s": statistics.median(rates["no-elastic"])}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="steps per throughput run")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved throughput rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="ABBA rounds of the elastic cost")
+    parser.add_argument("--only-cost", action="store_true", help="measure only the cost of being elastic")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         plan2, plan3 = save(gpt_plan(2), root / "plan2.yaml"), save(gpt_plan(3), root / "plan3.yaml")
-        ours = measure_felactl(root / "runs", plan2)
-        theirs = measure_torchrun_way(root, plan2, plan3)
+        if not args.only_cost:
+            ours = measure_felactl(root / "runs", plan2)
+            theirs = measure_torchrun_way(root, plan2, plan3)
         overhead = measure_overhead(root / "runs", plan2, args.steps, args.rounds)
     params = sum(p.numel() for p in models.build("gpt-mini", CONFIG).layers.parameters())
-    print(f"gpt-mini {CONFIG} ({params} parameters, AdamW), CPU, gloo, OMP_NUM_THREADS=1; scale-out 2 -> 3 workers")
-    print(f"{'way':<34}{'pause_s':>10}")
-    print(f"{'felactl scale --add 1':<34}{ours['pause_s']:>10.3f}   (event pause_s {ours['event_pause_s']:.3f}; "
-          f"{ours['replicated_bytes'] / 1e6:.1f} MB from {len(ours['replicated_from'])} senders "
-          f"{ours['replicated_from']}; command round trip {ours['command_s']:.2f} s)")
-    print(f"{'stop all, restart 3, load ckpt':<34}{theirs['pause_s']:>10.3f}   (resumed at step {theirs['resumed_step']})")
-    print(f"ratio: {theirs['pause_s'] / ours['pause_s']:.0f}x shorter")
-    print(f"per-worker switch: {json.dumps(ours['switch_s'])}")
-    print(f"throughput when nothing changes (best of {args.rounds}, {args.steps} steps): elastic "
-          f"{overhead['elastic_samples_per_s']:.1f} samples/s, plain {overhead['plain_samples_per_s']:.1f} samples/s, "
-          f"cost {overhead['cost_pct']:+.2f}% (median of paired rounds {overhead['paired_median_cost_pct']:+.2f}%)")
-    print(f"median step time (rank 0, best round): elastic {overhead['step_ms']['elastic']:.2f} ms, plain "
-          f"{overhead['step_ms']['no-elastic']:.2f} ms, cost {overhead['step_cost_pct']:+.2f}%")
-    print(f"all rounds (samples/s): {json.dumps(overhead['runs'])}")
-
+    print(f"gpt-mini {CONFIG} ({params} parameters, AdamW), CPU, gloo, OMP_NUM_THREADS=1")
+    if not args.only_cost:
+        print(f"scale-out 2 -> 3 workers\n{'way':<34}{'pause_s':>10}")
+        print(f"{'felactl scale --add 1':<34}{ours['pause_s']:>10.3f}   (event pause_s {ours['event_pause_s']:.3f}; "
+              f"{ours['replicated_bytes'] / 1e6:.1f} MB from {len(ours['replicated_from'])} senders "
+              f"{ours['replicated_from']}; command round trip {ours['command_s']:.2f} s)")
+        print(f"{'stop all, restart 3, load ckpt':<34}{theirs['pause_s']:>10.3f}   (resumed at step {theirs['resumed_step']})")
+        print(f"ratio: {theirs['pause_s'] / ours['pause_s']:.0f}x shorter")
+        print(f"per-worker switch: {json.dumps(ours['switch_s'])}")
+    print(f"cost of being elastic when nothing changes ({args.rounds} ABBA rounds, {args.steps} steps each, "
+          f"steady state after 10 steps): median over rounds of 1 - elastic/plain samples/s "
+          f"{overhead['cost_pct']:+.2f}% (quartiles {overhead['cost_quartiles_pct'][0]:+.2f}% .. "
+          f"{overhead['cost_quartiles_pct'][1]:+.2f}%); median step time {overhead['step_cost_pct']:+.2f}%; "
+          f"medians elastic {overhead['elastic_samples_per_s']:.1f}, plain {overhead['plain_samples_per_s']:.1f} samples/s")
+    print(f"the elastic worker's heartbeat/generation-watch thread used {overhead['heartbeat_cpu_pct']:.3f}% of its "
+          f"wall time in CPU (median over workers and rounds; max {overhead['heartbeat_cpu_pct_max']:.3f}%)")
+    print(f"all rounds (samples/s): {json.dumps({m: [round(v, 1) for v in r] for m, r in overhead['rates'].items()})}")
 
 if __name__ == "__main__":
     main()

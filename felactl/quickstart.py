@@ -47,7 +47,7 @@ def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, r
     from felactl.launcher.launch import LaunchOptions, launch
     from felactl.optimizer.planner import make_plan
     from felactl.profiling.cluster import profile_cluster
-    from felactl.profiling.model import profile_model
+    from felactl.profiling.in_situ import local_cpu_slots, profile_model_in_situ
 
     out = options.out_dir
     say(f"1/4 profiling this machine: {options.nproc} worker slot(s), every link between them")
@@ -56,8 +56,9 @@ def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, r
     save(cluster, out / "cluster.yaml")
     show("cluster", profiled)
     say(f"2/4 profiling {options.model} layer by layer")
-    model = _profile_model_like_a_slot(profile_model, options, cluster)
-    model = _with_measured_sync(model, options, cluster, say)
+    model = profile_model_in_situ(options.model, options.model_config, [1, 4, 8, 16, 32], local_cpu_slots(cluster),
+                                  worker_batch=max(1, options.global_batch // len(cluster.devices)),
+                                  say=lambda line: say(f"    {line}"))
     save(model, out / "model.yaml")
     show("model", model)
     say(f"3/4 planning a global batch of {options.global_batch} on {len(cluster.devices)} device(s)")
@@ -70,96 +71,6 @@ def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, r
                                    model_path=out / "model.yaml"), on_update=on_update)
     return {"cluster": str(out / "cluster.yaml"), "model": str(out / "model.yaml"), "plan": str(out / "plan.yaml"),
             "profile": profiled, "model_spec": model, "plan_spec": plan, "summary": summary}
-
-
-def _profile_model_like_a_slot(profile_model, options: QuickstartOptions, cluster):
-    """Time the model as a worker will run: pinned to slot 0's cores with as many threads, while
-    every other slot's cores run the same model's training steps (as the other workers will).
-
-    Profiled alone, the layers ran ~25% faster than inside the job: the workers share the
-    machine's memory bandwidth and caches, and a plan from a quiet profile underestimates them."""
-    import multiprocessing
-    import os
-
-    import torch
-
-    cores = [list(d.cpu_cores) for d in cluster.devices]
-    threads_before = torch.get_num_threads()
-    affinity_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
-    batch = max(1, options.global_batch // max(1, len(cluster.devices)))
-    started = [ctx.Event() for _ in cores[1:]]
-    companions = [ctx.Process(target=_keep_busy, args=(options.model, options.model_config, batch, slot_cores,
-                                                        stop, ready), daemon=True)
-                  for slot_cores, ready in zip(cores[1:], started)]
-    try:
-        for proc in companions:
-            proc.start()
-        for ready in started:
-            ready.wait(timeout=60)  # its first training step is done
-        if cores[0] and affinity_before is not None:
-            os.sched_setaffinity(0, cores[0])
-        torch.set_num_threads(max(1, len(cores[0])) if cores[0] else threads_before)
-        return profile_model(options.model, options.model_config, [1, 4, 8, 16, 32])
-    finally:
-        stop.set()
-        for proc in companions:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        torch.set_num_threads(threads_before)
-        if affinity_before is not None:
-            os.sched_setaffinity(0, affinity_before)
-
-
-def _with_measured_sync(model, options: QuickstartOptions, cluster, say: Say):
-    """The model profile plus its gradient sync measured on this machine's CPU slots (see
-    ``felactl.profiling.data_parallel``), which the link profile prices at a fraction of its cost.
-    If the measurement fails, the plan falls back on the link-based estimate: said, not fatal."""
-    from dataclasses import replace
-
-    from felactl.errors import ProfilingError
-    from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
-    from felactl.spec import DeviceKind
-
-    devices = cluster.devices
-    if len(devices) < 2 or any(d.kind != DeviceKind.CPU for d in devices):
-        return model
-    say(f"    timing a data-parallel step on the {len(devices)} slots, with and without gradient sync")
-    try:
-        timing = measure_data_parallel_sync(options.model, options.model_config,
-                                            max(1, options.global_batch // len(devices)),
-                                            [Slot(d.name, tuple(d.cpu_cores)) for d in devices])
-    except ProfilingError as exc:
-        say(f"    (skipped: {exc}; the plan prices sync from the link profile)")
-        return model
-    return replace(model, data_parallel_sync=(timing,))
-
-
-def _keep_busy(model: str, config: dict[str, Any], batch: int, cores: list[int], stop, started) -> None:
-    """A stand-in for one other worker while the model is profiled: pinned to its slot's cores,
-    forward, loss, backward and AdamW steps of the whole model until ``stop`` is set."""
-    import os
-
-    import torch
-
-    from felactl.models import build
-
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(max(1, len(cores)) if cores else 1)
-    bundle = build(model, config, seed=0)
-    optimizer = torch.optim.AdamW(bundle.layers.parameters(), lr=1e-6)
-    inputs, targets = bundle.data.batch(range(batch))
-    while True:
-        optimizer.zero_grad(set_to_none=True)
-        bundle.loss(bundle.layers(inputs), targets).backward()
-        optimizer.step()
-        started.set()
-        if stop.is_set():
-            return
 
 
 def as_dict(result: dict[str, Any]) -> dict[str, Any]:

@@ -41,3 +41,48 @@ def test_a_sync_timing_round_trips_and_needs_a_group():
     assert decode(SyncTiming, encode(timing), "test") == timing
     with pytest.raises(Exception, match="two or more distinct devices"):
         SyncTiming(devices=("a",), backend="gloo", micro_batch=16, sync_ms=1.0)
+
+
+def _two_slot_cluster(tmp_path):
+    from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node, save
+
+    node = Node(name="here", devices=tuple(
+        Device(name=f"cpu{i}", kind=DeviceKind.CPU, model="cpu", tflops=0.05, memory_gb=4.0, cpu_cores=(i,),
+               local_index=i) for i in range(2)))
+    return save(ClusterSpec(name="here", nodes=(node,), intra_node_default=LinkDefault(
+        bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK)), tmp_path / "cluster.yaml")
+
+
+def test_profile_model_with_cluster_measures_the_slots_sync_and_plan_charges_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+    from felactl.optimizer.cost import CostModel
+    from felactl.spec import load_cluster, load_model
+
+    cluster = _two_slot_cluster(tmp_path)
+    args = ["profile", "--model", "mlp", "--config", "hidden=1024", "--batch-sizes", "8,16", "--repetitions", "2",
+            "--device", "cpu", "--cluster", str(cluster), "-o", str(tmp_path / "model.yaml"), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    model = load_model(tmp_path / "model.yaml")
+    (sync,) = model.data_parallel_sync
+    assert sync.devices == ("cpu0", "cpu1") and sync.micro_batch == 16 and sync.sync_ms > 1.0
+    cost = CostModel(load_cluster(cluster), model)
+    assert cost.sync_time_s(("cpu1", "cpu0"), cost.model_param_bytes) == pytest.approx(sync.sync_ms / 1e3)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--node-name", "elsewhere"], "has no node named 'elsewhere'"),
+    (["--device", "cuda"], "--cluster profiles on this machine's CPU slots"),
+])
+def test_profile_model_with_a_cluster_it_cannot_use_is_refused(tmp_path, extra, message):
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+
+    args = ["profile", "--model", "mlp", "--cluster", str(_two_slot_cluster(tmp_path)), "-o",
+            str(tmp_path / "m.yaml"), *extra]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "m.yaml").exists()

@@ -1,5 +1,9 @@
 """The ``--model`` branch of ``felactl profile``: parse its options, profile, write, render.
 
+With ``--cluster`` the model is timed as the workers of this machine's CPU slots will run it
+(``felactl.profiling.in_situ``): beside companions training on the other slots, plus the
+data-parallel step's gradient sync measured on all of them.
+
 The table shows, per layer, its size and FLOPs and the milliseconds per sample (forward plus
 backward) at each micro-batch size: the saturation curve the planner chooses micro-batches from.
 """
@@ -58,9 +62,12 @@ def _resolve_device(device: str) -> str:
 
 
 def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, *, config: list[str] | None,
-        input_shape: str | None, device: str, repeats: int) -> None:
+        input_shape: str | None, device: str, repeats: int, cluster: Optional[Path] = None,
+        node: Optional[str] = None, worker_batch: Optional[int] = None) -> None:
     from felactl.profiling.model import profile_model
 
+    device = _resolve_device(device)
+    slots = _local_slots(cluster, node, device) if cluster is not None else None
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=output.stderr, transient=True, disable=not output.stderr.is_terminal) as bar:
@@ -69,8 +76,15 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
         def on_progress(phase: str, done: int, total: int) -> None:
             bar.update(task, description=f"profiling {model}: {phase}", completed=done, total=total)
 
-        spec = profile_model(model, parse_config(config), batch_sizes, device=_resolve_device(device),
-                             repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress)
+        options = dict(repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress)
+        if slots is None:
+            spec = profile_model(model, parse_config(config), batch_sizes, device=device, **options)
+        else:
+            from felactl.profiling.in_situ import profile_model_in_situ
+
+            batch = worker_batch or sorted(batch_sizes)[len(batch_sizes) // 2]
+            spec = profile_model_in_situ(model, parse_config(config), batch_sizes, slots, worker_batch=batch,
+                                         say=lambda line: output.stderr.print(line), **options)
     profile_s = time.perf_counter() - started
     path = save(spec, out or Path("model.yaml"))
 
@@ -82,6 +96,16 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
                       f"profiled in {profile_s:.1f} s", soft_wrap=True)
 
     output.emit({**to_dict(spec), "path": str(path), "profile_s": round(profile_s, 3)}, as_json, render)
+
+
+def _local_slots(cluster_path: Path, node: Optional[str], device: str):
+    """This machine's CPU slots in the cluster file, for profiling in situ (``--cluster``)."""
+    from felactl.profiling.in_situ import local_cpu_slots
+    from felactl.spec import load_cluster
+
+    if device != "cpu":
+        raise InputError(f"--cluster profiles on this machine's CPU slots; --device is {device} (use --device cpu)")
+    return local_cpu_slots(load_cluster(cluster_path), node)
 
 
 def layer_table(spec: ModelSpec) -> Table:

@@ -56,7 +56,8 @@ def profile(
         "-o", "--output", help="Where to write (default: cluster.yaml, model.yaml with --model).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     name: Annotated[Optional[str], typer.Option(help="Cluster name (default: the node name).")] = None,
-    node_name: Annotated[Optional[str], typer.Option(help="This node's name (default: the short hostname).")] = None,
+    node_name: Annotated[Optional[str], typer.Option(help="This node's name (default: the short hostname); with "
+                                                         "--model --cluster, this machine's node in the cluster.")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     matmul_size: Annotated[int, typer.Option(help="CPU matmul side for TFLOP/s.")] = 512,
     gpu_matmul_size: Annotated[int, typer.Option(help="GPU matmul side for TFLOP/s.")] = 4096,
@@ -77,13 +78,20 @@ def profile(
     config: Annotated[Optional[list[str]], typer.Option("--config", help="--model config key=value (repeat).")] = None,
     input_shape: Annotated[Optional[str], typer.Option(help="--model: one input sample's shape, e.g. 3,32,32 "
                                                             "(user models that bring no data).")] = None,
+    cluster: Annotated[Optional[Path], typer.Option(
+        "--cluster", help="--model: time it as this cluster's CPU slots on this machine will run it (beside "
+                          "the other slots training, and their data-parallel sync measured).")] = None,
+    worker_batch: Annotated[Optional[int], typer.Option(
+        help="--model --cluster: samples per worker step for the sync timing (default: the middle "
+             "--batch-sizes).", min=1)] = None,
 ) -> None:
     """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
     if model is not None:
         from felactl.cli import model_profile
 
         model_profile.run(model, _parse_batch_sizes(batch_sizes), out, as_json, config=config,
-                          input_shape=input_shape, device=device, repeats=repetitions)
+                          input_shape=input_shape, device=device, repeats=repetitions, cluster=cluster, node=node_name,
+                          worker_batch=worker_batch)
         return
     from felactl.profiling.cluster import ProfileOptions, profile_cluster
     from felactl.profiling.links import LinkProbe

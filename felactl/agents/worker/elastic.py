@@ -75,6 +75,9 @@ class Heartbeat(threading.Thread):
         self.step = -1
         self.generation = int(self.kv.get("generation"))
         self.stopped = threading.Event()
+        self.cpu_s = 0.0
+        """CPU seconds this thread has used: the steady-state cost of being elastic (the training
+        loop's own generation check rides on BSP's arrival all-reduce, which it does anyway)."""
 
     def run(self) -> None:
         count, next_beat = 0, 0.0
@@ -87,6 +90,7 @@ class Heartbeat(threading.Thread):
                 self.generation = int(self.kv.get("generation"))
             except RuntimeError:
                 return  # the coordinator is gone; the main thread will notice too
+            self.cpu_s = time.thread_time()
             self.stopped.wait(self.WATCH_S)
 
 
@@ -349,6 +353,7 @@ def run_elastic(cfg: WorkerConfig) -> dict:
         finished = worker.train()
         wall_s = time.perf_counter() - start
         if finished:
+            worker.trainer.totals["heartbeat_cpu_s"] = round(worker.heartbeat.cpu_s, 6)
             worker.trainer.finish(wall_s)
             dist.barrier()
             worker.kv.set(f"done/{worker.wid}", json.dumps({"step": worker.step}))
