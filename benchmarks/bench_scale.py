@@ -192,7 +192,7 @@ def measure_overhead(root: Path, plan_path: Path, steps: int, rounds: int) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="steps per throughput run")
-    parser.add_argument("--rounds", type=int, default=3, help="ABBA rounds of the elastic cost")
+    parser.add_argument("--rounds", type=int, default=3, help="ABBA rounds of the elastic cost (0: skip it)")
     parser.add_argument("--only-cost", action="store_true", help="measure only the cost of being elastic")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,7 +201,7 @@ def main() -> None:
         if not args.only_cost:
             ours = measure_felactl(root / "runs", plan2)
             theirs = measure_torchrun_way(root, plan2, plan3)
-        overhead = measure_overhead(root / "runs", plan2, args.steps, args.rounds)
+        overhead = measure_overhead(root / "runs", plan2, args.steps, args.rounds) if args.rounds else None
     params = sum(p.numel() for p in models.build("gpt-mini", CONFIG).layers.parameters())
     print(f"gpt-mini {CONFIG} ({params} parameters, AdamW), CPU, gloo, OMP_NUM_THREADS=1")
     if not args.only_cost:
@@ -212,6 +212,8 @@ def main() -> None:
         print(f"{'stop all, restart 3, load ckpt':<34}{theirs['pause_s']:>10.3f}   (resumed at step {theirs['resumed_step']})")
         print(f"ratio: {theirs['pause_s'] / ours['pause_s']:.0f}x shorter")
         print(f"per-worker switch: {json.dumps(ours['switch_s'])}")
+    if overhead is None:
+        return
     print(f"cost of being elastic when nothing changes ({args.rounds} ABBA rounds, {args.steps} steps each, "
           f"steady state after 10 steps): median over rounds of 1 - elastic/plain samples/s "
           f"{overhead['cost_pct']:+.2f}% (quartiles {overhead['cost_quartiles_pct'][0]:+.2f}% .. "

@@ -171,3 +171,64 @@ def test_profiles_that_do_not_fit_the_plan_are_refused(tmp_path):
     result = _launch(tmp_path, str(plan_path), "--cluster", str(cluster), "--model", str(model))
     assert result.exit_code == 2 and "'cpu0' is not in this cluster profile" in result.stderr, result.output
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+FAKE_SSH = '''#!{python}
+"""Stands in for ssh: records its arguments and what came on stdin, then runs the remote command
+here (``felactl`` as ``python -m felactl``), as sshd would on the host."""
+import json, os, shlex, sys
+
+args = sys.argv[1:]
+options = []
+while args and args[0] == "-o":
+    options.append(args[1])
+    args = args[2:]
+host, remote = args
+secret = sys.stdin.readline()
+with open(os.environ["FAKE_SSH_LOG"], "a") as log:
+    log.write(json.dumps({{"options": options, "host": host, "remote": remote, "stdin": secret}}) + "\\n")
+read, write = os.pipe()
+os.write(write, secret.encode())
+os.close(write)
+os.dup2(read, 0)
+command = shlex.split(remote)
+os.execv(sys.executable, [sys.executable, "-m", "felactl", *command[1:]])
+'''
+
+
+def test_hostfile_starts_the_other_nodes_agent_over_ssh(tmp_path, no_leftovers):
+    """DeepSpeed's way: ``--hostfile`` lists the other node; the launch starts its agent with ssh
+    (here a stand-in ssh that runs the remote command on this machine, as a second node), the
+    secret goes on ssh's stdin, never on a command line, and the job runs across both nodes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text(FAKE_SSH.format(python=sys.executable))
+    ssh.chmod(0o755)
+    plan = dataclasses.replace(dp_plan(2, "bsp"), placement=(
+        Placement(device="cpu0", node="na", local_index=0), Placement(device="cpu1", node="nb", local_index=0)))
+    plan_path = save(plan, tmp_path / "plan.yaml")
+    (tmp_path / "hosts").write_text("nb slots=1\n")
+    log = tmp_path / "ssh.log"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_SSH_LOG": str(log),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "felactl", "launch", str(plan_path), "--hostfile",
+                             str(tmp_path / "hosts"), "--node-name", "na", "--steps", "8", "--run-id", "h",
+                             "--runs-root", str(tmp_path / "runs"), "--json"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    summary = json.loads(out)
+    assert summary["steps"] == 8 and len(summary["workers"]) == 2
+    (call,) = [json.loads(line) for line in log.read_text().splitlines()]
+    secret = (tmp_path / "runs" / "h" / "secret").read_text().strip()
+    assert call["host"] == "nb" and "BatchMode=yes" in call["options"]
+    assert call["stdin"].strip() == secret and secret not in call["remote"]
+    assert "--secret-file -" in call["remote"] and "--node-name nb" in call["remote"]
+    records = read_jsonl(tmp_path / "runs" / "h" / "metrics.jsonl")
+    assert {r["rank"] for r in records} == {0, 1}
