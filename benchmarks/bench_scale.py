@@ -146,7 +146,8 @@ def measure_torchrun_way(root: Path, plan2: Path, plan3: Path) -> dict:
 
 def steady_rate(metrics: Path, skip: int = 10) -> tuple[float, float]:
     """(samples/s, median step s) after the first ``skip`` steps: step ``s`` ends when its last
-    worker records it; the rate is the samples of steps after ``skip`` over the time they took."""
+    worker records it; the rate is the samples of steps after ``skip`` over the time they took;
+    the median step is over every worker's steps."""
     records = read_jsonl(metrics)
     ends: dict[int, float] = {}
     samples: dict[int, int] = {}
@@ -154,6 +155,8 @@ def steady_rate(metrics: Path, skip: int = 10) -> tuple[float, float]:
         ends[r["step"]] = max(ends.get(r["step"], 0.0), r["time"])
         samples[r["step"]] = samples.get(r["step"], 0) + r["samples"]
     steps = sorted(s for s in ends if s >= skip)
+    if len(steps) < 2:
+        raise SystemExit(f"{metrics}: fewer than {skip + 2} steps; run more --steps")
     rate = sum(samples[s] for s in steps[1:]) / (ends[steps[-1]] - ends[steps[0]])
     durations = sorted(r["duration_s"] for r in records if r["step"] >= skip)
     return rate, durations[len(durations) // 2]
@@ -179,6 +182,8 @@ def measure_overhead(root: Path, plan_path: Path, steps: int, rounds: int) -> di
                 for summary in (root / f"{mode}-{i}" / "workers").glob("rank*.json"):
                     worker = json.loads(summary.read_text())
                     heartbeat_share.append(100 * worker["heartbeat_cpu_s"] / worker["wall_s"])
+    if not heartbeat_share:
+        raise SystemExit("no elastic worker summary (workers/rank*.json) found")
     costs = sorted(100 * (1 - e / p) for e, p in zip(rates["elastic"], rates["no-elastic"]))
     step_costs = sorted(100 * (e / p - 1) for e, p in zip(step_s["elastic"], step_s["no-elastic"]))
     return {"rates": rates, "step_s": step_s, "cost_pct": statistics.median(costs),

@@ -47,7 +47,7 @@ def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, r
     from felactl.launcher.launch import LaunchOptions, launch
     from felactl.optimizer.planner import make_plan
     from felactl.profiling.cluster import profile_cluster
-    from felactl.profiling.in_situ import local_cpu_slots, profile_model_in_situ
+    from felactl.profiling.in_situ import profile_model_in_situ
 
     out = options.out_dir
     say(f"1/4 profiling this machine: {options.nproc} worker slot(s), every link between them")
@@ -56,7 +56,7 @@ def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, r
     save(cluster, out / "cluster.yaml")
     show("cluster", profiled)
     say(f"2/4 profiling {options.model} layer by layer")
-    model = profile_model_in_situ(options.model, options.model_config, [1, 4, 8, 16, 32], local_cpu_slots(cluster),
+    model = profile_model_in_situ(options.model, options.model_config, [1, 4, 8, 16, 32], cluster,
                                   worker_batch=max(1, options.global_batch // len(cluster.devices)),
                                   say=lambda line: say(f"    {line}"))
     save(model, out / "model.yaml")

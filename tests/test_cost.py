@@ -119,18 +119,32 @@ def test_simulator_charges_the_same_optimizer_step_as_the_prediction():
     assert plan.predicted.iteration_s > 0.008
 
 
-def test_a_measured_data_parallel_sync_replaces_the_link_estimate_for_its_group_only():
-    spec = cluster([[("g", 10.0, 8.0), ("g", 10.0, 8.0), ("g", 10.0, 8.0)]], intra_gbps=10.0)
+def test_a_measured_data_parallel_sync_calibrates_its_group_and_the_groups_inside_it():
+    spec = cluster([[("g", 10.0, 8.0)] * 4], intra_gbps=10.0)
     plain = model([(1_000_000, 1000, 1e9), (3_000_000, 1000, 1e9)])  # 16 MB of gradients
-    measured = dataclasses.replace(plain, data_parallel_sync=(
-        SyncTiming(devices=("n0.d1", "n0.d0"), backend="gloo", micro_batch=4, sync_ms=20.0),))
     link_based = CostModel(spec, plain, use_trees=False)
-    cost = CostModel(spec, measured, use_trees=False)
-    pair, trio = ("n0.d0", "n0.d1"), ("n0.d0", "n0.d1", "n0.d2")
-    assert cost.sync_time_s(pair, 16e6) == pytest.approx(0.020)  # the whole model, any device order
-    assert cost.sync_time_s(pair[::-1], 4e6) == pytest.approx(0.005)  # a stage: its share of the bytes
-    assert link_based.sync_time_s(pair, 16e6) == pytest.approx(0.0016 + 2 * spec.link(*pair).latency_us * 1e-6)
-    assert cost.sync_time_s(trio, 16e6) == pytest.approx(link_based.sync_time_s(trio, 16e6))  # not measured
-    stage = StageChoice(0, 2, 4, (("n0.d0", 0.5), ("n0.d1", 0.5)))
-    gap = predict(cost, (stage,), 8, 1).iteration_s - predict(link_based, (stage,), 8, 1).iteration_s
-    assert gap == pytest.approx(0.020 - link_based.sync_time_s(pair, 16e6))
+    trio, pair, other = ("n0.d0", "n0.d1", "n0.d2"), ("n0.d2", "n0.d0"), ("n0.d0", "n0.d3")
+    trio_s = link_based.sync_time_s(trio, 16e6)
+
+    def measured(ms: float, cluster_name: str = "test") -> CostModel:
+        return CostModel(spec, dataclasses.replace(plain, data_parallel_sync=(SyncTiming(
+            cluster=cluster_name, devices=trio[::-1], backend="gloo", micro_batch=4, sync_ms=ms),)), use_trees=False)
+
+    cost = measured(trio_s * 5e3)  # the trio synced 5x slower than its links say
+    assert cost.sync_time_s(trio, 16e6) == pytest.approx(5 * trio_s)  # any device order
+    assert cost.sync_time_s(trio, 4e6) == pytest.approx(5 * link_based.sync_time_s(trio, 4e6))  # a stage's bytes
+    assert cost.sync_time_s(pair, 16e6) == pytest.approx(5 * link_based.sync_time_s(pair, 16e6))  # inside the trio
+    assert cost.sync_time_s(other, 16e6) == pytest.approx(link_based.sync_time_s(other, 16e6))  # not inside it
+    # a measurement below the links' estimate is noise; one from another cluster does not apply
+    assert measured(trio_s * 0.5e3).sync_time_s(trio, 16e6) == pytest.approx(trio_s)
+    assert measured(trio_s * 5e3, "elsewhere").sync_time_s(trio, 16e6) == pytest.approx(trio_s)
+    stage = StageChoice(0, 2, 4, tuple((d, 1 / 3) for d in trio))
+    gap = predict(cost, (stage,), 12, 1).iteration_s - predict(link_based, (stage,), 12, 1).iteration_s
+    assert gap == pytest.approx(4 * trio_s)
+
+
+def test_a_model_profile_refuses_two_sync_timings_for_one_group():
+    timing = SyncTiming(cluster="c", devices=("a", "b"), backend="gloo", micro_batch=4, sync_ms=1.0)
+    with pytest.raises(Exception, match="data_parallel_sync\\[1\\]: a second timing"):
+        dataclasses.replace(model([(10, 10, 1.0)]), data_parallel_sync=(timing, dataclasses.replace(
+            timing, devices=("b", "a"))))

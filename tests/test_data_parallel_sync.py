@@ -1,6 +1,8 @@
 """The measured gradient sync of a data-parallel step (felactl.profiling.data_parallel): real
 processes, one per slot, DDP over gloo."""
 
+import dataclasses
+
 import psutil
 import pytest
 
@@ -12,19 +14,26 @@ from felactl.spec.codec import decode, encode
 pytestmark = pytest.mark.multiprocess
 
 SLOTS = [Slot("vm-cpu0", (0,)), Slot("vm-cpu1", (1,))]
-QUICK = {"blocks": 2, "per_block": 6, "warmup": 1}
+QUICK = {"blocks": 2, "per_block": 6, "warmup": 1, "cluster": "here"}
 
 
 def _no_children_left() -> bool:
     """No slot process left (multiprocessing's own resource tracker may stay: it is shared)."""
-    return not [p for p in psutil.Process().children(recursive=True)
-                if "resource_tracker" not in " ".join(p.cmdline())]
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                left.append(child)
+        except psutil.Error:  # exiting right now
+            pass
+    return not left
 
 
 def test_sync_grows_with_the_gradients_and_no_process_is_left():
     big = measure_data_parallel_sync("mlp", {"hidden": 1024, "depth": 4}, 16, SLOTS, **QUICK)  # 13 MB
     small = measure_data_parallel_sync("mlp", {"hidden": 8, "depth": 1}, 16, SLOTS, **QUICK)  # 8 KB
     assert big.devices == ("vm-cpu0", "vm-cpu1") and big.backend == "gloo" and big.micro_batch == 16
+    assert big.cluster == "here"
     assert big.sync_ms > 1.0, big  # gloo moves 13 MB in no less than a few ms here
     assert big.sync_ms > small.sync_ms + 1.0, (big, small)
     assert _no_children_left()
@@ -34,21 +43,25 @@ def test_a_slot_that_fails_is_named_and_the_others_are_stopped():
     with pytest.raises(ProfilingError, match="slot [01] failed: .*no-such-model"):
         measure_data_parallel_sync("no-such-model", {}, 4, SLOTS, **QUICK)
     assert _no_children_left()
+    # only slot 1 fails (a core this machine lacks), while slot 0 waits for it at the rendezvous
+    with pytest.raises(ProfilingError, match="slot 1 failed: OSError"):
+        measure_data_parallel_sync("mlp", {}, 4, [SLOTS[0], Slot("vm-cpu9", (4096,))], **QUICK)
+    assert _no_children_left()
 
 
 def test_a_sync_timing_round_trips_and_needs_a_group():
-    timing = SyncTiming(devices=("a", "b"), backend="gloo", micro_batch=16, sync_ms=6.2)
+    timing = SyncTiming(cluster="c", devices=("a", "b"), backend="gloo", micro_batch=16, sync_ms=6.2)
     assert decode(SyncTiming, encode(timing), "test") == timing
     with pytest.raises(Exception, match="two or more distinct devices"):
-        SyncTiming(devices=("a",), backend="gloo", micro_batch=16, sync_ms=1.0)
+        SyncTiming(cluster="c", devices=("a",), backend="gloo", micro_batch=16, sync_ms=1.0)
 
 
-def _two_slot_cluster(tmp_path):
+def _two_slot_cluster(tmp_path, cores=(0, 1)):
     from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node, save
 
     node = Node(name="here", devices=tuple(
-        Device(name=f"cpu{i}", kind=DeviceKind.CPU, model="cpu", tflops=0.05, memory_gb=4.0, cpu_cores=(i,),
-               local_index=i) for i in range(2)))
+        Device(name=f"cpu{i}", kind=DeviceKind.CPU, model="cpu", tflops=0.05, memory_gb=4.0, cpu_cores=(core,),
+               local_index=i) for i, core in enumerate(cores)))
     return save(ClusterSpec(name="here", nodes=(node,), intra_node_default=LinkDefault(
         bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK)), tmp_path / "cluster.yaml")
 
@@ -68,21 +81,29 @@ def test_profile_model_with_cluster_measures_the_slots_sync_and_plan_charges_it(
     model = load_model(tmp_path / "model.yaml")
     (sync,) = model.data_parallel_sync
     assert sync.devices == ("cpu0", "cpu1") and sync.micro_batch == 16 and sync.sync_ms > 1.0
+    assert sync.cluster == "here"
     cost = CostModel(load_cluster(cluster), model)
-    assert cost.sync_time_s(("cpu1", "cpu0"), cost.model_param_bytes) == pytest.approx(sync.sync_ms / 1e3)
+    link_s = CostModel(load_cluster(cluster), dataclasses.replace(model, data_parallel_sync=())).sync_time_s(
+        ("cpu0", "cpu1"), cost.model_param_bytes)
+    assert cost.sync_time_s(("cpu1", "cpu0"), cost.model_param_bytes) == pytest.approx(
+        max(link_s, sync.sync_ms / 1e3))
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--node-name", "elsewhere"], "has no node named 'elsewhere'"),
     (["--device", "cuda"], "--cluster profiles on this machine's CPU slots"),
+    (["--cores-of-cpu1", "4096"], "slot cpu1 is pinned to core(s) 4096, which this machine does not have"),
+    (["--worker-batch", "4", "--no-cluster"], "--worker-batch is for --cluster"),
 ])
 def test_profile_model_with_a_cluster_it_cannot_use_is_refused(tmp_path, extra, message):
     from typer.testing import CliRunner
 
     from felactl.cli.main import app
 
-    args = ["profile", "--model", "mlp", "--cluster", str(_two_slot_cluster(tmp_path)), "-o",
-            str(tmp_path / "m.yaml"), *extra]
+    cores = (0, 4096) if "--cores-of-cpu1" in extra else (0, 1)
+    cluster = ["--cluster", str(_two_slot_cluster(tmp_path, cores))] if "--no-cluster" not in extra else []
+    extra = [a for a in extra if a not in ("--cores-of-cpu1", "4096", "--no-cluster")]
+    args = ["profile", "--model", "mlp", *cluster, "-o", str(tmp_path / "m.yaml"), *extra]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "m.yaml").exists()

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from felactl.cli import output
 from felactl.errors import InputError
-from felactl.spec import ModelSpec, save, to_dict
+from felactl.spec import ModelSpec, load_cluster, save, to_dict
 
 
 def parse_config(pairs: list[str] | None) -> dict[str, Any]:
@@ -66,8 +66,14 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
         node: Optional[str] = None, worker_batch: Optional[int] = None) -> None:
     from felactl.profiling.model import profile_model
 
+    if cluster is None and worker_batch is not None:
+        raise InputError("--worker-batch is for --cluster (the batch of the data-parallel sync timing)")
+    if cluster is not None and device == "auto":
+        device = "cpu"  # in situ means this machine's CPU slots
     device = _resolve_device(device)
-    slots = _local_slots(cluster, node, device) if cluster is not None else None
+    if cluster is not None and device != "cpu":
+        raise InputError(f"--cluster profiles on this machine's CPU slots; --device is {device} (use --device cpu)")
+    in_cluster = load_cluster(cluster) if cluster is not None else None
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=output.stderr, transient=True, disable=not output.stderr.is_terminal) as bar:
@@ -77,14 +83,14 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
             bar.update(task, description=f"profiling {model}: {phase}", completed=done, total=total)
 
         options = dict(repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress)
-        if slots is None:
+        if in_cluster is None:
             spec = profile_model(model, parse_config(config), batch_sizes, device=device, **options)
         else:
             from felactl.profiling.in_situ import profile_model_in_situ
 
             batch = worker_batch or sorted(batch_sizes)[len(batch_sizes) // 2]
-            spec = profile_model_in_situ(model, parse_config(config), batch_sizes, slots, worker_batch=batch,
-                                         say=lambda line: output.stderr.print(line), **options)
+            spec = profile_model_in_situ(model, parse_config(config), batch_sizes, in_cluster, node_name=node,
+                                         worker_batch=batch, say=lambda line: output.stderr.print(line), **options)
     profile_s = time.perf_counter() - started
     path = save(spec, out or Path("model.yaml"))
 
@@ -96,16 +102,6 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
                       f"profiled in {profile_s:.1f} s", soft_wrap=True)
 
     output.emit({**to_dict(spec), "path": str(path), "profile_s": round(profile_s, 3)}, as_json, render)
-
-
-def _local_slots(cluster_path: Path, node: Optional[str], device: str):
-    """This machine's CPU slots in the cluster file, for profiling in situ (``--cluster``)."""
-    from felactl.profiling.in_situ import local_cpu_slots
-    from felactl.spec import load_cluster
-
-    if device != "cpu":
-        raise InputError(f"--cluster profiles on this machine's CPU slots; --device is {device} (use --device cpu)")
-    return local_cpu_slots(load_cluster(cluster_path), node)
 
 
 def layer_table(spec: ModelSpec) -> Table:

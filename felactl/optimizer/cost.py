@@ -19,9 +19,10 @@ Formulas (times in seconds, sizes in bytes):
   backward, each ``latency + b * activation_bytes_per_sample / bandwidth`` on the actual link.
 * **Sync** of a stage group: an allreduce of the stage's gradients (``param_bytes``), over the
   group's packed Blink trees or a ring, whichever is faster when trees are on; a ring otherwise.
-  Where the model profile measured the whole model's sync on exactly this group
-  (``ModelSpec.data_parallel_sync``: a DDP step with and without sync, as training runs it), that
-  time instead, times the stage's share of the model's parameter bytes.
+  Where the model profile measured the whole model's sync on this cluster's devices
+  (``ModelSpec.data_parallel_sync``: a DDP step with and without sync, as training runs it), a
+  group inside the measured set costs that estimate times measured / estimate of the set (at
+  least 1): on CPU slots the links' ping-pong prices gloo's allreduce several times too low.
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
   ``step()`` over the whole model (``ModelSpec.optimizer_step_ms``) times the stage's share of
   the parameters (the step is a few passes over each parameter: linear in their number). Charged
@@ -123,6 +124,7 @@ class CostModel:
     _shapes: dict = field(default_factory=dict, init=False, repr=False)
     _round_trip: dict = field(default_factory=dict, init=False, repr=False)
     _sync: dict = field(default_factory=dict, init=False, repr=False)
+    _sync_factors: list | None = field(default=None, init=False, repr=False)
     _links: dict = field(default_factory=dict, init=False, repr=False)
 
     # --- compute -------------------------------------------------------------------------
@@ -217,11 +219,6 @@ class CostModel:
     def model_param_bytes(self) -> int:
         return stage_param_bytes(self.model, 0, self.model.num_layers)
 
-    @property
-    def _measured_sync(self) -> dict[tuple[str, ...], float]:
-        """Seconds of the whole model's gradient sync measured on a group (sorted names)."""
-        return {tuple(sorted(t.devices)): t.sync_ms / 1e3 for t in self.model.data_parallel_sync}
-
     def collective(self, devices: tuple[str, ...]) -> Collective | None:
         """The packed trees of a group (cached), or None where trees are off or not worth it."""
         if not self.use_trees or len(devices) < 2 or len(devices) > self.max_tree_devices:
@@ -252,21 +249,41 @@ class CostModel:
         return replace(packed, devices=tuple(rename[d] for d in packed.devices), root=rename[packed.root], trees=trees)
 
     def sync_time_s(self, devices: tuple[str, ...], num_bytes: float) -> float:
-        """Allreduce of ``num_bytes`` over ``devices``: trees or ring, whichever is faster."""
+        """Allreduce of ``num_bytes`` over ``devices``: trees or ring, whichever is faster, times the
+        group's measured slowdown (:meth:`sync_factor`)."""
         if len(devices) < 2 or num_bytes <= 0:
             return 0.0
         key = (tuple(sorted(devices)), num_bytes)
-        if key not in self._sync and key[0] in self._measured_sync:
-            self._sync[key] = self._measured_sync[key[0]] * num_bytes / max(1, self.model_param_bytes)
         if key not in self._sync:
-            from felactl.optimizer.collectives import allreduce_time_s, ring_allreduce_time_s
-
-            ring_s = ring_allreduce_time_s(self.cluster, list(key[0]), num_bytes)
-            coll = self.collective(devices)
-            tree_s = math.inf if coll is None else allreduce_time_s(self.cluster, coll, num_bytes)
-            self._sync[key] = min(ring_s, tree_s)
-            self.trees_ever_faster = self.trees_ever_faster or tree_s < ring_s
+            self._sync[key] = self._link_sync_s(key[0], num_bytes) * self.sync_factor(key[0])
         return self._sync[key]
+
+    def _link_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
+        from felactl.optimizer.collectives import allreduce_time_s, ring_allreduce_time_s
+
+        ring_s = ring_allreduce_time_s(self.cluster, list(group), num_bytes)
+        coll = self.collective(group)
+        tree_s = math.inf if coll is None else allreduce_time_s(self.cluster, coll, num_bytes)
+        self.trees_ever_faster = self.trees_ever_faster or tree_s < ring_s
+        return min(ring_s, tree_s)
+
+    def sync_factor(self, group: tuple[str, ...]) -> float:
+        """How many times its link estimate a group's sync takes, from the model profile's
+        ``data_parallel_sync``: a measurement on this cluster (by name) over a set of devices that
+        holds the whole group gives measured / link estimate of the measured set; the most such
+        factor, else 1. Never below 1: sync cannot beat what its links move, and a lower
+        measurement is noise. Subsets share their superset's factor, so the planner sees a
+        calibrated cost for every group on those slots, not just the measured one."""
+        if self._sync_factors is None:
+            names = set(self.cluster.device_names)
+            self._sync_factors = []
+            for timing in self.model.data_parallel_sync:
+                if timing.cluster != self.cluster.name or not names.issuperset(timing.devices):
+                    continue
+                link_s = self._link_sync_s(tuple(sorted(timing.devices)), self.model_param_bytes)
+                if link_s > 0:
+                    self._sync_factors.append((frozenset(timing.devices), max(1.0, timing.sync_ms / 1e3 / link_s)))
+        return max((factor for measured, factor in self._sync_factors if measured.issuperset(group)), default=1.0)
 
     def uses_trees(self, devices: tuple[str, ...], num_bytes: float) -> bool:
         """Whether the group's allreduce goes over its trees (faster than the ring)."""

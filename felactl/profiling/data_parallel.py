@@ -20,7 +20,6 @@ the difference is what sync adds, to the backward and to the step after it.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import queue
 import statistics
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from felactl.errors import ProfilingError
+from felactl.profiling.devices import pin_to_cores
 from felactl.spec import SyncTiming
 
 BLOCKS = 4
@@ -50,10 +50,12 @@ class Slot:
 
 
 def measure_data_parallel_sync(model: str, config: dict[str, Any], micro_batch: int, slots: Sequence[Slot], *,
+                               cluster: str,
                                blocks: int = BLOCKS, per_block: int = STEPS_PER_BLOCK,
                                warmup: int = WARMUP_PER_BLOCK, backend: str = "gloo",
                                timeout_s: float = START_TIMEOUT_S) -> SyncTiming:
-    """Time ``model`` in DDP on ``slots`` (one process each) with and without sync; see module doc."""
+    """Time ``model`` in DDP on ``slots`` (one process each) with and without sync; see module doc.
+    ``cluster``: the name of the cluster profile the slots' devices belong to."""
     if len(slots) < 2:
         raise ProfilingError("a data-parallel sync needs two or more slots")
     ctx = multiprocessing.get_context("spawn")
@@ -78,8 +80,8 @@ def measure_data_parallel_sync(model: str, config: dict[str, Any], micro_batch: 
     synced = [max(times[i] for times, _ in per_rank) for i in range(counted)]
     local = [max(times[i] for _, times in per_rank) for i in range(counted)]
     sync_ms = max(0.0, statistics.median(synced) - statistics.median(local)) * 1e3
-    return SyncTiming(devices=tuple(slot.device for slot in slots), backend=backend, micro_batch=micro_batch,
-                      sync_ms=round(sync_ms, 3))
+    return SyncTiming(cluster=cluster, devices=tuple(slot.device for slot in slots), backend=backend,
+                      micro_batch=micro_batch, sync_ms=round(sync_ms, 3))
 
 
 def _collect(results, procs, timeout_s: float) -> list[tuple[list[float], list[float]]]:
@@ -91,7 +93,7 @@ def _collect(results, procs, timeout_s: float) -> list[tuple[list[float], list[f
             rank, outcome = results.get(timeout=1.0)
         except queue.Empty:
             dead = [i for i, p in enumerate(procs) if i not in got and p.exitcode is not None]
-            if dead:
+            if dead and not _settled(results, got):
                 raise ProfilingError(f"data-parallel sync: slot process {dead[0]} exited with code "
                                      f"{procs[dead[0]].exitcode} before reporting") from None
             if time.monotonic() > deadline:
@@ -101,6 +103,19 @@ def _collect(results, procs, timeout_s: float) -> list[tuple[list[float], list[f
             raise ProfilingError(f"data-parallel sync: slot {rank} failed: {outcome}")
         got[rank] = outcome
     return [got[rank] for rank in range(len(procs))]
+
+
+def _settled(results, got: dict) -> bool:
+    """One more look at the queue: a slot that reported just before it exited is not a failure.
+    True when a result or an error came (stored in ``got`` or raised)."""
+    try:
+        rank, outcome = results.get(timeout=0.5)
+    except queue.Empty:
+        return False
+    if isinstance(outcome, str):
+        raise ProfilingError(f"data-parallel sync: slot {rank} failed: {outcome}")
+    got[rank] = outcome
+    return True
 
 
 def _slot_main(rank: int, world_size: int, store_path: str, backend: str, model: str, config: dict[str, Any],
@@ -121,14 +136,13 @@ def _time_steps(rank: int, world_size: int, store_path: str, backend: str, model
 
     from felactl.models import build
 
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(max(1, len(cores)) if cores else 1)
+    pin_to_cores(cores, strict=True)
     dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size)
     try:
         bundle = build(model, config, seed=0)
-        replica = DistributedDataParallel(bundle.layers)
+        # As the runtime wraps it (felactl.agents.worker.sync.bsp.data_parallel).
+        replica = DistributedDataParallel(bundle.layers, broadcast_buffers=False, gradient_as_bucket_view=True)
         # Training steps the optimizer after the sync, and a step after DDP's sync was measured
         # slower (~4 ms vs ~2 ms here): time it in both, so the difference holds what sync costs
         # it too. lr 0 keeps the replicas equal while no_sync steps skip the allreduce.

@@ -70,15 +70,25 @@ def matmul_tflops(size: int, repetitions: int, device=None, dtype=None) -> float
     return 2.0 * size ** 3 / max(statistics.median(times_s), 1e-9) / 1e12
 
 
-def measure_cpu_slot(cores: list[int], *, matmul_size: int, repetitions: int, memory_gb: float) -> dict:
-    """Pin this process to ``cores``, then measure its matmul throughput."""
+def pin_to_cores(cores, *, strict: bool = False) -> None:
+    """Run this process on ``cores`` (where the OS allows it) with as many torch threads, as a
+    worker of that CPU slot runs. ``strict``: a core this machine lacks raises OSError."""
     import torch
 
-    try:
-        os.sched_setaffinity(0, cores)
-    except (AttributeError, OSError):
-        pass
-    torch.set_num_threads(max(1, len(cores)))
+    if cores:
+        try:
+            os.sched_setaffinity(0, list(cores))
+        except AttributeError:
+            pass
+        except OSError:
+            if strict:
+                raise
+    torch.set_num_threads(max(1, len(cores)) if cores else 1)
+
+
+def measure_cpu_slot(cores: list[int], *, matmul_size: int, repetitions: int, memory_gb: float) -> dict:
+    """Pin this process to ``cores``, then measure its matmul throughput."""
+    pin_to_cores(cores)
     return {"kind": "cpu", "model": cpu_model_name(), "cpu_cores": list(cores), "memory_gb": memory_gb,
             "tflops": matmul_tflops(matmul_size, repetitions)}
 

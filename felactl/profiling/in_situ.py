@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from felactl.errors import InputError, ProfilingError
+from felactl.profiling.devices import available_cores, pin_to_cores
 from felactl.spec import ClusterSpec, Device, DeviceKind, ModelSpec
 
 COMPANION_START_TIMEOUT_S = 60.0
@@ -31,7 +32,8 @@ COMPANION_START_TIMEOUT_S = 60.0
 
 def local_cpu_slots(cluster: ClusterSpec, node_name: str | None = None) -> list[Device]:
     """The CPU devices of this machine's node in ``cluster``: the node named ``node_name``, else
-    the one whose hostname or name is this machine's, else the only node."""
+    the one whose hostname or name is this machine's, else the only node; each slot's cores must
+    be cores this process may run on."""
     nodes = cluster.nodes
     if node_name is not None:
         chosen = [n for n in nodes if n.name == node_name]
@@ -40,30 +42,39 @@ def local_cpu_slots(cluster: ClusterSpec, node_name: str | None = None) -> list[
         host = socket.gethostname()
         chosen = [n for n in nodes if n.hostname in (host, host.split(".")[0]) or n.name == host.split(".")[0]]
         chosen = chosen or (list(nodes) if len(nodes) == 1 else [])
-        what = f"no node for this machine ({host}); name it with --node"
+        what = f"no node for this machine ({host}); name it with --node-name"
     if not chosen:
         raise InputError(f"cluster {cluster.name!r} has {what}")
     slots = [d for d in chosen[0].devices if d.kind == DeviceKind.CPU]
     if not slots:
         raise InputError(f"node {chosen[0].name!r} has no CPU slots to profile on")
+    usable = set(available_cores())
+    for slot in slots:
+        missing = sorted(set(slot.cpu_cores) - usable)
+        if missing:
+            raise InputError(f"cluster {cluster.name!r}: slot {slot.name} is pinned to core(s) "
+                             f"{', '.join(map(str, missing))}, which this machine does not have (or this "
+                             f"process may not use): was the cluster profiled on another machine?")
     return slots
 
 
-def profile_model_in_situ(model: str, config: dict[str, Any], batch_sizes: Sequence[int], slots: Sequence[Device],
-                          *, worker_batch: int, say: Callable[[str], None] = lambda line: None,
-                          **profile_options: Any) -> ModelSpec:
-    """Steps 1 and 2 of the module doc; ``worker_batch``: the samples of one worker's step (the
-    companions train on it and the sync is measured at it). A failed sync measurement is said, not
-    fatal: the plan then prices sync from the link profile."""
+def profile_model_in_situ(model: str, config: dict[str, Any], batch_sizes: Sequence[int], cluster: ClusterSpec,
+                          *, worker_batch: int, node_name: str | None = None,
+                          say: Callable[[str], None] = lambda line: None, **profile_options: Any) -> ModelSpec:
+    """Steps 1 and 2 of the module doc on this machine's CPU slots in ``cluster``
+    (:func:`local_cpu_slots`); ``worker_batch``: the samples of one worker's step (the companions
+    train on it and the sync is measured at it). A failed sync measurement is said, not fatal: the
+    plan then prices sync from the link profile."""
     from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
 
+    slots = local_cpu_slots(cluster, node_name)
     spec = _profile_beside_companions(model, config, batch_sizes, slots, worker_batch, profile_options)
     if len(slots) < 2:
         return spec
     say(f"timing a data-parallel step on {len(slots)} slots, with and without gradient sync")
     try:
         timing = measure_data_parallel_sync(model, config, worker_batch,
-                                            [Slot(d.name, tuple(d.cpu_cores)) for d in slots])
+                                            [Slot(d.name, tuple(d.cpu_cores)) for d in slots], cluster=cluster.name)
     except ProfilingError as exc:
         say(f"(sync not measured: {exc}; the plan prices sync from the link profile)")
         return spec
@@ -93,9 +104,7 @@ def _profile_beside_companions(model: str, config: dict[str, Any], batch_sizes: 
                 if proc.exitcode is not None or time.monotonic() > deadline:
                     raise ProfilingError(f"the companion training on another slot did not start (exit code "
                                          f"{proc.exitcode}); its log is on stderr")
-        if cores[0] and affinity_before is not None:
-            os.sched_setaffinity(0, cores[0])
-        torch.set_num_threads(max(1, len(cores[0])) if cores[0] else threads_before)
+        pin_to_cores(cores[0])
         return profile_model(model, config, batch_sizes, **profile_options)
     finally:
         stop.set()
@@ -116,9 +125,7 @@ def _keep_busy(model: str, config: dict[str, Any], batch: int, cores: list[int],
 
     from felactl.models import build
 
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(max(1, len(cores)) if cores else 1)
+    pin_to_cores(cores)
     bundle = build(model, config, seed=0)
     optimizer = torch.optim.AdamW(bundle.layers.parameters(), lr=1e-6)
     inputs, targets = bundle.data.batch(range(batch))

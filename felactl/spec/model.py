@@ -64,6 +64,9 @@ class SyncTiming:
     """What gradient sync adds to a data-parallel step of the whole model on a group of devices,
     measured as training runs it (``felactl.profiling.data_parallel``)."""
 
+    cluster: str
+    """The cluster profile the devices belong to (its ``name``): the cost model applies the timing
+    only to a cluster of that name, so a model profile taken elsewhere does not mislead a plan."""
     devices: tuple[str, ...]
     """The group, by device name: one process per device, all in one process group."""
     backend: str
@@ -110,6 +113,12 @@ class ModelSpec:
         positive("input_bytes_per_sample", self.input_bytes_per_sample)
         if not self.layers:
             raise FieldProblem("layers", "a model needs at least one layer")
+        groups = set()
+        for i, timing in enumerate(self.data_parallel_sync):
+            group = (timing.cluster, frozenset(timing.devices))
+            if group in groups:
+                raise FieldProblem(f"data_parallel_sync[{i}]", "a second timing for the same cluster and devices")
+            groups.add(group)
         names = set()
         for i, layer in enumerate(self.layers):
             if layer.name in names:
