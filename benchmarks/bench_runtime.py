@@ -17,7 +17,8 @@ summed: what perfect balancing with free synchronisation would reach), ``compute
 the loss over the last 10% of the samples, and the wall seconds to reach the loss bsp ends with
 (within 5% of bsp's loss reduction; ``t/t_bsp`` is that time over bsp's own, ``-`` if never reached).
 
-    python benchmarks/bench_runtime.py [--steps 40] [--repeat 3] [--factor 3] [--tables 1,2,3] [--json]
+    python benchmarks/bench_runtime.py [--steps 40] [--repeat 3] [--factor 3] [--tables 1,2,3]
+        [--straggler-models mlp,gpt-mini] [--pattern-models mlp] [--json]
 """
 
 from __future__ import annotations
@@ -178,12 +179,13 @@ def cases(args) -> list[dict]:
                 dict(table=2, scenario=sc, name="sdpipe", model=model, mode="sdpipe", mb=share[model], env=straggler),
                 dict(table=2, scenario=sc, name="hybrid tokens", model=model, mode="hybrid", mb=gb // 8,
                      env=straggler)]
-    gb = MODELS["mlp"][2]
-    for pattern in (f"roundrobin:{args.roundrobin_s:g}", f"prob:{args.prob:g}:{args.prob_s:g}"):
-        env = {"FELACTL_STRAGGLER": pattern}
-        out += [dict(table=3, scenario=pattern, name=mode, model="mlp", mode=mode, mb=mb, env=env)
-                for mode, mb in (("bsp", share["mlp"]), ("tokens", gb // 4), ("wbsp", share["mlp"]),
-                                 ("sdpipe", share["mlp"]))]
+    for model in args.pattern_models.split(","):
+        gb = MODELS[model][2]
+        for pattern in (f"roundrobin:{args.roundrobin_s:g}", f"prob:{args.prob:g}:{args.prob_s:g}"):
+            env = {"FELACTL_STRAGGLER": pattern}
+            out += [dict(table=3, scenario=f"{model} {pattern}", name=mode, model=model, mode=mode, mb=mb, env=env)
+                    for mode, mb in (("bsp", share[model]), ("tokens", gb // 4), ("wbsp", share[model]),
+                                     ("sdpipe", share[model]))]
     return [c for c in out if c["table"] in args.tables]
 
 
@@ -264,6 +266,7 @@ def main() -> None:
     parser.add_argument("--prob-s", type=float, default=0.3)
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians over rounds")
     parser.add_argument("--straggler-models", default="mlp,gpt-mini", help="models of table 2")
+    parser.add_argument("--pattern-models", default="mlp", help="models of table 3")
     parser.add_argument("--tables", default="1,2,3", help="which tables: 1 overhead, 2 slowdown, 3 patterns")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)

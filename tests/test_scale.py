@@ -140,6 +140,8 @@ def test_scale_out_and_in_keeps_processes_steps_and_identical_replicas(tmp_path,
         assert shrunk.exit_code == 0, shrunk.output
         out2 = json.loads(shrunk.stdout)
         assert out2["kind"] == "scale-in" and out2["members_after"] == [0, 1] and len(_checksums(out2)) == 1
+        same = job.scale("s", "--to", "2")  # already 2: nothing to do, and nothing done
+        assert same.exit_code == 0 and json.loads(same.stdout)["kind"] == "unchanged", same.output
         summary = job.finish()
     finally:
         job.stop()
