@@ -61,10 +61,16 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete record; a torn last line (a crash mid-write) is skipped, not an error."""
+def read_jsonl(path: Path, *, tail_bytes: int | None = None) -> list[dict[str, Any]]:
+    """Every complete record; a torn last line (a crash mid-write) is skipped, not an error.
+    ``tail_bytes``: only the records in the file's last that many bytes (a long run's metrics
+    need not be read whole to see its recent steps)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            if tail_bytes is not None and os.fstat(f.fileno()).st_size > tail_bytes:
+                f.seek(-tail_bytes, os.SEEK_END)
+                f.readline()  # the rest of a line cut in the middle
+            text = f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return []
     records = []

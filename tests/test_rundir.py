@@ -55,3 +55,14 @@ def test_summary_written_atomically(tmp_path):
     run.write_summary({"steps": 3})
     assert run.read_summary() == {"steps": 3}
     assert not [p for p in os.listdir(run.path) if p.endswith(".tmp")]
+
+
+def test_jsonl_tail_reads_only_the_last_whole_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in range(1000):
+        append_jsonl(path, {"step": step, "pad": "x" * 40})
+    tail = read_jsonl(path, tail_bytes=2000)
+    steps = [r["step"] for r in tail]
+    assert steps == list(range(steps[0], 1000)) and 20 < len(steps) < 50  # whole records, the newest
+    assert read_jsonl(path, tail_bytes=10 ** 9) == read_jsonl(path)
+    assert read_jsonl(tmp_path / "absent.jsonl", tail_bytes=100) == []
