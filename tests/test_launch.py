@@ -122,6 +122,26 @@ def test_the_backend_follows_the_plans_devices_not_the_machine():
     assert choose_device(cfg) == ("gloo", __import__("torch").device("cpu"))
 
 
+def test_a_cpu_plan_on_a_machine_with_gpus_says_they_stay_idle(monkeypatch):
+    import torch
+
+    from felactl.launcher.launch import idle_gpus_warning
+
+    def placed(kind, node="box"):
+        plan = dp_plan(2)
+        return dataclasses.replace(plan, placement=tuple(
+            Placement(device=d, node=node, kind=kind, local_index=i) for i, d in enumerate(plan.devices)))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert "4 GPU(s) stay idle" in idle_gpus_warning(placed(DeviceKind.CPU), "box")
+    assert "stay idle" in idle_gpus_warning(dp_plan(2), "box")  # places nothing: CPU workers here
+    assert idle_gpus_warning(placed(DeviceKind.CUDA), "box") is None  # NCCL on the GPUs
+    assert idle_gpus_warning(placed(DeviceKind.CPU, node="other"), "box") is None  # none of it runs here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert idle_gpus_warning(placed(DeviceKind.CPU), "box") is None
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_a_killed_launch_leaves_no_worker_running(tmp_path, sig):
     """SIGTERM takes Ctrl-C's way out (workers stopped, exit 130); after SIGKILL nobody can stop

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from felactl.launcher.scale_plan import ScalingPolicy
 from felactl.spec import (DeviceKind, Plan, SyncMode, check_plan_against_model, load_cluster, load_model,
                           load_plan, save)
 
+log = logging.getLogger(__name__)
 WORKER_MODULE = "felactl.agents.worker"
 POLL_S = 0.2
 
@@ -163,6 +165,22 @@ def worker_env(options: LaunchOptions, run: RunDir, plan: Plan, store_endpoint: 
     return env
 
 
+def idle_gpus_warning(plan: Plan, local_node: str) -> str | None:
+    """A line for the user when this machine's workers of a CPU (gloo) plan leave GPUs idle:
+    a plan made from a CPU profile, or one that places nothing, trains on the CPU even here."""
+    if plan_backend(plan) != "gloo":
+        return None
+    if plan.placement and not any(p.node == local_node for p in plan.placement):
+        return None  # no worker of this plan runs on this machine
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return (f"warning: this plan runs its workers on CPUs (gloo), and this machine's "
+            f"{torch.cuda.device_count()} GPU(s) stay idle; to train on them, profile with "
+            f"`felactl profile --device cuda` and plan again")
+
+
 def plan_backend(plan: Plan) -> str:
     """NCCL when the plan places every device on a GPU, else gloo: one process group has one
     backend, and a CPU plan (or one that places nothing) stays on the CPU on a machine with a GPU."""
@@ -206,6 +224,8 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     nodes = node_devices(plan, local_node)
     _check_nodes(options, nodes, local_node)
     run, plan, secret = prepare_run(options, resume)
+    if (warning := idle_gpus_warning(plan, local_node)) is not None:
+        log.warning(warning)
     sync = options.sync or plan.sync.mode
     # Live rescaling covers CPU data-parallel BSP plans: a newcomer builds its model on the CPU
     # and is not yet moved to its GPU, so plans on GPUs run without it.
