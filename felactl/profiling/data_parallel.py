@@ -12,8 +12,8 @@ So where a group is this machine's slots, felactl times the step as training wil
 process per slot, pinned to the slot's cores with as many threads, the whole model wrapped in
 DDP over the backend, and blocks of steps with and without gradient sync (``no_sync``) in turn; the
 difference of the medians (the slowest rank of each step) is the sync the step pays. The cost
-model charges it for that group (scaled by the bytes of a partial stage) instead of its
-link-based estimate. Both steps include the optimizer step, which the cost model charges apart:
+model turns it into a calibration (measured / its link-based estimate of the group, at least 1)
+for that group and every group inside it (``CostModel.sync_factor``). Both steps include the optimizer step, which the cost model charges apart:
 the difference is what sync adds, to the backward and to the step after it.
 """
 

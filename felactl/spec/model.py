@@ -101,8 +101,8 @@ class ModelSpec:
     """Optional record, per micro-batch (as a string): the whole model's forward + loss + backward
     time divided by the sum of its layers' times, by which the layers' timings were scaled."""
     data_parallel_sync: tuple[SyncTiming, ...] = ()
-    """Optional: measured gradient sync of the whole model on groups of devices; where a stage
-    group is one of these groups the cost model charges this instead of its link-based estimate."""
+    """Optional: measured gradient sync of the whole model on groups of devices; the cost model
+    scales its link-based estimate of any group inside a measured one by measured / estimate."""
 
     def __post_init__(self) -> None:
         check_header(self.kind, "Model", self.schema_version)
