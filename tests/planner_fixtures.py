@@ -45,3 +45,15 @@ def random_instance(seed: int) -> tuple[ClusterSpec, ModelSpec, int]:
             layers.append((p, rng.randint(2_000, 20_000), 2.0 * p))
     return (cluster(nodes, intra_gbps=rng.choice([25.0, 100.0]), inter_gbps=rng.choice([1.0, 10.0])),
             model(layers), rng.choice([16, 32, 64]))
+
+
+def two_cpu_slot_cluster(tmp_path, cores=(0, 1)):
+    """``cluster.yaml`` of one node "here" (the only node, so it is this machine) with CPU slots
+    cpu0, cpu1 pinned to ``cores``."""
+    from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node, save
+
+    node = Node(name="here", devices=tuple(
+        Device(name=f"cpu{i}", kind=DeviceKind.CPU, model="cpu", tflops=0.05, memory_gb=4.0, cpu_cores=(core,),
+               local_index=i) for i, core in enumerate(cores)))
+    return save(ClusterSpec(name="here", nodes=(node,), intra_node_default=LinkDefault(
+        bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK)), tmp_path / "cluster.yaml")

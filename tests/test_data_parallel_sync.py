@@ -9,6 +9,7 @@ import pytest
 from felactl.errors import ProfilingError
 from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
 from felactl.spec import SyncTiming
+from tests.planner_fixtures import two_cpu_slot_cluster
 from felactl.spec.codec import decode, encode
 
 pytestmark = pytest.mark.multiprocess
@@ -56,16 +57,6 @@ def test_a_sync_timing_round_trips_and_needs_a_group():
         SyncTiming(cluster="c", devices=("a",), backend="gloo", micro_batch=16, sync_ms=1.0)
 
 
-def _two_slot_cluster(tmp_path, cores=(0, 1)):
-    from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node, save
-
-    node = Node(name="here", devices=tuple(
-        Device(name=f"cpu{i}", kind=DeviceKind.CPU, model="cpu", tflops=0.05, memory_gb=4.0, cpu_cores=(core,),
-               local_index=i) for i, core in enumerate(cores)))
-    return save(ClusterSpec(name="here", nodes=(node,), intra_node_default=LinkDefault(
-        bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK)), tmp_path / "cluster.yaml")
-
-
 def test_profile_model_with_cluster_measures_the_slots_sync_and_plan_charges_it(tmp_path):
     from typer.testing import CliRunner
 
@@ -73,7 +64,7 @@ def test_profile_model_with_cluster_measures_the_slots_sync_and_plan_charges_it(
     from felactl.optimizer.cost import CostModel
     from felactl.spec import load_cluster, load_model
 
-    cluster = _two_slot_cluster(tmp_path)
+    cluster = two_cpu_slot_cluster(tmp_path)
     args = ["profile", "--model", "mlp", "--config", "hidden=1024", "--batch-sizes", "8,16", "--repetitions", "2",
             "--device", "cpu", "--cluster", str(cluster), "-o", str(tmp_path / "model.yaml"), "--json"]
     result = CliRunner().invoke(app, args)
@@ -101,7 +92,7 @@ def test_profile_model_with_a_cluster_it_cannot_use_is_refused(tmp_path, extra, 
     from felactl.cli.main import app
 
     cores = (0, 4096) if "--cores-of-cpu1" in extra else (0, 1)
-    cluster = ["--cluster", str(_two_slot_cluster(tmp_path, cores))] if "--no-cluster" not in extra else []
+    cluster = ["--cluster", str(two_cpu_slot_cluster(tmp_path, cores))] if "--no-cluster" not in extra else []
     extra = [a for a in extra if a not in ("--cores-of-cpu1", "4096", "--no-cluster")]
     args = ["profile", "--model", "mlp", *cluster, "-o", str(tmp_path / "m.yaml"), *extra]
     result = CliRunner().invoke(app, args)

@@ -104,3 +104,24 @@ def test_plan_collectives_is_still_a_subcommand(runner):
     result = runner.invoke(app, ["plan", "collectives", "--cluster", DGX1V, "--devices", "0,1,2", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["devices"] == ["gpu0", "gpu1", "gpu2"]
+
+
+def test_a_plan_that_syncs_cpu_slots_without_a_measured_sync_says_how_to_measure_it(runner, tmp_path):
+    import dataclasses
+
+    from felactl.spec import SyncTiming
+    from tests.planner_fixtures import two_cpu_slot_cluster
+
+    cluster_path = two_cpu_slot_cluster(tmp_path)
+    net = model([(1_000_000, 1000, 1e9), (1_000_000, 1000, 1e9)])
+    plain = save(net, tmp_path / "model.yaml")
+    args = ["plan", "--cluster", str(cluster_path), "--global-batch", "64", "--sync", "bsp", "--json"]
+    result = runner.invoke(app, [*args, "--model", str(plain)])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["stages"][0]["workers"]) == 2  # data parallel over both slots
+    assert "--cluster" in result.stderr and "measures it" in result.stderr
+    measured = save(dataclasses.replace(net, data_parallel_sync=(SyncTiming(
+        cluster="here", devices=("cpu0", "cpu1"), backend="gloo", micro_batch=32, sync_ms=1.0),)),
+        tmp_path / "measured.yaml")
+    result = runner.invoke(app, [*args, "--model", str(measured)])
+    assert result.exit_code == 0 and "measures it" not in result.stderr, result.output
