@@ -132,8 +132,7 @@ def _time_steps(rank: int, world_size: int, store_path: str, backend: str, model
                 warmup: int) -> tuple[list[float], list[float]]:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
+    from felactl.agents.worker.ddp import wrap_replica
     from felactl.models import build
 
     pin_to_cores(cores, strict=True)
@@ -141,8 +140,7 @@ def _time_steps(rank: int, world_size: int, store_path: str, backend: str, model
                             world_size=world_size)
     try:
         bundle = build(model, config, seed=0)
-        # As the runtime wraps it (felactl.agents.worker.sync.bsp.data_parallel).
-        replica = DistributedDataParallel(bundle.layers, broadcast_buffers=False, gradient_as_bucket_view=True)
+        replica = wrap_replica(bundle.layers)  # as the runtime wraps it
         # Training steps the optimizer after the sync, and a step after DDP's sync was measured
         # slower (~4 ms vs ~2 ms here): time it in both, so the difference holds what sync costs
         # it too. lr 0 keeps the replicas equal while no_sync steps skip the allreduce.

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from felactl.agents.worker.ddp import wrap_replica
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.stages import split_by_shares
 from felactl.agents.worker.sync.trees import TreeAllreduce, ddp_hook, stage_trees
@@ -50,8 +51,7 @@ def data_parallel(trainer: Trainer, group, init_sync: bool = True) -> Distribute
     if len(trainer.placement.stage_ranks) < 2 or min(len(s) for s in shares) == 0:
         return None
     device_ids = [trainer.runtime.device.index] if trainer.runtime.device.type == "cuda" else None
-    ddp = DistributedDataParallel(trainer.model, device_ids=device_ids, process_group=group,
-                                  broadcast_buffers=False, gradient_as_bucket_view=True, init_sync=init_sync)
+    ddp = wrap_replica(trainer.model, group, device_ids=device_ids, init_sync=init_sync)
     trees = stage_trees(plan, trainer.placement.stage, trainer.runtime.rank, group)
     if trees is not None:
         ddp.register_comm_hook(trees, ddp_hook)
