@@ -45,7 +45,7 @@ def demo(
             if what == "cluster":
                 render_cluster(live.console, result)
             elif what == "model":
-                live.console.print(layer_table(result))
+                output.wide(live.console).print(layer_table(result))
             elif what == "plan":
                 render_summary(live.console, result, out_dir / "plan.yaml")
                 render_compare(live.console, result)

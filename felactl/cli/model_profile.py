@@ -95,9 +95,7 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
     path = save(spec, out or Path("model.yaml"))
 
     def render(console: Console) -> None:
-        # Piped to a file or CI log there is no terminal width to respect: keep the numbers whole.
-        wide = console if console.is_terminal else Console(file=console.file, width=160, highlight=False)
-        wide.print(layer_table(spec))
+        output.wide(console).print(layer_table(spec))
         console.print(f"wrote {path}: {spec.num_layers} layers, {spec.total_params:,} params, "
                       f"profiled in {profile_s:.1f} s", soft_wrap=True)
 

@@ -19,3 +19,9 @@ def emit(result: dict[str, Any], as_json: bool, render: Callable[[Console], None
         sys.stdout.flush()
     else:
         render(stderr)
+
+
+def wide(console: Console) -> Console:
+    """``console`` on a terminal; piped to a file or a CI log, where there is no width to respect,
+    a 160-column console on the same file, so tables keep their numbers whole."""
+    return console if console.is_terminal else Console(file=console.file, width=160, highlight=False)
