@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -82,3 +83,36 @@ def hybrid_plan(stages: list[tuple[int, int, int, list[int]]], num_devices: int,
                 stages=tuple(Stage(layer_start=a, layer_end=b, micro_batch=mb,
                                    workers=tuple(StageWorker(device=f"cpu{d}", share=1 / len(ds)) for d in ds))
                              for a, b, mb, ds in stages))
+
+
+FAKE_SSH = '''#!{python}
+"""Stands in for ssh: records its arguments and what came on stdin, then runs the remote command
+here (``felactl`` as ``python -m felactl``), as sshd would on the host."""
+import json, os, shlex, sys
+
+args = sys.argv[1:]
+options = []
+while args and args[0] == "-o":
+    options.append(args[1])
+    args = args[2:]
+host, remote = args
+secret = sys.stdin.readline()
+with open(os.environ["FAKE_SSH_LOG"], "a") as log:
+    log.write(json.dumps({{"options": options, "host": host, "remote": remote, "stdin": secret}}) + "\\n")
+read, write = os.pipe()
+os.write(write, secret.encode())
+os.close(write)
+os.dup2(read, 0)
+command = shlex.split(remote)
+os.execv(sys.executable, [sys.executable, "-m", "felactl", *command[1:]])
+'''
+
+
+def fake_ssh(bin_dir):
+    """A directory holding ``ssh`` (:data:`FAKE_SSH`) to put first on a child's PATH, with
+    ``FAKE_SSH_LOG`` naming where it records each call."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    ssh = bin_dir / "ssh"
+    ssh.write_text(FAKE_SSH.format(python=sys.executable))
+    ssh.chmod(0o755)
+    return bin_dir

@@ -23,7 +23,7 @@ from felactl.launcher.rundir import read_jsonl
 from felactl.spec import DeviceKind, ModelRef, Placement, save
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker_helpers import dp_plan  # noqa: E402
+from _worker_helpers import dp_plan, fake_ssh  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -193,38 +193,11 @@ def test_profiles_that_do_not_fit_the_plan_are_refused(tmp_path):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
-FAKE_SSH = '''#!{python}
-"""Stands in for ssh: records its arguments and what came on stdin, then runs the remote command
-here (``felactl`` as ``python -m felactl``), as sshd would on the host."""
-import json, os, shlex, sys
-
-args = sys.argv[1:]
-options = []
-while args and args[0] == "-o":
-    options.append(args[1])
-    args = args[2:]
-host, remote = args
-secret = sys.stdin.readline()
-with open(os.environ["FAKE_SSH_LOG"], "a") as log:
-    log.write(json.dumps({{"options": options, "host": host, "remote": remote, "stdin": secret}}) + "\\n")
-read, write = os.pipe()
-os.write(write, secret.encode())
-os.close(write)
-os.dup2(read, 0)
-command = shlex.split(remote)
-os.execv(sys.executable, [sys.executable, "-m", "felactl", *command[1:]])
-'''
-
-
 def test_hostfile_starts_the_other_nodes_agent_over_ssh(tmp_path, no_leftovers):
     """DeepSpeed's way: ``--hostfile`` lists the other node; the launch starts its agent with ssh
     (here a stand-in ssh that runs the remote command on this machine, as a second node), the
     secret goes on ssh's stdin, never on a command line, and the job runs across both nodes."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    ssh = bin_dir / "ssh"
-    ssh.write_text(FAKE_SSH.format(python=sys.executable))
-    ssh.chmod(0o755)
+    bin_dir = fake_ssh(tmp_path / "bin")
     plan = dataclasses.replace(dp_plan(2, "bsp"), placement=(
         Placement(device="cpu0", node="na", local_index=0), Placement(device="cpu1", node="nb", local_index=0)))
     plan_path = save(plan, tmp_path / "plan.yaml")

@@ -105,3 +105,29 @@ def test_two_agents_with_one_node_name_are_refused_with_exit_2(tmp_path):
     finally:
         _kill_all(procs)
     assert not (tmp_path / "c.yaml").exists()
+
+
+@pytest.mark.multiprocess
+def test_hostfile_starts_an_agent_on_each_host_over_ssh(tmp_path):
+    """``felactl profile --hostfile``: one agent per listed host, started with ssh (a stand-in
+    that runs the remote command here, so the two hosts are two nodes on this machine)."""
+    from tests._worker_helpers import fake_ssh
+
+    (tmp_path / "hosts").write_text("nodeA slots=1\nnodeB slots=1\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAKE_SSH_LOG": str(tmp_path / "ssh.log"),
+           "PATH": f"{fake_ssh(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"}
+    out = tmp_path / "cluster.yaml"
+    proc = subprocess.Popen(FELACTL + ["profile", "--hostfile", str(tmp_path / "hosts"), "--rdzv-endpoint",
+                                       f"127.0.0.1:{_free_port()}", "--name", "two", "-o", str(out), "--json",
+                                       "--join-timeout", "25", "--timeout", "40", *SMALL],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=80)
+    finally:
+        _kill_all([proc])
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    cluster = json.loads(stdout)
+    assert sorted(n["name"] for n in cluster["nodes"]) == ["nodeA", "nodeB"]
+    assert len(cluster["links"]) == 2  # one slot each: both directions between the nodes
+    calls = [json.loads(line) for line in (tmp_path / "ssh.log").read_text().splitlines()]
+    assert sorted(c["host"] for c in calls) == ["nodeA", "nodeB"] and all(c["stdin"].strip() for c in calls)
