@@ -92,15 +92,36 @@ def test_port_in_use_is_bad_input(tmp_path):
         port = busy.getsockname()[1]
         result = _launch(tmp_path, str(plan_path), "--rdzv-endpoint", f"127.0.0.1:{port}")
     assert result.exit_code == 2 and f"port {port}" in result.stderr
+    assert not list((tmp_path / "runs").iterdir())  # nothing ran: no run directory for `felactl status`
 
 
 def test_bad_flags(tmp_path):
     plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
+    (tmp_path / "bad-hosts").write_text("nodeB slots=x\n")
     for args, needle in [(["--slowdown", "1=x"], "slowdown"), (["--straggler", "sometimes"], "straggler"),
-                         (["--nnodes", "2"], "--rdzv-endpoint")]:
+                         (["--nnodes", "2"], "--rdzv-endpoint"), (["--slowdown", "5=2"], "rank 5 does not exist"),
+                         (["--straggler", "roundrobin:abc"], "SECONDS must be a number"),
+                         (["--collective-timeout", "-1"], "--collective-timeout"),
+                         (["--rdzv-endpoint", "127.0.0.1:99999"], "port in 0..65535"),
+                         (["--rdzv-endpoint", "127.0.0.1:29999", "--nnodes", "2"], "places its workers on 1 node"),
+                         (["--hostfile", str(tmp_path / "missing")], "no such hostfile"),
+                         (["--hostfile", str(tmp_path / "bad-hosts"), "--rdzv-endpoint", "127.0.0.1:1"], "slots")]:
         result = _launch(tmp_path, str(plan_path), *args)
         assert result.exit_code == 2, (args, result.output)
         assert needle.lower() in result.stderr.lower(), (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_a_plan_for_gpus_this_machine_lacks_is_refused_before_anything_starts(tmp_path, no_leftovers):
+    plan = dp_plan(2, "bsp")
+    on_gpus = dataclasses.replace(plan, placement=tuple(Placement(device=d, node="box", kind=DeviceKind.CUDA,
+                                                                  local_index=i + 6) for i, d in enumerate(plan.devices)))
+    plan_path = save(on_gpus, tmp_path / "plan.yaml")
+    result = _launch(tmp_path, str(plan_path), "--node-name", "box")
+    assert result.exit_code == 2, result.output
+    assert "GPU indices up to 7" in result.stderr and "GPU(s)" in result.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
 def test_the_backend_follows_the_plans_devices_not_the_machine():

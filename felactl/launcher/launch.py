@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +25,8 @@ from felactl.agents.worker.stragglers import parse_pattern, parse_slowdown
 from felactl.errors import ControlPlaneError, InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text
 from felactl.launcher import hosts as hostfile
-from felactl.launcher.controlplane import Assignment, Coordinator, Member, read_secret_file, write_secret_file
+from felactl.launcher.controlplane import (Assignment, Coordinator, Member, parse_endpoint, read_secret_file,
+                                           write_secret_file)
 from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_requests
 from felactl.launcher.resume import ResumePoint, find_resume_point
 from felactl.launcher.rundir import RunDir, append_jsonl
@@ -86,6 +88,12 @@ class LaunchOptions:
             raise InputError(f"--max-nproc-per-node must be >= 1, got {self.max_nproc_per_node}")
         if self.heartbeat_timeout_s <= 0:
             raise InputError(f"--heartbeat-timeout must be > 0, got {self.heartbeat_timeout_s}")
+        if self.collective_timeout_s <= 0:
+            raise InputError(f"--collective-timeout must be > 0, got {self.collective_timeout_s}")
+        if self.rdzv_endpoint is not None:
+            parse_endpoint(self.rdzv_endpoint)
+        if self.hostfile is not None:
+            hostfile.read_hostfile(self.hostfile)
         ScalingPolicy(self.scaling_policy, self.max_batch)
         parse_slowdown(self.slowdown)
         parse_pattern(self.straggler)
@@ -223,6 +231,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     plan = load_plan(resume.plan_path if resume else options.plan_path)
     nodes = node_devices(plan, local_node)
     _check_nodes(options, nodes, local_node)
+    _check_this_machine(options, plan, local_node)
     run, plan, secret = prepare_run(options, resume)
     if (warning := idle_gpus_warning(plan, local_node)) is not None:
         log.warning(warning)
@@ -231,7 +240,12 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     # and is not yet moved to its GPU, so plans on GPUs run without it.
     elastic = options.elastic and len(plan.stages) == 1 and sync is SyncMode.BSP and plan_backend(plan) == "gloo"
     state = LaunchState(run=run, plan=plan, sync=sync)
-    coordinator = Coordinator(secret, endpoint=options.rdzv_endpoint, job=run.run_id)
+    try:
+        coordinator = Coordinator(secret, endpoint=options.rdzv_endpoint, job=run.run_id)
+    except BaseException:
+        if resume is None:  # nothing ran: leave no run directory behind for `felactl status` to list
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
     append_jsonl(run.events, {"time": time.time(), "kind": "resume" if resume else "launch", "run": run.run_id,
                               "endpoint": coordinator.endpoint, "devices": list(plan.devices),
                               **({"from_step": resume.step, "checkpoint": str(resume.checkpoint)} if resume else {})})
@@ -269,7 +283,27 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     return summary
 
 
+def _check_this_machine(options: LaunchOptions, plan: Plan, local_node: str) -> None:
+    """What this machine can tell before anything starts: the GPUs the plan puts on it exist, and
+    every rank ``--slowdown`` names is one of the plan's."""
+    wanted = [p for p in plan.placement if p.node == local_node and p.kind == DeviceKind.CUDA]
+    if wanted:
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        needed = max(p.local_index for p in wanted) + 1
+        if have < needed:
+            raise InputError(f"{options.plan_path}: placement: the plan puts {len(wanted)} GPU worker(s) on node "
+                             f"{local_node!r} (GPU indices up to {needed - 1}), but this machine has {have} GPU(s)")
+    for rank in parse_slowdown(options.slowdown):
+        if rank >= len(plan.devices):
+            raise InputError(f"--slowdown: rank {rank} does not exist; the plan has ranks 0..{len(plan.devices) - 1}")
+
+
 def _check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local_node: str) -> None:
+    if options.nnodes > 1 and options.nnodes != len(nodes):
+        raise InputError(f"--nnodes {options.nnodes}, but the plan places its workers on {len(nodes)} node(s): "
+                         f"{', '.join(sorted(nodes))}")
     if options.rdzv_endpoint is None and options.hostfile is None and local_node not in nodes:
         names = ", ".join(sorted(nodes))
         raise InputError(f"{options.plan_path}: placement: the plan runs on node(s) {names} but this machine is "

@@ -64,7 +64,8 @@ def parse_pattern(text: str | None) -> Pattern | None:
         else:
             raise InputError(f"straggler pattern {text!r}: expected roundrobin:SECONDS or prob:P:SECONDS")
     except ValueError:
-        raise InputError(f"straggler pattern {text!r}: P and SECONDS must be numbers") from None
+        numbers = "SECONDS must be a number" if parts[0] == "roundrobin" else "P and SECONDS must be numbers"
+        raise InputError(f"straggler pattern {text!r}: {numbers}") from None
     if pattern.seconds < 0:
         raise InputError(f"straggler pattern {text!r}: SECONDS must be >= 0, got {pattern.seconds:g}")
     if not 0.0 <= pattern.probability <= 1.0:
