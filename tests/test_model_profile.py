@@ -183,7 +183,8 @@ def test_cli_renders_the_saturation_table(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--config", "depth"], "--config: expected key=value"),
-    (["--config", "colour=blue"], "bad config"),
+    (["--config", "colour=blue"], "unknown config key 'colour'"),
+    (["--config", "width=-1"], "width=-1: must be an integer >= 1"),
     (["--batch-sizes", "1,x"], "--batch-sizes"),
     (["--input-shape", "3,a"], "--input-shape"),
 ])

@@ -97,7 +97,12 @@ def user_not_sequential():
 
 @pytest.mark.parametrize("source, config, words", [
     ("resnet-huge", {}, "unknown model 'resnet-huge'"),
-    ("gpt-mini", {"colour": "blue"}, "bad config"),
+    ("gpt-mini", {"colour": "blue"}, "unknown config key 'colour'; it takes depth, width, num_heads, seq_len"),
+    ("gpt-mini", {"num_heads": 0}, "num_heads=0: must be an integer >= 1"),
+    ("gpt-mini", {"width": 30, "num_heads": 4}, "bad config .* must be divisible by num_heads"),
+    ("mlp", {"hidden": 1.5}, "hidden=1.5: must be an integer >= 1"),
+    ("mlp", {"depth": "abc"}, "depth='abc': must be an integer >= 1"),
+    ("vgg-mini", {"image_size": 4}, "image_size=4: must be >= 8"),
     ("no_such_module_xyz:f", {}, "cannot import"),
     ("test_models:missing_function", {}, "cannot import"),
     ("test_models:user_not_sequential", {}, "must return an nn.Sequential"),

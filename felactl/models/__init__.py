@@ -70,6 +70,21 @@ BUILTINS: dict[str, Callable[[dict[str, Any]], ModelBundle]] = {
 }
 
 
+def _check_builtin_config(source: str, config: dict[str, Any]) -> None:
+    """Every knob of a built-in model is a count (layers, widths, heads, classes, pixels):
+    a known key with an integer >= 1, said in one line naming the key otherwise."""
+    factory = {"gpt-mini": builtin.gpt_mini, "vgg-mini": builtin.vgg_mini, "mlp": builtin.mlp}[source]
+    known = list(inspect.signature(factory).parameters)
+    for key, value in config.items():
+        if key not in known:
+            shown = [k for k in known if k != "vocab_size"]  # gpt-mini's comes from its corpus
+            raise InputError(f"model {source!r}: unknown config key {key!r}; it takes {', '.join(shown)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"model {source!r}: config {key}={value!r}: must be an integer >= 1")
+    if source == "vgg-mini" and config.get("image_size", 32) < 8:  # three 2x poolings leave nothing below 8
+        raise InputError(f"model 'vgg-mini': config image_size={config['image_size']}: must be >= 8")
+
+
 def _import_user_module(module_name: str):
     """Import the user's module, also from the working directory as ``python -m`` would (the
     ``felactl`` script's own directory, not the user's, is first on ``sys.path``)."""
@@ -114,10 +129,11 @@ def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> M
     """Build a model by built-in name or ``package.module:function``; weights from ``seed``."""
     config = dict(config or {})
     if source in BUILTINS:
+        _check_builtin_config(source, config)
         try:
             bundle = BUILTINS[source](config)
-        except TypeError as exc:
-            raise InputError(f"model {source!r}: bad config: {exc}") from None
+        except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as exc:
+            raise InputError(f"model {source!r}: bad config {config}: {exc}") from None
     elif ":" in source:
         bundle = _user_model(source, config)
     else:
