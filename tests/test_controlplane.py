@@ -85,12 +85,35 @@ def test_unreachable_endpoint_times_out_with_control_plane_error():
     assert time.monotonic() - started < 15
 
 
-def _join_in_thread(endpoint: str, secret: str, node: str, slots: int) -> tuple[threading.Thread, dict]:
+def test_unreachable_endpoint_says_one_line_without_c10d_noise(capfd):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ControlPlaneError) as caught:
+        AgentSession(f"127.0.0.1:{port}", new_secret(), timeout_s=1)
+    assert len(str(caught.value).splitlines()) == 1 and "refused" in str(caught.value).lower()
+    assert "c10d" not in capfd.readouterr().err  # c10d's C++ log and backtrace never ran
+
+
+def test_an_agent_without_a_job_name_joins_the_job_its_coordinator_runs():
+    secret = new_secret()
+    coordinator = Coordinator(secret, job="run-7")
+    try:
+        thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nb", 1, job=None)
+        _serve_until(coordinator, thread)
+        assert "error" not in outcome, outcome
+        assert outcome["session"].job == "run-7" and list(coordinator.members) == [outcome["agent_id"]]
+    finally:
+        coordinator.close()
+
+
+def _join_in_thread(endpoint: str, secret: str, node: str, slots: int,
+                    job: str | None = "job") -> tuple[threading.Thread, dict]:
     outcome: dict = {}
 
     def run() -> None:
         try:
-            session = AgentSession(endpoint, secret, timeout_s=10)
+            session = AgentSession(endpoint, secret, timeout_s=10, job=job)
             outcome["agent_id"] = session.join(node, slots, {"num_cpu_cores": 2})
             outcome["session"] = session
         except Exception as exc:  # handed to the test

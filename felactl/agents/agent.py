@@ -312,7 +312,8 @@ class NodeAgentConfig:
     log_dir: Path
     node_info: dict = field(default_factory=dict)
     cpu_affinity: tuple[tuple[int, ...], ...] | None = None
-    job: str = "job"
+    job: str | None = "job"
+    """The job's name on the control plane; None: the one the coordinator runs."""
     generation: int = 0
     join_timeout_s: float = 60.0
 

@@ -15,7 +15,7 @@ from felactl.profiling.devices import available_cores, node_info
 
 
 def local_agent_config(endpoint: str, secret: str, *, nproc: int, node_name: str | None, log_dir: Path,
-                       join_timeout_s: float, job: str) -> NodeAgentConfig:
+                       join_timeout_s: float, job: str | None) -> NodeAgentConfig:
     """The agent of this machine: CPU slots are pinned to disjoint shares of its cores."""
     info = node_info()
     affinity = None if info["num_gpus"] >= nproc else split_cores(available_cores(), nproc)

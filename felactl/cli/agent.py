@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from felactl.cli import output
-from felactl.errors import WorkerFailed
+from felactl.errors import InputError, WorkerFailed
 
 
 def agent(
@@ -18,7 +18,9 @@ def agent(
         "--nproc-per-node", min=1, help="Worker slots on this node (default: the GPUs, else 2).")] = None,
     node_name: Annotated[Optional[str], typer.Option(help="This node's name (default: the short hostname).")] = None,
     log_dir: Annotated[Optional[Path], typer.Option(help="Worker logs (default: a new temp dir).")] = None,
-    job: Annotated[str, typer.Option(help="Job name on the control plane.")] = "profile",
+    job: Annotated[Optional[str], typer.Option(
+        help="Job name on the control plane (default: the job the coordinator at --rdzv-endpoint runs: a "
+             "`felactl profile` or the run id of a `felactl launch`).")] = None,
     join_timeout: Annotated[float, typer.Option(help="Seconds to reach and join the coordinator.")] = 60.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
@@ -34,6 +36,8 @@ def agent(
     from felactl.agents.local_node import local_agent_config
     from felactl.profiling.cluster import default_nproc_per_node
 
+    if join_timeout <= 0:
+        raise InputError(f"--join-timeout must be > 0, got {join_timeout:g}")
     secret = read_secret_file(secret_file)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="felactl-agent-"))
     config = local_agent_config(rdzv_endpoint, secret, nproc=nproc_per_node or default_nproc_per_node(),

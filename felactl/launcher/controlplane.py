@@ -134,11 +134,27 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def connect_store(host: str, port: int, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
-    """A TCPStore client of the store at ``host:port``; ControlPlaneError when it cannot be reached."""
+    """A TCPStore client of the store at ``host:port``; ControlPlaneError when it cannot be reached.
+
+    The address is first tried with a plain socket until it answers (the coordinator may start
+    after its agents): c10d's own failed connects print screens of C++ log and backtrace to
+    stderr, which a user who mistyped an address should not have to read."""
     import torch.distributed as dist
 
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                why = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or type(exc).__name__)
+                raise ControlPlaneError(f"cannot reach the coordinator at {host}:{port} within {timeout_s:g} s: "
+                                        f"{why}") from None
+            time.sleep(0.2)
     try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except (RuntimeError, ValueError) as exc:
         raise ControlPlaneError(f"cannot reach the coordinator at {host}:{port} within {timeout_s:g} s: "
                                 f"{_first_line(exc)}") from exc
@@ -152,6 +168,11 @@ def _first_line(exc: BaseException) -> str:
 
 def job_prefix(job: str, generation: int) -> str:
     return f"felactl/{job}/{generation}/"
+
+
+JOB_NAME_KEY = "felactl/job"
+"""Unprefixed: the name of the job this store's coordinator runs (not a secret), so an agent
+started without ``--job`` finds it."""
 
 
 def _get_json(store, key: str) -> Any:
@@ -232,6 +253,7 @@ class Coordinator:
                 pass  # the store had already taken the socket over
             raise ControlPlaneError(f"cannot start the store on {host}:{self.port}: {exc}") from exc
         sock.detach()
+        self.store.set(JOB_NAME_KEY, job)
         self.nonce = secrets.token_hex(16)
         self.store.set(self.prefix + "auth/nonce", self.nonce)
 
@@ -314,13 +336,17 @@ def agent_beat_key(prefix: str, agent_id: str) -> str:
 class AgentSession:
     """An agent's side of the control plane: join, wait for the job, report state, watch for stop."""
 
-    def __init__(self, endpoint: str, secret: str, *, job: str = "job", generation: int = 0,
+    def __init__(self, endpoint: str, secret: str, *, job: str | None = "job", generation: int = 0,
                  timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
+        """``job`` None: the job the coordinator at ``endpoint`` runs (:data:`JOB_NAME_KEY`)."""
         self.host, self.port = parse_endpoint(endpoint)
         self.secret = secret
-        self.prefix = job_prefix(job, generation)
         self.timeout_s = timeout_s
         self.store = connect_store(self.host, self.port, timeout_s)
+        if job is None:
+            job = _wait_key(self.store, JOB_NAME_KEY, time.monotonic() + timeout_s, "the coordinator's job name").decode()
+        self.job = job
+        self.prefix = job_prefix(job, generation)
         self.agent_id = ""
 
     def join(self, node_name: str, num_slots: int, info: dict | None = None) -> str:
