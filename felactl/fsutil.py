@@ -9,11 +9,20 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from felactl.errors import InputError
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mode: int | None = None) -> Path:
     """Call ``write(f)`` on a temp file beside ``path``, fsync it, then rename it over ``path``."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir():
+        raise InputError(f"{target}: is a directory; give a file name to write")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise InputError(f"{target}: {target.parent} is not a directory") from None
+    except PermissionError:
+        raise InputError(f"{target}: no permission to create {target.parent}") from None
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         if mode is not None:

@@ -125,3 +125,14 @@ def test_a_plan_that_syncs_cpu_slots_without_a_measured_sync_says_how_to_measure
         tmp_path / "measured.yaml")
     result = runner.invoke(app, [*args, "--model", str(measured)])
     assert result.exit_code == 0 and "measures it" not in result.stderr, result.output
+
+
+@pytest.mark.parametrize("where, needle", [("dir", "is a directory"), ("file/plan.yaml", "is not a directory")])
+def test_an_output_path_that_cannot_be_a_file_exits_2(runner, tmp_path, where, needle):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("")
+    net = save(model([(1000, 10, 1e6)]), tmp_path / "m.yaml")
+    result = runner.invoke(app, ["plan", "--cluster", DGX1V, "--model", str(net), "--global-batch", "8",
+                                 "-o", str(tmp_path / where)])
+    assert result.exit_code == 2 and needle in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
