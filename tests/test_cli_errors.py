@@ -278,3 +278,20 @@ def test_a_plan_given_where_a_cluster_is_expected(tmp_path):
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(PLAN))
     with pytest.raises(SpecError, match=r"plan.yaml: kind: must be Cluster, got 'Plan'"):
         load_cluster(tmp_path / "plan.yaml")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["profile", "--batch-sizes", "4"], "--batch-sizes is for profiling a model: add --model NAME"),
+    (["profile", "--config", "depth=3"], "--config is for profiling a model"),
+    (["profile", "--model", "mlp", "--worker-batch", "4"], "--worker-batch is for --cluster"),
+    (["plan", "--cluster", "c.yaml", "--model", "m.yaml", "--global-batch", "0"], "--global-batch must be >= 1"),
+    (["scale", "r", "--add", "1", "--timeout", "0"], "--timeout must be > 0"),
+    (["agent", "--rdzv-endpoint", "127.0.0.1:1", "--secret-file", "s", "--join-timeout", "0"],
+     "--join-timeout must be > 0"),
+])
+def test_flags_that_cannot_work_exit_2_with_one_line(tmp_path, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not list(tmp_path.iterdir())  # nothing written

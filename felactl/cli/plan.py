@@ -143,6 +143,8 @@ def plan(
                if value is None]
     if missing:
         raise InputError(f"felactl plan needs {', '.join(missing)}")
+    if global_batch < 1:
+        raise InputError(f"--global-batch must be >= 1, got {global_batch}")
     if time_limit is not None and time_limit <= 0:
         raise InputError(f"--time-limit must be > 0, got {time_limit:g}")
     cluster_spec, model_spec = load_cluster(cluster), load_model(model)

@@ -49,6 +49,9 @@ def render_cluster(console, result) -> None:
     console.print(f"profiled in {result.profile_s:.1f} s; worker logs in {result.log_dir}")
 
 
+BATCH_SIZES_DEFAULT = "1,4,16,64"
+
+
 def profile(
     nproc_per_node: Annotated[Optional[int], typer.Option(
         "--nproc-per-node", min=1, help="Worker slots on this node (default: the GPUs, else 2).")] = None,
@@ -74,7 +77,7 @@ def profile(
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for agents.")] = 60.0,
     timeout: Annotated[float, typer.Option(help="Seconds the measurement may take.")] = 600.0,
     model: Annotated[Optional[str], typer.Option(help="Profile this model's layers into model.yaml instead.")] = None,
-    batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes for --model.")] = "1,4,16,64",
+    batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes for --model.")] = BATCH_SIZES_DEFAULT,
     config: Annotated[Optional[list[str]], typer.Option("--config", help="--model config key=value (repeat).")] = None,
     input_shape: Annotated[Optional[str], typer.Option(help="--model: one input sample's shape, e.g. 3,32,32 "
                                                             "(user models that bring no data).")] = None,
@@ -86,6 +89,11 @@ def profile(
              "--batch-sizes).", min=1)] = None,
 ) -> None:
     """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
+    if model is None:
+        given = [flag for flag, value in (("--config", config), ("--input-shape", input_shape), ("--cluster", cluster),
+                                          ("--worker-batch", worker_batch)) if value]
+        if given or batch_sizes != BATCH_SIZES_DEFAULT:
+            raise InputError(f"{(given or ['--batch-sizes'])[0]} is for profiling a model: add --model NAME")
     if model is not None:
         from felactl.cli import model_profile
 

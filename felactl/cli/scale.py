@@ -45,6 +45,8 @@ def scale(
         command = {"op": "remove", "ranks": ranks}
     if scaling_policy is not None:
         command.update(scaling_policy=scaling_policy, max_batch=max_batch)
+    if timeout <= 0:
+        raise InputError(f"--timeout must be > 0, got {timeout:g}")
     result = request_scale(run, command, runs_root=runs_root, secret_file=secret_file, timeout_s=timeout)
     output.emit(result, as_json, lambda console: console.print(
         f"{result['kind']}: workers {result.get('members_before')} -> {result.get('members_after', result.get('members'))}"
