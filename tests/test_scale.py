@@ -530,3 +530,16 @@ def test_a_member_lost_while_a_newcomer_starts_is_planned_out_of_the_scale_out(t
     assert kinds == [("failure", [0]), ("scale-out", [0, 2])], kinds
     assert event["members_after"] == [0, 2]
     assert load_plan(run.path / f"plan.{event['generation']}.yaml").devices == ("cpu0", "cpu2")
+
+
+def test_a_rescale_that_the_planner_would_leave_idle_is_refused_with_what_to_do():
+    from felactl.launcher.scale_plan import replan_with_planner
+    from felactl.optimizer.planner import make_plan
+    from tests.planner_fixtures import cluster, model
+
+    spec = cluster([[("fast", 100.0, 16.0), ("slow", 0.001, 16.0)]], intra_gbps=0.01)
+    net = model([(1_000_000, 1000, 1e9)])
+    plan = make_plan(spec, net, 8, sync="bsp", devices=["n0.d0"], max_stages=1)
+    with pytest.raises(InputError, match="gives no work to n0.d1 at a global batch of 8 .* --scaling-policy linear-lr"):
+        replan_with_planner(plan, spec, net, ["n0.d0", "n0.d1"], {"n0.d0": "n0", "n0.d1": "n0"}, global_batch=8,
+                            lr=1e-3)

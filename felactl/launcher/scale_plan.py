@@ -115,8 +115,11 @@ def replan_with_planner(plan: Plan, cluster: ClusterSpec, model: ModelSpec, devi
         raise InputError(f"the planner finds no plan for workers {', '.join(devices)}: {exc}") from None
     stage = solved.stages[0]
     shares = {w.device: w.share for w in stage.workers}
-    if set(shares) != set(devices) or min(shares.values()) <= 0:
-        raise InputError(f"the planner leaves some of {', '.join(devices)} idle; a live job keeps every member busy")
+    idle = [d for d in devices if shares.get(d, 0.0) <= 0]
+    if idle:
+        raise InputError(f"the planner gives no work to {', '.join(idle)} at a global batch of {global_batch} (it "
+                         f"would slow the job down), and a live job keeps every member busy: scale with "
+                         f"--scaling-policy linear-lr to grow the batch, or add elsewhere with --node")
     laid_out = replan(plan, devices, shares, nodes, global_batch=global_batch, lr=lr,
                       placement=placements_from(cluster, devices))
     return dataclasses.replace(laid_out, stages=(dataclasses.replace(laid_out.stages[0], micro_batch=stage.micro_batch),),
