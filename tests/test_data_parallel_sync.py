@@ -98,3 +98,14 @@ def test_profile_model_with_a_cluster_it_cannot_use_is_refused(tmp_path, extra, 
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "m.yaml").exists()
+
+
+def test_a_cluster_profiled_on_another_machine_is_used_with_a_warning(tmp_path, caplog):
+    from felactl.profiling.in_situ import local_cpu_slots
+    from felactl.spec import load_cluster
+
+    cluster = load_cluster(two_cpu_slot_cluster(tmp_path))
+    assert [d.name for d in local_cpu_slots(cluster)] == ["cpu0", "cpu1"] and not caplog.records
+    elsewhere = dataclasses.replace(cluster, nodes=(dataclasses.replace(cluster.nodes[0], hostname="far.example"),))
+    assert [d.name for d in local_cpu_slots(elsewhere)] == ["cpu0", "cpu1"]
+    assert "profiled on far.example, not on this machine" in caplog.text

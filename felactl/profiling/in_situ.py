@@ -16,6 +16,7 @@ underestimates the job, so here:
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import socket
@@ -27,6 +28,7 @@ from felactl.errors import InputError, ProfilingError
 from felactl.profiling.devices import available_cores, pin_to_cores
 from felactl.spec import ClusterSpec, Device, DeviceKind, ModelSpec
 
+log = logging.getLogger(__name__)
 COMPANION_START_TIMEOUT_S = 60.0
 
 
@@ -41,7 +43,11 @@ def local_cpu_slots(cluster: ClusterSpec, node_name: str | None = None) -> list[
     else:
         host = socket.gethostname()
         chosen = [n for n in nodes if n.hostname in (host, host.split(".")[0]) or n.name == host.split(".")[0]]
-        chosen = chosen or (list(nodes) if len(nodes) == 1 else [])
+        if not chosen and len(nodes) == 1:
+            chosen = list(nodes)
+            if nodes[0].hostname and nodes[0].hostname.split(".")[0] != host.split(".")[0]:
+                log.warning("warning: cluster %r was profiled on %s, not on this machine (%s); timing its slots here",
+                            cluster.name, nodes[0].hostname, host)
         what = f"no node for this machine ({host}); name it with --node-name"
     if not chosen:
         raise InputError(f"cluster {cluster.name!r} has {what}")
