@@ -288,6 +288,11 @@ def test_a_plan_given_where_a_cluster_is_expected(tmp_path):
     (["scale", "r", "--add", "1", "--timeout", "0"], "--timeout must be > 0"),
     (["agent", "--rdzv-endpoint", "127.0.0.1:1", "--secret-file", "s", "--join-timeout", "0"],
      "--join-timeout must be > 0"),
+    (["profile", "--timeout", "0"], "--timeout must be > 0"),
+    (["profile", "--message-bytes", "-1"], "--message-bytes must be >= 4"),
+    (["profile", "--matmul-size", "0"], "--matmul-size must be >= 1"),
+    (["profile", "--nnodes", "0"], "--nnodes must be >= 1"),
+    (["profile", "--hostfile", "nope", "--rdzv-endpoint", "127.0.0.1:1"], "no such hostfile"),
 ])
 def test_flags_that_cannot_work_exit_2_with_one_line(tmp_path, monkeypatch, args, needle):
     monkeypatch.chdir(tmp_path)

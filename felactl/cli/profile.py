@@ -109,6 +109,13 @@ def profile(
                              probe=LinkProbe(message_bytes=message_bytes, small_message_bytes=small_message_bytes,
                                              repetitions=repetitions),
                              join_timeout_s=join_timeout, timeout_s=timeout)
+    # Bad input is said before the progress bar opens (a transient bar leaves a blank line).
+    if nnodes < 1:
+        raise InputError(f"--nnodes must be >= 1, got {nnodes}")
+    if hostfile is not None:
+        from felactl.launcher.hosts import read_hostfile
+
+        read_hostfile(hostfile)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=output.stderr, transient=True) as bar:
         task = bar.add_task("starting", total=None)

@@ -44,13 +44,18 @@ class ProfileOptions:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for key in ("cpu_matmul_size", "gpu_matmul_size"):
-            if getattr(self, key) < 1:
-                raise InputError(f"{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         probe = self.probe
-        if min(probe.repetitions, probe.latency_repetitions) < 1 or min(probe.message_bytes,
-                                                                       probe.small_message_bytes) < 4:
-            raise InputError("repetitions must be >= 1 and message sizes >= 4 bytes")
+        for flag, value, least in (("--matmul-size", self.cpu_matmul_size, 1),
+                                   ("--gpu-matmul-size", self.gpu_matmul_size, 1),
+                                   ("--repetitions", probe.repetitions, 1),
+                                   ("--repetitions (latency)", probe.latency_repetitions, 1),
+                                   ("--message-bytes", probe.message_bytes, 4),
+                                   ("--small-message-bytes", probe.small_message_bytes, 4)):
+            if value < least:
+                raise InputError(f"{flag} must be >= {least}, got {value}")
+        for flag, seconds in (("--join-timeout", self.join_timeout_s), ("--timeout", self.timeout_s)):
+            if seconds <= 0:
+                raise InputError(f"{flag} must be > 0, got {seconds:g}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise InputError(f"--device must be auto, cpu or cuda, got {self.device!r}")
 
