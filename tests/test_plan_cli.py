@@ -82,7 +82,7 @@ def test_a_model_that_fits_nowhere_exits_2_naming_memory(runner, tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--global-batch", "0"], "batch split"),
+    (["--global-batch", "0"], "--global-batch must be >= 1"),
     (["--global-batch", "8", "--devices", ","], "--devices"),
     (["--global-batch", "8", "--devices", "gpu9"], "gpu9"),
     (["--global-batch", "8", "--sync", "async"], "--sync"),
