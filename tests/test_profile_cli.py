@@ -44,20 +44,29 @@ def test_profile_two_cpu_slots_json(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_profile_table_goes_to_stderr(tmp_path):
+def test_profile_table_goes_to_stderr_and_no_temp_dir_is_left(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     result = runner.invoke(app, ["profile", "--nproc-per-node", "2", "-o", str(tmp_path / "c.yaml"), *SMALL])
     assert result.exit_code == 0, result.stderr
     assert result.stdout == ""
     assert "links" in result.stderr and "loopback" in result.stderr
+    assert not list((tmp_path / "tmp").glob("felactl-profile-*"))  # the workers' logs of a success: gone
 
 
-def test_profile_port_in_use_exits_2():
+def test_profile_port_in_use_exits_2(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
         result = runner.invoke(app, ["profile", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nnodes", "1"])
     assert result.exit_code == 2
+    assert not list(tmp_path.glob("felactl-profile-*"))  # nothing ran: no temp dir either
     assert result.stderr.strip().splitlines()[-1] == (
         f"felactl: error: port {port} on 127.0.0.1 is already in use; pick another with --rdzv-endpoint")
 

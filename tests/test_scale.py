@@ -325,12 +325,14 @@ def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(tmp
         job.stop()
     checkpoints = sorted(p.name for p in (tmp_path / "runs" / "r" / "checkpoints").iterdir())
     assert checkpoints and int(checkpoints[-1][4:]) >= 40
+    too_few = CliRunner().invoke(app, ["launch", "--resume", "r", "--steps", "10", "--runs-root", str(tmp_path / "runs")])
+    assert too_few.exit_code == 2 and "is already at step" in too_few.stderr, too_few.output  # and nothing changed:
     resumed = Job(tmp_path, "--resume", "r")
     try:
         summary = resumed.finish()
     finally:
         resumed.stop()
-    assert summary["run"] == "r"
+    assert summary["run"] == "r" and summary["steps"] == 120  # training steps, though some ran twice
     records = resumed.records("r")
     last_checkpoint = int(checkpoints[-1][4:])
     resumed_steps = [r["step"] for r in records if r["rank"] == 0 and r["generation"] > 0]
@@ -543,3 +545,14 @@ def test_a_rescale_that_the_planner_would_leave_idle_is_refused_with_what_to_do(
     with pytest.raises(InputError, match="gives no work to n0.d1 at a global batch of 8 .* --scaling-policy linear-lr"):
         replan_with_planner(plan, spec, net, ["n0.d0", "n0.d1"], {"n0.d0": "n0", "n0.d1": "n0"}, global_batch=8,
                             lr=1e-3)
+
+
+def test_a_scale_result_reads_as_one_line():
+    from felactl.cli.scale import describe
+
+    assert describe({"kind": "unchanged", "members": [0, 1]}) == "unchanged: the job already runs workers [0, 1]"
+    assert describe({"kind": "scale-out", "members_before": [0, 1], "members_after": [0, 1, 2], "pause_s": 0.0491,
+                     "replicated_bytes": 10_314_012, "replicated_from": {"0": 5, "1": 5}}) == (
+        "scale-out: workers [0, 1] -> [0, 1, 2], pause 0.049 s, 10.3 MB replicated from 0, 1")
+    assert describe({"kind": "scale-in", "members_before": [0, 1, 2], "members_after": [0, 1], "pause_s": None,
+                     "replicated_bytes": 0}) == "scale-in: workers [0, 1, 2] -> [0, 1]"

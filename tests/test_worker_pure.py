@@ -116,6 +116,14 @@ def test_summarize():
     assert s["workers"][1]["wait_s"] == pytest.approx(2 * 0.5)
 
 
+def test_summarize_counts_training_steps_when_ranks_come_and_go():
+    # rank 0 trains steps 0-2 and dies; rank 2 joined at step 1 and trains on to step 4
+    records = [_record(0, s, 8, 2.0, 10.0 + s, 1.0, 0.8) for s in range(3)]
+    records += [_record(2, s, 8, 2.0, 10.0 + s, 1.0, 0.8) for s in range(1, 5)]
+    records += [_record(2, 4, 8, 2.0, 20.0, 1.0, 0.8)]  # a resume redid step 4
+    assert summarize(records)["steps"] == 5
+
+
 def test_summarize_counts_samples_at_the_first_stage_only():
     records = [_record(0, 0, 32, None, 0.0, 1.0, 0.5, stage=0), _record(1, 0, 32, 2.5, 0.0, 1.0, 0.5, stage=1)]
     s = summarize(records)

@@ -47,8 +47,13 @@ def agent(
     if result.state is WorkerState.FAILED:
         failures = "; ".join(f"rank {rank}: {line}" for rank, line in result.failures.items())
         raise WorkerFailed(f"workers failed ({failures}); logs in {logs}")
+    if log_dir is None:  # a temp dir nobody asked for, and nothing failed: leave none behind
+        import shutil
+
+        shutil.rmtree(logs, ignore_errors=True)
     output.emit({"node_name": config.node_name, "state": result.state.value,
-                 "exit_codes": {str(k): v for k, v in result.exit_codes.items()}, "log_dir": str(logs)}, as_json,
+                 "exit_codes": {str(k): v for k, v in result.exit_codes.items()},
+                 "log_dir": str(log_dir) if log_dir else None}, as_json,
                 lambda console: console.print(f"agent {config.node_name}: workers {result.state.value}"))
 
 

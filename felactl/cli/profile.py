@@ -46,7 +46,8 @@ def render_cluster(console, result) -> None:
     console.print(links)
     for pair, gbps in result.peer_copy_gbps.items():
         console.print(f"peer copy {pair}: {gbps:.1f} GB/s")
-    console.print(f"profiled in {result.profile_s:.1f} s; worker logs in {result.log_dir}")
+    console.print(f"profiled in {result.profile_s:.1f} s" + (f"; worker logs in {result.log_dir}" if result.log_dir
+                                                             else ""))
 
 
 BATCH_SIZES_DEFAULT = "1,4,16,64"

@@ -48,9 +48,20 @@ def scale(
     if timeout <= 0:
         raise InputError(f"--timeout must be > 0, got {timeout:g}")
     result = request_scale(run, command, runs_root=runs_root, secret_file=secret_file, timeout_s=timeout)
-    output.emit(result, as_json, lambda console: console.print(
-        f"{result['kind']}: workers {result.get('members_before')} -> {result.get('members_after', result.get('members'))}"
-        f", pause {result.get('pause_s')} s, {result.get('replicated_bytes', 0)} bytes replicated"))
+    output.emit(result, as_json, lambda console: console.print(describe(result)))
+
+
+def describe(result: dict) -> str:
+    """One line for a person: what changed, the pause the staying workers saw, what was copied."""
+    if result["kind"] == "unchanged":
+        return f"unchanged: the job already runs workers {result.get('members')}"
+    line = f"{result['kind']}: workers {result.get('members_before')} -> {result.get('members_after')}"
+    if result.get("pause_s") is not None:
+        line += f", pause {result['pause_s']:.3f} s"
+    if result.get("replicated_bytes"):
+        senders = ", ".join(sorted(result.get("replicated_from") or {}))
+        line += f", {result['replicated_bytes'] / 1e6:.1f} MB replicated" + (f" from {senders}" if senders else "")
+    return line
 
 
 def register(app: typer.Typer) -> None:

@@ -225,6 +225,9 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     """Run the plan to the end; return the summary (also written to ``summary.json``)."""
     local_node = options.node_name or short_hostname()
     resume = find_resume_point(options.resume, options.runs_root) if options.resume else None
+    if resume is not None and options.steps <= resume.step:
+        raise InputError(f"--steps {options.steps}: run {options.resume} is already at step {resume.step} (steps "
+                         f"count the whole run, as at its launch); give more than {resume.step}")
     if resume is not None:  # the resumed generation's own copy of its plan, so a later resume finds it
         copy = save(load_plan(resume.plan_path), resume.run.path / f"plan.{resume.generation}.yaml")
         resume = dataclasses.replace(resume, plan_path=copy)

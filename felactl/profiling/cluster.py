@@ -10,6 +10,7 @@ group over all slots of all nodes, so links between nodes are measured like link
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -64,7 +65,8 @@ class ProfileOptions:
 class ProfileResult:
     cluster: ClusterSpec
     profile_s: float
-    log_dir: Path
+    log_dir: Path | None
+    """The workers' logs; None when they went to a temp dir, removed once the profile succeeded."""
     peer_copy_gbps: dict[str, float] = field(default_factory=dict)
     """``<src device> -> <dst device>`` -> GB/s of direct GPU peer copies (CUDA nodes only)."""
 
@@ -89,8 +91,13 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
     _check_mode(nproc_per_node, nnodes, endpoint, hosts is not None)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="felactl-profile-"))
     secret_path = Path(secret_file) if secret_file else logs / "secret"
-    secret = _job_secret(secret_path)
-    coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
+    try:
+        secret = _job_secret(secret_path)
+        coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
+    except BaseException:
+        if not log_dir:  # nothing ran: nothing to read there
+            shutil.rmtree(logs, ignore_errors=True)
+        raise
     local_agent: AgentThread | None = None
     ssh_procs = []
     reason = "the profile is over"
@@ -126,8 +133,10 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
         raise
     finally:
         _shutdown(coordinator, local_agent, ssh_procs, reason)
-    return ProfileResult(cluster=cluster, profile_s=time.perf_counter() - started, log_dir=logs,
-                         peer_copy_gbps=peer_copies)
+    if not log_dir:  # nobody asked for them and nothing failed: no temp dir left behind per profile
+        shutil.rmtree(logs, ignore_errors=True)
+    return ProfileResult(cluster=cluster, profile_s=time.perf_counter() - started, log_dir=Path(log_dir) if log_dir
+                         else None, peer_copy_gbps=peer_copies)
 
 
 def _check_mode(nproc_per_node: int | None, nnodes: int, endpoint: str | None, with_hostfile: bool) -> None:

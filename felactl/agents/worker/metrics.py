@@ -89,7 +89,9 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return {
         "samples": samples,
         "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
-        "steps": max(w["steps"] for w in workers.values()),
+        # Training steps, not records: after a rescale or a failure ranks come and go, and after
+        # a resume the steps since the last checkpoint are in the file twice.
+        "steps": len({r["step"] for r in records}),
         "final_loss": final_loss,
         "compute_fraction": sum(w["compute_s"] for w in workers.values()) / busy if busy > 0 else 0.0,
         "wall_s": wall_s,
