@@ -51,6 +51,15 @@ def test_launch_runs_the_plan_and_leaves_a_run_directory(tmp_path, no_leftovers)
     assert json.loads(status.stdout)["state"] == "finished"
 
 
+def test_a_run_keeps_only_its_newest_checkpoints(tmp_path, no_leftovers):
+    plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
+    result = _launch(tmp_path, str(plan_path), "--steps", "12", "--run-id", "k", "--checkpoint-every", "2",
+                     "--keep-checkpoints", "2")
+    assert result.exit_code == 0, result.output
+    kept = sorted(p.name for p in (tmp_path / "runs" / "k" / "checkpoints").iterdir())
+    assert kept == ["step000010", "step000012"]
+
+
 def test_a_worker_that_dies_at_start_fails_the_launch_and_leaves_nothing(tmp_path, no_leftovers):
     plan = dp_plan(2, "bsp")
     broken = dataclasses.replace(plan, model=ModelRef(name="x", source="no_such_module:build"))

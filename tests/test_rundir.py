@@ -66,3 +66,18 @@ def test_jsonl_tail_reads_only_the_last_whole_records(tmp_path):
     assert steps == list(range(steps[0], 1000)) and 20 < len(steps) < 50  # whole records, the newest
     assert read_jsonl(path, tail_bytes=10 ** 9) == read_jsonl(path)
     assert read_jsonl(tmp_path / "absent.jsonl", tail_bytes=100) == []
+
+
+def test_old_checkpoints_are_pruned_once_newer_ones_are_complete(tmp_path):
+    from felactl.launcher.resume import prune_checkpoints
+
+    root = tmp_path / "checkpoints"
+    for step, stages in [(10, 2), (20, 2), (30, 1), (40, 2), (50, 1)]:  # 30 and 50: stage 1 missing
+        (root / f"step{step:06d}").mkdir(parents=True)
+        for s in range(stages):
+            (root / f"step{step:06d}" / f"stage{s}.pt").write_bytes(b"x")
+    assert prune_checkpoints(root, 2, keep=0) == []  # keep everything
+    gone = prune_checkpoints(root, 2, keep=2)  # complete: 10, 20, 40 -> keep 20 and 40
+    assert [p.name for p in gone] == ["step000010"]
+    assert sorted(p.name for p in root.iterdir()) == ["step000020", "step000030", "step000040", "step000050"]
+    assert prune_checkpoints(root, 2, keep=2) == []  # 50 is still being written: nothing else goes

@@ -22,6 +22,8 @@ def launch(
     slowdown: Annotated[Optional[str], typer.Option(
         help="RANK=FACTOR[,RANK=FACTOR]: slow workers on purpose (sleep (factor-1) x compute).")] = None,
     straggler: Annotated[Optional[str], typer.Option(help="roundrobin:SECONDS or prob:P:SECONDS.")] = None,
+    keep_checkpoints: Annotated[int, typer.Option(
+        help="Keep the newest N complete checkpoints, delete older ones as the run goes (0: keep all).")] = 3,
     checkpoint_every: Annotated[Optional[int], typer.Option(
         min=0, help="Checkpoint every K steps (0: never; --resume: the run's).")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(
@@ -65,6 +67,7 @@ def launch(
     checkpoint_every = checkpoint_every or 0
     options = LaunchOptions(plan_path=plan or Path(), run_id=run_id, runs_root=runs_root, steps=steps, sync=sync,
                             slowdown=slowdown, straggler=straggler, checkpoint_every=checkpoint_every,
+                            keep_checkpoints=keep_checkpoints,
                             rdzv_endpoint=rdzv_endpoint, nnodes=nnodes, hostfile=hostfile, node_name=node_name,
                             resume=resume, max_nproc_per_node=max_nproc_per_node, scaling_policy=scaling_policy,
                             max_batch=max_batch, heartbeat_timeout_s=heartbeat_timeout, elastic=elastic,

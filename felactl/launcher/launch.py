@@ -28,13 +28,15 @@ from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import (Assignment, Coordinator, Member, parse_endpoint, read_secret_file,
                                            write_secret_file)
 from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_requests
-from felactl.launcher.resume import ResumePoint, find_resume_point
+from felactl.launcher.resume import ResumePoint, find_resume_point, prune_checkpoints
 from felactl.launcher.rundir import RunDir, append_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy
 from felactl.spec import (DeviceKind, Plan, SyncMode, check_plan_against_model, load_cluster, load_model,
                           load_plan, save)
 
 log = logging.getLogger(__name__)
+PRUNE_EVERY_S = 2.0
+"""How often the launch deletes checkpoints beyond --keep-checkpoints (a glob of a few dirs)."""
 WORKER_MODULE = "felactl.agents.worker"
 POLL_S = 0.2
 
@@ -69,6 +71,8 @@ class LaunchOptions:
     collective_timeout_s: float = 10.0
     """Elastic jobs: the data-parallel group's collective timeout (a survivor blocked with a dead
     peer fails after at most this; usually at once, when the dead peer's sockets close)."""
+    keep_checkpoints: int = 3
+    """The newest complete checkpoints kept; older ones are deleted as the run goes (0: keep all)."""
     cluster_path: Path | None = None
     model_path: Path | None = None
     """The profiles the plan was made from: kept in the run, so a rescale runs the planner again."""
@@ -78,6 +82,8 @@ class LaunchOptions:
             raise InputError(f"--steps must be >= 1, got {self.steps}")
         if self.checkpoint_every < 0:
             raise InputError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 0:
+            raise InputError(f"--keep-checkpoints must be >= 0, got {self.keep_checkpoints}")
         if self.nnodes < 1:
             raise InputError(f"--nnodes must be >= 1, got {self.nnodes}")
         if self.nnodes > 1 and not (self.rdzv_endpoint or self.hostfile):
@@ -271,7 +277,8 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
                                  f"with sync bsp on CPU workers; it runs {len(plan.stages)} stage(s) with sync "
                                  f"{sync.value} on {'GPUs' if plan_backend(plan) == 'nccl' else 'CPUs'}"
                                  + ("" if options.elastic else " and was launched --no-elastic"))
-        _watch(coordinator, state, agents, on_update, controller)
+        _watch(coordinator, state, agents, on_update, controller, options.keep_checkpoints)
+        prune_checkpoints(run.checkpoints, len(plan.stages), options.keep_checkpoints)  # the last ones too
         coordinator.stop("finished")
     except BaseException as exc:
         coordinator.stop(f"launch ended: {type(exc).__name__}")
@@ -352,14 +359,19 @@ class _Agents:
 
 
 def _watch(coordinator: Coordinator, state: LaunchState, agents: _Agents,
-           on_update: Callable[[LaunchState], None], controller: ElasticController | None = None) -> None:
+           on_update: Callable[[LaunchState], None], controller: ElasticController | None = None,
+           keep_checkpoints: int = 0) -> None:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
     (an elastic job instead re-forms without the failed worker; its controller says when it is done)."""
     reader = _MetricsTail(state.run.metrics)
+    pruned_at = 0.0
     while True:
         agents.check()
         state.records.extend(reader.read_new())
         on_update(state)
+        if keep_checkpoints and time.monotonic() - pruned_at > PRUNE_EVERY_S:
+            prune_checkpoints(state.run.checkpoints, len(state.plan.stages), keep_checkpoints)
+            pruned_at = time.monotonic()
         if controller is not None:
             if controller.poll():
                 state.records.extend(reader.read_new())

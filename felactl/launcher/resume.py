@@ -4,12 +4,17 @@ Checkpoints are ``checkpoints/step<K>/stage0.pt``, each written atomically, so o
 complete; the newest wins. A data-parallel checkpoint records the membership generation it was
 taken in, and the run resumes on that generation's plan (``plan.<G>.yaml``, or ``plan.yaml``),
 under a fresh generation number so nothing of the dead job's store keys is reused.
+
+The launch keeps the newest ``--keep-checkpoints`` complete checkpoints (every stage's file
+written) and deletes older ones as it goes (:func:`prune_checkpoints`), so a long run does not fill
+its disk; an incomplete newer one (being written) is never touched.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,3 +64,19 @@ def previous_launch(run: str, runs_root: Path) -> dict:
         return json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
         return {}
+
+
+def prune_checkpoints(checkpoints: Path, num_stages: int, keep: int) -> list[Path]:
+    """Delete the step directories older than the newest ``keep`` complete checkpoints; returns
+    them. ``keep`` 0 keeps everything."""
+    if keep <= 0 or not checkpoints.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in checkpoints.iterdir() if (m := STEP_DIR.match(p.name)))
+    complete = [step for step, p in steps if all((p / f"stage{s}.pt").exists() for s in range(num_stages))]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    doomed = [p for step, p in steps if step < oldest_kept]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
