@@ -97,11 +97,12 @@ def uncalibrated_cpu_sync(plan: Plan, cost: CostModel) -> bool:
 
 def gantt(plan: Plan, cost: CostModel, width: int = 72) -> str:
     """A text Gantt chart of one simulated iteration: one row per device, one mark per time slice
-    (F/B forward/backward of an even stage, f/b of an odd one, S sync, > send, z sleep, . idle)."""
+    (F/B forward/backward of an even stage, f/b of an odd one, S sync, O optimizer step, > send, z sleep,
+    . idle)."""
     result = simulate(plan, cost)
     span = result.iteration_s or 1.0
     rows = [f"one iteration, {span:.4g} s, {width} columns ({span / width:.3g} s each); "
-            "F/B forward/backward (stage shown as f/b when odd), S sync, > send, z sleep, . idle"]
+            "F/B forward/backward (stage shown as f/b when odd), S sync, O optimizer step, > send, z sleep, . idle"]
     name_width = max(len(d) for d in plan.devices)
     for device in plan.devices:
         cells = ["."] * width
