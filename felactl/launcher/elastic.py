@@ -344,7 +344,10 @@ class ElasticController:
             raise InputError(f"node {node!r} is not in the run's cluster profile: the planner cannot place workers there")
         free = [d.name for d in profiled.devices if d.name not in taken]
         if len(free) < count:
-            raise InputError(f"node {node!r} has {len(free)} free device(s) in the cluster profile: cannot add {count}")
+            raise InputError(f"node {node!r} has {len(free)} free device(s) in the run's cluster profile "
+                             f"({len(profiled.devices)} in all): cannot add {count}; the planner places workers on "
+                             f"profiled devices only (profile the node with more slots, e.g. felactl profile "
+                             f"--nproc-per-node {len(profiled.devices) + count}, for the next launch)")
         return free[:count]
 
     def _profiled_node(self, node: str):
