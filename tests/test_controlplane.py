@@ -95,6 +95,13 @@ def test_unreachable_endpoint_says_one_line_without_c10d_noise(capfd):
     assert "c10d" not in capfd.readouterr().err  # c10d's C++ log and backtrace never ran
 
 
+def test_a_coordinator_name_that_does_not_resolve_is_bad_input_at_once():
+    started = time.monotonic()
+    with pytest.raises(InputError, match="cannot resolve 'no-such-host.invalid'"):
+        AgentSession("no-such-host.invalid:29500", new_secret(), timeout_s=30)
+    assert time.monotonic() - started < 10  # not the whole join timeout
+
+
 def test_an_agent_without_a_job_name_joins_the_job_its_coordinator_runs():
     secret = new_secret()
     coordinator = Coordinator(secret, job="run-7")

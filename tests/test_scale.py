@@ -342,6 +342,9 @@ def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(tmp
     assert final == json.loads((runs / "ref" / "workers" / "rank0.json").read_text())["param_checksum"]
     kinds = [e["kind"] for e in read_jsonl(runs / "r" / "events.jsonl")]
     assert kinds[0] == "launch" and "resume" in kinds and kinds[-1] == "finished"
+    # the resume kept the launch's --keep-checkpoints (default 3) and pruned the rest
+    assert sorted(p.name for p in (runs / "r" / "checkpoints").iterdir()) == ["step000080", "step000100",
+                                                                              "step000120"]
 
 
 def test_a_job_that_is_not_elastic_refuses_scale_at_once(tmp_path, no_leftovers):

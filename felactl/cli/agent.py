@@ -47,7 +47,8 @@ def agent(
     if result.state is WorkerState.FAILED:
         failures = "; ".join(f"rank {rank}: {line}" for rank, line in result.failures.items())
         raise WorkerFailed(f"workers failed ({failures}); logs in {logs}")
-    if log_dir is None:  # a temp dir nobody asked for, and nothing failed: leave none behind
+    if log_dir is None and result.state is WorkerState.SUCCEEDED and not result.failures:
+        # a temp dir nobody asked for, and every worker here succeeded: leave none behind
         import shutil
 
         shutil.rmtree(logs, ignore_errors=True)

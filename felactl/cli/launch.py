@@ -22,8 +22,9 @@ def launch(
     slowdown: Annotated[Optional[str], typer.Option(
         help="RANK=FACTOR[,RANK=FACTOR]: slow workers on purpose (sleep (factor-1) x compute).")] = None,
     straggler: Annotated[Optional[str], typer.Option(help="roundrobin:SECONDS or prob:P:SECONDS.")] = None,
-    keep_checkpoints: Annotated[int, typer.Option(
-        help="Keep the newest N complete checkpoints, delete older ones as the run goes (0: keep all).")] = 3,
+    keep_checkpoints: Annotated[Optional[int], typer.Option(
+        help="Keep the newest N complete checkpoints, delete older ones as the run goes (0: keep all; default 3, "
+             "--resume: the run's).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(
         min=0, help="Checkpoint every K steps (0: never; --resume: the run's).")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(
@@ -63,7 +64,10 @@ def launch(
         before = previous_launch(resume, runs_root)
         steps = steps if steps is not None else int(before.get("steps", 100))
         checkpoint_every = checkpoint_every if checkpoint_every is not None else int(before.get("checkpoint_every", 0))
+        # A run launched before checkpoints were pruned kept them all: so does its resume.
+        keep_checkpoints = keep_checkpoints if keep_checkpoints is not None else int(before.get("keep_checkpoints", 0))
     steps = 100 if steps is None else steps
+    keep_checkpoints = 3 if keep_checkpoints is None else keep_checkpoints
     checkpoint_every = checkpoint_every or 0
     options = LaunchOptions(plan_path=plan or Path(), run_id=run_id, runs_root=runs_root, steps=steps, sync=sync,
                             slowdown=slowdown, straggler=straggler, checkpoint_every=checkpoint_every,

@@ -107,6 +107,7 @@ def parse_endpoint(endpoint: str, default_port: int | None = None) -> tuple[str,
     host, sep, port_text = endpoint.rpartition(":")
     if not sep:
         host, port_text = endpoint, ""
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:29500
     if not port_text and default_port is not None:
         return host or DEFAULT_HOST, default_port
     if not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
@@ -146,6 +147,9 @@ def connect_store(host: str, port: int, timeout_s: float = DEFAULT_CONNECT_TIMEO
         try:
             socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
             break
+        except socket.gaierror as exc:  # a mistyped name, not a coordinator that is still starting
+            raise InputError(f"cannot reach the coordinator at {host}:{port}: cannot resolve {host!r} "
+                             f"({exc.strerror})") from None
         except OSError as exc:
             if time.monotonic() >= deadline:
                 why = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or type(exc).__name__)

@@ -39,10 +39,10 @@ from felactl.spec import Plan, load_cluster, load_model, save
 log = logging.getLogger(__name__)
 POLL_S = 0.02
 FAILURE_REPLAN_TIME_LIMIT_S = 2.0
+"""Survivors of a failure wait while the coordinator re-plans: the solver gets less time."""
 RECENT_METRICS_BYTES = 256 << 10
 """How much of metrics.jsonl's end a re-plan by measured speeds reads (~200 records of ~150 B,
 with room): a run of a million steps is not read whole at each rescale."""
-"""Survivors of a failure wait while the coordinator re-plans: the solver gets less time."""
 
 
 class JobFinished(InputError):
