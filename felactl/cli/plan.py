@@ -18,7 +18,7 @@ from felactl.errors import InputError
 from felactl.optimizer.cost import CostModel
 from felactl.optimizer.planner import DEFAULT_TIME_LIMIT_S, SYNC_MODES, make_plan
 from felactl.optimizer.simulator import simulate
-from felactl.spec import DeviceKind, Plan, load_cluster, load_model, save
+from felactl.spec import Plan, load_cluster, load_model, save
 
 plan_app = typer.Typer(help="Plan a training job: stages, degrees, micro-batches, collective trees.",
                        no_args_is_help=False, context_settings={"help_option_names": ["-h", "--help"]})
@@ -81,18 +81,6 @@ def _render_explain(console, plan: Plan, cost: CostModel) -> None:
         for tree in c.trees:
             console.print(f"  {tree.weight:.2f} GB/s: " + ", ".join(f"{a}->{b}" for a, b in tree.edges))
     console.print(gantt(plan, cost))
-
-
-def uncalibrated_cpu_sync(plan: Plan, cost: CostModel) -> bool:
-    """Whether some stage group of CPU slots syncs at the link profile's price, with no measured
-    sync (``data_parallel_sync``) from this cluster to calibrate it."""
-    for stage in plan.stages:
-        group = tuple(w.device for w in stage.workers)
-        on_cpus = all(cost.cluster.device(d).kind == DeviceKind.CPU for d in group)
-        if len(group) > 1 and on_cpus and cost.sync_factor(group) == 1.0 and not any(
-                t.cluster == cost.cluster.name for t in cost.model.data_parallel_sync):
-            return True
-    return False
 
 
 def gantt(plan: Plan, cost: CostModel, width: int = 72) -> str:
@@ -158,7 +146,7 @@ def plan(
     if out is not None:
         save(result, out)
     cost = CostModel(cluster_spec.subset(result.devices), model_spec, use_trees=not no_trees)
-    if uncalibrated_cpu_sync(result, cost):
+    if cost.uncalibrated_cpu_groups([tuple(w.device for w in st.workers) for st in result.stages]):
         output.stderr.print(f"note: this plan syncs gradients between CPU slots, which the link profile prices "
                             f"several times too low; `felactl profile --model {model_spec.source} --cluster "
                             f"{cluster}` measures it on this machine's slots", soft_wrap=True)

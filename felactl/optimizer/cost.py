@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from felactl.spec import ClusterSpec, Collective, Device, Layer, ModelSpec
+from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Layer, ModelSpec
 
 RIDGE_FLOPS_PER_BYTE = 50.0
 """FLOPs per weight byte a device needs to be compute-bound (typical GPU ridge point ~ 10-100)."""
@@ -284,6 +284,14 @@ class CostModel:
                 if link_s > 0:
                     self._sync_factors.append((frozenset(timing.devices), max(1.0, timing.sync_ms / 1e3 / link_s)))
         return max((factor for measured, factor in self._sync_factors if measured.issuperset(group)), default=1.0)
+
+    def uncalibrated_cpu_groups(self, groups) -> list[tuple[str, ...]]:
+        """The groups of two or more CPU slots whose sync is priced from the link profile alone: no
+        measured sync from this cluster calibrates it (on CPU slots that price is several times
+        too low; ``felactl profile --model --cluster`` measures it)."""
+        measured_here = any(t.cluster == self.cluster.name for t in self.model.data_parallel_sync)
+        return [tuple(g) for g in groups if len(g) > 1 and not measured_here and self.sync_factor(tuple(g)) == 1.0
+                and all(self.cluster.device(d).kind == DeviceKind.CPU for d in g)]
 
     def uses_trees(self, devices: tuple[str, ...], num_bytes: float) -> bool:
         """Whether the group's allreduce goes over its trees (faster than the ring)."""
