@@ -37,6 +37,20 @@ from pathlib import Path
 MODELS = {"mlp": ("mlp", {"input_dim": 256, "hidden": 1024, "depth": 4}, 128),
           "gpt-mini": ("gpt-mini", {"depth": 2, "width": 128, "seq_len": 64}, 64)}
 """name -> (source, config, global batch)."""
+BATCH_ENV = "BENCH_GLOBAL_BATCH"
+"""``--global-batch mlp=512`` travels here, so the torchrun DDP workers (this file again) see it too."""
+
+
+def _apply_batch_overrides() -> None:
+    for item in filter(None, os.environ.get(BATCH_ENV, "").split(",")):
+        name, _, size = item.partition("=")
+        if name not in MODELS or not size.isdigit() or int(size) < 1:
+            raise SystemExit(f"--global-batch {item!r}: expected MODEL=N with MODEL one of {', '.join(MODELS)}")
+        source, config, _ = MODELS[name]
+        MODELS[name] = (source, config, int(size))
+
+
+_apply_batch_overrides()
 LOSS_TOLERANCE = 0.05
 """Time to bsp's loss: the first moment the smoothed loss is within this fraction of bsp's own
 loss reduction (first to last smoothed value) of bsp's final smoothed loss."""
@@ -269,10 +283,15 @@ def main() -> None:
     parser.add_argument("--pattern-models", default="mlp", help="models of table 3")
     parser.add_argument("--tables", default="1,2,3", help="which tables: 1 overhead, 2 slowdown, 3 patterns")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--global-batch", default="", help="MODEL=N[,MODEL=N]: another global batch (default "
+                                                           "mlp 128, gpt-mini 64)")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     parser.add_argument("--slow-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.global_batch:
+        os.environ[BATCH_ENV] = args.global_batch
+        _apply_batch_overrides()
     if args.ddp_worker:
         ddp_worker(args.model, args.steps, args.slow_rank, args.factor)
         return
