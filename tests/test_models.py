@@ -102,7 +102,7 @@ def user_not_sequential():
     ("gpt-mini", {"width": 30, "num_heads": 4}, "bad config .* must be divisible by num_heads"),
     ("mlp", {"hidden": 1.5}, "hidden=1.5: must be an integer >= 1"),
     ("mlp", {"depth": "abc"}, "depth='abc': must be an integer >= 1"),
-    ("vgg-mini", {"image_size": 4}, "image_size=4: must be >= 8"),
+    ("vgg-mini", {"image_size": 4}, "bad config .*image_size must be >= 8"),
     ("no_such_module_xyz:f", {}, "cannot import"),
     ("test_models:missing_function", {}, "cannot import"),
     ("test_models:user_not_sequential", {}, "must return an nn.Sequential"),

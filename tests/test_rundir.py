@@ -81,3 +81,16 @@ def test_old_checkpoints_are_pruned_once_newer_ones_are_complete(tmp_path):
     assert [p.name for p in gone] == ["step000010"]
     assert sorted(p.name for p in root.iterdir()) == ["step000020", "step000030", "step000040", "step000050"]
     assert prune_checkpoints(root, 2, keep=2) == []  # 50 is still being written: nothing else goes
+
+
+def test_a_resume_takes_what_it_does_not_restate_from_the_run_it_continues(tmp_path):
+    from felactl.fsutil import atomic_write_text
+    from felactl.launcher.resume import run_counts
+
+    assert run_counts(None, tmp_path, steps=None, checkpoint_every=None, keep_checkpoints=None) == {
+        "steps": 100, "checkpoint_every": 0, "keep_checkpoints": 3}
+    run = RunDir.create("r", root=tmp_path)
+    atomic_write_text(run.plan, "kind: Plan\n")  # what marks a run directory
+    atomic_write_text(run.path / "launch.json", '{"steps": 500, "checkpoint_every": 20}')
+    assert run_counts("r", tmp_path, steps=800, checkpoint_every=None, keep_checkpoints=None) == {
+        "steps": 800, "checkpoint_every": 20, "keep_checkpoints": 0}  # launched before pruning: keep all

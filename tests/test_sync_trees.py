@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from felactl.agents.worker.sync.trees import stage_trees
+from felactl.profiling.data_parallel import reap
 from felactl.spec import Collective, Tree
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -97,9 +98,5 @@ def test_tree_allreduce_sums_exactly_with_point_to_point_only():
             p.start()
         got = [results.get(timeout=30) for _ in range(3 * 4)]
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs, grace_s=10.0)
     assert all(ok for _, _, ok in got) and len(got) == 12

@@ -53,25 +53,16 @@ def launch(
 ) -> None:
     """Train: start the coordinator and this machine's agent, run the plan, write runs/<id>/."""
     from felactl.launcher.launch import LaunchOptions, launch as run_launch
+    from felactl.launcher.resume import run_counts
 
     from felactl.errors import InputError
 
     if (plan is None) == (resume is None):
         raise InputError("give a PLAN to launch, or --resume RUN to continue a run (not both)")
-    if resume is not None:
-        from felactl.launcher.resume import previous_launch
-
-        before = previous_launch(resume, runs_root)
-        steps = steps if steps is not None else int(before.get("steps", 100))
-        checkpoint_every = checkpoint_every if checkpoint_every is not None else int(before.get("checkpoint_every", 0))
-        # A run launched before checkpoints were pruned kept them all: so does its resume.
-        keep_checkpoints = keep_checkpoints if keep_checkpoints is not None else int(before.get("keep_checkpoints", 0))
-    steps = 100 if steps is None else steps
-    keep_checkpoints = 3 if keep_checkpoints is None else keep_checkpoints
-    checkpoint_every = checkpoint_every or 0
-    options = LaunchOptions(plan_path=plan or Path(), run_id=run_id, runs_root=runs_root, steps=steps, sync=sync,
-                            slowdown=slowdown, straggler=straggler, checkpoint_every=checkpoint_every,
-                            keep_checkpoints=keep_checkpoints,
+    counts = run_counts(resume, runs_root, steps=steps, checkpoint_every=checkpoint_every,
+                        keep_checkpoints=keep_checkpoints)
+    options = LaunchOptions(plan_path=plan or Path(), run_id=run_id, runs_root=runs_root, sync=sync,
+                            slowdown=slowdown, straggler=straggler, **counts,
                             rdzv_endpoint=rdzv_endpoint, nnodes=nnodes, hostfile=hostfile, node_name=node_name,
                             resume=resume, max_nproc_per_node=max_nproc_per_node, scaling_policy=scaling_policy,
                             max_batch=max_batch, heartbeat_timeout_s=heartbeat_timeout, elastic=elastic,
@@ -81,7 +72,7 @@ def launch(
             from felactl.agents.worker.metrics import summarize
 
             if state.records:
-                live.update(run_table(summarize(state.records), f"run {state.run.run_id} (of {steps} steps)"))
+                live.update(run_table(summarize(state.records), f"run {state.run.run_id} (of {options.steps} steps)"))
 
         summary = run_launch(options, on_update=update)
     output.emit(summary, as_json, lambda console: console.print(

@@ -88,9 +88,9 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
         else:
             from felactl.profiling.in_situ import profile_model_in_situ
 
-            batch = worker_batch or sorted(batch_sizes)[len(batch_sizes) // 2]
             spec = profile_model_in_situ(model, parse_config(config), batch_sizes, in_cluster, node_name=node,
-                                         worker_batch=batch, say=lambda line: output.stderr.print(line), **options)
+                                         worker_batch=worker_batch, say=lambda line: output.stderr.print(line),
+                                         **options)
     profile_s = time.perf_counter() - started
     path = save(spec, out or Path("model.yaml"))
 

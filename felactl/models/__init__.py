@@ -11,7 +11,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -63,26 +63,30 @@ def _mlp(config: dict[str, Any]) -> ModelBundle:
     return ModelBundle("mlp", "mlp", full, builtin.mlp(**full), data, classification_loss)
 
 
-BUILTINS: dict[str, Callable[[dict[str, Any]], ModelBundle]] = {
-    "gpt-mini": _gpt_mini,
-    "vgg-mini": _vgg_mini,
-    "mlp": _mlp,
+class Builtin(NamedTuple):
+    bundle: Callable[[dict[str, Any]], ModelBundle]
+    """Config -> the model with its data and loss."""
+    layers: Callable[..., nn.Sequential]
+    """The layer factory in felactl.models.builtin: its parameters are the config keys."""
+
+
+BUILTINS: dict[str, Builtin] = {
+    "gpt-mini": Builtin(_gpt_mini, builtin.gpt_mini),
+    "vgg-mini": Builtin(_vgg_mini, builtin.vgg_mini),
+    "mlp": Builtin(_mlp, builtin.mlp),
 }
 
 
 def _check_builtin_config(source: str, config: dict[str, Any]) -> None:
     """Every knob of a built-in model is a count (layers, widths, heads, classes, pixels):
     a known key with an integer >= 1, said in one line naming the key otherwise."""
-    factory = {"gpt-mini": builtin.gpt_mini, "vgg-mini": builtin.vgg_mini, "mlp": builtin.mlp}[source]
-    known = list(inspect.signature(factory).parameters)
+    known = list(inspect.signature(BUILTINS[source].layers).parameters)
     for key, value in config.items():
         if key not in known:
             shown = [k for k in known if k != "vocab_size"]  # gpt-mini's comes from its corpus
             raise InputError(f"model {source!r}: unknown config key {key!r}; it takes {', '.join(shown)}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"model {source!r}: config {key}={value!r}: must be an integer >= 1")
-    if source == "vgg-mini" and config.get("image_size", 32) < 8:  # three 2x poolings leave nothing below 8
-        raise InputError(f"model 'vgg-mini': config image_size={config['image_size']}: must be >= 8")
 
 
 def _import_user_module(module_name: str):
@@ -131,7 +135,7 @@ def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> M
     if source in BUILTINS:
         _check_builtin_config(source, config)
         try:
-            bundle = BUILTINS[source](config)
+            bundle = BUILTINS[source].bundle(config)
         except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as exc:
             raise InputError(f"model {source!r}: bad config {config}: {exc}") from None
     elif ":" in source:
@@ -142,7 +146,7 @@ def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> M
     return bundle
 
 
-__all__ = ["BUILTINS", "ModelBundle", "build", "classification_loss", "lm_loss"]
+__all__ = ["BUILTINS", "Builtin", "ModelBundle", "build", "classification_loss", "lm_loss"]
 
 
 def local_data_parallel_plan(source: str, config: dict[str, Any], num_workers: int, *, global_batch: int,

@@ -78,6 +78,8 @@ def _conv(c_in: int, c_out: int, pool: bool) -> nn.Sequential:
 
 def vgg_mini(num_classes: int = 10, image_size: int = 32, width: int = 32, fc_width: int = 1024) -> nn.Sequential:
     """Six conv layers in three pooled blocks, then three fully connected layers."""
+    if image_size < 8:
+        raise ValueError(f"image_size must be >= 8 (three 2x poolings), got {image_size}")
     w = width
     convs = [_conv(3, w, False), _conv(w, w, True), _conv(w, 2 * w, False), _conv(2 * w, 2 * w, True),
              _conv(2 * w, 4 * w, False), _conv(4 * w, 4 * w, True)]

@@ -274,6 +274,11 @@ class CostModel:
         factor, else 1. Never below 1: sync cannot beat what its links move, and a lower
         measurement is noise. Subsets share their superset's factor, so the planner sees a
         calibrated cost for every group on those slots, not just the measured one."""
+        return max((factor for measured, factor in self._calibrations() if measured.issuperset(group)), default=1.0)
+
+    def _calibrations(self) -> list[tuple[frozenset[str], float]]:
+        """(measured device set, measured / link estimate of it, at least 1) for each of the
+        model profile's sync timings on this cluster (by name) whose devices it has."""
         if self._sync_factors is None:
             names = set(self.cluster.device_names)
             self._sync_factors = []
@@ -283,14 +288,14 @@ class CostModel:
                 link_s = self._link_sync_s(tuple(sorted(timing.devices)), self.model_param_bytes)
                 if link_s > 0:
                     self._sync_factors.append((frozenset(timing.devices), max(1.0, timing.sync_ms / 1e3 / link_s)))
-        return max((factor for measured, factor in self._sync_factors if measured.issuperset(group)), default=1.0)
+        return self._sync_factors
 
     def uncalibrated_cpu_groups(self, groups) -> list[tuple[str, ...]]:
-        """The groups of two or more CPU slots whose sync is priced from the link profile alone: no
-        measured sync from this cluster calibrates it (on CPU slots that price is several times
-        too low; ``felactl profile --model --cluster`` measures it)."""
-        measured_here = any(t.cluster == self.cluster.name for t in self.model.data_parallel_sync)
-        return [tuple(g) for g in groups if len(g) > 1 and not measured_here and self.sync_factor(tuple(g)) == 1.0
+        """The groups of two or more CPU slots that no measured sync set holds: their sync is priced
+        from the link profile alone, several times too low on CPU slots (``felactl profile --model
+        --cluster`` measures it)."""
+        measured = [devices for devices, _ in self._calibrations()]
+        return [tuple(g) for g in groups if len(g) > 1 and not any(m.issuperset(g) for m in measured)
                 and all(self.cluster.device(d).kind == DeviceKind.CPU for d in g)]
 
     def uses_trees(self, devices: tuple[str, ...], num_bytes: float) -> bool:

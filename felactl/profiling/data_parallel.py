@@ -71,17 +71,25 @@ def measure_data_parallel_sync(model: str, config: dict[str, Any], micro_batch: 
                 proc.start()
             per_rank = _collect(results, procs, timeout_s + 2 * blocks * (per_block + warmup))
         finally:
-            for proc in procs:
-                proc.join(timeout=5)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+            reap(procs, grace_s=5.0)
     counted = blocks * per_block
     synced = [max(times[i] for times, _ in per_rank) for i in range(counted)]
     local = [max(times[i] for _, times in per_rank) for i in range(counted)]
     sync_ms = max(0.0, statistics.median(synced) - statistics.median(local)) * 1e3
     return SyncTiming(cluster=cluster, devices=tuple(slot.device for slot in slots), backend=backend,
                       micro_batch=micro_batch, sync_ms=round(sync_ms, 3))
+
+
+def reap(procs, grace_s: float) -> None:
+    """Wait up to ``grace_s`` in all for ``multiprocessing`` processes to end, then kill the rest:
+    a slot stuck in a collective with a peer that failed never ends by itself."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def _collect(results, procs, timeout_s: float) -> list[tuple[list[float], list[float]]]:
@@ -167,4 +175,4 @@ def _time_steps(rank: int, world_size: int, store_path: str, backend: str, model
         dist.destroy_process_group()
 
 
-__all__ = ["Slot", "measure_data_parallel_sync"]
+__all__ = ["Slot", "measure_data_parallel_sync", "reap"]

@@ -65,15 +65,18 @@ def local_cpu_slots(cluster: ClusterSpec, node_name: str | None = None) -> list[
 
 
 def profile_model_in_situ(model: str, config: dict[str, Any], batch_sizes: Sequence[int], cluster: ClusterSpec,
-                          *, worker_batch: int, node_name: str | None = None,
+                          *, worker_batch: int | None = None, node_name: str | None = None,
                           say: Callable[[str], None] = lambda line: None, **profile_options: Any) -> ModelSpec:
     """Steps 1 and 2 of the module doc on this machine's CPU slots in ``cluster``
     (:func:`local_cpu_slots`); ``worker_batch``: the samples of one worker's step (the companions
-    train on it and the sync is measured at it). A failed sync measurement is said, not fatal: the
+    train on it and the sync is measured at it; default the middle of ``batch_sizes``). A failed sync measurement is said, not fatal: the
     plan then prices sync from the link profile."""
     from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
 
+    from felactl.profiling.model import middle_batch
+
     slots = local_cpu_slots(cluster, node_name)
+    worker_batch = worker_batch or middle_batch(batch_sizes)
     spec = _profile_beside_companions(model, config, batch_sizes, slots, worker_batch, profile_options)
     if len(slots) < 2:
         return spec
@@ -91,6 +94,7 @@ def _profile_beside_companions(model: str, config: dict[str, Any], batch_sizes: 
                                slots: Sequence[Device], batch: int, profile_options: dict[str, Any]) -> ModelSpec:
     import torch
 
+    from felactl.profiling.data_parallel import reap
     from felactl.profiling.model import profile_model
 
     cores = [list(d.cpu_cores) for d in slots]
@@ -114,11 +118,7 @@ def _profile_beside_companions(model: str, config: dict[str, Any], batch_sizes: 
         return profile_model(model, config, batch_sizes, **profile_options)
     finally:
         stop.set()
-        for proc in companions:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        reap(companions, grace_s=10.0)  # each ends after its current step
         torch.set_num_threads(threads_before)
         if affinity_before is not None:
             os.sched_setaffinity(0, affinity_before)

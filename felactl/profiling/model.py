@@ -285,13 +285,18 @@ def time_optimizer_step(layers: nn.Module, *, repeats: int, seed: int = 0, warmu
     return statistics.median(runs_s) * 1e3
 
 
+def middle_batch(batch_sizes: Sequence[int]) -> int:
+    """The middle of the profiled micro-batch sizes: a typical training step's, where one is needed."""
+    return sorted(batch_sizes)[len(batch_sizes) // 2]
+
+
 def _training_backward(bundle: ModelBundle, layers: nn.Sequential, batch_sizes: Sequence[int],
                        device: torch.device) -> Callable[[], None] | None:
     """A forward, loss and backward of the whole model on a middle profiled micro-batch, for
     timing the optimizer step as it follows one in training; None for models without data."""
     if bundle.data is None:
         return None
-    inputs, targets = bundle.data.batch(range(sorted(batch_sizes)[len(batch_sizes) // 2]))
+    inputs, targets = bundle.data.batch(range(middle_batch(batch_sizes)))
     inputs, targets = inputs.to(device), targets.to(device)
     return lambda: bundle.loss(layers(inputs), targets).backward()
 
@@ -409,5 +414,5 @@ def _check_device(device: str) -> torch.device:
     return torch_device
 
 
-__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_REPEATS", "count_flops", "profile_model", "saved_bytes",
+__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_REPEATS", "count_flops", "middle_batch", "profile_model", "saved_bytes",
            "this_device_model", "time_layer", "time_optimizer_step", "time_whole_model"]
