@@ -257,7 +257,7 @@ def _fmt(value, spec: str) -> str:
 def print_table(rows: list[dict], args) -> None:
     titles = {1: "1. overhead, no straggler (2 workers, vs DDP of the same model)",
               2: f"2. worker {args.workers - 1} slowed {args.factor:g}x",
-              3: "3. straggler patterns (mlp)"}
+              3: "3. straggler patterns"}
     for table in args.tables:
         print(f"\n{titles[table]}")
         print(f"{'scenario':16s} {'case':16s} {'mb':>3s} {'samples/s':>9s} {'min-max':>11s} {'vs DDP':>6s} "

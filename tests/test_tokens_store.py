@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.sync.buckets import GradBuckets
-from felactl.agents.worker.sync.tokens import StoreTokenBucket
+from felactl.agents.worker.sync.tokens import LAG_BUDGET_BYTES, StoreTokenBucket, skip_ahead_limit
+from felactl.errors import WorkerFailed
 
 
-def _buckets(store, workers, num_tokens, policy="ads+hf"):
+def _buckets(store, workers, num_tokens, policy="ads+hf", max_lag=2):
     shares = [1 / len(workers)] * len(workers)
-    return {w: StoreTokenBucket(store, w, tuple(workers), shares, num_tokens, policy) for w in workers}
+    return {w: StoreTokenBucket(store, w, tuple(workers), shares, num_tokens, policy, max_lag=max_lag) for w in workers}
 
 
 def _drain(buckets, step, rng, speeds=None):
@@ -23,6 +24,7 @@ def _drain(buckets, step, rng, speeds=None):
     each has either run out or said its token was its last; returns token -> worker."""
     for b in buckets.values():
         b.begin(step)
+        assert b.join()
     active, owner = set(buckets), {}
     weights = speeds or {w: 1.0 for w in buckets}
     while active:
@@ -37,7 +39,9 @@ def _drain(buckets, step, rng, speeds=None):
         if last:
             active.discard(w)
     for w, b in buckets.items():
+        assert b.members() == tuple(sorted(buckets)), "everyone joined before the gate closed"
         b.done(1.0 / weights[w])
+        b.finish_iteration(0)
     return owner
 
 
@@ -58,13 +62,18 @@ def test_slow_worker_retires_once_speeds_are_known():
     for step in range(2):  # equal counts, but worker 1 reports 3x the seconds per token
         for b in buckets.values():
             b.begin(step)
+            b.join()
         for _ in range(4):
             for w in (0, 1):
                 buckets[w].next_token()
         buckets[0].done(1.0)
         buckets[1].done(3.0)
+        for b in buckets.values():
+            b.members()
+            b.finish_iteration(0)
     for b in buckets.values():
         b.begin(2)
+        b.join()
     assert buckets[0].next_token() == (0, False)
     assert buckets[1].next_token() == (4, False), "4 tokens left take worker 0 longer than one of worker 1's"
     for _ in range(3):
@@ -74,6 +83,91 @@ def test_slow_worker_retires_once_speeds_are_known():
     assert buckets[0].next_token() == (7, False)  # helping worker 1, from the back of its sub-bucket
     assert buckets[0].next_token() == (6, True)
     assert buckets[0].next_token() is None
+
+
+def _claim_all(bucket):
+    claimed = []
+    while (claim := bucket.next_token()) is not None:
+        claimed.append(claim[0])
+        if claim[1]:
+            break
+    return claimed
+
+
+@pytest.mark.parametrize("policy", ["ads+hf", "ads"])
+def test_a_worker_that_stalls_past_the_iteration_is_left_out_and_the_others_do_its_tokens(policy):
+    store = dist.HashStore()
+    buckets = _buckets(store, [0, 1, 2], 9, policy)
+    for b in buckets.values():
+        b.begin(0)
+    assert buckets[0].join() and buckets[1].join()  # worker 2 is asleep
+    claimed = _claim_all(buckets[0]) + _claim_all(buckets[1])
+    assert sorted(claimed) == list(range(9)), "the two awake workers take the sleeper's tokens too"
+    assert buckets[0].members() == buckets[1].members() == (0, 1)
+    assert not buckets[2].join(), "waking after the gate closed: it skipped the iteration"
+    for b in buckets.values():
+        b.finish_iteration(1)
+    assert store.num_keys() == 0, "the last worker to finish deletes the iteration's keys"
+
+
+def test_a_worker_that_joins_before_the_close_is_a_member_even_with_no_token_left():
+    store = dist.HashStore()
+    buckets = _buckets(store, [0, 1], 4)
+    for b in buckets.values():
+        b.begin(0)
+    assert buckets[0].join()
+    assert _claim_all(buckets[0]) == [0, 1, 3, 2], "its own two, then the other's from the back"
+    assert buckets[1].join(), "in before anyone found the bucket empty"
+    assert buckets[1].next_token() is None
+    assert buckets[1].members() == (0, 1) == buckets[0].members()
+
+
+def test_nobody_retires_while_a_worker_has_not_joined():
+    """Retiring leaves tokens to the others; one that has not joined may be stalled for long."""
+    store = dist.HashStore()
+    buckets = _buckets(store, [0, 1], 8)
+    for b in buckets.values():  # speeds known: worker 0 is 3x slower than worker 1
+        b.token_s = 3.0 if b.rank == 0 else 1.0
+        b.others_token_s = {1 - b.rank: 1.0 if b.rank == 0 else 3.0}
+        b.begin(0)
+    slow = buckets[0]
+    slow.join()  # worker 1, the fast one, stalls before joining
+    assert [slow.next_token() for _ in range(4)] == [(0, False), (1, False), (2, False), (3, False)]
+    assert slow.next_token() == (7, False), (
+        "helping: 3 tokens left would take worker 1 3 s, less than one of its own 3 s tokens; it would retire "
+        "if worker 1 had joined")
+    assert [slow.next_token() for _ in range(3)] == [(6, False), (5, False), (4, True)]
+    assert slow.members() == (0,)
+
+
+def test_members_wait_for_a_worker_max_lag_iterations_behind():
+    store = dist.HashStore()
+    fast, slow = _buckets(store, [0, 1], 4, max_lag=2).values()
+    fast.timeout_s = 0.2
+    for step in range(2):  # the slow worker sleeps through two iterations
+        fast.begin(step)
+        assert fast.join() and len(_claim_all(fast)) == 4 and fast.members() == (0,)
+        fast.finish_iteration(1)
+    with pytest.raises(WorkerFailed, match="has not finished iteration 0"):
+        fast.begin(2)
+    slow.begin(0)
+    assert not slow.join()
+    slow.finish_iteration(1)
+    assert fast.begin(2) < 0.1, "iteration 0 is over: no need to wait"
+
+
+def test_no_gate_for_a_single_worker_or_a_sum_too_big_to_park():
+    assert skip_ahead_limit(1 << 20, 1) == 0
+    assert skip_ahead_limit(1 << 20, 2) == 8
+    assert skip_ahead_limit(LAG_BUDGET_BYTES // 3, 2) == 3
+    assert skip_ahead_limit(LAG_BUDGET_BYTES, 2) == 0, "one iteration of slack buys nothing"
+    assert skip_ahead_limit(1 << 20, 3, member_groups=False) == 0, "3 workers may need a group of two"
+    assert skip_ahead_limit(1 << 20, 2, member_groups=False) == 8, "2 workers: the members are one or both"
+    store = dist.HashStore()
+    ungated = _buckets(store, [0, 1], 4, max_lag=0)
+    ungated[0].begin(0)
+    assert ungated[0].join() and len(_claim_all(ungated[0])) == 4
+    assert ungated[0].members() == (0, 1), "without a gate everyone is in every iteration"
 
 
 @pytest.fixture

@@ -27,6 +27,20 @@ def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) ->
         raise ControlPlaneError(f"cannot reach the control-plane store at {host}:{port}: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class MembersGroup:
+    """A process-group backend over some ranks, used directly (see :meth:`Runtime.members_group`)."""
+    ranks: tuple[int, ...]
+    backend: dist.ProcessGroup
+
+
+def all_reduce_async(tensor: torch.Tensor, group):
+    """Start a sum-allreduce of ``tensor`` over ``group`` (a process group or a :class:`MembersGroup`)."""
+    if isinstance(group, MembersGroup):
+        return group.backend.allreduce([tensor])
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
 @dataclass
 class Runtime:
     cfg: WorkerConfig
@@ -36,6 +50,7 @@ class Runtime:
     device: torch.device
     _raw: dist.TCPStore
     _groups: dict[tuple[int, ...], object] = field(default_factory=dict)
+    _member_groups: dict[tuple[int, ...], "MembersGroup"] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -66,6 +81,27 @@ class Runtime:
             key = tuple(sorted(ranks))
             if len(key) < self.world_size and key not in self._groups:
                 self._groups[key] = dist.new_group(list(key), backend=self.backend)
+
+    @property
+    def forms_member_groups(self) -> bool:
+        """Whether :meth:`members_group` works here (gloo; not built for NCCL yet)."""
+        return self.backend == "gloo"
+
+    def members_group(self, ranks: tuple[int, ...]) -> "MembersGroup":
+        """A group of a subset that only its members learn they need, mid-run (the workers that
+        summed a tokens iteration another one skipped). ``new_group`` cannot make it: it is
+        collective over all ranks, and its ``use_local_synchronization`` names the group after
+        how many groups each member already has, which differs between members here. So the
+        members build the backend themselves, meeting on a store prefix named after the subset."""
+        key = tuple(sorted(ranks))
+        if key not in self._member_groups:
+            if not self.forms_member_groups:
+                raise NotImplementedError(f"groups of a subset formed mid-run on {self.backend}")
+            store = dist.PrefixStore("members/" + "_".join(map(str, key)), self.store)
+            backend = dist.ProcessGroupGloo(store, key.index(self.rank), len(key),
+                                            datetime.timedelta(seconds=self.cfg.timeout_s))
+            self._member_groups[key] = MembersGroup(key, backend)
+        return self._member_groups[key]
 
     def new_world_group(self, backend: str | None = None):
         """A second group over all ranks, for traffic that runs beside the trainer's collectives

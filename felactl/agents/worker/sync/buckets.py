@@ -10,7 +10,9 @@ iteration), a hook launches each bucket's asynchronous sum-allreduce the moment 
 accumulated every gradient of that bucket, so communication overlaps the rest of the backward
 (and, for an injected straggler, its sleep). :meth:`finish` launches whatever was not launched
 yet, always in bucket order, so every rank issues the same collectives in the same order whether
-it armed or not.
+it armed or not. The group may change from one iteration to the next (a tokens iteration that a
+stalled worker skipped is summed by the others alone); ``None`` means this worker's gradients are
+already the sum, and nothing is sent.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import time
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
+
+from felactl.agents.worker.runtime import all_reduce_async
 
 BUCKET_BYTES = 4 << 20
 
@@ -62,7 +65,10 @@ class GradBuckets:
         self.pending = [len(b) for b in self.buckets]
         self.works = []
 
-    def arm(self) -> None:
+    def arm(self, group=...) -> None:
+        """From now on, sum each bucket as soon as it is complete (over ``group``, if given)."""
+        if group is not ...:
+            self.group = group
         self.armed = True
 
     def _accumulated(self, p: torch.Tensor) -> None:
@@ -70,14 +76,14 @@ class GradBuckets:
         if p.grad.data_ptr() != view.data_ptr():  # autograd accumulates in place; just in case
             view.copy_(p.grad)
             p.grad = view
-        if not self.armed:
+        if not self.armed or self.group is None:
             return
         self.pending[self.bucket_of[id(p)]] -= 1
         while len(self.works) < len(self.buckets) and self.pending[len(self.works)] <= 0:
             self._launch(len(self.works))
 
     def _launch(self, index: int) -> None:
-        self.works.append(dist.all_reduce(self.buffers[index], group=self.group, async_op=True))
+        self.works.append(all_reduce_async(self.buffers[index], self.group))
 
     def finish(self) -> tuple[float, float]:
         """Launch the rest, wait for all; returns ``(wait_s, comm_s)``: seconds until the first
@@ -85,6 +91,9 @@ class GradBuckets:
         for p in self.params:  # a parameter backward never reached keeps its zero view
             if p.grad is None:
                 p.grad = self.views[id(p)]
+        if self.group is None:
+            self.armed = False
+            return 0.0, 0.0
         while len(self.works) < len(self.buckets):
             self._launch(len(self.works))
         start = time.perf_counter()

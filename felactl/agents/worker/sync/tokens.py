@@ -16,36 +16,75 @@ until nothing is left, so fast workers simply pull more.
 Gradients are weighted by samples and summed in place (:class:`GradBuckets`): BSP semantics
 whoever did the work. When a worker knows the token it starts is its last, it arms the buckets
 and their allreduce overlaps that token's backward. It knows when no token is left, and it may
-*retire* early: when the others (all started, speeds known from the last iteration) would drain
-what is left before its own token ends. A store counter keeps at least one worker from retiring,
-so every token is still claimed; a wrong guess only costs time, never correctness.
+*retire* early: when the others (all in, speeds known from the last iteration) would drain what
+is left before its own token ends. A store counter keeps at least one worker from retiring, so
+every token is still claimed; a wrong guess only costs time, never correctness.
 
-Who did what is recorded once per iteration (``by/<rank>`` = token ids, then the worker's
-seconds per token, which the others read as its speed).
+**A stalled worker does not hold the others.** Under BSP a worker that stalls for longer than an
+iteration (a pause, another job's burst: ``--straggler prob:P:S``) makes everyone wait at the
+allreduce, although the others have already done all its tokens. So each iteration has a *gate*
+(one store counter): a worker sets its bit before its first claim; the first worker to find the
+bucket empty closes the gate (``add CLOSED``), and the bits set by then are the iteration's
+members. Only they sum gradients (a group of just them), and the lowest of them publishes the
+sum in the store; a worker whose bit came after the close skipped the iteration: it reads that
+sum and takes the same optimizer step, so every replica still applies exactly the single-process
+update of every global batch. Members may run at most ``max_lag`` iterations ahead of the
+slowest worker (the sums wait in the store until it has read them), so the store holds a bounded
+number of them; where a sum is too big for that to pay (``max_lag < 2``), there is no gate and
+the iteration waits for everyone, as plain BSP does.
+
+The last worker to finish an iteration deletes its keys; the seconds per token of each worker
+(``speed/<rank>``, which the others read to decide retirements) are overwritten in place.
 """
 
 from __future__ import annotations
 
 import time
 
+import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.stages import split_by_shares
 from felactl.agents.worker.sync.buckets import GradBuckets
+from felactl.errors import WorkerFailed
 from felactl.launcher.tokens import SubBucketView, choose_victim, num_first_level_tokens, token_samples
 
 STEAL = 1 << 20
 """A helper's claim adds this to the owner's counter: owner count in the low bits, helpers' above."""
 RETIRE_SLACK = 1.2
 """Retire when the others' drain time is at most this many of one's own token times."""
+CLOSED = 1 << 40
+"""Closing an iteration's gate adds this; a worker's bit below it says it joined before."""
+MAX_GATED_WORKERS = 40
+"""One gate bit per worker; a larger stage has no gate (every iteration waits for everyone)."""
+MAX_LAG = 8
+"""Iterations the members may run ahead of a stalled worker."""
+LAG_BUDGET_BYTES = 512 << 20
+"""At most this much of published sums waits in the store for a stalled worker."""
+LAG_POLL_S = 0.002
+
+
+def skip_ahead_limit(grad_bytes: int, num_workers: int, member_groups: bool = True) -> int:
+    """How many iterations members may run ahead of a stalled worker (0: no gate): each one
+    ahead may leave a published sum of ``grad_bytes`` in the store. Without ``member_groups``
+    (groups of a subset formed mid-run) only two workers can have a gate: a member set short of
+    everyone is then one worker, which needs no group."""
+    if not 1 < num_workers <= MAX_GATED_WORKERS or (num_workers > 2 and not member_groups):
+        return 0
+    lag = min(MAX_LAG, LAG_BUDGET_BYTES // max(grad_bytes, 1))
+    return lag if lag >= 2 else 0
 
 
 class StoreTokenBucket:
-    """One stage's tokens of one iteration, claimed through store counters."""
+    """One stage's tokens of one iteration, claimed through store counters.
+
+    Per iteration: :meth:`begin`, :meth:`join` (False: this worker skipped it; take the members'
+    sum), :meth:`next_token` until None or a last token, :meth:`members`, :meth:`done`, and
+    :meth:`finish_iteration` once this worker's update is applied."""
 
     def __init__(self, store: dist.Store, rank: int, workers: tuple[int, ...], shares: list[float],
-                 num_tokens: int, policy: str):
+                 num_tokens: int, policy: str, max_lag: int = 0, timeout_s: float = 300.0):
         if num_tokens >= STEAL:
             raise ValueError(f"{num_tokens} tokens per iteration is too many (at most {STEAL - 1})")
         self.store = store
@@ -54,35 +93,83 @@ class StoreTokenBucket:
         self.num_tokens = num_tokens
         self.hf = "hf" in policy
         self.ranges = dict(zip(workers, split_by_shares(num_tokens, shares))) if self.hf else {}
+        self.max_lag = max_lag if 1 < len(workers) <= MAX_GATED_WORKERS else 0
+        self.bit = {w: 1 << i for i, w in enumerate(workers)}
+        self.timeout_s = timeout_s
         self.step = -1
         self.helping: set[int] = set()
         self.claimed: list[int] = []
+        self.retired = False
+        self._members: tuple[int, ...] | None = None
         self.token_s: float | None = None
         """This worker's seconds per token (moving average, injected slowness included)."""
         self.others_token_s: dict[int, float] = {}
 
+    @property
+    def gated(self) -> bool:
+        return self.max_lag > 0
+
     def _key(self, name: str, step: int | None = None) -> str:
         return f"tok/{self.step if step is None else step}/{name}"
 
-    def begin(self, step: int) -> None:
-        """Open iteration ``step``: read the others' speeds of the last one, drop this worker's
-        keys of two iterations ago (everyone finished that one: each ends with an allreduce)."""
-        if step >= 2:
-            for name in (f"b/{self.rank}", f"helpers/{self.rank}", f"by/{self.rank}"):
-                self.store.delete_key(self._key(name, step - 2))
-            if self.rank == self.workers[0]:
-                for name in ("all", "retired"):
-                    self.store.delete_key(self._key(name, step - 2))
-        if step >= 1 and self.hf:
+    def begin(self, step: int) -> float:
+        """Open iteration ``step``: wait until nobody is ``max_lag`` iterations behind, read the
+        others' speeds. Returns the seconds waited."""
+        waited_s = self._wait_for_laggards(step)
+        if self.hf:
             for w in self.workers:
-                if w != self.rank:
-                    record = self.store.get(self._key(f"by/{w}", step - 1)).decode()
-                    seconds = float(record.rpartition(";")[2])
+                key = f"tok/speed/{w}"
+                if w != self.rank and self.store.check([key]):
+                    seconds = float(self.store.get(key))
                     if seconds > 0:
                         self.others_token_s[w] = seconds
         self.step = step
         self.claimed = []
         self.helping = set()
+        self.retired = False
+        self._members = None
+        return waited_s
+
+    def _wait_for_laggards(self, step: int) -> float:
+        """An iteration's ``done`` counter exists from its first finisher until its last one
+        deletes it, so while that of ``step - max_lag`` exists someone is that far behind."""
+        if not self.gated or step < self.max_lag:
+            return 0.0
+        key, start = self._key("done", step - self.max_lag), time.perf_counter()
+        while self.store.check([key]):
+            if time.perf_counter() - start > self.timeout_s:
+                raise WorkerFailed(f"worker {self.rank}: a peer has not finished iteration {step - self.max_lag} "
+                                   f"after {self.timeout_s:g} s")
+            time.sleep(LAG_POLL_S)
+        return time.perf_counter() - start
+
+    def join(self) -> bool:
+        """Enter the iteration before the first claim. False: the others closed it without this
+        worker (they claimed every token while it stalled)."""
+        if not self.gated:
+            return True
+        return self.store.add(self._key("gate"), self.bit[self.rank]) < CLOSED
+
+    def members(self) -> tuple[int, ...]:
+        """Who sums gradients this iteration; call once this worker claims no more. A worker that
+        found the bucket empty closes the gate (the first one to do so publishes the members);
+        a retiring worker already knows everyone is in."""
+        if self._members is None:
+            self._members = self._close() if self.gated and not self.retired else self.workers
+        return self._members
+
+    def _close(self) -> tuple[int, ...]:
+        value = self.store.add(self._key("gate"), CLOSED)
+        if value < 2 * CLOSED:  # the first to close: the bits set before it are final
+            bits = value - CLOSED
+            self.store.set(self._key("members"), str(bits))
+        else:
+            bits = int(self.store.get(self._key("members")))
+        return tuple(w for w in self.workers if bits & self.bit[w])
+
+    def sum_key(self, index: int, step: int | None = None) -> str:
+        """Where the members publish gradient buffer ``index`` of the iteration's sum."""
+        return self._key(f"sum/{index}", step)
 
     def next_token(self) -> tuple[int, bool] | None:
         """``(token, last)``: the claimed token and whether this worker will claim no more this
@@ -133,8 +220,8 @@ class StoreTokenBucket:
 
     def _last(self, left_here: int, skip: int | None = None) -> bool:
         """HF: is the token just claimed this worker's last? Yes when nothing is left anywhere;
-        or retire when the others, all started, would drain what is left before this worker's
-        token ends (at least one worker never retires, so every token is still claimed)."""
+        or retire when the others, all in and started, would drain what is left before this
+        worker's token ends (at least one worker never retires, so every token is still claimed)."""
         others = [w for w in self.workers if w != self.rank]
         if not others:  # a group of one: nobody to leave tokens to
             return left_here == 0
@@ -156,46 +243,105 @@ class StoreTokenBucket:
             return True
         if unknown or not started or left / drain_rate > RETIRE_SLACK * self.token_s:
             return False
+        if self.gated and not self._all_joined():
+            return False  # a stalled worker's tokens would wait for it: keep claiming
         if self.store.add(self._key("retired"), 1) < len(self.workers):
+            self.retired = True
             return True
         self.store.add(self._key("retired"), -1)
         return False
 
+    def _all_joined(self) -> bool:
+        """Everyone has joined and the gate is still open (so everyone is a member)."""
+        value = self.store.add(self._key("gate"), 0)
+        return value < CLOSED and value == sum(self.bit.values())
+
     def done(self, token_s: float) -> None:
-        """Close the iteration for this worker: record its tokens and its seconds per token."""
+        """Record this worker's seconds per token (when it ran tokens this iteration)."""
         if self.claimed:
             self.token_s = token_s if self.token_s is None else 0.5 * self.token_s + 0.5 * token_s
-        tokens = ",".join(map(str, self.claimed))
-        self.store.set(self._key(f"by/{self.rank}"), f"{tokens};{self.token_s or 0.0:.6f}")
+            self.store.set(f"tok/speed/{self.rank}", f"{self.token_s:.6f}")
+
+    def finish_iteration(self, num_sum_keys: int) -> None:
+        """This worker has applied the iteration's update; the last one to get here deletes the
+        iteration's keys (nobody reads them any more)."""
+        if self.store.add(self._key("done"), 1) < len(self.workers):
+            return
+        names = ["gate", "members", "all", "retired"]
+        names += [f"{kind}/{w}" for w in self.workers for kind in ("b", "helpers")]
+        names += [f"sum/{i}" for i in range(num_sum_keys)] if self.gated else []
+        for name in names + ["done"]:  # ``done`` last: its absence says the iteration is over
+            self.store.delete_key(self._key(name))
+
+
+def publish_sum(bucket: StoreTokenBucket, grads: GradBuckets) -> None:
+    """The members' summed gradients, for the workers that skipped the iteration."""
+    for i, buffer in enumerate(grads.buffers):
+        bucket.store.set(bucket.sum_key(i), buffer.detach().cpu().view(torch.uint8).numpy().tobytes())
+
+
+def receive_sum(bucket: StoreTokenBucket, grads: GradBuckets) -> None:
+    """Load the members' sum into the gradient buffers (``p.grad`` are views of them)."""
+    grads.begin()
+    for i, buffer in enumerate(grads.buffers):
+        data = torch.frombuffer(bytearray(bucket.store.get(bucket.sum_key(i))), dtype=torch.uint8)
+        buffer.copy_(data.view(buffer.dtype).view(buffer.shape))
 
 
 def run(trainer: Trainer) -> None:
-    placement, plan = trainer.placement, trainer.plan
+    placement, plan, runtime = trainer.placement, trainer.plan, trainer.runtime
     stage = plan.stages[placement.stage]
-    group = trainer.runtime.group(placement.stage_ranks)
+    stage_group = runtime.group(placement.stage_ranks)
     num_tokens = num_first_level_tokens(plan.global_batch, stage.micro_batch, len(stage.workers))
-    bucket = StoreTokenBucket(trainer.runtime.store, trainer.runtime.rank, placement.stage_ranks,
-                              [w.share for w in stage.workers], num_tokens, plan.sync.token_policy)
-    grads = GradBuckets(trainer.params, group)
-    for step in range(trainer.runtime.cfg.steps):
+    grads = GradBuckets(trainer.params, stage_group)
+    grad_bytes = sum(b.numel() * b.element_size() for b in grads.buffers)
+    bucket = StoreTokenBucket(runtime.store, runtime.rank, placement.stage_ranks,
+                              [w.share for w in stage.workers], num_tokens, plan.sync.token_policy,
+                              max_lag=skip_ahead_limit(grad_bytes, len(placement.stage_ranks),
+                                                       runtime.forms_member_groups),
+                              timeout_s=runtime.cfg.timeout_s)
+
+    def group_of(members: tuple[int, ...]):
+        if len(members) == len(placement.stage_ranks):
+            return stage_group
+        return runtime.members_group(members) if len(members) > 1 else None
+
+    for step in range(runtime.cfg.steps):
         start = time.perf_counter()
         pattern_s = trainer.straggler.at_iteration(step)
-        bucket.begin(step)
+        lag_wait_s = bucket.begin(step)
+        if not bucket.join():  # stalled past the iteration: apply the members' sum
+            receive_start = time.perf_counter()
+            receive_sum(bucket, grads)
+            trainer.optimizer_step()
+            bucket.finish_iteration(len(grads.buffers))
+            trainer.record(step=step, samples=0, loss_sum=None, compute_s=pattern_s,
+                           comm_s=time.perf_counter() - receive_start, wait_s=lag_wait_s,
+                           duration_s=time.perf_counter() - start, tokens=0, skipped=True)
+            trainer.maybe_checkpoint(step, (step + 1) * trainer.global_batch)
+            continue
         grads.begin()
         loss_sum, samples, tokens, token_s = 0.0, 0, 0, 0.0
         while (claim := bucket.next_token()) is not None:
             token, last = claim
             if last:
-                grads.arm()
+                grads.arm(group_of(bucket.members()))
             offsets = token_samples(plan.global_batch, num_tokens, token)
             result = trainer.compute(trainer.step_indices(step, offsets), weight_by=plan.global_batch)
             loss_sum, samples, tokens = loss_sum + result.loss_sum, samples + result.samples, tokens + 1
             token_s += result.compute_s
             if last:
                 break
+        members = bucket.members()
+        grads.group = group_of(members)
         bucket.done(token_s / tokens if tokens else 0.0)
         wait_s, comm_s = grads.finish()
+        if len(members) < len(placement.stage_ranks) and runtime.rank == members[0]:
+            publish_start = time.perf_counter()
+            publish_sum(bucket, grads)
+            comm_s += time.perf_counter() - publish_start
         trainer.optimizer_step()
+        bucket.finish_iteration(len(grads.buffers))
         trainer.record(step=step, samples=samples, loss_sum=loss_sum, compute_s=token_s + pattern_s, comm_s=comm_s,
-                       wait_s=wait_s, duration_s=time.perf_counter() - start, tokens=tokens)
+                       wait_s=wait_s + lag_wait_s, duration_s=time.perf_counter() - start, tokens=tokens)
         trainer.maybe_checkpoint(step, (step + 1) * trainer.global_batch)
