@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.sync.buckets import GradBuckets
+from felactl.agents.worker.sync import tokens as tokens_mod
 from felactl.agents.worker.sync.tokens import LAG_BUDGET_BYTES, StoreTokenBucket, skip_ahead_limit
 from felactl.errors import WorkerFailed
 
@@ -39,8 +40,8 @@ def _drain(buckets, step, rng, speeds=None):
         if last:
             active.discard(w)
     for w, b in buckets.items():
-        assert b.members() == tuple(sorted(buckets)), "everyone joined before the gate closed"
-        b.done(1.0 / weights[w])
+        assert b.close() == tuple(sorted(buckets)), "everyone joined before the gate closed"
+        b.record_speed(1.0 / weights[w])
         b.finish_iteration(0)
     return owner
 
@@ -66,10 +67,10 @@ def test_slow_worker_retires_once_speeds_are_known():
         for _ in range(4):
             for w in (0, 1):
                 buckets[w].next_token()
-        buckets[0].done(1.0)
-        buckets[1].done(3.0)
+        buckets[0].record_speed(1.0)
+        buckets[1].record_speed(3.0)
         for b in buckets.values():
-            b.members()
+            b.close()
             b.finish_iteration(0)
     for b in buckets.values():
         b.begin(2)
@@ -103,11 +104,12 @@ def test_a_worker_that_stalls_past_the_iteration_is_left_out_and_the_others_do_i
     assert buckets[0].join() and buckets[1].join()  # worker 2 is asleep
     claimed = _claim_all(buckets[0]) + _claim_all(buckets[1])
     assert sorted(claimed) == list(range(9)), "the two awake workers take the sleeper's tokens too"
-    assert buckets[0].members() == buckets[1].members() == (0, 1)
+    assert buckets[0].close() == buckets[1].close() == (0, 1)
     assert not buckets[2].join(), "waking after the gate closed: it skipped the iteration"
     for b in buckets.values():
         b.finish_iteration(1)
-    assert store.num_keys() == 0, "the last worker to finish deletes the iteration's keys"
+    assert store.check(["tok/groups/3"]), "the job formed a group of workers 0 and 1"
+    assert store.num_keys() == 2, "the last worker to finish deleted the iteration's keys (2: the job's group count)"
 
 
 def test_a_worker_that_joins_before_the_close_is_a_member_even_with_no_token_left():
@@ -119,7 +121,7 @@ def test_a_worker_that_joins_before_the_close_is_a_member_even_with_no_token_lef
     assert _claim_all(buckets[0]) == [0, 1, 3, 2], "its own two, then the other's from the back"
     assert buckets[1].join(), "in before anyone found the bucket empty"
     assert buckets[1].next_token() is None
-    assert buckets[1].members() == (0, 1) == buckets[0].members()
+    assert buckets[1].close() == (0, 1) == buckets[0].close()
 
 
 def test_nobody_retires_while_a_worker_has_not_joined():
@@ -137,7 +139,36 @@ def test_nobody_retires_while_a_worker_has_not_joined():
         "helping: 3 tokens left would take worker 1 3 s, less than one of its own 3 s tokens; it would retire "
         "if worker 1 had joined")
     assert [slow.next_token() for _ in range(3)] == [(6, False), (5, False), (4, True)]
-    assert slow.members() == (0,)
+    assert slow.close() == (0,)
+
+
+def test_a_member_set_that_would_need_one_group_too_many_is_widened_to_everyone():
+    store = dist.HashStore()
+    store.add("tok/groups/count", tokens_mod.MAX_MEMBER_GROUPS)  # the job formed its last one already
+    buckets = _buckets(store, [0, 1, 2], 6)
+    for b in buckets.values():
+        b.begin(0)
+    assert buckets[0].join() and buckets[1].join()
+    _claim_all(buckets[0]), _claim_all(buckets[1])
+    assert buckets[0].close() == (0, 1, 2), "no group of 0 and 1 to sum in: everyone sums, BSP's wait"
+    assert buckets[2].join(), "the late worker finds itself in the published members"
+    assert buckets[2].next_token() is None and buckets[2].close() == (0, 1, 2) == buckets[1].close()
+
+
+def test_a_sum_over_the_stores_largest_value_travels_in_pieces():
+    """TCPStore refuses values over 8 MiB; a 12 MiB gradient bucket must still get through."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    bucket = StoreTokenBucket(store, 0, (0, 1), [0.5, 0.5], 4, "ads+hf", max_lag=2)
+    bucket.begin(0)
+    sent, got = torch.nn.Linear(2048, 1536), torch.nn.Linear(2048, 1536)
+    members, skipper = GradBuckets(list(sent.parameters()), None), GradBuckets(list(got.parameters()), None)
+    assert max(b.numel() * 4 for b in members.buffers) > 8 << 20
+    members.begin()
+    sent(torch.randn(3, 2048)).sum().backward()
+    tokens_mod.publish_sum(bucket, members)
+    assert len(tokens_mod.sum_pieces(members)) > len(members.buffers)
+    tokens_mod.receive_sum(bucket, skipper)
+    assert torch.equal(got.weight.grad, sent.weight.grad) and torch.equal(got.bias.grad, sent.bias.grad)
 
 
 def test_members_wait_for_a_worker_max_lag_iterations_behind():
@@ -146,7 +177,7 @@ def test_members_wait_for_a_worker_max_lag_iterations_behind():
     fast.timeout_s = 0.2
     for step in range(2):  # the slow worker sleeps through two iterations
         fast.begin(step)
-        assert fast.join() and len(_claim_all(fast)) == 4 and fast.members() == (0,)
+        assert fast.join() and len(_claim_all(fast)) == 4 and fast.close() == (0,)
         fast.finish_iteration(1)
     with pytest.raises(WorkerFailed, match="has not finished iteration 0"):
         fast.begin(2)
@@ -160,14 +191,15 @@ def test_no_gate_for_a_single_worker_or_a_sum_too_big_to_park():
     assert skip_ahead_limit(1 << 20, 1) == 0
     assert skip_ahead_limit(1 << 20, 2) == 8
     assert skip_ahead_limit(LAG_BUDGET_BYTES // 3, 2) == 3
-    assert skip_ahead_limit(LAG_BUDGET_BYTES, 2) == 0, "one iteration of slack buys nothing"
+    assert skip_ahead_limit(LAG_BUDGET_BYTES, 2) == 1, "one sum parked: one iteration of a stall hidden"
+    assert skip_ahead_limit(LAG_BUDGET_BYTES + 1, 2) == 0, "a sum over the budget: no gate"
     assert skip_ahead_limit(1 << 20, 3, member_groups=False) == 0, "3 workers may need a group of two"
     assert skip_ahead_limit(1 << 20, 2, member_groups=False) == 8, "2 workers: the members are one or both"
     store = dist.HashStore()
     ungated = _buckets(store, [0, 1], 4, max_lag=0)
     ungated[0].begin(0)
     assert ungated[0].join() and len(_claim_all(ungated[0])) == 4
-    assert ungated[0].members() == (0, 1), "without a gate everyone is in every iteration"
+    assert ungated[0].close() == (0, 1), "without a gate everyone is in every iteration"
 
 
 @pytest.fixture
@@ -191,7 +223,7 @@ def test_grad_buckets_accumulate_in_place_and_launch_during_backward(one_rank_gr
     grads.begin()
     model(x[:3]).square().sum().backward()
     assert grads.works == [], "not armed: nothing launched"
-    grads.arm()
+    grads.arm(one_rank_group)
     model(x[3:]).square().sum().backward()
     assert len(grads.works) == len(grads.buckets), "armed: every bucket launched inside backward"
     grads.finish()

@@ -9,8 +9,8 @@ Once :meth:`arm` is called (the worker knows the micro-batch it starts is its la
 iteration), a hook launches each bucket's asynchronous sum-allreduce the moment backward has
 accumulated every gradient of that bucket, so communication overlaps the rest of the backward
 (and, for an injected straggler, its sleep). :meth:`finish` launches whatever was not launched
-yet, always in bucket order, so every rank issues the same collectives in the same order whether
-it armed or not. The group may change from one iteration to the next (a tokens iteration that a
+yet, always in bucket order, so every member of the group issues the same collectives in the same
+order whether it armed or not. The group may change from one iteration to the next (a tokens iteration that a
 stalled worker skipped is summed by the others alone); ``None`` means this worker's gradients are
 already the sum, and nothing is sent.
 """
@@ -65,10 +65,9 @@ class GradBuckets:
         self.pending = [len(b) for b in self.buckets]
         self.works = []
 
-    def arm(self, group=...) -> None:
-        """From now on, sum each bucket as soon as it is complete (over ``group``, if given)."""
-        if group is not ...:
-            self.group = group
+    def arm(self, group) -> None:
+        """From now on, sum each bucket over ``group`` as soon as it is complete."""
+        self.group = group
         self.armed = True
 
     def _accumulated(self, p: torch.Tensor) -> None:

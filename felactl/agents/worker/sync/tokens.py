@@ -23,15 +23,21 @@ every token is still claimed; a wrong guess only costs time, never correctness.
 **A stalled worker does not hold the others.** Under BSP a worker that stalls for longer than an
 iteration (a pause, another job's burst: ``--straggler prob:P:S``) makes everyone wait at the
 allreduce, although the others have already done all its tokens. So each iteration has a *gate*
-(one store counter): a worker sets its bit before its first claim; the first worker to find the
-bucket empty closes the gate (``add CLOSED``), and the bits set by then are the iteration's
-members. Only they sum gradients (a group of just them), and the lowest of them publishes the
-sum in the store; a worker whose bit came after the close skipped the iteration: it reads that
-sum and takes the same optimizer step, so every replica still applies exactly the single-process
-update of every global batch. Members may run at most ``max_lag`` iterations ahead of the
-slowest worker (the sums wait in the store until it has read them), so the store holds a bounded
-number of them; where a sum is too big for that to pay (``max_lag < 2``), there is no gate and
-the iteration waits for everyone, as plain BSP does.
+(one store counter): a worker sets its bit before its first claim; every worker that finds the
+bucket empty closes it (``add CLOSED``), and the bits set before the first close are the
+iteration's members, which that first closer publishes. Only they sum gradients (in a group of
+just them), and the first of them publishes the sum in the store, in pieces under the store's
+largest value; a worker whose bit came after the close skipped the iteration: it reads that sum
+and takes the same optimizer step, so every replica still applies exactly the single-process
+update of every global batch.
+
+Bounds. Members may run at most ``max_lag`` iterations ahead of the slowest worker (the sums wait
+in the store until it has read them), so the store holds a bounded number of them; where even
+one sum is over that budget there is no gate and every iteration waits for everyone, as plain
+BSP does. A group of some of the workers costs sockets and threads in each member, so a job
+forms at most ``MAX_MEMBER_GROUPS`` of them; a member set that would need one more is widened to
+everyone (the late joiners read the published members and find themselves in), which again is
+BSP's wait.
 
 The last worker to finish an iteration deletes its keys; the seconds per token of each worker
 (``speed/<rank>``, which the others read to decide retirements) are overwritten in place.
@@ -60,6 +66,10 @@ MAX_GATED_WORKERS = 40
 """One gate bit per worker; a larger stage has no gate (every iteration waits for everyone)."""
 MAX_LAG = 8
 """Iterations the members may run ahead of a stalled worker."""
+MAX_MEMBER_GROUPS = 8
+"""Groups of some (two or more, not all) of the workers that one job may form."""
+SUM_PIECE_BYTES = 4 << 20
+"""A published sum goes to the store in pieces of at most this size (its values stop at 8 MiB)."""
 LAG_BUDGET_BYTES = 512 << 20
 """At most this much of published sums waits in the store for a stalled worker."""
 LAG_POLL_S = 0.002
@@ -68,20 +78,19 @@ LAG_POLL_S = 0.002
 def skip_ahead_limit(grad_bytes: int, num_workers: int, member_groups: bool = True) -> int:
     """How many iterations members may run ahead of a stalled worker (0: no gate): each one
     ahead may leave a published sum of ``grad_bytes`` in the store. Without ``member_groups``
-    (groups of a subset formed mid-run) only two workers can have a gate: a member set short of
-    everyone is then one worker, which needs no group."""
+    (groups of some workers formed mid-run) only two workers can have a gate: a member set short
+    of everyone is then one worker, which needs no group."""
     if not 1 < num_workers <= MAX_GATED_WORKERS or (num_workers > 2 and not member_groups):
         return 0
-    lag = min(MAX_LAG, LAG_BUDGET_BYTES // max(grad_bytes, 1))
-    return lag if lag >= 2 else 0
+    return min(MAX_LAG, LAG_BUDGET_BYTES // max(grad_bytes, 1))
 
 
 class StoreTokenBucket:
     """One stage's tokens of one iteration, claimed through store counters.
 
     Per iteration: :meth:`begin`, :meth:`join` (False: this worker skipped it; take the members'
-    sum), :meth:`next_token` until None or a last token, :meth:`members`, :meth:`done`, and
-    :meth:`finish_iteration` once this worker's update is applied."""
+    sum), :meth:`next_token` until None or a last token, :meth:`close`, :meth:`record_speed`, and
+    :meth:`finish_iteration` once this worker's update is applied. ``max_lag`` 0: no gate."""
 
     def __init__(self, store: dist.Store, rank: int, workers: tuple[int, ...], shares: list[float],
                  num_tokens: int, policy: str, max_lag: int = 0, timeout_s: float = 300.0):
@@ -93,7 +102,7 @@ class StoreTokenBucket:
         self.num_tokens = num_tokens
         self.hf = "hf" in policy
         self.ranges = dict(zip(workers, split_by_shares(num_tokens, shares))) if self.hf else {}
-        self.max_lag = max_lag if 1 < len(workers) <= MAX_GATED_WORKERS else 0
+        self.max_lag = max_lag
         self.bit = {w: 1 << i for i, w in enumerate(workers)}
         self.timeout_s = timeout_s
         self.step = -1
@@ -146,30 +155,48 @@ class StoreTokenBucket:
     def join(self) -> bool:
         """Enter the iteration before the first claim. False: the others closed it without this
         worker (they claimed every token while it stalled)."""
-        if not self.gated:
+        if not self.gated or self.store.add(self._key("gate"), self.bit[self.rank]) < CLOSED:
             return True
-        return self.store.add(self._key("gate"), self.bit[self.rank]) < CLOSED
+        return bool(self._published_members() & self.bit[self.rank])  # widened to everyone?
 
-    def members(self) -> tuple[int, ...]:
-        """Who sums gradients this iteration; call once this worker claims no more. A worker that
-        found the bucket empty closes the gate (the first one to do so publishes the members);
-        a retiring worker already knows everyone is in."""
+    def close(self) -> tuple[int, ...]:
+        """Close the iteration for this worker, which claims no more; returns who sums gradients.
+        A worker that found the bucket empty closes the gate; a retiring worker knows everyone
+        is in (it retires only then)."""
         if self._members is None:
-            self._members = self._close() if self.gated and not self.retired else self.workers
+            bits = self._close_gate() if self.gated and not self.retired else sum(self.bit.values())
+            self._members = tuple(w for w in self.workers if bits & self.bit[w])
         return self._members
 
-    def _close(self) -> tuple[int, ...]:
+    def _close_gate(self) -> int:
         value = self.store.add(self._key("gate"), CLOSED)
-        if value < 2 * CLOSED:  # the first to close: the bits set before it are final
-            bits = value - CLOSED
-            self.store.set(self._key("members"), str(bits))
-        else:
-            bits = int(self.store.get(self._key("members")))
-        return tuple(w for w in self.workers if bits & self.bit[w])
+        if value >= 2 * CLOSED:
+            return self._published_members()
+        bits = value - CLOSED  # the first to close: the bits set before it are final
+        if not self._may_sum_apart(bits):
+            bits = sum(self.bit.values())
+        self.store.set(self._key("members"), str(bits))
+        return bits
 
-    def sum_key(self, index: int, step: int | None = None) -> str:
-        """Where the members publish gradient buffer ``index`` of the iteration's sum."""
-        return self._key(f"sum/{index}", step)
+    def _published_members(self) -> int:
+        return int(self.store.get(self._key("members")))
+
+    def _may_sum_apart(self, bits: int) -> bool:
+        """Whether the workers of ``bits`` may sum without the rest: alone, or in a group of
+        them the job has formed already or may still form (at most ``MAX_MEMBER_GROUPS``)."""
+        if bits == sum(self.bit.values()) or bits.bit_count() == 1:
+            return True
+        formed = f"tok/groups/{bits}"
+        if self.store.check([formed]):
+            return True
+        if self.store.add("tok/groups/count", 1) > MAX_MEMBER_GROUPS:
+            return False
+        self.store.set(formed, "1")
+        return True
+
+    def sum_key(self, piece: int) -> str:
+        """Where the members publish piece ``piece`` of the iteration's summed gradients."""
+        return self._key(f"sum/{piece}")
 
     def next_token(self) -> tuple[int, bool] | None:
         """``(token, last)``: the claimed token and whether this worker will claim no more this
@@ -256,35 +283,47 @@ class StoreTokenBucket:
         value = self.store.add(self._key("gate"), 0)
         return value < CLOSED and value == sum(self.bit.values())
 
-    def done(self, token_s: float) -> None:
+    def record_speed(self, token_s: float) -> None:
         """Record this worker's seconds per token (when it ran tokens this iteration)."""
         if self.claimed:
             self.token_s = token_s if self.token_s is None else 0.5 * self.token_s + 0.5 * token_s
             self.store.set(f"tok/speed/{self.rank}", f"{self.token_s:.6f}")
 
-    def finish_iteration(self, num_sum_keys: int) -> None:
+    def finish_iteration(self, sum_pieces: int) -> None:
         """This worker has applied the iteration's update; the last one to get here deletes the
         iteration's keys (nobody reads them any more)."""
         if self.store.add(self._key("done"), 1) < len(self.workers):
             return
         names = ["gate", "members", "all", "retired"]
         names += [f"{kind}/{w}" for w in self.workers for kind in ("b", "helpers")]
-        names += [f"sum/{i}" for i in range(num_sum_keys)] if self.gated else []
+        names += [f"sum/{i}" for i in range(sum_pieces)] if self.gated else []
         for name in names + ["done"]:  # ``done`` last: its absence says the iteration is over
             self.store.delete_key(self._key(name))
 
 
+def sum_pieces(grads: GradBuckets) -> list[tuple[int, slice]]:
+    """The published sum's pieces: (buffer index, byte range), each at most ``SUM_PIECE_BYTES``."""
+    pieces = []
+    for index, buffer in enumerate(grads.buffers):
+        size = buffer.numel() * buffer.element_size()
+        pieces += [(index, slice(start, min(start + SUM_PIECE_BYTES, size))) for start in range(0, size, SUM_PIECE_BYTES)]
+    return pieces
+
+
 def publish_sum(bucket: StoreTokenBucket, grads: GradBuckets) -> None:
     """The members' summed gradients, for the workers that skipped the iteration."""
-    for i, buffer in enumerate(grads.buffers):
-        bucket.store.set(bucket.sum_key(i), buffer.detach().cpu().view(torch.uint8).numpy().tobytes())
+    raw = [buffer.detach().cpu().view(torch.uint8).numpy() for buffer in grads.buffers]
+    for piece, (index, span) in enumerate(sum_pieces(grads)):
+        bucket.store.set(bucket.sum_key(piece), raw[index][span].tobytes())
 
 
 def receive_sum(bucket: StoreTokenBucket, grads: GradBuckets) -> None:
     """Load the members' sum into the gradient buffers (``p.grad`` are views of them)."""
     grads.begin()
-    for i, buffer in enumerate(grads.buffers):
-        data = torch.frombuffer(bytearray(bucket.store.get(bucket.sum_key(i))), dtype=torch.uint8)
+    raw = [torch.empty(buffer.numel() * buffer.element_size(), dtype=torch.uint8) for buffer in grads.buffers]
+    for piece, (index, span) in enumerate(sum_pieces(grads)):
+        raw[index][span] = torch.frombuffer(bytearray(bucket.store.get(bucket.sum_key(piece))), dtype=torch.uint8)
+    for buffer, data in zip(grads.buffers, raw):
         buffer.copy_(data.view(buffer.dtype).view(buffer.shape))
 
 
@@ -295,6 +334,7 @@ def run(trainer: Trainer) -> None:
     num_tokens = num_first_level_tokens(plan.global_batch, stage.micro_batch, len(stage.workers))
     grads = GradBuckets(trainer.params, stage_group)
     grad_bytes = sum(b.numel() * b.element_size() for b in grads.buffers)
+    num_pieces = len(sum_pieces(grads))
     bucket = StoreTokenBucket(runtime.store, runtime.rank, placement.stage_ranks,
                               [w.share for w in stage.workers], num_tokens, plan.sync.token_policy,
                               max_lag=skip_ahead_limit(grad_bytes, len(placement.stage_ranks),
@@ -314,7 +354,7 @@ def run(trainer: Trainer) -> None:
             receive_start = time.perf_counter()
             receive_sum(bucket, grads)
             trainer.optimizer_step()
-            bucket.finish_iteration(len(grads.buffers))
+            bucket.finish_iteration(num_pieces)
             trainer.record(step=step, samples=0, loss_sum=None, compute_s=pattern_s,
                            comm_s=time.perf_counter() - receive_start, wait_s=lag_wait_s,
                            duration_s=time.perf_counter() - start, tokens=0, skipped=True)
@@ -325,23 +365,23 @@ def run(trainer: Trainer) -> None:
         while (claim := bucket.next_token()) is not None:
             token, last = claim
             if last:
-                grads.arm(group_of(bucket.members()))
+                grads.arm(group_of(bucket.close()))
             offsets = token_samples(plan.global_batch, num_tokens, token)
             result = trainer.compute(trainer.step_indices(step, offsets), weight_by=plan.global_batch)
             loss_sum, samples, tokens = loss_sum + result.loss_sum, samples + result.samples, tokens + 1
             token_s += result.compute_s
             if last:
                 break
-        members = bucket.members()
+        members = bucket.close()
         grads.group = group_of(members)
-        bucket.done(token_s / tokens if tokens else 0.0)
+        bucket.record_speed(token_s / tokens if tokens else 0.0)
         wait_s, comm_s = grads.finish()
-        if len(members) < len(placement.stage_ranks) and runtime.rank == members[0]:
+        if len(members) < len(placement.stage_ranks) and runtime.rank == members[0]:  # first in stage order
             publish_start = time.perf_counter()
             publish_sum(bucket, grads)
             comm_s += time.perf_counter() - publish_start
         trainer.optimizer_step()
-        bucket.finish_iteration(len(grads.buffers))
+        bucket.finish_iteration(num_pieces)
         trainer.record(step=step, samples=samples, loss_sum=loss_sum, compute_s=token_s + pattern_s, comm_s=comm_s,
                        wait_s=wait_s + lag_wait_s, duration_s=time.perf_counter() - start, tokens=tokens)
         trainer.maybe_checkpoint(step, (step + 1) * trainer.global_batch)
