@@ -199,8 +199,10 @@ def test_a_scale_out_the_job_outruns_is_refused_and_the_job_still_finishes(tmp_p
         job.stop()
     assert late.exit_code == 2 and "finished" in late.stderr, late.output
     assert summary["steps"] == 200
-    assert [e["kind"] for e in read_jsonl(tmp_path / "runs" / "o" / "events.jsonl")] == \
-        ["launch", "start", "refused", "finished"]
+    # "refused" is missing only when the request came after the launch's last sweep of the queue
+    # (the store closed under it; felactl scale then read the ending from the run directory)
+    assert [e["kind"] for e in read_jsonl(tmp_path / "runs" / "o" / "events.jsonl")] in \
+        (["launch", "start", "refused", "finished"], ["launch", "start", "finished"])
     assert all(_steps(job.records("o"), w) == list(range(200)) for w in (0, 1))
 
 
@@ -559,3 +561,36 @@ def test_a_scale_result_reads_as_one_line():
         "scale-out: workers [0, 1] -> [0, 1, 2], pause 0.049 s, 10.3 MB replicated from 0, 1")
     assert describe({"kind": "scale-in", "members_before": [0, 1, 2], "members_after": [0, 1], "pause_s": None,
                      "replicated_bytes": 0}) == "scale-in: workers [0, 1, 2] -> [0, 1]"
+
+
+@pytest.mark.parametrize("ending,error", [("finished", "InputError"), ("failed", "ControlPlaneError")])
+def test_a_scale_request_whose_coordinator_closes_unanswered_reads_how_the_run_ended(tmp_path, ending, error):
+    """A job that ends closes its store, possibly before it saw a request just queued: felactl
+    scale must not report a lost coordinator for a job that merely finished (exit 2, 'finished')."""
+    import threading
+
+    from felactl import errors
+    from felactl.launcher.controlplane import Coordinator, write_secret_file
+    from felactl.launcher.rundir import RunDir, append_jsonl
+    from felactl.launcher.scale import request_scale
+
+    run = RunDir.create("gone", root=tmp_path)
+    save(gpt_plan(2), run.plan)
+    coordinator = Coordinator(write_secret_file(run.secret), job="gone")
+    append_jsonl(run.events, {"time": time.time(), "kind": "launch", "endpoint": coordinator.endpoint})
+    queue = coordinator.prefix + "elastic/scale/requests"
+
+    def end_the_job_once_asked() -> None:
+        deadline = time.monotonic() + 10
+        while coordinator.store.queue_len(queue) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        coordinator.close()  # the store goes with the last reference, the request unanswered
+        time.sleep(0.3)
+        append_jsonl(run.events, {"time": time.time(), "kind": ending})
+
+    thread = threading.Thread(target=end_the_job_once_asked, daemon=True)
+    thread.start()
+    with pytest.raises(getattr(errors, error)) as caught:
+        request_scale("gone", {"op": "add", "count": 1}, runs_root=tmp_path, timeout_s=20)
+    thread.join(5)
+    assert ("finished its last step" in str(caught.value)) == (ending == "finished"), str(caught.value)

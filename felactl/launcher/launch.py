@@ -9,6 +9,8 @@ watches: agents' states on the store, workers' records in ``metrics.jsonl``. It 
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 import logging
@@ -259,6 +261,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
                               "endpoint": coordinator.endpoint, "devices": list(plan.devices),
                               **({"from_step": resume.step, "checkpoint": str(resume.checkpoint)} if resume else {})})
     agents = _Agents(options, run, coordinator, secret, nodes.get(local_node, ()), local_node)
+    ending = "the job ended; nothing changed"
     try:
         agents.start()
         state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
@@ -280,12 +283,19 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         _watch(coordinator, state, agents, on_update, controller, options.keep_checkpoints)
         prune_checkpoints(run.checkpoints, len(plan.stages), options.keep_checkpoints)  # the last ones too
         coordinator.stop("finished")
+        ending = "the job finished its last step; nothing changed"
     except BaseException as exc:
         coordinator.stop(f"launch ended: {type(exc).__name__}")
         append_jsonl(run.events, {"time": time.time(), "kind": "failed", "reason": str(exc) or type(exc).__name__})
+        ending = "the job failed; nothing changed"
         raise
     finally:
         agents.stop()
+        # A felactl scale request that came after the last look must not just find the store
+        # gone: answer it. (One sent after this sweep still may; felactl scale then reads how
+        # the run ended.)
+        with contextlib.suppress(RuntimeError):
+            refuse_requests(coordinator, run, ending)
         coordinator.close()
     summary = _summary(state)
     run.write_summary(summary)

@@ -45,7 +45,22 @@ def request_scale(run: str, command: dict, *, runs_root: Path = Path("runs"), se
         reply = json.loads(_wait_key(store, f"{prefix}scale/reply/{request_id}", time.monotonic() + timeout_s,
                                      "the coordinator's answer"))
     except ControlPlaneError as exc:
+        if _ended(rundir) == "finished":
+            raise InputError(f"run {rundir.run_id} finished its last step before the change could take effect; "
+                             "nothing changed") from exc
         raise ControlPlaneError(f"run {rundir.run_id}: {exc}") from exc
     if not reply.get("ok"):
         raise InputError(f"refused: {reply.get('error', 'no reason given')}")
     return reply["result"]
+
+
+def _ended(run: RunDir, wait_s: float = 5.0) -> str | None:
+    """How the job ended (``finished`` or ``failed``), when its coordinator went away under a
+    request: a job that ends closes its store, possibly before it saw the request. The launch
+    writes the ending event just after, so give it a moment."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        kinds = [e.get("kind") for e in read_jsonl(run.events) if e.get("kind") in ("finished", "failed")]
+        if kinds or time.monotonic() > deadline:
+            return kinds[-1] if kinds else None
+        time.sleep(0.1)
