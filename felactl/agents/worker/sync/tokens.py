@@ -104,6 +104,8 @@ class StoreTokenBucket:
         self.ranges = dict(zip(workers, split_by_shares(num_tokens, shares))) if self.hf else {}
         self.max_lag = max_lag
         self.bit = {w: 1 << i for i, w in enumerate(workers)}
+        self.everyone = sum(self.bit.values())
+        """The gate bits of all the workers."""
         self.timeout_s = timeout_s
         self.step = -1
         self.helping: set[int] = set()
@@ -164,7 +166,7 @@ class StoreTokenBucket:
         A worker that found the bucket empty closes the gate; a retiring worker knows everyone
         is in (it retires only then)."""
         if self._members is None:
-            bits = self._close_gate() if self.gated and not self.retired else sum(self.bit.values())
+            bits = self._close_gate() if self.gated and not self.retired else self.everyone
             self._members = tuple(w for w in self.workers if bits & self.bit[w])
         return self._members
 
@@ -174,7 +176,7 @@ class StoreTokenBucket:
             return self._published_members()
         bits = value - CLOSED  # the first to close: the bits set before it are final
         if not self._may_sum_apart(bits):
-            bits = sum(self.bit.values())
+            bits = self.everyone
         self.store.set(self._key("members"), str(bits))
         return bits
 
@@ -184,7 +186,7 @@ class StoreTokenBucket:
     def _may_sum_apart(self, bits: int) -> bool:
         """Whether the workers of ``bits`` may sum without the rest: alone, or in a group of
         them the job has formed already or may still form (at most ``MAX_MEMBER_GROUPS``)."""
-        if bits == sum(self.bit.values()) or bits.bit_count() == 1:
+        if bits == self.everyone or bits.bit_count() == 1:
             return True
         formed = f"tok/groups/{bits}"
         if self.store.check([formed]):
@@ -281,7 +283,7 @@ class StoreTokenBucket:
     def _all_joined(self) -> bool:
         """Everyone has joined and the gate is still open (so everyone is a member)."""
         value = self.store.add(self._key("gate"), 0)
-        return value < CLOSED and value == sum(self.bit.values())
+        return value < CLOSED and value == self.everyone
 
     def record_speed(self, token_s: float) -> None:
         """Record this worker's seconds per token (when it ran tokens this iteration)."""
