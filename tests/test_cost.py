@@ -141,6 +141,13 @@ def test_a_measured_data_parallel_sync_calibrates_its_group_and_the_groups_insid
     stage = StageChoice(0, 2, 4, tuple((d, 1 / 3) for d in trio))
     gap = predict(cost, (stage,), 12, 1).iteration_s - predict(link_based, (stage,), 12, 1).iteration_s
     assert gap == pytest.approx(4 * trio_s)
+    # on a part of the cluster (plan --devices, a re-plan after a scale-in) the whole one's
+    # measurement still calibrates the groups it holds
+    part = spec.subset(pair)
+    on_part = CostModel(part, cost.model, use_trees=False, sync_reference=spec)
+    assert on_part.sync_time_s(pair, 16e6) == pytest.approx(5 * link_based.sync_time_s(pair, 16e6))
+    assert CostModel(part, cost.model, use_trees=False).sync_time_s(pair, 16e6) == pytest.approx(
+        link_based.sync_time_s(pair, 16e6)), "without the whole cluster the measured set is out of sight"
 
 
 def test_a_model_profile_refuses_two_sync_timings_for_one_group():

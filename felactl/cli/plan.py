@@ -145,7 +145,8 @@ def plan(
                            use_trees=not no_trees, debug_lp_path=lp_path, progress=lambda msg: status.update(msg))
     if out is not None:
         save(result, out)
-    cost = CostModel(cluster_spec.subset(result.devices), model_spec, use_trees=not no_trees)
+    cost = CostModel(cluster_spec.subset(result.devices), model_spec, use_trees=not no_trees,
+                     sync_reference=cluster_spec)
     if cost.uncalibrated_cpu_groups([tuple(w.device for w in st.workers) for st in result.stages]):
         output.stderr.print(f"note: this plan syncs gradients between CPU slots, which the link profile prices "
                             f"several times too low; `felactl profile --model {model_spec.source} --cluster "

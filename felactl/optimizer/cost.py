@@ -117,6 +117,10 @@ class CostModel:
     use_trees: bool = True
     max_tree_devices: int = 64
     """Groups larger than this use a ring: packing trees over hundreds of devices costs seconds."""
+    sync_reference: ClusterSpec | None = None
+    """The whole cluster, when ``cluster`` is a part of it (``plan --devices``, a re-plan after a
+    scale-in): the model profile's sync timings were measured on the whole one, so their
+    calibration is worked out there (its measured set may hold devices the part lacks)."""
     trees_ever_faster: bool = field(default=False, init=False)
     """Whether some sync time asked so far went over trees: if not, rings-only costs are the same."""
     _prefix: dict = field(default_factory=dict, init=False, repr=False)
@@ -278,14 +282,19 @@ class CostModel:
 
     def _calibrations(self) -> list[tuple[frozenset[str], float]]:
         """(measured device set, measured / link estimate of it, at least 1) for each of the
-        model profile's sync timings on this cluster (by name) whose devices it has."""
+        model profile's sync timings on this cluster (by name) whose devices it has. The link
+        estimates come from a cost model of their own, so working them out neither needs this
+        cluster to hold the measured set (see ``sync_reference``) nor counts as a sync asked for
+        (``trees_ever_faster``)."""
         if self._sync_factors is None:
-            names = set(self.cluster.device_names)
+            reference = self.sync_reference or self.cluster
+            names = set(reference.device_names)
+            links = CostModel(reference, self.model, use_trees=self.use_trees, max_tree_devices=self.max_tree_devices)
             self._sync_factors = []
             for timing in self.model.data_parallel_sync:
-                if timing.cluster != self.cluster.name or not names.issuperset(timing.devices):
+                if timing.cluster != reference.name or not names.issuperset(timing.devices):
                     continue
-                link_s = self._link_sync_s(tuple(sorted(timing.devices)), self.model_param_bytes)
+                link_s = links._link_sync_s(tuple(sorted(timing.devices)), self.model_param_bytes)
                 if link_s > 0:
                     self._sync_factors.append((frozenset(timing.devices), max(1.0, timing.sync_ms / 1e3 / link_s)))
         return self._sync_factors

@@ -129,7 +129,7 @@ def make_plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, sync
         raise PlanInfeasible(f"batch split: the global batch must be at least 1 sample, got {global_batch}")
     mode = SyncMode(sync)
     sub = cluster.subset(check_devices(cluster, devices))
-    cost = CostModel(sub, model, use_trees=use_trees)
+    cost = CostModel(sub, model, use_trees=use_trees, sync_reference=cluster)
     found = baselines.baselines(cost, global_batch)
     # The baselines' micro-batches join the searched ones, so DP itself is in the space: never worse.
     extra = tuple(sorted({b for _, b in found.values()}))
