@@ -161,7 +161,7 @@ def test_a_sum_over_the_stores_largest_value_travels_in_pieces():
     bucket = StoreTokenBucket(store, 0, (0, 1), [0.5, 0.5], 4, "ads+hf", max_lag=2)
     bucket.begin(0)
     sent, got = torch.nn.Linear(2048, 1536), torch.nn.Linear(2048, 1536)
-    members, skipper = GradBuckets(list(sent.parameters()), None), GradBuckets(list(got.parameters()), None)
+    members, skipper = GradBuckets(list(sent.parameters())), GradBuckets(list(got.parameters()))
     assert max(b.numel() * 4 for b in members.buffers) > 8 << 20
     members.begin()
     sent(torch.randn(3, 2048)).sum().backward()
@@ -214,7 +214,7 @@ def one_rank_group(tmp_path):
 def test_grad_buckets_accumulate_in_place_and_launch_during_backward(one_rank_group):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    grads = GradBuckets(list(model.parameters()), one_rank_group, bucket_bytes=256)
+    grads = GradBuckets(list(model.parameters()), bucket_bytes=256)
     assert len(grads.buckets) >= 2
     x = torch.randn(6, 8)
     reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -226,7 +226,7 @@ def test_grad_buckets_accumulate_in_place_and_launch_during_backward(one_rank_gr
     grads.arm(one_rank_group)
     model(x[3:]).square().sum().backward()
     assert len(grads.works) == len(grads.buckets), "armed: every bucket launched inside backward"
-    grads.finish()
+    grads.finish(one_rank_group)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.grad.data_ptr() == grads.views[id(p)].data_ptr()
         assert torch.allclose(p.grad, q.grad, atol=1e-6)

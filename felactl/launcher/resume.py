@@ -40,8 +40,8 @@ def find_resume_point(run: str, runs_root: Path) -> ResumePoint:
     rundir = RunDir.find(run, root=runs_root)
     if rundir.read_summary() is not None:
         raise InputError(f"run {rundir.run_id} already finished (summary.json exists); nothing to resume")
-    steps = sorted((int(m.group(1)), p) for p in rundir.checkpoints.glob("step*")
-                   if (m := STEP_DIR.match(p.name)) and (p / "stage0.pt").exists())
+    # a resume continues a live-rescaling job: one stage, so stage 0's file is the checkpoint
+    steps = complete_checkpoints(rundir.checkpoints, num_stages=1)
     if not steps:
         raise InputError(f"run {rundir.run_id} has no complete checkpoint in {rundir.checkpoints} "
                          "(launch with --checkpoint-every K to make resumable runs)")
@@ -81,17 +81,29 @@ def previous_launch(run: str, runs_root: Path) -> dict:
         return {}
 
 
+def _step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
+    if not checkpoints.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in checkpoints.iterdir() if (m := STEP_DIR.match(p.name)))
+
+
+def complete_checkpoints(checkpoints: Path, num_stages: int) -> list[tuple[int, Path]]:
+    """(step, directory) of each checkpoint with every stage's file written, oldest first (each
+    file is renamed into place whole, so a file that exists is complete)."""
+    return [(step, p) for step, p in _step_dirs(checkpoints)
+            if all((p / f"stage{s}.pt").exists() for s in range(num_stages))]
+
+
 def prune_checkpoints(checkpoints: Path, num_stages: int, keep: int) -> list[Path]:
     """Delete the step directories older than the newest ``keep`` complete checkpoints; returns
     them. ``keep`` 0 keeps everything."""
     if keep <= 0 or not checkpoints.is_dir():
         return []
-    steps = sorted((int(m.group(1)), p) for p in checkpoints.iterdir() if (m := STEP_DIR.match(p.name)))
-    complete = [step for step, p in steps if all((p / f"stage{s}.pt").exists() for s in range(num_stages))]
+    complete = complete_checkpoints(checkpoints, num_stages)
     if len(complete) <= keep:
         return []
-    oldest_kept = complete[-keep]
-    doomed = [p for step, p in steps if step < oldest_kept]
+    oldest_kept = complete[-keep][0]
+    doomed = [p for step, p in _step_dirs(checkpoints) if step < oldest_kept]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed

@@ -10,9 +10,9 @@ iteration), a hook launches each bucket's asynchronous sum-allreduce the moment 
 accumulated every gradient of that bucket, so communication overlaps the rest of the backward
 (and, for an injected straggler, its sleep). :meth:`finish` launches whatever was not launched
 yet, always in bucket order, so every member of the group issues the same collectives in the same
-order whether it armed or not. The group may change from one iteration to the next (a tokens iteration that a
-stalled worker skipped is summed by the others alone); ``None`` means this worker's gradients are
-already the sum, and nothing is sent.
+order whether it armed or not. The group is given per iteration (to :meth:`arm` and
+:meth:`finish`), since it may change (a tokens iteration that a stalled worker skipped is summed
+by the others alone); ``None`` means this worker's gradients are already the sum: nothing is sent.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ BUCKET_BYTES = 4 << 20
 
 
 class GradBuckets:
-    def __init__(self, params: Sequence[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES):
-        self.group = group
+    def __init__(self, params: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES):
+        self.group = None
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[torch.Tensor]] = []
         size_bytes = bucket_bytes
@@ -84,12 +84,14 @@ class GradBuckets:
     def _launch(self, index: int) -> None:
         self.works.append(all_reduce_async(self.buffers[index], self.group))
 
-    def finish(self) -> tuple[float, float]:
-        """Launch the rest, wait for all; returns ``(wait_s, comm_s)``: seconds until the first
-        bucket was summed (the peers' arrival dominates it), then the rest."""
+    def finish(self, group) -> tuple[float, float]:
+        """Launch the rest over ``group`` (the one given to :meth:`arm`, if armed), wait for all;
+        returns ``(wait_s, comm_s)``: seconds until the first bucket was summed (the peers'
+        arrival dominates it), then the rest."""
         for p in self.params:  # a parameter backward never reached keeps its zero view
             if p.grad is None:
                 p.grad = self.views[id(p)]
+        self.group = group
         if self.group is None:
             self.armed = False
             return 0.0, 0.0

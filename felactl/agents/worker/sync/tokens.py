@@ -334,7 +334,7 @@ def run(trainer: Trainer) -> None:
     stage = plan.stages[placement.stage]
     stage_group = runtime.group(placement.stage_ranks)
     num_tokens = num_first_level_tokens(plan.global_batch, stage.micro_batch, len(stage.workers))
-    grads = GradBuckets(trainer.params, stage_group)
+    grads = GradBuckets(trainer.params)
     grad_bytes = sum(b.numel() * b.element_size() for b in grads.buffers)
     num_pieces = len(sum_pieces(grads))
     bucket = StoreTokenBucket(runtime.store, runtime.rank, placement.stage_ranks,
@@ -375,9 +375,8 @@ def run(trainer: Trainer) -> None:
             if last:
                 break
         members = bucket.close()
-        grads.group = group_of(members)
         bucket.record_speed(token_s / tokens if tokens else 0.0)
-        wait_s, comm_s = grads.finish()
+        wait_s, comm_s = grads.finish(group_of(members))
         if len(members) < len(placement.stage_ranks) and runtime.rank == members[0]:  # first in stage order
             publish_start = time.perf_counter()
             publish_sum(bucket, grads)
