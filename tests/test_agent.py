@@ -204,3 +204,28 @@ def test_agent_stops_its_workers_when_the_coordinator_goes_away(tmp_path):
         if agent.poll() is None:
             os.killpg(agent.pid, 9)
             agent.wait()
+
+
+@pytest.mark.parametrize("state,failures,kept", [("succeeded", {}, False), ("succeeded", {1: "exit 1"}, True),
+                                                 ("failed", {0: "boom"}, True), ("stopped", {}, True)])
+def test_a_joining_agent_removes_its_temp_logs_only_when_every_worker_succeeded(tmp_path, monkeypatch, state,
+                                                                                failures, kept):
+    import dataclasses
+
+    from felactl.agents import local_node
+    from felactl.agents.agent import RunResult, WorkerState
+
+    logs = tmp_path / "felactl-agent-x"
+    logs.mkdir()
+    (logs / "worker0.log").write_text("...")
+    config = local_node.local_agent_config("127.0.0.1:1", "s", nproc=1, node_name="n", log_dir=logs,
+                                           join_timeout_s=1, job=None)
+    monkeypatch.setattr(local_node, "run_node_agent",
+                        lambda config, on_joined: RunResult(state=WorkerState(state), exit_codes={0: 0}, failures=failures))
+    result, where = local_node.run_joining_agent(config, temp_logs=True)
+    assert result.state is WorkerState(state)
+    assert (where == logs and logs.exists()) if kept else (where is None and not logs.exists())
+    asked = tmp_path / "asked"
+    asked.mkdir()
+    _, where = local_node.run_joining_agent(dataclasses.replace(config, log_dir=asked), temp_logs=False)
+    assert where == asked and asked.exists(), "a --log-dir the user gave is never removed"

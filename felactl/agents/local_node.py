@@ -6,11 +6,14 @@ agent in one process, the agent in a thread, so a laptop runs exactly the code p
 
 from __future__ import annotations
 
+import shutil
 import socket
+import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
-from felactl.agents.agent import NodeAgentConfig, run_node_agent, split_cores
+from felactl.agents.agent import NodeAgentConfig, RunResult, WorkerState, run_node_agent, split_cores
 from felactl.profiling.devices import available_cores, node_info
 
 
@@ -22,6 +25,22 @@ def local_agent_config(endpoint: str, secret: str, *, nproc: int, node_name: str
     return NodeAgentConfig(endpoint=endpoint, secret=secret, node_name=node_name or short_hostname(),
                            nproc=nproc, log_dir=log_dir, node_info=info, cpu_affinity=affinity, job=job,
                            join_timeout_s=join_timeout_s)
+
+
+def run_joining_agent(config: NodeAgentConfig, *, temp_logs: bool,
+                      on_joined: Callable[[str], None] = lambda agent_id: None) -> tuple[RunResult, Path | None]:
+    """``felactl agent``: run this node's agent; returns how its workers ended and where their
+    logs are. ``temp_logs``: ``config.log_dir`` is a temp dir nobody asked for, removed when every
+    worker here succeeded (None is returned then), kept and named otherwise."""
+    result = run_node_agent(config, on_joined=on_joined)
+    if temp_logs and result.state is WorkerState.SUCCEEDED and not result.failures:
+        shutil.rmtree(config.log_dir, ignore_errors=True)
+        return result, None
+    return result, config.log_dir
+
+
+def temp_log_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="felactl-agent-"))
 
 
 def short_hostname() -> str:

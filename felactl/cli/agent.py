@@ -26,36 +26,32 @@ def agent(
 ) -> None:
     """Join the job at --rdzv-endpoint (proving the secret), run its workers, exit when they end."""
     import os
-    import tempfile
 
     # c10d logs a C++ stack trace at warning level when the store goes away; we say it in one line.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-    from felactl.agents.agent import WorkerState, run_node_agent
+    from felactl.agents.agent import WorkerState
+    from felactl.agents.local_node import local_agent_config, run_joining_agent, temp_log_dir
     from felactl.launcher.controlplane import read_secret_file
-    from felactl.agents.local_node import local_agent_config
     from felactl.profiling.cluster import default_nproc_per_node
 
     if join_timeout <= 0:
         raise InputError(f"--join-timeout must be > 0, got {join_timeout:g}")
     secret = read_secret_file(secret_file)
-    logs = log_dir or Path(tempfile.mkdtemp(prefix="felactl-agent-"))
     config = local_agent_config(rdzv_endpoint, secret, nproc=nproc_per_node or default_nproc_per_node(),
-                                node_name=node_name, log_dir=logs, join_timeout_s=join_timeout, job=job)
+                                node_name=node_name, log_dir=log_dir or temp_log_dir(),
+                                join_timeout_s=join_timeout, job=job)
     output.stderr.print(f"agent {config.node_name}: joining {rdzv_endpoint} with {config.nproc} slot(s)")
-    result = run_node_agent(config, on_joined=lambda agent_id: output.stderr.print(f"joined as {agent_id}"))
+    result, logs = run_joining_agent(config, temp_logs=log_dir is None,
+                                     on_joined=lambda agent_id: output.stderr.print(f"joined as {agent_id}"))
     if result.state is WorkerState.FAILED:
         failures = "; ".join(f"rank {rank}: {line}" for rank, line in result.failures.items())
         raise WorkerFailed(f"workers failed ({failures}); logs in {logs}")
-    if log_dir is None and result.state is WorkerState.SUCCEEDED and not result.failures:
-        # a temp dir nobody asked for, and every worker here succeeded: leave none behind
-        import shutil
-
-        shutil.rmtree(logs, ignore_errors=True)
     output.emit({"node_name": config.node_name, "state": result.state.value,
                  "exit_codes": {str(k): v for k, v in result.exit_codes.items()},
-                 "log_dir": str(log_dir) if log_dir else None}, as_json,
-                lambda console: console.print(f"agent {config.node_name}: workers {result.state.value}"))
+                 "log_dir": str(logs) if logs else None}, as_json,
+                lambda console: console.print(f"agent {config.node_name}: workers {result.state.value}"
+                                              + (f"; logs in {logs}" if logs else "")))
 
 
 def register(app: typer.Typer) -> None:
