@@ -100,6 +100,19 @@ def test_profile_model_with_a_cluster_it_cannot_use_is_refused(tmp_path, extra, 
     assert not (tmp_path / "m.yaml").exists()
 
 
+def test_profile_with_cluster_refuses_a_user_model_that_brings_no_data(tmp_path):
+    """Its companions have nothing to train on (they used to die, and the profile with them)."""
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+
+    args = ["profile", "--model", "tests.test_model_profile:user_net", "--input-shape", "2,3,3",
+            "--cluster", str(two_cpu_slot_cluster(tmp_path)), "-o", str(tmp_path / "m.yaml")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "brings no data" in result.output, result.output
+    assert not (tmp_path / "m.yaml").exists()
+
+
 def test_a_cluster_profiled_on_another_machine_is_used_with_a_warning(tmp_path, caplog):
     from felactl.profiling.in_situ import local_cpu_slots
     from felactl.spec import load_cluster

@@ -7,14 +7,13 @@ agent in one process, the agent in a thread, so a laptop runs exactly the code p
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
 import threading
 from pathlib import Path
 from typing import Callable
 
 from felactl.agents.agent import NodeAgentConfig, RunResult, WorkerState, run_node_agent, split_cores
-from felactl.profiling.devices import available_cores, node_info
+from felactl.profiling.devices import available_cores, node_info, short_hostname  # noqa: F401 (re-exported)
 
 
 def local_agent_config(endpoint: str, secret: str, *, nproc: int, node_name: str | None, log_dir: Path,
@@ -41,10 +40,6 @@ def run_joining_agent(config: NodeAgentConfig, *, temp_logs: bool,
 
 def temp_log_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="felactl-agent-"))
-
-
-def short_hostname() -> str:
-    return socket.gethostname().split(".")[0] or "localhost"
 
 
 class AgentThread(threading.Thread):

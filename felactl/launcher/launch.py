@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from felactl.agents.agent import WorkerState
-from felactl.agents.local_node import AgentThread, local_agent_config, short_hostname
+from felactl.agents.local_node import AgentThread, local_agent_config
 from felactl.agents.worker.metrics import summarize
 from felactl.agents.worker.stragglers import parse_pattern, parse_slowdown
 from felactl.errors import ControlPlaneError, InputError, WorkerFailed
@@ -33,6 +33,7 @@ from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_
 from felactl.launcher.resume import ResumePoint, find_resume_point, prune_checkpoints
 from felactl.launcher.rundir import RunDir, append_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy
+from felactl.profiling.devices import num_gpus, short_hostname
 from felactl.spec import (DeviceKind, Plan, SyncMode, check_plan_against_model, load_cluster, load_model,
                           load_plan, save)
 
@@ -188,12 +189,11 @@ def idle_gpus_warning(plan: Plan, local_node: str) -> str | None:
         return None
     if plan.placement and not any(p.node == local_node for p in plan.placement):
         return None  # no worker of this plan runs on this machine
-    import torch
-
-    if not torch.cuda.is_available():
+    gpus = num_gpus()
+    if not gpus:
         return None
     return (f"warning: this plan runs its workers on CPUs (gloo), and this machine's "
-            f"{torch.cuda.device_count()} GPU(s) stay idle; to train on them, profile with "
+            f"{gpus} GPU(s) stay idle; to train on them, profile with "
             f"`felactl profile --device cuda` and plan again")
 
 
@@ -308,9 +308,7 @@ def _check_this_machine(options: LaunchOptions, plan: Plan, local_node: str) -> 
     every rank ``--slowdown`` names is one of the plan's."""
     wanted = [p for p in plan.placement if p.node == local_node and p.kind == DeviceKind.CUDA]
     if wanted:
-        import torch
-
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        have = num_gpus()
         needed = max(p.local_index for p in wanted) + 1
         if have < needed:
             raise InputError(f"{options.plan_path}: placement: the plan puts {len(wanted)} GPU worker(s) on node "

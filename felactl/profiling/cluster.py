@@ -23,7 +23,7 @@ from felactl.errors import ControlPlaneError, InputError, ProfilingError
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import (Assignment, Coordinator, Member, parse_endpoint, read_secret_file,
                                            write_secret_file)
-from felactl.profiling.devices import available_cores
+from felactl.profiling.devices import available_cores, num_gpus
 from felactl.profiling.links import LinkProbe, ordered_pairs
 from felactl.spec import ClusterSpec, Device, DeviceKind, Link, LinkType, Node
 
@@ -73,11 +73,7 @@ class ProfileResult:
 
 def default_nproc_per_node() -> int:
     """Number of GPUs with CUDA, else 2 CPU slots (capped by the cores we may use, at least 1)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.cuda.device_count()
-    return max(1, min(2, len(available_cores())))
+    return num_gpus() or max(1, min(2, len(available_cores())))
 
 
 def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpoint: str | None = None,

@@ -30,13 +30,22 @@ def available_cores() -> list[int]:
         return list(range(psutil.cpu_count(logical=True) or 1))
 
 
-def node_info() -> dict:
-    """What an agent tells the coordinator about its machine."""
+def short_hostname() -> str:
+    """This machine's hostname without its domain: the default node name."""
+    return socket.gethostname().split(".")[0] or "localhost"
+
+
+def num_gpus() -> int:
+    """The CUDA GPUs this process can use (0 without CUDA)."""
     import torch
 
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def node_info() -> dict:
+    """What an agent tells the coordinator about its machine."""
     return {"hostname": socket.gethostname(), "num_cpu_cores": len(available_cores()),
-            "memory_gb": round(psutil.virtual_memory().total / GB, 3),
-            "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+            "memory_gb": round(psutil.virtual_memory().total / GB, 3), "num_gpus": num_gpus()}
 
 
 def cpu_model_name() -> str:

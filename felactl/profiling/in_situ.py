@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from felactl.errors import InputError, ProfilingError
-from felactl.profiling.devices import available_cores, pin_to_cores
+from felactl.profiling.devices import available_cores, pin_to_cores, short_hostname
 from felactl.spec import ClusterSpec, Device, DeviceKind, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,11 @@ def local_cpu_slots(cluster: ClusterSpec, node_name: str | None = None) -> list[
         chosen = [n for n in nodes if n.name == node_name]
         what = f"no node named {node_name!r}"
     else:
-        host = socket.gethostname()
-        chosen = [n for n in nodes if n.hostname in (host, host.split(".")[0]) or n.name == host.split(".")[0]]
+        host, short = socket.gethostname(), short_hostname()
+        chosen = [n for n in nodes if n.hostname in (host, short) or n.name == short]
         if not chosen and len(nodes) == 1:
             chosen = list(nodes)
-            if nodes[0].hostname and nodes[0].hostname.split(".")[0] != host.split(".")[0]:
+            if nodes[0].hostname and nodes[0].hostname.split(".")[0] != short:
                 log.warning("warning: cluster %r was profiled on %s, not on this machine (%s); timing its slots here",
                             cluster.name, nodes[0].hostname, host)
         what = f"no node for this machine ({host}); name it with --node-name"
@@ -75,7 +75,12 @@ def profile_model_in_situ(model: str, config: dict[str, Any], batch_sizes: Seque
 
     from felactl.profiling.model import middle_batch
 
+    from felactl.models import build
+
     slots = local_cpu_slots(cluster, node_name)
+    if len(slots) > 1 and build(model, config, seed=0).data is None:
+        raise InputError(f"model {model!r} brings no data (its function returns the layers, not (layers, data)), "
+                         "and --cluster times it training on the other slots: profile it without --cluster")
     worker_batch = worker_batch or middle_batch(batch_sizes)
     spec = _profile_beside_companions(model, config, batch_sizes, slots, worker_batch, profile_options)
     if len(slots) < 2:
