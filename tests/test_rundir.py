@@ -94,3 +94,15 @@ def test_a_resume_takes_what_it_does_not_restate_from_the_run_it_continues(tmp_p
     atomic_write_text(run.path / "launch.json", '{"steps": 500, "checkpoint_every": 20}')
     assert run_counts("r", tmp_path, steps=800, checkpoint_every=None, keep_checkpoints=None) == {
         "steps": 800, "checkpoint_every": 20, "keep_checkpoints": 0}  # launched before pruning: keep all
+
+
+def test_a_runs_state_follows_its_newest_start_or_end(tmp_path):
+    run = RunDir.create("r", root=tmp_path)
+    states = [run.state()]
+    for kind in ("launch", "scale-out", "failed", "resume", "refused"):
+        append_jsonl(run.events, {"kind": kind, "endpoint": "127.0.0.1:1"})
+        states.append(run.state())
+    assert states == ["created", "running", "running", "failed", "running", "running"], \
+        "a failed run that was resumed is running again"
+    run.write_summary({"steps": 1})
+    assert run.state() == "finished"

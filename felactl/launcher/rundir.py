@@ -117,3 +117,18 @@ class RunDir:
             return json.loads(self.summary.read_text())
         except FileNotFoundError:
             return None
+
+    def last_start_or_end(self) -> dict[str, Any] | None:
+        """The newest ``launch``, ``resume``, ``failed`` or ``finished`` event, if any."""
+        events = [e for e in read_jsonl(self.events) if e.get("kind") in ("launch", "resume", "failed", "finished")]
+        return events[-1] if events else None
+
+    def state(self) -> str:
+        """``created``, ``running``, ``failed`` or ``finished``, from the directory alone (a run
+        that failed and was resumed is running again)."""
+        if self.read_summary() is not None:
+            return "finished"
+        last = self.last_start_or_end()
+        if last is None:
+            return "created"
+        return "running" if last["kind"] in ("launch", "resume") else last["kind"]

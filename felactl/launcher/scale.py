@@ -16,17 +16,16 @@ from pathlib import Path
 from felactl.errors import ControlPlaneError, InputError
 from felactl.launcher.controlplane import (_wait_key, connect_store, job_prefix, parse_endpoint, read_secret_file,
                                            sign)
-from felactl.launcher.rundir import RunDir, read_jsonl
+from felactl.launcher.rundir import RunDir
 
 
 def coordinator_endpoint(run: RunDir) -> str:
-    if run.read_summary() is not None:
+    state = run.state()
+    if state == "finished":
         raise InputError(f"run {run.run_id} has finished; there is no job to scale")
-    events = [e for e in read_jsonl(run.events) if e.get("kind") in ("launch", "resume", "failed", "finished")]
-    if not events or events[-1]["kind"] not in ("launch", "resume"):
-        raise InputError(f"run {run.run_id} is not running (its last event is "
-                         f"{events[-1]['kind'] if events else 'none'})")
-    return str(events[-1]["endpoint"])
+    if state != "running":
+        raise InputError(f"run {run.run_id} is not running (it is {state})")
+    return str(run.last_start_or_end()["endpoint"])
 
 
 def request_scale(run: str, command: dict, *, runs_root: Path = Path("runs"), secret_file: Path | None = None,
@@ -54,13 +53,11 @@ def request_scale(run: str, command: dict, *, runs_root: Path = Path("runs"), se
     return reply["result"]
 
 
-def _ended(run: RunDir, wait_s: float = 5.0) -> str | None:
-    """How the job ended (``finished`` or ``failed``), when its coordinator went away under a
-    request: a job that ends closes its store, possibly before it saw the request. The launch
-    writes the ending event just after, so give it a moment."""
+def _ended(run: RunDir, wait_s: float = 5.0) -> str:
+    """The run's state once its coordinator went away under a request: a job that ends closes
+    its store, possibly before it saw the request, and records how it ended just after, so give
+    it a moment to leave ``running``."""
     deadline = time.monotonic() + wait_s
-    while True:
-        kinds = [e.get("kind") for e in read_jsonl(run.events) if e.get("kind") in ("finished", "failed")]
-        if kinds or time.monotonic() > deadline:
-            return kinds[-1] if kinds else None
+    while (state := run.state()) == "running" and time.monotonic() < deadline:
         time.sleep(0.1)
+    return state

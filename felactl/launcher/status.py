@@ -20,8 +20,7 @@ def run_status(run: str, runs_root: Path) -> dict[str, Any]:
     final = rundir.read_summary()
     records = read_jsonl(rundir.metrics)
     summary = final or (summarize(records) if records else None)
-    kinds = [e.get("kind") for e in events]
-    state = "finished" if final else "failed" if "failed" in kinds else "running" if kinds else "created"
+    state = rundir.state()
     history = [e for e in events if e.get("kind") in HISTORY_KINDS]
     return {"run": rundir.run_id, "run_dir": str(rundir.path), "state": state, "summary": summary, "events": events,
             "history": history}
