@@ -87,8 +87,9 @@ def test_a_resume_takes_what_it_does_not_restate_from_the_run_it_continues(tmp_p
     from felactl.fsutil import atomic_write_text
     from felactl.launcher.resume import run_counts
 
-    assert run_counts(None, tmp_path, steps=None, checkpoint_every=None, keep_checkpoints=None) == {
-        "steps": 100, "checkpoint_every": 0, "keep_checkpoints": 3}
+    assert run_counts(None, tmp_path, steps=None, checkpoint_every=None, keep_checkpoints=None) == {}, \
+        "a new run takes LaunchOptions' defaults"
+    assert run_counts(None, tmp_path, steps=7, checkpoint_every=None, keep_checkpoints=None) == {"steps": 7}
     run = RunDir.create("r", root=tmp_path)
     atomic_write_text(run.plan, "kind: Plan\n")  # what marks a run directory
     atomic_write_text(run.path / "launch.json", '{"steps": 500, "checkpoint_every": 20}')

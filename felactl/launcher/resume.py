@@ -57,19 +57,20 @@ def find_resume_point(run: str, runs_root: Path) -> ResumePoint:
                        generation=max(used + [generation]) + 1)
 
 
-NEW_RUN_DEFAULTS = {"steps": 100, "checkpoint_every": 0, "keep_checkpoints": 3}
-RESUME_FALLBACKS = {"steps": 100, "checkpoint_every": 0, "keep_checkpoints": 0}
+RUN_COUNTS = ("steps", "checkpoint_every", "keep_checkpoints")
+RESUME_FALLBACKS = {"keep_checkpoints": 0}
 """What a resume takes where the run's launch.json lacks the option: a run launched before
 checkpoints were pruned kept them all, and so does its resume."""
 
 
 def run_counts(resume: str | None, runs_root: Path, **given: int | None) -> dict[str, int]:
     """``steps``, ``checkpoint_every`` and ``keep_checkpoints`` for a launch: each as given, else,
-    for ``--resume RUN``, as that run was launched, else the defaults of a new run."""
-    before = previous_launch(resume, runs_root) if resume is not None else {}
-    fallbacks = RESUME_FALLBACKS if resume is not None else NEW_RUN_DEFAULTS
-    return {key: value if (value := given.get(key)) is not None else int(before.get(key, fallbacks[key]))
-            for key in NEW_RUN_DEFAULTS}
+    for ``--resume RUN``, as that run was launched; what neither says is left out, for
+    :class:`~felactl.launcher.launch.LaunchOptions`' defaults."""
+    before = {**RESUME_FALLBACKS, **previous_launch(resume, runs_root)} if resume is not None else {}
+    counts = {key: int(before[key]) for key in RUN_COUNTS if key in before}
+    counts.update({key: value for key in RUN_COUNTS if (value := given.get(key)) is not None})
+    return counts
 
 
 def previous_launch(run: str, runs_root: Path) -> dict:
