@@ -17,7 +17,7 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from felactl.agents.local_node import short_hostname
+from felactl.profiling.devices import short_hostname
 from felactl.cli.main import app
 from felactl.launcher.rundir import read_jsonl
 from felactl.spec import DeviceKind, ModelRef, Placement, save
@@ -58,6 +58,29 @@ def test_a_run_keeps_only_its_newest_checkpoints(tmp_path, no_leftovers):
     assert result.exit_code == 0, result.output
     kept = sorted(p.name for p in (tmp_path / "runs" / "k" / "checkpoints").iterdir())
     assert kept == ["step000010", "step000012"]
+
+
+def test_old_checkpoints_are_pruned_while_the_run_goes_on(tmp_path, monkeypatch, no_leftovers):
+    """Not only once it ends: a long run must not fill the disk first."""
+    from felactl.launcher import launch as launch_mod
+
+    calls = []
+
+    def recording_prune(checkpoints, num_stages, keep):
+        doomed = launch_mod_prune(checkpoints, num_stages, keep)
+        calls.append((launch_mod.RunDir(checkpoints.parent).read_summary() is None, len(doomed)))
+        return doomed
+
+    launch_mod_prune = launch_mod.prune_checkpoints
+    monkeypatch.setattr(launch_mod, "prune_checkpoints", recording_prune)
+    monkeypatch.setattr(launch_mod, "PRUNE_EVERY_S", 0.0)
+    plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
+    options = launch_mod.LaunchOptions(plan_path=plan_path, run_id="p", runs_root=tmp_path / "runs", steps=30,
+                                       checkpoint_every=1, keep_checkpoints=2, straggler="roundrobin:0.05")
+    launch_mod.launch(options)
+    assert sorted(p.name for p in (tmp_path / "runs" / "p" / "checkpoints").iterdir()) == ["step000029", "step000030"]
+    during = [removed for running, removed in calls[:-1] if running]
+    assert sum(during) > 0, f"nothing was pruned while the run went on: {calls}"
 
 
 def test_a_worker_that_dies_at_start_fails_the_launch_and_leaves_nothing(tmp_path, no_leftovers):

@@ -388,7 +388,7 @@ def test_scaling_policies_and_replan():
 def _local_profiles(tmp_path: Path, num_devices: int):
     """A cluster profile of this machine as ``num_devices`` CPU slots (cpu0..), and gpt-mini's
     model profile: what ``felactl launch --cluster --model`` keeps for re-planning."""
-    from felactl.agents.local_node import short_hostname
+    from felactl.profiling.devices import short_hostname
     from felactl.profiling.model import profile_model
     from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node
 

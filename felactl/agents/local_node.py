@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from felactl.agents.agent import NodeAgentConfig, RunResult, WorkerState, run_node_agent, split_cores
-from felactl.profiling.devices import available_cores, node_info, short_hostname  # noqa: F401 (re-exported)
+from felactl.profiling.devices import available_cores, node_info, short_hostname
 
 
 def local_agent_config(endpoint: str, secret: str, *, nproc: int, node_name: str | None, log_dir: Path,
