@@ -282,6 +282,7 @@ def test_a_plan_given_where_a_cluster_is_expected(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["profile", "--batch-sizes", "4"], "--batch-sizes is for profiling a model: add --model NAME"),
+    (["profile", "--batch-sizes", "1,4,16,64"], "--batch-sizes is for profiling a model"),  # even the default
     (["profile", "--config", "depth=3"], "--config is for profiling a model"),
     (["profile", "--model", "mlp", "--worker-batch", "4"], "--worker-batch is for --cluster"),
     (["plan", "--cluster", "c.yaml", "--model", "m.yaml", "--global-batch", "0"], "--global-batch must be >= 1"),

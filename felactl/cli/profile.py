@@ -78,7 +78,8 @@ def profile(
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for agents.")] = 60.0,
     timeout: Annotated[float, typer.Option(help="Seconds the measurement may take.")] = 600.0,
     model: Annotated[Optional[str], typer.Option(help="Profile this model's layers into model.yaml instead.")] = None,
-    batch_sizes: Annotated[str, typer.Option(help="Micro-batch sizes for --model.")] = BATCH_SIZES_DEFAULT,
+    batch_sizes: Annotated[Optional[str], typer.Option(
+        help=f"Micro-batch sizes for --model (default {BATCH_SIZES_DEFAULT}).")] = None,
     config: Annotated[Optional[list[str]], typer.Option("--config", help="--model config key=value (repeat).")] = None,
     input_shape: Annotated[Optional[str], typer.Option(help="--model: one input sample's shape, e.g. 3,32,32 "
                                                             "(user models that bring no data).")] = None,
@@ -92,17 +93,17 @@ def profile(
     """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
     if model is None:
         given = [flag for flag, value in (("--config", config), ("--input-shape", input_shape), ("--cluster", cluster),
-                                          ("--worker-batch", worker_batch)) if value]
-        if given or batch_sizes != BATCH_SIZES_DEFAULT:
-            raise InputError(f"{(given or ['--batch-sizes'])[0]} is for profiling a model: add --model NAME")
-    if model is not None:
+                                          ("--worker-batch", worker_batch), ("--batch-sizes", batch_sizes)) if value]
+        if given:
+            raise InputError(f"{given[0]} is for profiling a model: add --model NAME")
+    else:
         from felactl.cli import model_profile
 
-        model_profile.run(model, _parse_batch_sizes(batch_sizes), out, as_json, config=config,
+        model_profile.run(model, _parse_batch_sizes(batch_sizes or BATCH_SIZES_DEFAULT), out, as_json, config=config,
                           input_shape=input_shape, device=device, repeats=repetitions, cluster=cluster, node=node_name,
                           worker_batch=worker_batch)
         return
-    from felactl.profiling.cluster import ProfileOptions, profile_cluster
+    from felactl.profiling.cluster import ProfileOptions, check_profile_flags, profile_cluster
     from felactl.profiling.links import LinkProbe
     from felactl.spec import save, to_dict
 
@@ -111,12 +112,7 @@ def profile(
                                              repetitions=repetitions),
                              join_timeout_s=join_timeout, timeout_s=timeout)
     # Bad input is said before the progress bar opens (a transient bar leaves a blank line).
-    if nnodes < 1:
-        raise InputError(f"--nnodes must be >= 1, got {nnodes}")
-    if hostfile is not None:
-        from felactl.launcher.hosts import read_hostfile
-
-        read_hostfile(hostfile)
+    check_profile_flags(nproc_per_node, nnodes, rdzv_endpoint, hostfile)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=output.stderr, transient=True) as bar:
         task = bar.add_task("starting", total=None)

@@ -83,8 +83,7 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
                     ) -> ProfileResult:
     """Profile this machine (no endpoint/hostfile) or the agents that join ``endpoint``."""
     started = time.perf_counter()
-    hosts = hostfile.read_hostfile(hostfile_path) if hostfile_path else None
-    _check_mode(nproc_per_node, nnodes, endpoint, hosts is not None)
+    hosts = check_profile_flags(nproc_per_node, nnodes, endpoint, hostfile_path)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="felactl-profile-"))
     secret_path = Path(secret_file) if secret_file else logs / "secret"
     try:
@@ -135,8 +134,13 @@ def profile_cluster(*, nproc_per_node: int | None = None, nnodes: int = 1, endpo
                          else None, peer_copy_gbps=peer_copies)
 
 
-def _check_mode(nproc_per_node: int | None, nnodes: int, endpoint: str | None, with_hostfile: bool) -> None:
-    """The flags of a local profile and of a multi-node one do not mix; say so instead of ignoring one."""
+def check_profile_flags(nproc_per_node: int | None, nnodes: int, endpoint: str | None,
+                        hostfile_path: str | Path | None) -> list[hostfile.Host] | None:
+    """The flags of a local profile and of a multi-node one do not mix; say so instead of ignoring
+    one. Returns the hostfile's hosts (None without one). The CLI calls it before its progress bar
+    opens, so bad input is one line, not a line under a half-drawn bar."""
+    hosts = hostfile.read_hostfile(hostfile_path) if hostfile_path else None
+    with_hostfile = hosts is not None
     if with_hostfile and endpoint is None:
         raise InputError("--hostfile needs --rdzv-endpoint HOST:PORT, an address the hosts can reach")
     if endpoint is not None:
@@ -150,6 +154,7 @@ def _check_mode(nproc_per_node: int | None, nnodes: int, endpoint: str | None, w
                          "(felactl agent --nproc-per-node N, or slots=N in the hostfile)")
     if with_hostfile and nnodes != 1:
         raise InputError("--nnodes comes from the hostfile (one node per line); leave it out")
+    return hosts
 
 
 def _check_unique_node_names(members: list[Member]) -> None:
