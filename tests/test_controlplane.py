@@ -45,7 +45,8 @@ def test_sign_verify():
 
 @pytest.mark.parametrize("text,expected", [("127.0.0.1:29500", ("127.0.0.1", 29500)),
                                            ("node-1.lab:0", ("node-1.lab", 0)),
-                                           ("::1:80", ("::1", 80))])
+                                           ("::1:80", ("::1", 80)), ("[::1]:29500", ("::1", 29500)),
+                                           ("[fe80::1%eth0]:1", ("fe80::1%eth0", 1))])
 def test_parse_endpoint(text, expected):
     assert parse_endpoint(text) == expected
 

@@ -146,9 +146,6 @@ def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> M
     return bundle
 
 
-__all__ = ["BUILTINS", "Builtin", "ModelBundle", "build", "classification_loss", "lm_loss"]
-
-
 def local_data_parallel_plan(source: str, config: dict[str, Any], num_workers: int, *, global_batch: int,
                              micro_batch: int, sync=None, training=None, shares=None):
     """A data-parallel plan of model ``source`` on ``num_workers`` local CPU slots ``cpu0, cpu1, ...``
@@ -160,3 +157,7 @@ def local_data_parallel_plan(source: str, config: dict[str, Any], num_workers: i
                               num_layers=len(build(source, config).layers),
                               devices=[f"cpu{i}" for i in range(num_workers)], global_batch=global_batch,
                               micro_batch=micro_batch, sync=sync, training=training, shares=shares)
+
+
+__all__ = ["BUILTINS", "Builtin", "ModelBundle", "build", "classification_loss", "lm_loss",
+           "local_data_parallel_plan"]
