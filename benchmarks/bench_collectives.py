@@ -56,7 +56,9 @@ def summarise(rows: list[dict], size: int | str, disconnected: int) -> dict:
     finite = [r["rate_over_ring"] for r in rows if r["rate_over_ring"] != float("inf")]
     speedups = [r["ring_s_over_tree_s"] for r in rows if r["ring_s_over_tree_s"] is not None]
     return {
-        "n": size, "subsets": len(rows) + disconnected, "disconnected": disconnected,
+        "n": size,
+        "subsets": len(rows) + disconnected,
+        "disconnected": disconnected,
         "rate/bound min": min(r["rate_over_bound"] for r in rows),
         "rate/bound median": statistics.median(r["rate_over_bound"] for r in rows),
         "trees max": max(r["num_trees"] for r in rows),
@@ -107,12 +109,19 @@ def whole_clusters() -> list[dict]:
         started = time.perf_counter()
         collective = plan_collective(cluster, cluster.device_names)
         solve_s = time.perf_counter() - started
-        rows.append({"cluster": name, "devices": len(cluster.devices), "trees": len(collective.trees),
-                     "rate GB/s": collective.rate_gbps, "bound GB/s": collective.bound_gbps,
-                     "ring GB/s": collective.ring_gbps,
-                     "trees 256MB ms": allreduce_time_s(cluster, collective, ALLREDUCE_BYTES) * 1e3,
-                     "ring 256MB ms": ring_allreduce_time_s(cluster, cluster.device_names, ALLREDUCE_BYTES) * 1e3,
-                     "solve s": solve_s})
+        rows.append(
+            {
+                "cluster": name,
+                "devices": len(cluster.devices),
+                "trees": len(collective.trees),
+                "rate GB/s": collective.rate_gbps,
+                "bound GB/s": collective.bound_gbps,
+                "ring GB/s": collective.ring_gbps,
+                "trees 256MB ms": allreduce_time_s(cluster, collective, ALLREDUCE_BYTES) * 1e3,
+                "ring 256MB ms": ring_allreduce_time_s(cluster, cluster.device_names, ALLREDUCE_BYTES) * 1e3,
+                "solve s": solve_s,
+            }
+        )
     return rows
 
 
@@ -138,8 +147,10 @@ def main() -> None:
         print(render(table))
         print()
         print(render(clusters))
-        print(f"\n{sum(r['subsets'] for r in table if r['n'] == '3-8')} groups in "
-              f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
+        print(
+            f"\n{sum(r['subsets'] for r in table if r['n'] == '3-8')} groups in {time.perf_counter() - started:.0f} s",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,12 @@ def iteration_times(records: list[dict], warmup: int) -> dict:
     slowest = [max(r["duration_s"] for r in by_step[s]) for s in steps]
     ends = sorted(max(r["time"] for r in by_step[s]) for s in steps)
     cadence = [b - a for a, b in zip(ends, ends[1:])]
-    return {"iteration_s": statistics.median(slowest), "cadence_s": statistics.median(cadence) if cadence else None,
-            "steps": len(steps), **part}
+    return {
+        "iteration_s": statistics.median(slowest),
+        "cadence_s": statistics.median(cadence) if cadence else None,
+        "steps": len(steps),
+        **part,
+    }
 
 
 def main() -> None:
@@ -45,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from felactl.agents.worker.metrics import read_metrics
-    from felactl.quickstart import QuickstartOptions, quickstart
+    from felactl.quickstart import QuickstartOptions, quickstart, too_noisy
 
     with tempfile.TemporaryDirectory(prefix="bench_demo.") as tmp:
         root = args.out or Path(tmp)
@@ -54,25 +58,43 @@ def main() -> None:
         plan = result["plan_spec"]
         measured = iteration_times(read_metrics(Path(result["summary"]["run_dir"])), args.warmup)
     predicted_s = plan.predicted.iteration_s if plan.predicted else None
-    report = {"model": options.model, "model_config": options.model_config, "global_batch": options.global_batch,
-              "workers": options.nproc, "sync": options.sync, "micro_batch": [s.micro_batch for s in plan.stages],
-              "predicted_iteration_s": predicted_s, **{f"measured_{k}": v for k, v in measured.items()},
-              "ratio": measured["iteration_s"] / predicted_s if predicted_s else None}
+    report = {
+        "model": options.model,
+        "model_config": options.model_config,
+        "global_batch": options.global_batch,
+        "workers": options.nproc,
+        "sync": options.sync,
+        "micro_batch": [s.micro_batch for s in plan.stages],
+        "predicted_iteration_s": predicted_s,
+        **{f"measured_{k}": v for k, v in measured.items()},
+        "ratio": measured["iteration_s"] / predicted_s if predicted_s else None,
+        "profile_untrusted": result["model_spec"].untrusted(),
+    }
     if args.json:
         print(json.dumps(report))
         return
-    print(f"felactl demo: {options.model} {options.model_config}, global batch {options.global_batch}, "
-          f"{options.nproc} workers, {options.sync}, micro-batch {report['micro_batch']}")
+    print(
+        f"felactl demo: {options.model} {options.model_config}, global batch {options.global_batch}, "
+        f"{options.nproc} workers, {options.sync}, micro-batch {report['micro_batch']}"
+    )
     print(f"predicted iteration : {predicted_s * 1e3:8.1f} ms" if predicted_s else "predicted iteration : -")
-    print(f"measured iteration  : {measured['iteration_s'] * 1e3:8.1f} ms  (slowest worker's step, median of "
-          f"{measured['steps']} steps after {args.warmup} warm-up)")
+    print(
+        f"measured iteration  : {measured['iteration_s'] * 1e3:8.1f} ms  (slowest worker's step, median of "
+        f"{measured['steps']} steps after {args.warmup} warm-up)"
+    )
     if measured["cadence_s"]:
         print(f"step cadence        : {measured['cadence_s'] * 1e3:8.1f} ms  (median gap between step ends)")
-    print(f"  of which compute {measured['compute_s'] * 1e3:.1f} ms, wait {measured['wait_s'] * 1e3:.1f} ms, "
-          f"comm {measured['comm_s'] * 1e3:.1f} ms (medians over workers and steps)")
+    print(
+        f"  of which compute {measured['compute_s'] * 1e3:.1f} ms, wait {measured['wait_s'] * 1e3:.1f} ms, "
+        f"comm {measured['comm_s'] * 1e3:.1f} ms (medians over workers and steps)"
+    )
     if report["ratio"]:
-        print(f"measured / predicted: {report['ratio']:.2f}  ({'within' if abs(report['ratio'] - 1) <= 0.15 else 'outside'}"
-              f" 15%)")
+        print(
+            f"measured / predicted: {report['ratio']:.2f}  ({'within' if abs(report['ratio'] - 1) <= 0.15 else 'outside'}"
+            f" 15%)"
+        )
+    if report["profile_untrusted"]:
+        print(f"{too_noisy(result['model_spec'])}:\n  " + "\n  ".join(report["profile_untrusted"]))
 
 
 if __name__ == "__main__":

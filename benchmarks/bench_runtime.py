@@ -4,8 +4,9 @@ Three tables, one run (interleaved rounds: every case once per round, ``--repeat
 number is the median over rounds, because the machine may be shared):
 
 1. Overhead, no straggler: felactl ``bsp`` against ``DistributedDataParallel`` under ``torchrun``
-   on the same model, data, global batch (each worker's half in one micro-batch) and optimizer,
-   for ``mlp`` and ``gpt-mini``.
+   on the same TrainJob (model, data, loss, optimizer, LR scheduler, clipping) and global batch
+   (each worker's half in one micro-batch), for ``mlp`` and ``gpt-mini``, or for a user's own job
+   (``--job examples.lm:job``, which replaces the built-ins in every table).
 2. One worker ``--factor`` x slower (an injected sleep of ``factor - 1`` times each compute, in
    DDP too): DDP, bsp, tokens, wbsp (+ overlap), sdpipe, the flexible hybrid.
 3. Straggler patterns ``roundrobin:S`` and ``prob:P:S`` (bsp, tokens, wbsp, sdpipe).
@@ -18,7 +19,8 @@ the loss over the last 10% of the samples, and the wall seconds to reach the los
 (within 5% of bsp's loss reduction; ``t/t_bsp`` is that time over bsp's own, ``-`` if never reached).
 
     python benchmarks/bench_runtime.py [--steps 40] [--repeat 3] [--factor 3] [--tables 1,2,3]
-        [--straggler-models mlp,gpt-mini] [--pattern-models mlp] [--json]
+        [--straggler-models mlp,gpt-mini] [--pattern-models mlp] [--global-batch N|MODEL=N] [--json]
+        [--job examples.lm:job [--job-config seq_len=64 --job-config '{"width": 128}']]
 """
 
 from __future__ import annotations
@@ -34,23 +36,38 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-MODELS = {"mlp": ("mlp", {"input_dim": 256, "hidden": 1024, "depth": 4}, 128),
-          "gpt-mini": ("gpt-mini", {"depth": 2, "width": 128, "seq_len": 64}, 64)}
+sys.path.insert(0, str(Path(__file__).parent))
+from benchjob import add_job_arguments, job_config  # noqa: E402
+
+MODELS = {
+    "mlp": ("mlp", {"input_dim": 256, "hidden": 1024, "depth": 4}, 128),
+    "gpt-mini": ("gpt-mini", {"depth": 2, "width": 128, "seq_len": 64}, 64),
+}
 """name -> (source, config, global batch)."""
-BATCH_ENV = "BENCH_GLOBAL_BATCH"
-"""``--global-batch mlp=512`` travels here, so the torchrun DDP workers (this file again) see it too."""
+JOB_GLOBAL_BATCH = 32
+BATCH_ENV, JOB_ENV = "BENCH_GLOBAL_BATCH", "BENCH_JOB"
+"""``--global-batch mlp=512`` and ``--job`` (``{"source": ..., "config": ...}``) travel here, so the
+torchrun DDP workers (this file again) see them too."""
 
 
-def _apply_batch_overrides() -> None:
+def _apply_overrides() -> None:
+    """``--job``: the user's job is the one model of every table (named by its source);
+    ``--global-batch``: ``MODEL=N`` for one model, a bare ``N`` for all."""
+    if os.environ.get(JOB_ENV):
+        job = json.loads(os.environ[JOB_ENV])
+        MODELS.clear()
+        MODELS[job["source"]] = (job["source"], job["config"], JOB_GLOBAL_BATCH)
     for item in filter(None, os.environ.get(BATCH_ENV, "").split(",")):
-        name, _, size = item.partition("=")
-        if name not in MODELS or not size.isdigit() or int(size) < 1:
-            raise SystemExit(f"--global-batch {item!r}: expected MODEL=N with MODEL one of {', '.join(MODELS)}")
-        source, config, _ = MODELS[name]
-        MODELS[name] = (source, config, int(size))
+        name, _, size = item.rpartition("=")
+        names = [name] if name else list(MODELS)
+        if any(n not in MODELS for n in names) or not size.isdigit() or int(size) < 1:
+            raise SystemExit(f"--global-batch {item!r}: expected N or MODEL=N with MODEL one of {', '.join(MODELS)}")
+        for n in names:
+            source, config, _ = MODELS[n]
+            MODELS[n] = (source, config, int(size))
 
 
-_apply_batch_overrides()
+_apply_overrides()
 LOSS_TOLERANCE = 0.05
 """Time to bsp's loss: the first moment the smoothed loss is within this fraction of bsp's own
 loss reduction (first to last smoothed value) of bsp's final smoothed loss."""
@@ -65,16 +82,33 @@ def make_plan(model: str, workers: int, mode: str, micro_batch: int, overlap: bo
     from felactl.spec import Collective, SyncMode, SyncSpec, Training, Tree
 
     source, config, global_batch = MODELS[model]
-    plan = local_data_parallel_plan(source, config, workers, global_batch=global_batch, micro_batch=micro_batch,
-                                    sync=SyncSpec(mode=SyncMode(mode), overlap=overlap),
-                                    training=Training(optimizer="sgd", lr=0.05))
+    plan = local_data_parallel_plan(
+        source,
+        config,
+        workers,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        sync=SyncSpec(mode=SyncMode(mode), overlap=overlap),
+        training=Training(optimizer="sgd", lr=0.05),
+    )
     devices = plan.devices
     if not trees:
         return plan
     star = Tree(edges=tuple(("cpu0", d) for d in devices[1:]), weight=1.0)
-    return dataclasses.replace(plan, collectives=(Collective(group="stage0", devices=tuple(devices), root="cpu0",
-                                                             trees=(star,), rate_gbps=1.0, bound_gbps=1.0,
-                                                             ring_gbps=0.0),))
+    return dataclasses.replace(
+        plan,
+        collectives=(
+            Collective(
+                group="stage0",
+                devices=tuple(devices),
+                root="cpu0",
+                trees=(star,),
+                rate_gbps=1.0,
+                bound_gbps=1.0,
+                ring_gbps=0.0,
+            ),
+        ),
+    )
 
 
 def make_hybrid_plan(model: str, workers: int, micro_batch: int):
@@ -85,8 +119,10 @@ def make_hybrid_plan(model: str, workers: int, micro_batch: int):
     base = make_plan(model, workers, "tokens", micro_batch)
     cut = base.num_layers // 2
     workers_of = tuple(StageWorker(device=d, share=1 / workers) for d in base.devices)
-    stages = (Stage(layer_start=0, layer_end=cut, micro_batch=micro_batch, workers=workers_of),
-              Stage(layer_start=cut, layer_end=base.num_layers, micro_batch=2 * micro_batch, workers=workers_of))
+    stages = (
+        Stage(layer_start=0, layer_end=cut, micro_batch=micro_batch, workers=workers_of),
+        Stage(layer_start=cut, layer_end=base.num_layers, micro_batch=2 * micro_batch, workers=workers_of),
+    )
     return replace(base, schedule=Schedule.TOKENS, sync=SyncSpec(mode=SyncMode.TOKENS), stages=stages)
 
 
@@ -107,9 +143,14 @@ def analyse(records: list[dict]) -> dict:
         curve.append((r["time"] - start, sum(l * n for l, n in window) / sum(n for _, n in window)))
         if seen > 0.9 * total:
             tail.append((r["loss"], r["samples"]))
-    return {"samples_per_s": summary["samples_per_s"], "compute_fraction": summary["compute_fraction"],
-            "capacity": capacity, "tail_loss": sum(l * n for l, n in tail) / sum(n for _, n in tail),
-            "samples_by_worker": [w["samples"] for w in summary["workers"]], "curve": curve}
+    return {
+        "samples_per_s": summary["samples_per_s"],
+        "compute_fraction": summary["compute_fraction"],
+        "capacity": capacity,
+        "tail_loss": sum(l * n for l, n in tail) / sum(n for _, n in tail),
+        "samples_by_worker": [w["samples"] for w in summary["workers"]],
+        "curve": curve,
+    }
 
 
 def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -128,45 +169,77 @@ def run_felactl(workdir: Path, name: str, plan, steps: int, env: dict[str, str])
 
 
 def ddp_worker(model: str, steps: int, slow_rank: int, factor: float) -> None:
-    """Runs under torchrun: plain DDP, each rank its half of each global batch, SGD; rank
-    ``slow_rank`` sleeps ``factor - 1`` times each compute, as felactl's ``--slowdown`` does."""
+    """Runs under torchrun: the model's TrainJob in a plain torch DDP loop, each rank its half of
+    each global batch: the job's data, loss, optimizer (a built-in's: the plan's SGD, as felactl
+    runs it), LR scheduler and gradient clipping. Rank ``slow_rank`` sleeps ``factor - 1`` times
+    each compute, as felactl's ``--slowdown`` does."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from felactl import models
+    from felactl.agents.worker.engine import make_optimizer
 
     source, config, global_batch = MODELS[model]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    bundle = models.build(source, config, seed=0)
-    ddp = DistributedDataParallel(bundle.layers)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     share = global_batch // world
+    plan = make_plan(model, world, "bsp", share)
+    job = models.build(source, config, seed=plan.training.seed).job
+    ddp = DistributedDataParallel(job.model)
+    optimizer = make_optimizer(plan, ddp.parameters(), job)
+    scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
     dist.barrier()
     start = time.perf_counter()
     for step in range(steps):
         compute_start = time.perf_counter()
         base = step * global_batch + rank * share
-        inputs, targets = bundle.data.batch(range(base, base + share))
-        bundle.loss(ddp(inputs), targets).backward()
+        inputs, targets = job.batch(range(base, base + share))
+        job.loss_fn(ddp(inputs), targets).backward()
         if rank == slow_rank:
             time.sleep((factor - 1) * (time.perf_counter() - compute_start))
+        if job.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), job.max_grad_norm)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
     dist.barrier()
     wall_s = time.perf_counter() - start
     if rank == 0:
-        print(json.dumps({"samples_per_s": steps * global_batch / wall_s, "wall_s": wall_s}))
+        checksum = float(sum(p.detach().double().sum() for p in job.model.parameters()))
+        print(
+            json.dumps({"samples_per_s": steps * global_batch / wall_s, "wall_s": wall_s, "param_checksum": checksum})
+        )
     dist.destroy_process_group()
 
 
 def run_ddp(model: str, workers: int, steps: int, slow_rank: int = -1, factor: float = 1.0) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-                          __file__, "--ddp-worker", "--model", model, "--steps", str(steps),
-                          "--slow-rank", str(slow_rank), "--factor", str(factor)],
-                         env=env, capture_output=True, text=True, check=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={workers}",
+            __file__,
+            "--ddp-worker",
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--slow-rank",
+            str(slow_rank),
+            "--factor",
+            str(factor),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -176,41 +249,79 @@ def cases(args) -> list[dict]:
     share = {m: MODELS[m][2] // args.workers for m in MODELS}
     out = []
     for model in MODELS:
-        out += [dict(table=1, scenario=model, name="ddp (torchrun)", model=model, mode="ddp", mb=share[model]),
-                dict(table=1, scenario=model, name="bsp", model=model, mode="bsp", mb=share[model]),
-                dict(table=1, scenario=model, name="bsp (trees)", model=model, mode="bsp", mb=share[model],
-                     trees=True)]
+        out += [
+            dict(table=1, scenario=model, name="ddp (torchrun)", model=model, mode="ddp", mb=share[model]),
+            dict(table=1, scenario=model, name="bsp", model=model, mode="bsp", mb=share[model]),
+            dict(table=1, scenario=model, name="bsp (trees)", model=model, mode="bsp", mb=share[model], trees=True),
+        ]
     straggler = {"FELACTL_SLOWDOWN": slow}
     for model in args.straggler_models:
         gb, sc = MODELS[model][2], f"{model} {slow}"
-        out += [dict(table=2, scenario=sc, name="ddp (torchrun)", model=model, mode="ddp", mb=share[model]),
-                dict(table=2, scenario=sc, name="bsp", model=model, mode="bsp", mb=share[model], env=straggler),
-                dict(table=2, scenario=sc, name="tokens", model=model, mode="tokens", mb=gb // 4, env=straggler),
-                dict(table=2, scenario=sc, name="tokens", model=model, mode="tokens", mb=gb // 8, env=straggler),
-                dict(table=2, scenario=sc, name="wbsp", model=model, mode="wbsp", mb=share[model], env=straggler),
-                dict(table=2, scenario=sc, name="wbsp overlap", model=model, mode="wbsp", mb=share[model],
-                     overlap=True, env=straggler),
-                dict(table=2, scenario=sc, name="sdpipe", model=model, mode="sdpipe", mb=share[model], env=straggler),
-                dict(table=2, scenario=sc, name="hybrid tokens", model=model, mode="hybrid", mb=gb // 8,
-                     env=straggler)]
+        hybrid = (
+            [dict(table=2, scenario=sc, name="hybrid tokens", model=model, mode="hybrid", mb=gb // 8, env=straggler)]
+            if _splittable(model)
+            else []
+        )  # one layer: no sub-models to split
+        out += [
+            dict(table=2, scenario=sc, name="ddp (torchrun)", model=model, mode="ddp", mb=share[model]),
+            dict(table=2, scenario=sc, name="bsp", model=model, mode="bsp", mb=share[model], env=straggler),
+            dict(table=2, scenario=sc, name="tokens", model=model, mode="tokens", mb=gb // 4, env=straggler),
+            dict(table=2, scenario=sc, name="tokens", model=model, mode="tokens", mb=gb // 8, env=straggler),
+            dict(table=2, scenario=sc, name="wbsp", model=model, mode="wbsp", mb=share[model], env=straggler),
+            dict(
+                table=2,
+                scenario=sc,
+                name="wbsp overlap",
+                model=model,
+                mode="wbsp",
+                mb=share[model],
+                overlap=True,
+                env=straggler,
+            ),
+            dict(table=2, scenario=sc, name="sdpipe", model=model, mode="sdpipe", mb=share[model], env=straggler),
+            *hybrid,
+        ]
     for model in args.pattern_models.split(","):
         gb = MODELS[model][2]
         for pattern in (f"roundrobin:{args.roundrobin_s:g}", f"prob:{args.prob:g}:{args.prob_s:g}"):
             env = {"FELACTL_STRAGGLER": pattern}
-            out += [dict(table=3, scenario=f"{model} {pattern}", name=mode, model=model, mode=mode, mb=mb, env=env)
-                    for mode, mb in (("bsp", share[model]), ("tokens", gb // 4), ("wbsp", share[model]),
-                                     ("sdpipe", share[model]))]
+            out += [
+                dict(table=3, scenario=f"{model} {pattern}", name=mode, model=model, mode=mode, mb=mb, env=env)
+                for mode, mb in (
+                    ("bsp", share[model]),
+                    ("tokens", gb // 4),
+                    ("wbsp", share[model]),
+                    ("sdpipe", share[model]),
+                )
+            ]
     return [c for c in out if c["table"] in args.tables]
+
+
+def _splittable(model: str) -> bool:
+    from felactl import models
+
+    source, config, _ = MODELS[model]
+    return len(models.build(source, config).layers) > 1
 
 
 def run_case(case: dict, args, workdir: Path, tag: str) -> dict:
     if case["mode"] == "ddp":
         slowed = case["table"] == 2
-        return run_ddp(case["model"], args.workers, args.steps, args.workers - 1 if slowed else -1,
-                       args.factor if slowed else 1.0)
-    plan = make_hybrid_plan(case["model"], args.workers, case["mb"]) if case["mode"] == "hybrid" else \
-        make_plan(case["model"], args.workers, case["mode"], case["mb"], overlap=case.get("overlap", False),
-                  trees=case.get("trees", False))
+        return run_ddp(
+            case["model"], args.workers, args.steps, args.workers - 1 if slowed else -1, args.factor if slowed else 1.0
+        )
+    plan = (
+        make_hybrid_plan(case["model"], args.workers, case["mb"])
+        if case["mode"] == "hybrid"
+        else make_plan(
+            case["model"],
+            args.workers,
+            case["mode"],
+            case["mb"],
+            overlap=case.get("overlap", False),
+            trees=case.get("trees", False),
+        )
+    )
     return run_felactl(workdir, tag, plan, args.steps, case.get("env", {}))
 
 
@@ -224,8 +335,11 @@ def aggregate(all_cases: list[dict], rounds: list[list[dict]]) -> list[dict]:
     rows = []
     for i, case in enumerate(all_cases):
         runs = [r[i] for r in rounds]
-        ref = {c["name"]: j for j, c in enumerate(all_cases) if c["scenario"] == case["scenario"]
-               and c["name"] in ("ddp (torchrun)", "bsp")}
+        ref = {
+            c["name"]: j
+            for j, c in enumerate(all_cases)
+            if c["scenario"] == case["scenario"] and c["name"] in ("ddp (torchrun)", "bsp")
+        }
         row = {k: case[k] for k in ("table", "scenario", "name", "model", "mb")}
         row["samples_per_s"] = _median(r["samples_per_s"] for r in runs)
         row["spread"] = [min(r["samples_per_s"] for r in runs), max(r["samples_per_s"] for r in runs)]
@@ -234,7 +348,9 @@ def aggregate(all_cases: list[dict], rounds: list[list[dict]]) -> list[dict]:
         row["of_capacity"] = row["samples_per_s"] / row["capacity"] if row["capacity"] else None
         row["samples_by_worker"] = runs[-1].get("samples_by_worker")
         for label, j in (("vs_ddp", ref.get("ddp (torchrun)")), ("vs_bsp", ref.get("bsp"))):
-            row[label] = _median(r[i]["samples_per_s"] / r[j]["samples_per_s"] for r in rounds) if j is not None else None
+            row[label] = (
+                _median(r[i]["samples_per_s"] / r[j]["samples_per_s"] for r in rounds) if j is not None else None
+            )
         j = ref.get("bsp")
         row["time_to_bsp_loss"] = None
         if j is not None and "curve" in runs[0]:
@@ -255,19 +371,25 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_table(rows: list[dict], args) -> None:
-    titles = {1: "1. overhead, no straggler (2 workers, vs DDP of the same model)",
-              2: f"2. worker {args.workers - 1} slowed {args.factor:g}x",
-              3: "3. straggler patterns"}
+    titles = {
+        1: "1. overhead, no straggler (2 workers, vs DDP of the same model)",
+        2: f"2. worker {args.workers - 1} slowed {args.factor:g}x",
+        3: "3. straggler patterns",
+    }
     for table in args.tables:
         print(f"\n{titles[table]}")
-        print(f"{'scenario':16s} {'case':16s} {'mb':>3s} {'samples/s':>9s} {'min-max':>11s} {'vs DDP':>6s} "
-              f"{'vs BSP':>6s} {'capacity':>8s} {'of cap':>6s} {'compute':>7s} {'tail loss':>9s} {'t/t_bsp':>7s}")
+        print(
+            f"{'scenario':20s} {'case':16s} {'mb':>3s} {'samples/s':>9s} {'min-max':>11s} {'vs DDP':>6s} "
+            f"{'vs BSP':>6s} {'capacity':>8s} {'of cap':>6s} {'compute':>7s} {'tail loss':>9s} {'t/t_bsp':>7s}"
+        )
         for r in (r for r in rows if r["table"] == table):
-            print(f"{r['scenario']:16s} {r['name']:16s} {r['mb']:3d} {r['samples_per_s']:9.0f} "
-                  f"{r['spread'][0]:5.0f}-{r['spread'][1]:<5.0f} {_fmt(r['vs_ddp'], '6.2f')} "
-                  f"{_fmt(r['vs_bsp'], '6.2f')} {_fmt(r['capacity'], '8.0f')} {_fmt(r['of_capacity'], '6.2f')} "
-                  f"{_fmt(r['compute_fraction'], '7.2f')} {_fmt(r['tail_loss'], '9.4f')} "
-                  f"{_fmt(r['time_to_bsp_loss'], '7.2f')}")
+            print(
+                f"{r['scenario']:20s} {r['name']:16s} {r['mb']:3d} {r['samples_per_s']:9.0f} "
+                f"{r['spread'][0]:5.0f}-{r['spread'][1]:<5.0f} {_fmt(r['vs_ddp'], '6.2f')} "
+                f"{_fmt(r['vs_bsp'], '6.2f')} {_fmt(r['capacity'], '8.0f')} {_fmt(r['of_capacity'], '6.2f')} "
+                f"{_fmt(r['compute_fraction'], '7.2f')} {_fmt(r['tail_loss'], '9.4f')} "
+                f"{_fmt(r['time_to_bsp_loss'], '7.2f')}"
+            )
 
 
 def main() -> None:
@@ -279,24 +401,33 @@ def main() -> None:
     parser.add_argument("--prob", type=float, default=0.1)
     parser.add_argument("--prob-s", type=float, default=0.3)
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians over rounds")
-    parser.add_argument("--straggler-models", default="mlp,gpt-mini", help="models of table 2")
-    parser.add_argument("--pattern-models", default="mlp", help="models of table 3")
+    parser.add_argument(
+        "--straggler-models", default=None, help="models of table 2 (default: all; with --job, the job)"
+    )
+    parser.add_argument("--pattern-models", default=None, help="models of table 3 (default: mlp; with --job, the job)")
     parser.add_argument("--tables", default="1,2,3", help="which tables: 1 overhead, 2 slowdown, 3 patterns")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--global-batch", default="", help="MODEL=N[,MODEL=N]: another global batch (default "
-                                                           "mlp 128, gpt-mini 64)")
+    parser.add_argument(
+        "--global-batch",
+        default="",
+        help=f"N or MODEL=N[,MODEL=N]: another global batch (default mlp 128, gpt-mini 64, a --job {JOB_GLOBAL_BATCH})",
+    )
+    add_job_arguments(parser)
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     parser.add_argument("--slow-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.job and not args.ddp_worker:
+        os.environ[JOB_ENV] = json.dumps({"source": args.job, "config": job_config(args.job_config)})
     if args.global_batch:
         os.environ[BATCH_ENV] = args.global_batch
-        _apply_batch_overrides()
+    _apply_overrides()
     if args.ddp_worker:
         ddp_worker(args.model, args.steps, args.slow_rank, args.factor)
         return
     args.tables = [int(t) for t in args.tables.split(",")]
-    args.straggler_models = args.straggler_models.split(",")
+    args.straggler_models = args.straggler_models.split(",") if args.straggler_models else list(MODELS)
+    args.pattern_models = args.pattern_models or ("mlp" if "mlp" in MODELS else next(iter(MODELS)))
     all_cases = cases(args)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="bench_runtime.") as tmp:
@@ -304,18 +435,31 @@ def main() -> None:
             results = []
             for i, case in enumerate(all_cases):
                 result = run_case(case, args, Path(tmp), f"case{i}-{attempt}")
-                print(f"round {attempt}: {case['scenario']:20s} {case['name']:16s} mb {case['mb']:3d} "
-                      f"{result['samples_per_s']:8.0f} samples/s", file=sys.stderr)
+                print(
+                    f"round {attempt}: {case['scenario']:20s} {case['name']:16s} mb {case['mb']:3d} "
+                    f"{result['samples_per_s']:8.0f} samples/s",
+                    file=sys.stderr,
+                )
                 results.append(result)
             rounds.append(results)
     rows = aggregate(all_cases, rounds)
     if args.json:
-        print(json.dumps({"steps": args.steps, "workers": args.workers, "factor": args.factor,
-                          "repeat": args.repeat, "rows": rows}))
+        print(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "workers": args.workers,
+                    "factor": args.factor,
+                    "repeat": args.repeat,
+                    "rows": rows,
+                }
+            )
+        )
         return
-    print(f"{args.steps} steps, {args.workers} gloo workers, OMP_NUM_THREADS=1, medians of {args.repeat} "
-          f"interleaved rounds; mlp {MODELS['mlp'][1]} batch {MODELS['mlp'][2]}, "
-          f"gpt-mini {MODELS['gpt-mini'][1]} batch {MODELS['gpt-mini'][2]}")
+    print(
+        f"{args.steps} steps, {args.workers} gloo workers, OMP_NUM_THREADS=1, medians of {args.repeat} "
+        f"interleaved rounds; " + ", ".join(f"{name} {config} batch {gb}" for name, (_, config, gb) in MODELS.items())
+    )
     print_table(rows, args)
 
 

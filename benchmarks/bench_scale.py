@@ -1,16 +1,19 @@
-"""Scale-out pause of a live gpt-mini job on CPU workers, next to torchrun's way, and the cost of being elastic.
+"""Scale-out pause of a live gpt-mini job (or a user's own TrainJob) on CPU workers, next to torchrun's way, and the cost of being elastic.
 
-Three measurements in one run (``OMP_NUM_THREADS=1 python benchmarks/bench_scale.py``):
+Three measurements in one run (``OMP_NUM_THREADS=1 python benchmarks/bench_scale.py [--job examples.lm:job
+[--job-config key=value]] [--syncs bsp,tokens] [--repeat 5]``):
 
-1. **felactl scale**: ``felactl launch`` a 2-worker data-parallel gpt-mini job, ``felactl scale --add 1``
-   while it trains. The pause is read on the workers that stay, from their metrics: the end of
-   their last step in the old generation to the start of their first step in the new one (the
-   event's own ``pause_s`` is printed beside it).
+1. **felactl scale**: ``felactl launch`` a 2-worker data-parallel job, ``felactl scale --add 1``
+   while it trains, for each sync mode of ``--syncs`` (``--repeat`` times each, the modes
+   interleaved; median and min-max). The pause is read on the workers that stay, from their
+   metrics: the end of their last step in the old generation to the start of their first step in
+   the new one (the event's own ``pause_s`` is printed beside it).
 2. **torchrun's way**: the same job (2 workers, checkpoint every 10 steps) is killed right after a
    checkpoint, 3 workers are started and load it. The pause is the last step of the old job to
-   the first step of the new one (the steps redone since the checkpoint are not even counted).
+   the first step of the new one (the steps redone since the checkpoint are not even counted);
+   once, in the first sync mode.
 3. **cost of being elastic when nothing changes**: the same plan launched ``--elastic`` and
-   ``--no-elastic`` (plain BSP loop) in ABBA rounds; per round the ratio of steady-state
+   ``--no-elastic`` (plain loop) in ABBA rounds, in the first sync mode; per round the ratio of steady-state
    samples/s (start-up and the first 10 steps left out), its median and quartiles over rounds;
    and the CPU time of the one thing an elastic worker runs beyond the plain loop in steady state,
    its heartbeat / generation-watch thread, as a share of its wall time.
@@ -37,13 +40,25 @@ from felactl.agents.worker.local import worker_env
 from felactl.launcher.rundir import read_jsonl
 from felactl.spec import Plan, SyncMode, SyncSpec, Training, save
 
+sys.path.insert(0, str(Path(__file__).parent))
+from benchjob import add_job_arguments, job_config  # noqa: E402
+
 CONFIG = {"depth": 1, "width": 256}
+"""gpt-mini's, when no ``--job`` is given."""
 
 
-def gpt_plan(num_workers: int, global_batch: int = 16) -> Plan:
-    return models.local_data_parallel_plan("gpt-mini", CONFIG, num_workers, global_batch=global_batch,
-                                           micro_batch=8, sync=SyncSpec(mode=SyncMode.BSP),
-                                           training=Training(optimizer="adamw", lr=3e-3, seed=0))
+def job_plan(source: str, config: dict, num_workers: int, sync: str = "bsp", global_batch: int = 16) -> Plan:
+    """Data parallel on local CPU slots, micro-batches (tokens) of 8; a built-in trains with AdamW,
+    a user's job with its own optimizer."""
+    return models.local_data_parallel_plan(
+        source,
+        config,
+        num_workers,
+        global_batch=global_batch,
+        micro_batch=8,
+        sync=SyncSpec(mode=SyncMode(sync)),
+        training=Training(optimizer="adamw", lr=3e-3, seed=0),
+    )
 
 
 def _env() -> dict[str, str]:
@@ -51,8 +66,13 @@ def _env() -> dict[str, str]:
 
 
 def _launch(root: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "felactl", "launch", *args, "--runs-root", str(root), "--json"],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "felactl", "launch", *args, "--runs-root", str(root), "--json"],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _wait(predicate, timeout_s: float = 120.0, proc: subprocess.Popen | None = None) -> None:
@@ -69,14 +89,19 @@ def _max_step(metrics: Path) -> int:
     return max((r["step"] for r in read_jsonl(metrics)), default=-1)
 
 
-def measure_felactl(root: Path, plan_path: Path) -> dict:
-    run = root / "elastic"
-    proc = _launch(root, str(plan_path), "--run-id", "elastic", "--steps", "100000", "--max-nproc-per-node", "3")
+def measure_felactl(root: Path, plan_path: Path, run_id: str = "elastic") -> dict:
+    run = root / run_id
+    proc = _launch(root, str(plan_path), "--run-id", run_id, "--steps", "100000", "--max-nproc-per-node", "3")
     try:
         _wait(lambda: _max_step(run / "metrics.jsonl") >= 20, proc=proc)
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "felactl", "scale", "elastic", "--add", "1", "--json",
-                              "--runs-root", str(root)], env=_env(), capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "felactl", "scale", run_id, "--add", "1", "--json", "--runs-root", str(root)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         command_s = time.perf_counter() - start
         event = json.loads(out.stdout)
         _wait(lambda: any(r["rank"] == 2 for r in read_jsonl(run / "metrics.jsonl")), proc=proc)
@@ -90,9 +115,15 @@ def measure_felactl(root: Path, plan_path: Path) -> dict:
         after = [r for r in records if r["rank"] == wid and r["generation"] == event["generation"]]
         last, first = max(before, key=lambda r: r["step"]), min(after, key=lambda r: r["step"])
         gaps.append(first["time"] - first["duration_s"] - last["time"])
-    return {"pause_s": max(gaps), "event_pause_s": event["pause_s"], "replicated_bytes": event["replicated_bytes"],
-            "replicated_from": event["replicated_from"], "command_s": command_s, "step": event["step"],
-            "switch_s": event["switch_s"]}
+    return {
+        "pause_s": max(gaps),
+        "event_pause_s": event["pause_s"],
+        "replicated_bytes": event["replicated_bytes"],
+        "replicated_from": event["replicated_from"],
+        "command_s": command_s,
+        "step": event["step"],
+        "switch_s": event["switch_s"],
+    }
 
 
 def _kill_job(proc: subprocess.Popen, run: Path) -> None:
@@ -112,8 +143,15 @@ def _start_workers(plan_path: Path, run_dir: Path, n: int, store_port: int, extr
     for rank in range(n):
         env = worker_env(rank, n, store_port=store_port, plan_path=plan_path, run_dir=run_dir, extra=extra)
         with open(run_dir / f"worker{rank}.log", "ab") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "felactl.agents.worker"], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "felactl.agents.worker"],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     return procs
 
 
@@ -130,8 +168,13 @@ def measure_torchrun_way(root: Path, plan2: Path, plan3: Path) -> dict:
         for p in procs:
             p.wait()
         last_step_end = max(r["time"] for r in read_jsonl(old_dir / "metrics.jsonl"))
-        procs = _start_workers(plan3, new_dir, 3, store.port, {**common, "FELACTL_STORE_PREFIX": "new/",
-                                                               "FELACTL_RESUME_FROM": str(checkpoint)})
+        procs = _start_workers(
+            plan3,
+            new_dir,
+            3,
+            store.port,
+            {**common, "FELACTL_STORE_PREFIX": "new/", "FELACTL_RESUME_FROM": str(checkpoint)},
+        )
         _wait(lambda: len({r["rank"] for r in read_jsonl(new_dir / "metrics.jsonl")}) == 3)
         first = min(read_jsonl(new_dir / "metrics.jsonl"), key=lambda r: r["time"] - r["duration_s"])
         return {"pause_s": first["time"] - first["duration_s"] - last_step_end, "resumed_step": first["step"]}
@@ -170,7 +213,7 @@ def measure_overhead(root: Path, plan_path: Path, steps: int, rounds: int) -> di
     step_s: dict[str, list[float]] = {"elastic": [], "no-elastic": []}
     heartbeat_share: list[float] = []
     for i in range(rounds):
-        for mode in (("elastic", "no-elastic") if i % 2 == 0 else ("no-elastic", "elastic")):
+        for mode in ("elastic", "no-elastic") if i % 2 == 0 else ("no-elastic", "elastic"):
             proc = _launch(root, str(plan_path), "--run-id", f"{mode}-{i}", "--steps", str(steps), f"--{mode}")
             out, err = proc.communicate(timeout=600)
             if proc.returncode != 0:
@@ -186,12 +229,26 @@ def measure_overhead(root: Path, plan_path: Path, steps: int, rounds: int) -> di
         raise SystemExit("no elastic worker summary (workers/rank*.json) found")
     costs = sorted(100 * (1 - e / p) for e, p in zip(rates["elastic"], rates["no-elastic"]))
     step_costs = sorted(100 * (e / p - 1) for e, p in zip(step_s["elastic"], step_s["no-elastic"]))
-    return {"rates": rates, "step_s": step_s, "cost_pct": statistics.median(costs),
-            "cost_quartiles_pct": statistics.quantiles(costs, n=4)[::2] if len(costs) > 1 else costs * 2,
-            "step_cost_pct": statistics.median(step_costs),
-            "heartbeat_cpu_pct": statistics.median(heartbeat_share), "heartbeat_cpu_pct_max": max(heartbeat_share),
-            "elastic_samples_per_s": statistics.median(rates["elastic"]),
-            "plain_samples_per_s": statistics.median(rates["no-elastic"])}
+    return {
+        "rates": rates,
+        "step_s": step_s,
+        "cost_pct": statistics.median(costs),
+        "cost_quartiles_pct": statistics.quantiles(costs, n=4)[::2] if len(costs) > 1 else costs * 2,
+        "step_cost_pct": statistics.median(step_costs),
+        "heartbeat_cpu_pct": statistics.median(heartbeat_share),
+        "heartbeat_cpu_pct_max": max(heartbeat_share),
+        "elastic_samples_per_s": statistics.median(rates["elastic"]),
+        "plain_samples_per_s": statistics.median(rates["no-elastic"]),
+    }
+
+
+def measure_scale_outs(root: Path, plans: dict[str, Path], repeat: int) -> dict[str, list[dict]]:
+    """``repeat`` scale-outs per sync mode, the modes interleaved (their order alternating by round)."""
+    ours: dict[str, list[dict]] = {sync: [] for sync in plans}
+    for i in range(repeat):
+        for sync in list(plans) if i % 2 == 0 else list(plans)[::-1]:
+            ours[sync].append(measure_felactl(root, plans[sync], run_id=f"elastic-{sync}-{i}"))
+    return ours
 
 
 def main() -> None:
@@ -199,34 +256,66 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="steps per throughput run")
     parser.add_argument("--rounds", type=int, default=3, help="ABBA rounds of the elastic cost (0: skip it)")
     parser.add_argument("--only-cost", action="store_true", help="measure only the cost of being elastic")
+    parser.add_argument("--syncs", default="bsp", help="sync modes to scale out, comma-separated (bsp, tokens)")
+    parser.add_argument("--repeat", type=int, default=1, help="scale-outs per sync mode (median and min-max)")
+    add_job_arguments(parser)
     args = parser.parse_args()
+    source, config = (args.job, job_config(args.job_config)) if args.job else ("gpt-mini", CONFIG)
+    syncs = args.syncs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        plan2, plan3 = save(gpt_plan(2), root / "plan2.yaml"), save(gpt_plan(3), root / "plan3.yaml")
+        plans = {sync: save(job_plan(source, config, 2, sync), root / f"plan2-{sync}.yaml") for sync in syncs}
+        plan2, plan3 = plans[syncs[0]], save(job_plan(source, config, 3, syncs[0]), root / "plan3.yaml")
         if not args.only_cost:
-            ours = measure_felactl(root / "runs", plan2)
+            ours = measure_scale_outs(root / "runs", plans, args.repeat)
             theirs = measure_torchrun_way(root, plan2, plan3)
         overhead = measure_overhead(root / "runs", plan2, args.steps, args.rounds) if args.rounds else None
-    params = sum(p.numel() for p in models.build("gpt-mini", CONFIG).layers.parameters())
-    print(f"gpt-mini {CONFIG} ({params} parameters, AdamW), CPU, gloo, OMP_NUM_THREADS=1")
+    params = sum(p.numel() for p in models.build(source, config).layers.parameters())
+    optimizer = "AdamW" if source == "gpt-mini" else "its own optimizer"
+    print(
+        f"{source} {config} ({params} parameters, {optimizer}), global batch 16, micro-batch 8, CPU, gloo, "
+        f"OMP_NUM_THREADS=1"
+    )
     if not args.only_cost:
-        print(f"scale-out 2 -> 3 workers\n{'way':<34}{'pause_s':>10}")
-        print(f"{'felactl scale --add 1':<34}{ours['pause_s']:>10.3f}   (event pause_s {ours['event_pause_s']:.3f}; "
-              f"{ours['replicated_bytes'] / 1e6:.1f} MB from {len(ours['replicated_from'])} senders "
-              f"{ours['replicated_from']}; command round trip {ours['command_s']:.2f} s)")
-        print(f"{'stop all, restart 3, load ckpt':<34}{theirs['pause_s']:>10.3f}   (resumed at step {theirs['resumed_step']})")
-        print(f"ratio: {theirs['pause_s'] / ours['pause_s']:.0f}x shorter")
-        print(f"per-worker switch: {json.dumps(ours['switch_s'])}")
+        print(
+            f"scale-out 2 -> 3 workers ({args.repeat} per sync mode, interleaved)\n"
+            f"{'way':<34}{'pause_s':>10}{'min-max':>14}"
+        )
+        for sync, runs in ours.items():
+            pauses = [r["pause_s"] for r in runs]
+            last = runs[-1]
+            print(
+                f"{'felactl scale --add 1, ' + sync:<34}{statistics.median(pauses):>10.3f}"
+                f"{min(pauses):>7.3f}-{max(pauses):<6.3f}  (event pause_s median "
+                f"{statistics.median(r['event_pause_s'] for r in runs):.3f}; "
+                f"{last['replicated_bytes'] / 1e6:.1f} MB from {len(last['replicated_from'])} senders "
+                f"{last['replicated_from']}; command round trip median "
+                f"{statistics.median(r['command_s'] for r in runs):.2f} s)"
+            )
+        print(
+            f"{'stop all, restart 3, load ckpt':<34}{theirs['pause_s']:>10.3f}   (resumed at step {theirs['resumed_step']})"
+        )
+        print(
+            f"every pause_s: {json.dumps({sync: [round(r['pause_s'], 3) for r in runs] for sync, runs in ours.items()})}"
+        )
+        for sync, runs in ours.items():
+            print(f"ratio ({sync}): {theirs['pause_s'] / statistics.median(r['pause_s'] for r in runs):.0f}x shorter")
+            print(f"per-worker switch ({sync}, last run): {json.dumps(runs[-1]['switch_s'])}")
     if overhead is None:
         return
-    print(f"cost of being elastic when nothing changes ({args.rounds} ABBA rounds, {args.steps} steps each, "
-          f"steady state after 10 steps): median over rounds of 1 - elastic/plain samples/s "
-          f"{overhead['cost_pct']:+.2f}% (quartiles {overhead['cost_quartiles_pct'][0]:+.2f}% .. "
-          f"{overhead['cost_quartiles_pct'][1]:+.2f}%); median step time {overhead['step_cost_pct']:+.2f}%; "
-          f"medians elastic {overhead['elastic_samples_per_s']:.1f}, plain {overhead['plain_samples_per_s']:.1f} samples/s")
-    print(f"the elastic worker's heartbeat/generation-watch thread used {overhead['heartbeat_cpu_pct']:.3f}% of its "
-          f"wall time in CPU (median over workers and rounds; max {overhead['heartbeat_cpu_pct_max']:.3f}%)")
+    print(
+        f"cost of being elastic when nothing changes ({args.rounds} ABBA rounds, {args.steps} steps each, "
+        f"steady state after 10 steps): median over rounds of 1 - elastic/plain samples/s "
+        f"{overhead['cost_pct']:+.2f}% (quartiles {overhead['cost_quartiles_pct'][0]:+.2f}% .. "
+        f"{overhead['cost_quartiles_pct'][1]:+.2f}%); median step time {overhead['step_cost_pct']:+.2f}%; "
+        f"medians elastic {overhead['elastic_samples_per_s']:.1f}, plain {overhead['plain_samples_per_s']:.1f} samples/s"
+    )
+    print(
+        f"the elastic worker's heartbeat/generation-watch thread used {overhead['heartbeat_cpu_pct']:.3f}% of its "
+        f"wall time in CPU (median over workers and rounds; max {overhead['heartbeat_cpu_pct_max']:.3f}%)"
+    )
     print(f"all rounds (samples/s): {json.dumps({m: [round(v, 1) for v in r] for m, r in overhead['rates'].items()})}")
+
 
 if __name__ == "__main__":
     main()

@@ -6,10 +6,22 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from felactl.errors import InputError
+
+
+def check_directory(what: str, path: str | os.PathLike) -> None:
+    """Refuse a directory to write in that exists as something else, or lies under a file (where
+    ``mkdir`` would fail half-way through a command); a path not there yet is fine."""
+    wanted = Path(path)
+    for part in (wanted, *wanted.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise InputError(f"{what} {wanted}: {part} is not a directory")
+            return
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mode: int | None = None) -> Path:
@@ -71,7 +83,9 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def read_jsonl(path: Path, *, tail_bytes: int | None = None) -> list[dict[str, Any]]:
-    """Every complete record; a torn last line (a crash mid-write) is skipped, not an error.
+    """Every complete record; a torn last line (a crash mid-write: no newline after it) is
+    skipped, not an error. Any other line that is not a JSON object is: records are appended
+    whole, so one is a damaged file, and reading past it would report a wrong run.
     ``tail_bytes``: only the records in the file's last that many bytes (a long run's metrics
     need not be read whole to see its recent steps)."""
     try:
@@ -82,10 +96,18 @@ def read_jsonl(path: Path, *, tail_bytes: int | None = None) -> list[dict[str, A
             text = f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return []
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, expected a JSON-lines file") from None
+    lines = text.split("\n")
     records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+    for number, line in enumerate(lines[:-1], start=1):  # the last piece has no newline: torn or empty
+        if not line.strip():
             continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}: line {number} is not valid JSON ({exc.msg}): the file is damaged") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{path}: line {number} is not a JSON object: the file is damaged")
+        records.append(record)
     return records

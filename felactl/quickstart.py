@@ -8,12 +8,13 @@ the demo leaves exactly what a user doing it by hand would have: ``<out>/cluster
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from felactl.errors import InputError
-from felactl.spec import save
+from felactl.spec import ModelSpec, save
 
 Say = Callable[[str], None]
 Show = Callable[[str, Any], None]
@@ -38,15 +39,16 @@ class QuickstartOptions:
             raise InputError(f"--steps must be >= 1, got {self.steps}")
 
 
-def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, result: None,
-               on_update=lambda state: None) -> dict[str, Any]:
+def quickstart(
+    options: QuickstartOptions, say: Say, show: Show = lambda what, result: None, on_update=lambda state: None
+) -> dict[str, Any]:
     """Profile this machine and the model, plan, train; return the files made and the run's summary.
 
     ``say`` announces each step; ``show("cluster" | "model" | "plan", result)`` hands over each
     step's result as soon as it exists; ``on_update`` follows the training (see launch)."""
     from felactl.launcher.launch import LaunchOptions, launch
+    from felactl.launcher.profile import profile_cluster
     from felactl.optimizer.planner import make_plan
-    from felactl.profiling.cluster import profile_cluster
     from felactl.profiling.in_situ import profile_model_in_situ
 
     out = options.out_dir
@@ -56,28 +58,63 @@ def quickstart(options: QuickstartOptions, say: Say, show: Show = lambda what, r
     save(cluster, out / "cluster.yaml")
     show("cluster", profiled)
     say(f"2/4 profiling {options.model} layer by layer")
-    model = profile_model_in_situ(options.model, options.model_config, [1, 4, 8, 16, 32], cluster,
-                                  worker_batch=max(1, options.global_batch // len(cluster.devices)),
-                                  say=lambda line: say(f"    {line}"))
+    model = profile_model_in_situ(
+        options.model,
+        options.model_config,
+        [1, 4, 8, 16, 32],
+        cluster,
+        worker_batch=max(1, options.global_batch // len(cluster.devices)),
+        say=lambda line: say(f"    {line}"),
+    )
     save(model, out / "model.yaml")
     show("model", model)
+    if model.untrusted():
+        say(f"    {too_noisy(model)}")
     say(f"3/4 planning a global batch of {options.global_batch} on {len(cluster.devices)} device(s)")
     plan = make_plan(cluster, model, options.global_batch, sync=options.sync)
     save(plan, out / "plan.yaml")
     show("plan", plan)
     say(f"4/4 training {options.steps} steps")
-    summary = launch(LaunchOptions(plan_path=out / "plan.yaml", run_id=options.run_id, runs_root=options.runs_root,
-                                   steps=options.steps, cluster_path=out / "cluster.yaml",
-                                   model_path=out / "model.yaml"), on_update=on_update)
-    return {"cluster": str(out / "cluster.yaml"), "model": str(out / "model.yaml"), "plan": str(out / "plan.yaml"),
-            "profile": profiled, "model_spec": model, "plan_spec": plan, "summary": summary}
+    summary = launch(
+        LaunchOptions(
+            plan_path=out / "plan.yaml",
+            run_id=options.run_id,
+            runs_root=options.runs_root,
+            steps=options.steps,
+            cluster_path=out / "cluster.yaml",
+            model_path=out / "model.yaml",
+        ),
+        on_update=on_update,
+    )
+    return {
+        "cluster": str(out / "cluster.yaml"),
+        "model": str(out / "model.yaml"),
+        "plan": str(out / "plan.yaml"),
+        "profile": profiled,
+        "model_spec": model,
+        "plan_spec": plan,
+        "summary": summary,
+    }
+
+
+def too_noisy(model: ModelSpec) -> str:
+    """What the demo says of a profile with timings the machine was too busy to trust."""
+    untrusted = model.untrusted()
+    return (
+        f"the profile was too noisy to trust ({len(untrusted)} timing(s) did not settle, see `noisy` and "
+        f"`data_parallel_sync` in model.yaml): the prediction may be off"
+    )
 
 
 def as_dict(result: dict[str, Any]) -> dict[str, Any]:
-    """The JSON view of :func:`quickstart`'s result (file paths and the run's summary)."""
+    """The JSON view of :func:`quickstart`'s result (file paths, what of the profile not to trust,
+    and the run's summary)."""
     plan = result["plan_spec"]
-    return {"cluster": result["cluster"], "model": result["model"], "plan": result["plan"],
-            "predicted_iteration_s": plan.predicted.iteration_s if plan.predicted else None,
-            "summary": result["summary"]}
-
-
+    return {
+        "cluster": result["cluster"],
+        "model": result["model"],
+        "plan": result["plan"],
+        "predicted_iteration_s": plan.predicted.iteration_s if plan.predicted else None,
+        "profile_untrusted": result["model_spec"].untrusted(),
+        "summary": result["summary"],
+    }

@@ -2,52 +2,106 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import torch
+from typer.testing import CliRunner
 
 from felactl import models
 from felactl.agents.worker.checkpoint import checkpoint_path
 from felactl.agents.worker.engine import make_optimizer
 from felactl.agents.worker.local import run_local
 from felactl.agents.worker.metrics import read_metrics
-from felactl.spec import (ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec, Training, save)
+from felactl.cli.main import app
+from felactl.launcher.rundir import read_jsonl
+from felactl.spec import ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec, Training, save
 
 MLP_CONFIG = {"input_dim": 32, "hidden": 64, "depth": 2}
 
 
-def dp_plan(num_workers: int = 2, mode: str = "bsp", *, shares=None, global_batch: int = 32, micro_batch: int = 8,
-            optimizer: str = "sgd", lr: float = 0.05, overlap: bool = False, config=None, **sync) -> Plan:
-    return models.local_data_parallel_plan("mlp", config or MLP_CONFIG, num_workers, global_batch=global_batch,
-                                           micro_batch=micro_batch, shares=shares,
-                                           sync=SyncSpec(mode=SyncMode(mode), overlap=overlap, **sync),
-                                           training=Training(optimizer=optimizer, lr=lr, seed=0))
+def dp_plan(
+    num_workers: int = 2,
+    mode: str = "bsp",
+    *,
+    shares=None,
+    global_batch: int = 32,
+    micro_batch: int = 8,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    overlap: bool = False,
+    config=None,
+    **sync,
+) -> Plan:
+    return models.local_data_parallel_plan(
+        "mlp",
+        config or MLP_CONFIG,
+        num_workers,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        shares=shares,
+        sync=SyncSpec(mode=SyncMode(mode), overlap=overlap, **sync),
+        training=Training(optimizer=optimizer, lr=lr, seed=0),
+    )
 
 
-def pipeline_plan(cuts: list[int], num_replicas: int = 1, schedule: str = "1f1b", *, global_batch: int = 32,
-                  micro_batch: int = 4, optimizer: str = "sgd", lr: float = 0.05, config=None,
-                  sync: str = "bsp") -> Plan:
+def pipeline_plan(
+    cuts: list[int],
+    num_replicas: int = 1,
+    schedule: str = "1f1b",
+    *,
+    global_batch: int = 32,
+    micro_batch: int = 4,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    config=None,
+    sync: str = "bsp",
+) -> Plan:
     """``len(cuts) - 1`` stages x ``num_replicas`` pipelines; device ``cpu{r * S + s}`` runs stage s of replica r."""
     num_stages = len(cuts) - 1
     devices = [f"cpu{r * num_stages + s}" for r in range(num_replicas) for s in range(num_stages)]
-    stages = tuple(Stage(layer_start=cuts[s], layer_end=cuts[s + 1], micro_batch=micro_batch,
-                         workers=tuple(StageWorker(device=f"cpu{r * num_stages + s}", share=1 / num_replicas)
-                                       for r in range(num_replicas)))
-                   for s in range(num_stages))
+    stages = tuple(
+        Stage(
+            layer_start=cuts[s],
+            layer_end=cuts[s + 1],
+            micro_batch=micro_batch,
+            workers=tuple(
+                StageWorker(device=f"cpu{r * num_stages + s}", share=1 / num_replicas) for r in range(num_replicas)
+            ),
+        )
+        for s in range(num_stages)
+    )
     pipelines = tuple(tuple(f"cpu{r * num_stages + s}" for s in range(num_stages)) for r in range(num_replicas))
-    return Plan(cluster="local", model=ModelRef(name="mlp", source="mlp", config=config or MLP_CONFIG),
-                devices=tuple(devices), global_batch=global_batch, schedule=Schedule(schedule),
-                sync=SyncSpec(mode=SyncMode(sync)),
-                training=Training(optimizer=optimizer, lr=lr, seed=0), stages=stages, pipelines=pipelines)
+    return Plan(
+        cluster="local",
+        model=ModelRef(name="mlp", source="mlp", config=config or MLP_CONFIG),
+        devices=tuple(devices),
+        global_batch=global_batch,
+        schedule=Schedule(schedule),
+        sync=SyncSpec(mode=SyncMode(sync)),
+        training=Training(optimizer=optimizer, lr=lr, seed=0),
+        stages=stages,
+        pipelines=pipelines,
+    )
 
 
 def run_plan(plan: Plan, tmp_path: Path, steps: int, env=None, per_rank_env=None, timeout_s: float = 60) -> Path:
     plan_path = save(plan, tmp_path / "plan.yaml")
     run_dir = tmp_path / "run"
-    run_local(plan_path, run_dir, len(plan.devices),
-              {"FELACTL_STEPS": str(steps), "FELACTL_CHECKPOINT_EVERY": str(steps), **(env or {})},
-              per_rank_env, timeout_s=timeout_s)
+    run_local(
+        plan_path,
+        run_dir,
+        len(plan.devices),
+        {"FELACTL_STEPS": str(steps), "FELACTL_CHECKPOINT_EVERY": str(steps), **(env or {})},
+        per_rank_env,
+        timeout_s=timeout_s,
+    )
     return run_dir
 
 
@@ -57,14 +111,20 @@ def final_params(run_dir: Path, steps: int, stage: int = 0) -> torch.Tensor:
 
 
 def reference_params(plan: Plan, steps: int) -> torch.Tensor:
-    """Single-process training on the same global batches: what BSP must reproduce."""
-    bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
-    model = bundle.layers
-    optimizer = make_optimizer(plan, list(model.parameters()))
+    """Single-process training on the same global batches: what BSP must reproduce (the job's
+    optimizer, LR scheduler and gradient clipping included)."""
+    job = models.build(plan.model.source, plan.model.config, seed=plan.training.seed).job
+    model = job.model
+    optimizer = make_optimizer(plan, list(model.parameters()), job)
+    scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
     for step in range(steps):
-        inputs, targets = bundle.data.batch(range(step * plan.global_batch, (step + 1) * plan.global_batch))
-        bundle.loss(model(inputs), targets).backward()
+        inputs, targets = job.batch(range(step * plan.global_batch, (step + 1) * plan.global_batch))
+        job.loss_fn(model(inputs), targets).backward()
+        if job.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
     return torch.cat([v.reshape(-1) for v in model.state_dict().values()])
 
@@ -73,16 +133,35 @@ def metrics(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
 
-def hybrid_plan(stages: list[tuple[int, int, int, list[int]]], num_devices: int, *, global_batch: int = 32,
-                optimizer: str = "sgd", lr: float = 0.05, policy: str = "ads+hf", config=None) -> Plan:
+def hybrid_plan(
+    stages: list[tuple[int, int, int, list[int]]],
+    num_devices: int,
+    *,
+    global_batch: int = 32,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    policy: str = "ads+hf",
+    config=None,
+) -> Plan:
     """Fela's flexible hybrid: ``stages`` = [(layer_start, layer_end, micro_batch, [device ids])]."""
-    return Plan(cluster="local", model=ModelRef(name="mlp", source="mlp", config=config or MLP_CONFIG),
-                devices=tuple(f"cpu{i}" for i in range(num_devices)), global_batch=global_batch,
-                schedule=Schedule.TOKENS, sync=SyncSpec(mode=SyncMode.TOKENS, token_policy=policy),
-                training=Training(optimizer=optimizer, lr=lr, seed=0),
-                stages=tuple(Stage(layer_start=a, layer_end=b, micro_batch=mb,
-                                   workers=tuple(StageWorker(device=f"cpu{d}", share=1 / len(ds)) for d in ds))
-                             for a, b, mb, ds in stages))
+    return Plan(
+        cluster="local",
+        model=ModelRef(name="mlp", source="mlp", config=config or MLP_CONFIG),
+        devices=tuple(f"cpu{i}" for i in range(num_devices)),
+        global_batch=global_batch,
+        schedule=Schedule.TOKENS,
+        sync=SyncSpec(mode=SyncMode.TOKENS, token_policy=policy),
+        training=Training(optimizer=optimizer, lr=lr, seed=0),
+        stages=tuple(
+            Stage(
+                layer_start=a,
+                layer_end=b,
+                micro_batch=mb,
+                workers=tuple(StageWorker(device=f"cpu{d}", share=1 / len(ds)) for d in ds),
+            )
+            for a, b, mb, ds in stages
+        ),
+    )
 
 
 FAKE_SSH = '''#!{python}
@@ -116,3 +195,94 @@ def fake_ssh(bin_dir):
     ssh.write_text(FAKE_SSH.format(python=sys.executable))
     ssh.chmod(0o755)
     return bin_dir
+
+
+class Job:
+    """``felactl launch`` in a subprocess of its own session; stop() reaps it and its workers."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.root = tmp_path / "runs"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "felactl", "launch", *args, "--runs-root", str(self.root), "--json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+    def records(self, run: str) -> list[dict]:
+        return read_jsonl(self.root / run / "metrics.jsonl")
+
+    def wait_step(self, run: str, step: int, timeout_s: float = 40) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(r["step"] >= step for r in self.records(run)):
+                return
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+        raise AssertionError(f"step {step} not reached")
+
+    def signal_worker(self, run: str, wid: int, sig: int) -> float:
+        """Send ``sig`` to worker ``wid``'s process (its pid from the metrics); returns when."""
+        pid = next(r["pid"] for r in self.records(run) if r["rank"] == wid)
+        sent_at = time.time()
+        os.kill(pid, sig)
+        return sent_at
+
+    def scale(self, run: str, *args: str):
+        return CliRunner().invoke(app, ["scale", run, *args, "--runs-root", str(self.root), "--json"])
+
+    def finish(self, timeout_s: float = 60) -> dict:
+        out, err = self.proc.communicate(timeout=timeout_s)
+        assert self.proc.returncode == 0, err.decode()[-3000:]
+        return json.loads(out)
+
+    def stop(self) -> None:
+        pids = {p.pid for p in _procs_of(self.proc.pid)}
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        for r in self.records_all():
+            try:
+                os.kill(r, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def records_all(self) -> set[int]:
+        pids = set()
+        for metrics in self.root.glob("*/metrics.jsonl"):
+            pids |= {r["pid"] for r in read_jsonl(metrics) if "pid" in r and psutil.pid_exists(r["pid"])}
+        return pids & {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _procs_of(pid: int) -> list[psutil.Process]:
+    try:
+        proc = psutil.Process(pid)
+        return [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def rescale(controller, command: dict, timeout_s: float = 30) -> dict:
+    """Send ``command`` to an :class:`ElasticController` as ``felactl scale`` would (a signed
+    request on its queue) and poll it until it answers; the answer's result (a refusal fails)."""
+    from felactl.control import keys
+    from felactl.control.documents import ScaleRequestDoc
+
+    coordinator, request_id = controller.coordinator, f"t{time.monotonic_ns()}"
+    request = coordinator.seal.seal(
+        keys.SCALE_REQUESTS, ScaleRequestDoc.KIND.value, ScaleRequestDoc(id=request_id, command=command).to_body()
+    )
+    coordinator.store.queue_push(coordinator.prefix + keys.SCALE_REQUESTS, request)
+    deadline = time.monotonic() + timeout_s
+    while request_id not in controller.answers:
+        assert time.monotonic() < deadline, f"no answer to {command} within {timeout_s} s"
+        controller.poll()
+        time.sleep(0.02)
+    reply = controller.answers[request_id]
+    assert reply["ok"], reply
+    return reply["result"]

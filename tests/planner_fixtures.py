@@ -7,24 +7,58 @@ import random
 from felactl.spec import ClusterSpec, Device, DeviceKind, Layer, LinkDefault, LinkType, ModelSpec, Node
 
 
-def cluster(devices_per_node: list[list[tuple[str, float, float]]], *, intra_gbps: float = 50.0,
-            inter_gbps: float = 5.0, name: str = "test") -> ClusterSpec:
+def cluster(
+    devices_per_node: list[list[tuple[str, float, float]]],
+    *,
+    intra_gbps: float = 50.0,
+    inter_gbps: float = 5.0,
+    name: str = "test",
+) -> ClusterSpec:
     """Nodes of devices given as (model, tflops, memory_gb); uniform intra/inter-node links."""
     nodes = []
     for n, devs in enumerate(devices_per_node):
-        nodes.append(Node(name=f"n{n}", devices=tuple(
-            Device(name=f"n{n}.d{i}", kind=DeviceKind.CUDA, model=model, tflops=tflops, memory_gb=memory_gb,
-                   local_index=i) for i, (model, tflops, memory_gb) in enumerate(devs))))
-    return ClusterSpec(name=name, nodes=tuple(nodes),
-                       intra_node_default=LinkDefault(bandwidth_gbps=intra_gbps, latency_us=5.0, type=LinkType.NVLINK),
-                       inter_node_default=LinkDefault(bandwidth_gbps=inter_gbps, latency_us=20.0, type=LinkType.NET))
+        nodes.append(
+            Node(
+                name=f"n{n}",
+                devices=tuple(
+                    Device(
+                        name=f"n{n}.d{i}",
+                        kind=DeviceKind.CUDA,
+                        model=model,
+                        tflops=tflops,
+                        memory_gb=memory_gb,
+                        local_index=i,
+                    )
+                    for i, (model, tflops, memory_gb) in enumerate(devs)
+                ),
+            )
+        )
+    return ClusterSpec(
+        name=name,
+        nodes=tuple(nodes),
+        intra_node_default=LinkDefault(bandwidth_gbps=intra_gbps, latency_us=5.0, type=LinkType.NVLINK),
+        inter_node_default=LinkDefault(bandwidth_gbps=inter_gbps, latency_us=20.0, type=LinkType.NET),
+    )
 
 
 def model(layers: list[tuple[int, int, float]], *, input_bytes: int = 4096, name: str = "m") -> ModelSpec:
     """Layers given as (params, activation_bytes_per_sample, fwd_flops_per_sample); bwd = 2 x fwd."""
-    return ModelSpec(name=name, source="mlp", input_bytes_per_sample=input_bytes, layers=tuple(
-        Layer(name=f"l{i}", params=p, param_bytes=4 * p, activation_bytes_per_sample=a, fwd_flops_per_sample=f,
-              bwd_flops_per_sample=2 * f) for i, (p, a, f) in enumerate(layers)))
+    return ModelSpec(
+        name=name,
+        source="mlp",
+        input_bytes_per_sample=input_bytes,
+        layers=tuple(
+            Layer(
+                name=f"l{i}",
+                params=p,
+                param_bytes=4 * p,
+                activation_bytes_per_sample=a,
+                fwd_flops_per_sample=f,
+                bwd_flops_per_sample=2 * f,
+            )
+            for i, (p, a, f) in enumerate(layers)
+        ),
+    )
 
 
 def random_instance(seed: int) -> tuple[ClusterSpec, ModelSpec, int]:
@@ -32,7 +66,7 @@ def random_instance(seed: int) -> tuple[ClusterSpec, ModelSpec, int]:
     rng = random.Random(seed)
     kinds = [("fast", 20.0, rng.choice([8.0, 16.0])), ("mid", 10.0, 8.0), ("slow", 4.0, rng.choice([2.0, 8.0]))]
     num_devices = rng.randint(2, 5)
-    picked = sorted(rng.choice(kinds[:rng.randint(1, 3)]) for _ in range(num_devices))
+    picked = sorted(rng.choice(kinds[: rng.randint(1, 3)]) for _ in range(num_devices))
     split = rng.randint(1, num_devices)
     nodes = [picked[:split], picked[split:]] if split < num_devices else [picked]
     layers = []
@@ -43,8 +77,11 @@ def random_instance(seed: int) -> tuple[ClusterSpec, ModelSpec, int]:
         else:  # fully connected: FLOPs ~ 2 x params per sample
             p = rng.randint(5_000_000, 60_000_000)
             layers.append((p, rng.randint(2_000, 20_000), 2.0 * p))
-    return (cluster(nodes, intra_gbps=rng.choice([25.0, 100.0]), inter_gbps=rng.choice([1.0, 10.0])),
-            model(layers), rng.choice([16, 32, 64]))
+    return (
+        cluster(nodes, intra_gbps=rng.choice([25.0, 100.0]), inter_gbps=rng.choice([1.0, 10.0])),
+        model(layers),
+        rng.choice([16, 32, 64]),
+    )
 
 
 def two_cpu_slot_cluster(tmp_path, cores=(0, 1)):
@@ -52,8 +89,46 @@ def two_cpu_slot_cluster(tmp_path, cores=(0, 1)):
     cpu0, cpu1 pinned to ``cores``."""
     from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node, save
 
-    node = Node(name="here", devices=tuple(
-        Device(name=f"cpu{i}", kind=DeviceKind.CPU, model="cpu", tflops=0.05, memory_gb=4.0, cpu_cores=(core,),
-               local_index=i) for i, core in enumerate(cores)))
-    return save(ClusterSpec(name="here", nodes=(node,), intra_node_default=LinkDefault(
-        bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK)), tmp_path / "cluster.yaml")
+    node = Node(
+        name="here",
+        devices=tuple(
+            Device(
+                name=f"cpu{i}",
+                kind=DeviceKind.CPU,
+                model="cpu",
+                tflops=0.05,
+                memory_gb=4.0,
+                cpu_cores=(core,),
+                local_index=i,
+            )
+            for i, core in enumerate(cores)
+        ),
+    )
+    return save(
+        ClusterSpec(
+            name="here",
+            nodes=(node,),
+            intra_node_default=LinkDefault(bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK),
+        ),
+        tmp_path / "cluster.yaml",
+    )
+
+
+def tight_instance(seed: int) -> tuple[ClusterSpec, ModelSpec, int]:
+    """A cluster of 2-6 devices in 1-3 classes and a 4-10 layer model whose weights and
+    activations fill a good part of their memory, so plans cut it and keep micro-batches in flight."""
+    rng = random.Random(seed)
+    kinds = [("big", 30.0, rng.choice([24.0, 40.0])), ("mid", 12.0, 16.0), ("small", 6.0, rng.choice([8.0, 12.0]))]
+    num_devices = rng.randint(2, 6)
+    picked = sorted(rng.choice(kinds[: rng.randint(1, 3)]) for _ in range(num_devices))
+    split = rng.randint(1, num_devices)
+    nodes = [picked[:split], picked[split:]] if split < num_devices else [picked]
+    layers = []
+    for _ in range(rng.randint(4, 10)):
+        p = rng.randint(20_000_000, 250_000_000)
+        layers.append((p, rng.randint(200_000, 8_000_000), 2.0 * p * rng.uniform(1, 50)))
+    return (
+        cluster(nodes, intra_gbps=rng.choice([25.0, 100.0]), inter_gbps=rng.choice([1.0, 10.0])),
+        model(layers),
+        rng.choice([32, 64, 128, 256]),
+    )

@@ -15,13 +15,15 @@ import psutil
 import pytest
 
 from felactl.agents.agent import LocalWorkerAgent, WorkerSpec, WorkerState, group_state, split_cores
+from felactl.agents.session import StopOrder
 from felactl.errors import InputError
 
 S, F, H, X = WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.HEALTHY, WorkerState.STOPPED
 
 
-@pytest.mark.parametrize("states,expected", [([S, S], S), ([S, H], H), ([H, F], F), ([S, F, S], F),
-                                             ([X, S], X), ([X, F], F), ([], H)])
+@pytest.mark.parametrize(
+    "states,expected", [([S, S], S), ([S, H], H), ([H, F], F), ([S, F, S], F), ([X, S], X), ([X, F], F), ([], H)]
+)
 def test_group_state(states, expected):
     assert group_state(states) is expected
 
@@ -54,7 +56,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_workers_get_the_torchrun_environment_and_logs(tmp_path):
-    env = _module(tmp_path, "envworker", """
+    env = _module(
+        tmp_path,
+        "envworker",
+        """
         import json, os, sys
         keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA",
                 "FELACTL_CPU_CORES"]
@@ -62,16 +67,35 @@ def test_workers_get_the_torchrun_environment_and_logs(tmp_path):
         json.dump({k: os.environ.get(k) for k in keys} | {"args": sys.argv[1:],
                    "affinity": sorted(os.sched_getaffinity(0))}, open(out, "w"))
         print("hello from", os.environ["RANK"])
-    """)
-    spec = WorkerSpec(module="envworker", args=("--x", "1"), nproc=2, world_size=5, rank_offset=3,
-                      master_addr="10.0.0.1", master_port=1234, log_dir=tmp_path / "logs",
-                      env={**env, "EXTRA": "yes", "OUT_DIR": str(tmp_path)}, cpu_affinity=((0,), (0,)))
+    """,
+    )
+    spec = WorkerSpec(
+        module="envworker",
+        args=("--x", "1"),
+        nproc=2,
+        world_size=5,
+        rank_offset=3,
+        master_addr="10.0.0.1",
+        master_port=1234,
+        log_dir=tmp_path / "logs",
+        env={**env, "EXTRA": "yes", "OUT_DIR": str(tmp_path)},
+        cpu_affinity=((0,), (0,)),
+    )
     result = LocalWorkerAgent(spec).run()
     assert result.state is WorkerState.SUCCEEDED and result.exit_codes == {3: 0, 4: 0}
     seen = json.loads((tmp_path / "env-4.json").read_text())
-    assert seen == {"RANK": "4", "LOCAL_RANK": "1", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2",
-                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "EXTRA": "yes", "FELACTL_CPU_CORES": "0",
-                    "args": ["--x", "1"], "affinity": [0]}
+    assert seen == {
+        "RANK": "4",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "5",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "1234",
+        "EXTRA": "yes",
+        "FELACTL_CPU_CORES": "0",
+        "args": ["--x", "1"],
+        "affinity": [0],
+    }
     assert "hello from 3" in (tmp_path / "logs" / "worker-3.log").read_text()
 
 
@@ -84,12 +108,22 @@ def test_local_rank_is_the_devices_index_on_the_node(tmp_path):
     from felactl.launcher.launch import assign_ranks
     from felactl.spec import Placement
 
-    env = _module(tmp_path, "localrank", """
+    env = _module(
+        tmp_path,
+        "localrank",
+        """
         import os
         open(os.path.join(os.environ["OUT_DIR"], "lr-" + os.environ["RANK"]), "w").write(os.environ["LOCAL_RANK"])
-    """)
-    spec = WorkerSpec(module="localrank", nproc=2, world_size=2, log_dir=tmp_path / "logs",
-                      env={**env, "OUT_DIR": str(tmp_path)}, local_ranks=(0, 2))
+    """,
+    )
+    spec = WorkerSpec(
+        module="localrank",
+        nproc=2,
+        world_size=2,
+        log_dir=tmp_path / "logs",
+        env={**env, "OUT_DIR": str(tmp_path)},
+        local_ranks=(0, 2),
+    )
     assert LocalWorkerAgent(spec).run().state is WorkerState.SUCCEEDED
     assert [(tmp_path / f"lr-{r}").read_text() for r in (0, 1)] == ["0", "2"]
     with pytest.raises(InputError, match="local ranks"):
@@ -97,8 +131,13 @@ def test_local_rank_is_the_devices_index_on_the_node(tmp_path):
 
     from _worker_helpers import dp_plan
 
-    plan = dataclasses.replace(dp_plan(2), placement=(Placement(device="cpu0", node="box", local_index=0),
-                                                      Placement(device="cpu1", node="box", local_index=2)))
+    plan = dataclasses.replace(
+        dp_plan(2),
+        placement=(
+            Placement(device="cpu0", node="box", local_index=0),
+            Placement(device="cpu1", node="box", local_index=2),
+        ),
+    )
     member = Member(agent_id="a1", node_name="box", num_slots=2, hostname="box")
     assignment = assign_ranks(plan, [member], {"box": ("cpu0", "cpu1")}, {})["a1"]
     assert assignment.local_indices == (0, 2) and assignment.rank_offset == 0
@@ -123,8 +162,14 @@ SLEEPER = """
 
 def test_a_worker_dying_while_starting_takes_every_process_down(tmp_path):
     env = _module(tmp_path, "sleeper", SLEEPER)
-    spec = WorkerSpec(module="sleeper", nproc=2, world_size=2, log_dir=tmp_path / "logs",
-                      env={**env, "OUT_DIR": str(tmp_path)}, stop_grace_s=2)
+    spec = WorkerSpec(
+        module="sleeper",
+        nproc=2,
+        world_size=2,
+        log_dir=tmp_path / "logs",
+        env={**env, "OUT_DIR": str(tmp_path)},
+        stop_grace_s=2,
+    )
     agent = LocalWorkerAgent(spec)
     started = time.monotonic()
     result = agent.run()
@@ -142,8 +187,11 @@ def test_a_failed_start_kills_the_workers_already_started(tmp_path):
     env = _module(tmp_path, "sleeper", SLEEPER)
     logs = tmp_path / "logs"
     (logs / "worker-1.log").mkdir(parents=True)  # rank 1's log cannot be opened: its spawn fails
-    agent = LocalWorkerAgent(WorkerSpec(module="sleeper", nproc=2, world_size=2, log_dir=logs,
-                                        env={**env, "OUT_DIR": str(tmp_path)}, stop_grace_s=2))
+    agent = LocalWorkerAgent(
+        WorkerSpec(
+            module="sleeper", nproc=2, world_size=2, log_dir=logs, env={**env, "OUT_DIR": str(tmp_path)}, stop_grace_s=2
+        )
+    )
     try:
         with pytest.raises(IsADirectoryError):
             agent.start()
@@ -155,17 +203,53 @@ def test_a_failed_start_kills_the_workers_already_started(tmp_path):
 
 def test_stop_request_stops_healthy_workers(tmp_path):
     env = _module(tmp_path, "napper", "import time\ntime.sleep(60)\n")
-    agent = LocalWorkerAgent(WorkerSpec(module="napper", nproc=2, world_size=2, log_dir=tmp_path, env=env,
-                                        stop_grace_s=2))
+    agent = LocalWorkerAgent(
+        WorkerSpec(module="napper", nproc=2, world_size=2, log_dir=tmp_path, env=env, stop_grace_s=2)
+    )
     calls = []
 
-    def should_stop() -> str | None:
+    def should_stop() -> StopOrder | None:
         calls.append(agent.pids())
-        return "enough" if len(calls) > 3 else None
+        return StopOrder("enough") if len(calls) > 3 else None
 
     result = agent.run(should_stop)
     assert result.state is WorkerState.STOPPED
     assert len(calls[-1]) == 2 and not any(_alive(pid) for pid in calls[-1])
+
+
+def test_a_drain_gives_the_workers_sigint_and_time_to_end_by_themselves(tmp_path):
+    """A graceful stop: SIGINT, repeated while a worker runs (one still starting up may not listen
+    yet); workers that then end by themselves (exit 0) succeeded, one that never listens is
+    killed after the drain time."""
+    env = _module(
+        tmp_path,
+        "drainer",
+        "import os, signal, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "if rank == '2':\n"
+        "    time.sleep(1.5)  # still starting up: deaf to the first SIGINT\n"
+        "if rank != '1':\n"
+        "    signal.signal(signal.SIGINT, lambda *a: sys.exit(0))\n"
+        "time.sleep(60)\n",
+    )
+    agent = LocalWorkerAgent(
+        WorkerSpec(module="drainer", nproc=3, world_size=3, log_dir=tmp_path, env=env, stop_grace_s=2)
+    )
+    calls = []
+
+    def should_stop() -> StopOrder | None:
+        calls.append(agent.pids())
+        return StopOrder("interrupted", drain_s=3.0) if len(calls) > 5 else None
+
+    start = time.monotonic()
+    agent.run(should_stop)
+    assert {w.global_rank: w.state for w in agent.workers} == {
+        0: WorkerState.SUCCEEDED,
+        1: WorkerState.STOPPED,
+        2: WorkerState.SUCCEEDED,
+    }
+    assert time.monotonic() - start < 12 and not any(_alive(pid) for pid in calls[-1])
 
 
 @pytest.mark.multiprocess
@@ -174,20 +258,47 @@ def test_agent_stops_its_workers_when_the_coordinator_goes_away(tmp_path):
     import subprocess
     import sys
 
-    from felactl.launcher.controlplane import Assignment, Coordinator, write_secret_file
+    from felactl.control.documents import Assignment
+    from felactl.launcher.controlplane import Coordinator, write_secret_file
 
     secret_file = tmp_path / "secret"
     secret = write_secret_file(secret_file)
     env = _module(tmp_path, "sleeper", SLEEPER.replace('rank == "1"', 'rank == "never"'))
     coordinator = Coordinator(secret, job="job")
-    agent = subprocess.Popen([sys.executable, "-m", "felactl", "agent", "--rdzv-endpoint", coordinator.endpoint,
-                              "--secret-file", str(secret_file), "--nproc-per-node", "1", "--node-name", "n0",
-                              "--log-dir", str(tmp_path / "logs"), "--job", "job", "--join-timeout", "20"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "felactl",
+            "agent",
+            "--rdzv-endpoint",
+            coordinator.endpoint,
+            "--secret-file",
+            str(secret_file),
+            "--nproc-per-node",
+            "1",
+            "--node-name",
+            "n0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--job",
+            "job",
+            "--join-timeout",
+            "20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         members = coordinator.wait_members(1, timeout_s=20)
-        coordinator.publish_assignments({members[0].agent_id: Assignment(
-            rank_offset=0, world_size=1, module="sleeper", env={**env, "OUT_DIR": str(tmp_path)})})
+        coordinator.publish_assignments(
+            {
+                members[0].agent_id: Assignment(
+                    rank_offset=0, world_size=1, module="sleeper", env={**env, "OUT_DIR": str(tmp_path)}
+                )
+            }
+        )
         pid_file = tmp_path / "pids-0"
         deadline = time.monotonic() + 20
         while not pid_file.exists() and time.monotonic() < deadline:
@@ -206,10 +317,18 @@ def test_agent_stops_its_workers_when_the_coordinator_goes_away(tmp_path):
             agent.wait()
 
 
-@pytest.mark.parametrize("state,failures,kept", [("succeeded", {}, False), ("succeeded", {1: "exit 1"}, True),
-                                                 ("failed", {0: "boom"}, True), ("stopped", {}, True)])
-def test_a_joining_agent_removes_its_temp_logs_only_when_every_worker_succeeded(tmp_path, monkeypatch, state,
-                                                                                failures, kept):
+@pytest.mark.parametrize(
+    "state,failures,kept",
+    [
+        ("succeeded", {}, False),
+        ("succeeded", {1: "exit 1"}, True),
+        ("failed", {0: "boom"}, True),
+        ("stopped", {}, True),
+    ],
+)
+def test_a_joining_agent_removes_its_temp_logs_only_when_every_worker_succeeded(
+    tmp_path, monkeypatch, state, failures, kept
+):
     import dataclasses
 
     from felactl.agents import local_node
@@ -218,10 +337,14 @@ def test_a_joining_agent_removes_its_temp_logs_only_when_every_worker_succeeded(
     logs = tmp_path / "felactl-agent-x"
     logs.mkdir()
     (logs / "worker0.log").write_text("...")
-    config = local_node.local_agent_config("127.0.0.1:1", "s", nproc=1, node_name="n", log_dir=logs,
-                                           join_timeout_s=1, job=None)
-    monkeypatch.setattr(local_node, "run_node_agent",
-                        lambda config, on_joined: RunResult(state=WorkerState(state), exit_codes={0: 0}, failures=failures))
+    config = local_node.local_agent_config(
+        "127.0.0.1:1", "s", nproc=1, node_name="n", log_dir=logs, join_timeout_s=1, job=None
+    )
+    monkeypatch.setattr(
+        local_node,
+        "run_node_agent",
+        lambda config, on_joined: RunResult(state=WorkerState(state), exit_codes={0: 0}, failures=failures),
+    )
     result, where = local_node.run_joining_agent(config, temp_logs=True)
     assert result.state is WorkerState(state)
     assert (where == logs and logs.exists()) if kept else (where is None and not logs.exists())
@@ -229,3 +352,44 @@ def test_a_joining_agent_removes_its_temp_logs_only_when_every_worker_succeeded(
     asked.mkdir()
     _, where = local_node.run_joining_agent(dataclasses.replace(config, log_dir=asked), temp_logs=False)
     assert where == asked and asked.exists(), "a --log-dir the user gave is never removed"
+
+
+def test_felactls_workers_get_the_secret_in_their_environment_a_users_script_does_not(tmp_path):
+    """The secret reaches felactl's workers (they verify generation documents and sign what they
+    write) from their agent's memory, never through the store; a user's ``--script`` gets none."""
+    from types import SimpleNamespace
+
+    from felactl.agents.agent import NodeAgentConfig, _worker_spec
+    from felactl.control.documents import Assignment
+    from felactl.launcher.controlplane import new_secret
+
+    secret = new_secret()
+    session = SimpleNamespace(
+        host="127.0.0.1",
+        port=1,
+        prefix="felactl/r/0/",
+        worker_env=lambda: {"FELACTL_SECRET": secret, "FELACTL_SESSION": "s", "FELACTL_JOB": "r"},
+    )
+    config = NodeAgentConfig(endpoint="127.0.0.1:1", secret=secret, node_name="n", nproc=1, log_dir=tmp_path)
+    ours = _worker_spec(config, session, Assignment(rank_offset=0, world_size=1, module="felactl.agents.worker"))
+    theirs = _worker_spec(config, session, Assignment(rank_offset=0, world_size=1, script="train.py"))
+    assert ours.env["FELACTL_SECRET"] == secret and ours.env["FELACTL_SESSION"] == "s"
+    assert not any(secret in value for value in theirs.env.values())
+    assert secret not in repr(ours)
+
+
+def test_an_agent_started_in_a_testbed_node_takes_the_node_s_name(tmp_path, monkeypatch):
+    """README's recipe, `felactl testbed exec NODE -- felactl agent ...` without --node-name: the
+    agent is NODE (the testbed's exec sets FELACTL_TESTBED_NODE), not the host's name, so that
+    `felactl scale --node NODE` finds it. A --node-name given still wins."""
+    from felactl.agents import local_node
+
+    monkeypatch.setenv("FELACTL_TESTBED_NODE", "fast2")
+    config = local_node.local_agent_config(
+        "127.0.0.1:1", "s", nproc=1, node_name=None, log_dir=tmp_path, join_timeout_s=1, job=None
+    )
+    assert config.node_name == "fast2"
+    named = local_node.local_agent_config(
+        "127.0.0.1:1", "s", nproc=1, node_name="mine", log_dir=tmp_path, join_timeout_s=1, job=None
+    )
+    assert named.node_name == "mine"

@@ -13,8 +13,15 @@ _spec.loader.exec_module(bench_demo)
 
 
 def _record(rank, step, duration_s, end):
-    return {"rank": rank, "step": step, "duration_s": duration_s, "time": end, "compute_s": duration_s * 0.9,
-            "wait_s": 0.0, "comm_s": duration_s * 0.1}
+    return {
+        "rank": rank,
+        "step": step,
+        "duration_s": duration_s,
+        "time": end,
+        "compute_s": duration_s * 0.9,
+        "wait_s": 0.0,
+        "comm_s": duration_s * 0.1,
+    }
 
 
 def test_iteration_time_is_the_slowest_workers_step_after_warmup():

@@ -3,13 +3,19 @@ from felactl.spec import ClusterSpec, LinkType, from_dict
 
 def _cluster():
     dev = lambda name: {"name": name, "kind": "cuda", "model": "V100", "tflops": 14, "memory_gb": 16}
-    return from_dict(ClusterSpec, {
-        "name": "two-boxes",
-        "nodes": [{"name": "a", "devices": [dev("a0"), dev("a1")]}, {"name": "b", "devices": [dev("b0")]}],
-        "links": [{"src": "a0", "dst": "a1", "bandwidth_gbps": 50, "latency_us": 2, "type": "nvlink", "num_links": 2}],
-        "intra_node_default": {"bandwidth_gbps": 10, "latency_us": 5, "type": "pcie"},
-        "inter_node_default": {"bandwidth_gbps": 12.5, "latency_us": 30, "type": "net"},
-    }, "c.yaml")
+    return from_dict(
+        ClusterSpec,
+        {
+            "name": "two-boxes",
+            "nodes": [{"name": "a", "devices": [dev("a0"), dev("a1")]}, {"name": "b", "devices": [dev("b0")]}],
+            "links": [
+                {"src": "a0", "dst": "a1", "bandwidth_gbps": 50, "latency_us": 2, "type": "nvlink", "num_links": 2}
+            ],
+            "intra_node_default": {"bandwidth_gbps": 10, "latency_us": 5, "type": "pcie"},
+            "inter_node_default": {"bandwidth_gbps": 12.5, "latency_us": 30, "type": "net"},
+        },
+        "c.yaml",
+    )
 
 
 def test_listed_link_wins_over_defaults():

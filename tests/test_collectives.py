@@ -52,8 +52,11 @@ def assert_valid(cluster: ClusterSpec, collective: Collective) -> None:
 
 
 GROUPS = [
-    (NVLINK_ONLY, NVLINK_ONLY.device_names), (DGX, gpus(0, 1, 5)),
-    (NVLINK_ONLY, gpus(0, 1, 2, 4, 5)), (DGX, gpus(0, 1, 2, 4, 5)), (DGX, gpus(1, 2, 3, 4, 6, 7)),
+    (NVLINK_ONLY, NVLINK_ONLY.device_names),
+    (DGX, gpus(0, 1, 5)),
+    (NVLINK_ONLY, gpus(0, 1, 2, 4, 5)),
+    (DGX, gpus(0, 1, 2, 4, 5)),
+    (DGX, gpus(1, 2, 3, 4, 6, 7)),
     (NVLINK_ONLY, gpus(2, 3, 6, 7)),
 ]
 
@@ -74,7 +77,7 @@ def test_full_dgx1v_from_gpu0_reaches_the_min_cut():
     both = plan_collective(DGX, DGX.device_names, root="gpu0", min_share=1.0)
     assert_valid(DGX, both)
     assert both.bound_gbps == pytest.approx(180.0) and both.rate_gbps == pytest.approx(180.0)
-    assert both.ring_gbps == pytest.approx(50.0)   # the widest Hamiltonian cycle uses only 2-link pairs
+    assert both.ring_gbps == pytest.approx(50.0)  # the widest Hamiltonian cycle uses only 2-link pairs
 
 
 def test_three_gpus_without_nvlink_ring_trees_beat_the_ring():
@@ -82,8 +85,8 @@ def test_three_gpus_without_nvlink_ring_trees_beat_the_ring():
     devices = gpus(0, 1, 5)
     assert best_ring(NVLINK_ONLY, devices) == ((), 0.0)
     collective = plan_collective(DGX, devices)
-    assert collective.ring_gbps == pytest.approx(10.0)         # the ring must take a PCIe hop
-    assert collective.rate_gbps == pytest.approx(35.0)         # 25 over NVLink + 10 over PCIe
+    assert collective.ring_gbps == pytest.approx(10.0)  # the ring must take a PCIe hop
+    assert collective.rate_gbps == pytest.approx(35.0)  # 25 over NVLink + 10 over PCIe
     num_bytes = 100e6
     assert allreduce_time_s(DGX, collective, num_bytes) * 3 < ring_allreduce_time_s(DGX, devices, num_bytes)
 
@@ -97,11 +100,21 @@ def test_at_most_n_trees_on_the_nvlink_graph(devices):
 
 def _random_cluster(seed: int, size: int) -> ClusterSpec:
     rng = random.Random(seed)
-    devices = tuple(Device(name=f"d{i}", kind=DeviceKind.CUDA, model="x", tflops=1.0, memory_gb=1.0)
-                    for i in range(size))
-    links = tuple(Link(src=f"d{a}", dst=f"d{b}", bandwidth_gbps=float(rng.choice([5, 10, 25, 50])),
-                       latency_us=1.0, type=LinkType.NVLINK)
-                  for a in range(size) for b in range(size) if a != b and (rng.random() < 0.6 or b == (a + 1) % size))
+    devices = tuple(
+        Device(name=f"d{i}", kind=DeviceKind.CUDA, model="x", tflops=1.0, memory_gb=1.0) for i in range(size)
+    )
+    links = tuple(
+        Link(
+            src=f"d{a}",
+            dst=f"d{b}",
+            bandwidth_gbps=float(rng.choice([5, 10, 25, 50])),
+            latency_us=1.0,
+            type=LinkType.NVLINK,
+        )
+        for a in range(size)
+        for b in range(size)
+        if a != b and (rng.random() < 0.6 or b == (a + 1) % size)
+    )
     return ClusterSpec(name=f"random{seed}", nodes=(Node(name="n", devices=devices),), links=links)
 
 
@@ -112,8 +125,10 @@ def _all_arborescences(devices: tuple[str, ...], root: str, edges: set) -> list[
         tree = tuple(zip(parents, others))
         if all(e in edges for e in tree):
             parent = dict((b, a) for a, b in tree)
-            def reaches(d, seen=()):
+
+            def reaches(d, seen=(), parent=parent):
                 return d == root or (d not in seen and reaches(parent[d], seen + (d,)))
+
             if all(reaches(d) for d in others):
                 trees.append(tree)
     return trees
@@ -172,9 +187,15 @@ def test_a_group_of_one_needs_no_collective():
 def _pair_cluster(*links: tuple[str, str, float, float]) -> ClusterSpec:
     names = sorted({x for link in links for x in link[:2]})
     devices = tuple(Device(name=n, kind=DeviceKind.CPU, model="x", tflops=1.0, memory_gb=1.0) for n in names)
-    return ClusterSpec(name="hand", nodes=(Node(name="n", devices=devices),), links=tuple(
-        Link(src=s, dst=d, bandwidth_gbps=gbps, latency_us=lat, type=LinkType.PCIE)
-        for a, b, gbps, lat in links for s, d in ((a, b), (b, a))))
+    return ClusterSpec(
+        name="hand",
+        nodes=(Node(name="n", devices=devices),),
+        links=tuple(
+            Link(src=s, dst=d, bandwidth_gbps=gbps, latency_us=lat, type=LinkType.PCIE)
+            for a, b, gbps, lat in links
+            for s, d in ((a, b), (b, a))
+        ),
+    )
 
 
 def test_time_formulas_on_hand_computed_groups():
@@ -193,11 +214,12 @@ def test_time_formulas_on_hand_computed_groups():
 
 def test_two_dgx1v_three_phase_trees():
     cluster = load_cluster(CLUSTERS / "dgx1v-x2.yaml")
-    rooted = plan_collective(dataclasses.replace(cluster, intra_node_default=None), cluster.device_names,
-                             root="dgx1.gpu2")
+    rooted = plan_collective(
+        dataclasses.replace(cluster, intra_node_default=None), cluster.device_names, root="dgx1.gpu2"
+    )
     assert rooted.root == "dgx1.gpu2" and rooted.rate_gbps == pytest.approx(12.5)
     assert rooted.trees[0].edges[0][0] == "dgx1.gpu2"
-    collective = plan_collective(cluster, cluster.device_names)   # identical servers: one packing serves both
+    collective = plan_collective(cluster, cluster.device_names)  # identical servers: one packing serves both
     assert_valid(cluster, collective)
     assert collective.rate_gbps == pytest.approx(12.5) and collective.bound_gbps == pytest.approx(12.5)
     assert len(collective.trees) <= 16
@@ -205,7 +227,8 @@ def test_two_dgx1v_three_phase_trees():
     # plus the pipeline's fill: twice the deepest latency (<= 7 PCIe-or-NVLink hops per server + the network)
     assert 1e9 / 12.5e9 < allreduce_time_s(cluster, collective, 1e9) <= 1e9 / 12.5e9 + 2 * (14 * 8 + 5) * 1e-6
     assert ring_allreduce_time_s(cluster, cluster.device_names, 1e9) == pytest.approx(
-        2 * 15 / 16 * 1e9 / 12.5e9 + 2 * 15 * 5e-6)
+        2 * 15 / 16 * 1e9 / 12.5e9 + 2 * 15 * 5e-6
+    )
 
 
 def test_64_servers_of_8_gpus_plan_in_seconds():
@@ -228,10 +251,10 @@ def test_mixed_cluster_loads_and_plans():
     assert len(cluster.devices) == 24
     a100 = [d.name for d in cluster.nodes[0].devices]
     local = plan_collective(cluster, a100, min_share=1.0)
-    assert local.rate_gbps == pytest.approx(300.0)   # 3 peers x 4 NVLinks x 25 GB/s
+    assert local.rate_gbps == pytest.approx(300.0)  # 3 peers x 4 NVLinks x 25 GB/s
     everything = plan_collective(cluster, cluster.device_names)
     assert_valid(cluster, everything)
-    assert everything.rate_gbps == pytest.approx(3.125)   # 25 Gb/s Ethernet between nodes
+    assert everything.rate_gbps == pytest.approx(3.125)  # 25 Gb/s Ethernet between nodes
 
 
 def test_a_server_whose_part_is_disconnected_is_named():

@@ -31,7 +31,7 @@ def _app() -> typer.Typer:
 def test_json_for_three_gpus_by_index():
     result = runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--devices", "0,1,5", "--json"])
     assert result.exit_code == 0, result.stderr
-    data = json.loads(result.stdout)   # exactly one JSON object on stdout
+    data = json.loads(result.stdout)  # exactly one JSON object on stdout
     assert set(data) == {"devices", "root", "trees", "rate_gbps", "bound_gbps", "ring_gbps", "solve_s"}
     assert data["devices"] == ["gpu0", "gpu1", "gpu5"]
     assert data["rate_gbps"] == 35.0 and data["bound_gbps"] == 35.0 and data["ring_gbps"] == 10.0
@@ -40,19 +40,24 @@ def test_json_for_three_gpus_by_index():
 
 
 def test_names_root_and_human_table_on_stderr():
-    result = runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--devices", "gpu0,gpu3,gpu2",
-                                    "--root", "2", "--size-mb", "100"])
+    result = runner.invoke(
+        _app(),
+        ["plan", "collectives", "--cluster", DGX, "--devices", "gpu0,gpu3,gpu2", "--root", "2", "--size-mb", "100"],
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stdout == ""
-    text = " ".join(result.stderr.split())   # rich wraps lines at the terminal's width
+    text = " ".join(result.stderr.split())  # rich wraps lines at the terminal's width
     assert "root gpu2" in text and "rate 75.00 GB/s, min-cut bound 75.00 GB/s" in text
     assert "best ring 25.00 GB/s (3.00x the ring)" in text
     assert "allreduce of 100 MB: trees" in text
 
 
 def test_bad_devices_exit_2_with_one_line():
-    for devices, message in (("0,1,9", "device index 9 is out of range"), ("gpu0,tpu1", "unknown device 'tpu1'"),
-                             (",", "--devices")):
+    for devices, message in (
+        ("0,1,9", "device index 9 is out of range"),
+        ("gpu0,tpu1", "unknown device 'tpu1'"),
+        (",", "--devices"),
+    ):
         result = runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--devices", devices])
         assert result.exit_code == 2, (devices, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr

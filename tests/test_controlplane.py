@@ -10,9 +10,12 @@ import time
 import psutil
 import pytest
 
+from felactl.agents.session import AgentSession, StopOrder
+from felactl.control.documents import Assignment
+from felactl.control.join import JOIN_REFUSALS, sign, verify
+from felactl.control.store import parse_endpoint
 from felactl.errors import AuthError, ControlPlaneError, InputError
-from felactl.launcher.controlplane import (AgentSession, Assignment, Coordinator, new_secret, parse_endpoint,
-                                           read_secret_file, sign, signed_envelope, verify, write_secret_file)
+from felactl.launcher.controlplane import Coordinator, new_secret, read_secret_file, write_secret_file
 
 
 def test_secret_file_is_private_hex_and_reads_back(tmp_path):
@@ -43,10 +46,16 @@ def test_sign_verify():
     assert not verify(secret, "scale add 2", "00" * 32)
 
 
-@pytest.mark.parametrize("text,expected", [("127.0.0.1:29500", ("127.0.0.1", 29500)),
-                                           ("node-1.lab:0", ("node-1.lab", 0)),
-                                           ("::1:80", ("::1", 80)), ("[::1]:29500", ("::1", 29500)),
-                                           ("[fe80::1%eth0]:1", ("fe80::1%eth0", 1))])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("127.0.0.1:29500", ("127.0.0.1", 29500)),
+        ("node-1.lab:0", ("node-1.lab", 0)),
+        ("::1:80", ("::1", 80)),
+        ("[::1]:29500", ("::1", 29500)),
+        ("[fe80::1%eth0]:1", ("fe80::1%eth0", 1)),
+    ],
+)
 def test_parse_endpoint(text, expected):
     assert parse_endpoint(text) == expected
 
@@ -60,8 +69,11 @@ def test_parse_endpoint_rejects(text):
 def test_coordinator_listens_on_loopback_only():
     coordinator = Coordinator(new_secret())
     try:
-        listening = [c for c in psutil.Process().net_connections(kind="tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == coordinator.port]
+        listening = [
+            c
+            for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == coordinator.port
+        ]
         assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
     finally:
         coordinator.close()
@@ -115,8 +127,9 @@ def test_an_agent_without_a_job_name_joins_the_job_its_coordinator_runs():
         coordinator.close()
 
 
-def _join_in_thread(endpoint: str, secret: str, node: str, slots: int,
-                    job: str | None = "job") -> tuple[threading.Thread, dict]:
+def _join_in_thread(
+    endpoint: str, secret: str, node: str, slots: int, job: str | None = "job"
+) -> tuple[threading.Thread, dict]:
     outcome: dict = {}
 
     def run() -> None:
@@ -150,9 +163,10 @@ def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins(cap
         _serve_until(coordinator, thread)
         assert isinstance(outcome.get("error"), AuthError)
         assert "wrong job secret" in str(outcome["error"])
-        assert coordinator.members == {} and len(coordinator.refused) == 1
-        assert [r.getMessage() for r in caplog.records] == [
-            f"control plane: refused agent {coordinator.refused[0]!r}: wrong job secret or duplicate id"]
+        assert coordinator.members == {} and len(coordinator.refused) == JOIN_REFUSALS  # a fresh hello each time
+        assert [r.getMessage() for r in caplog.records if r.name == "felactl.launcher.controlplane"] == [
+            f"control plane: refused agent {coordinator.refused[0]!r}: wrong job secret or duplicate id"
+        ] * JOIN_REFUSALS
 
         thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 3)
         _serve_until(coordinator, thread)
@@ -160,8 +174,9 @@ def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins(cap
         member = coordinator.members[outcome["agent_id"]]
         assert (member.node_name, member.num_slots, member.info) == ("nodeA", 3, {"num_cpu_cores": 2})
 
-        coordinator.publish_assignments({member.agent_id: Assignment(rank_offset=0, world_size=3, module="m",
-                                                                     env={"A": "1"})})
+        coordinator.publish_assignments(
+            {member.agent_id: Assignment(rank_offset=0, world_size=3, module="m", env={"A": "1"})}
+        )
         assignment = outcome["session"].wait_assignment(5)
         assert (assignment.world_size, assignment.module, assignment.env) == (3, "m", {"A": "1"})
     finally:
@@ -176,24 +191,35 @@ def _eventually(check, timeout_s: float = 5.0):
     return result
 
 
-def test_forged_documents_are_rejected():
+def test_forged_documents_are_ignored_recorded_and_removed(tmp_path):
+    """A stop order signed with another secret, or a job document moved to the stop key, is
+    ignored by the agent (no exception: the job goes on); the coordinator records it as refused
+    and removes it; its own stop order then reaches the agent."""
+    from felactl.control import Seal, job_binding
+    from felactl.launcher.rundir import read_jsonl
+
     secret = new_secret()
-    coordinator = Coordinator(secret)
+    events = tmp_path / "events.jsonl"
+    coordinator = Coordinator(secret, events=events)
     try:
         thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 1)
         _serve_until(coordinator, thread)
         session = outcome["session"]
         assert session.stop_requested() is None
-        forged = signed_envelope(new_secret(), "stop", {"reason": "forged"})
+        binding = job_binding(coordinator.job, coordinator.session)
+        forged = Seal(new_secret(), binding).seal("stop", "stop", {"reason": "forged"})
         coordinator.store.set(coordinator.prefix + "stop", forged)
-        with pytest.raises(AuthError, match="not signed with this job's secret"):
-            _eventually(session.stop_requested)
-        renamed = signed_envelope(secret, "job", {"reason": "a job document posing as a stop"})
-        coordinator.store.set(coordinator.prefix + "stop", renamed)
-        with pytest.raises(AuthError, match="not signed with this job's secret"):
-            _eventually(lambda: session.stop_requested() == "a job document posing as a stop")
-        coordinator.stop("done")
-        assert _eventually(lambda: session.stop_requested() == "done")
+        moved = Seal(secret, binding).seal("job", "stop", {"reason": "a job document posing as a stop"})
+        for value in (forged, "garbage", moved):
+            coordinator.store.set(coordinator.prefix + "stop", value)
+            time.sleep(0.1)
+            assert session.stop_requested() is None
+            coordinator.audit(force=True)
+            assert not coordinator.store.check([coordinator.prefix + "stop"])
+        reasons = [e["reason"] for e in read_jsonl(events) if e["kind"] == "refused"]
+        assert len(reasons) == 3 and all(e["key"] == "stop" for e in read_jsonl(events))
+        coordinator.stop("done", drain_s=20)
+        assert _eventually(lambda: session.stop_requested() == StopOrder("done", 20.0))
     finally:
         coordinator.close()
 
@@ -208,3 +234,31 @@ def test_lost_coordinator_is_control_plane_error():
         for _ in range(50):  # the server's shutdown is asynchronous
             outcome["session"].stop_requested()
             time.sleep(0.05)
+
+
+def test_a_bumped_generation_s_forged_document_is_refused_and_removed_by_the_coordinator(tmp_path):
+    """Attack 3 without the race: the coordinator, writing back a generation number it never
+    published, also finds the forged document that number points to, records it as refused and
+    removes it, whether or not a worker had looked at it yet."""
+    import json
+
+    import torch.distributed as dist
+
+    from felactl.control import keys
+
+    events = tmp_path / "events.jsonl"
+    coordinator = Coordinator(new_secret(), job="g", events=events)
+    try:
+        coordinator.own(keys.GENERATION, "0")
+        attacker = dist.TCPStore("127.0.0.1", coordinator.port, is_master=False)
+        forged = keys.generation_document(5)
+        attacker.set(coordinator.prefix + forged, json.dumps({"generation": 5, "members": [0], "plan": "/evil"}))
+        attacker.set(coordinator.prefix + keys.GENERATION, "5")
+        coordinator.audit(force=True)
+        recorded = [json.loads(line) for line in events.read_text().splitlines()]
+        assert any(e["kind"] == "refused" and e["key"] == forged for e in recorded), recorded
+        assert any(e["kind"] == "repaired" and e["key"] == keys.GENERATION for e in recorded)
+        assert not attacker.check([coordinator.prefix + forged])
+        assert attacker.get(coordinator.prefix + keys.GENERATION) == b"0"
+    finally:
+        coordinator.close()

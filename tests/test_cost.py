@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 
-from felactl.optimizer.cost import (CostModel, b_half, efficiency, layer_times_s, micro_batch_options,
-                                    stage_memory_bytes)
+from felactl.optimizer.cost import CostModel, b_half, efficiency, layer_times_s, micro_batch_options, stage_memory_bytes
 from felactl.optimizer.evaluate import StageChoice, predict, token_samples
 from felactl.spec import Device, DeviceKind, Layer, LayerTiming, SyncTiming
 from tests.planner_fixtures import cluster, model
@@ -16,14 +15,27 @@ GPU = Device(name="g", kind=DeviceKind.CUDA, model="G1", tflops=10.0, memory_gb=
 
 
 def _linear(params: int = 1_000_000, timings=()) -> Layer:
-    return Layer(name="fc", params=params, param_bytes=4 * params, activation_bytes_per_sample=4000,
-                 fwd_flops_per_sample=2.0 * params, bwd_flops_per_sample=4.0 * params, timings=timings)
+    return Layer(
+        name="fc",
+        params=params,
+        param_bytes=4 * params,
+        activation_bytes_per_sample=4000,
+        fwd_flops_per_sample=2.0 * params,
+        bwd_flops_per_sample=4.0 * params,
+        timings=timings,
+    )
 
 
 def test_b_half_follows_arithmetic_intensity():
     assert b_half(_linear()) == pytest.approx(100.0)  # 2 FLOPs per 4 bytes: ridge 50 / 0.5
-    conv = Layer(name="conv", params=1000, param_bytes=4000, activation_bytes_per_sample=1,
-                 fwd_flops_per_sample=4e6, bwd_flops_per_sample=8e6)
+    conv = Layer(
+        name="conv",
+        params=1000,
+        param_bytes=4000,
+        activation_bytes_per_sample=1,
+        fwd_flops_per_sample=4e6,
+        bwd_flops_per_sample=8e6,
+    )
     assert b_half(conv) == 0.5  # clamped: a conv saturates at once
     assert efficiency(100, 100.0) == 0.5
 
@@ -51,7 +63,9 @@ def test_memory_counts_weights_grads_adamw_and_activations():
     # saved per sample, without a profiled number: input + output of each layer
     assert stage_memory_bytes(net, 0, 2, micro_batch=4, in_flight=3) == 16 * 3000 + (5 + 10 + 10 + 20) * 4 * 3
     assert stage_memory_bytes(net, 1, 2, micro_batch=1, in_flight=1) == 16 * 2000 + (10 + 20)
-    profiled = dataclasses.replace(net, layers=(net.layers[0], dataclasses.replace(net.layers[1], saved_bytes_per_sample=7)))
+    profiled = dataclasses.replace(
+        net, layers=(net.layers[0], dataclasses.replace(net.layers[1], saved_bytes_per_sample=7))
+    )
     assert stage_memory_bytes(profiled, 1, 2, micro_batch=2, in_flight=1) == 16 * 2000 + 7 * 2
 
 
@@ -79,6 +93,7 @@ def test_prediction_of_data_parallel_by_hand():
     got = predict(cost, (stage,), 8, max_stages=1)
     compute = 4 * 3e9 / 10e12  # 4 samples x (fwd + bwd) FLOPs at full speed (conv-like layer)
     from felactl.optimizer.collectives import ring_allreduce_time_s
+
     ring = ring_allreduce_time_s(spec, ["n0.d0", "n0.d1"], 4e6)
     assert got.fill_s == 0.0
     assert got.iteration_s == pytest.approx(compute / efficiency(4, b_half(net.layers[0])) + ring)
@@ -102,8 +117,9 @@ def test_optimizer_step_is_charged_by_parameter_share_on_the_profiled_hardware()
     # a one-stage, one-device plan: the iteration is its micro-batches' compute plus one step
     stage = StageChoice(0, 2, 1, (("n0.d0", 1.0),))
     with_step = predict(cost, (stage,), 4, 1).iteration_s
-    without = predict(CostModel(spec, dataclasses.replace(net, optimizer_step_ms=None), use_trees=False),
-                      (stage,), 4, 1).iteration_s
+    without = predict(
+        CostModel(spec, dataclasses.replace(net, optimizer_step_ms=None), use_trees=False), (stage,), 4, 1
+    ).iteration_s
     assert without == pytest.approx(4 * 2 * 0.003)
     assert with_step - without == pytest.approx(0.008)
 
@@ -127,8 +143,16 @@ def test_a_measured_data_parallel_sync_calibrates_its_group_and_the_groups_insid
     trio_s = link_based.sync_time_s(trio, 16e6)
 
     def measured(ms: float, cluster_name: str = "test") -> CostModel:
-        return CostModel(spec, dataclasses.replace(plain, data_parallel_sync=(SyncTiming(
-            cluster=cluster_name, devices=trio[::-1], backend="gloo", micro_batch=4, sync_ms=ms),)), use_trees=False)
+        return CostModel(
+            spec,
+            dataclasses.replace(
+                plain,
+                data_parallel_sync=(
+                    SyncTiming(cluster=cluster_name, devices=trio[::-1], backend="gloo", micro_batch=4, sync_ms=ms),
+                ),
+            ),
+            use_trees=False,
+        )
 
     cost = measured(trio_s * 5e3)  # the trio synced 5x slower than its links say
     assert cost.sync_time_s(trio, 16e6) == pytest.approx(5 * trio_s)  # any device order
@@ -147,11 +171,87 @@ def test_a_measured_data_parallel_sync_calibrates_its_group_and_the_groups_insid
     on_part = CostModel(part, cost.model, use_trees=False, sync_reference=spec)
     assert on_part.sync_time_s(pair, 16e6) == pytest.approx(5 * link_based.sync_time_s(pair, 16e6))
     assert CostModel(part, cost.model, use_trees=False).sync_time_s(pair, 16e6) == pytest.approx(
-        link_based.sync_time_s(pair, 16e6)), "without the whole cluster the measured set is out of sight"
+        link_based.sync_time_s(pair, 16e6)
+    ), "without the whole cluster the measured set is out of sight"
 
 
 def test_a_model_profile_refuses_two_sync_timings_for_one_group():
     timing = SyncTiming(cluster="c", devices=("a", "b"), backend="gloo", micro_batch=4, sync_ms=1.0)
     with pytest.raises(Exception, match="data_parallel_sync\\[1\\]: a second timing"):
-        dataclasses.replace(model([(10, 10, 1.0)]), data_parallel_sync=(timing, dataclasses.replace(
-            timing, devices=("b", "a"))))
+        dataclasses.replace(
+            model([(10, 10, 1.0)]), data_parallel_sync=(timing, dataclasses.replace(timing, devices=("b", "a")))
+        )
+
+
+@pytest.mark.parametrize(
+    "unknown", [{"sync_ms": 0.0}, {"noise_ms": 9.0, "noisy": True}], ids=["an old profile's zero", "hidden in noise"]
+)
+def test_a_sync_not_told_apart_from_noise_is_neither_free_nor_a_calibration(tmp_path, unknown):
+    from felactl.spec import load_cluster
+    from tests.planner_fixtures import two_cpu_slot_cluster
+
+    slots = load_cluster(two_cpu_slot_cluster(tmp_path))
+    plain = model([(1_000_000, 1000, 1e9), (2_000_000, 1000, 1e9)])
+    pair = ("cpu0", "cpu1")
+    link_based = CostModel(slots, plain)
+    timing = SyncTiming(cluster="here", devices=pair, backend="gloo", micro_batch=16, **unknown)
+    cost = CostModel(slots, dataclasses.replace(plain, data_parallel_sync=(timing,)))
+    link_s = link_based.sync_time_s(pair, 12e6)
+    assert link_s > 0 and cost.sync_time_s(pair, 12e6) == pytest.approx(link_s)  # the floor, never free
+    # the group is still priced from its links alone, so the plan says so (it did not: a 0 counted as measured)
+    assert cost.uncalibrated_cpu_groups([pair]) == [pair]
+    measured = CostModel(
+        slots, dataclasses.replace(plain, data_parallel_sync=(dataclasses.replace(timing, sync_ms=50.0),))
+    )
+    assert measured.uncalibrated_cpu_groups([pair]) == [] and measured.sync_time_s(pair, 12e6) > cost.sync_time_s(
+        pair, 12e6
+    )
+
+
+def test_timings_of_a_device_model_are_scaled_to_each_device_s_measured_speed():
+    """Three CPU slots of one model, held to a core, half and a quarter of it (a testbed's cgroup
+    shares): the profile timed the model at 2 TFLOP/s, so the slot that measured 0.5 takes 4x."""
+    timing = (LayerTiming(device_model="X", micro_batch=4, fwd_ms=1.0, bwd_ms=2.0),)
+    net = dataclasses.replace(model([(1000, 10, 1.0), (3000, 10, 1.0)]), optimizer_step_ms=8.0)
+    net = dataclasses.replace(net, layers=tuple(dataclasses.replace(l, timings=timing) for l in net.layers))
+    spec = cluster([[("X", 2.0, 8.0), ("X", 1.0, 8.0), ("X", 0.5, 8.0)]])
+    untold = CostModel(spec, net, use_trees=False)  # an older profile: every slot as the one timed
+    assert [untold.stage_times_s(0, 2, d, 4) for d in spec.device_names] == [pytest.approx((0.002, 0.004))] * 3
+    cost = CostModel(spec, dataclasses.replace(net, timed_tflops={"X": 2.0}), use_trees=False)
+    assert cost.stage_times_s(0, 2, "n0.d0", 4) == pytest.approx((0.002, 0.004))
+    assert cost.stage_times_s(0, 2, "n0.d1", 4) == pytest.approx((0.004, 0.008))
+    assert cost.stage_times_s(0, 2, "n0.d2", 4) == pytest.approx((0.008, 0.016))
+    assert cost.optimizer_step_s(0, 2, "n0.d2") == pytest.approx(0.032)
+    # a device of another model keeps its own pricing (FLOPs: no timing of it)
+    assert (
+        CostModel(cluster([[("Y", 0.5, 8.0)]]), dataclasses.replace(net, timed_tflops={"X": 2.0})).timed_slowdown(
+            Device(name="y", kind=DeviceKind.CPU, model="Y", tflops=0.5, memory_gb=1)
+        )
+        == 1.0
+    )
+
+
+def test_a_model_profile_refuses_a_timed_speed_that_is_no_speed():
+    from felactl.spec.codec import FieldProblem
+
+    with pytest.raises(FieldProblem, match="timed_tflops"):
+        dataclasses.replace(model([(1000, 10, 1.0)]), timed_tflops={"X": -1.0})
+
+
+def test_a_micro_batch_between_two_measured_ones_interpolates_their_per_sample_times():
+    """A CPU saturates at small batches: 64 and 256 took 0.02 and 0.018 ms per sample. 128 lies
+    half-way in log2: 0.019 ms per sample, not the saturation curve's 0.02 x eff(64) / eff(128)
+    (0.0139 for a linear layer's b_half of 100)."""
+    layer = _linear(
+        timings=(
+            LayerTiming(device_model="G1", micro_batch=64, fwd_ms=1.28, bwd_ms=2.56),
+            LayerTiming(device_model="G1", micro_batch=256, fwd_ms=4.608, bwd_ms=9.216),
+        )
+    )
+    fwd, bwd = layer_times_s(layer, GPU, 128)
+    assert fwd == pytest.approx(128 * 0.019e-3) and bwd == pytest.approx(2 * fwd)
+    assert layer_times_s(layer, GPU, 64) == pytest.approx((1.28e-3, 2.56e-3))  # measured: as measured
+    # beyond the measured sizes the curve still scales the nearest one
+    assert layer_times_s(layer, GPU, 512)[0] == pytest.approx(
+        512 * 0.018e-3 * efficiency(256, 100) / efficiency(512, 100)
+    )

@@ -9,13 +9,13 @@ import pytest
 from felactl.errors import ProfilingError
 from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
 from felactl.spec import SyncTiming
-from tests.planner_fixtures import two_cpu_slot_cluster
 from felactl.spec.codec import decode, encode
+from tests.planner_fixtures import two_cpu_slot_cluster
 
 pytestmark = pytest.mark.multiprocess
 
 SLOTS = [Slot("vm-cpu0", (0,)), Slot("vm-cpu1", (1,))]
-QUICK = {"blocks": 2, "per_block": 6, "warmup": 1, "cluster": "here"}
+QUICK = {"min_pairs": 2, "max_pairs": 6, "per_block": 6, "warmup": 1, "cluster": "here"}
 
 
 def _no_children_left() -> bool:
@@ -35,9 +35,20 @@ def test_sync_grows_with_the_gradients_and_no_process_is_left():
     small = measure_data_parallel_sync("mlp", {"hidden": 8, "depth": 1}, 16, SLOTS, **QUICK)  # 8 KB
     assert big.devices == ("vm-cpu0", "vm-cpu1") and big.backend == "gloo" and big.micro_batch == 16
     assert big.cluster == "here"
-    assert big.sync_ms > 1.0, big  # gloo moves 13 MB in no less than a few ms here
-    assert big.sync_ms > small.sync_ms + 1.0, (big, small)
+    assert_measured_or_hidden_in_noise(big, more_than_ms=1.0)  # gloo moves 13 MB in no less than a few ms here
+    if big.measured and small.measured:
+        assert big.sync_ms > small.sync_ms + 1.0, (big, small)
     assert _no_children_left()
+
+
+def assert_measured_or_hidden_in_noise(timing: SyncTiming, more_than_ms: float) -> None:
+    """A sync of more than ``more_than_ms`` was measured, or, on a machine too busy to tell it
+    apart, is recorded as not measured with noise of that size (never as 0)."""
+    assert timing.sync_ms != 0.0, timing
+    if timing.measured:
+        assert timing.sync_ms > more_than_ms and timing.noise_ms < timing.sync_ms, timing
+    else:  # its noise is recorded instead (how large depends on the load of the moment)
+        assert timing.sync_ms is None and timing.noise_ms > 0, timing
 
 
 def test_a_slot_that_fails_is_named_and_the_others_are_stopped():
@@ -65,27 +76,48 @@ def test_profile_model_with_cluster_measures_the_slots_sync_and_plan_charges_it(
     from felactl.spec import load_cluster, load_model
 
     cluster = two_cpu_slot_cluster(tmp_path)
-    args = ["profile", "--model", "mlp", "--config", "hidden=1024", "--batch-sizes", "8,16", "--repetitions", "2",
-            "--device", "cpu", "--cluster", str(cluster), "-o", str(tmp_path / "model.yaml"), "--json"]
+    args = [
+        "profile",
+        "--model",
+        "mlp",
+        "--config",
+        "hidden=1024",
+        "--batch-sizes",
+        "8,16",
+        "--repetitions",
+        "2",
+        "--device",
+        "cpu",
+        "--cluster",
+        str(cluster),
+        "-o",
+        str(tmp_path / "model.yaml"),
+        "--json",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     model = load_model(tmp_path / "model.yaml")
     (sync,) = model.data_parallel_sync
-    assert sync.devices == ("cpu0", "cpu1") and sync.micro_batch == 16 and sync.sync_ms > 1.0
-    assert sync.cluster == "here"
+    assert sync.devices == ("cpu0", "cpu1") and sync.micro_batch == 16 and sync.cluster == "here"
+    assert_measured_or_hidden_in_noise(sync, more_than_ms=1.0)
     cost = CostModel(load_cluster(cluster), model)
     link_s = CostModel(load_cluster(cluster), dataclasses.replace(model, data_parallel_sync=())).sync_time_s(
-        ("cpu0", "cpu1"), cost.model_param_bytes)
+        ("cpu0", "cpu1"), cost.model_param_bytes
+    )
     assert cost.sync_time_s(("cpu1", "cpu0"), cost.model_param_bytes) == pytest.approx(
-        max(link_s, sync.sync_ms / 1e3))
+        max(link_s, sync.sync_ms / 1e3) if sync.measured else link_s
+    )
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--node-name", "elsewhere"], "has no node named 'elsewhere'"),
-    (["--device", "cuda"], "--cluster profiles on this machine's CPU slots"),
-    (["--cores-of-cpu1", "4096"], "slot cpu1 is pinned to core(s) 4096, which this machine does not have"),
-    (["--worker-batch", "4", "--no-cluster"], "--worker-batch is for --cluster"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--node-name", "elsewhere"], "has no node named 'elsewhere'"),
+        (["--device", "cuda"], "--cluster profiles on this machine's CPU slots"),
+        (["--cores-of-cpu1", "4096"], "slot cpu1 is pinned to core(s) 4096, which this machine does not have"),
+        (["--worker-batch", "4", "--no-cluster"], "--worker-batch is for --cluster"),
+    ],
+)
 def test_profile_model_with_a_cluster_it_cannot_use_is_refused(tmp_path, extra, message):
     from typer.testing import CliRunner
 
@@ -106,8 +138,17 @@ def test_profile_with_cluster_refuses_a_user_model_that_brings_no_data(tmp_path)
 
     from felactl.cli.main import app
 
-    args = ["profile", "--model", "tests.test_model_profile:user_net", "--input-shape", "2,3,3",
-            "--cluster", str(two_cpu_slot_cluster(tmp_path)), "-o", str(tmp_path / "m.yaml")]
+    args = [
+        "profile",
+        "--model",
+        "tests.test_model_profile:user_net",
+        "--input-shape",
+        "2,3,3",
+        "--cluster",
+        str(two_cpu_slot_cluster(tmp_path)),
+        "-o",
+        str(tmp_path / "m.yaml"),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "brings no data" in result.output, result.output
     assert not (tmp_path / "m.yaml").exists()

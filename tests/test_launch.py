@@ -17,9 +17,9 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from felactl.profiling.devices import short_hostname
 from felactl.cli.main import app
 from felactl.launcher.rundir import read_jsonl
+from felactl.machine import short_hostname
 from felactl.spec import DeviceKind, ModelRef, Placement, save
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -53,8 +53,9 @@ def test_launch_runs_the_plan_and_leaves_a_run_directory(tmp_path, no_leftovers)
 
 def test_a_run_keeps_only_its_newest_checkpoints(tmp_path, no_leftovers):
     plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
-    result = _launch(tmp_path, str(plan_path), "--steps", "12", "--run-id", "k", "--checkpoint-every", "2",
-                     "--keep-checkpoints", "2")
+    result = _launch(
+        tmp_path, str(plan_path), "--steps", "12", "--run-id", "k", "--checkpoint-every", "2", "--keep-checkpoints", "2"
+    )
     assert result.exit_code == 0, result.output
     kept = sorted(p.name for p in (tmp_path / "runs" / "k" / "checkpoints").iterdir())
     assert kept == ["step000010", "step000012"]
@@ -75,8 +76,15 @@ def test_old_checkpoints_are_pruned_while_the_run_goes_on(tmp_path, monkeypatch,
     monkeypatch.setattr(launch_mod, "prune_checkpoints", recording_prune)
     monkeypatch.setattr(launch_mod, "PRUNE_EVERY_S", 0.0)
     plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
-    options = launch_mod.LaunchOptions(plan_path=plan_path, run_id="p", runs_root=tmp_path / "runs", steps=30,
-                                       checkpoint_every=1, keep_checkpoints=2, straggler="roundrobin:0.05")
+    options = launch_mod.LaunchOptions(
+        plan_path=plan_path,
+        run_id="p",
+        runs_root=tmp_path / "runs",
+        steps=30,
+        checkpoint_every=1,
+        keep_checkpoints=2,
+        straggler="roundrobin:0.05",
+    )
     launch_mod.launch(options)
     assert sorted(p.name for p in (tmp_path / "runs" / "p" / "checkpoints").iterdir()) == ["step000029", "step000030"]
     during = [removed for running, removed in calls[:-1] if running]
@@ -85,19 +93,41 @@ def test_old_checkpoints_are_pruned_while_the_run_goes_on(tmp_path, monkeypatch,
 
 def test_a_worker_that_dies_at_start_fails_the_launch_and_leaves_nothing(tmp_path, no_leftovers):
     plan = dp_plan(2, "bsp")
-    broken = dataclasses.replace(plan, model=ModelRef(name="x", source="no_such_module:build"))
+    broken = dataclasses.replace(plan, model=ModelRef(name="x", source="os:getcwd"))  # imports, builds no model
     plan_path = save(broken, tmp_path / "plan.yaml")
     result = _launch(tmp_path, str(plan_path), "--steps", "3")
     assert result.exit_code == 1, result.output
-    assert "worker failed" in result.stderr and "no_such_module" in result.stderr
-    assert [e["kind"] for e in read_jsonl(tmp_path / "runs" / next(iter(
-        p.name for p in (tmp_path / "runs").iterdir())) / "events.jsonl")][-1] == "failed"
+    assert "worker failed" in result.stderr and "model 'os:getcwd'" in result.stderr
+    assert [
+        e["kind"]
+        for e in read_jsonl(
+            tmp_path / "runs" / next(iter(p.name for p in (tmp_path / "runs").iterdir())) / "events.jsonl"
+        )
+    ][-1] == "failed"
+
+
+def test_a_job_that_ends_without_recording_a_step_is_recorded_as_failed(tmp_path, monkeypatch, no_leftovers):
+    """(A user's script may write no metrics.) The launch used to raise after its last event,
+    leaving the run 'running' in its directory forever."""
+    from felactl.launcher import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod._MetricsTail, "read_new", lambda self: [])
+    result = _launch(tmp_path, str(save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")), "--steps", "2", "--run-id", "q")
+    assert result.exit_code == 1 and "without recording a step" in result.stderr, result.output
+    events = read_jsonl(tmp_path / "runs" / "q" / "events.jsonl")
+    assert events[-1]["kind"] == "failed" and "without recording a step" in events[-1]["reason"]
+    assert _status(tmp_path, "q")["state"] == "failed"
 
 
 def test_a_plan_for_another_machine_is_refused(tmp_path, no_leftovers):
     plan = dp_plan(2, "bsp")
-    placed = dataclasses.replace(plan, placement=tuple(Placement(device=d, node="elsewhere", kind=DeviceKind.CPU,
-                                                                 local_index=i) for i, d in enumerate(plan.devices)))
+    placed = dataclasses.replace(
+        plan,
+        placement=tuple(
+            Placement(device=d, node="elsewhere", kind=DeviceKind.CPU, local_index=i)
+            for i, d in enumerate(plan.devices)
+        ),
+    )
     plan_path = save(placed, tmp_path / "plan.yaml")
     result = _launch(tmp_path, str(plan_path))
     assert result.exit_code == 2
@@ -105,8 +135,10 @@ def test_a_plan_for_another_machine_is_refused(tmp_path, no_leftovers):
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
-@pytest.mark.parametrize("content, needle", [(None, "no such file"), ("kind: Plan\nstages: [", "not valid YAML"),
-                                             ("kind: Cluster\n", "must be Plan")])
+@pytest.mark.parametrize(
+    "content, needle",
+    [(None, "no such file"), ("kind: Plan\nstages: [", "not valid YAML"), ("kind: Cluster\n", "must be Plan")],
+)
 def test_bad_plan_files(tmp_path, content, needle):
     path = tmp_path / "plan.yaml"
     if content is not None:
@@ -130,14 +162,18 @@ def test_port_in_use_is_bad_input(tmp_path):
 def test_bad_flags(tmp_path):
     plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
     (tmp_path / "bad-hosts").write_text("nodeB slots=x\n")
-    for args, needle in [(["--slowdown", "1=x"], "slowdown"), (["--straggler", "sometimes"], "straggler"),
-                         (["--nnodes", "2"], "--rdzv-endpoint"), (["--slowdown", "5=2"], "rank 5 does not exist"),
-                         (["--straggler", "roundrobin:abc"], "SECONDS must be a number"),
-                         (["--collective-timeout", "-1"], "--collective-timeout"),
-                         (["--rdzv-endpoint", "127.0.0.1:99999"], "port in 0..65535"),
-                         (["--rdzv-endpoint", "127.0.0.1:29999", "--nnodes", "2"], "places its workers on 1 node"),
-                         (["--hostfile", str(tmp_path / "missing")], "no such hostfile"),
-                         (["--hostfile", str(tmp_path / "bad-hosts"), "--rdzv-endpoint", "127.0.0.1:1"], "slots")]:
+    for args, needle in [
+        (["--slowdown", "1=x"], "slowdown"),
+        (["--straggler", "sometimes"], "straggler"),
+        (["--nnodes", "2"], "--rdzv-endpoint"),
+        (["--slowdown", "5=2"], "rank 5 does not exist"),
+        (["--straggler", "roundrobin:abc"], "SECONDS must be a number"),
+        (["--collective-timeout", "-1"], "--collective-timeout"),
+        (["--rdzv-endpoint", "127.0.0.1:99999"], "port in 0..65535"),
+        (["--rdzv-endpoint", "127.0.0.1:29999", "--nnodes", "2"], "places its workers on 1 node"),
+        (["--hostfile", str(tmp_path / "missing")], "no such hostfile"),
+        (["--hostfile", str(tmp_path / "bad-hosts"), "--rdzv-endpoint", "127.0.0.1:1"], "slots"),
+    ]:
         result = _launch(tmp_path, str(plan_path), *args)
         assert result.exit_code == 2, (args, result.output)
         assert needle.lower() in result.stderr.lower(), (args, result.stderr)
@@ -147,8 +183,12 @@ def test_bad_flags(tmp_path):
 
 def test_a_plan_for_gpus_this_machine_lacks_is_refused_before_anything_starts(tmp_path, no_leftovers):
     plan = dp_plan(2, "bsp")
-    on_gpus = dataclasses.replace(plan, placement=tuple(Placement(device=d, node="box", kind=DeviceKind.CUDA,
-                                                                  local_index=i + 6) for i, d in enumerate(plan.devices)))
+    on_gpus = dataclasses.replace(
+        plan,
+        placement=tuple(
+            Placement(device=d, node="box", kind=DeviceKind.CUDA, local_index=i + 6) for i, d in enumerate(plan.devices)
+        ),
+    )
     plan_path = save(on_gpus, tmp_path / "plan.yaml")
     result = _launch(tmp_path, str(plan_path), "--node-name", "box")
     assert result.exit_code == 2, result.output
@@ -165,13 +205,26 @@ def test_the_backend_follows_the_plans_devices_not_the_machine():
 
     def placed(kind):
         plan = dp_plan(2)
-        return dataclasses.replace(plan, placement=tuple(
-            Placement(device=d, node="box", kind=kind, local_index=i) for i, d in enumerate(plan.devices)))
+        return dataclasses.replace(
+            plan,
+            placement=tuple(
+                Placement(device=d, node="box", kind=kind, local_index=i) for i, d in enumerate(plan.devices)
+            ),
+        )
 
     assert plan_backend(placed(DeviceKind.CPU)) == "gloo"
     assert plan_backend(placed(DeviceKind.CUDA)) == "nccl"
-    cfg = WorkerConfig(rank=1, local_rank=1, world_size=2, store_host="127.0.0.1", store_port=1, host_store=False,
-                       plan_path=Path("p.yaml"), run_dir=Path("."), backend="gloo")
+    cfg = WorkerConfig(
+        rank=1,
+        local_rank=1,
+        world_size=2,
+        store_host="127.0.0.1",
+        store_port=1,
+        host_store=False,
+        plan_path=Path("p.yaml"),
+        run_dir=Path("."),
+        backend="gloo",
+    )
     assert choose_device(cfg) == ("gloo", __import__("torch").device("cpu"))
 
 
@@ -182,8 +235,12 @@ def test_a_cpu_plan_on_a_machine_with_gpus_says_they_stay_idle(monkeypatch):
 
     def placed(kind, node="box"):
         plan = dp_plan(2)
-        return dataclasses.replace(plan, placement=tuple(
-            Placement(device=d, node=node, kind=kind, local_index=i) for i, d in enumerate(plan.devices)))
+        return dataclasses.replace(
+            plan,
+            placement=tuple(
+                Placement(device=d, node=node, kind=kind, local_index=i) for i, d in enumerate(plan.devices)
+            ),
+        )
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -195,54 +252,126 @@ def test_a_cpu_plan_on_a_machine_with_gpus_says_they_stay_idle(monkeypatch):
     assert idle_gpus_warning(placed(DeviceKind.CPU), "box") is None
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_a_killed_launch_leaves_no_worker_running(tmp_path, sig):
-    """SIGTERM takes Ctrl-C's way out (workers stopped, exit 130); after SIGKILL nobody can stop
-    the workers, which run in sessions of their own, so each leaves once its parent is gone."""
+def _start_launch(tmp_path: Path, run_id: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """A launch of a long run in a process of its own, once its 2 workers have recorded a step."""
     plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
-    launch = subprocess.Popen([sys.executable, "-m", "felactl", "launch", str(plan_path), "--steps", "1000000",
-                               "--runs-root", str(tmp_path / "runs"), "--run-id", "k"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    workers: list[psutil.Process] = []
+    launch = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "felactl",
+            "launch",
+            str(plan_path),
+            "--steps",
+            "1000000",
+            "--runs-root",
+            str(tmp_path / "runs"),
+            "--run-id",
+            run_id,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
-        metrics = tmp_path / "runs" / "k" / "metrics.jsonl"
+        metrics = tmp_path / "runs" / run_id / "metrics.jsonl"
         deadline = time.monotonic() + 30
         while not (metrics.exists() and metrics.stat().st_size > 0):
             assert launch.poll() is None and time.monotonic() < deadline, launch.stderr.read().decode()[-2000:]
             time.sleep(0.05)
-        workers = [c for c in psutil.Process(launch.pid).children(recursive=True) if "felactl.agents.worker" in
-                   " ".join(c.cmdline())]
+        workers = [
+            c
+            for c in psutil.Process(launch.pid).children(recursive=True)
+            if "felactl.agents.worker" in " ".join(c.cmdline())
+        ]
         assert len(workers) == 2
+    except BaseException:
+        _kill(launch)
+        raise
+    return launch, workers
+
+
+def _kill(*procs) -> None:
+    for proc in procs:
+        try:
+            proc.kill()
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    for proc in procs:
+        if isinstance(proc, subprocess.Popen):
+            proc.wait()
+
+
+def _status(tmp_path: Path, run_id: str) -> dict:
+    result = CliRunner().invoke(app, ["status", run_id, "--runs-root", str(tmp_path / "runs"), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_killed_launch_leaves_no_worker_running(tmp_path, sig):
+    """SIGTERM takes Ctrl-C's way out (workers stopped, exit 130); after SIGKILL nobody can stop
+    the workers, which run in sessions of their own, so each leaves once its parent is gone."""
+    launch, workers = _start_launch(tmp_path, "k")
+    try:
         os.kill(launch.pid, sig)
         launch.wait(timeout=30)
         _, alive = psutil.wait_procs(workers, timeout=5)
         assert not alive, f"workers still running after the launch got signal {sig}"
         if sig == signal.SIGTERM:
             assert launch.returncode == 130 and "interrupted" in launch.stderr.read().decode()
+            assert _status(tmp_path, "k")["state"] == "stopped", "an interrupted launch records how it ended"
     finally:
-        for proc in [launch, *workers]:
-            try:
-                proc.kill()
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
-        launch.wait()
+        _kill(launch, *workers)
+
+
+def test_a_run_whose_launch_was_killed_reads_as_lost_and_cannot_be_scaled(tmp_path):
+    """SIGKILL leaves no word in the run directory: its launch process being gone is the evidence."""
+    launch, workers = _start_launch(tmp_path, "gone")
+    try:
+        assert _status(tmp_path, "gone")["state"] == "running"
+        os.kill(launch.pid, signal.SIGKILL)
+        launch.wait(timeout=30)
+        status = _status(tmp_path, "gone")
+        assert status["state"] == "lost", status
+        assert f"its launch process (pid {launch.pid} on {short_hostname()}) is gone" in status["state_reason"]
+        human = CliRunner().invoke(app, ["status", "gone", "--runs-root", str(tmp_path / "runs")])
+        assert "(lost)" in human.stderr and "felactl launch --resume gone" in human.stderr, human.stderr
+
+        scale = CliRunner().invoke(app, ["scale", "gone", "--add", "1", "--runs-root", str(tmp_path / "runs")])
+        assert scale.exit_code == 2 and scale.stdout == "", scale.output
+        assert scale.stderr.splitlines() == [
+            f"felactl: error: run gone is lost: its launch process (pid {launch.pid} on {short_hostname()}) is "
+            "gone, so nothing can rescale it; continue it from its newest checkpoint with "
+            "`felactl launch --resume gone`"
+        ]
+
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, "the orphaned workers leave by themselves"
+    finally:
+        _kill(launch, *workers)
 
 
 def test_profiles_that_do_not_fit_the_plan_are_refused(tmp_path):
     from felactl.spec import ClusterSpec, Device, Node
 
     plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
-    other = ClusterSpec(name="x", nodes=(Node(name="x", devices=(
-        Device(name="gpu7", kind=DeviceKind.CPU, model="m", tflops=1.0, memory_gb=1.0),)),))
+    other = ClusterSpec(
+        name="x",
+        nodes=(
+            Node(name="x", devices=(Device(name="gpu7", kind=DeviceKind.CPU, model="m", tflops=1.0, memory_gb=1.0),)),
+        ),
+    )
     cluster = save(other, tmp_path / "cluster.yaml")
     result = _launch(tmp_path, str(plan_path), "--cluster", str(cluster))
     assert result.exit_code == 2 and "--cluster and --model go together" in result.stderr
     from felactl.profiling.model import profile_model
 
-    model = save(profile_model("mlp", {"input_dim": 32, "hidden": 64, "depth": 2}, [4], repeats=1),
-                 tmp_path / "model.yaml")
+    model = save(
+        profile_model("mlp", {"input_dim": 32, "hidden": 64, "depth": 2}, [4], repeats=1), tmp_path / "model.yaml"
+    )
     result = _launch(tmp_path, str(plan_path), "--cluster", str(cluster), "--model", str(model))
-    assert result.exit_code == 2 and "'cpu0' is not in this cluster profile" in result.stderr, result.output
+    assert result.exit_code == 2 and "devices[0]: device 'cpu0' is not in cluster 'x'" in result.stderr, result.output
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
@@ -251,17 +380,46 @@ def test_hostfile_starts_the_other_nodes_agent_over_ssh(tmp_path, no_leftovers):
     (here a stand-in ssh that runs the remote command on this machine, as a second node), the
     secret goes on ssh's stdin, never on a command line, and the job runs across both nodes."""
     bin_dir = fake_ssh(tmp_path / "bin")
-    plan = dataclasses.replace(dp_plan(2, "bsp"), placement=(
-        Placement(device="cpu0", node="na", local_index=0), Placement(device="cpu1", node="nb", local_index=0)))
+    plan = dataclasses.replace(
+        dp_plan(2, "bsp"),
+        placement=(
+            Placement(device="cpu0", node="na", local_index=0),
+            Placement(device="cpu1", node="nb", local_index=0),
+        ),
+    )
     plan_path = save(plan, tmp_path / "plan.yaml")
     (tmp_path / "hosts").write_text("nb slots=1\n")
     log = tmp_path / "ssh.log"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_SSH_LOG": str(log),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "felactl", "launch", str(plan_path), "--hostfile",
-                             str(tmp_path / "hosts"), "--node-name", "na", "--steps", "8", "--run-id", "h",
-                             "--runs-root", str(tmp_path / "runs"), "--json"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SSH_LOG": str(log),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "felactl",
+            "launch",
+            str(plan_path),
+            "--hostfile",
+            str(tmp_path / "hosts"),
+            "--node-name",
+            "na",
+            "--steps",
+            "8",
+            "--run-id",
+            "h",
+            "--runs-root",
+            str(tmp_path / "runs"),
+            "--json",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=90)
     finally:

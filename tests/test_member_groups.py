@@ -22,8 +22,17 @@ pytestmark = pytest.mark.multiprocess
 
 def _member(rank: int, port: int, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
-    cfg = WorkerConfig(rank=rank, local_rank=rank, world_size=3, store_host="127.0.0.1", store_port=port,
-                       host_store=rank == 0, plan_path=Path("unused"), run_dir=Path("unused"), timeout_s=20.0)
+    cfg = WorkerConfig(
+        rank=rank,
+        local_rank=rank,
+        world_size=3,
+        store_host="127.0.0.1",
+        store_port=port,
+        host_store=rank == 0,
+        plan_path=Path("unused"),
+        run_dir=Path("unused"),
+        timeout_s=20.0,
+    )
     runtime = runtime_mod.start(cfg)
     try:
         for ranks in ((0, 2), (0, 1), (0, 2)):  # {0, 2} again: the cached group

@@ -12,10 +12,16 @@ from typer.testing import CliRunner
 
 from felactl.cli.main import app
 from felactl.errors import InputError
-from felactl.models.data import python_docs_text
 from felactl.models import build
-from felactl.profiling.model import (count_flops, profile_model, this_device_model, time_optimizer_step,
-                                     time_whole_model)
+from felactl.models.data import python_docs_text
+from felactl.profiling.model import (
+    count_flops,
+    profile_model,
+    this_device_model,
+    time_layer,
+    time_optimizer_step,
+    time_whole_model,
+)
 from felactl.spec import ModelSpec, from_dict, load_model, save
 
 FP32 = 4
@@ -31,13 +37,13 @@ def test_gpt_mini_counts():
     spec = _profile("gpt-mini", {"depth": depth, "width": w, "seq_len": s, "num_heads": heads})
     assert [l.kind for l in spec.layers] == ["TokenEmbedding", "Block", "Block", "LMHead"]
     embed, *blocks, head = spec.layers
-    assert embed.params == VOCAB * w + s * w                         # token table + position table
+    assert embed.params == VOCAB * w + s * w  # token table + position table
     # per block: qkv 3w^2+3w, proj w^2+w, MLP 4w^2+4w and 4w^2+w, two LayerNorms 2w each
     assert all(b.params == 12 * w * w + 13 * w for b in blocks)
-    assert head.params == 2 * w + w * VOCAB + VOCAB                   # LayerNorm + Linear(w, vocab)
+    assert head.params == 2 * w + w * VOCAB + VOCAB  # LayerNorm + Linear(w, vocab)
     assert spec.total_params == sum(p.numel() for p in _built("gpt-mini", spec.config).parameters())
     assert all(l.param_bytes == FP32 * l.params for l in spec.layers)
-    assert spec.input_bytes_per_sample == s * 8                      # int64 token ids
+    assert spec.input_bytes_per_sample == s * 8  # int64 token ids
     assert [l.activation_bytes_per_sample for l in spec.layers] == [FP32 * s * w] * (depth + 1) + [FP32 * s * VOCAB]
     # FLOPs per sample: matmuls 2*s*12w^2; attention QK^T and AV 2*2*s^2*w (heads split w)
     assert embed.fwd_flops_per_sample == 0 and embed.bwd_flops_per_sample == 0
@@ -52,7 +58,7 @@ def test_vgg_mini_counts():
     w, fc, n, classes = 4, 32, 16, 10
     spec = _profile("vgg-mini", {"width": w, "fc_width": fc, "image_size": n, "num_classes": classes})
     channels = [3, w, w, 2 * w, 2 * w, 4 * w, 4 * w]
-    sides = [n, n, n // 2, n // 2, n // 4, n // 4]                    # each conv runs before its block's pool
+    sides = [n, n, n // 2, n // 2, n // 4, n // 4]  # each conv runs before its block's pool
     pooled = [False, True, False, True, False, True]
     convs, fcs = spec.layers[:6], spec.layers[6:]
     for i, layer in enumerate(convs):
@@ -78,11 +84,13 @@ def test_mlp_linear_flops_are_two_in_out():
     assert [l.params for l in spec.layers] == [a * b + b for a, b in dims]
     assert [l.fwd_flops_per_sample for l in spec.layers] == [2 * a * b for a, b in dims]
     # backward: weight grad (2*in*out) everywhere, input grad (2*in*out more) except on the data
-    assert [l.bwd_flops_per_sample for l in spec.layers] == [(2 if i == 0 else 4) * a * b
-                                                             for i, (a, b) in enumerate(dims)]
+    assert [l.bwd_flops_per_sample for l in spec.layers] == [
+        (2 if i == 0 else 4) * a * b for i, (a, b) in enumerate(dims)
+    ]
     # kept for backward: each Linear's input (for its weight gradient) and each ReLU's output
     assert [l.saved_bytes_per_sample for l in spec.layers] == (
-        [FP32 * (d_in + hidden)] + [FP32 * 2 * hidden] * (depth - 1) + [FP32 * hidden])
+        [FP32 * (d_in + hidden)] + [FP32 * 2 * hidden] * (depth - 1) + [FP32 * hidden]
+    )
 
 
 def test_count_flops_of_one_linear_scales_with_batch():
@@ -111,8 +119,9 @@ def test_timings_cover_every_layer_and_micro_batch_on_this_device():
 def test_time_per_sample_falls_as_the_micro_batch_grows():
     """The saturation curve: one sample at a time pays each kernel's fixed cost per sample."""
     spec = profile_model("mlp", {"input_dim": 256, "hidden": 256, "depth": 3}, [1, 64], repeats=5)
-    per_sample = {b: sum(t.fwd_ms + t.bwd_ms for l in spec.layers for t in l.timings if t.micro_batch == b) / b
-                  for b in (1, 64)}
+    per_sample = {
+        b: sum(t.fwd_ms + t.bwd_ms for l in spec.layers for t in l.timings if t.micro_batch == b) / b for b in (1, 64)
+    }
     assert per_sample[64] < per_sample[1], per_sample
 
 
@@ -137,14 +146,17 @@ def test_user_model_with_an_input_shape():
     assert spec.input_bytes_per_sample == FP32 * 18
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({}, "comes with no data: give the shape"),
-    ({"input_shape": (2, 3, 4)}, r"layer 1: Linear failed on an input of shape \(1, 24\)"),
-    ({"input_shape": (2, 3, 3), "batch_sizes": []}, "at least one micro-batch size"),
-    ({"input_shape": (2, 3, 3), "batch_sizes": [0, 4]}, "must be >= 1"),
-    ({"input_shape": (2, 3, 3), "device": "cuda:7" if not torch.cuda.is_available() else "tpu"}, "device"),
-    ({"input_shape": (2, 3, 3), "repeats": 0}, "repeats"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({}, "comes with no data: give the shape"),
+        ({"input_shape": (2, 3, 4)}, r"layer 1: Linear failed on an input of shape \(1, 24\)"),
+        ({"input_shape": (2, 3, 3), "batch_sizes": []}, "at least one micro-batch size"),
+        ({"input_shape": (2, 3, 3), "batch_sizes": [0, 4]}, "must be >= 1"),
+        ({"input_shape": (2, 3, 3), "device": "cuda:7" if not torch.cuda.is_available() else "tpu"}, "device"),
+        ({"input_shape": (2, 3, 3), "repeats": 0}, "repeats"),
+    ],
+)
 def test_bad_profile_requests_are_input_errors(kwargs, words):
     batch_sizes = kwargs.pop("batch_sizes", [1])
     with pytest.raises(InputError, match=words):
@@ -162,8 +174,27 @@ runner = CliRunner()
 
 def test_cli_writes_model_yaml_and_one_json_object(tmp_path):
     out = tmp_path / "model.yaml"
-    result = runner.invoke(app, ["profile", "--model", "mlp", "--config", "depth=2", "--config", "hidden=64",
-                                 "--batch-sizes", "1,8", "--repetitions", "2", "-o", str(out), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "profile",
+            "--model",
+            "mlp",
+            "--config",
+            "depth=2",
+            "--config",
+            "hidden=64",
+            "--batch-sizes",
+            "1,8",
+            "--repetitions",
+            "2",
+            "--matmul-size",
+            "64",
+            "-o",
+            str(out),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert payload["path"] == str(out) and payload["profile_s"] > 0
@@ -171,23 +202,43 @@ def test_cli_writes_model_yaml_and_one_json_object(tmp_path):
     assert from_dict(ModelSpec, {k: v for k, v in payload.items() if k not in ("path", "profile_s")}) == spec
     assert spec.config["depth"] == 2 and spec.config["hidden"] == 64 and spec.num_layers == 3
     assert runner.invoke(app, ["check", str(out)]).exit_code == 0
+    # the CPU it timed, measured as `felactl profile` measures a slot (--matmul-size's side)
+    assert list(spec.timed_tflops) == [spec.layers[0].timings[0].device_model]
+    assert spec.timed_tflops[spec.layers[0].timings[0].device_model] > 0
 
 
 def test_cli_renders_the_saturation_table(tmp_path):
-    result = runner.invoke(app, ["profile", "--model", "mlp", "--config", "depth=1", "--batch-sizes", "2,16",
-                                 "--repetitions", "1", "-o", str(tmp_path / "m.yaml")])
+    result = runner.invoke(
+        app,
+        [
+            "profile",
+            "--model",
+            "mlp",
+            "--config",
+            "depth=1",
+            "--batch-sizes",
+            "2,16",
+            "--repetitions",
+            "1",
+            "-o",
+            str(tmp_path / "m.yaml"),
+        ],
+    )
     assert result.exit_code == 0 and result.stdout == ""
     assert "b=2" in result.stderr and "b=16" in result.stderr and "0.Linear+ReLU" in result.stderr
     assert f"wrote {tmp_path / 'm.yaml'}" in result.stderr
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--config", "depth"], "--config: expected key=value"),
-    (["--config", "colour=blue"], "unknown config key 'colour'"),
-    (["--config", "width=-1"], "width=-1: must be an integer >= 1"),
-    (["--batch-sizes", "1,x"], "--batch-sizes"),
-    (["--input-shape", "3,a"], "--input-shape"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--config", "depth"], "--config: expected key=value"),
+        (["--config", "colour=blue"], "unknown config key 'colour'"),
+        (["--config", "width=-1"], "width=-1: must be an integer >= 1"),
+        (["--batch-sizes", "1,x"], "--batch-sizes"),
+        (["--input-shape", "3,a"], "--input-shape"),
+    ],
+)
 def test_cli_bad_model_options_exit_2_with_one_line(args, words, tmp_path):
     result = runner.invoke(app, ["profile", "--model", "gpt-mini", "-o", str(tmp_path / "m.yaml"), *args])
     assert result.exit_code == 2, result.output
@@ -201,7 +252,8 @@ def test_default_gpt_mini_profile_is_quick(tmp_path):
     spec = profile_model("gpt-mini", {}, [1, 4, 16, 64])
     elapsed_s = time.perf_counter() - started
     assert spec.num_layers == 6 and all(len(l.timings) == 4 for l in spec.layers)
-    assert elapsed_s < 60, f"took {elapsed_s:.1f} s"
+    assert elapsed_s < 240, f"took {elapsed_s:.1f} s"  # a guard against a profile that never ends, not a
+    # speed target (the machine's load decides the time: ~25 s quiet; the benchmarks measure speed)
 
 
 @pytest.mark.gpu
@@ -217,8 +269,13 @@ def test_cuda_profile_matches_the_cpu_counts():
 
 def test_progress_reports_every_layer_once_per_phase():
     calls = []
-    profile_model("mlp", {"depth": 1, "hidden": 16, "input_dim": 8}, [1, 2], repeats=1,
-                  progress=lambda phase, done, total: calls.append((phase, done, total)))
+    profile_model(
+        "mlp",
+        {"depth": 1, "hidden": 16, "input_dim": 8},
+        [1, 2],
+        repeats=1,
+        progress=lambda phase, done, total: calls.append((phase, done, total)),
+    )
     assert [c[1] for c in calls] == [2, 3, 4, 5, 6] and {c[2] for c in calls} == {6}
     assert calls[0][0] == "flops" and calls[-1][0] == "micro-batch 2, layer 1"
 
@@ -237,21 +294,71 @@ def test_time_whole_model_grows_with_the_micro_batch():
     bundle = build("mlp", {"input_dim": 256, "hidden": 512, "depth": 3}, seed=0)
     small = time_whole_model(bundle, bundle.layers, 1, repeats=5)
     large = time_whole_model(bundle, bundle.layers, 256, repeats=5)
-    assert 0 < small < large
+    assert 0 < small.ms < large.ms and small.spread >= 0
     assert all(p.grad is None for p in bundle.layers.parameters())
 
 
 def test_optimizer_step_is_timed_and_really_steps():
     layers = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     before = [p.detach().clone() for p in layers.parameters()]
-    step_ms = time_optimizer_step(layers, repeats=3)
-    assert step_ms > 0
+    step = time_optimizer_step(layers, repeats=3)
+    assert step.ms > 0
     assert all(not torch.equal(a, b) for a, b in zip(before, layers.parameters()))
-    assert time_optimizer_step(nn.Sequential(nn.ReLU()), repeats=1) == 0.0
+    assert time_optimizer_step(nn.Sequential(nn.ReLU()), repeats=1).ms == 0.0
     spec = _profile("mlp", {"input_dim": 8, "hidden": 16, "depth": 1})
     assert spec.optimizer_step_ms is not None and spec.optimizer_step_ms > 0
     calls = []
-    step_ms = time_optimizer_step(layers, repeats=3, warmup=1, backward=lambda: calls.append(
-        layers(torch.ones(2, 64)).sum().backward()))
-    assert step_ms > 0 and len(calls) == 4  # one backward before each step, as in training
+    step = time_optimizer_step(
+        layers, repeats=3, warmup=1, backward=lambda: calls.append(layers(torch.ones(2, 64)).sum().backward())
+    )
+    # one backward before each step: the warm-up, then at least three blocks of ceil(3 / 3) steps
+    assert step.ms > 0 and len(calls) >= 4
     assert all(p.grad is None for p in layers.parameters())
+
+
+def _fake_timer(runs):
+    """A ``time.perf_counter`` stand-in read three times a run (start, after forward, after
+    backward) that makes each run take its (forward, backward) seconds from ``runs``."""
+    now, readings = 0.0, []
+    for fwd_s, bwd_s in runs:
+        readings += [now, now + fwd_s, now + fwd_s + bwd_s]
+        now += fwd_s + bwd_s + 1.0
+    it = iter(readings)
+    return lambda: next(it)
+
+
+def test_a_burst_of_preemption_does_not_become_the_layers_time():
+    """Three of the first five runs preempted (30 ms for a 1 ms layer): five runs' median took the
+    spike; blocks of runs repeat until they agree, so the spike costs more runs, not the time."""
+    normal, spike = (0.001, 0.002), (0.030, 0.060)
+    timer = _fake_timer([normal] + [spike] * 3 + [normal] * 200)  # one warm-up run first
+    times = time_layer(nn.Linear(4, 4), torch.ones(2, 4), torch.ones(2, 4), repeats=9, input_grad=True, timer=timer)
+    assert times.fwd_ms == pytest.approx(1.0) and times.bwd_ms == pytest.approx(2.0)
+    assert not times.noisy and times.spread == 0.0
+    every_other_block_preempted = _fake_timer([normal] + [normal, normal, spike, spike] * 100)
+    noisy = time_layer(
+        nn.Linear(4, 4), torch.ones(2, 4), torch.ones(2, 4), repeats=2, timer=every_other_block_preempted
+    )
+    assert noisy.noisy and noisy.spread > 1.0  # the blocks never agree: recorded, not hidden
+
+
+@pytest.mark.slow
+def test_per_layer_times_of_a_tiny_conv_are_sane_while_a_core_is_busy():
+    """A tiny conv's layers, profiled while another process spins on a core: time per micro-batch
+    grows with it (give or take), and no layer costs milliseconds per sample."""
+    import subprocess
+    import sys
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        spec = profile_model("vgg-mini", {"width": 8, "image_size": 16, "fc_width": 32}, [1, 4, 16], repeats=3)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    for layer in spec.layers:
+        ms = {t.micro_batch: t.fwd_ms + t.bwd_ms for t in layer.timings}
+        assert ms[1] / 1 < 5.0, (layer.name, ms)  # ms per sample of a layer of a few thousand FLOPs
+        assert ms[16] > 0.5 * ms[4] > 0.25 * ms[1], (layer.name, ms)
+        assert all(t.spread is not None for t in layer.timings)
+    if spec.noisy:
+        assert all(": spread " in entry for entry in spec.noisy)

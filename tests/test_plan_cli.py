@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from felactl.cli.main import app
-from felactl.spec import load_plan, save
+from felactl.optimizer.evaluate import token_samples
+from felactl.spec import load_model, load_plan, save
 from tests.planner_fixtures import cluster, model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,8 +24,9 @@ def runner() -> CliRunner:
 
 
 def test_json_has_the_promised_keys(runner):
-    result = runner.invoke(app, ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64",
-                                 "--devices", "0,1,2", "--json"])
+    result = runner.invoke(
+        app, ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64", "--devices", "0,1,2", "--json"]
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     for key in ("iteration_s", "samples_per_s", "solve_s", "status", "baselines", "collectives"):
@@ -41,8 +43,24 @@ def test_json_has_the_promised_keys(runner):
 
 def test_writes_a_plan_that_loads_and_shows_compare_and_explain(runner, tmp_path):
     out = tmp_path / "plan.yaml"
-    result = runner.invoke(app, ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64",
-                                 "--devices", "gpu0,gpu3,gpu4", "-o", str(out), "--compare", "--explain"])
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            "--cluster",
+            DGX1V,
+            "--model",
+            VGG,
+            "--global-batch",
+            "64",
+            "--devices",
+            "gpu0,gpu3,gpu4",
+            "-o",
+            str(out),
+            "--compare",
+            "--explain",
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = load_plan(out)
     assert plan.global_batch == 64 and plan.predicted.baselines["dp"] > 0
@@ -51,8 +69,23 @@ def test_writes_a_plan_that_loads_and_shows_compare_and_explain(runner, tmp_path
 
 def test_debug_writes_the_lp_file(runner, tmp_path):
     out = tmp_path / "p.yaml"
-    result = runner.invoke(app, ["--debug", "plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "16",
-                                 "--devices", "0,1", "-o", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "--debug",
+            "plan",
+            "--cluster",
+            DGX1V,
+            "--model",
+            VGG,
+            "--global-batch",
+            "16",
+            "--devices",
+            "0,1",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "c1_start" in (tmp_path / "p.lp").read_text()
 
@@ -62,8 +95,22 @@ def test_sdpipe_gives_static_pipelines(runner, tmp_path):
     net = model([(300_000_000, 16_000, 6e8), (50_000, 400, 5e8), (250_000_000, 400, 4e8)])
     save(spec, tmp_path / "c.yaml")
     save(net, tmp_path / "m.yaml")
-    result = runner.invoke(app, ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml"),
-                                 "--global-batch", "32", "--sync", "sdpipe", "-o", str(tmp_path / "p.yaml")])
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            "--cluster",
+            str(tmp_path / "c.yaml"),
+            "--model",
+            str(tmp_path / "m.yaml"),
+            "--global-batch",
+            "32",
+            "--sync",
+            "sdpipe",
+            "-o",
+            str(tmp_path / "p.yaml"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = load_plan(tmp_path / "p.yaml")
     assert plan.schedule.value == "1f1b" and len(plan.pipelines) >= 1
@@ -72,22 +119,26 @@ def test_sdpipe_gives_static_pipelines(runner, tmp_path):
 
 
 def test_a_model_that_fits_nowhere_exits_2_naming_memory(runner, tmp_path):
-    save(cluster([[("g", 10.0, 1.0)]]), tmp_path / "c.yaml")
+    save(cluster([[("g", 10.0, 2.0)]]), tmp_path / "c.yaml")  # 0.8 GB usable after the headroom
     save(model([(1000, 100, 1e6), (100_000_000, 100, 1e8)]), tmp_path / "m.yaml")
-    result = runner.invoke(app, ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml"),
-                                 "--global-batch", "8"])
+    result = runner.invoke(
+        app, ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml"), "--global-batch", "8"]
+    )
     assert result.exit_code == 2
     assert "memory" in result.output and "'l1'" in result.output
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--global-batch", "0"], "--global-batch must be >= 1"),
-    (["--global-batch", "8", "--devices", ","], "--devices"),
-    (["--global-batch", "8", "--devices", "gpu9"], "gpu9"),
-    (["--global-batch", "8", "--sync", "async"], "--sync"),
-    (["--global-batch", "8", "--time-limit", "0"], "--time-limit"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--global-batch", "0"], "--global-batch must be >= 1"),
+        (["--global-batch", "8", "--devices", ","], "--devices"),
+        (["--global-batch", "8", "--devices", "gpu9"], "gpu9"),
+        (["--global-batch", "8", "--sync", "async"], "--sync"),
+        (["--global-batch", "8", "--time-limit", "0"], "--time-limit"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(runner, args, needle):
     result = runner.invoke(app, ["plan", "--cluster", DGX1V, "--model", VGG, *args])
     assert result.exit_code == 2, result.output
@@ -120,9 +171,15 @@ def test_a_plan_that_syncs_cpu_slots_without_a_measured_sync_says_how_to_measure
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["stages"][0]["workers"]) == 2  # data parallel over both slots
     assert "--cluster" in result.stderr and "measures it" in result.stderr
-    measured = save(dataclasses.replace(net, data_parallel_sync=(SyncTiming(
-        cluster="here", devices=("cpu0", "cpu1"), backend="gloo", micro_batch=32, sync_ms=1.0),)),
-        tmp_path / "measured.yaml")
+    measured = save(
+        dataclasses.replace(
+            net,
+            data_parallel_sync=(
+                SyncTiming(cluster="here", devices=("cpu0", "cpu1"), backend="gloo", micro_batch=32, sync_ms=1.0),
+            ),
+        ),
+        tmp_path / "measured.yaml",
+    )
     result = runner.invoke(app, [*args, "--model", str(measured)])
     assert result.exit_code == 0 and "measures it" not in result.stderr, result.output
 
@@ -132,7 +189,44 @@ def test_an_output_path_that_cannot_be_a_file_exits_2(runner, tmp_path, where, n
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("")
     net = save(model([(1000, 10, 1e6)]), tmp_path / "m.yaml")
-    result = runner.invoke(app, ["plan", "--cluster", DGX1V, "--model", str(net), "--global-batch", "8",
-                                 "-o", str(tmp_path / where)])
+    result = runner.invoke(
+        app, ["plan", "--cluster", DGX1V, "--model", str(net), "--global-batch", "8", "-o", str(tmp_path / where)]
+    )
     assert result.exit_code == 2 and needle in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["dp", "mp", "hp"])
+def test_a_baseline_plan_is_runnable_and_predicts_what_compare_prints(runner, tmp_path, name):
+    args = ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64", "--devices", "gpu0,gpu3,gpu4"]
+    solved = runner.invoke(app, [*args, "--json"])
+    assert solved.exit_code == 0, solved.output
+    compared = json.loads(solved.stdout)["baselines"][name]
+    out = tmp_path / f"{name}.yaml"
+    result = runner.invoke(app, [*args, "--baseline", name, "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["solver"] == f"baseline:{name}"
+    assert data["iteration_s"] == pytest.approx(compared, abs=1e-9)  # the plan records baselines to 1e-9 s
+    plan = load_plan(out)
+    assert plan.predicted.iteration_s == pytest.approx(compared, abs=1e-9)
+    assert plan.sync.mode.value == "bsp" and not plan.sync.use_trees and not plan.collectives
+    checked = runner.invoke(app, ["check", str(out)])
+    assert checked.exit_code == 0, checked.output
+    if name == "dp":
+        (stage,) = plan.stages
+        assert (stage.layer_start, stage.layer_end) == (0, load_model(VGG).num_layers)
+        # equal shares, dealt in whole micro-batch tokens (as the cost model priced them)
+        equal = token_samples(tuple((w.device, 1 / 3) for w in stage.workers), 64, stage.micro_batch)
+        assert [w.share * 64 for w in stage.workers] == pytest.approx(list(equal.values()))
+    if name == "hp":
+        assert len(plan.stages) == 2 and len(plan.stages[1].workers) == 1
+
+
+def test_a_baseline_without_a_plan_or_with_another_sync_exits_2(runner):
+    args = ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64"]
+    one = runner.invoke(app, [*args, "--devices", "gpu0", "--baseline", "hp"])
+    assert one.exit_code == 2 and "needs two devices" in one.output
+    assert runner.invoke(app, [*args, "--baseline", "zz"]).exit_code == 2
+    tokens = runner.invoke(app, [*args, "--baseline", "dp", "--sync", "tokens"])
+    assert tokens.exit_code == 2 and "bsp" in tokens.output

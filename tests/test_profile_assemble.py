@@ -9,24 +9,34 @@ from felactl.launcher.controlplane import Member
 from felactl.launcher.hosts import Host, agent_ssh_command, parse_hostfile
 from felactl.profiling.cluster import assemble_cluster
 from felactl.profiling.devices import gpu_interconnect, parse_nvidia_smi_topo
-from felactl.spec import LinkType, from_dict, to_dict, ClusterSpec
+from felactl.spec import ClusterSpec, LinkType, from_dict, to_dict
 
 
 def _member(node: str, slots: int, gpus: int = 0) -> Member:
-    return Member(agent_id=f"{node}-x", node_name=node, num_slots=slots, hostname=node,
-                  info={"hostname": node, "num_cpu_cores": 8, "memory_gb": 64.0, "num_gpus": gpus})
+    return Member(
+        agent_id=f"{node}-x",
+        node_name=node,
+        num_slots=slots,
+        hostname=node,
+        info={"hostname": node, "num_cpu_cores": 8, "memory_gb": 64.0, "num_gpus": gpus},
+    )
 
 
 def _links(rank: int, world: int, gbps: float) -> list[dict]:
-    return [{"src_rank": rank, "dst_rank": d, "bandwidth_gbps": gbps + d, "latency_us": 10.0 + d}
-            for d in range(world) if d != rank]
+    return [
+        {"src_rank": rank, "dst_rank": d, "bandwidth_gbps": gbps + d, "latency_us": 10.0 + d}
+        for d in range(world)
+        if d != rank
+    ]
 
 
 def test_assemble_names_types_and_every_ordered_pair():
     members = [_member("a", 2), _member("b", 1)]
     cpu = {"kind": "cpu", "model": "Xeon", "tflops": 0.1, "memory_gb": 32.0}
-    results = {r: {"rank": r, "local_rank": lr, "device": {**cpu, "cpu_cores": [lr]}, "links": _links(r, 3, 1.0)}
-               for r, lr in [(0, 0), (1, 1), (2, 0)]}
+    results = {
+        r: {"rank": r, "local_rank": lr, "device": {**cpu, "cpu_cores": [lr]}, "links": _links(r, 3, 1.0)}
+        for r, lr in [(0, 0), (1, 1), (2, 0)]
+    }
     cluster = assemble_cluster("lab", members, results)
     assert cluster.device_names == ("a-cpu0", "a-cpu1", "b-cpu0")
     assert [n.name for n in cluster.nodes] == ["a", "b"]
@@ -41,8 +51,10 @@ def test_assemble_names_types_and_every_ordered_pair():
 def test_assemble_gpu_links_follow_the_node_topology():
     gpu = {"kind": "cuda", "model": "H100", "tflops": 50.0, "bf16_tflops": 700.0, "memory_gb": 80.0}
     topology = {"0,1": {"type": "nvlink", "num_links": 18}, "1,0": {"type": "nvlink", "num_links": 18}}
-    results = {0: {"rank": 0, "local_rank": 0, "device": gpu, "links": _links(0, 2, 300.0), "topology": topology},
-               1: {"rank": 1, "local_rank": 1, "device": gpu, "links": _links(1, 2, 300.0)}}
+    results = {
+        0: {"rank": 0, "local_rank": 0, "device": gpu, "links": _links(0, 2, 300.0), "topology": topology},
+        1: {"rank": 1, "local_rank": 1, "device": gpu, "links": _links(1, 2, 300.0)},
+    }
     cluster = assemble_cluster("box", [_member("box", 2, gpus=2)], results)
     link = cluster.link("box-gpu0", "box-gpu1")
     assert (link.type, link.num_links) == (LinkType.NVLINK, 18)
@@ -75,13 +87,23 @@ def test_gpu_interconnect_without_nvml_or_smi_is_pcie(monkeypatch):
 
 def test_parse_hostfile():
     text = "# lab\nworker-1 slots=4\n\nworker-2 slots=2  # the slow one\nworker-3\n"
-    assert parse_hostfile(text) == [Host(hostname="worker-1", num_slots=4), Host(hostname="worker-2", num_slots=2),
-                                   Host(hostname="worker-3", num_slots=1)]
+    assert parse_hostfile(text) == [
+        Host(hostname="worker-1", num_slots=4),
+        Host(hostname="worker-2", num_slots=2),
+        Host(hostname="worker-3", num_slots=1),
+    ]
 
 
-@pytest.mark.parametrize("text,problem", [("a slots=0", "positive"), ("a slots=x", "positive"),
-                                          ("a gpus=2", "expected"), ("a slots=1\na slots=2", "twice"),
-                                          ("# nothing\n", "no hosts")])
+@pytest.mark.parametrize(
+    "text,problem",
+    [
+        ("a slots=0", "positive"),
+        ("a slots=x", "positive"),
+        ("a gpus=2", "expected"),
+        ("a slots=1\na slots=2", "twice"),
+        ("# nothing\n", "no hosts"),
+    ],
+)
 def test_parse_hostfile_rejects(text, problem):
     with pytest.raises(InputError, match=problem):
         parse_hostfile(text, "hosts.txt")
@@ -91,5 +113,6 @@ def test_agent_ssh_command_keeps_the_secret_off_the_command_line():
     command = agent_ssh_command(Host(hostname="w1", num_slots=4), "10.0.0.5:29400", job="run-7")
     assert command[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
     assert command[5] == "w1"
-    assert command[6] == ("felactl agent --rdzv-endpoint 10.0.0.5:29400 --secret-file - "
-                          "--nproc-per-node 4 --node-name w1 --job run-7")
+    assert command[6] == (
+        "felactl agent --rdzv-endpoint 10.0.0.5:29400 --secret-file - --nproc-per-node 4 --node-name w1 --job run-7"
+    )

@@ -11,20 +11,45 @@ import pytest
 from typer.testing import CliRunner
 
 from felactl.cli.main import app
+from felactl.control.join import JOIN_REFUSALS
 from felactl.launcher.controlplane import Coordinator, new_secret, write_secret_file
 from felactl.spec import load_cluster
 
 runner = CliRunner()
-SMALL = ["--matmul-size", "128", "--message-bytes", "262144", "--repetitions", "3", "--timeout", "60",
-         "--join-timeout", "30"]
+SMALL = [
+    "--matmul-size",
+    "128",
+    "--message-bytes",
+    "262144",
+    "--repetitions",
+    "3",
+    "--timeout",
+    "60",
+    "--join-timeout",
+    "30",
+]
 
 
 @pytest.mark.multiprocess
 def test_profile_two_cpu_slots_json(tmp_path):
     out = tmp_path / "cluster.yaml"
     started = time.monotonic()
-    result = runner.invoke(app, ["profile", "--nproc-per-node", "2", "--node-name", "box", "-o", str(out),
-                                 "--log-dir", str(tmp_path / "logs"), "--json", *SMALL])
+    result = runner.invoke(
+        app,
+        [
+            "profile",
+            "--nproc-per-node",
+            "2",
+            "--node-name",
+            "box",
+            "-o",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+            *SMALL,
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert time.monotonic() - started < 60
     data = json.loads(result.stdout)  # exactly one JSON object on stdout
@@ -68,7 +93,8 @@ def test_profile_port_in_use_exits_2(tmp_path, monkeypatch):
     assert result.exit_code == 2
     assert not list(tmp_path.glob("felactl-profile-*"))  # nothing ran: no temp dir either
     assert result.stderr.strip().splitlines()[-1] == (
-        f"felactl: error: port {port} on 127.0.0.1 is already in use; pick another with --rdzv-endpoint")
+        f"felactl: error: port {port} on 127.0.0.1 is already in use; pick another with --rdzv-endpoint"
+    )
 
 
 def test_hostfile_without_endpoint_exits_2(tmp_path):
@@ -103,14 +129,31 @@ def test_agent_with_wrong_secret_exits_2_and_the_coordinator_is_unaffected(tmp_p
     coordinator = serving_coordinator
     wrong = tmp_path / "wrong-secret"
     write_secret_file(wrong)
-    result = runner.invoke(app, ["agent", "--rdzv-endpoint", coordinator.endpoint, "--secret-file", str(wrong),
-                                 "--nproc-per-node", "1", "--join-timeout", "10", "--job", "job"])
+    result = runner.invoke(
+        app,
+        [
+            "agent",
+            "--rdzv-endpoint",
+            coordinator.endpoint,
+            "--secret-file",
+            str(wrong),
+            "--nproc-per-node",
+            "1",
+            "--join-timeout",
+            "10",
+            "--job",
+            "job",
+        ],
+    )
     assert result.exit_code == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("felactl:")]
-    assert errors == [f"felactl: error: the coordinator at {coordinator.endpoint} refused this agent: "
-                      "wrong job secret (check --secret-file)"]
+    assert errors == [
+        f"felactl: error: the coordinator at {coordinator.endpoint} refused this agent: "
+        "wrong job secret (check --secret-file)"
+    ]
     assert "Traceback" not in result.stderr
-    assert coordinator.members == {} and len(coordinator.refused) == 1
+    # Refused after each of its fresh hellos (a forged challenge in its place gets it refused once)
+    assert coordinator.members == {} and len(coordinator.refused) == JOIN_REFUSALS
 
 
 def test_agent_unreachable_coordinator_exits_1(tmp_path):
@@ -119,15 +162,15 @@ def test_agent_unreachable_coordinator_exits_1(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    result = runner.invoke(app, ["agent", "--rdzv-endpoint", f"127.0.0.1:{port}", "--secret-file", str(secret),
-                                 "--join-timeout", "1"])
+    result = runner.invoke(
+        app, ["agent", "--rdzv-endpoint", f"127.0.0.1:{port}", "--secret-file", str(secret), "--join-timeout", "1"]
+    )
     assert result.exit_code == 1
     assert f"cannot reach the coordinator at 127.0.0.1:{port}" in result.stderr
 
 
 def test_agent_missing_secret_file_exits_2(tmp_path):
-    result = runner.invoke(app, ["agent", "--rdzv-endpoint", "127.0.0.1:1", "--secret-file",
-                                 str(tmp_path / "nope")])
+    result = runner.invoke(app, ["agent", "--rdzv-endpoint", "127.0.0.1:1", "--secret-file", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "no such secret file" in result.stderr
 
 
@@ -135,14 +178,27 @@ def test_agent_missing_secret_file_exits_2(tmp_path):
 def test_a_failing_worker_fails_the_profile_and_leaves_no_process(tmp_path, monkeypatch):
     import psutil
 
-    import felactl.profiling.cluster as cluster
+    import felactl.launcher.profile as cluster
 
     monkeypatch.setattr(cluster, "WORKER_MODULE", "felactl.profiling.no_such_worker")
     # Only what this test starts: earlier tests may leave multiprocessing's resource tracker.
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     out = tmp_path / "cluster.yaml"
-    result = runner.invoke(app, ["profile", "--nproc-per-node", "2", "--node-name", "box", "-o", str(out),
-                                 "--log-dir", str(tmp_path / "logs"), *SMALL])
+    result = runner.invoke(
+        app,
+        [
+            "profile",
+            "--nproc-per-node",
+            "2",
+            "--node-name",
+            "box",
+            "-o",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            *SMALL,
+        ],
+    )
     assert result.exit_code == 1
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("felactl: error: a profiling worker on box failed (rank ")
@@ -151,13 +207,16 @@ def test_a_failing_worker_fails_the_profile_and_leaves_no_process(tmp_path, monk
     assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before] == []
 
 
-@pytest.mark.parametrize("args,problem", [
-    (["--nnodes", "2"], "--nnodes needs --rdzv-endpoint"),
-    (["--rdzv-endpoint", "127.0.0.1:0", "--nproc-per-node", "2"], "--nproc-per-node is each agent's option"),
-    (["--rdzv-endpoint", "nohost"], "expected HOST:PORT"),
-    (["--device", "tpu"], "--device must be auto, cpu or cuda"),
-    (["--repetitions", "0"], "repetitions must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,problem",
+    [
+        (["--nnodes", "2"], "--nnodes needs --rdzv-endpoint"),
+        (["--rdzv-endpoint", "127.0.0.1:0", "--nproc-per-node", "2"], "--nproc-per-node is each agent's option"),
+        (["--rdzv-endpoint", "nohost"], "expected HOST:PORT"),
+        (["--device", "tpu"], "--device must be auto, cpu or cuda"),
+        (["--repetitions", "0"], "repetitions must be >= 1"),
+    ],
+)
 def test_profile_flag_mistakes_exit_2(tmp_path, args, problem):
     result = runner.invoke(app, ["profile", "-o", str(tmp_path / "c.yaml"), *args])
     assert result.exit_code == 2, result.stderr
@@ -167,8 +226,21 @@ def test_profile_flag_mistakes_exit_2(tmp_path, args, problem):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_profile_device_cuda_without_gpus_exits_2(tmp_path):
-    result = runner.invoke(app, ["profile", "--device", "cuda", "--node-name", "box", "-o", str(tmp_path / "c.yaml"),
-                                 "--log-dir", str(tmp_path / "logs"), *SMALL])
+    result = runner.invoke(
+        app,
+        [
+            "profile",
+            "--device",
+            "cuda",
+            "--node-name",
+            "box",
+            "-o",
+            str(tmp_path / "c.yaml"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            *SMALL,
+        ],
+    )
     assert result.exit_code == 2
     assert "--device cuda: node box has 0 GPU(s) for 2 slot(s)" in result.stderr
 
@@ -176,7 +248,20 @@ def test_profile_device_cuda_without_gpus_exits_2(tmp_path):
 def test_agent_reads_the_secret_from_stdin(serving_coordinator):
     """``--secret-file -`` is how ssh hands the secret over; a wrong one read there is refused (exit 2)."""
     coordinator = serving_coordinator
-    result = runner.invoke(app, ["agent", "--rdzv-endpoint", coordinator.endpoint, "--secret-file", "-",
-                                 "--join-timeout", "10", "--job", "job"], input=new_secret() + "\n")
+    result = runner.invoke(
+        app,
+        [
+            "agent",
+            "--rdzv-endpoint",
+            coordinator.endpoint,
+            "--secret-file",
+            "-",
+            "--join-timeout",
+            "10",
+            "--job",
+            "job",
+        ],
+        input=new_secret() + "\n",
+    )
     assert result.exit_code == 2 and "refused this agent" in result.stderr
-    assert len(coordinator.refused) == 1
+    assert len(coordinator.refused) == JOIN_REFUSALS

@@ -31,8 +31,7 @@ def _free_port() -> int:
 def _start(args: list[str], log_path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as log:
-        return subprocess.Popen(FELACTL + args, stdout=subprocess.PIPE, stderr=log, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(FELACTL + args, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
@@ -53,14 +52,50 @@ def test_two_agents_as_two_nodes_measure_every_pair(tmp_path):
     procs: list[subprocess.Popen] = []
     started = time.monotonic()
     try:
-        coordinator = _start(["profile", "--rdzv-endpoint", endpoint, "--nnodes", "2", "--secret-file", str(secret),
-                              "--name", "two", "-o", str(out), "--json", "--join-timeout", "25", "--timeout", "40",
-                              *SMALL], tmp_path / "coordinator.log")
+        coordinator = _start(
+            [
+                "profile",
+                "--rdzv-endpoint",
+                endpoint,
+                "--nnodes",
+                "2",
+                "--secret-file",
+                str(secret),
+                "--name",
+                "two",
+                "-o",
+                str(out),
+                "--json",
+                "--join-timeout",
+                "25",
+                "--timeout",
+                "40",
+                *SMALL,
+            ],
+            tmp_path / "coordinator.log",
+        )
         procs.append(coordinator)
         for node, slots in (("nodeA", "2"), ("nodeB", "1")):
-            procs.append(_start(["agent", "--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name",
-                                 node, "--nproc-per-node", slots, "--log-dir", str(tmp_path / node),
-                                 "--join-timeout", "25"], tmp_path / f"{node}.log"))
+            procs.append(
+                _start(
+                    [
+                        "agent",
+                        "--rdzv-endpoint",
+                        endpoint,
+                        "--secret-file",
+                        str(secret),
+                        "--node-name",
+                        node,
+                        "--nproc-per-node",
+                        slots,
+                        "--log-dir",
+                        str(tmp_path / node),
+                        "--join-timeout",
+                        "25",
+                    ],
+                    tmp_path / f"{node}.log",
+                )
+            )
         stdout, _ = coordinator.communicate(timeout=50)
         assert coordinator.returncode == 0, (tmp_path / "coordinator.log").read_text()[-2000:]
         for agent in procs[1:]:
@@ -89,19 +124,53 @@ def test_two_agents_with_one_node_name_are_refused_with_exit_2(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     procs: list[subprocess.Popen] = []
     try:
-        coordinator = _start(["profile", "--rdzv-endpoint", endpoint, "--nnodes", "2", "--secret-file", str(secret),
-                              "-o", str(tmp_path / "c.yaml"), "--join-timeout", "25"], tmp_path / "coordinator.log")
+        coordinator = _start(
+            [
+                "profile",
+                "--rdzv-endpoint",
+                endpoint,
+                "--nnodes",
+                "2",
+                "--secret-file",
+                str(secret),
+                "-o",
+                str(tmp_path / "c.yaml"),
+                "--join-timeout",
+                "25",
+            ],
+            tmp_path / "coordinator.log",
+        )
         procs.append(coordinator)
         for i in range(2):
-            procs.append(_start(["agent", "--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name",
-                                 "same", "--nproc-per-node", "1", "--join-timeout", "25"], tmp_path / f"agent{i}.log"))
+            procs.append(
+                _start(
+                    [
+                        "agent",
+                        "--rdzv-endpoint",
+                        endpoint,
+                        "--secret-file",
+                        str(secret),
+                        "--node-name",
+                        "same",
+                        "--nproc-per-node",
+                        "1",
+                        "--join-timeout",
+                        "25",
+                    ],
+                    tmp_path / f"agent{i}.log",
+                )
+            )
         assert coordinator.wait(timeout=40) == 2
-        assert "2 agents call their node 'same'; give each its own --node-name" in \
-            (tmp_path / "coordinator.log").read_text()
+        assert (
+            "2 agents call their node 'same'; give each its own --node-name"
+            in (tmp_path / "coordinator.log").read_text()
+        )
         for agent in procs[1:]:
             assert agent.wait(timeout=20) == 1  # told to stop before any worker started
-        assert "the coordinator stopped the job before it started: the coordinator gave up: 2 agents call" in \
-            (tmp_path / "agent0.log").read_text()
+        assert (
+            "the coordinator stopped the job before it started: the coordinator gave up: 2 agents call"
+            in (tmp_path / "agent0.log").read_text()
+        )
     finally:
         _kill_all(procs)
     assert not (tmp_path / "c.yaml").exists()
@@ -114,13 +183,37 @@ def test_hostfile_starts_an_agent_on_each_host_over_ssh(tmp_path):
     from tests._worker_helpers import fake_ssh
 
     (tmp_path / "hosts").write_text("nodeA slots=1\nnodeB slots=1\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAKE_SSH_LOG": str(tmp_path / "ssh.log"),
-           "PATH": f"{fake_ssh(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "FAKE_SSH_LOG": str(tmp_path / "ssh.log"),
+        "PATH": f"{fake_ssh(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}",
+    }
     out = tmp_path / "cluster.yaml"
-    proc = subprocess.Popen(FELACTL + ["profile", "--hostfile", str(tmp_path / "hosts"), "--rdzv-endpoint",
-                                       f"127.0.0.1:{_free_port()}", "--name", "two", "-o", str(out), "--json",
-                                       "--join-timeout", "25", "--timeout", "40", *SMALL],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        FELACTL
+        + [
+            "profile",
+            "--hostfile",
+            str(tmp_path / "hosts"),
+            "--rdzv-endpoint",
+            f"127.0.0.1:{_free_port()}",
+            "--name",
+            "two",
+            "-o",
+            str(out),
+            "--json",
+            "--join-timeout",
+            "25",
+            "--timeout",
+            "40",
+            *SMALL,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=80)
     finally:

@@ -6,27 +6,73 @@ from pathlib import Path
 
 import pytest
 
-from felactl.spec import (ClusterSpec, Collective, Device, DeviceKind, Layer, LayerTiming, Link, LinkDefault,
-                          LinkType, ModelRef, ModelSpec, Node, Plan, Prediction, Schedule, SolverInfo, Stage,
-                          StageWorker, SyncMode, SyncSpec, Training, Tree, dump_yaml, from_dict, load, save, to_dict)
+from felactl.spec import (
+    ClusterSpec,
+    Collective,
+    Device,
+    DeviceKind,
+    Layer,
+    LayerTiming,
+    Link,
+    LinkDefault,
+    LinkType,
+    ModelRef,
+    ModelSpec,
+    Node,
+    Plan,
+    Prediction,
+    Schedule,
+    SolverInfo,
+    Stage,
+    StageWorker,
+    SyncMode,
+    SyncSpec,
+    Training,
+    Tree,
+    dump_yaml,
+    from_dict,
+    load,
+    save,
+    to_dict,
+)
 
 CLUSTER_FILES = sorted((Path(__file__).parent.parent / "plans" / "clusters").glob("*.yaml"))
 
 
 def make_cluster() -> ClusterSpec:
-    gpu = lambda name, i: Device(name=name, kind=DeviceKind.CUDA, model="Tesla V100-SXM2-16GB", tflops=14.0,
-                                 memory_gb=16.0, local_index=i)
-    cpu = Device(name="host.cpu0", kind=DeviceKind.CPU, model="Intel(R) Xeon(R) Gold 6148", tflops=0.8,
-                 memory_gb=64.0, cpu_cores=(0, 1, 2, 3), bf16_tflops=1.2)
+    gpu = lambda name, i: Device(
+        name=name, kind=DeviceKind.CUDA, model="Tesla V100-SXM2-16GB", tflops=14.0, memory_gb=16.0, local_index=i
+    )
+    cpu = Device(
+        name="host.cpu0",
+        kind=DeviceKind.CPU,
+        model="Intel(R) Xeon(R) Gold 6148",
+        tflops=0.8,
+        memory_gb=64.0,
+        cpu_cores=(0, 1, 2, 3),
+        bf16_tflops=1.2,
+    )
     return ClusterSpec(
-        name="lab", description="two V100s over NVLink and a CPU slot",
-        nodes=(Node(name="box0", hostname="10.0.0.5", num_cpu_cores=40, memory_gb=256.0,
-                    devices=(gpu("box0.gpu0", 0), gpu("box0.gpu1", 1))),
-               Node(name="host", devices=(cpu,))),
-        links=(Link(src="box0.gpu0", dst="box0.gpu1", bandwidth_gbps=47.5, latency_us=2.5,
-                    type=LinkType.NVLINK, num_links=2),
-               Link(src="box0.gpu1", dst="box0.gpu0", bandwidth_gbps=47.5, latency_us=2.5,
-                    type=LinkType.NVLINK, num_links=2)),
+        name="lab",
+        description="two V100s over NVLink and a CPU slot",
+        nodes=(
+            Node(
+                name="box0",
+                hostname="10.0.0.5",
+                num_cpu_cores=40,
+                memory_gb=256.0,
+                devices=(gpu("box0.gpu0", 0), gpu("box0.gpu1", 1)),
+            ),
+            Node(name="host", devices=(cpu,)),
+        ),
+        links=(
+            Link(
+                src="box0.gpu0", dst="box0.gpu1", bandwidth_gbps=47.5, latency_us=2.5, type=LinkType.NVLINK, num_links=2
+            ),
+            Link(
+                src="box0.gpu1", dst="box0.gpu0", bandwidth_gbps=47.5, latency_us=2.5, type=LinkType.NVLINK, num_links=2
+            ),
+        ),
         intra_node_default=LinkDefault(bandwidth_gbps=12.0, latency_us=8.0, type=LinkType.PCIE),
         inter_node_default=LinkDefault(bandwidth_gbps=1.25, latency_us=45.0, type=LinkType.NET),
     )
@@ -34,19 +80,32 @@ def make_cluster() -> ClusterSpec:
 
 def make_model() -> ModelSpec:
     def layer(i: int, params: int, act: int, flops: float) -> Layer:
-        timings = tuple(LayerTiming(device_model=dm, micro_batch=b, fwd_ms=0.1 * b * (i + 1) / speed,
-                                    bwd_ms=0.2 * b * (i + 1) / speed)
-                        for dm, speed in (("Tesla V100-SXM2-16GB", 3.0), ("Intel(R) Xeon(R) Gold 6148", 1 / 7))
-                        for b in (1, 4, 16))
-        return Layer(name=f"{i}.Block", kind="Block", params=params, param_bytes=4 * params,
-                     activation_bytes_per_sample=act, saved_bytes_per_sample=9 * act if i else None,
-                     fwd_flops_per_sample=flops,
-                     bwd_flops_per_sample=2 * flops, timings=timings)
+        timings = tuple(
+            LayerTiming(
+                device_model=dm, micro_batch=b, fwd_ms=0.1 * b * (i + 1) / speed, bwd_ms=0.2 * b * (i + 1) / speed
+            )
+            for dm, speed in (("Tesla V100-SXM2-16GB", 3.0), ("Intel(R) Xeon(R) Gold 6148", 1 / 7))
+            for b in (1, 4, 16)
+        )
+        return Layer(
+            name=f"{i}.Block",
+            kind="Block",
+            params=params,
+            param_bytes=4 * params,
+            activation_bytes_per_sample=act,
+            saved_bytes_per_sample=9 * act if i else None,
+            fwd_flops_per_sample=flops,
+            bwd_flops_per_sample=2 * flops,
+            timings=timings,
+        )
 
-    return ModelSpec(name="gpt-mini", source="gpt-mini",
-                     config={"depth": 3, "width": 128, "num_heads": 4, "seq_len": 32, "vocab_size": 103},
-                     input_bytes_per_sample=256,
-                     layers=tuple(layer(i, 198_016 + i, 16_384, 1.3e7 + 0.5 * i) for i in range(3)))
+    return ModelSpec(
+        name="gpt-mini",
+        source="gpt-mini",
+        config={"depth": 3, "width": 128, "num_heads": 4, "seq_len": 32, "vocab_size": 103},
+        input_bytes_per_sample=256,
+        layers=tuple(layer(i, 198_016 + i, 16_384, 1.3e7 + 0.5 * i) for i in range(3)),
+    )
 
 
 def make_plan() -> Plan:
@@ -59,17 +118,37 @@ def make_plan() -> Plan:
         schedule=Schedule.ONE_F_ONE_B,
         sync=SyncSpec(mode=SyncMode.WBSP, overlap=True, use_trees=True),
         training=Training(optimizer="sgd", lr=0.05, seed=7),
-        stages=(Stage(layer_start=0, layer_end=2, micro_batch=8, predicted_compute_s=0.0125,
-                      workers=(StageWorker(device="box0.gpu0", share=0.625, predicted_memory_gb=1.5),
-                               StageWorker(device="box0.gpu1", share=0.375))),
-                Stage(layer_start=2, layer_end=3, micro_batch=4,
-                      workers=(StageWorker(device="host.cpu0", share=1.0),))),
+        stages=(
+            Stage(
+                layer_start=0,
+                layer_end=2,
+                micro_batch=8,
+                predicted_compute_s=0.0125,
+                workers=(
+                    StageWorker(device="box0.gpu0", share=0.625, predicted_memory_gb=1.5),
+                    StageWorker(device="box0.gpu1", share=0.375),
+                ),
+            ),
+            Stage(layer_start=2, layer_end=3, micro_batch=4, workers=(StageWorker(device="host.cpu0", share=1.0),)),
+        ),
         pipelines=(("box0.gpu0", "host.cpu0"), ("box0.gpu1", "host.cpu0")),
-        collectives=(Collective(group="stage0", devices=("box0.gpu0", "box0.gpu1"), root="box0.gpu0",
-                                trees=(Tree(edges=(("box0.gpu0", "box0.gpu1"),), weight=47.5),),
-                                rate_gbps=47.5, bound_gbps=47.5, ring_gbps=23.75),),
-        predicted=Prediction(iteration_s=0.21, samples_per_s=304.76, simulated_iteration_s=0.2234,
-                             baselines={"dp": 0.35, "mp": 0.61, "hp": 0.27, "no_trees": 0.24}),
+        collectives=(
+            Collective(
+                group="stage0",
+                devices=("box0.gpu0", "box0.gpu1"),
+                root="box0.gpu0",
+                trees=(Tree(edges=(("box0.gpu0", "box0.gpu1"),), weight=47.5),),
+                rate_gbps=47.5,
+                bound_gbps=47.5,
+                ring_gbps=23.75,
+            ),
+        ),
+        predicted=Prediction(
+            iteration_s=0.21,
+            samples_per_s=304.76,
+            simulated_iteration_s=0.2234,
+            baselines={"dp": 0.35, "mp": 0.61, "hp": 0.27, "no_trees": 0.24},
+        ),
         solver=SolverInfo(name="PULP_CBC_CMD", status="Optimal", solve_s=0.84, gap=0.0),
     )
 
@@ -110,9 +189,15 @@ def test_round_trip_keeps_what_the_runtime_reads(tmp_path):
 
 
 def test_optional_fields_left_unset_are_not_written():
-    text = dump_yaml(Plan(cluster="c", model=ModelRef(name="m", source="mlp"), devices=("d0",), global_batch=8,
-                          stages=(Stage(layer_start=0, layer_end=5, micro_batch=8,
-                                        workers=(StageWorker(device="d0", share=1.0),)),)))
+    text = dump_yaml(
+        Plan(
+            cluster="c",
+            model=ModelRef(name="m", source="mlp"),
+            devices=("d0",),
+            global_batch=8,
+            stages=(Stage(layer_start=0, layer_end=5, micro_batch=8, workers=(StageWorker(device="d0", share=1.0),)),),
+        )
+    )
     assert "predicted" not in text and "solver" not in text and "null" not in text
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import torch
-
 from _worker_helpers import dp_plan, final_params, metrics, reference_params, run_plan
 
 pytestmark = pytest.mark.multiprocess
@@ -30,8 +28,9 @@ def _checks(run_dir, num_workers: int) -> list[dict]:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_wbsp_trains_and_replicas_end_equal(tmp_path, overlap):
-    plan = dp_plan(2, "wbsp", optimizer="adamw", lr=1e-2, overlap=overlap,
-                   config={"input_dim": 256, "hidden": 512, "depth": 2})  # compute well above the push/pull
+    plan = dp_plan(
+        2, "wbsp", optimizer="adamw", lr=1e-2, overlap=overlap, config={"input_dim": 256, "hidden": 512, "depth": 2}
+    )  # compute well above the push/pull
     run_dir = run_plan(plan, tmp_path, STEPS, env={"FELACTL_SLOWDOWN": "1=3"})
     records = _checks(run_dir, 2)
     fast = sum(1 for r in records if r["rank"] == 0)
@@ -52,8 +51,9 @@ def test_wbsp_with_one_worker_is_plain_sgd(tmp_path):
     assert (expected - initial).norm() > 0.1, "the reference must move, or this test proves nothing"
     torch.testing.assert_close(final_params(run_dir, STEPS), expected, atol=1e-5, rtol=0)
     checksum = json.loads((run_dir / "workers" / "rank0.json").read_text())["param_checksum"]
-    assert abs(checksum - float(expected.double().sum())) < 1e-3, \
+    assert abs(checksum - float(expected.double().sum())) < 1e-3, (
         f"theta_g after the final pull: {checksum} vs SGD {float(expected.double().sum())}"
+    )
 
 
 def test_sdpipe_trains_and_replicas_end_equal(tmp_path):

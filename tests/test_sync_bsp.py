@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
+from _worker_helpers import dp_plan, final_params, metrics, reference_params, run_plan
 
 from felactl.agents.worker.metrics import write_summary
-
-from _worker_helpers import dp_plan, final_params, metrics, reference_params, run_plan
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 5
@@ -25,8 +24,12 @@ def test_bsp_matches_single_process(tmp_path, optimizer, lr):
     run_dir = run_plan(plan, tmp_path, STEPS)
     got, want = final_params(run_dir, STEPS), reference_params(plan, STEPS)
     assert (got - want).abs().max().item() < 1e-5
-    start = torch.cat([v.reshape(-1) for v in __import__("felactl").models.build(
-        "mlp", plan.model.config, seed=0).layers.state_dict().values()])
+    start = torch.cat(
+        [
+            v.reshape(-1)
+            for v in __import__("felactl").models.build("mlp", plan.model.config, seed=0).layers.state_dict().values()
+        ]
+    )
     assert (got - start).abs().max().item() > 1e-3, "training must have moved the parameters"
     checksums = _worker_checksums(run_dir)
     assert len(checksums) == 2 and checksums[0] == pytest.approx(checksums[1], abs=1e-6)
@@ -74,8 +77,9 @@ def test_tokens_stalled_workers_skip_iterations_and_still_match_single_process(t
     config = {"input_dim": 32, "hidden": 64, "depth": 2}
     plan = dp_plan(workers, "tokens", global_batch=48, micro_batch=4, config=config, optimizer="adamw", lr=3e-3)
     steps = 2 * workers
-    run_dir = run_plan(plan, tmp_path, steps,
-                       per_rank_env={r: {"FELACTL_STRAGGLER": f"roundrobin:{s}"} for r, s in sleeps.items()})
+    run_dir = run_plan(
+        plan, tmp_path, steps, per_rank_env={r: {"FELACTL_STRAGGLER": f"roundrobin:{s}"} for r, s in sleeps.items()}
+    )
     assert (final_params(run_dir, steps) - reference_params(plan, steps)).abs().max().item() < 1e-5
     checksums = _worker_checksums(run_dir)
     assert len(checksums) == workers and all(c == pytest.approx(checksums[0], abs=1e-6) for c in checksums)

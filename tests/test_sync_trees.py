@@ -27,29 +27,49 @@ STEPS = 4
 
 def with_trees(plan, devices, trees, root="cpu0"):
     """``plan`` with one packed collective over ``devices``: (edges, weight) per tree."""
-    collective = Collective(group="stage0", devices=tuple(devices), root=root,
-                            trees=tuple(Tree(edges=tuple(map(tuple, e)), weight=w) for e, w in trees),
-                            rate_gbps=sum(w for _, w in trees), bound_gbps=sum(w for _, w in trees), ring_gbps=0.0)
+    collective = Collective(
+        group="stage0",
+        devices=tuple(devices),
+        root=root,
+        trees=tuple(Tree(edges=tuple(map(tuple, e)), weight=w) for e, w in trees),
+        rate_gbps=sum(w for _, w in trees),
+        bound_gbps=sum(w for _, w in trees),
+        ring_gbps=0.0,
+    )
     return dataclasses.replace(plan, collectives=(collective,))
 
 
-THREE_WORKER_TREES = [([("cpu0", "cpu1"), ("cpu1", "cpu2")], 2.0),  # a chain carrying 2/3
-                      ([("cpu0", "cpu2"), ("cpu0", "cpu1")], 1.0)]  # a star carrying 1/3
+THREE_WORKER_TREES = [
+    ([("cpu0", "cpu1"), ("cpu1", "cpu2")], 2.0),  # a chain carrying 2/3
+    ([("cpu0", "cpu2"), ("cpu0", "cpu1")], 1.0),
+]  # a star carrying 1/3
 
 
 def test_bsp_over_two_packed_trees_matches_single_process(tmp_path):
-    plan = with_trees(dp_plan(3, "bsp", global_batch=30, micro_batch=4, optimizer="adamw", lr=3e-3),
-                      ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
+    plan = with_trees(
+        dp_plan(3, "bsp", global_batch=30, micro_batch=4, optimizer="adamw", lr=3e-3),
+        ["cpu0", "cpu1", "cpu2"],
+        THREE_WORKER_TREES,
+    )
     run_dir = run_plan(plan, tmp_path, STEPS)
     assert (final_params(run_dir, STEPS) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
 
 
 def test_pipeline_replicas_sum_their_stage_gradients_over_trees(tmp_path):
-    plan = pipeline_plan([0, 2, 4], num_replicas=2)  # stage 0 on cpu0, cpu2; stage 1 on cpu1, cpu3
+    plan = pipeline_plan([0, 2, 3], num_replicas=2)  # stage 0 on cpu0, cpu2; stage 1 on cpu1, cpu3
     trees = []
     for s, (a, b) in enumerate([("cpu0", "cpu2"), ("cpu1", "cpu3")]):
-        trees.append(Collective(group=f"stage{s}", devices=(a, b), root=b, trees=(Tree(edges=((b, a),), weight=1.0),),
-                                rate_gbps=1.0, bound_gbps=1.0, ring_gbps=0.0))
+        trees.append(
+            Collective(
+                group=f"stage{s}",
+                devices=(a, b),
+                root=b,
+                trees=(Tree(edges=((b, a),), weight=1.0),),
+                rate_gbps=1.0,
+                bound_gbps=1.0,
+                ring_gbps=0.0,
+            )
+        )
     plan = dataclasses.replace(plan, collectives=tuple(trees))
     run_dir = run_plan(plan, tmp_path, STEPS)
     got = torch.cat([final_params(run_dir, STEPS, stage=0), final_params(run_dir, STEPS, stage=1)])
@@ -61,8 +81,9 @@ def test_trees_that_do_not_span_the_group_are_not_used():
     assert stage_trees(plan, 0, 0, None) is None
     no_trees = dataclasses.replace(plan, sync=dataclasses.replace(plan.sync, use_trees=False))
     assert stage_trees(no_trees, 0, 0, None) is None
-    two_parents = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"],
-                             [([("cpu0", "cpu1"), ("cpu0", "cpu2"), ("cpu1", "cpu2")], 1.0)])
+    two_parents = with_trees(
+        dp_plan(3), ["cpu0", "cpu1", "cpu2"], [([("cpu0", "cpu1"), ("cpu0", "cpu2"), ("cpu1", "cpu2")], 1.0)]
+    )
     assert stage_trees(two_parents, 0, 0, None) is None  # cpu2 would wait for a second parent's send
     into_root = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], [([("cpu0", "cpu1"), ("cpu1", "cpu0")], 1.0)])
     assert stage_trees(into_root, 0, 0, None) is None
@@ -85,8 +106,16 @@ def _sum_over_trees(rank: int, world: int, port: int, plan, results) -> None:
         dist.destroy_process_group()
 
 
-def test_tree_allreduce_sums_exactly_with_point_to_point_only():
+REDUCE_TREES = (
+    Tree(edges=(("cpu0", "cpu2"), ("cpu2", "cpu1")), weight=1.0),  # cpu1 -> cpu2 -> cpu0
+    Tree(edges=(("cpu0", "cpu1"), ("cpu0", "cpu2")), weight=3.0),
+)
+
+
+@pytest.mark.parametrize("reduce_trees", [(), REDUCE_TREES], ids=["reversed", "own-reduce-trees"])
+def test_tree_allreduce_sums_exactly_with_point_to_point_only(reduce_trees):
     plan = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
+    plan = dataclasses.replace(plan, collectives=(dataclasses.replace(plan.collectives[0], reduce_trees=reduce_trees),))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

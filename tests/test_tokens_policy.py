@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from felactl.launcher.tokens import (SubBucketView, Token, TokenDAG, TokenServer, choose_victim,
-                                     num_first_level_tokens, token_samples)
+from felactl.agents.worker.sync.token_policy import (
+    SubBucketView,
+    Token,
+    TokenDAG,
+    TokenServer,
+    choose_victim,
+    token_samples,
+)
+from felactl.spec.executable import num_first_level_tokens
 
 
 def test_first_level_count_is_at_least_one_per_worker():
@@ -27,8 +34,12 @@ def test_dag_inputs_follow_the_weights():
     assert dag.inputs(Token(2, False, 1)) == [Token(1, False, 2), Token(1, False, 3)]
     assert dag.inputs(Token(2, True, 1)) == [Token(2, False, 1)]
     assert dag.inputs(Token(0, True, 5)) == [Token(1, True, 2), Token(0, False, 5)]
-    assert [dag.depth(t) for t in (Token(0, False, 0), Token(2, False, 0), Token(2, True, 0), Token(0, True, 0))] \
-        == [0, 2, 3, 5]
+    assert [dag.depth(t) for t in (Token(0, False, 0), Token(2, False, 0), Token(2, True, 0), Token(0, True, 0))] == [
+        0,
+        2,
+        3,
+        5,
+    ]
 
 
 @pytest.mark.parametrize("weights,num_first", [((2,), 4), ((1, 2, 3), 6), ((1, 2), 5)])
@@ -95,9 +106,11 @@ def test_hf_drains_own_sub_bucket_first():
 
 
 def test_hf_helper_steals_from_the_slowest_owner_with_fewest_helpers():
-    views = [SubBucketView(owner=0, backlog=4, helpers=0, completed=4),   # fast
-             SubBucketView(owner=1, backlog=4, helpers=1, completed=1),   # slow, already helped
-             SubBucketView(owner=2, backlog=4, helpers=0, completed=1)]   # slow, nobody helps
+    views = [
+        SubBucketView(owner=0, backlog=4, helpers=0, completed=4),  # fast
+        SubBucketView(owner=1, backlog=4, helpers=1, completed=1),  # slow, already helped
+        SubBucketView(owner=2, backlog=4, helpers=0, completed=1),
+    ]  # slow, nobody helps
     assert choose_victim(views) == 2
     assert choose_victim(views[:2]) == 1, "a slow owner with one helper still finishes after a fast one"
     assert choose_victim([SubBucketView(0, 0, 0, 3)]) is None
@@ -146,3 +159,48 @@ def test_pinned_backward_runs_where_its_forward_ran():
     for token, worker in done.items():
         if token.backward:
             assert worker == done[Token(token.level, False, token.index)]
+
+
+def _run_all(server: TokenServer, workers) -> list[Token]:
+    """Each worker in turn asks and at once completes, until the iteration is done."""
+    order = []
+    while not server.finished:
+        progressed = False
+        for w in workers:
+            token = server.request(w)
+            if token is not None:
+                server.complete(w, token)
+                order.append(token)
+                progressed = True
+        assert progressed
+    return order
+
+
+def test_a_worker_gets_no_forward_beyond_the_in_flight_limit():
+    """Level 0 on worker 0, level 1 on worker 1: worker 0 runs ahead until it holds two forwards."""
+
+    def server(limit):
+        return TokenServer(
+            TokenDAG(8, (1, 1)),
+            (0, 1),
+            "ads",
+            level_workers={0: (0,), 1: (1,)},
+            max_in_flight={0: limit} if limit else None,
+        )
+
+    for limit, expected in ((2, None), (None, Token(0, False, 2))):
+        s = server(limit)
+        for j in range(2):
+            assert s.request(0) == Token(0, False, j)
+            s.complete(0, Token(0, False, j))
+        assert s.request(1) == Token(1, False, 0)  # running on worker 1: the limit is not lifted
+        assert s.request(0) == expected
+    s = server(2)
+    order = _run_all(s, (0, 1))
+    assert len(order) == 32 and not s.limit_lifted
+
+
+def test_the_limit_is_lifted_rather_than_hang():
+    """One worker, limit 1, a level of twice the micro-batch: its token needs two forwards held."""
+    s = TokenServer(TokenDAG(4, (1, 2)), (0,), "ads", max_in_flight={0: 1, 1: 1})
+    assert len(_run_all(s, (0,))) == 12 and s.limit_lifted

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from felactl.agents.worker.sync.buckets import GradBuckets
 from felactl.agents.worker.sync import tokens as tokens_mod
+from felactl.agents.worker.sync.buckets import GradBuckets
 from felactl.agents.worker.sync.tokens import LAG_BUDGET_BYTES, StoreTokenBucket, skip_ahead_limit
 from felactl.errors import WorkerFailed
 
@@ -46,7 +46,9 @@ def _drain(buckets, step, rng, speeds=None):
     return owner
 
 
-@pytest.mark.parametrize("policy,workers,num_tokens", [("ads+hf", 2, 8), ("hf", 3, 10), ("ads", 3, 7), ("ads+hf", 4, 4)])
+@pytest.mark.parametrize(
+    "policy,workers,num_tokens", [("ads+hf", 2, 8), ("hf", 3, 10), ("ads", 3, 7), ("ads+hf", 4, 4)]
+)
 def test_every_token_claimed_exactly_once_even_with_retirements(policy, workers, num_tokens):
     store = dist.HashStore()
     buckets = _buckets(store, list(range(workers)), num_tokens, policy)
@@ -137,7 +139,8 @@ def test_nobody_retires_while_a_worker_has_not_joined():
     assert [slow.next_token() for _ in range(4)] == [(0, False), (1, False), (2, False), (3, False)]
     assert slow.next_token() == (7, False), (
         "helping: 3 tokens left would take worker 1 3 s, less than one of its own 3 s tokens; it would retire "
-        "if worker 1 had joined")
+        "if worker 1 had joined"
+    )
     assert [slow.next_token() for _ in range(3)] == [(6, False), (5, False), (4, True)]
     assert slow.close() == (0,)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _worker_helpers import final_params, hybrid_plan, metrics, reference_params, run_plan
 
 from felactl.agents.worker.flexible import make_dag, token_weights
 from felactl.errors import InputError
-
-from _worker_helpers import final_params, hybrid_plan, metrics, reference_params, run_plan
+from felactl.spec import check_executable
 
 STEPS = 3
 
@@ -20,7 +20,7 @@ def test_weights_and_dag_from_the_plan():
     dag = make_dag(plan)
     assert (dag.num_first, [dag.count(i) for i in range(3)]) == (12, [12, 6, 3])
     with pytest.raises(InputError, match="multiple"):
-        token_weights(hybrid_plan([(0, 2, 4, [0]), (2, 3, 6, [0])], 1))
+        check_executable(hybrid_plan([(0, 2, 4, [0]), (2, 3, 6, [0])], 1))
 
 
 def _params(run_dir, num_stages: int) -> torch.Tensor:
@@ -42,8 +42,12 @@ def test_ctd_fc_on_one_worker_matches_single_process(tmp_path):
 
 @pytest.mark.multiprocess
 def test_three_levels_with_a_slow_worker_match_single_process(tmp_path):
-    plan = hybrid_plan([(0, 1, 32, [0, 1]), (1, 2, 64, [0, 1]), (2, 3, 128, [0, 1])], 2, global_batch=256,
-                       config={"input_dim": 512, "hidden": 1024, "depth": 2})
+    plan = hybrid_plan(
+        [(0, 1, 32, [0, 1]), (1, 2, 64, [0, 1]), (2, 3, 128, [0, 1])],
+        2,
+        global_batch=256,
+        config={"input_dim": 512, "hidden": 1024, "depth": 2},
+    )
     run_dir = run_plan(plan, tmp_path, STEPS, env={"FELACTL_SLOWDOWN": "0=3"})
     assert (_params(run_dir, 3) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
     records = metrics(run_dir)

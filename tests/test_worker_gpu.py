@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _worker_helpers import dp_plan, final_params, reference_params, run_plan
 
 from felactl.agents.worker.metrics import write_summary
-
-from _worker_helpers import dp_plan, final_params, reference_params, run_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")]
 

@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
+from _worker_helpers import final_params, metrics, pipeline_plan, reference_params, run_plan
 
 from felactl.agents.worker.pipeline import gpipe, one_f_one_b
-
-from _worker_helpers import final_params, metrics, pipeline_plan, reference_params, run_plan
 
 STEPS = 3
 
@@ -47,8 +46,16 @@ def test_two_pipelines_allreduce_each_stage(tmp_path):
 @pytest.mark.multiprocess
 def test_sdpipe_pipelines_train_and_stage_replicas_end_equal(tmp_path):
     steps = 20
-    plan = pipeline_plan([0, 2, 3], 2, "1f1b", micro_batch=8, optimizer="adamw", lr=1e-2, sync="sdpipe",
-                         config={"input_dim": 256, "hidden": 1024, "depth": 2})  # compute >> the 10 ms max wait
+    plan = pipeline_plan(
+        [0, 2, 3],
+        2,
+        "1f1b",
+        micro_batch=8,
+        optimizer="adamw",
+        lr=1e-2,
+        sync="sdpipe",
+        config={"input_dim": 256, "hidden": 1024, "depth": 2},
+    )  # compute >> the 10 ms max wait
     run_dir = run_plan(plan, tmp_path, steps, env={"FELACTL_SLOWDOWN": "0=3"})  # stage 0 holds the heavy layers
     records = metrics(run_dir)
     assert sum(r["samples"] for r in records if r["stage"] == 0) == steps * 32, "every sample trained once"

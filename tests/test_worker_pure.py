@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _worker_helpers import dp_plan, pipeline_plan
 
 from felactl.agents.worker.config import from_env
 from felactl.agents.worker.metrics import summarize
@@ -12,16 +13,16 @@ from felactl.agents.worker.sync.groups import MAX_WAIT_S, MIN_WAIT_S, GroupSched
 from felactl.errors import InputError
 from felactl.spec import save
 
-from _worker_helpers import dp_plan, pipeline_plan
-
 
 def test_parse_slowdown():
     assert parse_slowdown("1=3, 2=1.5") == {1: 3.0, 2: 1.5}
     assert parse_slowdown("") == {} and parse_slowdown(None) == {}
 
 
-@pytest.mark.parametrize("text,fragment", [("1", "RANK=FACTOR"), ("a=2", "integer"), ("1=0.5", ">= 1"),
-                                           ("-1=2", ">= 0"), ("1=2,1=3", "twice")])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [("1", "RANK=FACTOR"), ("a=2", "integer"), ("1=0.5", ">= 1"), ("-1=2", ">= 0"), ("1=2,1=3", "twice")],
+)
 def test_parse_slowdown_errors(text, fragment):
     with pytest.raises(InputError, match=fragment):
         parse_slowdown(text)
@@ -50,23 +51,36 @@ def test_roundrobin_sleeps_on_its_turn_and_prob_is_seeded():
 
 def _env(tmp_path, **extra):
     plan_path = save(dp_plan(2), tmp_path / "plan.yaml")
-    env = {"RANK": "1", "WORLD_SIZE": "2", "FELACTL_PLAN": str(plan_path), "FELACTL_RUN_DIR": str(tmp_path),
-           "FELACTL_STORE": "127.0.0.1:29500"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "FELACTL_PLAN": str(plan_path),
+        "FELACTL_RUN_DIR": str(tmp_path),
+        "FELACTL_STORE": "127.0.0.1:29500",
+    }
     env.update(extra)
     return env
 
 
 def test_from_env_reads_overrides(tmp_path):
-    cfg = from_env(_env(tmp_path, FELACTL_SYNC="wbsp", FELACTL_OVERLAP="1", FELACTL_SLOWDOWN="1=3,0=2",
-                        FELACTL_STEPS="7"))
+    cfg = from_env(
+        _env(tmp_path, FELACTL_SYNC="wbsp", FELACTL_OVERLAP="1", FELACTL_SLOWDOWN="1=3,0=2", FELACTL_STEPS="7")
+    )
     assert (cfg.rank, cfg.local_rank, cfg.steps, cfg.slowdown, cfg.host_store) == (1, 1, 7, 3.0, False)
     plan = cfg.load_plan()
     assert plan.sync.mode.value == "wbsp" and plan.sync.overlap is True
 
 
-@pytest.mark.parametrize("extra,fragment", [({"RANK": "2"}, "< WORLD_SIZE"), ({"FELACTL_SYNC": "ssp"}, "FELACTL_SYNC"),
-                                            ({"FELACTL_STEPS": "0"}, ">= 1"), ({"FELACTL_STORE": "nohost"}, "host:port"),
-                                            ({"FELACTL_PLAN": ""}, "FELACTL_PLAN")])
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        ({"RANK": "2"}, "< WORLD_SIZE"),
+        ({"FELACTL_SYNC": "ssp"}, "FELACTL_SYNC"),
+        ({"FELACTL_STEPS": "0"}, ">= 1"),
+        ({"FELACTL_STORE": "nohost"}, "host:port"),
+        ({"FELACTL_PLAN": ""}, "FELACTL_PLAN"),
+    ],
+)
 def test_from_env_errors(tmp_path, extra, fragment):
     with pytest.raises(InputError, match=fragment):
         from_env(_env(tmp_path, **extra))
@@ -99,14 +113,28 @@ def test_place_data_parallel_and_pipelines():
 
 
 def _record(rank, step, samples, loss, start, duration, compute, stage=0, tokens=0):
-    return {"time": start + duration, "rank": rank, "stage": stage, "step": step, "samples": samples, "loss": loss,
-            "compute_s": compute, "comm_s": 0.1, "wait_s": duration - compute - 0.1, "duration_s": duration,
-            "tokens": tokens}
+    return {
+        "time": start + duration,
+        "rank": rank,
+        "stage": stage,
+        "step": step,
+        "samples": samples,
+        "loss": loss,
+        "compute_s": compute,
+        "comm_s": 0.1,
+        "wait_s": duration - compute - 0.1,
+        "duration_s": duration,
+        "tokens": tokens,
+    }
 
 
 def test_summarize():
-    records = [_record(0, 0, 24, 2.0, 10.0, 1.0, 0.8, tokens=3), _record(1, 0, 8, 3.0, 10.0, 1.0, 0.4, tokens=1),
-               _record(0, 1, 20, 1.0, 11.0, 1.0, 0.8, tokens=5), _record(1, 1, 12, 2.0, 11.0, 1.0, 0.4, tokens=3)]
+    records = [
+        _record(0, 0, 24, 2.0, 10.0, 1.0, 0.8, tokens=3),
+        _record(1, 0, 8, 3.0, 10.0, 1.0, 0.4, tokens=1),
+        _record(0, 1, 20, 1.0, 11.0, 1.0, 0.8, tokens=5),
+        _record(1, 1, 12, 2.0, 11.0, 1.0, 0.4, tokens=3),
+    ]
     s = summarize(records)
     assert s["samples"] == 64 and s["steps"] == 2 and s["wall_s"] == pytest.approx(2.0)
     assert s["samples_per_s"] == pytest.approx(32.0)
@@ -173,7 +201,12 @@ def test_worker_entry_exits_2_with_one_line_on_bad_input(tmp_path):
     import sys
 
     env = {k: v for k, v in _env(tmp_path).items() if k != "FELACTL_PLAN"}
-    done = subprocess.run([sys.executable, "-m", "felactl.agents.worker"], env={**env, "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "felactl.agents.worker"],
+        env={**env, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert done.stderr.strip() == "felactl worker: FELACTL_PLAN is not set"

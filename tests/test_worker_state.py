@@ -16,8 +16,9 @@ CONFIG = {"input_dim": 16, "hidden": 32, "depth": 2}
 
 
 def _peer(rank: int, init_file: str, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
     try:
         bundle = models.build("mlp", CONFIG, seed=rank)  # different weights on purpose
         optimizer = torch.optim.AdamW(bundle.layers.parameters(), lr=1e-2)
@@ -33,8 +34,14 @@ def _peer(rank: int, init_file: str, out_path: str) -> None:
         inputs, targets = bundle.data.batch(range(24, 32))  # one more step each: must stay identical
         bundle.loss(bundle.layers(inputs), targets).backward()
         optimizer.step()
-        torch.save({"params": torch.nn.utils.parameters_to_vector(bundle.layers.parameters()).detach(),
-                    "step": step, "position": position}, out_path.format(rank=rank))
+        torch.save(
+            {
+                "params": torch.nn.utils.parameters_to_vector(bundle.layers.parameters()).detach(),
+                "step": step,
+                "position": position,
+            },
+            out_path.format(rank=rank),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -54,8 +61,9 @@ def test_checkpoint_round_trip(tmp_path):
     inputs, targets = bundle.data.batch(range(8))
     bundle.loss(bundle.layers(inputs), targets).backward()
     optimizer.step()
-    path = save_checkpoint(tmp_path / "c" / "stage0.pt", model=bundle.layers, optimizer=optimizer, step=1,
-                           data_position=8)
+    path = save_checkpoint(
+        tmp_path / "c" / "stage0.pt", model=bundle.layers, optimizer=optimizer, step=1, data_position=8
+    )
     assert [p.name for p in path.parent.iterdir()] == ["stage0.pt"], "no temp file left behind"
     fresh = models.build("mlp", CONFIG, seed=5)
     fresh_opt = torch.optim.AdamW(fresh.layers.parameters(), lr=1e-2)

@@ -6,8 +6,9 @@ Shaped like torch.distributed.elastic's agent: a :class:`WorkerSpec` says what t
 monitor until done). What a set of worker states means for the group is decided by the pure
 function :func:`group_state`, so that decision is tested without processes.
 
-Workers are ``python -m <module> [args]`` subprocesses with the torchrun environment, so a user's
-script runs under the agent the same way it runs under torchrun. Each worker gets its own session
+Workers are ``python -m <module> [args]`` (felactl's own workers) or ``python <script> [args]``
+(a user's torchrun-style script) subprocesses with the torchrun environment, so a user's script
+runs under the agent the same way it runs under torchrun. Each worker gets its own session
 (process group): stopping kills the whole group, grandchildren included, and nothing the agent
 started outlives it, even when a worker dies during start-up or ``start`` itself fails half-way.
 """
@@ -15,18 +16,29 @@ started outlives it, even when a worker dies during start-up or ``start`` itself
 from __future__ import annotations
 
 import enum
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import psutil
 
+from felactl.control import keys
+from felactl.control.documents import CommandDoc
 from felactl.errors import ControlPlaneError, InputError
+
+if TYPE_CHECKING:
+    from felactl.agents.session import StopOrder
+
+
+DRAIN_RESIGNAL_S = 1.0
+"""During a graceful stop, how often the agent repeats SIGINT to workers that are still running."""
 
 
 class WorkerState(str, enum.Enum):
@@ -39,17 +51,19 @@ class WorkerState(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
-    """What one agent runs: ``nproc`` workers of ``module`` with ranks ``rank_offset ...``."""
+    """What one agent runs: ``nproc`` workers of ``module`` (or ``script``) with ranks ``rank_offset ...``."""
 
-    module: str
+    module: str = ""
     """Run as ``python -m module``."""
+    script: str = ""
+    """Or run as ``python script`` (a user's torchrun-style script); exactly one of the two."""
     nproc: int
     world_size: int
     rank_offset: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     args: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
     """Extra environment for every worker (on top of this process's and torchrun's)."""
     log_dir: Path = Path(".")
     """Worker ``i`` writes stdout and stderr to ``log_dir/worker-<rank>.log``."""
@@ -62,14 +76,24 @@ class WorkerSpec:
     stop_grace_s: float = 3.0
     """How long ``stop`` waits after SIGTERM before SIGKILL."""
 
+    @property
+    def argv(self) -> list[str]:
+        """The worker's command line."""
+        target = ["-m", self.module] if self.module else [self.script]
+        return [sys.executable, *target, *self.args]
+
     def __post_init__(self) -> None:
+        if bool(self.module) == bool(self.script):
+            raise InputError("a worker spec runs a module or a script (exactly one)")
         if self.nproc < 0:  # 0: an elastic node that waits for the coordinator's add commands
             raise InputError(f"nproc must be >= 0, got {self.nproc}")
         if self.local_ranks and len(self.local_ranks) != self.nproc:
             raise InputError(f"{len(self.local_ranks)} local ranks given for {self.nproc} worker(s)")
         if not 0 <= self.rank_offset or self.rank_offset + self.nproc > self.world_size:
-            raise InputError(f"ranks {self.rank_offset}..{self.rank_offset + self.nproc - 1} do not fit in a world "
-                             f"of {self.world_size}")
+            raise InputError(
+                f"ranks {self.rank_offset}..{self.rank_offset + self.nproc - 1} do not fit in a world "
+                f"of {self.world_size}"
+            )
         if self.cpu_affinity is not None and len(self.cpu_affinity) != self.nproc:
             raise InputError(f"cpu_affinity lists {len(self.cpu_affinity)} workers, expected {self.nproc}")
 
@@ -82,6 +106,8 @@ class Worker:
     process: subprocess.Popen | None = field(default=None, repr=False)
     state: WorkerState = WorkerState.INIT
     exit_code: int | None = None
+    ended_at: float | None = None
+    """Wall-clock time its end was seen (which of several failures came first)."""
 
     @property
     def pid(self) -> int | None:
@@ -95,6 +121,8 @@ class RunResult:
     """Global rank -> exit code of every worker that has ended."""
     failures: dict[int, str]
     """Global rank -> one line about what went wrong (the last line of its log)."""
+    failed_at: dict[int, float] = field(default_factory=dict)
+    """Global rank -> wall-clock time its failure was seen."""
 
 
 def group_state(states: list[WorkerState]) -> WorkerState:
@@ -115,7 +143,7 @@ def split_cores(cores: list[int], nproc: int) -> tuple[tuple[int, ...], ...]:
         out, start = [], 0
         for i in range(nproc):
             size = share + (1 if i < extra else 0)
-            out.append(tuple(cores[start:start + size]))
+            out.append(tuple(cores[start : start + size]))
             start += size
         return tuple(out)
     return tuple((cores[i % len(cores)],) for i in range(nproc))
@@ -143,10 +171,17 @@ class LocalWorkerAgent:
         s = self.spec
         env = {**os.environ, **{k: str(v) for k, v in s.env.items()}}
         device_index = s.local_ranks[local_rank] if s.local_ranks else local_rank
-        env.update(RANK=str(s.rank_offset + local_rank), LOCAL_RANK=str(device_index), WORLD_SIZE=str(s.world_size),
-                   LOCAL_WORLD_SIZE=str(s.nproc), MASTER_ADDR=s.master_addr, MASTER_PORT=str(s.master_port),
-                   PYTHONUNBUFFERED="1", FELACTL_WORKER_ID=str(s.rank_offset + local_rank),
-                   FELACTL_PARENT_PID=str(os.getpid()))
+        env.update(
+            RANK=str(s.rank_offset + local_rank),
+            LOCAL_RANK=str(device_index),
+            WORLD_SIZE=str(s.world_size),
+            LOCAL_WORLD_SIZE=str(s.nproc),
+            MASTER_ADDR=s.master_addr,
+            MASTER_PORT=str(s.master_port),
+            PYTHONUNBUFFERED="1",
+            FELACTL_WORKER_ID=str(s.rank_offset + local_rank),
+            FELACTL_PARENT_PID=str(os.getpid()),
+        )
         if s.cpu_affinity is not None:
             env["FELACTL_CPU_CORES"] = ",".join(map(str, s.cpu_affinity[local_rank]))
         return env
@@ -167,10 +202,7 @@ class LocalWorkerAgent:
         s = self.spec
         rank = s.rank_offset + local_rank
         worker = Worker(local_rank=local_rank, global_rank=rank, log_path=s.log_dir / f"worker-{rank}.log")
-        with open(worker.log_path, "ab") as log_file:
-            worker.process = subprocess.Popen(
-                [sys.executable, "-m", s.module, *s.args], env=self.worker_env(local_rank),
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        worker.process = self._popen(worker.log_path, self.worker_env(local_rank))
         if s.cpu_affinity is not None:
             try:
                 os.sched_setaffinity(worker.process.pid, s.cpu_affinity[local_rank])
@@ -183,17 +215,27 @@ class LocalWorkerAgent:
         """Start one more worker beside the running ones (a rescale's newcomer): ``env`` overrides
         the spec's torchrun variables (a newcomer learns its rank when it is admitted)."""
         local_rank = len(self.workers)
-        worker = Worker(local_rank=local_rank, global_rank=worker_id,
-                        log_path=self.spec.log_dir / f"worker-{worker_id}.log")
+        worker = Worker(
+            local_rank=local_rank, global_rank=worker_id, log_path=self.spec.log_dir / f"worker-{worker_id}.log"
+        )
         full_env = {**self.worker_env(0), "LOCAL_RANK": str(local_rank), **{k: str(v) for k, v in env.items()}}
         full_env.pop("FELACTL_CPU_CORES", None)
-        with open(worker.log_path, "ab") as log_file:
-            worker.process = subprocess.Popen(
-                [sys.executable, "-m", self.spec.module, *self.spec.args], env=full_env,
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        worker.process = self._popen(worker.log_path, full_env)
         worker.state = WorkerState.HEALTHY
         self.workers.append(worker)
         return worker
+
+    def _popen(self, log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+        """The one way a worker process starts: its own session, its output to its log."""
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(
+                self.spec.argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def kill_worker(self, worker_id: int) -> bool:
         """SIGKILL one worker's process group (a hung or dropped member); False if it is not ours."""
@@ -208,9 +250,15 @@ class LocalWorkerAgent:
 
     def worker_table(self) -> dict[str, dict]:
         """Each worker's pid, state and exit code, by its global rank (an elastic worker's id)."""
-        return {str(w.global_rank): {"pid": w.pid, "state": w.state.value, "exit_code": w.exit_code,
-                                     **({"failure": last_line(w.log_path)} if w.state is WorkerState.FAILED else {})}
-                for w in self.workers}
+        return {
+            str(w.global_rank): {
+                "pid": w.pid,
+                "state": w.state.value,
+                "exit_code": w.exit_code,
+                **({"failure": last_line(w.log_path)} if w.state is WorkerState.FAILED else {}),
+            }
+            for w in self.workers
+        }
 
     def monitor(self) -> RunResult:
         """Poll every worker once and say how the group stands."""
@@ -218,27 +266,38 @@ class LocalWorkerAgent:
             if w.process is not None and w.state is WorkerState.HEALTHY:
                 code = w.process.poll()
                 if code is not None:
-                    w.exit_code = code
+                    w.exit_code, w.ended_at = code, time.time()
                     w.state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
         return self._result()
 
     def _result(self) -> RunResult:
-        failures = {w.global_rank: last_line(w.log_path) or f"exit code {w.exit_code}"
-                    for w in self.workers if w.state is WorkerState.FAILED}
-        return RunResult(state=group_state([w.state for w in self.workers]),
-                         exit_codes={w.global_rank: w.exit_code for w in self.workers if w.exit_code is not None},
-                         failures=failures)
+        failures = {
+            w.global_rank: last_line(w.log_path) or f"exit code {w.exit_code}"
+            for w in self.workers
+            if w.state is WorkerState.FAILED
+        }
+        return RunResult(
+            state=group_state([w.state for w in self.workers]),
+            exit_codes={w.global_rank: w.exit_code for w in self.workers if w.exit_code is not None},
+            failures=failures,
+            failed_at={
+                w.global_rank: w.ended_at
+                for w in self.workers
+                if w.state is WorkerState.FAILED and w.ended_at is not None
+            },
+        )
 
-    def run(self, should_stop: Callable[[], str | None] = lambda: None) -> RunResult:
-        """Start, then watch until every worker succeeded, one failed, or ``should_stop()`` says why to stop."""
+    def run(self, should_stop: Callable[[], StopOrder | None] = lambda: None) -> RunResult:
+        """Start, then watch until every worker succeeded, one failed, or ``should_stop()`` orders a stop."""
         try:
             self.start()
             while True:
                 result = self.monitor()
                 if result.state is not WorkerState.HEALTHY:
                     return result
-                if should_stop() is not None:
-                    self.stop()
+                order = should_stop()
+                if order is not None:
+                    self.stop(drain_s=order.drain_s)
                     return self._result()
                 time.sleep(self.spec.monitor_interval_s)
         finally:
@@ -258,8 +317,17 @@ class LocalWorkerAgent:
                 pass
         return pids
 
-    def stop(self) -> None:
-        """SIGTERM each worker's process group, then SIGKILL whatever is left after the grace period."""
+    def stop(self, drain_s: float = 0.0) -> None:
+        """SIGTERM each worker's process group, then SIGKILL whatever is left after the grace period.
+        ``drain_s`` > 0: first SIGINT the workers and give them that long to end by themselves
+        (they agree on a last step and checkpoint it; one that exits 0 then succeeded)."""
+        if drain_s > 0:
+            # Again every second: a worker still starting up may not listen yet (a shell's
+            # background job even starts with SIGINT ignored until felactl's handler is in).
+            deadline = time.monotonic() + drain_s
+            while (left := deadline - time.monotonic()) > 0 and self._signal_workers(signal.SIGINT):
+                psutil.wait_procs(_existing(self.pids()), timeout=min(DRAIN_RESIGNAL_S, left))
+            self.monitor()
         leftovers = self.pids()
         for w in self.workers:
             if w.process is not None and w.process.poll() is None and w.state is WorkerState.HEALTHY:
@@ -279,6 +347,18 @@ class LocalWorkerAgent:
                     w.exit_code = w.process.wait(timeout=self.spec.stop_grace_s)
                 except subprocess.TimeoutExpired:
                     pass
+
+    def _signal_workers(self, sig: int) -> int:
+        """``sig`` to the workers themselves (not their groups' other processes); how many were alive."""
+        alive = 0
+        for w in self.workers:
+            if w.process is not None and w.process.poll() is None:
+                alive += 1
+                try:
+                    os.kill(w.process.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return alive
 
     def _signal_groups(self, sig: int) -> None:
         for w in self.workers:
@@ -321,37 +401,102 @@ class NodeAgentConfig:
 def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = lambda agent_id: None) -> RunResult:
     """Join the coordinator (proving the secret), run the assigned workers, report how they ended.
 
-    Raises AuthError when the secret is refused, ControlPlaneError when the coordinator cannot be
-    reached; the workers are stopped when the coordinator says so or disappears.
+    A job with restarts (``felactl launch --script --max-restarts N``) runs in attempts: when the
+    coordinator publishes the next attempt, this node's workers are stopped (a failure elsewhere)
+    or have ended, and the next attempt's are started. Raises AuthError when the secret is refused,
+    ControlPlaneError when the coordinator cannot be reached; the workers are stopped when the
+    coordinator says so or disappears.
     """
-    from felactl.launcher.controlplane import AgentSession
+    from felactl.agents.session import AgentSession
 
-    session = AgentSession(config.endpoint, config.secret, job=config.job, generation=config.generation,
-                           timeout_s=config.join_timeout_s)
+    session = AgentSession(
+        config.endpoint, config.secret, job=config.job, generation=config.generation, timeout_s=config.join_timeout_s
+    )
     agent_id = session.join(config.node_name, config.nproc, config.node_info)
+    session.reader.on_refused = _refusal_log(config.log_dir, session.reader.on_refused)
     on_joined(agent_id)
     try:
         assignment = session.wait_assignment(config.join_timeout_s, alive=lambda: _raise_if_stopped(session))
     except ControlPlaneError as exc:
         _report_quietly(session, WorkerState.STOPPED.value, message=str(exc))
         raise
+    while True:
+        spec = _worker_spec(config, session, assignment)
+        session.report(WorkerState.HEALTHY.value, attempt=assignment.attempt)
+        agent = LocalWorkerAgent(spec)
+        if assignment.env.get("FELACTL_ELASTIC") == "1":
+            result = _run_elastic(agent, session, config)
+        else:
+            result = agent.run(should_stop=lambda a=assignment: session.stop_requested() or _superseded(session, a))
+        _report_quietly(
+            session,
+            result.state.value,
+            failures={str(k): v for k, v in result.failures.items()},
+            exit_codes={str(k): v for k, v in result.exit_codes.items()},
+            failed_at={str(k): v for k, v in result.failed_at.items()},
+            attempt=assignment.attempt,
+            log_dir=str(config.log_dir),
+        )
+        if assignment.attempt >= assignment.max_restarts:
+            return result
+        # No deadline: another node's workers may train on for long; the stop order (or the
+        # coordinator's loss) ends the wait. (join_timeout_s here failed healthy multi-node jobs.)
+        assignment = session.wait_attempt(assignment.attempt + 1, math.inf)
+        if assignment is None:  # the coordinator stopped the job
+            return result
+
+
+def _worker_spec(config: NodeAgentConfig, session, assignment) -> WorkerSpec:
     nproc = config.nproc if assignment.num_workers is None else assignment.num_workers
-    spec = WorkerSpec(module=assignment.module, args=tuple(assignment.args), nproc=nproc,
-                      world_size=assignment.world_size, rank_offset=assignment.rank_offset,
-                      master_addr=session.host, master_port=session.port, log_dir=config.log_dir,
-                      env={**assignment.env, "FELACTL_STORE_PREFIX": session.prefix,
-                           "FELACTL_NODE_NAME": config.node_name},
-                      cpu_affinity=config.cpu_affinity if nproc == config.nproc else None,
-                      local_ranks=tuple(assignment.local_indices) if nproc == config.nproc else ())
-    session.report(WorkerState.HEALTHY.value)
-    agent = LocalWorkerAgent(spec)
-    if assignment.env.get("FELACTL_ELASTIC") == "1":
-        result = _run_elastic(agent, session, config)
-    else:
-        result = agent.run(should_stop=session.stop_requested)
-    _report_quietly(session, result.state.value, failures={str(k): v for k, v in result.failures.items()},
-                    log_dir=str(config.log_dir))
-    return result
+    return WorkerSpec(
+        module=assignment.module,
+        script=assignment.script,
+        args=tuple(assignment.args),
+        nproc=nproc,
+        world_size=assignment.world_size,
+        rank_offset=assignment.rank_offset,
+        master_addr=session.host,
+        master_port=assignment.rendezvous_port or session.port,
+        log_dir=config.log_dir,
+        env={
+            **assignment.env,
+            "FELACTL_STORE_PREFIX": session.prefix,
+            "FELACTL_NODE_NAME": config.node_name,
+            # felactl's workers verify and sign documents; a user's script gets no secret
+            **(session.worker_env() if assignment.module else {}),
+        },
+        cpu_affinity=config.cpu_affinity if nproc == config.nproc else None,
+        local_ranks=tuple(assignment.local_indices) if nproc == config.nproc else (),
+    )
+
+
+def _superseded(session, assignment) -> StopOrder | None:
+    """A stop order when the coordinator has published the next attempt (a worker failed somewhere)."""
+    from felactl.agents.session import StopOrder
+
+    if assignment.attempt >= assignment.max_restarts:
+        return None
+    if session.attempt_published(assignment.attempt + 1):
+        return StopOrder("restart")
+    return None
+
+
+def _refusal_log(log_dir: Path, say: Callable[[str, str], None]) -> Callable[[str, str], None]:
+    """Forgeries this agent ignores are said on stderr, and recorded as ``refused`` events too
+    where the run's events.jsonl is beside its log directory (the launch's own agent; a node
+    that shares the runs directory)."""
+    from felactl.control.events import RefusalLog
+
+    events = Path(log_dir).parent / "events.jsonl"
+    if not events.is_file():
+        return say
+    record = RefusalLog(events, by="agent")
+
+    def both(key: str, reason: str) -> None:
+        say(key, reason)
+        record(key, reason)
+
+    return both
 
 
 def _report_quietly(session, state: str, **details) -> None:
@@ -362,13 +507,14 @@ def _report_quietly(session, state: str, **details) -> None:
 
 
 def _raise_if_stopped(session) -> None:
-    reason = session.stop_requested()
-    if reason is not None:
-        raise ControlPlaneError(f"the coordinator stopped the job before it started: {reason}")
+    order = session.stop_requested()
+    if order is not None:
+        raise ControlPlaneError(f"the coordinator stopped the job before it started: {order.reason}")
 
 
 # --- elastic jobs: the coordinator adds and kills workers while the group runs --------------------
 AGENT_BEAT_S = 0.5
+
 
 def _run_elastic(agent: LocalWorkerAgent, session, config: NodeAgentConfig) -> RunResult:
     """Start the assigned workers, then follow the coordinator's signed commands (``add``, ``kill``)
@@ -391,11 +537,11 @@ def _run_elastic(agent: LocalWorkerAgent, session, config: NodeAgentConfig) -> R
             if table != reported:
                 session.report(WorkerState.HEALTHY.value, workers=table)
                 reported = table
-            reason = session.stop_requested()
-            if reason is not None:
-                agent.stop()
+            order = session.stop_requested()
+            if order is not None:
+                agent.stop(drain_s=order.drain_s)
                 result = agent._result()
-                state = WorkerState.SUCCEEDED if reason == "finished" else result.state
+                state = WorkerState.SUCCEEDED if order.reason == "finished" else result.state
                 return RunResult(state=state, exit_codes=result.exit_codes, failures=result.failures)
             time.sleep(agent.spec.monitor_interval_s)
     finally:
@@ -403,20 +549,20 @@ def _run_elastic(agent: LocalWorkerAgent, session, config: NodeAgentConfig) -> R
 
 
 def command_queue(prefix: str, agent_id: str) -> str:
-    return f"{prefix}agents/{agent_id}/commands"
+    return prefix + keys.agent_commands(agent_id)
 
 
 def _pop_commands(session) -> list[dict]:
-    """The coordinator's pending commands to this agent; unsigned ones are dropped (and said so)."""
-    from felactl.errors import AuthError
-    from felactl.launcher.controlplane import open_envelope
-
-    queue = command_queue(session.prefix, session.agent_id)
+    """The coordinator's pending commands to this agent; forged or replayed ones are dropped (and said so)."""
+    name = keys.agent_commands(session.agent_id)
+    queue = session.prefix + name
     commands = []
     while session.store.queue_len(queue) > 0:
         raw = session.store.queue_pop(queue, block=False)
-        try:
-            commands.append(open_envelope(session.secret, "command", raw))
-        except AuthError as exc:
-            print(f"felactl agent: dropped a command: {exc}", file=sys.stderr)
+        opened = session.reader.open(name, raw, CommandDoc.KIND.value)
+        if opened is not None:
+            try:
+                commands.append(CommandDoc.from_body(opened.body).to_body())
+            except ValueError as exc:
+                print(f"felactl agent: dropped a malformed command: {exc}", file=sys.stderr)
     return commands

@@ -6,28 +6,47 @@ agent in one process, the agent in a thread, so a laptop runs exactly the code p
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from felactl.agents.agent import NodeAgentConfig, RunResult, WorkerState, run_node_agent, split_cores
-from felactl.profiling.devices import available_cores, node_info, short_hostname
+from felactl.machine import available_cores, node_info, short_hostname
 
 
-def local_agent_config(endpoint: str, secret: str, *, nproc: int, node_name: str | None, log_dir: Path,
-                       join_timeout_s: float, job: str | None) -> NodeAgentConfig:
+def local_agent_config(
+    endpoint: str,
+    secret: str,
+    *,
+    nproc: int,
+    node_name: str | None,
+    log_dir: Path,
+    join_timeout_s: float,
+    job: str | None,
+) -> NodeAgentConfig:
     """The agent of this machine: CPU slots are pinned to disjoint shares of its cores."""
     info = node_info()
     affinity = None if info["num_gpus"] >= nproc else split_cores(available_cores(), nproc)
-    return NodeAgentConfig(endpoint=endpoint, secret=secret, node_name=node_name or short_hostname(),
-                           nproc=nproc, log_dir=log_dir, node_info=info, cpu_affinity=affinity, job=job,
-                           join_timeout_s=join_timeout_s)
+    return NodeAgentConfig(
+        endpoint=endpoint,
+        secret=secret,
+        # in a testbed node (felactl testbed exec), the node's name: scale --node finds it by that
+        node_name=node_name or os.environ.get("FELACTL_TESTBED_NODE") or short_hostname(),
+        nproc=nproc,
+        log_dir=log_dir,
+        node_info=info,
+        cpu_affinity=affinity,
+        job=job,
+        join_timeout_s=join_timeout_s,
+    )
 
 
-def run_joining_agent(config: NodeAgentConfig, *, temp_logs: bool,
-                      on_joined: Callable[[str], None] = lambda agent_id: None) -> tuple[RunResult, Path | None]:
+def run_joining_agent(
+    config: NodeAgentConfig, *, temp_logs: bool, on_joined: Callable[[str], None] = lambda agent_id: None
+) -> tuple[RunResult, Path | None]:
     """``felactl agent``: run this node's agent; returns how its workers ended and where their
     logs are. ``temp_logs``: ``config.log_dir`` is a temp dir nobody asked for, removed when every
     worker here succeeded (None is returned then), kept and named otherwise."""

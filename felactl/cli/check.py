@@ -1,7 +1,10 @@
 """``felactl check FILE...``: load any felactl file (kind from its ``kind:``) and summarise it.
 
-A file that loads is valid: every check lives in the spec classes, so this command is also how
-a person (or a test) sees the one-line error a bad file gives, without running anything else.
+A file that loads is well formed: every check lives in the spec classes, so this command is also
+how a person (or a test) sees the one-line error a bad file gives, without running anything else.
+A plan must also be one the runtime can execute, and given with its cluster and model
+(``felactl check plan.yaml cluster.yaml model.yaml``) it must fit them
+(:func:`felactl.spec.check_together`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import typer
 
 from felactl.cli import output
 from felactl.errors import SpecError
-from felactl.spec import ClusterSpec, ModelSpec, Plan, from_dict
+from felactl.spec import ClusterSpec, ModelSpec, Plan, check_together, from_dict
 from felactl.spec.io import KINDS, parse_yaml, read_text
 
 
@@ -27,10 +30,14 @@ def load_any(path: str | os.PathLike) -> ClusterSpec | ModelSpec | Plan:
     if not isinstance(data, dict):
         raise SpecError(where, "", f"must be a mapping with a kind: key, got {type(data).__name__}")
     kind = data.get("kind")
+    if kind == "Testbed":  # felactl testbed's format lives with it (felactl.testbed.spec)
+        from felactl.testbed.spec import TestbedSpec
+
+        return from_dict(TestbedSpec, data, where)
     if kind not in KINDS:
         if "kind" not in data:
-            raise SpecError(where, "kind", f"missing required key (one of {'|'.join(KINDS)})")
-        raise SpecError(where, "kind", f"must be one of {'|'.join(KINDS)}, got {kind!r}")
+            raise SpecError(where, "kind", f"missing required key (one of {'|'.join([*KINDS, 'Testbed'])})")
+        raise SpecError(where, "kind", f"must be one of {'|'.join([*KINDS, 'Testbed'])}, got {kind!r}")
     return from_dict(KINDS[kind], data, where)
 
 
@@ -40,36 +47,70 @@ def _plural(count: int, word: str) -> str:
 
 def summarize(path: str, spec: ClusterSpec | ModelSpec | Plan) -> dict[str, Any]:
     """The facts of one file for ``--json``, plus ``line``: the same as one sentence."""
-    if isinstance(spec, ClusterSpec):
+    if getattr(spec, "kind", None) == "Testbed":
+        facts = {"name": spec.name, "num_nodes": len(spec.nodes), "num_links": len(spec.all_links())}
+        line = (
+            f"Testbed {spec.name!r}, {_plural(len(spec.nodes), 'node')}, "
+            f"{_plural(len(spec.all_links()), 'directed link')}"
+        )
+    elif isinstance(spec, ClusterSpec):
         defaults = [d for d in (spec.intra_node_default, spec.inter_node_default) if d is not None]
-        facts = {"name": spec.name, "num_nodes": len(spec.nodes), "num_devices": len(spec.devices),
-                 "num_links": len(spec.links), "has_default_links": bool(defaults)}
-        line = (f"Cluster {spec.name!r}, {_plural(len(spec.nodes), 'node')}, "
-                f"{_plural(len(spec.devices), 'device')}, {_plural(len(spec.links), 'link')}"
-                + (" (+ default links)" if defaults else ""))
+        facts = {
+            "name": spec.name,
+            "num_nodes": len(spec.nodes),
+            "num_devices": len(spec.devices),
+            "num_links": len(spec.links),
+            "has_default_links": bool(defaults),
+        }
+        line = (
+            f"Cluster {spec.name!r}, {_plural(len(spec.nodes), 'node')}, "
+            f"{_plural(len(spec.devices), 'device')}, {_plural(len(spec.links), 'link')}"
+            + (" (+ default links)" if defaults else "")
+        )
     elif isinstance(spec, ModelSpec):
         device_models = sorted({t.device_model for layer in spec.layers for t in layer.timings})
-        facts = {"name": spec.name, "source": spec.source, "num_layers": spec.num_layers,
-                 "total_params": spec.total_params, "device_models": device_models}
-        line = (f"Model {spec.name!r}, {_plural(spec.num_layers, 'layer')}, {spec.total_params:,} params, "
-                f"timed on {_plural(len(device_models), 'device model')}")
+        facts = {
+            "name": spec.name,
+            "source": spec.source,
+            "num_layers": spec.num_layers,
+            "total_params": spec.total_params,
+            "device_models": device_models,
+        }
+        line = (
+            f"Model {spec.name!r}, {_plural(spec.num_layers, 'layer')}, {spec.total_params:,} params, "
+            f"timed on {_plural(len(device_models), 'device model')}"
+        )
     else:
-        facts = {"cluster": spec.cluster, "model": spec.model.name, "num_stages": len(spec.stages),
-                 "num_devices": len(spec.devices), "schedule": spec.schedule.value,
-                 "sync": spec.sync.mode.value, "global_batch": spec.global_batch}
-        line = (f"Plan of {spec.model.name!r} on {spec.cluster!r}, {_plural(len(spec.stages), 'stage')}, "
-                f"{_plural(len(spec.devices), 'device')}, schedule {spec.schedule.value}, "
-                f"sync {spec.sync.mode.value}, global batch {spec.global_batch}")
+        facts = {
+            "cluster": spec.cluster,
+            "model": spec.model.name,
+            "num_stages": len(spec.stages),
+            "num_devices": len(spec.devices),
+            "schedule": spec.schedule.value,
+            "sync": spec.sync.mode.value,
+            "global_batch": spec.global_batch,
+        }
+        line = (
+            f"Plan of {spec.model.name!r} on {spec.cluster!r}, {_plural(len(spec.stages), 'stage')}, "
+            f"{_plural(len(spec.devices), 'device')}, schedule {spec.schedule.value}, "
+            f"sync {spec.sync.mode.value}, global batch {spec.global_batch}"
+        )
     return {"path": path, "kind": spec.kind, **facts, "line": f"{path}: {line}"}
 
 
 def register(app: typer.Typer) -> None:
     @app.command("check")
     def check(
-        files: Annotated[list[Path], typer.Argument(help="Cluster, Model or Plan files (YAML or JSON).")],
+        files: Annotated[list[Path], typer.Argument(help="Cluster, Model, Plan or Testbed files (YAML or JSON).")],
         as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
     ) -> None:
-        """Validate felactl files; print one line per file, or the first problem (exit 2)."""
-        summaries = [summarize(str(path), load_any(path)) for path in files]
-        output.emit({"files": summaries}, as_json,
-                    lambda console: [console.print(s["line"], markup=False, soft_wrap=True) for s in summaries])
+        """Validate felactl files (a plan against the cluster and model given with it); print one line
+        per file, or the first problem (exit 2)."""
+        loaded = [(str(path), load_any(path)) for path in files]
+        check_together(loaded)
+        summaries = [summarize(where, spec) for where, spec in loaded]
+        output.emit(
+            {"files": summaries},
+            as_json,
+            lambda console: [console.print(s["line"], markup=False, soft_wrap=True) for s in summaries],
+        )

@@ -71,11 +71,14 @@ class FelactlGroup(typer.core.TyperGroup):
         except KeyboardInterrupt:
             typer.echo("felactl: interrupted", err=True)
             ctx.exit(130)
+        except BrokenPipeError:
+            raise  # the reader of our output stopped early (`| head`): click ends quietly (exit 1)
         except Exception as exc:  # a bug: still one line, the traceback behind --debug
             if _debug_enabled(ctx):
                 raise
-            typer.echo(f"felactl: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
-                       err=True)
+            typer.echo(
+                f"felactl: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True
+            )
             ctx.exit(EXIT_FAILED)
 
 
@@ -100,15 +103,27 @@ def _version(value: bool) -> None:
 def root(
     ctx: typer.Context,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and write solver files.")] = False,
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     """felactl: profile -> plan -> launch -> scale."""
     ctx.obj = {"debug": debug}
 
 
 # One module per command, each with a ``register(app)``; add a command by adding its module here.
-COMMAND_MODULES: tuple[str, ...] = ("check", "profile", "agent", "launch", "status", "plan", "demo", "scale")
+COMMAND_MODULES: tuple[str, ...] = (
+    "check",
+    "profile",
+    "agent",
+    "launch",
+    "status",
+    "plan",
+    "demo",
+    "scale",
+    "export",
+    "testbed",
+)
 
 
 def _register_commands() -> None:

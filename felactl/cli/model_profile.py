@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich import box
 from rich.table import Table
 
 from felactl.cli import output
@@ -61,9 +61,21 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, *, config: list[str] | None,
-        input_shape: str | None, device: str, repeats: int, cluster: Optional[Path] = None,
-        node: Optional[str] = None, worker_batch: Optional[int] = None) -> None:
+def run(
+    model: str,
+    batch_sizes: list[int],
+    out: Path | None,
+    as_json: bool,
+    *,
+    config: list[str] | None,
+    input_shape: str | None,
+    device: str,
+    repeats: int,
+    cluster: Path | None = None,
+    node: str | None = None,
+    worker_batch: int | None = None,
+    matmul_size: int | None = None,
+) -> None:
     from felactl.profiling.model import profile_model
 
     if cluster is None and worker_batch is not None:
@@ -75,29 +87,47 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
         raise InputError(f"--cluster profiles on this machine's CPU slots; --device is {device} (use --device cpu)")
     in_cluster = load_cluster(cluster) if cluster is not None else None
     started = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=output.stderr, transient=True, disable=not output.stderr.is_terminal) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=output.stderr,
+        transient=True,
+        disable=not output.stderr.is_terminal,
+    ) as bar:
         task = bar.add_task(f"profiling {model}", total=None)
 
         def on_progress(phase: str, done: int, total: int) -> None:
             bar.update(task, description=f"profiling {model}: {phase}", completed=done, total=total)
 
-        options = dict(repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress)
+        options = dict(
+            repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress, matmul_size=matmul_size
+        )
         if in_cluster is None:
             spec = profile_model(model, parse_config(config), batch_sizes, device=device, **options)
         else:
             from felactl.profiling.in_situ import profile_model_in_situ
 
-            spec = profile_model_in_situ(model, parse_config(config), batch_sizes, in_cluster, node_name=node,
-                                         worker_batch=worker_batch, say=lambda line: output.stderr.print(line),
-                                         **options)
+            spec = profile_model_in_situ(
+                model,
+                parse_config(config),
+                batch_sizes,
+                in_cluster,
+                node_name=node,
+                worker_batch=worker_batch,
+                say=lambda line: output.stderr.print(line),
+                **options,
+            )
     profile_s = time.perf_counter() - started
     path = save(spec, out or Path("model.yaml"))
 
     def render(console: Console) -> None:
         output.wide(console).print(layer_table(spec))
-        console.print(f"wrote {path}: {spec.num_layers} layers, {spec.total_params:,} params, "
-                      f"profiled in {profile_s:.1f} s", soft_wrap=True)
+        console.print(
+            f"wrote {path}: {spec.num_layers} layers, {spec.total_params:,} params, profiled in {profile_s:.1f} s",
+            soft_wrap=True,
+        )
 
     output.emit({**to_dict(spec), "path": str(path), "profile_s": round(profile_s, 3)}, as_json, render)
 
@@ -105,9 +135,12 @@ def run(model: str, batch_sizes: list[int], out: Optional[Path], as_json: bool, 
 def layer_table(spec: ModelSpec) -> Table:
     device_models = sorted({t.device_model for layer in spec.layers for t in layer.timings})
     batches = sorted({t.micro_batch for layer in spec.layers for t in layer.timings})
-    table = Table(title=f"{spec.name} on {', '.join(device_models) or '-'}", box=box.SIMPLE_HEAD,
-                  caption="KB and MFLOP per sample (saved: kept for backward); b=N: ms per sample, forward + backward, "
-                          "at micro-batch N")
+    table = Table(
+        title=f"{spec.name} on {', '.join(device_models) or '-'}",
+        box=box.SIMPLE_HEAD,
+        caption="KB and MFLOP per sample (saved: kept for backward); b=N: ms per sample, forward + backward, "
+        "at micro-batch N",
+    )
     table.add_column("layer", no_wrap=True)
     for column in ("params", "out KB", "saved KB", "MFLOP"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -115,15 +148,33 @@ def layer_table(spec: ModelSpec) -> Table:
         table.add_column(f"b={batch}", justify="right", no_wrap=True)
     totals = [0.0] * len(batches)
     for layer in spec.layers:
-        per_sample = {t.micro_batch: (t.fwd_ms + t.bwd_ms) / t.micro_batch for t in layer.timings
-                      if t.device_model == device_models[0]} if device_models else {}
+        per_sample = (
+            {
+                t.micro_batch: (t.fwd_ms + t.bwd_ms) / t.micro_batch
+                for t in layer.timings
+                if t.device_model == device_models[0]
+            }
+            if device_models
+            else {}
+        )
         for i, batch in enumerate(batches):
             totals[i] += per_sample.get(batch, 0.0)
         saved_kb = "-" if layer.saved_bytes_per_sample is None else f"{layer.saved_bytes_per_sample / 1e3:,.1f}"
-        table.add_row(layer.name, f"{layer.params:,}", f"{layer.activation_bytes_per_sample / 1e3:,.1f}", saved_kb,
-                      f"{layer.fwd_flops_per_sample / 1e6:,.1f}",
-                      *(f"{per_sample[b]:.3g}" if b in per_sample else "-" for b in batches))
-    table.add_row("total", f"{spec.total_params:,}", "", "",
-                  f"{sum(l.fwd_flops_per_sample for l in spec.layers) / 1e6:,.1f}",
-                  *(f"{t:.3g}" for t in totals), style="bold")
+        table.add_row(
+            layer.name,
+            f"{layer.params:,}",
+            f"{layer.activation_bytes_per_sample / 1e3:,.1f}",
+            saved_kb,
+            f"{layer.fwd_flops_per_sample / 1e6:,.1f}",
+            *(f"{per_sample[b]:.3g}" if b in per_sample else "-" for b in batches),
+        )
+    table.add_row(
+        "total",
+        f"{spec.total_params:,}",
+        "",
+        "",
+        f"{sum(l.fwd_flops_per_sample for l in spec.layers) / 1e6:,.1f}",
+        *(f"{t:.3g}" for t in totals),
+        style="bold",
+    )
     return table

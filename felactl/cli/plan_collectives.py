@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
+from felactl import limits
 from felactl.cli import output
-from felactl.errors import InputError
+from felactl.errors import InputError, PlanInfeasible
+from felactl.limits import check_flag
 from felactl.optimizer.collectives import allreduce_time_s, plan_collective, ring_allreduce_time_s
 from felactl.optimizer.graph import abbreviate_names
 from felactl.spec import ClusterSpec, Collective, load_cluster
@@ -30,8 +32,10 @@ def resolve_device(cluster: ClusterSpec, token: str) -> str:
     if token.isdigit():
         if int(token) < len(names):
             return names[int(token)]
-        raise InputError(f"device index {token} is out of range: cluster {cluster.name} has {len(names)} devices "
-                         f"(0..{len(names) - 1})")
+        raise InputError(
+            f"device index {token} is out of range: cluster {cluster.name} has {len(names)} devices "
+            f"(0..{len(names) - 1})"
+        )
     raise InputError(f"unknown device {token!r} (cluster {cluster.name} has {abbreviate_names(names)})")
 
 
@@ -42,7 +46,11 @@ def resolve_devices(cluster: ClusterSpec, text: str | None) -> list[str]:
     tokens = [t for t in text.split(",") if t.strip()]
     if not tokens:
         raise InputError("--devices: expected comma-separated device names or indices, got nothing")
-    return [resolve_device(cluster, t) for t in tokens]
+    names = [resolve_device(cluster, t) for t in tokens]
+    twice = next((t for t, name in zip(tokens, names) if names.count(name) > 1), None)
+    if twice is not None:
+        raise InputError(f"--devices: device {names[tokens.index(twice)]!r} is given twice ({text!r})")
+    return names
 
 
 def collective_result(collective: Collective, solve_s: float) -> dict:
@@ -69,26 +77,42 @@ def _render(console, result: dict) -> None:
     console.print(table)
     ring = result["ring_gbps"]
     versus = f"{result['rate_gbps'] / ring:.2f}x the ring" if ring > 0 else "no ring exists over direct links"
-    console.print(f"rate {result['rate_gbps']:.2f} GB/s, min-cut bound {result['bound_gbps']:.2f} GB/s, "
-                  f"best ring {ring:.2f} GB/s ({versus}); solved in {result['solve_s']:.2f} s")
+    console.print(
+        f"rate {result['rate_gbps']:.2f} GB/s, min-cut bound {result['bound_gbps']:.2f} GB/s, "
+        f"best ring {ring:.2f} GB/s ({versus}); solved in {result['solve_s']:.2f} s"
+    )
     if "allreduce_s" in result:
-        console.print(f"allreduce of {result['size_mb']:g} MB: trees {result['allreduce_s'] * 1e3:.3f} ms, "
-                      f"ring {result['ring_allreduce_s'] * 1e3:.3f} ms")
+        ring_s, tree_s = result["ring_allreduce_s"], result["allreduce_s"]
+        ring = "no ring over direct links" if ring_s is None else f"ring {ring_s * 1e3:.3f} ms"
+        trees = (
+            "no allreduce over trees (no way back to the root)" if tree_s is None else f"trees {tree_s * 1e3:.3f} ms"
+        )
+        console.print(f"allreduce of {result['size_mb']:g} MB: {trees}, {ring}")
 
 
 def collectives(
     cluster: Annotated[Path, typer.Option("--cluster", help="Cluster spec (YAML).")],
-    devices: Annotated[Optional[str], typer.Option(
-        "--devices", help="Comma-separated device names or indices into the cluster's device order [all].")] = None,
-    root: Annotated[Optional[str], typer.Option(
-        "--root", help="Root device (name or index) [the one with the largest min-cut bound].")] = None,
-    min_share: Annotated[float, typer.Option(
-        "--min-share", help="Keep the fewest trees holding this share of the packed rate.")] = 0.99,
-    size_mb: Annotated[Optional[float], typer.Option(
-        "--size-mb", help="Also predict an allreduce of this many MB over the trees and over the ring.")] = None,
+    devices: Annotated[
+        str | None,
+        typer.Option(
+            "--devices", help="Comma-separated device names or indices into the cluster's device order [all]."
+        ),
+    ] = None,
+    root: Annotated[
+        str | None, typer.Option("--root", help="Root device (name or index) [the one with the largest min-cut bound].")
+    ] = None,
+    min_share: Annotated[
+        float, typer.Option("--min-share", help="Keep the fewest trees holding this share of the packed rate.")
+    ] = 0.99,
+    size_mb: Annotated[
+        float | None,
+        typer.Option("--size-mb", help="Also predict an allreduce of this many MB over the trees and over the ring."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Pack Blink spanning trees for an allreduce over a group of devices; compare with the ring."""
+    check_flag("--min-share", min_share, limits.SHARE, above=0)
+    check_flag("--size-mb", size_mb, limits.MEGABYTES, above=0)
     spec = load_cluster(cluster)
     names = resolve_devices(spec, devices)
     root_name = resolve_device(spec, root) if root is not None else None
@@ -96,11 +120,13 @@ def collectives(
     collective = plan_collective(spec, names, root=root_name, min_share=min_share)
     result = collective_result(collective, time.perf_counter() - started)
     if size_mb is not None:
-        if size_mb <= 0:
-            raise InputError(f"--size-mb must be > 0, got {size_mb:g}")
         num_bytes = size_mb * 1e6
-        result.update(size_mb=size_mb, allreduce_s=allreduce_time_s(spec, collective, num_bytes),
-                      ring_allreduce_s=ring_allreduce_time_s(spec, names, num_bytes))
+        ring_s = ring_allreduce_time_s(spec, names, num_bytes) if collective.ring_gbps > 0 else None
+        try:
+            tree_s = allreduce_time_s(spec, collective, num_bytes)
+        except PlanInfeasible as why:  # broadcast trees, but no way back to the root: no reduce over trees
+            tree_s, result["no_allreduce"] = None, str(why)
+        result.update(size_mb=size_mb, allreduce_s=tree_s, ring_allreduce_s=ring_s)
     output.emit(result, as_json, lambda console: _render(console, result))
 
 

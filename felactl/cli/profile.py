@@ -6,14 +6,16 @@ With ``--model NAME`` it profiles a model's layers into model.yaml instead.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError
+from felactl.limits import check_flag
 
 
 def _parse_batch_sizes(text: str) -> list[int]:
@@ -21,8 +23,10 @@ def _parse_batch_sizes(text: str) -> list[int]:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise InputError(f"--batch-sizes: expected comma-separated integers, got {text!r}") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise InputError(f"--batch-sizes: every size must be >= 1, got {text!r}")
+    if not sizes:
+        raise InputError(f"--batch-sizes: expected comma-separated integers, got {text!r}")
+    for size in sizes:
+        check_flag("--batch-sizes", size, limits.BATCH)
     return sizes
 
 
@@ -33,97 +37,183 @@ def render_cluster(console, result) -> None:
         devices.add_column(column)
     for node in cluster.nodes:
         for dev in node.devices:
-            devices.add_row(dev.name, node.name, dev.kind.value, dev.model, f"{dev.tflops:.3f}",
-                            f"{dev.bf16_tflops:.2f}" if dev.bf16_tflops else "-", f"{dev.memory_gb:.1f}",
-                            ",".join(map(str, dev.cpu_cores)) if dev.cpu_cores else "-")
+            devices.add_row(
+                dev.name,
+                node.name,
+                dev.kind.value,
+                dev.model,
+                f"{dev.tflops:.3f}",
+                f"{dev.bf16_tflops:.2f}" if dev.bf16_tflops else "-",
+                f"{dev.memory_gb:.1f}",
+                ",".join(map(str, dev.cpu_cores)) if dev.cpu_cores else "-",
+            )
     links = Table(title="links (measured send/recv, median)")
     for column in ("src", "dst", "type", "GB/s", "latency µs"):
         links.add_column(column)
     for link in cluster.links:
-        links.add_row(link.src, link.dst, link.type.value + (f" x{link.num_links}" if link.num_links > 1 else ""),
-                      f"{link.bandwidth_gbps:.3f}", f"{link.latency_us:.1f}")
+        links.add_row(
+            link.src,
+            link.dst,
+            link.type.value + (f" x{link.num_links}" if link.num_links > 1 else ""),
+            f"{link.bandwidth_gbps:.3f}",
+            f"{link.latency_us:.1f}",
+        )
     console.print(devices)
     console.print(links)
     for pair, gbps in result.peer_copy_gbps.items():
         console.print(f"peer copy {pair}: {gbps:.1f} GB/s")
-    console.print(f"profiled in {result.profile_s:.1f} s" + (f"; worker logs in {result.log_dir}" if result.log_dir
-                                                             else ""))
+    console.print(
+        f"profiled in {result.profile_s:.1f} s" + (f"; worker logs in {result.log_dir}" if result.log_dir else "")
+    )
 
 
 BATCH_SIZES_DEFAULT = "1,4,16,64"
 
 
 def profile(
-    nproc_per_node: Annotated[Optional[int], typer.Option(
-        "--nproc-per-node", min=1, help="Worker slots on this node (default: the GPUs, else 2).")] = None,
-    out: Annotated[Optional[Path], typer.Option(
-        "-o", "--output", help="Where to write (default: cluster.yaml, model.yaml with --model).")] = None,
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option("--nproc-per-node", min=1, help="Worker slots on this node (default: the GPUs, else 2)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="Where to write (default: cluster.yaml, model.yaml with --model)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-    name: Annotated[Optional[str], typer.Option(help="Cluster name (default: the node name).")] = None,
-    node_name: Annotated[Optional[str], typer.Option(help="This node's name (default: the short hostname); with "
-                                                         "--model --cluster, this machine's node in the cluster.")] = None,
+    name: Annotated[str | None, typer.Option(help="Cluster name (default: the node name).")] = None,
+    node_name: Annotated[
+        str | None,
+        typer.Option(
+            help="This node's name (default: the short hostname); with "
+            "--model --cluster, this machine's node in the cluster."
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    matmul_size: Annotated[int, typer.Option(help="CPU matmul side for TFLOP/s.")] = 512,
+    matmul_size: Annotated[
+        int,
+        typer.Option(help="CPU matmul side for TFLOP/s (with --model: the profiled CPU's, recorded as timed_tflops)."),
+    ] = 512,
     gpu_matmul_size: Annotated[int, typer.Option(help="GPU matmul side for TFLOP/s.")] = 4096,
-    message_bytes: Annotated[int, typer.Option(help="Message size for bandwidth.")] = 16 * 2 ** 20,
+    message_bytes: Annotated[int, typer.Option(help="Message size for bandwidth.")] = 16 * 2**20,
     small_message_bytes: Annotated[int, typer.Option(help="Message size for latency.")] = 8,
-    repetitions: Annotated[int, typer.Option(help="Timed repetitions (median taken).")] = 5,
-    hostfile: Annotated[Optional[Path], typer.Option(
-        help="DeepSpeed hostfile: start an agent on each host over ssh.")] = None,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option(
-        help="HOST:PORT the coordinator listens on for agents.")] = None,
+    repetitions: Annotated[
+        int,
+        typer.Option(help="Timed repetitions (median taken; a device's are blocks of matmuls of at least 0.1 s each)."),
+    ] = 5,
+    hostfile: Annotated[
+        Path | None, typer.Option(help="DeepSpeed hostfile: start an agent on each host over ssh.")
+    ] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT the coordinator listens on for agents.")] = None,
     nnodes: Annotated[int, typer.Option(help="Agents to wait for with --rdzv-endpoint.")] = 1,
-    secret_file: Annotated[Optional[Path], typer.Option(help="Job secret (created with mode 0600 if missing).")] = None,
-    log_dir: Annotated[Optional[Path], typer.Option(help="Worker logs (default: a new temp dir).")] = None,
+    testbed: Annotated[
+        str | None,
+        typer.Option(
+            help="Profile the nodes of this testbed (felactl testbed up SPEC --name NAME): an agent in each node's "
+            "namespace and cgroup, --nproc-per-node slots each (default 1)."
+        ),
+    ] = None,
+    secret_file: Annotated[Path | None, typer.Option(help="Job secret (created with mode 0600 if missing).")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="Worker logs (default: a new temp dir).")] = None,
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for agents.")] = 60.0,
     timeout: Annotated[float, typer.Option(help="Seconds the measurement may take.")] = 600.0,
-    model: Annotated[Optional[str], typer.Option(help="Profile this model's layers into model.yaml instead.")] = None,
-    batch_sizes: Annotated[Optional[str], typer.Option(
-        help=f"Micro-batch sizes for --model (default {BATCH_SIZES_DEFAULT}).")] = None,
-    config: Annotated[Optional[list[str]], typer.Option("--config", help="--model config key=value (repeat).")] = None,
-    input_shape: Annotated[Optional[str], typer.Option(help="--model: one input sample's shape, e.g. 3,32,32 "
-                                                            "(user models that bring no data).")] = None,
-    cluster: Annotated[Optional[Path], typer.Option(
-        "--cluster", help="--model: time it as this cluster's CPU slots on this machine will run it (beside "
-                          "the other slots training, and their data-parallel sync measured).")] = None,
-    worker_batch: Annotated[Optional[int], typer.Option(
-        help="--model --cluster: samples per worker step for the sync timing (default: the middle "
-             "--batch-sizes).", min=1)] = None,
+    model: Annotated[str | None, typer.Option(help="Profile this model's layers into model.yaml instead.")] = None,
+    batch_sizes: Annotated[
+        str | None, typer.Option(help=f"Micro-batch sizes for --model (default {BATCH_SIZES_DEFAULT}).")
+    ] = None,
+    config: Annotated[list[str] | None, typer.Option("--config", help="--model config key=value (repeat).")] = None,
+    input_shape: Annotated[
+        str | None,
+        typer.Option(help="--model: one input sample's shape, e.g. 3,32,32 (user models that bring no data)."),
+    ] = None,
+    cluster: Annotated[
+        Path | None,
+        typer.Option(
+            "--cluster",
+            help="--model: time it as this cluster's CPU slots on this machine will run it (beside "
+            "the other slots training, and their data-parallel sync measured).",
+        ),
+    ] = None,
+    worker_batch: Annotated[
+        int | None,
+        typer.Option(
+            help="--model --cluster: samples per worker step for the sync timing (default: the middle --batch-sizes).",
+            min=1,
+        ),
+    ] = None,
 ) -> None:
     """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
     if model is None:
-        given = [flag for flag, value in (("--config", config), ("--input-shape", input_shape), ("--cluster", cluster),
-                                          ("--worker-batch", worker_batch), ("--batch-sizes", batch_sizes)) if value]
+        given = [
+            flag
+            for flag, value in (
+                ("--config", config),
+                ("--input-shape", input_shape),
+                ("--cluster", cluster),
+                ("--worker-batch", worker_batch),
+                ("--batch-sizes", batch_sizes),
+            )
+            if value
+        ]
         if given:
             raise InputError(f"{given[0]} is for profiling a model: add --model NAME")
     else:
         from felactl.cli import model_profile
 
-        model_profile.run(model, _parse_batch_sizes(batch_sizes or BATCH_SIZES_DEFAULT), out, as_json, config=config,
-                          input_shape=input_shape, device=device, repeats=repetitions, cluster=cluster, node=node_name,
-                          worker_batch=worker_batch)
+        model_profile.run(
+            model,
+            _parse_batch_sizes(BATCH_SIZES_DEFAULT if batch_sizes is None else batch_sizes),
+            out,
+            as_json,
+            config=config,
+            input_shape=input_shape,
+            device=device,
+            repeats=repetitions,
+            cluster=cluster,
+            node=node_name,
+            worker_batch=worker_batch,
+            matmul_size=matmul_size,
+        )
         return
-    from felactl.profiling.cluster import ProfileOptions, check_profile_flags, profile_cluster
+    from felactl.launcher.profile import ProfileOptions, check_profile_flags, profile_cluster
     from felactl.profiling.links import LinkProbe
     from felactl.spec import save, to_dict
 
-    options = ProfileOptions(cpu_matmul_size=matmul_size, gpu_matmul_size=gpu_matmul_size, device=device,
-                             probe=LinkProbe(message_bytes=message_bytes, small_message_bytes=small_message_bytes,
-                                             repetitions=repetitions),
-                             join_timeout_s=join_timeout, timeout_s=timeout)
+    options = ProfileOptions(
+        cpu_matmul_size=matmul_size,
+        gpu_matmul_size=gpu_matmul_size,
+        device=device,
+        probe=LinkProbe(message_bytes=message_bytes, small_message_bytes=small_message_bytes, repetitions=repetitions),
+        join_timeout_s=join_timeout,
+        timeout_s=timeout,
+    )
     # Bad input is said before the progress bar opens (a transient bar leaves a blank line).
-    check_profile_flags(nproc_per_node, nnodes, rdzv_endpoint, hostfile)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=output.stderr, transient=True) as bar:
+    check_profile_flags(nproc_per_node, nnodes, rdzv_endpoint, hostfile, testbed)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=output.stderr,
+        transient=True,
+    ) as bar:
         task = bar.add_task("starting", total=None)
 
         def on_progress(phase: str, done: int, total: int) -> None:
             bar.update(task, description=phase, completed=done, total=total)
 
-        result = profile_cluster(nproc_per_node=nproc_per_node, nnodes=nnodes, endpoint=rdzv_endpoint,
-                                 hostfile_path=str(hostfile) if hostfile else None,
-                                 secret_file=str(secret_file) if secret_file else None, node_name=node_name,
-                                 name=name, log_dir=log_dir, options=options, on_progress=on_progress)
+        result = profile_cluster(
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            endpoint=rdzv_endpoint,
+            hostfile_path=str(hostfile) if hostfile else None,
+            secret_file=str(secret_file) if secret_file else None,
+            node_name=node_name,
+            name=name,
+            log_dir=log_dir,
+            options=options,
+            on_progress=on_progress,
+            testbed=testbed,
+        )
     path = save(result.cluster, out or Path("cluster.yaml"))
     payload = {**to_dict(result.cluster), "profile_s": round(result.profile_s, 3)}
     if result.peer_copy_gbps:

@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
+from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError
+from felactl.limits import check_flag
 
 
 def scale(
     run: Annotated[str, typer.Argument(help="Run id or directory of the running job.")],
-    add: Annotated[Optional[int], typer.Option("--add", help="Start N more workers.")] = None,
-    node: Annotated[Optional[str], typer.Option(help="Node for --add (default: the first node).")] = None,
-    remove: Annotated[Optional[str], typer.Option(help="RANK[,RANK...]: worker ids (metrics' rank) to remove.")] = None,
-    to: Annotated[Optional[int], typer.Option("--to", help="Grow or shrink to N workers.")] = None,
-    scaling_policy: Annotated[Optional[str], typer.Option(
-        help="fixed-batch or linear-lr (default: the launch's).")] = None,
-    max_batch: Annotated[Optional[int], typer.Option(help="linear-lr: cap on the global batch.")] = None,
-    secret_file: Annotated[Optional[Path], typer.Option(help="The job secret (default: runs/<id>/secret).")] = None,
+    add: Annotated[int | None, typer.Option("--add", help="Start N more workers.")] = None,
+    node: Annotated[str | None, typer.Option(help="Node for --add (default: the first node).")] = None,
+    remove: Annotated[str | None, typer.Option(help="RANK[,RANK...]: worker ids (metrics' rank) to remove.")] = None,
+    to: Annotated[int | None, typer.Option("--to", help="Grow or shrink to N workers.")] = None,
+    scaling_policy: Annotated[
+        str | None, typer.Option(help="fixed-batch or linear-lr (default: the launch's).")
+    ] = None,
+    max_batch: Annotated[int | None, typer.Option(help="linear-lr: cap on the global batch.")] = None,
+    secret_file: Annotated[Path | None, typer.Option(help="The job secret (default: runs/<id>/secret).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the job to switch.")] = 120.0,
     runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = Path("runs"),
     as_json: Annotated[bool, typer.Option("--json", help="Print what changed as one JSON object.")] = False,
@@ -45,8 +48,10 @@ def scale(
         command = {"op": "remove", "ranks": ranks}
     if scaling_policy is not None:
         command.update(scaling_policy=scaling_policy, max_batch=max_batch)
-    if timeout <= 0:
-        raise InputError(f"--timeout must be > 0, got {timeout:g}")
+    for flag, count in (("--add", add), ("--to", to)):
+        check_flag(flag, count, limits.COUNT)
+    check_flag("--max-batch", max_batch, limits.BATCH)
+    check_flag("--timeout", timeout, limits.SECONDS, above=0)
     result = request_scale(run, command, runs_root=runs_root, secret_file=secret_file, timeout_s=timeout)
     output.emit(result, as_json, lambda console: console.print(describe(result)))
 

@@ -19,14 +19,24 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Show a run: step, loss, samples/s, each worker's share and waiting, and its events."""
+    from felactl.launcher.rundir import RESUME_HINT
     from felactl.launcher.status import run_status
 
     result = run_status(run, runs_root)
 
     def render(console) -> None:
         console.print(f"run {result['run']} ({result['state']}) in {result['run_dir']}")
-        if result.get("summary"):
-            console.print(run_table(result["summary"], "progress"))
+        if result["state_reason"]:
+            hint = f"; {RESUME_HINT.format(run=result['run'])}" if result["state"] == "lost" else ""
+            console.print(f"  {result['state']}: {result['state_reason']}{hint}")
+        summary = result.get("summary")
+        if summary and "script" in summary:  # felactl launch --script: no metrics, only how it ended
+            console.print(
+                f"  {summary['script']}: exit code {summary['exit_code']} on {summary['num_workers']} "
+                f"worker(s) after {summary['attempts']} attempt(s), {summary['wall_s']:.1f} s"
+            )
+        elif summary:
+            console.print(run_table(summary, "progress"))
         if result["history"]:
             console.print(history_table(result["history"]))
         if result["events"]:
@@ -46,13 +56,20 @@ def history_table(history: list[dict]) -> Table:
         planned = e.get("planned_by", "")
         if e.get("predicted_iteration_s"):
             planned += f" ({e['predicted_iteration_s'] * 1e3:.1f} ms/it)"
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(e.get("time", 0))), e["kind"],
-                      str(e.get("generation", "")), str(e.get("members_before", e.get("members", ""))),
-                      str(e.get("members_after", "")), "" if e.get("pause_s") is None else f"{e['pause_s']:.3f}",
-                      f"{e.get('replicated_bytes', 0) / 1e6:.2f} MB" if e.get("replicated_bytes") else "",
-                      planned,
-                      sources or e.get("reason", "") or (f"from step {e['from_step']}" if "from_step" in e else "")
-                      or (f"agent of node {e['node']} joined" if "node" in e else ""))
+        table.add_row(
+            time.strftime("%H:%M:%S", time.localtime(e.get("time", 0))),
+            e["kind"],
+            str(e.get("generation", "")),
+            str(e.get("members_before", e.get("members", ""))),
+            str(e.get("members_after", "")),
+            "" if e.get("pause_s") is None else f"{e['pause_s']:.3f}",
+            f"{e.get('replicated_bytes', 0) / 1e6:.2f} MB" if e.get("replicated_bytes") else "",
+            planned,
+            sources
+            or (f"{e['key']}: " if e.get("key") else "") + e.get("reason", "")
+            or (f"from step {e['from_step']}" if "from_step" in e else "")
+            or (f"agent of node {e['node']} joined" if "node" in e else ""),
+        )
     return table
 
 

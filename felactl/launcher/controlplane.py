@@ -1,24 +1,30 @@
-"""The control plane: a TCPStore hosted by the coordinator, joined by agents that prove the job secret.
+"""The control plane's coordinator: a TCPStore it hosts, joined by agents that prove the job secret
+(their side: :mod:`felactl.agents.session`).
 
 The coordinator hosts torch.distributed's ``TCPStore`` (``is_master=True``) on a socket it binds
 itself, so it listens on loopback unless an endpoint is given, and a busy port is a clear
 :class:`InputError`. Every key lives under ``felactl/<job>/<generation>/``: a later generation
 (a rescale) re-forms its process groups under a fresh prefix on the same store.
 
-Joining is an HMAC-SHA256 challenge-response. The coordinator publishes a random nonce; an agent
-pushes ``{agent_id, payload, proof=hmac(secret, join|nonce|agent_id|payload)}`` onto a queue; the
-coordinator verifies the proof with ``hmac.compare_digest`` and answers under a key only that
-request can name, with its own proof (``admit|nonce|agent_id``) so the agent knows the coordinator
-holds the secret too. Refused attempts are logged and change nothing. Documents the coordinator
-publishes afterwards (the job, the stop signal) are signed with :func:`sign` and checked with
-:func:`verify`. The store itself is plain TCP: the secret keeps strangers out of the membership and
-stops forged commands, it does not encrypt traffic (use a private network, as torchrun does).
+Joining is an HMAC-SHA256 challenge-response with a challenge per agent: an agent pushes a hello
+``{agent_id, client_nonce}`` onto a queue; the coordinator answers under
+``join/challenge/<agent_id>/<client_nonce>`` with a fresh nonce; the agent pushes
+``{agent_id, client_nonce, payload, proof=hmac(secret, join|job|agent_id|client_nonce|nonce|payload)}``;
+the coordinator verifies the proof with ``hmac.compare_digest`` against the challenge it gave
+that agent (once: a challenge is used up) and answers under ``join/reply/<agent_id>/<client_nonce>``
+with a signed reply that carries the launch's session, so the agent knows the coordinator holds the
+secret too. No key is shared by the agents that join, so nobody can lock every agent out by writing
+one; an agent that gets no answer in a while says hello again, and one refused (a forged challenge
+in its place is refused) tries again with a fresh hello: refused :data:`~felactl.control.join.JOIN_REFUSALS` times, its
+secret is wrong. Refused attempts are logged and change nothing. Every document afterwards is
+sealed with :mod:`felactl.control.seal` (bound to the job, the launch's session, the key, the
+generation and a sequence number) and verified by its reader: a forgery is ignored and recorded. The
+store itself is plain TCP: the secret keeps strangers out of the membership and stops forged
+commands, it does not encrypt traffic (use a private network, as torchrun does).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -26,21 +32,20 @@ import secrets
 import socket
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
-from felactl.errors import AuthError, ControlPlaneError, InputError
+from felactl.control import EventKind, Reader, Seal, job_binding, keys
+from felactl.control.documents import AgentStateDoc, Assignment, JobDoc, StopDoc
+from felactl.control.events import RefusalLog, record
+from felactl.control.join import admit_reply, join_message, verify
+from felactl.control.store import DEFAULT_HOST, POLL_INTERVAL_S, parse_endpoint, serve_store
+from felactl.errors import ControlPlaneError, InputError
 from felactl.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_CONNECT_TIMEOUT_S = 30.0
 SECRET_BYTES = 32
-POLL_INTERVAL_S = 0.05
 
 
 # --- the secret -------------------------------------------------------------------------------
@@ -72,136 +77,6 @@ def read_secret_file(path: str | os.PathLike) -> str:
     return secret
 
 
-def sign(secret: str, message: str | bytes) -> str:
-    """HMAC-SHA256 of ``message`` under the job secret, hex."""
-    data = message.encode("utf-8") if isinstance(message, str) else message
-    return hmac.new(bytes.fromhex(secret), data, hashlib.sha256).hexdigest()
-
-
-def verify(secret: str, message: str | bytes, signature: str) -> bool:
-    """True when ``signature`` is ``sign(secret, message)``; constant-time."""
-    return hmac.compare_digest(sign(secret, message), str(signature))
-
-
-def signed_envelope(secret: str, name: str, document: dict) -> str:
-    """A document for the store with its signature; the name is signed too, so one cannot pose as another."""
-    text = json.dumps(document, sort_keys=True)
-    return json.dumps({"document": text, "signature": sign(secret, f"{name}|{text}")})
-
-
-def open_envelope(secret: str, name: str, raw: bytes | str) -> dict:
-    """The document in an envelope; AuthError unless it is signed with ``secret`` under ``name``."""
-    try:
-        envelope = json.loads(raw)
-        text, signature = str(envelope["document"]), str(envelope["signature"])
-    except (ValueError, KeyError, TypeError):
-        raise AuthError(f"the {name} document on the control plane is not signed with this job's secret") from None
-    if not verify(secret, f"{name}|{text}", signature):
-        raise AuthError(f"the {name} document on the control plane is not signed with this job's secret")
-    return json.loads(text)
-
-
-# --- endpoints and stores ----------------------------------------------------------------------
-def parse_endpoint(endpoint: str, default_port: int | None = None) -> tuple[str, int]:
-    """``HOST:PORT`` (or ``HOST`` when a default port is given) -> (host, port)."""
-    host, sep, port_text = endpoint.rpartition(":")
-    if not sep:
-        host, port_text = endpoint, ""
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:29500
-    if not port_text and default_port is not None:
-        return host or DEFAULT_HOST, default_port
-    if not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
-        raise InputError(f"endpoint {endpoint!r}: expected HOST:PORT with a port in 0..65535")
-    return host, int(port_text)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise InputError(f"cannot resolve {host!r}: {exc.strerror}") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(512)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == 98:  # EADDRINUSE
-            raise InputError(f"port {port} on {host} is already in use; pick another with --rdzv-endpoint") from None
-        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
-
-
-def connect_store(host: str, port: int, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
-    """A TCPStore client of the store at ``host:port``; ControlPlaneError when it cannot be reached.
-
-    The address is first tried with a plain socket until it answers (the coordinator may start
-    after its agents): c10d's own failed connects print screens of C++ log and backtrace to
-    stderr, which a user who mistyped an address should not have to read."""
-    import torch.distributed as dist
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
-            break
-        except socket.gaierror as exc:  # a mistyped name, not a coordinator that is still starting
-            raise InputError(f"cannot reach the coordinator at {host}:{port}: cannot resolve {host!r} "
-                             f"({exc.strerror})") from None
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                why = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or type(exc).__name__)
-                raise ControlPlaneError(f"cannot reach the coordinator at {host}:{port} within {timeout_s:g} s: "
-                                        f"{why}") from None
-            time.sleep(0.2)
-    try:
-        return dist.TCPStore(host, port, is_master=False,
-                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-    except (RuntimeError, ValueError) as exc:
-        raise ControlPlaneError(f"cannot reach the coordinator at {host}:{port} within {timeout_s:g} s: "
-                                f"{_first_line(exc)}") from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    """c10d errors carry a C++ backtrace after the first line; the user needs only the first."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def job_prefix(job: str, generation: int) -> str:
-    return f"felactl/{job}/{generation}/"
-
-
-JOB_NAME_KEY = "felactl/job"
-"""Unprefixed: the name of the job this store's coordinator runs (not a secret), so an agent
-started without ``--job`` finds it."""
-
-
-def _get_json(store, key: str) -> Any:
-    return json.loads(store.get(key).decode("utf-8"))
-
-
-def _wait_key(store, key: str, deadline: float, what: str, alive=None) -> bytes:
-    """Poll for ``key`` until ``deadline`` (monotonic); a broken store is a ControlPlaneError.
-
-    TCPStore's ``set`` does not wait for the server, so a key set on one connection shows up on
-    another a little later: readers poll, they never assume.
-    """
-    while True:
-        try:
-            if store.check([key]):
-                return store.get(key)
-        except RuntimeError as exc:
-            raise ControlPlaneError(f"lost the coordinator while waiting for {what}: {_first_line(exc)}") from exc
-        if alive is not None:
-            alive()
-        if time.monotonic() > deadline:
-            raise ControlPlaneError(f"timed out waiting for {what}")
-        time.sleep(POLL_INTERVAL_S)
-
-
 # --- membership ---------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Member:
@@ -215,51 +90,46 @@ class Member:
     """Whatever the agent tells about its node (cores, memory); opaque to the control plane."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Assignment:
-    """What one agent runs in a job: its slots' global ranks and the worker module."""
-
-    rank_offset: int
-    world_size: int
-    module: str
-    args: tuple[str, ...] = ()
-    env: dict = field(default_factory=dict)
-    local_indices: tuple[int, ...] = ()
-    """Each slot's device index on the node (its LOCAL_RANK: the CUDA ordinal); empty: 0, 1, ..."""
-    num_workers: int | None = None
-    """Workers to start at once: None, one per slot; 0, a node joining a running elastic job,
-    whose workers come later with the coordinator's ``add`` commands."""
+MAX_PENDING_CHALLENGES = 1024
+"""Challenges given and not yet answered; beyond it the oldest is forgotten (a flood of hellos
+costs memory no more than this)."""
+AUDIT_S = 0.2
+"""How often the coordinator checks the keys it owns (deleted or changed: written back)."""
 
 
 class Coordinator:
     """Hosts the store, admits agents that prove the secret, publishes signed job documents."""
 
-    def __init__(self, secret: str, *, endpoint: str | None = None, job: str = "job", generation: int = 0):
-        import torch.distributed as dist
-
+    def __init__(
+        self,
+        secret: str,
+        *,
+        endpoint: str | None = None,
+        job: str = "job",
+        generation: int = 0,
+        events: Path | None = None,
+    ):
         host, port = parse_endpoint(endpoint) if endpoint else (DEFAULT_HOST, 0)
-        sock = _bind(host, port)
+        self.store, self.port = serve_store(host, port)
         self.host = host
-        self.port = sock.getsockname()[1]
         self.secret = secret
         self.job, self.generation = job, generation
-        self.prefix = job_prefix(job, generation)
+        self.prefix = keys.job_prefix(job, generation)
+        self.session = secrets.token_hex(8)
+        """This launch's id: documents signed for an earlier launch of the same run are refused."""
+        self.seal = Seal(secret, job_binding(job, self.session))
+        self.events = events
+        """The run's events.jsonl, where refusals and repairs are recorded (None: logged only)."""
+        self.refusals = RefusalLog(events)
+        self.reader = Reader(self.seal, self.store, self.prefix, on_refused=self.refuse)
         self.members: dict[str, Member] = {}
         self.refused: list[str] = []
-        try:
-            # The store's server takes the bound socket over (and closes it when it stops).
-            self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                                       master_listen_fd=sock.fileno(), timeout=timedelta(seconds=30))
-        except RuntimeError as exc:
-            try:
-                sock.close()
-            except OSError:
-                pass  # the store had already taken the socket over
-            raise ControlPlaneError(f"cannot start the store on {host}:{self.port}: {exc}") from exc
-        sock.detach()
-        self.store.set(JOB_NAME_KEY, job)
-        self.nonce = secrets.token_hex(16)
-        self.store.set(self.prefix + "auth/nonce", self.nonce)
+        self.challenges: dict[tuple[str, str], str] = {}
+        self.states: dict[str, dict] = {}
+        self.owned: dict[str, str] = {}
+        """Keys this coordinator wrote and must find unchanged: name -> the value it wrote."""
+        self.audited_at = 0.0
+        self.store.set(keys.JOB_NAME, job)
 
     @property
     def endpoint(self) -> str:
@@ -267,37 +137,81 @@ class Coordinator:
         host = socket.getfqdn() if self.host in ("0.0.0.0", "::", "") else self.host
         return f"{host}:{self.port}"
 
+    def refuse(self, key: str, reason: str) -> None:
+        """A forgery (or a bad request) at ``key``: ignored, and recorded."""
+        self.refusals(key, reason)
+
+    # --- joining ----------------------------------------------------------------------------------
     def poll_joins(self) -> list[Member]:
-        """Handle every pending join request; return the newly admitted members."""
+        """Handle every pending hello and join request; return the newly admitted members."""
         admitted = []
-        queue = self.prefix + "join/requests"
+        queue = self.prefix + keys.JOIN_REQUESTS
         while self.store.queue_len(queue) > 0:
             raw = self.store.queue_pop(queue, block=False)
             member = self._handle_join(raw)
             if member is not None:
                 admitted.append(member)
+        self.audit()
         return admitted
 
     def _handle_join(self, raw: bytes) -> Member | None:
         try:
             request = json.loads(raw.decode("utf-8"))
-            agent_id, payload, proof = str(request["agent_id"]), str(request["payload"]), str(request["proof"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            agent_id, client_nonce = str(request["agent_id"]), str(request["client_nonce"])
+            hello = request.get("op") == "hello"
+            if not hello:
+                payload, proof = str(request["payload"]), str(request["proof"])
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             log.warning("control plane: refused a malformed join request")
             self.refused.append("<malformed>")
+            self.refuse(keys.JOIN_REQUESTS, "a malformed join request")
             return None
-        reply_key = f"{self.prefix}join/reply/{agent_id}/{proof[:32]}"
-        if not verify(self.secret, f"join|{self.nonce}|{agent_id}|{payload}", proof) or agent_id in self.members:
+        if not _safe_id(agent_id) or not _safe_id(client_nonce):
+            self.refused.append("<malformed>")
+            self.refuse(keys.JOIN_REQUESTS, "a join request with a bad agent id or nonce")
+            return None
+        if hello:
+            nonce = secrets.token_hex(16)
+            self.challenges[(agent_id, client_nonce)] = nonce
+            while len(self.challenges) > MAX_PENDING_CHALLENGES:
+                self.challenges.pop(next(iter(self.challenges)))
+            self.store.set(self.prefix + keys.join_challenge(agent_id, client_nonce), json.dumps({"nonce": nonce}))
+            return None
+        nonce = self.challenges.pop((agent_id, client_nonce), None)
+        reply_name = keys.join_reply(agent_id, client_nonce)
+        message = join_message(self.job, agent_id, client_nonce, nonce or "", payload)
+        if nonce is None or not verify(self.secret, message, proof) or agent_id in self.members:
             log.warning("control plane: refused agent %r: wrong job secret or duplicate id", agent_id)
             self.refused.append(agent_id)
-            self.store.set(reply_key, json.dumps({"admitted": False}))
+            self.refuse(
+                keys.JOIN_REQUESTS,
+                f"agent {agent_id!r}: "
+                + (
+                    "no challenge was given to it (replayed or stale)"
+                    if nonce is None
+                    else "wrong job secret"
+                    if agent_id not in self.members
+                    else "duplicate id"
+                ),
+            )
+            self.store.set(self.prefix + reply_name, json.dumps({"admitted": False}))
             return None
-        data = json.loads(payload)
-        member = Member(agent_id=agent_id, node_name=str(data["node_name"]), num_slots=int(data["num_slots"]),
-                        hostname=str(data.get("hostname", "")), info=dict(data.get("info", {})))
+        try:
+            data = json.loads(payload)
+            member = Member(
+                agent_id=agent_id,
+                node_name=str(data["node_name"]),
+                num_slots=int(data["num_slots"]),
+                hostname=str(data.get("hostname", "")),
+                info=dict(data.get("info", {})),
+            )
+        except (ValueError, KeyError, TypeError):
+            self.refuse(keys.JOIN_REQUESTS, f"agent {agent_id!r}: a malformed join payload")
+            return None
         self.members[agent_id] = member
-        self.store.set(reply_key, json.dumps({"admitted": True,
-                                              "proof": sign(self.secret, f"admit|{self.nonce}|{agent_id}")}))
+        self.store.set(
+            self.prefix + reply_name, admit_reply(self.secret, self.job, agent_id, client_nonce, nonce, self.session)
+        )
         log.info("control plane: admitted %s (%d slots)", member.node_name, member.num_slots)
         return member
 
@@ -309,98 +223,93 @@ class Coordinator:
             if alive is not None:
                 alive()
             if time.monotonic() > deadline:
-                raise ControlPlaneError(f"only {len(self.members)} of {num_agents} agents joined "
-                                        f"{self.endpoint} within {timeout_s:g} s")
+                raise ControlPlaneError(
+                    f"only {len(self.members)} of {num_agents} agents joined {self.endpoint} within {timeout_s:g} s"
+                )
             time.sleep(POLL_INTERVAL_S)
         return list(self.members.values())
 
-    def publish_signed(self, name: str, document: dict) -> None:
-        """Set ``name`` to the document and its signature in one value, so no reader sees one without the other."""
-        self.store.set(self.prefix + name, signed_envelope(self.secret, name, document))
+    # --- documents ---------------------------------------------------------------------------------
+    def publish(self, name: str, kind: str, body: dict, *, generation: int = 0) -> None:
+        """Seal ``body`` and set ``name`` to it (one value: no reader sees a document without its
+        signature); the coordinator keeps it, to write it back if someone deletes or changes it."""
+        value = self.seal.seal(name, kind, body, generation=generation)
+        self.owned[name] = value
+        self.store.set(self.prefix + name, value)
 
-    def publish_assignments(self, assignments: dict[str, Assignment]) -> None:
-        self.publish_signed("job", {agent_id: asdict(a) for agent_id, a in assignments.items()})
+    def own(self, name: str, value: str) -> None:
+        """Set an unsigned key whose value the coordinator decides (a hint), and keep it so."""
+        self.owned[name] = value
+        self.store.set(self.prefix + name, value)
 
-    def stop(self, reason: str) -> None:
-        """Tell every agent to stop its workers (signed, so nobody else can)."""
-        self.publish_signed("stop", {"reason": reason})
+    def publish_assignments(self, assignments: dict[str, Assignment], attempt: int = 0) -> None:
+        self.publish(
+            keys.job_document(attempt),
+            JobDoc.KIND.value,
+            JobDoc({agent_id: asdict(a) for agent_id, a in assignments.items()}).to_body(),
+        )
+
+    def stop(self, reason: str, drain_s: float = 0.0) -> None:
+        """Tell every agent to stop its workers (signed, so nobody else can); ``drain_s`` > 0: a
+        graceful stop (see :class:`StopOrder`)."""
+        self.publish(keys.STOP, StopDoc.KIND.value, StopDoc(reason, float(drain_s)).to_body())
+
+    def audit(self, force: bool = False) -> None:
+        """Find the keys this coordinator owns as it wrote them: a key deleted or changed is written
+        back (``repaired``, or ``refused`` when a forgery stood there), and a stop order it never
+        gave is removed. At most every :data:`AUDIT_S`, unless ``force``."""
+        now = time.monotonic()
+        if not force and now - self.audited_at < AUDIT_S:
+            return
+        self.audited_at = now
+        for name, value in list(self.owned.items()):
+            raw = self.reader.raw(name)
+            if raw is not None and raw.decode("utf-8", "replace") == value:
+                continue
+            self.store.set(self.prefix + name, value)
+            if raw is None:
+                record(self.events, EventKind.REPAIRED, key=name, reason="deleted; written back")
+                continue
+            record(
+                self.events,
+                EventKind.REPAIRED if name == keys.GENERATION else EventKind.REFUSED,
+                key=name,
+                reason=f"changed to {raw[:60]!r}; written back",
+            )
+            if name == keys.GENERATION:
+                self._remove_forged_generation(raw)
+        if keys.STOP not in self.owned:
+            raw = self.reader.raw(keys.STOP)
+            if raw is not None:
+                self.refuse(keys.STOP, "a stop order the coordinator never gave; removed")
+                self.store.delete_key(self.prefix + keys.STOP)
+
+    def _remove_forged_generation(self, raw: bytes) -> None:
+        """The document a forged generation number points to, if the coordinator never published it:
+        refused and removed (whether or not a worker had read it before the number was written back)."""
+        try:
+            name = keys.generation_document(int(raw))
+        except ValueError:
+            return
+        if name not in self.owned and self.reader.raw(name) is not None:
+            self.refuse(name, "a generation document the coordinator never published; removed")
+            self.store.delete_key(self.prefix + name)
 
     def agent_state(self, agent_id: str) -> dict | None:
-        key = f"{self.prefix}agents/{agent_id}/state"
-        return _get_json(self.store, key) if self.store.check([key]) else None
+        """The agent's newest valid report (a forged or replayed one is refused and ignored)."""
+        name = keys.agent_state(agent_id)
+        opened = self.reader.read(name, AgentStateDoc.KIND.value)
+        if opened is not None:
+            try:
+                self.states[agent_id] = AgentStateDoc.from_body(opened.body).as_dict()
+            except ValueError as exc:
+                self.refuse(name, f"malformed report ({exc})")
+        return self.states.get(agent_id)
 
     def close(self) -> None:
         self.store = None  # the server (and its socket) stops when the last reference goes
+        self.reader.store = None
 
 
-def agent_beat_key(prefix: str, agent_id: str) -> str:
-    return f"{prefix}agents/{agent_id}/beat"
-
-
-class AgentSession:
-    """An agent's side of the control plane: join, wait for the job, report state, watch for stop."""
-
-    def __init__(self, endpoint: str, secret: str, *, job: str | None = "job", generation: int = 0,
-                 timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
-        """``job`` None: the job the coordinator at ``endpoint`` runs (:data:`JOB_NAME_KEY`)."""
-        self.host, self.port = parse_endpoint(endpoint)
-        self.secret = secret
-        self.timeout_s = timeout_s
-        self.store = connect_store(self.host, self.port, timeout_s)
-        if job is None:
-            job = _wait_key(self.store, JOB_NAME_KEY, time.monotonic() + timeout_s, "the coordinator's job name").decode()
-        self.job = job
-        self.prefix = job_prefix(job, generation)
-        self.agent_id = ""
-
-    def join(self, node_name: str, num_slots: int, info: dict | None = None) -> str:
-        """Prove the secret and join; AuthError when the coordinator refuses."""
-        deadline = time.monotonic() + self.timeout_s
-        nonce = _wait_key(self.store, self.prefix + "auth/nonce", deadline, "the coordinator's nonce").decode()
-        agent_id = f"{node_name}-{uuid.uuid4().hex[:8]}"
-        payload = json.dumps({"node_name": node_name, "num_slots": num_slots, "hostname": socket.gethostname(),
-                              "info": info or {}}, sort_keys=True)
-        proof = sign(self.secret, f"join|{nonce}|{agent_id}|{payload}")
-        self.store.queue_push(self.prefix + "join/requests",
-                              json.dumps({"agent_id": agent_id, "payload": payload, "proof": proof}))
-        reply_key = f"{self.prefix}join/reply/{agent_id}/{proof[:32]}"
-        reply = json.loads(_wait_key(self.store, reply_key, deadline, "the coordinator to admit this agent"))
-        if not reply.get("admitted"):
-            raise AuthError(f"the coordinator at {self.host}:{self.port} refused this agent: wrong job secret "
-                            "(check --secret-file)")
-        if not verify(self.secret, f"admit|{nonce}|{agent_id}", reply.get("proof", "")):
-            raise AuthError(f"the coordinator at {self.host}:{self.port} does not hold this job's secret")
-        self.agent_id = agent_id
-        return agent_id
-
-    def read_signed(self, name: str) -> dict | None:
-        """The signed document ``name`` if published; AuthError if its signature is wrong."""
-        key = self.prefix + name
-        if not self.store.check([key]):
-            return None
-        return open_envelope(self.secret, name, self.store.get(key))
-
-    def wait_assignment(self, timeout_s: float, alive=None) -> Assignment:
-        deadline = time.monotonic() + timeout_s
-        _wait_key(self.store, self.prefix + "job", deadline, "the job", alive)
-        document = self.read_signed("job")
-        mine = document.get(self.agent_id)
-        if mine is None:
-            raise ControlPlaneError(f"the job has no place for agent {self.agent_id}")
-        mine["args"] = tuple(mine.get("args", ()))
-        return Assignment(**mine)
-
-    def stop_requested(self) -> str | None:
-        """The coordinator's stop reason, if it asked; ControlPlaneError if the store is gone."""
-        try:
-            document = self.read_signed("stop")
-        except RuntimeError as exc:
-            raise ControlPlaneError(f"lost the coordinator at {self.host}:{self.port}: {_first_line(exc)}") from exc
-        return None if document is None else str(document.get("reason", "stopped"))
-
-    def report(self, state: str, **details: Any) -> None:
-        self.store.set(f"{self.prefix}agents/{self.agent_id}/state", json.dumps({"state": state, **details}))
-
-    def beat(self) -> None:
-        """Say this agent is alive (an elastic job's coordinator stops sending work to a silent one)."""
-        self.store.add(agent_beat_key(self.prefix, self.agent_id), 1)
+def _safe_id(text: str) -> bool:
+    return 0 < len(text) <= 128 and all(c.isalnum() or c in "-_." for c in text)

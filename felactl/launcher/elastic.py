@@ -1,6 +1,8 @@
 """The coordinator's side of live rescaling: signed scale commands, failures, new generations.
 
-The launch process polls :meth:`ElasticController.poll` between its other chores. It
+The launch process polls :meth:`ElasticController.poll` between its other chores. What to do
+is decided apart, by the pure :func:`felactl.launcher.membership.decide` (its docstring tells the
+split); the controller looks (store keys, agents' reports, the request queue) and does. It
 
 * pops ``felactl scale`` requests from the store queue ``<job>elastic/scale/requests``; each is
   ``{id, command, signature = sign(secret, "scale|id|command")}``. A wrong signature or a replayed
@@ -15,7 +17,8 @@ The launch process polls :meth:`ElasticController.poll` between its other chores
   (killing it through its agent, so peers blocked in a collective with it fail at once), then
   publishes a generation of the survivors.
 
-Each change waits for every member's ``switched`` report and appends one event: kind, members
+Each change waits (without blocking the poll: failures are still noticed, requests wait their
+turn) for every member's ``switched`` report and appends one event: kind, members
 before and after, ``pause_s`` (the longest gap, on workers that stayed, between their last step
 before and their first step after), bytes replicated and from whom. Worker ids (``rank`` in
 metrics) are stable across generations; the ``--remove`` ranks are those ids.
@@ -29,12 +32,49 @@ import time
 from dataclasses import dataclass, field
 
 from felactl.agents.agent import AGENT_BEAT_S, command_queue
+from felactl.control import EventKind, Forged, keys
+from felactl.control.documents import (
+    Assignment,
+    CommandDoc,
+    DoneDoc,
+    GenerationDoc,
+    HeartbeatDoc,
+    ReadyDoc,
+    ScaleReplyDoc,
+    ScaleRequestDoc,
+    StuckDoc,
+    SwitchedDoc,
+)
 from felactl.errors import InputError, WorkerFailed
-from felactl.launcher.controlplane import (Assignment, Coordinator, Member, agent_beat_key, signed_envelope,
-                                           verify)
+from felactl.launcher.controlplane import Coordinator, Member
+from felactl.launcher.membership import (
+    AdmitAgent,
+    Agent,
+    Answer,
+    AnswerAgain,
+    Drop,
+    Exit,
+    Fail,
+    Finish,
+    IgnoreAgent,
+    Join,
+    Refuse,
+    Request,
+    Rules,
+    Seen,
+    StartNewcomers,
+    State,
+    StopNewcomers,
+    Switch,
+    SwitchAbandoned,
+    SwitchDone,
+    Worker,
+    decide,
+)
 from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
 from felactl.launcher.scale_plan import REPLAN_TIME_LIMIT_S, ScalingPolicy, replan, replan_with_planner
 from felactl.spec import Plan, load_cluster, load_model, save
+from felactl.spec.executable import check_scaled_batch
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -43,10 +83,9 @@ FAILURE_REPLAN_TIME_LIMIT_S = 2.0
 RECENT_METRICS_BYTES = 256 << 10
 """How much of metrics.jsonl's end a re-plan by measured speeds reads (~200 records of ~150 B,
 with room): a run of a million steps is not read whole at each rescale."""
-
-
-class JobFinished(InputError):
-    """The workers that would stay finished their last step before a change could take effect."""
+AGENT_GONE_S = 2.5 * AGENT_BEAT_S
+"""A worker's silence and its agent's start within a beat of each other: two missed agent beats
+(and a half, for a busy machine) tell the agent is gone with it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,148 +98,364 @@ class ElasticSettings:
     switch_timeout_s: float = 60.0
 
 
-@dataclass
-class _Worker:
-    device: str
-    node: str
-    agent_id: str
-    since: float = field(default_factory=time.monotonic)
-    beat: str | None = None
-
-
 class ElasticController:
-    def __init__(self, coordinator: Coordinator, run: RunDir, plan: Plan, members: list[Member],
-                 nodes: dict[str, tuple[str, ...]], settings: ElasticSettings, start_generation: int = 0,
-                 plan_path=None, worker: tuple[str, dict[str, str]] | None = None):
+    """The executor of membership: each :meth:`poll` gathers what the store and the agents' reports
+    show (:meth:`_observe`), asks :func:`felactl.launcher.membership.decide` what to do, and does
+    it (:meth:`_apply`): signed commands to agents, plans, generation documents, events, answers."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        run: RunDir,
+        plan: Plan,
+        members: list[Member],
+        nodes: dict[str, tuple[str, ...]],
+        settings: ElasticSettings,
+        start_generation: int = 0,
+        plan_path=None,
+        worker: tuple[str, dict[str, str]] | None = None,
+    ):
         self.coordinator, self.run, self.plan, self.settings = coordinator, run, plan, settings
         # What an agent that joins mid-job is told to run: the launch's worker module and environment.
         self.worker_module, self.worker_env = worker or ("felactl.agents.worker", {})
         self.joined: dict[str, Assignment] = {}
         self.store = coordinator.store
         self.kv = coordinator.prefix + "elastic/"
-        self.agents = {m.node_name: m for m in members}
-        self.workers: dict[int, _Worker] = {}
-        for node, devices in nodes.items():
-            for d in devices:
-                self.workers[plan.rank_of(d)] = _Worker(d, node, self.agents[node].agent_id)
-        self.members = sorted(self.workers)
-        self.base = (plan.global_batch, plan.training.lr, len(self.members))
-        self.generation = start_generation
-        self.next_id = len(self.members)
-        self.seen_ids: set[str] = set()
-        self.agent_beats: dict[str, tuple[str | None, float]] = {}
-        self.stuck_since: float | None = None
+        self.reader = coordinator.reader
         self.first_plan = (start_generation, plan_path or run.plan)
         # With the profiles the plan came from, every change runs the planner again on them.
         self.profiles = (load_cluster(run.cluster), load_model(run.model)) if run.cluster.exists() else None
-        self.store.set(self.kv + "generation", str(self.generation))
+        now = time.monotonic()
+        agents = {m.node_name: Agent(m.agent_id, _offered_slots(m), since=now) for m in members}
+        workers = {
+            plan.rank_of(d): Worker(node, d, agents[node].agent_id, since=now)
+            for node, devices in nodes.items()
+            for d in devices
+        }
+        profile = (
+            None
+            if self.profiles is None
+            else {n.name: tuple(d.name for d in n.devices) for n in self.profiles[0].nodes}
+        )
+        rules = Rules(
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            ready_timeout_s=settings.ready_timeout_s,
+            switch_timeout_s=settings.switch_timeout_s,
+            agent_gone_s=AGENT_GONE_S,
+            max_nproc_per_node=settings.max_nproc_per_node,
+            profile=profile,
+            logs=str(run.logs),
+            run_id=run.run_id,
+        )
+        self.state = State(
+            rules=rules,
+            generation=start_generation,
+            members=tuple(sorted(workers)),
+            workers=workers,
+            agents=agents,
+            next_id=len(workers),
+        )
+        self.base = (plan.global_batch, plan.training.lr, len(workers))
+        self.answers: dict[str, dict] = {}
+        """Scale request id -> the answer given (a request sent again gets it again, nothing is redone)."""
+        self.under_way: _Published | None = None
+        """The generation published and not yet switched to: how it was planned, its reports so far."""
+        self.early_plan: tuple[tuple[int, ...], tuple[Plan, dict]] | None = None
+        """The plan made while newcomers start, and for which members."""
+        self._doers = {
+            AdmitAgent: self._admit_agent,
+            IgnoreAgent: self._ignore_agent,
+            Drop: self._drop,
+            StartNewcomers: self._start_newcomers,
+            StopNewcomers: self._stop_newcomers,
+            Switch: self._switch,
+            SwitchDone: self._switch_done,
+            SwitchAbandoned: self._switch_abandoned,
+            Answer: self._answer,
+            AnswerAgain: self._answer_again,
+            Refuse: self._refuse,
+            Finish: lambda action: None,
+            Fail: self._fail,
+        }
+        self._publish_generation(start_generation, list(self.state.members), self.first_plan[1], "launch")
+
+    @property
+    def members(self) -> list[int]:
+        return list(self.state.members)
+
+    @property
+    def generation(self) -> int:
+        return self.state.generation
 
     # --- the loop's step --------------------------------------------------------------------------
     def poll(self) -> bool:
-        """Handle failures and commands; True once every member has finished its last step."""
-        self._admit_joiners()
-        for node in self.agents:  # follow each agent's beat, so its silence is timed from its last one
-            self._agent_silent_s(node)
-        dead = self._dead(self.members)
-        if dead:
-            self._drop(dead)
-        elif self._stuck_long():
-            try:
-                self._switch(list(self.members), "re-form", planned=(self.plan, {"planned_by": "unchanged"}),
-                             reason="a collective failed with every member alive")
-            except JobFinished:
-                pass  # everyone finished meanwhile: nothing to re-form
-        self._serve_requests()
-        return all(self.store.check([f"{self.kv}done/{w}"]) for w in self.members)
+        """One look and what it calls for; True once every member has finished its last step."""
+        return self._apply(self._observe())
 
-    def _admit_joiners(self) -> None:
-        """A ``felactl agent`` joining the running job — a new node, or a node whose agent died —
-        is given no workers; ``felactl scale --add N --node NAME`` starts them there."""
-        for member in self.coordinator.poll_joins():
-            node, old = member.node_name, self.agents.get(member.node_name)
-            if old is not None and self._agent_silent_s(node) is None:
-                log.warning("elastic: agent %s joined for node %r, whose agent still answers; ignored",
-                            member.agent_id, node)
-                continue
-            self.agents[node] = member
-            self.joined[member.agent_id] = Assignment(rank_offset=0, world_size=1, module=self.worker_module,
-                                                      env=dict(self.worker_env), num_workers=0)
-            self.coordinator.publish_assignments(self.joined)
-            append_jsonl(self.run.events, {"time": time.time(), "kind": "node-joined", "node": node,
-                                           "agent": member.agent_id, "replaces": old.agent_id if old else None,
-                                           "members": list(self.members)})
+    def _apply(self, seen: Seen) -> bool:
+        self.state, actions = decide(self.state, seen)
+        for action in actions:
+            self._doers[type(action)](action)
+        return any(isinstance(a, Finish) for a in actions)
 
-    def _stuck_long(self) -> bool:
-        """A member said its step failed, and for a heartbeat timeout since nobody was found dead."""
-        if not any(self.store.check([f"{self.kv}stuck/{self.generation}/{w}"]) for w in self.members):
-            self.stuck_since = None
-            return False
-        now = time.monotonic()
-        self.stuck_since = self.stuck_since or now
-        return now - self.stuck_since > self.settings.heartbeat_timeout_s
-
-    def _agent_silent_s(self, node: str, grace_s: float | None = None) -> float | None:
-        """Seconds the agent of ``node`` has been silent, once past ``grace_s`` (default: the
-        heartbeat timeout); else None."""
-        agent_id = self.agents[node].agent_id
-        key = agent_beat_key(self.coordinator.prefix, agent_id)
-        beat = self.store.get(key).decode() if self.store.check([key]) else None
-        last = self.agent_beats.get(agent_id)
-        now = time.monotonic()
-        if last is None or last[0] != beat:
-            self.agent_beats[agent_id] = last = (beat, now)
-        silent = now - last[1]
-        grace = grace_s if grace_s is not None else self.settings.heartbeat_timeout_s
-        if beat is None:
-            grace = max(grace, self.settings.ready_timeout_s)
-        return silent if silent > grace else None
+    # --- looking ----------------------------------------------------------------------------------
+    def _observe(self) -> Seen:
+        self.coordinator.audit()
+        state = self.state
+        joins = tuple(Join(m.node_name, m.agent_id, _offered_slots(m)) for m in self.coordinator.poll_joins())
+        watched = set(state.members) | set(state.starting.newcomers if state.starting else ())
+        table = self._tables()
+        exits = {
+            w: Exit(int(table[str(w)]["exit_code"]), table[str(w)].get("failure"))
+            for w in watched
+            if table.get(str(w), {}).get("exit_code") is not None
+        }
+        heartbeats = {w: beat for w in watched if (beat := self._beat(w)) is not None}
+        # Every member's done mark is read (not just until one is missing): every forgery is noticed.
+        done = frozenset([w for w in watched if w not in state.done and self._is_done(w)])
+        stuck = state.switching is None and any(
+            self.reader.read(keys.stuck(state.generation, w), StuckDoc.KIND.value, generation=state.generation)
+            for w in state.members
+        )
+        ready = (
+            frozenset()
+            if state.starting is None
+            else frozenset(
+                w
+                for w in state.starting.newcomers
+                if w not in state.starting.ready and self.reader.read(keys.ready(w), ReadyDoc.KIND.value) is not None
+            )
+        )
+        switched = frozenset() if state.switching is None else self._read_reports(state.switching)
+        agent_beats = {a.agent_id: self._agent_beat(a.agent_id) for a in state.agents.values()}
+        return Seen(
+            now=time.monotonic(),
+            joins=joins,
+            agent_beats=agent_beats,
+            heartbeats=heartbeats,
+            exits=exits,
+            done=done,
+            stuck=stuck,
+            ready=ready,
+            switched=switched,
+            requests=self._pop_requests(),
+        )
 
     def _tables(self) -> dict[str, dict]:
         table = {}
-        for member in self.agents.values():
-            state = self.coordinator.agent_state(member.agent_id) or {}
+        for agent in self.state.agents.values():
+            state = self.coordinator.agent_state(agent.agent_id) or {}
             table.update(state.get("workers", {}))
         return table
 
-    def _dead(self, wids: list[int]) -> dict[int, str]:
-        """Members whose process ended unasked or whose heartbeat stopped, with why."""
-        table, now, dead = self._tables(), time.monotonic(), {}
-        for wid in wids:
-            w, entry = self.workers[wid], table.get(str(wid))
-            if entry and entry.get("exit_code") is not None and not self.store.check([f"{self.kv}done/{wid}"]):
-                dead[wid] = f"worker {wid} exited with code {entry['exit_code']}" + (
-                    f": {entry['failure']}" if entry.get("failure") else "")
-                continue
-            key = f"{self.kv}hb/{wid}"
-            beat = self.store.get(key).decode() if self.store.check([key]) else None
-            if beat != w.beat:
-                w.beat, w.since = beat, now
-            grace = self.settings.heartbeat_timeout_s if beat is not None else self.settings.ready_timeout_s
-            if now - w.since > grace and not self.store.check([f"{self.kv}done/{wid}"]):
-                dead[wid] = f"worker {wid}: no heartbeat for {now - w.since:.1f} s"
-                # Its worker's silence and the agent's start within a beat of each other: two
-                # missed agent beats (and a half, for a busy machine) tell the agent is gone with it.
-                if self._agent_silent_s(w.node, grace_s=2.5 * AGENT_BEAT_S) is not None:
-                    dead[wid] += f" (the agent of node {w.node!r} is gone too)"
-        return dead
+    def _agent_beat(self, agent_id: str) -> str | None:
+        raw = self.reader.raw(keys.agent_beat(agent_id))
+        return None if raw is None else raw.decode("utf-8", "replace")
 
-    def _drop(self, dead: dict[int, str]) -> None:
-        for wid in dead:
+    def _beat(self, wid: int) -> str | None:
+        """The newest valid heartbeat of ``wid`` (its sequence number), else None: a forged or
+        replayed beat does not keep a silent worker alive, and garbage does not make a live one silent."""
+        opened = self.reader.read(keys.heartbeat(wid), HeartbeatDoc.KIND.value)
+        return str(opened.seq) if opened is not None else None
+
+    def _is_done(self, wid: int) -> bool:
+        """Whether worker ``wid`` finished its last step: a valid signed ``done`` (a forged one is refused)."""
+        return self.reader.read(keys.done(wid), DoneDoc.KIND.value) is not None
+
+    def _read_reports(self, switching) -> frozenset[int]:
+        """The members that reported the generation being switched to (their reports kept for its event)."""
+        generation = switching.generation
+        for w in switching.members:
+            if w not in self.under_way.reports:
+                opened = self.reader.read(keys.switched(generation, w), SwitchedDoc.KIND.value, generation=generation)
+                if opened is not None and isinstance(opened.body.get("report"), dict):
+                    self.under_way.reports[w] = opened.body["report"]
+        return frozenset(self.under_way.reports)
+
+    def _pop_requests(self) -> tuple[Request, ...]:
+        queue, requests = self.coordinator.prefix + keys.SCALE_REQUESTS, []
+        while self.store.queue_len(queue) > 0:
+            request_id, command, why = open_request(self.coordinator, self.store.queue_pop(queue, block=False))
+            requests.append(Request(request_id, command, why))
+        return tuple(requests)
+
+    # --- doing ------------------------------------------------------------------------------------
+    def _admit_agent(self, action: AdmitAgent) -> None:
+        self.joined[action.agent_id] = Assignment(
+            rank_offset=0, world_size=1, module=self.worker_module, env=dict(self.worker_env), num_workers=0
+        )
+        self.coordinator.publish_assignments(self.joined)
+        append_jsonl(
+            self.run.events,
+            {
+                "time": time.time(),
+                "kind": EventKind.NODE_JOINED,
+                "node": action.node,
+                "agent": action.agent_id,
+                "replaces": action.replaces,
+                "members": self.members,
+            },
+        )
+
+    def _ignore_agent(self, action: IgnoreAgent) -> None:
+        log.warning(
+            "elastic: agent %s joined for node %r, whose agent still answers; ignored", action.agent_id, action.node
+        )
+
+    def _drop(self, action: Drop) -> None:
+        log.warning("elastic: dropping %s", "; ".join(action.reasons.values()))
+        for wid in action.reasons:
             self._command(wid, {"op": "kill", "worker_id": wid})
-        survivors = [w for w in self.members if w not in dead]
-        if not survivors:
-            raise WorkerFailed(f"worker failed: no worker is left ({'; '.join(dead.values())}); logs in "
-                               f"{self.run.logs}; a run with checkpoints continues with "
-                               f"`felactl launch --resume {self.run.run_id}`")
-        log.warning("elastic: dropping %s", "; ".join(dead.values()))
-        try:
-            self._switch(survivors, "failure", planned=self._plan_for_survivors(survivors),
-                         reason="; ".join(dead.values()))
-        except JobFinished:
-            # The survivors finished: they are the members now (the dead never writes done/).
-            self.members = survivors
-            log.warning("elastic: the survivors had already finished; nothing to re-form")
 
+    def _stop_newcomers(self, action: StopNewcomers) -> None:
+        for wid in action.wids:
+            self._command(wid, {"op": "kill", "worker_id": wid})
+
+    def _fail(self, action: Fail) -> None:
+        raise WorkerFailed(action.reason)
+
+    def _command(self, wid: int, command: dict) -> None:
+        agent_id = self.state.workers[wid].agent_id
+        body = CommandDoc.from_body(command).to_body()
+        self.store.queue_push(
+            command_queue(self.coordinator.prefix, agent_id),
+            self.coordinator.seal.seal(
+                keys.agent_commands(agent_id), CommandDoc.KIND.value, body, generation=self.generation
+            ),
+        )
+
+    def _start_newcomers(self, action: StartNewcomers) -> None:
+        """Ask the node's agent for the newcomers, then plan for them while they import torch and
+        build the model."""
+        profiled = self._profiled_node(action.node)
+        for wid, device in action.newcomers.items():
+            env = {
+                "FELACTL_WORKER_ID": str(wid),
+                "FELACTL_JOIN": "1",
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "FELACTL_PLAN": str(self._plan_path(self.generation).resolve()),
+            }
+            if profiled is not None:  # the device's own index (its GPU), not a count
+                index = next(i for i, d in enumerate(profiled.devices) if d.name == device)
+                local_index = self.profiles[0].device(device).local_index
+                env["LOCAL_RANK"] = str(index if local_index is None else local_index)
+            self._command(wid, {"op": "add", "worker_id": wid, "env": env})
+        try:
+            self.early_plan = (action.members, self._plan_for(list(action.members), action.policy))
+        except Exception as exc:
+            self._apply(Seen(now=time.monotonic(), planning_failed=_planning_failure(exc)))
+
+    def _profiled_node(self, node: str):
+        return None if self.profiles is None else next((n for n in self.profiles[0].nodes if n.name == node), None)
+
+    def _answer(self, action: Answer) -> None:
+        self.answers[action.request_id] = {"ok": True, "result": dict(action.result)}
+        answer(self.coordinator, action.request_id, self.answers[action.request_id])
+
+    def _answer_again(self, action: AnswerAgain) -> None:
+        answer(self.coordinator, action.request_id, self.answers[action.request_id])
+
+    def _refuse(self, action: Refuse) -> None:
+        log.warning("elastic: refused %s", action.reason)
+        append_jsonl(
+            self.run.events,
+            {
+                "time": time.time(),
+                "kind": EventKind.REFUSED,
+                "reason": action.reason,
+                **({"key": keys.SCALE_REQUESTS} if action.forged else {}),
+                "command": None if action.command is None else dict(action.command),
+                "members": self.members,
+            },
+        )
+        if not action.request_id:
+            return
+        if action.forged:  # its sender may hold a wrong secret: it could not verify a signed answer
+            answer_unsigned(self.coordinator, action.request_id, action.reason)
+            return
+        self.answers[action.request_id] = {"ok": False, "error": action.reason}
+        answer(self.coordinator, action.request_id, self.answers[action.request_id])
+
+    # --- a new generation -----------------------------------------------------------------------
+    def _switch(self, action: Switch) -> None:
+        try:
+            plan, how = self._plan_switch(action)
+        except _Unplanned as exc:
+            self._apply(Seen(now=time.monotonic(), planning_failed=str(exc)))
+            return
+        if list(plan.devices) != [self.state.workers[w].device for w in action.members]:
+            raise RuntimeError(
+                f"internal: the plan for generation {action.generation} does not list the members' "
+                "devices in rank order"
+            )
+        plan_path = save(plan, self._plan_path(action.generation))
+        self._publish_generation(action.generation, list(action.members), plan_path, action.kind)
+        self.under_way = _Published(action, plan, how, previous=self.plan)
+        self.plan = plan
+
+    def _plan_switch(self, action: Switch) -> tuple[Plan, dict]:
+        """The plan of the switch: unchanged for a re-form; for a failure, never none (a failure
+        must not end the job); for a requested change, the planner's or a refusal (:class:`_Unplanned`)."""
+        if action.kind == EventKind.RE_FORM:
+            return self.plan, {"planned_by": "unchanged"}
+        if action.kind == EventKind.FAILURE:
+            return self._plan_for_survivors(list(action.members))
+        early, self.early_plan = self.early_plan, None
+        if early is not None and early[0] == action.members:
+            return early[1]
+        try:
+            return self._plan_for(list(action.members), action.policy)
+        except InputError as exc:
+            raise _Unplanned(str(exc)) from exc
+        except Exception as exc:
+            if action.kind == EventKind.SCALE_IN:
+                raise  # as it always did: a scale-in's planner crash is not a refusal
+            raise _Unplanned(_planning_failure(exc)) from exc
+
+    def _switch_done(self, action: SwitchDone) -> None:
+        published = self.under_way
+        self.under_way = None
+        switch = published.action
+        event = {
+            **_event(
+                switch.kind,
+                switch.generation,
+                list(switch.before),
+                list(switch.members),
+                published.reports,
+                published.plan,
+                switch.reason,
+            ),
+            **published.how,
+        }
+        append_jsonl(self.run.events, event)
+        if action.request_id is not None:
+            self.answers[action.request_id] = {"ok": True, "result": event}
+            answer(self.coordinator, action.request_id, self.answers[action.request_id])
+
+    def _switch_abandoned(self, action: SwitchAbandoned) -> None:
+        log.warning(
+            "elastic: the workers had finished before generation %d could start; nothing changed", action.generation
+        )
+        self.plan, self.under_way = self.under_way.previous, None
+
+    def _plan_path(self, generation: int):
+        if generation == self.first_plan[0]:
+            return self.first_plan[1]
+        return self.run.path / f"plan.{generation}.yaml"
+
+    def _publish_generation(self, generation: int, members: list[int], plan_path, kind: str) -> None:
+        """The signed document of ``generation``, then the hint that it exists; the coordinator keeps
+        both as written (a deleted or bumped ``generation`` key is written back)."""
+        self.coordinator.owned.pop(keys.generation_document(generation - 1), None)
+        doc = GenerationDoc(generation=generation, members=list(members), plan=str(plan_path.resolve()), kind=kind)
+        self.coordinator.publish(
+            keys.generation_document(generation), GenerationDoc.KIND.value, doc.to_body(), generation=generation
+        )
+        self.coordinator.own(keys.GENERATION, str(generation))
+
+    # --- planning -------------------------------------------------------------------------------
     def _plan_for_survivors(self, survivors: list[int]) -> tuple[Plan, dict]:
         """A failure must not end the job: if the planner finds nothing for the survivors, they
         keep the launched stage with shares by measured speed."""
@@ -211,194 +466,6 @@ class ElasticController:
             plan, how = self._plan_for(survivors, use_profiles=False)
             return plan, {**how, "planner_refused": str(exc)}
 
-    def _command(self, wid: int, command: dict) -> None:
-        agent_id = self.workers[wid].agent_id
-        self.store.queue_push(command_queue(self.coordinator.prefix, agent_id),
-                              signed_envelope(self.coordinator.secret, "command", command))
-
-    # --- scale requests -------------------------------------------------------------------------
-    def _serve_requests(self) -> None:
-        queue = self.kv + "scale/requests"
-        while self.store.queue_len(queue) > 0:
-            raw = self.store.queue_pop(queue, block=False)
-            request_id, answer = self._answer(raw)
-            if request_id:
-                self.store.set(f"{self.kv}scale/reply/{request_id}", json.dumps(answer))
-
-    def _answer(self, raw: bytes) -> tuple[str, dict]:
-        try:
-            request = json.loads(raw)
-            request_id, text, signature = str(request["id"]), str(request["command"]), str(request["signature"])
-            command = json.loads(text)
-        except (ValueError, KeyError, TypeError):
-            self._refuse("a malformed scale request")
-            return "", {}
-        if not request_id.isalnum() or len(request_id) > 64:
-            self._refuse("a scale request with a bad id")
-            return "", {}
-        if not verify(self.coordinator.secret, f"scale|{request_id}|{text}", signature):
-            return request_id, self._refuse("the scale command is not signed with this job's secret", command)
-        if request_id in self.seen_ids:
-            return request_id, self._refuse("a replayed scale command", command)
-        self.seen_ids.add(request_id)
-        try:
-            return request_id, {"ok": True, "result": self._execute(command)}
-        except InputError as exc:
-            return request_id, self._refuse(str(exc), command)
-
-    def _refuse(self, reason: str, command: dict | None = None) -> dict:
-        log.warning("elastic: refused %s", reason)
-        append_jsonl(self.run.events, {"time": time.time(), "kind": "refused", "reason": reason,
-                                       "command": command, "members": list(self.members)})
-        return {"ok": False, "error": reason}
-
-    def _execute(self, command: dict) -> dict:
-        op = command.get("op")
-        policy = ScalingPolicy(command["scaling_policy"], command.get("max_batch")) \
-            if command.get("scaling_policy") else None
-        if op == "add":
-            return self._add(int(command.get("count", 0)), command.get("node"), policy)
-        if op == "remove":
-            return self._remove([int(r) for r in command.get("ranks", [])], policy)
-        if op == "to":
-            target = int(command.get("count", 0))
-            if target < 1:
-                raise InputError(f"--to {target}: a job needs at least one worker")
-            if target > len(self.members):
-                return self._add(target - len(self.members), command.get("node"), policy)
-            if target < len(self.members):
-                return self._remove(self.members[target:], policy)
-            return {"kind": "unchanged", "members": list(self.members), "generation": self.generation}
-        raise InputError(f"unknown scale operation {op!r}")
-
-    def capacity(self, node: str) -> int:
-        if self.settings.max_nproc_per_node is not None:
-            return self.settings.max_nproc_per_node
-        profiled = self._profiled_node(node)
-        if profiled is not None:
-            return len(profiled.devices)
-        info = self.agents[node].info
-        return int(info.get("num_gpus") or info.get("num_cpu_cores") or self.agents[node].num_slots)
-
-    def _add(self, count: int, node: str | None, policy: ScalingPolicy | None) -> dict:
-        if count < 1:
-            raise InputError(f"--add {count}: add at least one worker")
-        node = node or next(iter(self.agents))
-        if node not in self.agents:
-            raise InputError(f"--node {node!r}: no agent of this job runs there (nodes: {', '.join(self.agents)})")
-        silent_s = self._agent_silent_s(node)
-        if silent_s is not None:
-            raise InputError(f"--node {node!r}: its agent has not answered for {silent_s:.1f} s (killed or "
-                             "unreachable); add workers on another node or restart `felactl agent` there")
-        used = sum(1 for w in self.members if self.workers[w].node == node)
-        slots = self.capacity(node)
-        if used + count > slots:
-            where = ("device(s) in the run's cluster profile" if self._profiled_node(node) is not None
-                     and self.settings.max_nproc_per_node is None else "worker slot(s)")
-            raise InputError(f"node {node!r} has {slots} {where} and {used} in use: cannot add {count} "
-                             "(a CPU node offers one slot per core; launch with --max-nproc-per-node to allow more)")
-        newcomers = self._start_newcomers(count, node)
-        try:  # planning runs while the newcomers import torch and build the model
-            members = self.members + newcomers
-            planned = self._plan_for(members, policy)
-            self._wait_ready(newcomers)
-            if self.members + newcomers != members:  # a member died meanwhile: plan for who is left
-                members = self.members + newcomers
-                planned = self._plan_for(members, policy)
-        except JobFinished:
-            raise
-        except Exception as exc:
-            self._abandon(newcomers)
-            if isinstance(exc, InputError):
-                raise
-            raise InputError(f"re-planning for the new membership failed ({type(exc).__name__}: {exc}); "
-                             "nothing changed") from exc
-        return self._switch(members, "scale-out", planned=planned)
-
-    def _start_newcomers(self, count: int, node: str) -> list[int]:
-        """Ask ``node``'s agent for ``count`` more workers; they start while the job trains."""
-        devices = self._free_devices(node, count)
-        newcomers = []
-        for device in devices:
-            wid, self.next_id = self.next_id, self.next_id + 1
-            self.workers[wid] = _Worker(device, node, self.agents[node].agent_id)
-            newcomers.append(wid)
-            env = {"FELACTL_WORKER_ID": str(wid), "FELACTL_JOIN": "1", "RANK": "0", "WORLD_SIZE": "1",
-                   "FELACTL_PLAN": str(self._plan_path(self.generation).resolve())}
-            if self._profiled_node(node) is not None:  # the device's own index (its GPU), not a count
-                index = next(i for i, d in enumerate(self._profiled_node(node).devices) if d.name == device)
-                local_index = self.profiles[0].device(device).local_index
-                env["LOCAL_RANK"] = str(index if local_index is None else local_index)
-            self._command(wid, {"op": "add", "worker_id": wid, "env": env})
-        return newcomers
-
-    def _free_devices(self, node: str, count: int) -> list[str]:
-        """Names for newcomers: the profile's devices of ``node`` that no member holds (so the
-        planner knows them); without a profile, ``cpu<id>``."""
-        taken = {self.workers[w].device for w in self.members}
-        if self.profiles is None:
-            return [f"cpu{self.next_id + i}" if f"cpu{self.next_id + i}" not in taken else f"w{self.next_id + i}"
-                    for i in range(count)]
-        profiled = self._profiled_node(node)
-        if profiled is None:
-            raise InputError(f"node {node!r} is not in the run's cluster profile: the planner cannot place workers there")
-        free = [d.name for d in profiled.devices if d.name not in taken]
-        if len(free) < count:
-            raise InputError(f"node {node!r} has {len(free)} free device(s) in the run's cluster profile "
-                             f"({len(profiled.devices)} in all): cannot add {count}; the planner places workers on "
-                             f"profiled devices only (profile the node with more slots, e.g. felactl profile "
-                             f"--nproc-per-node {len(profiled.devices) + count}, for the next launch)")
-        return free[:count]
-
-    def _profiled_node(self, node: str):
-        return None if self.profiles is None else next((n for n in self.profiles[0].nodes if n.name == node), None)
-
-    def _wait_ready(self, newcomers: list[int]) -> None:
-        deadline = time.monotonic() + self.settings.ready_timeout_s
-        waiting = set(newcomers)
-        while waiting:
-            waiting = {w for w in waiting if not self.store.check([f"{self.kv}ready/{w}"])}
-            failed = self._dead(sorted(waiting))
-            failed = {w: why for w, why in failed.items() if "exited" in why}
-            if failed or (waiting and time.monotonic() > deadline):
-                for wid in newcomers:
-                    self._command(wid, {"op": "kill", "worker_id": wid})
-                why = "; ".join(failed.values()) or f"not ready within {self.settings.ready_timeout_s:g} s"
-                raise InputError(f"the new worker(s) did not start ({why}); see {self.run.logs}")
-            dead = self._dead(self.members)
-            if dead:
-                self._drop(dead)
-            if self._all_done(self.members):
-                self._abandon(newcomers)
-                raise JobFinished("the job finished its last step while the new worker(s) were starting; "
-                                  "nothing changed")
-            time.sleep(POLL_S)
-
-    def _all_done(self, wids: list[int]) -> bool:
-        return all(self.store.check([f"{self.kv}done/{w}"]) for w in wids)
-
-    def _abandon(self, wids: list[int]) -> None:
-        """Stop workers that never joined a generation and forget them."""
-        for wid in wids:
-            self._command(wid, {"op": "kill", "worker_id": wid})
-            self.workers.pop(wid, None)
-
-    def _remove(self, wids: list[int], policy: ScalingPolicy | None) -> dict:
-        unknown = [w for w in wids if w not in self.members]
-        if unknown:
-            raise InputError(f"--remove {unknown[0]}: no such worker in the job (workers: "
-                             f"{', '.join(map(str, self.members))})")
-        stay = [w for w in self.members if w not in wids]
-        if not stay:
-            raise InputError("cannot remove every worker: at least one must stay (stop the job instead)")
-        return self._switch(stay, "scale-in", planned=self._plan_for(stay, policy))
-
-    # --- a new generation -----------------------------------------------------------------------
-    def _plan_path(self, generation: int):
-        if generation == self.first_plan[0]:
-            return self.first_plan[1]
-        return self.run.path / f"plan.{generation}.yaml"
-
     def _speeds(self) -> dict[str, float]:
         recent: dict[int, list[dict]] = {}
         for r in read_jsonl(self.run.metrics, tail_bytes=RECENT_METRICS_BYTES)[-200:]:
@@ -406,110 +473,114 @@ class ElasticController:
         speeds = {}
         for wid, records in recent.items():
             compute_s = sum(r["compute_s"] for r in records[-5:])
-            if wid in self.workers and compute_s > 0:
-                speeds[self.workers[wid].device] = sum(r["samples"] for r in records[-5:]) / compute_s
+            if wid in self.state.workers and compute_s > 0:
+                speeds[self.state.workers[wid].device] = sum(r["samples"] for r in records[-5:]) / compute_s
         return speeds
 
-    def _plan_for(self, members: list[int], policy: ScalingPolicy | None = None,
-                  time_limit_s: float = REPLAN_TIME_LIMIT_S, use_profiles: bool = True) -> tuple[Plan, dict]:
+    def _plan_for(
+        self,
+        members: list[int],
+        policy: ScalingPolicy | None = None,
+        time_limit_s: float = REPLAN_TIME_LIMIT_S,
+        use_profiles: bool = True,
+    ) -> tuple[Plan, dict]:
         """The plan for ``members`` (rank order) and how it was made: the planner on the run's
         profiles where it has them (and ``use_profiles``), else the launched plan's stage with
         shares by measured speed."""
         policy = policy or self.settings.policy
         batch, lr = policy.batch_and_lr(*self.base[:2], self.base[2], len(members))
-        devices = [self.workers[w].device for w in members]
-        nodes = {self.workers[w].device: self.workers[w].node for w in members}
+        check_scaled_batch(self.plan.sync.mode, self.base[0], batch)
+        workers = self.state.workers
+        devices = [workers[w].device for w in members]
+        nodes = {workers[w].device: workers[w].node for w in members}
         began = time.perf_counter()
         if self.profiles is not None and use_profiles:
-            plan = replan_with_planner(self.plan, *self.profiles, devices, nodes, global_batch=batch, lr=lr,
-                                       time_limit_s=time_limit_s)
+            plan = replan_with_planner(
+                self.plan, *self.profiles, devices, nodes, global_batch=batch, lr=lr, time_limit_s=time_limit_s
+            )
             how = "planner"
         else:
             plan = replan(self.plan, devices, self._member_speeds(members), nodes, global_batch=batch, lr=lr)
             how = "measured speeds"
-        return plan, {"planned_by": how, "plan_s": round(time.perf_counter() - began, 3),
-                      "predicted_iteration_s": plan.predicted.iteration_s if plan.predicted else None}
+        return plan, {
+            "planned_by": how,
+            "plan_s": round(time.perf_counter() - began, 3),
+            "predicted_iteration_s": plan.predicted.iteration_s if plan.predicted else None,
+        }
 
     def _member_speeds(self, members: list[int]) -> dict[str, float]:
-        speeds = self._speeds()
+        speeds, workers = self._speeds(), self.state.workers
         node_speed = {}  # a newcomer runs at the mean speed of its node's workers
         for w in members:
-            if self.workers[w].device in speeds:
-                node_speed.setdefault(self.workers[w].node, []).append(speeds[self.workers[w].device])
+            if workers[w].device in speeds:
+                node_speed.setdefault(workers[w].node, []).append(speeds[workers[w].device])
         for w in members:
-            d = self.workers[w].device
-            if d not in speeds and self.workers[w].node in node_speed:
-                values = node_speed[self.workers[w].node]
+            d = workers[w].device
+            if d not in speeds and workers[w].node in node_speed:
+                values = node_speed[workers[w].node]
                 speeds[d] = sum(values) / len(values)
         return speeds
 
-    def _switch(self, members: list[int], kind: str, *, planned: tuple[Plan, dict],
-                reason: str | None = None) -> dict:
-        plan, how = planned
-        if list(plan.devices) != [self.workers[w].device for w in members]:
-            raise RuntimeError(f"internal: the plan for generation {self.generation + 1} does not list the members' "
-                               "devices in rank order")
-        generation = self.generation + 1
-        plan_path = save(plan, self._plan_path(generation))
-        before = list(self.members)
-        self.store.set(f"{self.kv}gen/{generation}", json.dumps(
-            {"generation": generation, "members": members, "plan": str(plan_path.resolve()), "kind": kind}))
-        self.store.set(self.kv + "generation", str(generation))
-        previous = self.plan
-        self.generation, self.plan, self.members = generation, plan, list(members)
-        stayers = [w for w in members if w in before]
-        try:
-            reports = self._wait_switched(generation, members, stayers)
-        except JobFinished:
-            # Nobody trains any more: the change is moot. The finished workers are the members
-            # again (their done/ marks end the job) and a newcomer that never joined is stopped.
-            self.plan, self.members = previous, before
-            self._abandon([w for w in members if w not in before])
-            raise
-        event = {**_event(kind, generation, before, members, reports, plan, reason), **how}
-        append_jsonl(self.run.events, event)
-        return event
 
-    def _wait_switched(self, generation: int, members: list[int], stayers: list[int]) -> dict[int, dict]:
-        deadline = time.monotonic() + self.settings.switch_timeout_s
-        reports: dict[int, dict] = {}
-        while len(reports) < len(members):
-            for w in members:
-                key = f"{self.kv}switched/{generation}/{w}"
-                if w not in reports and self.store.check([key]):
-                    reports[w] = json.loads(self.store.get(key))
-            if len(reports) == len(members):
-                break
-            if stayers and not any(w in reports for w in stayers) and self._all_done(stayers):
-                raise JobFinished(f"the job finished its last step before generation {generation} could start; "
-                                  "nothing changed")
-            dead = self._dead([w for w in members if w not in reports])
-            if dead:
-                self._drop(dead)
-                return reports
-            if time.monotonic() > deadline:
-                raise WorkerFailed(f"generation {generation}: workers {sorted(set(members) - set(reports))} did not "
-                                   f"switch within {self.settings.switch_timeout_s:g} s; see {self.run.logs}")
-            time.sleep(POLL_S)
-        return reports
+@dataclass
+class _Published:
+    """A generation published and waiting for its members' reports."""
+
+    action: Switch
+    plan: Plan
+    how: dict
+    previous: Plan
+    """The plan in force before it, back in force should the switch be abandoned."""
+    reports: dict[int, dict] = field(default_factory=dict)
 
 
-def _event(kind: str, generation: int, before: list[int], after: list[int], reports: dict[int, dict],
-           plan: Plan, reason: str | None) -> dict:
+class _Unplanned(Exception):
+    """A requested change the planner could not plan: it is refused, nothing changes."""
+
+
+def _planning_failure(exc: Exception) -> str:
+    if isinstance(exc, InputError):
+        return str(exc)
+    return f"re-planning for the new membership failed ({type(exc).__name__}: {exc}); nothing changed"
+
+
+def _offered_slots(member: Member) -> int:
+    """The worker slots an agent offers: its GPUs, else its cores, else what it asked for."""
+    info = member.info
+    return int(info.get("num_gpus") or info.get("num_cpu_cores") or member.num_slots)
+
+
+def _event(
+    kind: str,
+    generation: int,
+    before: list[int],
+    after: list[int],
+    reports: dict[int, dict],
+    plan: Plan,
+    reason: str | None,
+) -> dict:
     stayed = [r["pause_s"] for r in reports.values() if r.get("stayed") and r.get("pause_s") is not None]
     senders: dict[str, int] = {}
     for r in reports.values():
         if r.get("received"):
             for wid, nbytes in r.get("senders", {}).items():
                 senders[wid] = senders.get(wid, 0) + int(nbytes)
-    event = {"time": time.time(), "kind": kind, "generation": generation, "members_before": before,
-             "members_after": after, "added": [w for w in after if w not in before],
-             "removed": [w for w in before if w not in after],
-             "pause_s": round(max(stayed), 6) if stayed else None,
-             "replicated_bytes": sum(senders.values()), "replicated_from": senders,
-             "step": max((r.get("step", 0) for r in reports.values()), default=None),
-             "global_batch": plan.global_batch, "lr": plan.training.lr,
-             "switch_s": {str(w): _timings(r) for w, r in sorted(reports.items())}}
+    event = {
+        "time": time.time(),
+        "kind": kind,
+        "generation": generation,
+        "members_before": before,
+        "members_after": after,
+        "added": [w for w in after if w not in before],
+        "removed": [w for w in before if w not in after],
+        "pause_s": round(max(stayed), 6) if stayed else None,
+        "replicated_bytes": sum(senders.values()),
+        "replicated_from": senders,
+        "step": max((r.get("step", 0) for r in reports.values()), default=None),
+        "global_batch": plan.global_batch,
+        "lr": plan.training.lr,
+        "switch_s": {str(w): _timings(r) for w, r in sorted(reports.items())},
+    }
     if reason:
         event["reason"] = reason
     return event
@@ -523,16 +594,59 @@ def _timings(report: dict) -> dict:
     return out
 
 
+def open_request(coordinator: Coordinator, raw: bytes) -> tuple[str, dict | None, str]:
+    """A ``felactl scale`` request: (its id, its command, "") when it is signed for this job, else
+    (the id it claims, or "", None, what is wrong)."""
+    try:
+        opened = coordinator.seal.open(keys.SCALE_REQUESTS, raw, ScaleRequestDoc.KIND.value)
+        request = ScaleRequestDoc.from_body(opened.body)
+    except (Forged, ValueError) as exc:
+        claimed = ""
+        try:
+            claimed = str(json.loads(raw)["body"]["id"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        why = exc.reason if isinstance(exc, Forged) else f"malformed ({exc})"
+        if why.startswith("wrong signature"):
+            why = "the scale command is not signed with this job's secret"
+        return (claimed if _good_id(claimed) else ""), None, f"scale request: {why}"
+    if not _good_id(request.id):
+        return "", None, "scale request: a bad id"
+    return request.id, request.command, ""
+
+
+def _good_id(request_id: str) -> bool:
+    return request_id.isalnum() and 0 < len(request_id) <= 64
+
+
+def answer(coordinator: Coordinator, request_id: str, reply: dict) -> None:
+    """The signed answer to request ``request_id`` (felactl scale acts on nothing else)."""
+    name = keys.scale_reply(request_id)
+    body = ScaleReplyDoc(
+        id=request_id, ok=bool(reply.get("ok")), result=reply.get("result") or {}, error=str(reply.get("error", ""))
+    ).to_body()
+    coordinator.store.set(coordinator.prefix + name, coordinator.seal.seal(name, ScaleReplyDoc.KIND.value, body))
+
+
+def answer_unsigned(coordinator: Coordinator, request_id: str, why: str) -> None:
+    """A refusal to a request this job cannot verify: its sender may hold a wrong secret and could
+    not verify a signed one. It only ever says no (felactl scale takes no unsigned success)."""
+    coordinator.store.set(coordinator.prefix + keys.scale_reply(request_id), json.dumps({"ok": False, "error": why}))
+
+
 def refuse_requests(coordinator: Coordinator, run: RunDir, reason: str) -> None:
     """A job that cannot be rescaled still answers ``felactl scale`` (refused, logged), never leaves it waiting."""
-    store, prefix = coordinator.store, coordinator.prefix + "elastic/"
-    queue = prefix + "scale/requests"
+    store = coordinator.store
+    queue = coordinator.prefix + keys.SCALE_REQUESTS
     while store.queue_len(queue) > 0:
         raw = store.queue_pop(queue, block=False)
-        try:
-            request_id = str(json.loads(raw)["id"])
-        except (ValueError, KeyError, TypeError):
+        request_id, command, why = open_request(coordinator, raw)
+        if command is None:
+            append_jsonl(
+                run.events, {"time": time.time(), "kind": EventKind.REFUSED, "key": keys.SCALE_REQUESTS, "reason": why}
+            )
+            if request_id:
+                answer_unsigned(coordinator, request_id, why)
             continue
-        if request_id.isalnum() and len(request_id) <= 64:
-            append_jsonl(run.events, {"time": time.time(), "kind": "refused", "reason": reason})
-            store.set(f"{prefix}scale/reply/{request_id}", json.dumps({"ok": False, "error": reason}))
+        append_jsonl(run.events, {"time": time.time(), "kind": EventKind.REFUSED, "reason": reason})
+        answer(coordinator, request_id, {"ok": False, "error": reason})

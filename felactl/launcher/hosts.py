@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from felactl.errors import InputError
+from felactl.machine import stop_processes
 
 _LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-\[\]:]+)(?:\s+slots\s*=\s*(?P<slots>\S+))?$")
 
@@ -51,27 +52,51 @@ def read_hostfile(path: str | Path) -> list[Host]:
     return parse_hostfile(p.read_text(encoding="utf-8"), str(p))
 
 
-def agent_ssh_command(host: Host, endpoint: str, *, felactl: str = "felactl", log_dir: str | None = None,
-                      ssh: str = "ssh", job: str = "profile") -> list[str]:
+def agent_ssh_command(
+    host: Host,
+    endpoint: str,
+    *,
+    felactl: str = "felactl",
+    log_dir: str | None = None,
+    ssh: str = "ssh",
+    job: str = "profile",
+) -> list[str]:
     """The ssh command line that starts one host's agent (the secret comes on stdin)."""
-    remote = [felactl, "agent", "--rdzv-endpoint", endpoint, "--secret-file", "-",
-              "--nproc-per-node", str(host.num_slots), "--node-name", host.hostname, "--job", job]
+    remote = [
+        felactl,
+        "agent",
+        "--rdzv-endpoint",
+        endpoint,
+        "--secret-file",
+        "-",
+        "--nproc-per-node",
+        str(host.num_slots),
+        "--node-name",
+        host.hostname,
+        "--job",
+        job,
+    ]
     if log_dir:
         remote += ["--log-dir", log_dir]
-    return [ssh, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", host.hostname,
-            shlex.join(remote)]
+    return [ssh, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", host.hostname, shlex.join(remote)]
 
 
-def start_ssh_agents(hosts: list[Host], endpoint: str, secret: str, log_dir: Path,
-                     job: str = "profile") -> list[subprocess.Popen]:
+def start_ssh_agents(
+    hosts: list[Host], endpoint: str, secret: str, log_dir: Path, job: str = "profile"
+) -> list[subprocess.Popen]:
     """Start ``felactl agent`` on every host; each ssh's output goes to ``log_dir/ssh-<host>.log``."""
     procs: list[subprocess.Popen] = []
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for host in hosts:
             with open(log_dir / f"ssh-{host.hostname}.log", "ab") as log_file:
-                proc = subprocess.Popen(agent_ssh_command(host, endpoint, job=job), stdin=subprocess.PIPE, stdout=log_file,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(
+                    agent_ssh_command(host, endpoint, job=job),
+                    stdin=subprocess.PIPE,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             procs.append(proc)
             assert proc.stdin is not None
             proc.stdin.write((secret + "\n").encode())
@@ -80,15 +105,3 @@ def start_ssh_agents(hosts: list[Host], endpoint: str, secret: str, log_dir: Pat
         stop_processes(procs)
         raise
     return procs
-
-
-def stop_processes(procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -22,6 +22,7 @@ import torch
 
 from felactl.errors import InputError
 from felactl.launcher.rundir import RunDir
+from felactl.spec import Plan, load_plan
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 
@@ -37,39 +38,92 @@ class ResumePoint:
 
 
 def find_resume_point(run: str, runs_root: Path) -> ResumePoint:
+    """Where ``run`` continues: its newest complete checkpoint (every stage's file), on the plan
+    of the generation it was taken in. The workers restore every stage from its directory."""
     rundir = RunDir.find(run, root=runs_root)
     if rundir.read_summary() is not None:
         raise InputError(f"run {rundir.run_id} already finished (summary.json exists); nothing to resume")
-    # a resume continues a live-rescaling job: one stage, so stage 0's file is the checkpoint
-    steps = complete_checkpoints(rundir.checkpoints, num_stages=1)
-    if not steps:
-        raise InputError(f"run {rundir.run_id} has no complete checkpoint in {rundir.checkpoints} "
-                         "(launch with --checkpoint-every K to make resumable runs)")
-    step, directory = steps[-1]
-    checkpoint = directory / "stage0.pt"
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    generation = int(saved.get("generation", 0))
+    chosen = pick_checkpoint(rundir)
+    _, generation = checkpoint_plan(rundir, chosen.stage0)
+    used = [int(p.name.split(".")[1]) for p in rundir.path.glob("plan.*.yaml") if p.name.split(".")[1].isdigit()]
+    return ResumePoint(
+        run=rundir,
+        checkpoint=chosen.directory,
+        step=chosen.step,
+        plan_path=chosen.plan_path,
+        generation=max(used + [generation]) + 1,
+    )
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    directory: Path
+    plan: Plan
+    plan_path: Path
+    stage0: dict
+
+
+def pick_checkpoint(rundir: RunDir, step: int | None = None) -> Checkpoint:
+    """The newest complete checkpoint, or ``step``'s, which must be complete. How many stage
+    files make one complete is the plan's, and the plan is the checkpoint's generation's, which
+    stage 0's file says."""
+    candidates = [(k, d) for k, d in reversed(step_dirs(rundir.checkpoints)) if step is None or k == step]
+    if step is not None and not candidates:
+        have = ", ".join(str(k) for k, _ in step_dirs(rundir.checkpoints)) or "none"
+        raise InputError(f"run {rundir.run_id} has no checkpoint of step {step} (it has: {have})")
+    for k, directory in candidates:
+        if not (directory / "stage0.pt").exists():
+            continue
+        stage0 = load_stage(directory / "stage0.pt")
+        plan_path = checkpoint_plan(rundir, stage0)[0]
+        plan = load_plan(plan_path)
+        if is_complete(directory, len(plan.stages)):
+            return Checkpoint(step=k, directory=directory, plan=plan, plan_path=plan_path, stage0=stage0)
+    if step is not None:
+        raise InputError(f"{candidates[0][1]}: checkpoint of step {step} is not complete (a stage's file is missing)")
+    raise InputError(
+        f"run {rundir.run_id} has no complete checkpoint in {rundir.checkpoints} "
+        "(every run writes one at its last step; launch with --checkpoint-every K for more)"
+    )
+
+
+def load_stage(path: Path) -> dict:
+    """A stage's checkpoint file (``model``, ``optimizer``, ``step``, ``data_position``, and
+    ``generation`` where the job rescaled), its tensors on the CPU."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise InputError(f"{path}: deleted while it was read (the run pruned it); try again") from None
+
+
+def checkpoint_plan(rundir: RunDir, stage0: dict) -> tuple[Path, int]:
+    """The plan a checkpoint was taken under and its generation: a data-parallel checkpoint records
+    the membership generation it was taken in (``plan.<G>.yaml``); without one it is ``plan.yaml``."""
+    generation = int(stage0.get("generation", 0))
     plan_path = rundir.plan if generation == 0 else rundir.path / f"plan.{generation}.yaml"
     if not plan_path.exists():
         raise InputError(f"{plan_path}: the plan of the checkpoint's generation is missing")
-    used = [int(p.name.split(".")[1]) for p in rundir.path.glob("plan.*.yaml") if p.name.split(".")[1].isdigit()]
-    return ResumePoint(run=rundir, checkpoint=checkpoint, step=step, plan_path=plan_path,
-                       generation=max(used + [generation]) + 1)
+    return plan_path, generation
 
 
 RUN_COUNTS = ("steps", "checkpoint_every", "keep_checkpoints")
+RUN_CHOICES = ("slowdown", "straggler")
+"""Launch options a resume takes from the run unless restated (the sync mode needs none: the run's
+plan records the one it ran with)."""
 RESUME_FALLBACKS = {"keep_checkpoints": 0}
 """What a resume takes where the run's launch.json lacks the option: a run launched before
 checkpoints were pruned kept them all, and so does its resume."""
 
 
-def run_counts(resume: str | None, runs_root: Path, **given: int | None) -> dict[str, int]:
-    """``steps``, ``checkpoint_every`` and ``keep_checkpoints`` for a launch: each as given, else,
-    for ``--resume RUN``, as that run was launched; what neither says is left out, for
-    :class:`~felactl.launcher.launch.LaunchOptions`' defaults."""
+def run_counts(resume: str | None, runs_root: Path, **given: int | str | None) -> dict[str, int | str]:
+    """``steps``, ``checkpoint_every``, ``keep_checkpoints`` and the injected stragglers for a
+    launch: each as given, else, for ``--resume RUN``, as that run was launched; what neither says
+    is left out, for :class:`~felactl.launcher.launch.LaunchOptions`' defaults."""
     before = {**RESUME_FALLBACKS, **previous_launch(resume, runs_root)} if resume is not None else {}
-    counts = {key: int(before[key]) for key in RUN_COUNTS if key in before}
-    counts.update({key: value for key in RUN_COUNTS if (value := given.get(key)) is not None})
+    counts: dict[str, int | str] = {key: int(before[key]) for key in RUN_COUNTS if key in before}
+    counts.update({key: str(before[key]) for key in RUN_CHOICES if before.get(key) is not None})
+    counts.update({key: value for key in (*RUN_COUNTS, *RUN_CHOICES) if (value := given.get(key)) is not None})
     return counts
 
 
@@ -82,7 +136,8 @@ def previous_launch(run: str, runs_root: Path) -> dict:
         return {}
 
 
-def _step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
+def step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every ``step<K>`` directory, complete or not, oldest first."""
     if not checkpoints.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in checkpoints.iterdir() if (m := STEP_DIR.match(p.name)))
@@ -91,8 +146,11 @@ def _step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
 def complete_checkpoints(checkpoints: Path, num_stages: int) -> list[tuple[int, Path]]:
     """(step, directory) of each checkpoint with every stage's file written, oldest first (each
     file is renamed into place whole, so a file that exists is complete)."""
-    return [(step, p) for step, p in _step_dirs(checkpoints)
-            if all((p / f"stage{s}.pt").exists() for s in range(num_stages))]
+    return [(step, p) for step, p in step_dirs(checkpoints) if is_complete(p, num_stages)]
+
+
+def is_complete(directory: Path, num_stages: int) -> bool:
+    return all((directory / f"stage{s}.pt").exists() for s in range(num_stages))
 
 
 def prune_checkpoints(checkpoints: Path, num_stages: int, keep: int) -> list[Path]:
@@ -104,7 +162,7 @@ def prune_checkpoints(checkpoints: Path, num_stages: int, keep: int) -> list[Pat
     if len(complete) <= keep:
         return []
     oldest_kept = complete[-keep][0]
-    doomed = [p for step, p in _step_dirs(checkpoints) if step < oldest_kept]
+    doomed = [p for step, p in step_dirs(checkpoints) if step < oldest_kept]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed

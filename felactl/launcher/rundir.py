@@ -3,13 +3,17 @@
 Layout::
 
     runs/<id>/
-      plan.yaml          the plan used (copied at launch; re-plans append plan.<generation>.yaml)
+      plan.yaml          the plan used (copied at launch; re-plans append plan.<generation>.yaml;
+                         a --script run without a plan has none)
+      launch.json        the launch's options
       secret             the job secret, mode 0600
       metrics.jsonl      one record per worker per step
       events.jsonl       joins, leaves, failures, scale changes (with pause_s)
+      heartbeat          touched every few seconds while the launch lives (felactl.launcher.liveness)
       summary.json       written at the end
       logs/              one log per worker (and per agent)
-      checkpoints/       step-<N>.pt, written atomically; ``latest`` names the newest complete one
+      checkpoints/       step<K:06d>/stage<S>.pt, each written atomically (launcher.resume reads them)
+      model.pt           the whole model's state_dict, from ``felactl export`` (launcher.export)
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from typing import Any
 
 from felactl.errors import InputError
 from felactl.fsutil import append_jsonl, atomic_write_text, read_jsonl  # noqa: F401 (re-exported)
+from felactl.launcher.liveness import LaunchIdentity, check
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEFAULT_RUNS_ROOT = Path("runs")
+RESUME_HINT = "continue it from its newest checkpoint with `felactl launch --resume {run}`"
+"""What to do about a ``lost`` run (felactl status and felactl scale say it)."""
 
 
 def new_run_id() -> str:
@@ -44,26 +51,30 @@ class RunDir:
     path: Path
 
     @classmethod
-    def create(cls, run_id: str | None = None, root: Path = DEFAULT_RUNS_ROOT, *, exist_ok: bool = False) -> "RunDir":
+    def create(cls, run_id: str | None = None, root: Path = DEFAULT_RUNS_ROOT, *, exist_ok: bool = False) -> RunDir:
         run_id = check_run_id(run_id) if run_id else new_run_id()
         path = Path(root) / run_id
         if path.exists() and not exist_ok:
             raise InputError(f"run {run_id!r} already exists in {root}/ (choose another --run-id, or --resume it)")
-        for sub in ("logs", "checkpoints"):
-            (path / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)  # private: it holds the job secret, logs and checkpoints
+            for sub in ("logs", "checkpoints"):
+                (path / sub).mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"--runs-root {root}: cannot make the run directory {path}: {exc.strerror}") from None
         return cls(path)
 
     @classmethod
-    def find(cls, run: str, root: Path = DEFAULT_RUNS_ROOT) -> "RunDir":
+    def find(cls, run: str, root: Path = DEFAULT_RUNS_ROOT) -> RunDir:
         """A run by id (under ``root``) or by path; the newest run when ``run`` is empty."""
         if not run:
-            runs = sorted((p for p in Path(root).glob("*") if (p / "plan.yaml").exists()),
-                          key=lambda p: p.stat().st_mtime)
+            runs = sorted((p for p in Path(root).glob("*") if _is_run(p)), key=lambda p: p.stat().st_mtime)
             if not runs:
                 raise InputError(f"no runs in {root}/")
             return cls(runs[-1])
         for candidate in (Path(run), Path(root) / run):
-            if (candidate / "plan.yaml").exists():
+            if _is_run(candidate):
                 return cls(candidate)
         raise InputError(f"no run {run!r} (looked in {root}/ and at that path)")
 
@@ -84,6 +95,10 @@ class RunDir:
     @property
     def plan(self) -> Path:
         return self.path / "plan.yaml"
+
+    @property
+    def launch_options(self) -> Path:
+        return self.path / "launch.json"
 
     @property
     def secret(self) -> Path:
@@ -109,26 +124,62 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
+    @property
+    def heartbeat(self) -> Path:
+        return self.path / "heartbeat"
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write_text(self.summary, json.dumps(summary, indent=2) + "\n")
 
     def read_summary(self) -> dict[str, Any] | None:
         try:
-            return json.loads(self.summary.read_text())
+            summary = json.loads(self.summary.read_text())
         except FileNotFoundError:
             return None
+        except IsADirectoryError:
+            raise InputError(f"{self.summary}: is a directory, not the run's summary") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InputError(f"{self.summary}: not valid JSON ({exc})") from None
+        if not isinstance(summary, dict):
+            raise InputError(f"{self.summary}: expected a JSON object, got {type(summary).__name__}")
+        return summary
 
     def last_start_or_end(self) -> dict[str, Any] | None:
-        """The newest ``launch``, ``resume``, ``failed`` or ``finished`` event, if any."""
-        events = [e for e in read_jsonl(self.events) if e.get("kind") in ("launch", "resume", "failed", "finished")]
+        """The newest ``launch``, ``resume``, ``failed``, ``stopped`` or ``finished`` event, if any."""
+        events = [
+            e for e in read_jsonl(self.events) if e.get("kind") in ("launch", "resume", "failed", "stopped", "finished")
+        ]
         return events[-1] if events else None
 
     def state(self) -> str:
-        """``created``, ``running``, ``failed`` or ``finished``, from the directory alone (a run
-        that failed and was resumed is running again)."""
-        if self.read_summary() is not None:
-            return "finished"
+        """``created``, ``running``, ``lost``, ``unknown``, ``failed``, ``stopped`` (gracefully: resumable) or ``finished``: see :meth:`run_state`."""
+        return self.run_state().name
+
+    def run_state(self) -> RunState:
+        """The run's state from the directory alone. A run whose newest event is a launch or a
+        resume is ``running`` while that launch process lives, ``lost`` once it is gone without
+        recording an end (killed, its machine lost), ``unknown`` where it left no evidence either
+        way (see :mod:`felactl.launcher.liveness`). A run that failed and was resumed is running again."""
+        summary = self.read_summary()
+        if summary is not None:  # a --script run's summary says how its script ended
+            return RunState("finished" if summary.get("exit_code", 0) == 0 else "failed")
         last = self.last_start_or_end()
         if last is None:
-            return "created"
-        return "running" if last["kind"] in ("launch", "resume") else last["kind"]
+            return RunState("created")
+        if last["kind"] not in ("launch", "resume"):
+            return RunState(last["kind"])
+        liveness = check(LaunchIdentity.from_dict(last.get("launcher")), self.heartbeat)
+        return RunState({"alive": "running", "gone": "lost", "unknown": "unknown"}[liveness.verdict], liveness.reason)
+
+
+def _is_run(path: Path) -> bool:
+    """A plan's run has its plan; a --script run may have none, but has its launch options."""
+    return (path / "plan.yaml").exists() or (path / "launch.json").exists()
+
+
+@dataclass(frozen=True, slots=True)
+class RunState:
+    name: str
+    """``created``, ``running``, ``lost``, ``unknown``, ``failed`` or ``finished``."""
+    reason: str = ""
+    """Why a run is ``lost`` or ``unknown``: one clause for the user."""

@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from felactl import limits
 from felactl.errors import InputError, PlanInfeasible
+from felactl.limits import check_flag
 from felactl.spec import ClusterSpec, ModelSpec, Placement, Plan, Schedule, Stage, StageWorker, placements_from
 
 REPLAN_TIME_LIMIT_S = 10.0
@@ -45,8 +47,7 @@ class ScalingPolicy:
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise InputError(f"--scaling-policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise InputError(f"--max-batch must be >= 1, got {self.max_batch}")
+        check_flag("--max-batch", self.max_batch, limits.BATCH)
 
     def batch_and_lr(self, base_batch: int, base_lr: float, base_workers: int, workers: int) -> tuple[int, float]:
         """The global batch and learning rate for ``workers`` (the launch ran ``base_workers``)."""
@@ -66,8 +67,16 @@ def shares_by_speed(devices: list[str], speeds: dict[str, float]) -> list[float]
     return [w / total for w in weights]
 
 
-def replan(plan: Plan, devices: list[str], speeds: dict[str, float], nodes: dict[str, str], *,
-           global_batch: int, lr: float, placement: tuple[Placement, ...] | None = None) -> Plan:
+def replan(
+    plan: Plan,
+    devices: list[str],
+    speeds: dict[str, float],
+    nodes: dict[str, str],
+    *,
+    global_batch: int,
+    lr: float,
+    placement: tuple[Placement, ...] | None = None,
+) -> Plan:
     """``plan``'s single stage on ``devices`` (rank order), shares by speed; ``nodes`` places them
     (a device keeps its index on its node; a new one takes the lowest free index there), unless
     ``placement`` gives the devices' places outright."""
@@ -77,8 +86,12 @@ def replan(plan: Plan, devices: list[str], speeds: dict[str, float], nodes: dict
         raise InputError(f"a global batch of {global_batch} cannot feed {len(devices)} workers")
     stage = plan.stages[0]
     shares = shares_by_speed(devices, speeds)
-    new_stage = Stage(layer_start=stage.layer_start, layer_end=stage.layer_end, micro_batch=stage.micro_batch,
-                      workers=tuple(StageWorker(device=d, share=s) for d, s in zip(devices, shares)))
+    new_stage = Stage(
+        layer_start=stage.layer_start,
+        layer_end=stage.layer_end,
+        micro_batch=stage.micro_batch,
+        workers=tuple(StageWorker(device=d, share=s) for d, s in zip(devices, shares)),
+    )
     kinds = {p.device: p for p in plan.placement}
     if placement is None:
         placement = ()
@@ -96,31 +109,64 @@ def replan(plan: Plan, devices: list[str], speeds: dict[str, float], nodes: dict
             entries.append(Placement(device=d, node=where[d], kind=kind, local_index=index))
         placement = tuple(entries)
     pipelines = () if plan.schedule is Schedule.TOKENS else tuple((d,) for d in devices)
-    return dataclasses.replace(plan, devices=tuple(devices), global_batch=global_batch, stages=(new_stage,),
-                               pipelines=pipelines, collectives=(), placement=placement, predicted=None,
-                               solver=None, training=dataclasses.replace(plan.training, lr=lr))
+    return dataclasses.replace(
+        plan,
+        devices=tuple(devices),
+        global_batch=global_batch,
+        stages=(new_stage,),
+        pipelines=pipelines,
+        collectives=(),
+        placement=placement,
+        predicted=None,
+        solver=None,
+        training=dataclasses.replace(plan.training, lr=lr),
+    )
 
 
-def replan_with_planner(plan: Plan, cluster: ClusterSpec, model: ModelSpec, devices: list[str],
-                        nodes: dict[str, str], *, global_batch: int, lr: float,
-                        time_limit_s: float = REPLAN_TIME_LIMIT_S) -> Plan:
+def replan_with_planner(
+    plan: Plan,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    devices: list[str],
+    nodes: dict[str, str],
+    *,
+    global_batch: int,
+    lr: float,
+    time_limit_s: float = REPLAN_TIME_LIMIT_S,
+) -> Plan:
     """The planner, run again on the profiles for ``devices`` (rank order), one stage: its
     micro-batch, shares, trees and prediction, laid out in the members' rank order."""
     from felactl.optimizer.planner import make_plan
 
     try:
-        solved = make_plan(cluster, model, global_batch, sync=plan.sync.mode.value, devices=devices, max_stages=1,
-                           time_limit_s=time_limit_s, use_trees=plan.sync.use_trees)
+        solved = make_plan(
+            cluster,
+            model,
+            global_batch,
+            sync=plan.sync.mode.value,
+            devices=devices,
+            max_stages=1,
+            time_limit_s=time_limit_s,
+            use_trees=plan.sync.use_trees,
+        )
     except PlanInfeasible as exc:
         raise InputError(f"the planner finds no plan for workers {', '.join(devices)}: {exc}") from None
     stage = solved.stages[0]
     shares = {w.device: w.share for w in stage.workers}
     idle = [d for d in devices if shares.get(d, 0.0) <= 0]
     if idle:
-        raise InputError(f"the planner gives no work to {', '.join(idle)} at a global batch of {global_batch} (it "
-                         f"would slow the job down), and a live job keeps every member busy: scale with "
-                         f"--scaling-policy linear-lr to grow the batch, or add elsewhere with --node")
-    laid_out = replan(plan, devices, shares, nodes, global_batch=global_batch, lr=lr,
-                      placement=placements_from(cluster, devices))
-    return dataclasses.replace(laid_out, stages=(dataclasses.replace(laid_out.stages[0], micro_batch=stage.micro_batch),),
-                               collectives=solved.collectives, predicted=solved.predicted, solver=solved.solver)
+        raise InputError(
+            f"the planner gives no work to {', '.join(idle)} at a global batch of {global_batch} (it "
+            f"would slow the job down), and a live job keeps every member busy: scale with "
+            f"--scaling-policy linear-lr to grow the batch, or add elsewhere with --node"
+        )
+    laid_out = replan(
+        plan, devices, shares, nodes, global_batch=global_batch, lr=lr, placement=placements_from(cluster, devices)
+    )
+    return dataclasses.replace(
+        laid_out,
+        stages=(dataclasses.replace(laid_out.stages[0], micro_batch=stage.micro_batch),),
+        collectives=solved.collectives,
+        predicted=solved.predicted,
+        solver=solved.solver,
+    )

@@ -5,22 +5,43 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from felactl.agents.worker.metrics import summarize
+from felactl.agents.worker.metrics import check_records, summarize
+from felactl.control import EventKind
 from felactl.launcher.rundir import RunDir, read_jsonl
 
-
-HISTORY_KINDS = ("scale-out", "scale-in", "failure", "re-form", "refused", "resume", "node-joined")
-"""The events that changed (or were refused to change) the job's membership."""
+HISTORY_KINDS = tuple(
+    k.value
+    for k in (
+        EventKind.SCALE_OUT,
+        EventKind.SCALE_IN,
+        EventKind.FAILURE,
+        EventKind.RE_FORM,
+        EventKind.REFUSED,
+        EventKind.REPAIRED,
+        EventKind.RESUME,
+        EventKind.NODE_JOINED,
+    )
+)
+"""The events that changed (or were refused to change) the job's membership, and tampering with
+its control plane (forgeries refused, keys written back)."""
 
 
 def run_status(run: str, runs_root: Path) -> dict[str, Any]:
-    """The run's state (running, finished, failed), its summary so far and its events."""
+    """The run's state (see :meth:`RunDir.run_state`) and why, its summary so far and its events."""
     rundir = RunDir.find(run, root=runs_root)
     events = read_jsonl(rundir.events)
-    final = rundir.read_summary()
-    records = read_jsonl(rundir.metrics)
-    summary = final or (summarize(records) if records else None)
-    state = rundir.state()
+    summary = rundir.read_summary()
+    if not summary:
+        records = check_records(read_jsonl(rundir.metrics), rundir.metrics)
+        summary = summarize(records, events) if records else None
+    state = rundir.run_state()
     history = [e for e in events if e.get("kind") in HISTORY_KINDS]
-    return {"run": rundir.run_id, "run_dir": str(rundir.path), "state": state, "summary": summary, "events": events,
-            "history": history}
+    return {
+        "run": rundir.run_id,
+        "run_dir": str(rundir.path),
+        "state": state.name,
+        "state_reason": state.reason,
+        "summary": summary,
+        "events": events,
+        "history": history,
+    }

@@ -1,7 +1,8 @@
 """Models felactl can plan and train: the built-ins, or ``package.module:function`` of the user's.
 
-:func:`build` returns a :class:`ModelBundle`: the layers as an ``nn.Sequential`` (each child is
-one layer of the profile and of the plan), the data it trains on, and its loss.
+:func:`build` returns a :class:`ModelBundle`: the :class:`felactl.TrainJob` (the model, its data,
+loss and optimizer), and the model's layers as an ``nn.Sequential`` (each child is one layer of the
+profile and of the plan; a model that is no ``nn.Sequential`` is one layer, and cannot be split).
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from felactl.errors import InputError
+from felactl.job import TrainJob
 from felactl.models import builtin
-from felactl.models.data import CharCorpus, PrototypeImages, SampleSource, TeacherDataset
+from felactl.models.data import CharCorpus, PrototypeImages, TeacherDataset
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -36,36 +39,75 @@ class ModelBundle:
     source: str
     config: dict[str, Any]
     layers: nn.Sequential
-    data: SampleSource
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """The model's layers: the model itself if it is an ``nn.Sequential``, else ``nn.Sequential(model)``."""
+    job: TrainJob | None
+    """None for a function that returns only layers: felactl can profile it (given an input
+    shape) but not train it."""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def example_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def model(self) -> nn.Module:
+        """The module the user's function returned: what an export's ``state_dict`` loads into."""
+        return self.job.model if self.job is not None else self.layers
+
+    @property
+    def splittable(self) -> bool:
+        return self.model is self.layers
+
+    @property
+    def data(self) -> TrainJob | None:
+        """What ``batch(indices) -> (inputs, targets)`` is called on (the job), or None."""
+        return self.job
+
+    @property
+    def loss(self) -> Callable[[Any, Any], torch.Tensor]:
+        return self.job.loss_fn if self.job is not None else classification_loss
+
+    def stage_module(self, layer_start: int, layer_end: int) -> nn.Module:
+        """The module of a stage over ``[layer_start, layer_end)``: a slice of the layers (it keeps
+        the whole model's child names), or the unsplittable model itself."""
+        return self.layers[layer_start:layer_end] if self.splittable else self.model
+
+    def example_batch(self, batch_size: int):
         return self.data.batch(range(batch_size))
 
+    def layer_params(self) -> tuple[int, ...]:
+        """Trainable parameters of each layer, as its profile counts them: what
+        :func:`felactl.spec.executable.check_executable` checks a plan's stages against."""
+        return tuple(sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in self.layers)
 
-def _gpt_mini(config: dict[str, Any]) -> ModelBundle:
+
+def _bundle(name: str, source: str, config: dict[str, Any], job: TrainJob) -> ModelBundle:
+    layers = job.model if job.splittable else nn.Sequential(job.model)
+    return ModelBundle(name, source, config, layers, job)
+
+
+def _gpt_mini(config: dict[str, Any]) -> TrainJob:
     seq_len = int(config.get("seq_len", 64))
     data = CharCorpus(seq_len)
     full = {"depth": 4, "width": 256, "num_heads": 4, **config, "seq_len": seq_len, "vocab_size": len(data.vocab)}
-    return ModelBundle("gpt-mini", "gpt-mini", full, builtin.gpt_mini(**full), data, lm_loss)
+    config.update(full)
+    return TrainJob(model=builtin.gpt_mini(**full), dataset=data, loss_fn=lm_loss)
 
 
-def _vgg_mini(config: dict[str, Any]) -> ModelBundle:
+def _vgg_mini(config: dict[str, Any]) -> TrainJob:
     full = {"num_classes": 10, "image_size": 32, "width": 32, "fc_width": 1024, **config}
+    config.update(full)
     data = PrototypeImages((3, full["image_size"], full["image_size"]), full["num_classes"])
-    return ModelBundle("vgg-mini", "vgg-mini", full, builtin.vgg_mini(**full), data, classification_loss)
+    return TrainJob(model=builtin.vgg_mini(**full), dataset=data, loss_fn=classification_loss)
 
 
-def _mlp(config: dict[str, Any]) -> ModelBundle:
+def _mlp(config: dict[str, Any]) -> TrainJob:
     full = {"input_dim": 256, "hidden": 512, "depth": 4, "num_classes": 10, **config}
+    config.update(full)
     data = TeacherDataset((full["input_dim"],), full["num_classes"])
-    return ModelBundle("mlp", "mlp", full, builtin.mlp(**full), data, classification_loss)
+    return TrainJob(model=builtin.mlp(**full), dataset=data, loss_fn=classification_loss)
 
 
 class Builtin(NamedTuple):
-    bundle: Callable[[dict[str, Any]], ModelBundle]
-    """Config -> the model with its data and loss."""
+    job: Callable[[dict[str, Any]], TrainJob]
+    """Config -> the built-in's TrainJob (no optimizer factory: the plan's ``training`` picks it).
+    It completes ``config`` in place with the defaults it used."""
     layers: Callable[..., nn.Sequential]
     """The layer factory in felactl.models.builtin: its parameters are the config keys."""
 
@@ -102,62 +144,130 @@ def _import_user_module(module_name: str):
         return importlib.import_module(module_name)
 
 
-def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
-    """``package.module:function`` returning an ``nn.Sequential`` or a list of layers.
-
-    The function may also return ``(layers, data)`` where ``data`` has ``batch(indices)``; without
-    data felactl can profile the model (given an input shape) but not train it.
-    """
+def _user_function(source: str) -> Callable[..., Any]:
+    """The function ``package.module:function`` names, imported (not called)."""
     module_name, _, func_name = source.partition(":")
     try:
-        func = getattr(_import_user_module(module_name), func_name)
+        return getattr(_import_user_module(module_name), func_name)
     except (ImportError, AttributeError) as exc:
         raise InputError(f"model {source!r}: cannot import: {exc}") from None
+    except Exception as exc:
+        raise InputError(f"model {source!r}: importing it failed: {type(exc).__name__}: {exc}") from None
+
+
+def check_source(source: str, config: dict[str, Any] | None = None) -> None:
+    """Refuse (InputError) a model source that names no built-in and no importable function (or
+    a built-in's config it does not take), without building the model: what ``felactl launch``
+    checks before any worker starts."""
+    if source in BUILTINS:
+        _check_builtin_config(source, dict(config or {}))
+        return
+    if ":" not in source:
+        raise InputError(f"unknown model {source!r}: use one of {', '.join(BUILTINS)} or package.module:function")
+    _check_user_config(source, _user_function(source), dict(config or {}))
+
+
+PROFILE_KEYS = ("input_shape",)
+"""Config keys felactl itself records (``felactl profile --model --input-shape``), never typos."""
+
+
+def _user_kwargs(func: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(func).parameters
+    return {k: v for k, v in config.items() if k not in PROFILE_KEYS or k in params}
+
+
+def _check_user_config(source: str, func: Callable[..., Any], config: dict[str, Any]) -> None:
+    """A config key the user's function does not take is a typo, refused as for built-ins
+    (a function with ``**kwargs`` takes any)."""
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in _user_kwargs(func, config):
+        if key not in params:
+            raise InputError(f"model {source!r}: unknown config key {key!r}; it takes {', '.join(params) or 'none'}")
+
+
+def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
+    """``package.module:function`` returning a :class:`felactl.TrainJob` (to train it), or an
+    ``nn.Sequential`` / a list of layers (to profile it only, given an input shape)."""
+    func_name = source.partition(":")[2]
+    func = _user_function(source)
     try:
-        accepted = inspect.signature(func).parameters
-        built = func(**{k: v for k, v in config.items() if k in accepted})
+        built = func(**_user_kwargs(func, config))
+    except InputError as exc:
+        raise InputError(f"model {source!r}: {exc}") from None
     except Exception as exc:
         raise InputError(f"model {source!r}: calling it failed: {type(exc).__name__}: {exc}") from None
-    data = None
-    if isinstance(built, tuple) and len(built) == 2:
-        built, data = built
+    if isinstance(built, TrainJob):
+        return _bundle(func_name, source, dict(config), built)
     if isinstance(built, (list, tuple)):
         built = nn.Sequential(*built)
     if not isinstance(built, nn.Sequential):
-        raise InputError(f"model {source!r}: must return an nn.Sequential or a list of layers, "
-                         f"got {type(built).__name__}")
-    return ModelBundle(func_name, source, dict(config), built, data, classification_loss)
+        raise InputError(
+            f"model {source!r}: must return a felactl.TrainJob (or, to profile only, an "
+            f"nn.Sequential or a list of layers), got {type(built).__name__}"
+        )
+    return ModelBundle(func_name, source, dict(config), built, None)
 
 
 def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> ModelBundle:
-    """Build a model by built-in name or ``package.module:function``; weights from ``seed``."""
+    """Build a model by built-in name or ``package.module:function``, with torch's random state
+    seeded by ``seed`` while it is built (the caller's is left as it was), so every process builds
+    the same weights. A user's model keeps the weights its function gave it (its own
+    initialisation, or pretrained ones it loaded): felactl never re-initialises it."""
     config = dict(config or {})
-    if source in BUILTINS:
-        _check_builtin_config(source, config)
-        try:
-            bundle = BUILTINS[source].bundle(config)
-        except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as exc:
-            raise InputError(f"model {source!r}: bad config {config}: {exc}") from None
-    elif ":" in source:
-        bundle = _user_model(source, config)
-    else:
-        raise InputError(f"unknown model {source!r}: use one of {', '.join(BUILTINS)} or package.module:function")
-    builtin.init_weights(bundle.layers, seed)
+    check_source(source, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if source in BUILTINS:
+            given = dict(config)
+            try:
+                job = BUILTINS[source].job(config)
+            except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as exc:
+                raise InputError(f"model {source!r}: bad config {given}: {exc}") from None
+            builtin.init_weights(job.model, seed)
+            bundle = _bundle(source, source, config, job)
+        else:
+            bundle = _user_model(source, config)
     return bundle
 
 
-def local_data_parallel_plan(source: str, config: dict[str, Any], num_workers: int, *, global_batch: int,
-                             micro_batch: int, sync=None, training=None, shares=None):
+def local_data_parallel_plan(
+    source: str,
+    config: dict[str, Any],
+    num_workers: int,
+    *,
+    global_batch: int,
+    micro_batch: int,
+    sync=None,
+    training=None,
+    shares=None,
+):
     """A data-parallel plan of model ``source`` on ``num_workers`` local CPU slots ``cpu0, cpu1, ...``
     (:func:`felactl.spec.data_parallel_plan`, the layers counted by building the model): what tests
     and benchmarks train without profiling and planning."""
     from felactl.spec import ModelRef, data_parallel_plan
 
-    return data_parallel_plan(model=ModelRef(name=source, source=source, config=config),
-                              num_layers=len(build(source, config).layers),
-                              devices=[f"cpu{i}" for i in range(num_workers)], global_batch=global_batch,
-                              micro_batch=micro_batch, sync=sync, training=training, shares=shares)
+    return data_parallel_plan(
+        model=ModelRef(name=source, source=source, config=config),
+        num_layers=len(build(source, config).layers),
+        devices=[f"cpu{i}" for i in range(num_workers)],
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        sync=sync,
+        training=training,
+        shares=shares,
+    )
 
 
-__all__ = ["BUILTINS", "Builtin", "ModelBundle", "build", "classification_loss", "lm_loss",
-           "local_data_parallel_plan"]
+__all__ = [
+    "BUILTINS",
+    "Builtin",
+    "ModelBundle",
+    "TrainJob",
+    "build",
+    "check_source",
+    "classification_loss",
+    "lm_loss",
+    "local_data_parallel_plan",
+]

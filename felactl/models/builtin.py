@@ -59,8 +59,9 @@ class LMHead(nn.Module):
         return self.out(self.norm(x))
 
 
-def gpt_mini(vocab_size: int = 103, depth: int = 4, width: int = 256, num_heads: int = 4,
-             seq_len: int = 64) -> nn.Sequential:
+def gpt_mini(
+    vocab_size: int = 103, depth: int = 4, width: int = 256, num_heads: int = 4, seq_len: int = 64
+) -> nn.Sequential:
     if width % num_heads:
         raise ValueError(f"width ({width}) must be divisible by num_heads ({num_heads})")
     layers = [TokenEmbedding(vocab_size, width, seq_len)]
@@ -81,12 +82,20 @@ def vgg_mini(num_classes: int = 10, image_size: int = 32, width: int = 32, fc_wi
     if image_size < 8:
         raise ValueError(f"image_size must be >= 8 (three 2x poolings), got {image_size}")
     w = width
-    convs = [_conv(3, w, False), _conv(w, w, True), _conv(w, 2 * w, False), _conv(2 * w, 2 * w, True),
-             _conv(2 * w, 4 * w, False), _conv(4 * w, 4 * w, True)]
+    convs = [
+        _conv(3, w, False),
+        _conv(w, w, True),
+        _conv(w, 2 * w, False),
+        _conv(2 * w, 2 * w, True),
+        _conv(2 * w, 4 * w, False),
+        _conv(4 * w, 4 * w, True),
+    ]
     flat = 4 * w * (image_size // 8) ** 2
-    fcs = [nn.Sequential(nn.Flatten(), nn.Linear(flat, fc_width), nn.ReLU()),
-           nn.Sequential(nn.Linear(fc_width, fc_width), nn.ReLU()),
-           nn.Linear(fc_width, num_classes)]
+    fcs = [
+        nn.Sequential(nn.Flatten(), nn.Linear(flat, fc_width), nn.ReLU()),
+        nn.Sequential(nn.Linear(fc_width, fc_width), nn.ReLU()),
+        nn.Linear(fc_width, num_classes),
+    ]
     return nn.Sequential(*convs, *fcs)
 
 

@@ -1,24 +1,18 @@
-"""Training data that needs no download, addressed by a global sample index.
+"""Training data that needs no download: map-style datasets, each sample ``(input, target)``.
 
-Every sample has an index; the samples of step k are ``k * global_batch + i``. Any worker can
-therefore fetch exactly its share of a step, and a run on N workers sees the very same samples
-as a run on one, which is what lets tests compare distributed training with single-process.
+Every sample has an index; the samples of step k are ``k * global_batch + i`` (wrapping around the
+data, :meth:`felactl.TrainJob.batch`). Any worker can therefore fetch exactly its share of a step,
+and a run on N workers sees the very same samples as a run on one, which is what lets tests
+compare distributed training with single-process.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Protocol, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as F
-
-
-class SampleSource(Protocol):
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets for these global sample indices (wrapping around the data)."""
-
-    def __len__(self) -> int: ...
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,11 +42,10 @@ class CharCorpus:
         # deterministic order, so consecutive steps do not read neighbouring text.
         return (index * 7919) % self.num_windows
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.tensor([self._start(i) for i in indices], dtype=torch.long)
-        offsets = torch.arange(self.seq_len + 1)
-        windows = self.tokens[starts[:, None] + offsets[None, :]]
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self._start(index)
+        window = self.tokens[start : start + self.seq_len + 1]
+        return window[:-1], window[1:]
 
 
 class TeacherDataset:
@@ -70,9 +63,8 @@ class TeacherDataset:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.tensor([i % len(self.labels) for i in indices], dtype=torch.long)
-        return self.inputs[idx], self.labels[idx]
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[index], self.labels[index]
 
 
 class PrototypeImages:
@@ -84,8 +76,14 @@ class PrototypeImages:
     learnable by a conv net in a few hundred steps: the loss stays at chance.)
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, num_samples: int = 8192,
-                 seed: int = 1234, noise_std: float = 3.0):
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        num_samples: int = 8192,
+        seed: int = 1234,
+        noise_std: float = 3.0,
+    ):
         channels, height, width = input_shape
         gen = torch.Generator().manual_seed(seed)
         coarse = torch.randn((num_classes, channels, 4, 4), generator=gen)
@@ -97,6 +95,5 @@ class PrototypeImages:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.tensor([i % len(self.labels) for i in indices], dtype=torch.long)
-        return self.inputs[idx], self.labels[idx]
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[index], self.labels[index]

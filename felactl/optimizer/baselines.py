@@ -5,35 +5,73 @@
   micro-batches pipelined through the chain.
 * ``hp``: Fela's hybrid: the leading layers data parallel on every device (ring), the trailing
   fully connected layers (low arithmetic intensity, see :func:`cost.b_half`) on the fastest device.
+  Its plan runs on token scheduling, where a free worker takes the leading layers' next token, so
+  their shares are those that make every device finish together (the fastest, which carries the
+  tail, takes fewer): with equal shares it was priced up to a quarter slower than it ran.
 
-Each baseline takes the best micro-batch for itself; one that fits no device's memory is left out.
-(``no_trees``, the plan re-solved with rings only, is computed by the planner.)
+Each baseline takes the best micro-batch for itself; one that fits no device's memory is left out,
+and :func:`baselines_and_missing` says why (``felactl plan --compare`` shows it).
+(``no_trees``, the plan's own stages synced over rings only, is priced by the planner.)
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 from felactl.optimizer.cost import CostModel, b_half, micro_batch_options
-from felactl.optimizer.evaluate import StageChoice, memory_fits, predict
+from felactl.optimizer.evaluate import StageChoice, memory_fits, predict, token_samples
 
 FC_B_HALF = 16.0
 """Layers that need this many samples to reach half speed count as fully connected for ``hp``."""
 
 
-def _best(cost: CostModel, global_batch: int, build) -> tuple[float, int] | None:
+class Missing(Exception):
+    """Why a baseline has no plan here (its message is shown by ``felactl plan --compare``)."""
+
+
+class Baseline(NamedTuple):
+    """A baseline's best candidate: its predicted iteration time, micro-batch and stages (which
+    :func:`felactl.optimizer.planner.make_baseline_plan` turns into a runnable plan)."""
+
+    iteration_s: float
+    micro_batch: int
+    stages: tuple[StageChoice, ...]
+
+
+def _best(cost: CostModel, global_batch: int, build) -> Baseline:
     """The least iteration time of ``build(micro_batch)`` over micro-batches that fit memory,
-    and that micro-batch."""
-    best = (math.inf, 0)
+    with that micro-batch and its stages; raises Missing saying why none does."""
+    best = Baseline(math.inf, 0, ())
+    overflow = None  # (GB over, device, GB needed) at the micro-batch that came closest
+    tried = 0
     for b in micro_batch_options(global_batch):
         stages = build(b)
         if stages is None:
             continue
+        tried += 1
         prediction = predict(cost, stages, global_batch, max_stages=len(stages))
-        if memory_fits(cost, prediction) is None:
-            best = min(best, (prediction.iteration_s, b))
-    return None if best[0] == math.inf else best
+        device = memory_fits(cost, prediction)
+        if device is None:
+            if prediction.iteration_s < best.iteration_s:
+                best = Baseline(prediction.iteration_s, b, stages)
+            continue
+        need_gb = prediction.memory_bytes[device] / 1e9
+        over = need_gb - cost.usable_memory_bytes(device) / 1e9
+        if overflow is None or over < overflow[0]:
+            overflow = (over, device, need_gb, b)
+    if best.iteration_s < math.inf:
+        return best
+    if overflow is not None:
+        _, device, need_gb, b = overflow
+        raise Missing(
+            f"does not fit: needs {need_gb:.3g} GB on {device} ({cost.usable_memory_bytes(device) / 1e9:.3g} "
+            f"of its {cost.cluster.device(device).memory_gb:g} GB usable) even at micro-batch {b}"
+        )
+    if tried:
+        raise Missing("its groups cannot sync (no trees, no ring even over routes)")
+    raise Missing(f"the global batch {global_batch} gives some device no micro-batch")
 
 
 def _equal(devices: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
@@ -44,11 +82,14 @@ def _fastest_first(cost: CostModel) -> list[str]:
     return sorted(cost.cluster.device_names, key=lambda d: -cost.cluster.device(d).tflops)
 
 
-def data_parallel(cost: CostModel, global_batch: int) -> tuple[float, int] | None:
+def data_parallel(cost: CostModel, global_batch: int) -> Baseline:
     devices = cost.cluster.device_names
     num_layers = cost.model.num_layers
-    return _best(cost, global_batch, lambda b: (StageChoice(0, num_layers, b, _equal(devices)),)
-                 if b * len(devices) <= global_batch else None)
+    return _best(
+        cost,
+        global_batch,
+        lambda b: (StageChoice(0, num_layers, b, _equal(devices)),) if b * len(devices) <= global_batch else None,
+    )
 
 
 def balanced_cuts(times: list[list[float]], num_stages: int) -> list[int]:
@@ -72,13 +113,14 @@ def balanced_cuts(times: list[list[float]], num_stages: int) -> list[int]:
     return best[(num_stages, num_layers)][1]
 
 
-def model_parallel(cost: CostModel, global_batch: int) -> tuple[float, int] | None:
-    devices = _fastest_first(cost)[:cost.model.num_layers]
+def model_parallel(cost: CostModel, global_batch: int) -> Baseline:
+    devices = _fastest_first(cost)[: cost.model.num_layers]
 
     def build(b: int):
         times = [[cost.per_sample_s(l, l + 1, d, b) for l in range(cost.model.num_layers)] for d in devices]
         cuts = balanced_cuts(times, len(devices))
         return tuple(StageChoice(a, z, b, ((d, 1.0),)) for a, z, d in zip(cuts, cuts[1:], devices))
+
     return _best(cost, global_batch, build)
 
 
@@ -90,25 +132,83 @@ def fc_tail_start(cost: CostModel) -> int:
     return start
 
 
-def hybrid_parallel(cost: CostModel, global_batch: int) -> tuple[float, int] | None:
+def hybrid_parallel(cost: CostModel, global_batch: int) -> Baseline:
     devices = cost.cluster.device_names
     tail = fc_tail_start(cost)
     fastest = _fastest_first(cost)[0]
-    if tail == 0 or len(devices) < 2:
-        return None
+    if len(devices) < 2:
+        raise Missing("needs two devices or more")
+    if tail == 0:
+        raise Missing("the model has no leading layers before its fully connected tail")
 
     def build(b: int):
         if b * len(devices) > global_batch:
             return None
-        return (StageChoice(0, tail, b, _equal(devices)),
-                StageChoice(tail, cost.model.num_layers, b, ((fastest, 1.0),)))
+        # The fastest device carries the whole tail; the leading layers' tokens go to whoever is
+        # free, so each device's share of them is what makes every device finish together.
+        carried = {fastest: global_batch * cost.per_sample_s(tail, cost.model.num_layers, fastest, b)}
+        return (
+            StageChoice(0, tail, b, finishing_together(cost, 0, tail, b, devices, global_batch, carried)),
+            StageChoice(tail, cost.model.num_layers, b, ((fastest, 1.0),)),
+        )
+
     return _best(cost, global_batch, build)
 
 
-def baselines(cost: CostModel, global_batch: int) -> dict[str, tuple[float, int]]:
-    """(predicted iteration time, micro-batch) of each baseline that fits, with rings only as
+def finishing_together(
+    cost: CostModel,
+    start: int,
+    end: int,
+    micro_batch: int,
+    devices: tuple[str, ...],
+    global_batch: int,
+    carried: dict[str, float],
+) -> tuple[tuple[str, float], ...]:
+    """Shares of a stage's samples under token scheduling, where a free worker takes the next
+    token: each device computes until the time T at which, with the ``carried`` seconds it spends
+    on other stages, all have finished the batch together (water-filling); a device whose share
+    deals it no token is left out of the stage."""
+    rate = {d: 1.0 / max(cost.per_sample_s(start, end, d, micro_batch), 1e-15) for d in devices}
+
+    def done(t: float) -> float:
+        return sum(max(0.0, t - carried.get(d, 0.0)) * rate[d] for d in devices)
+
+    lo, hi = 0.0, max(carried.values(), default=0.0) + global_batch / min(rate.values())
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if done(mid) < global_batch else (lo, mid)
+    samples = {d: max(0.0, hi - carried.get(d, 0.0)) * rate[d] for d in devices}
+    shares = tuple((d, samples[d] / sum(samples.values())) for d in devices if samples[d] > 0)
+    dealt = token_samples(shares, global_batch, micro_batch)
+    kept = tuple((d, share) for d, share in shares if dealt[d] > 0)
+    total = sum(share for _, share in kept)
+    return tuple((d, share / total) for d, share in kept)
+
+
+def rings_only(cost: CostModel) -> CostModel:
+    """The cost model the baselines are priced with: ``cost`` with trees off."""
+    return replace(cost, use_trees=False) if cost.use_trees else cost
+
+
+def baselines(cost: CostModel, global_batch: int) -> dict[str, Baseline]:
+    """Each baseline that fits (predicted iteration time, micro-batch, stages), with rings only as
     their systems do."""
-    rings = replace(cost, use_trees=False) if cost.use_trees else cost
-    found = {"dp": data_parallel(rings, global_batch), "mp": model_parallel(rings, global_batch),
-             "hp": hybrid_parallel(rings, global_batch)}
-    return {name: best for name, best in found.items() if best is not None}
+    return baselines_and_missing(cost, global_batch)[0]
+
+
+def baselines_and_missing(cost: CostModel, global_batch: int) -> tuple[dict[str, Baseline], dict[str, str]]:
+    """The baselines that fit (as :func:`baselines`), and why each other one is missing."""
+    rings = rings_only(cost)
+    makers = {"dp": data_parallel}
+    missing = {}
+    if cost.model.splittable:
+        makers |= {"mp": model_parallel, "hp": hybrid_parallel}
+    else:
+        missing = {name: "the model cannot be cut into stages (splittable: false)" for name in ("mp", "hp")}
+    found = {}
+    for name, make in makers.items():
+        try:
+            found[name] = make(rings, global_batch)
+        except Missing as why:
+            missing[name] = str(why)
+    return found, missing

@@ -14,29 +14,47 @@ with the same B are packed too (up to ``MAX_ROOTS_TRIED``) and the one needing t
 is kept.
 
 **Several servers** (Blink's three phases, composed into trees of the whole group): each server
-packs its own devices from a local root (the group's root on its server, elsewhere the device
-with the best local bound; servers with the same local graph share one packing, which is how a
-64 x 8 cluster plans in well under a second); the local roots form a chain across servers,
-root's server first, each next server the one with the widest link from the current one. All
-inter-server links of a server are assumed to leave through one network interface (the spec's
-inter-node link bandwidth), so a server sends and receives at most that rate at once: under
-that assumption a chain reaches the cross-server bound, while a star or a packing among roots
-would overload the root's NIC. Each piece of data crosses the chain and then one tree of every
-server, so R = min(chain rate, each server's rate); the trees of the group are the chain joined
-with each server's trees, the data split in the order of the servers' tree weights (at most
-1 + sum_s (k_s - 1) trees). The recorded bound is that of the three-phase scheme:
-min(cross-server NIC bound, each server's bound from its local root).
+packs its own devices from a local root; servers with the same local graph and local root share
+one packing, which is how a 64 x 8 cluster plans in well under a second. The root's server is
+first; every other server is reached over some link from a device of a server already reached
+to one of its devices, which becomes its local root (any link, not only between local roots: two
+servers joined by one device-to-device link are connected). Each step takes the widest such link,
+counting a server's network interface as shared by the links it already sends on (a chain where
+that is as wide, so each server sends once). All inter-server links of a server are assumed to
+leave through one network interface (the spec's inter-node bandwidth, else its widest
+inter-server link), so a server sends and receives at most that rate at once: under that
+assumption a chain reaches the cross-server bound, while a star would overload the root's NIC.
+Each piece of data crosses the server tree and then one tree of every server, so R = min(each
+inter-server link, each sending NIC / its links, each server's rate); the trees of the group are
+the server tree joined with each server's trees, the data split in the order of the servers' tree
+weights (at most 1 + sum_s (k_s - 1) trees). The recorded bound is that of the three-phase
+scheme: min(cross-server bound, each server's bound from its local root), the cross-server bound
+being the root server's NIC and widest link out, and each other server's NIC and widest link in,
+over all of their devices.
+
+**The reduce direction.** The reduce runs up the broadcast trees reversed where every link is as
+wide both ways (then X >= R / 2, below). Elsewhere (one-way or asymmetric links) trees are packed
+for the reduce too, as arborescences out of the root on the reversed graph (``reduce_trees``),
+and kept where they make the allreduce faster than the reversed trees (or where those need a
+link that does not exist). A group whose devices cannot all reach the root has no reduce over
+trees: its allreduce over trees is refused and the planner prices a ring.
 
 **Times** (bytes N; rates in GB/s = 1e9 bytes/s; latencies in microseconds):
 
-- Tree allreduce = reduce up the reversed trees, pipelined with the broadcast down the trees
-  (chunks flow continuously, data split across trees by w_T / R). Link (a, b) then carries
-  the share f_T = w_T / R of every tree using (a, b) to broadcast and of every tree using (b, a)
-  to reduce: load(a, b) = sum_{T: (a,b) in T} f_T + sum_{T: (b,a) in T} f_T. The allreduce moves
-  X = min( min_links c_ab / load(a, b), min_servers NIC / (cross-server load out or in) ) GB/s,
-  between R / 2 and R, and takes ``N / X + 2 * deepest latency``, where the deepest latency is
-  the largest sum of link latencies on a root-to-leaf path of any tree (the pipeline's fill,
-  once up and once down).
+- Tree allreduce = reduce up the reduce trees (the broadcast trees reversed where there are none
+  of its own), pipelined with the broadcast down the trees (chunks flow continuously, data split
+  across trees by w_T / R). Link (a, b) then carries the share f_T = w_T / R of every broadcast
+  tree using (a, b) and the share of every reduce tree whose edge (b, a) sends child a to parent b:
+  load(a, b) = sum_{T: (a,b) in T} f_T + sum_{T' reduce: (b,a) in T'} f_T'. The allreduce moves
+  X = min( min_links c_ab / load(a, b), min_servers NIC / (cross-server load out or in) ) GB/s
+  and takes ``N / X + deepest broadcast latency + deepest reduce latency`` (the largest sum of
+  link latencies on a root-to-leaf path of any tree: the pipeline's fill, once up, once down).
+  X <= min(R, R') where R' is the reduce trees' rate (each direction alone moves at most that).
+  X >= min(R, R') / 2 where the reduce trees are packed (each family loads a link at most
+  c_ab / R, resp. c_ab / R'), and X >= R / 2 for reversed trees on links equally wide both ways
+  (load(a, b) <= (c_ab + c_ba) / R); the planner takes the ring instead where that is faster.
+  (An earlier version claimed "between R / 2 and R" for every graph: on asymmetric graphs the
+  reversed trees reached R / 3 and less.)
 - Ring allreduce (the baseline, as NCCL): ``2 (n - 1) / n * N / b + 2 (n - 1) * l``, with b the best
   ring's bottleneck bandwidth and l its slowest link's latency (each of the 2 (n - 1) steps waits
   for its slowest hop).
@@ -46,14 +64,24 @@ min(cross-server NIC bound, each server's bound from its local root).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
 import networkx as nx
 
 from felactl.errors import InputError, PlanInfeasible
-from felactl.optimizer.graph import (best_ring, capacity_graph, check_devices, devices_by_node, local_signature,
-                                     min_cut_bound, roots_by_bound, signature_graph)
+from felactl.optimizer.graph import (
+    best_ring,
+    capacity_graph,
+    check_devices,
+    devices_by_node,
+    local_signature,
+    min_cut_bound,
+    roots_by_bound,
+    signature_graph,
+)
 from felactl.optimizer.packing import pack_arborescences
 from felactl.spec.cluster import ClusterSpec
 from felactl.spec.plan import Collective, Tree
@@ -72,8 +100,10 @@ def _pack_group(graph: nx.DiGraph, root, min_share: float) -> tuple[object, dict
     if root is not None:
         bound, narrowest = min_cut_bound(graph, root)
         if bound <= 0:
-            raise PlanInfeasible(f"the group is disconnected: {narrowest} cannot be reached from {root} "
-                                 "over the links among the group's devices")
+            raise PlanInfeasible(
+                f"the group is disconnected: {narrowest} cannot be reached from {root} "
+                "over the links among the group's devices"
+            )
         return root, pack_arborescences(graph, root, bound, min_share)[0], bound
     ranked = roots_by_bound(graph, list(graph.nodes))
     best = None
@@ -84,29 +114,31 @@ def _pack_group(graph: nx.DiGraph, root, min_share: float) -> tuple[object, dict
         if best is None or (len(kept), -sum(kept.values())) < (len(best[1]), -sum(best[1].values())):
             best = (candidate, kept, bound)
         if len(best[1]) <= graph.number_of_nodes():
-            break   # the first root with the best bound usually needs <= n trees; else try its ties
+            break  # the first root with the best bound usually needs <= n trees; else try its ties
     return best
 
 
-def _single_server(cluster: ClusterSpec, devices: tuple[str, ...], root: str | None,
-                   min_share: float) -> tuple[str, list[tuple[tuple, float]], float, float]:
-    root, kept, bound = _pack_group(capacity_graph(cluster, devices), root, min_share)
-    return root, list(kept.items()), sum(kept.values()), bound
+@functools.lru_cache(maxsize=4096)
+def _pack_signature(signature: tuple, root: int | None, min_share: float):
+    """:func:`_pack_group` of a local signature's graph (positions for devices), remembered for the
+    process: every group, stage and plan that holds a server part of the same shape packs it once.
+    Returns the PlanInfeasible instead of raising it (remembered too)."""
+    try:
+        return _pack_group(signature_graph(signature), root, min_share)
+    except PlanInfeasible as exc:
+        return exc
 
 
-def _server_chain(cluster: ClusterSpec, local_roots: dict[str, str], first: str) -> list[str]:
-    """Servers in chain order: ``first``, then always the one with the widest link from the last."""
-    chain, remaining = [first], [s for s in local_roots if s != first]
-    while remaining:
-        here = local_roots[chain[-1]]
-        widths = [(cluster.link(here, local_roots[s]), s) for s in remaining]
-        reachable = [(link.bandwidth_gbps, -i, s) for i, (link, s) in enumerate(widths) if link is not None]
-        if not reachable:
-            raise PlanInfeasible(f"the group is disconnected: {local_roots[remaining[0]]} cannot be reached from "
-                                 f"{here} (no link between their servers)")
-        chain.append(max(reachable)[2])
-        remaining.remove(chain[-1])
-    return chain
+def _single_server(
+    cluster: ClusterSpec, devices: tuple[str, ...], root: str | None, min_share: float
+) -> tuple[str, list[tuple[tuple, float]], float, float]:
+    found = _pack_signature(local_signature(cluster, devices), None if root is None else devices.index(root), min_share)
+    if isinstance(found, PlanInfeasible):
+        _pack_group(capacity_graph(cluster, devices), root, min_share)  # raises it again, naming devices
+        raise found
+    root_index, kept, bound = found
+    trees = [(tuple((devices[a], devices[b]) for a, b in edges), w) for edges, w in kept.items()]
+    return devices[root_index], trees, sum(kept.values()), bound
 
 
 def _compose(components: list[list[tuple[tuple, float]]], rate_gbps: float) -> list[tuple[tuple, float]]:
@@ -124,60 +156,139 @@ def _compose(components: list[list[tuple[tuple, float]]], rate_gbps: float) -> l
             continue
         middle, edges = (low + high) / 2, []
         for trees in components:
-            total = 0.0
+            total, covering = 0.0, trees[-1][0]  # the last tree where rounding left a sliver
             for tree_edges, fraction in trees:
                 total += fraction
                 if middle < total:
+                    covering = tree_edges
                     break
-            edges += tree_edges   # the covering tree (the last one where rounding left a sliver)
+            edges += covering
         joined.append((tuple(edges), (high - low) * rate_gbps))
     return joined
 
 
-def _multi_server(cluster: ClusterSpec, per_node: dict[str, list[str]], root: str | None,
-                  min_share: float) -> tuple[str, list[tuple[tuple, float]], float, float]:
+def _cross_links(cluster: ClusterSpec, per_node: dict[str, list[str]]) -> dict[tuple[str, str], list]:
+    """(server a, server b) -> [(GB/s, src device, dst device or None)]: every listed link from a
+    device of a to one of b, and the inter-node default once (dst None: any pair not listed)."""
+    server_of = {d: s for s, names in per_node.items() for d in names}
+    found: dict[tuple[str, str], list] = {}
+    listed: dict[tuple[str, str], int] = {}
+    for link in cluster.links:
+        a, b = server_of.get(link.src), server_of.get(link.dst)
+        if a is None or b is None or a == b:
+            continue
+        found.setdefault((a, b), []).append((link.bandwidth_gbps, link.src, link.dst))
+        listed[(a, b)] = listed.get((a, b), 0) + 1
+    default = cluster.inter_node_default
+    if default is not None:
+        for a, src_names in per_node.items():
+            for b, dst_names in per_node.items():
+                if a != b and listed.get((a, b), 0) < len(src_names) * len(dst_names):
+                    found.setdefault((a, b), []).append((default.bandwidth_gbps, None, None))
+    return found
+
+
+def _multi_server(
+    cluster: ClusterSpec, per_node: dict[str, list[str]], root: str | None, min_share: float
+) -> tuple[str, list[tuple[tuple, float]], float, float]:
     """Blink's three phases as trees of the whole group (module docstring)."""
     root_server = cluster.node_of(root).name if root else next(iter(per_node))
     cache: dict[tuple, tuple] = {}
-    local_roots, local_trees, rates, bounds = {}, {}, [], []
-    for server, names in per_node.items():
-        forced = names.index(root) if root and server == root_server else None
+
+    def pack(server: str, forced: int | None):
+        names = per_node[server]
         key = (local_signature(cluster, names), forced)
         if key not in cache:
-            try:
-                cache[key] = _pack_group(signature_graph(key[0]), forced, min_share)
-            except PlanInfeasible:
-                raise PlanInfeasible(f"the group's devices on {server} ({', '.join(names)}) are not connected among "
-                                     "themselves; the three-phase collective needs each server's part "
-                                     "connected") from None
-        local_root, kept, bound = cache[key]
-        local_roots[server] = names[local_root]
+            found = _pack_signature(key[0], forced, min_share)
+            if isinstance(found, PlanInfeasible):
+                raise PlanInfeasible(
+                    f"the group's devices on {server} ({', '.join(names)}) are not connected among "
+                    "themselves; the three-phase collective needs each server's part "
+                    "connected"
+                )
+            cache[key] = found
+            if forced is None:  # the best root's packing is the packing from that root: not packed twice
+                cache.setdefault((key[0], found[0]), found)
+        return cache[key]
+
+    def best_local(server: str) -> str:
+        return per_node[server][pack(server, None)[0]]
+
+    cross = _cross_links(cluster, per_node)
+    listed = {(link.src, link.dst) for link in cluster.links}
+    nic = {server: _nic_gbps(cluster, server) for server in per_node}
+    local_roots = {root_server: root if root else best_local(root_server)}
+    children: dict[str, int] = {}
+    hops: list[tuple[str, str, float]] = []  # (src device, dst device = that server's local root, GB/s)
+    last = root_server
+    while len(local_roots) < len(per_node):
+        best = None
+        for a in local_roots:
+            for b in per_node:
+                if b in local_roots:
+                    continue
+                for gbps, src, dst in cross.get((a, b), ()):
+                    width = min(gbps, nic[a] / (children.get(a, 0) + 1), nic[b])
+                    rank = (width, a == last, -list(per_node).index(b))
+                    if best is None or rank > best[0]:
+                        best = (rank, a, b, gbps, src, dst)
+        if best is None:
+            unreached = next(s for s in per_node if s not in local_roots)
+            raise PlanInfeasible(
+                f"the group is disconnected: {per_node[unreached][0]} cannot be reached from "
+                f"{local_roots[root_server]} (no link into {unreached} from the servers reached "
+                "before it)"
+            )
+        _, a, b, gbps, src, dst = best
+        if dst is None:  # the default link: land on b's best local root, from a device of a not listed to it
+            dst = best_local(b)
+            src = next((d for d in [local_roots[a], *per_node[a]] if (d, dst) not in listed), None)
+            if src is None:
+                dst, src = next((y, x) for y in per_node[b] for x in per_node[a] if (x, y) not in listed)
+        local_roots[b] = dst
+        children[a] = children.get(a, 0) + 1
+        hops.append((src, dst, gbps))
+        last = b
+    local_trees, rates, bounds = {}, [], []
+    for server, names in per_node.items():
+        local_root, kept, bound = pack(server, names.index(local_roots[server]))
         rate = sum(kept.values())
-        local_trees[server] = [(tuple((names[a], names[b]) for a, b in edges), w / rate if rate < math.inf else 1.0)
-                               for edges, w in kept.items()]
+        local_trees[server] = [
+            (tuple((names[a], names[b]) for a, b in edges), w / rate if rate < math.inf else 1.0)
+            for edges, w in kept.items()
+        ]
         rates.append(rate)
         bounds.append(bound)
-    chain = _server_chain(cluster, local_roots, root_server)
-    chain_edges = tuple((local_roots[a], local_roots[b]) for a, b in zip(chain, chain[1:]))
-    chain_gbps = min(cluster.link(a, b).bandwidth_gbps for a, b in chain_edges)
-    rate = min(chain_gbps, *rates)
-    bound = min(_cross_server_bound(cluster, local_roots, root_server), *bounds)
-    components = [[(chain_edges, 1.0)]] + [local_trees[s] for s in chain]
+    nic_rates = [nic[a] / k for a, k in children.items()]
+    rate = min([g for _, _, g in hops] + nic_rates + rates)
+    bound = min(_cross_server_bound(cluster, per_node, cross, nic, root_server), *bounds)
+    hop_edges = tuple((src, dst) for src, dst, _ in hops)
+    components = [[(hop_edges, 1.0)]] + [local_trees[s] for s in per_node]
     return local_roots[root_server], _compose(components, rate), rate, bound
 
 
-def _cross_server_bound(cluster: ClusterSpec, local_roots: dict[str, str], root_server: str) -> float:
-    """One NIC per server: the root's server sends, every other server receives, at most its widest link."""
-    def widest(src_servers, dst_servers) -> float:
-        links = [cluster.link(local_roots[a], local_roots[b]) for a in src_servers for b in dst_servers if a != b]
-        return max((l.bandwidth_gbps for l in links if l is not None), default=0.0)
+def _cross_server_bound(
+    cluster: ClusterSpec, per_node: dict[str, list[str]], cross: dict, nic: dict, root_server: str
+) -> float:
+    """One NIC per server: the root's server sends, every other server receives, each at most its
+    NIC and its widest link from any device to any device of another server."""
 
-    others = [s for s in local_roots if s != root_server]
-    return min([widest([root_server], others)] + [widest(list(local_roots), [s]) for s in others])
+    def widest(pairs) -> float:
+        return max((gbps for pair in pairs for gbps, _, _ in cross.get(pair, ())), default=0.0)
+
+    others = [s for s in per_node if s != root_server]
+    out = min(nic[root_server], widest((root_server, s) for s in others))
+    return min([out] + [min(nic[s], widest((a, s) for a in per_node if a != s)) for s in others])
 
 
-def plan_collective(cluster: ClusterSpec, devices: Sequence[str], *, group: str = "group",
-                    root: str | None = None, min_share: float = 0.99) -> Collective:
+def plan_collective(
+    cluster: ClusterSpec,
+    devices: Sequence[str],
+    *,
+    group: str = "group",
+    root: str | None = None,
+    min_share: float = 0.99,
+) -> Collective:
     """The allreduce trees of a group of devices (module docstring), with rate, bound and ring rate."""
     devices = check_devices(cluster, devices)
     if root is not None and root not in devices:
@@ -185,16 +296,62 @@ def plan_collective(cluster: ClusterSpec, devices: Sequence[str], *, group: str 
     if not 0 < min_share <= 1:
         raise InputError(f"min_share must be in (0, 1], got {min_share:g}")
     if len(devices) == 1:
-        return Collective(group=group, devices=devices, root=devices[0], rate_gbps=0.0, bound_gbps=0.0,
-                          ring_gbps=0.0)
+        return Collective(group=group, devices=devices, root=devices[0], rate_gbps=0.0, bound_gbps=0.0, ring_gbps=0.0)
     per_node = devices_by_node(cluster, devices)
-    if len(per_node) == 1:
-        root, trees, rate, bound = _single_server(cluster, devices, root, min_share)
-    else:
-        root, trees, rate, bound = _multi_server(cluster, per_node, root, min_share)
-    return Collective(group=group, devices=devices, root=root, rate_gbps=rate, bound_gbps=bound,
-                      ring_gbps=best_ring(cluster, devices)[1],
-                      trees=tuple(Tree(edges=_root_first(edges, root), weight=w) for edges, w in trees if w > 0))
+
+    def pack(spec: ClusterSpec, root: str | None):
+        if len(per_node) == 1:
+            return _single_server(spec, devices, root, min_share)
+        return _multi_server(spec, per_node, root, min_share)
+
+    root, trees, rate, bound = pack(cluster, root)
+    collective = Collective(
+        group=group,
+        devices=devices,
+        root=root,
+        rate_gbps=rate,
+        bound_gbps=bound,
+        ring_gbps=best_ring(cluster, devices)[1],
+        trees=tuple(Tree(edges=_root_first(edges, root), weight=w) for edges, w in trees if w > 0),
+    )
+    return _with_reduce_trees(cluster, collective, lambda spec: pack(spec, root))
+
+
+def _symmetric(cluster: ClusterSpec, devices: Sequence[str]) -> bool:
+    """Whether every link among the devices has a reverse link of the same bandwidth."""
+    return all(
+        (back := cluster.link(link.dst, link.src)) is not None and back.bandwidth_gbps == link.bandwidth_gbps
+        for link in cluster.links_among(tuple(devices))
+    )
+
+
+def reversed_cluster(cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster with every listed link turned around (defaults join every pair both ways already):
+    an arborescence into a root here is one out of it there."""
+    turned = tuple(dataclasses.replace(link, src=link.dst, dst=link.src) for link in cluster.links)
+    return dataclasses.replace(cluster, links=turned)
+
+
+def _with_reduce_trees(cluster: ClusterSpec, collective: Collective, pack) -> Collective:
+    """Add trees packed for the reduce direction (into the root: out of it on the reversed graph)
+    where they make the allreduce faster than reducing up the broadcast trees reversed, or where
+    those need a link the cluster lacks. Symmetric graphs keep the reversed trees: there each
+    reversed tree is an in-tree as wide as the tree, and the allreduce is at least R / 2."""
+    if not collective.trees or _symmetric(cluster, collective.devices):
+        return collective
+    try:
+        reverse_x = allreduce_throughput_gbps(cluster, collective)
+    except PlanInfeasible:
+        reverse_x = 0.0
+    try:
+        _, trees, _, _ = pack(reversed_cluster(cluster))
+    except PlanInfeasible:  # no path back to the root from some device: no reduce over trees
+        return collective
+    candidate = dataclasses.replace(
+        collective,
+        reduce_trees=tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in trees if w > 0),
+    )
+    return candidate if allreduce_throughput_gbps(cluster, candidate) > reverse_x * (1 + 1e-9) else collective
 
 
 def _root_first(edges: tuple, root: str) -> tuple[tuple[str, str], ...]:
@@ -211,22 +368,36 @@ def _root_first(edges: tuple, root: str) -> tuple[tuple[str, str], ...]:
     return tuple(ordered)
 
 
+def _reduce_trees(collective: Collective) -> tuple[Tree, ...]:
+    """The trees the reduce runs up: its own, else the broadcast trees (reversed by the caller)."""
+    return collective.reduce_trees or collective.trees
+
+
 def _link_loads(collective: Collective) -> dict[tuple[str, str], float]:
-    """Share of the data each directed link carries: broadcast down every tree, reduce up it."""
-    total = sum(tree.weight for tree in collective.trees)
+    """Share of the data each directed link carries: broadcast down every tree, reduce up the
+    reduce trees (child -> parent)."""
     loads: dict[tuple[str, str], float] = {}
-    for tree in collective.trees:
-        for parent, child in tree.edges:
-            loads[(parent, child)] = loads.get((parent, child), 0.0) + tree.weight / total
-            loads[(child, parent)] = loads.get((child, parent), 0.0) + tree.weight / total
+    for trees, upward in ((collective.trees, False), (_reduce_trees(collective), True)):
+        total = sum(tree.weight for tree in trees)
+        for tree in trees:
+            for parent, child in tree.edges:
+                link = (child, parent) if upward else (parent, child)
+                loads[link] = loads.get(link, 0.0) + tree.weight / total
     return loads
 
 
 def _nic_gbps(cluster: ClusterSpec, server: str) -> float:
-    """A server's network interface: the widest link between it and another server."""
+    """A server's network interface: the spec's ``nic_gbps``, else the widest link between it and
+    another server."""
+    nic = next(node.nic_gbps for node in cluster.nodes if node.name == server)
+    if nic:
+        return nic
     widths = [cluster.inter_node_default.bandwidth_gbps] if cluster.inter_node_default else []
-    widths += [l.bandwidth_gbps for l in cluster.links
-               if (cluster.node_of(l.src).name == server) != (cluster.node_of(l.dst).name == server)]
+    widths += [
+        l.bandwidth_gbps
+        for l in cluster.links
+        if (cluster.node_of(l.src).name == server) != (cluster.node_of(l.dst).name == server)
+    ]
     return max(widths, default=math.inf)
 
 
@@ -235,28 +406,41 @@ def allreduce_throughput_gbps(cluster: ClusterSpec, collective: Collective) -> f
     throughput = math.inf
     egress: dict[str, float] = {}
     ingress: dict[str, float] = {}
+    port_out: dict[str, float] = {}  # devices behind a switch: what their one port sends and receives
+    port_in: dict[str, float] = {}
     for (src, dst), load in _link_loads(collective).items():
         link = cluster.link(src, dst)
         if link is None:
-            raise PlanInfeasible(f"the reduce needs the link {src} -> {dst} (the reverse of a tree edge), "
-                                 "which the cluster does not have")
+            raise PlanInfeasible(
+                f"the reduce needs the link {src} -> {dst} (the reverse of a tree edge), "
+                "which the cluster does not have (and no trees lead back to the root)"
+            )
         throughput = min(throughput, link.bandwidth_gbps / load)
-        src_server, dst_server = cluster.node_of(src).name, cluster.node_of(dst).name
-        if src_server != dst_server:
-            egress[src_server] = egress.get(src_server, 0.0) + load
-            ingress[dst_server] = ingress.get(dst_server, 0.0) + load
+        src_node, dst_node = cluster.node_of(src), cluster.node_of(dst)
+        if src_node.name != dst_node.name:
+            egress[src_node.name] = egress.get(src_node.name, 0.0) + load
+            ingress[dst_node.name] = ingress.get(dst_node.name, 0.0) + load
+        elif src_node.switch_gbps:
+            port_out[src] = port_out.get(src, 0.0) + load
+            port_in[dst] = port_in.get(dst, 0.0) + load
     for loads in (egress, ingress):
         for server, load in loads.items():
             throughput = min(throughput, _nic_gbps(cluster, server) / load)
+    for loads in (port_out, port_in):
+        for device, load in loads.items():
+            throughput = min(throughput, cluster.node_of(device).switch_gbps / load)
     return throughput
 
 
-def _deepest_latency_us(cluster: ClusterSpec, collective: Collective) -> float:
+def _deepest_latency_us(cluster: ClusterSpec, collective: Collective, upward: bool = False) -> float:
+    """The largest sum of link latencies from the root to a leaf of any tree (``upward``: of the
+    reduce trees, over the links child -> parent)."""
     deepest = 0.0
-    for tree in collective.trees:
+    for tree in _reduce_trees(collective) if upward else collective.trees:
         reach_us = {collective.root: 0.0}
         for parent, child in _root_first(tuple(tree.edges), collective.root):
-            reach_us[child] = reach_us[parent] + cluster.link(parent, child).latency_us
+            link = cluster.link(child, parent) if upward else cluster.link(parent, child)
+            reach_us[child] = reach_us[parent] + link.latency_us
         deepest = max(deepest, max(reach_us.values()))
     return deepest
 
@@ -267,8 +451,16 @@ def allreduce_time_s(cluster: ClusterSpec, collective: Collective, num_bytes: fl
         return 0.0
     if not collective.trees:
         raise InputError(f"collective {collective.group!r} of {len(collective.devices)} devices has no trees")
-    throughput_gbps = allreduce_throughput_gbps(cluster, collective)
-    return num_bytes / (throughput_gbps * GBPS_TO_BYTES_PER_S) + 2 * _deepest_latency_us(cluster, collective) * US_TO_S
+    throughput_gbps, fill_s = allreduce_rate_and_fill(cluster, collective)
+    return num_bytes / (throughput_gbps * GBPS_TO_BYTES_PER_S) + fill_s
+
+
+def allreduce_rate_and_fill(cluster: ClusterSpec, collective: Collective) -> tuple[float, float]:
+    """(X GB/s, the pipeline's fill in seconds) of the collective's allreduce: its time for N bytes
+    is N / X + fill (:func:`allreduce_time_s`)."""
+    throughput_gbps = allreduce_throughput_gbps(cluster, collective)  # raises where a link is missing
+    fill_us = _deepest_latency_us(cluster, collective) + _deepest_latency_us(cluster, collective, upward=True)
+    return throughput_gbps, fill_us * US_TO_S
 
 
 def ring_allreduce_time_s(cluster: ClusterSpec, devices: Sequence[str], num_bytes: float) -> float:
@@ -279,8 +471,9 @@ def ring_allreduce_time_s(cluster: ClusterSpec, devices: Sequence[str], num_byte
         return 0.0
     order, bottleneck_gbps = best_ring(cluster, devices)
     if bottleneck_gbps <= 0:
-        raise PlanInfeasible(f"no ring over {', '.join(devices)}: some device has no direct link in or out "
-                             "that closes a cycle")
+        raise PlanInfeasible(
+            f"no ring over {', '.join(devices)}: some device has no direct link in or out that closes a cycle"
+        )
     slowest_us = max(cluster.link(a, b).latency_us for a, b in zip(order, order[1:] + order[:1]))
     steps = 2 * (count - 1)
     return steps / count * num_bytes / (bottleneck_gbps * GBPS_TO_BYTES_PER_S) + steps * slowest_us * US_TO_S

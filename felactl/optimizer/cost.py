@@ -7,22 +7,36 @@ Formulas (times in seconds, sizes in bytes):
 
 * **Compute** of layer ``l`` on device ``d`` at micro-batch ``b``, per sample:
   measured ``(fwd_ms + bwd_ms) / b`` where the model profile has a timing for ``d.model`` at
-  ``b``; where it has timings for ``d.model`` at other sizes, the nearest one (in log2 b) scaled
-  by the saturation curve ``eff(b_meas) / eff(b)``; else ``flops / (tflops * 1e12 * eff(b))``.
-  The saturation curve is ``eff(b) = b / (b + b_half)``. ``b_half`` is derived per layer from its
+  ``b``; between two measured sizes, the per-sample time interpolated linearly in log2 b (the
+  curve below is a GPU's: on a CPU, which saturates at small batches, it made a micro-batch
+  between two measured ones up to a third too fast); outside them, the nearest one (in log2 b)
+  scaled by the saturation curve ``eff(b_meas) / eff(b)``; else ``flops / (tflops * 1e12 * eff(b))``.
+  The saturation curve is ``eff(b) = b / (b + b_half)``. Measured timings (and the optimizer
+  step) are of the device the model was profiled on; where the profile recorded that device's
+  matmul TFLOP/s (``ModelSpec.timed_tflops``) they are scaled by timed / ``d.tflops``: a device
+  of the same model at another speed (a CPU slot held to a share of a core by a cgroup, a
+  throttled GPU) is that much slower or faster, which its cluster profile measured. ``b_half`` is derived per layer from its
   arithmetic intensity rather than from a table of kinds: a layer reuses each weight byte
   ``i = fwd_flops_per_sample / param_bytes`` times per sample, and a device saturates once
   ``b * i`` reaches its ridge point (``RIDGE_FLOPS_PER_BYTE``), so ``b_half = RIDGE / i``,
   clamped to [``B_HALF_MIN``, ``B_HALF_MAX``]. A linear layer (i = 0.5) gets b_half = 100 and
   saturates only at large batches; a 32x32 conv (i ~ 500) saturates at once: Fela's observation.
 * **Transfer** of a stage boundary per micro-batch: the activation forward and its gradient
-  backward, each ``latency + b * activation_bytes_per_sample / bandwidth`` on the actual link.
+  backward, each ``latency + b * activation_bytes_per_sample / bandwidth`` on the actual link
+  (:meth:`CostModel.transfer_gbps`: a node's shared NIC is divided among its devices in the
+  cluster planned for, a switch port caps its device's links).
 * **Sync** of a stage group: an allreduce of the stage's gradients (``param_bytes``), over the
   group's packed Blink trees or a ring, whichever is faster when trees are on; a ring otherwise.
+  Where the group's direct links close no ring, the ring runs over routes (paths through other
+  devices, :meth:`CostModel.ring_sync_s`); a group that neither trees nor routes join costs
+  infinitely much, so the planner leaves its stage options out instead of refusing the cluster.
   Where the model profile measured the whole model's sync on this cluster's devices
   (``ModelSpec.data_parallel_sync``: a DDP step with and without sync, as training runs it), a
   group inside the measured set costs that estimate times measured / estimate of the set (at
   least 1): on CPU slots the links' ping-pong prices gloo's allreduce several times too low.
+  A timing whose difference was not above its noise (no ``sync_ms``, or an old profile's 0) is
+  no measurement: its group keeps the link estimate, the floor sync never beats, and counts as
+  uncalibrated (``uncalibrated_cpu_groups``), so the plan says its sync is priced too low.
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
   ``step()`` over the whole model (``ModelSpec.optimizer_step_ms``) times the stage's share of
   the parameters (the step is a few passes over each parameter: linear in their number). Charged
@@ -30,15 +44,22 @@ Formulas (times in seconds, sizes in bytes):
   the field) it is not known and costs 0.
 * **Memory** per device holding a stage: parameters + gradients (``2 * param_bytes``) + AdamW's
   two fp32 moments (``8 * params``) + what autograd saves (``saved_bytes_per_sample``, else each
-  layer's input + output) for ``in_flight`` micro-batches of the stage.
+  layer's input + output) for ``in_flight`` micro-batches of the stage (the plan records that
+  number per stage, ``Stage.max_in_flight``, and the simulator holds every device to it).
+* **Headroom**: a plan may fill only a device's *usable* memory (:func:`usable_memory_bytes`):
+  its ``memory_gb`` less ``MemoryHeadroom.fraction`` of it (the caching allocator's
+  fragmentation, default 10%) and, on CUDA devices, less ``MemoryHeadroom.reserved_gb`` (the
+  CUDA context, cuBLAS and NCCL workspaces, default 1 GB). ``felactl plan --reserve-gb
+  --fragmentation`` set them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cache
 
+from felactl.errors import PlanInfeasible
 from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Layer, ModelSpec
 
 RIDGE_FLOPS_PER_BYTE = 50.0
@@ -48,6 +69,22 @@ B_HALF_MAX = 4096.0
 ADAMW_STATE_BYTES_PER_PARAM = 8
 """Two fp32 moments per parameter."""
 GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryHeadroom:
+    """What a plan leaves free on each device (module doc, **Headroom**)."""
+
+    reserved_gb: float = 1.0
+    """Per CUDA device: the CUDA context and the libraries' workspaces, which no tensor counts."""
+    fraction: float = 0.10
+    """Of every device's memory: fragmentation of the caching allocator."""
+
+
+def usable_memory_bytes(device: Device, headroom: MemoryHeadroom) -> float:
+    """Bytes of ``device`` a plan may fill: its memory less the headroom (never below 0)."""
+    reserved = headroom.reserved_gb if device.kind is DeviceKind.CUDA else 0.0
+    return max(0.0, device.memory_gb * (1.0 - headroom.fraction) - reserved) * GB
 
 
 def b_half(layer: Layer) -> float:
@@ -69,6 +106,20 @@ def layer_times_s(layer: Layer, device: Device, micro_batch: int) -> tuple[float
     if micro_batch in measured:
         t = measured[micro_batch]
         return t.fwd_ms / 1e3, t.bwd_ms / 1e3
+    below = [b for b in measured if b < micro_batch]
+    above = [b for b in measured if b > micro_batch]
+    if below and above:
+        # Between two measured sizes: per-sample time interpolated in log2(b), the curve not needed.
+        lo, hi = measured[max(below)], measured[min(above)]
+        w = math.log2(micro_batch / lo.micro_batch) / math.log2(hi.micro_batch / lo.micro_batch)
+
+        def per_sample(a: float, b: float) -> float:
+            return (1 - w) * a / lo.micro_batch + w * b / hi.micro_batch
+
+        return (
+            per_sample(lo.fwd_ms, hi.fwd_ms) * micro_batch / 1e3,
+            per_sample(lo.bwd_ms, hi.bwd_ms) * micro_batch / 1e3,
+        )
     half = b_half(layer)
     if measured:
         nearest = min(measured, key=lambda b: (abs(math.log2(b / micro_batch)), b))
@@ -76,8 +127,7 @@ def layer_times_s(layer: Layer, device: Device, micro_batch: int) -> tuple[float
         scale = micro_batch / nearest * efficiency(nearest, half) / efficiency(micro_batch, half)
         return t.fwd_ms / 1e3 * scale, t.bwd_ms / 1e3 * scale
     rate = device.tflops * 1e12 * efficiency(micro_batch, half)
-    return (layer.fwd_flops_per_sample * micro_batch / rate,
-            layer.bwd_flops_per_sample * micro_batch / rate)
+    return (layer.fwd_flops_per_sample * micro_batch / rate, layer.bwd_flops_per_sample * micro_batch / rate)
 
 
 def stage_param_bytes(model: ModelSpec, start: int, end: int) -> int:
@@ -117,6 +167,8 @@ class CostModel:
     use_trees: bool = True
     max_tree_devices: int = 64
     """Groups larger than this use a ring: packing trees over hundreds of devices costs seconds."""
+    headroom: MemoryHeadroom = field(default_factory=MemoryHeadroom)
+    """What the plan leaves free on each device (module doc)."""
     sync_reference: ClusterSpec | None = None
     """The whole cluster, when ``cluster`` is a part of it (``plan --devices``, a re-plan after a
     scale-in): the model profile's sync timings were measured on the whole one, so their
@@ -131,17 +183,31 @@ class CostModel:
     _sync_factors: list | None = field(default=None, init=False, repr=False)
     _links: dict = field(default_factory=dict, init=False, repr=False)
 
+    def usable_memory_bytes(self, device_name: str) -> float:
+        """Bytes of a device the plan may fill (module doc, **Headroom**)."""
+        return usable_memory_bytes(self.cluster.device(device_name), self.headroom)
+
     # --- compute -------------------------------------------------------------------------
     def _prefix_sums(self, device: Device, micro_batch: int) -> tuple[list[float], list[float]]:
         key = (device.model, device.tflops, micro_batch)
         if key not in self._prefix:
             fwd, bwd = [0.0], [0.0]
+            slower = self.timed_slowdown(device)
             for layer in self.model.layers:
                 f, b = layer_times_s(layer, device, micro_batch)
+                if any(t.device_model == device.model for t in layer.timings):
+                    f, b = f * slower, b * slower
                 fwd.append(fwd[-1] + f)
                 bwd.append(bwd[-1] + b)
             self._prefix[key] = (fwd, bwd)
         return self._prefix[key]
+
+    def timed_slowdown(self, device: Device) -> float:
+        """How many times its model's profiled timings a device takes: the timed device's matmul
+        TFLOP/s over this one's (``ModelSpec.timed_tflops``; module doc, **Compute**), 1 where the
+        profile did not record it."""
+        timed = self.model.timed_tflops.get(device.model)
+        return timed / device.tflops if timed and device.tflops > 0 else 1.0
 
     def stage_times_s(self, start: int, end: int, device_name: str, micro_batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one micro-batch of layers [start, end) on a device."""
@@ -161,7 +227,7 @@ class CostModel:
         if not any(t.device_model == device.model for layer in model.layers for t in layer.timings):
             return 0.0
         share = sum(layer.params for layer in model.layers[start:end]) / model.total_params
-        return model.optimizer_step_ms / 1e3 * share
+        return model.optimizer_step_ms / 1e3 * share * self.timed_slowdown(device)
 
     # --- transfer ------------------------------------------------------------------------
     def _direct_or_relay(self, src: str, dst: str) -> tuple[float, float]:
@@ -171,19 +237,50 @@ class CostModel:
             self._links[(src, dst)] = self._find_route(src, dst)
         return self._links[(src, dst)]
 
+    def transfer_gbps(self, link) -> float:
+        """What one activation transfer gets of a link while every device sends at once (token
+        scheduling keeps them all busy): across nodes at most a node's shared NIC
+        (``Node.nic_gbps``) divided among its devices in the cluster planned for; behind a switch at
+        most the port."""
+        src, dst = self.cluster.node_of(link.src), self.cluster.node_of(link.dst)
+        gbps = link.bandwidth_gbps
+        if src.name != dst.name:
+            for node in (src, dst):
+                if node.nic_gbps:
+                    gbps = min(gbps, node.nic_gbps / len(node.devices))
+        elif src.switch_gbps:
+            gbps = min(gbps, src.switch_gbps)
+        return gbps
+
     def _find_route(self, src: str, dst: str) -> tuple[float, float]:
+        """The direct link, else the path of least seconds per byte (store and forward: the hops'
+        seconds per byte and latencies add up); (inf, inf) where ``dst`` cannot be reached."""
         link = self.cluster.link(src, dst)
         if link is not None:
-            return link.latency_us * 1e-6, 1.0 / (link.bandwidth_gbps * GB)
-        best = (math.inf, math.inf)
-        for k in self.cluster.device_names:
-            first, second = self.cluster.link(src, k), self.cluster.link(k, dst)
-            if k in (src, dst) or first is None or second is None:
-                continue
-            per_byte = 1.0 / (first.bandwidth_gbps * GB) + 1.0 / (second.bandwidth_gbps * GB)
-            if per_byte < best[1]:
-                best = ((first.latency_us + second.latency_us) * 1e-6, per_byte)
-        return best
+            return link.latency_us * 1e-6, 1.0 / (self.transfer_gbps(link) * GB)
+        import networkx as nx
+
+        graph = self._route_graph()
+        try:
+            path = nx.dijkstra_path(graph, src, dst, weight="per_byte")
+        except (nx.NetworkXNoPath, nx.NodeNotFound):
+            return math.inf, math.inf
+        hops = list(zip(path, path[1:]))
+        return (sum(graph[a][b]["latency_s"] for a, b in hops), sum(graph[a][b]["per_byte"] for a, b in hops))
+
+    def _route_graph(self):
+        """Every direct link of the cluster as a networkx graph (built once, where a route is asked)."""
+        if "_graph" not in self._links:
+            import networkx as nx
+
+            graph = nx.DiGraph()
+            graph.add_nodes_from(self.cluster.device_names)
+            for link in self.cluster.links_among(self.cluster.device_names):
+                graph.add_edge(
+                    link.src, link.dst, per_byte=1.0 / (self.transfer_gbps(link) * GB), latency_s=link.latency_us * 1e-6
+                )
+            self._links["_graph"] = graph
+        return self._links["_graph"]
 
     def link_time_s(self, src: str, dst: str, num_bytes: float) -> float:
         """One message src -> dst (direct link, else the best one-device relay)."""
@@ -229,7 +326,10 @@ class CostModel:
             return None
         key = tuple(sorted(devices))
         if key not in self._collectives:
-            self._collectives[key] = self._pack_like(key)
+            try:
+                self._collectives[key] = self._pack_like(key)
+            except PlanInfeasible:  # no spanning trees over the group's links: it syncs over a ring
+                self._collectives[key] = None
         return self._collectives[key]
 
     def _pack_like(self, key: tuple[str, ...]) -> Collective:
@@ -249,8 +349,17 @@ class CostModel:
             return self._shapes[shape][1]
         first, packed = self._shapes[shape]
         rename = dict(zip(first, key))
-        trees = tuple(replace(t, edges=tuple((rename[a], rename[b]) for a, b in t.edges)) for t in packed.trees)
-        return replace(packed, devices=tuple(rename[d] for d in packed.devices), root=rename[packed.root], trees=trees)
+
+        def renamed(trees):
+            return tuple(replace(t, edges=tuple((rename[a], rename[b]) for a, b in t.edges)) for t in trees)
+
+        return replace(
+            packed,
+            devices=tuple(rename[d] for d in packed.devices),
+            root=rename[packed.root],
+            trees=renamed(packed.trees),
+            reduce_trees=renamed(packed.reduce_trees),
+        )
 
     def sync_time_s(self, devices: tuple[str, ...], num_bytes: float) -> float:
         """Allreduce of ``num_bytes`` over ``devices``: trees or ring, whichever is faster, times the
@@ -263,13 +372,63 @@ class CostModel:
         return self._sync[key]
 
     def _link_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
-        from felactl.optimizer.collectives import allreduce_time_s, ring_allreduce_time_s
-
-        ring_s = ring_allreduce_time_s(self.cluster, list(group), num_bytes)
-        coll = self.collective(group)
-        tree_s = math.inf if coll is None else allreduce_time_s(self.cluster, coll, num_bytes)
+        """The faster of the ring (:meth:`ring_sync_s`) and the trees; inf where neither exists."""
+        ring_s = self.ring_sync_s(group, num_bytes)
+        tree_s = self.tree_sync_s(group, num_bytes)
         self.trees_ever_faster = self.trees_ever_faster or tree_s < ring_s
         return min(ring_s, tree_s)
+
+    def tree_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
+        """Allreduce over the group's packed trees; inf where trees are off or cannot be packed.
+        (:func:`collectives.allreduce_time_s`, whose rate and fill are worked out once per group.)"""
+        from felactl.optimizer.collectives import allreduce_rate_and_fill
+
+        if len(group) < 2 or num_bytes <= 0:
+            return 0.0
+        coll = self.collective(group)
+        if coll is None:
+            return math.inf
+        key = ("rate", tuple(sorted(group)))
+        if key not in self._sync:
+            try:
+                self._sync[key] = allreduce_rate_and_fill(self.cluster, coll)
+            except PlanInfeasible:  # a link the trees need is missing: the ring (or routes) carries it
+                self._sync[key] = None
+        if self._sync[key] is None:
+            return math.inf
+        rate_gbps, fill_s = self._sync[key]
+        return num_bytes / (rate_gbps * GB) + fill_s
+
+    def ring_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
+        """Ring allreduce over the best ring of direct links; where the group's direct links close no
+        ring (two devices linked only through a third, one-way links), over the best ring of routes
+        (:meth:`link_time_s`'s paths, which may pass devices outside the group; the traffic they
+        relay for the ring is not charged to them); inf where some device reaches no other."""
+        from felactl.optimizer.collectives import ring_allreduce_time_s
+        from felactl.optimizer.graph import best_ring_in_graph
+
+        if len(group) < 2 or num_bytes <= 0:
+            return 0.0
+        try:
+            return ring_allreduce_time_s(self.cluster, list(group), num_bytes)
+        except PlanInfeasible:
+            pass
+        import networkx as nx
+
+        routes = nx.DiGraph()
+        routes.add_nodes_from(group)
+        for a in group:
+            for b in group:
+                if a != b:
+                    latency_s, per_byte_s = self._direct_or_relay(a, b)
+                    if per_byte_s < math.inf:
+                        routes.add_edge(a, b, capacity=1.0 / (per_byte_s * GB), latency_s=latency_s)
+        order, bottleneck_gbps = best_ring_in_graph(routes)
+        if bottleneck_gbps <= 0:
+            return math.inf
+        slowest_s = max(routes[a][b]["latency_s"] for a, b in zip(order, order[1:] + order[:1]))
+        steps = 2 * (len(group) - 1)
+        return steps / len(group) * num_bytes / (bottleneck_gbps * GB) + steps * slowest_s
 
     def sync_factor(self, group: tuple[str, ...]) -> float:
         """How many times its link estimate a group's sync takes, from the model profile's
@@ -282,7 +441,8 @@ class CostModel:
 
     def _calibrations(self) -> list[tuple[frozenset[str], float]]:
         """(measured device set, measured / link estimate of it, at least 1) for each of the
-        model profile's sync timings on this cluster (by name) whose devices it has. The link
+        model profile's sync timings on this cluster (by name) whose devices it has and that told
+        sync apart from noise (``SyncTiming.measured``). The link
         estimates come from a cost model of their own, so working them out neither needs this
         cluster to hold the measured set (see ``sync_reference``) nor counts as a sync asked for
         (``trees_ever_faster``)."""
@@ -292,7 +452,7 @@ class CostModel:
             links = CostModel(reference, self.model, use_trees=self.use_trees, max_tree_devices=self.max_tree_devices)
             self._sync_factors = []
             for timing in self.model.data_parallel_sync:
-                if timing.cluster != reference.name or not names.issuperset(timing.devices):
+                if not timing.measured or timing.cluster != reference.name or not names.issuperset(timing.devices):
                     continue
                 link_s = links._link_sync_s(tuple(sorted(timing.devices)), self.model_param_bytes)
                 if link_s > 0:
@@ -304,21 +464,22 @@ class CostModel:
         from the link profile alone, several times too low on CPU slots (``felactl profile --model
         --cluster`` measures it)."""
         measured = [devices for devices, _ in self._calibrations()]
-        return [tuple(g) for g in groups if len(g) > 1 and not any(m.issuperset(g) for m in measured)
-                and all(self.cluster.device(d).kind == DeviceKind.CPU for d in g)]
+        return [
+            tuple(g)
+            for g in groups
+            if len(g) > 1
+            and not any(m.issuperset(g) for m in measured)
+            and all(self.cluster.device(d).kind == DeviceKind.CPU for d in g)
+        ]
 
     def uses_trees(self, devices: tuple[str, ...], num_bytes: float) -> bool:
         """Whether the group's allreduce goes over its trees (faster than the ring)."""
-        coll = self.collective(devices)
-        if coll is None or num_bytes <= 0:
+        if self.collective(devices) is None or num_bytes <= 0:
             return False
-        from felactl.optimizer.collectives import allreduce_time_s, ring_allreduce_time_s
-
-        return allreduce_time_s(self.cluster, coll, num_bytes) < ring_allreduce_time_s(
-            self.cluster, list(devices), num_bytes)
+        return self.tree_sync_s(tuple(devices), num_bytes) < self.ring_sync_s(tuple(devices), num_bytes)
 
 
-@lru_cache(maxsize=None)
+@cache
 def micro_batch_options(global_batch: int, largest: int = 1024, max_options: int | None = None) -> tuple[int, ...]:
     """Powers of two up to the global batch (and ``largest``): the micro-batches searched; with
     ``max_options``, every second (third, ...) power from the largest down, so at most that many."""

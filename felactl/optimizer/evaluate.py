@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_memory_bytes, stage_param_bytes
+from felactl.spec.executable import micro_batch_follows
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,17 @@ def in_flight(max_stages: int, global_batch: int, micro_batch: int, whole_model:
     if whole_model:
         return 1
     return max(1, min(max_stages, math.ceil(global_batch / micro_batch)))
+
+
+def chain_follows(before: int, after: int, max_stages: int, global_batch: int, *, static: bool) -> bool:
+    """Whether a stage of micro-batch ``after`` may follow one of ``before`` in a plan: the
+    runtime's rule (:func:`felactl.spec.executable.micro_batch_follows`), and ``after / before``
+    at most the earlier stage's in-flight limit (:func:`in_flight`): a worker of the earlier stage
+    may have to hold every one of the ``after / before`` micro-batches a next-stage token takes
+    before that token can run, and the memory model gives it room for no more than the limit."""
+    if not micro_batch_follows(before, after, static=static):
+        return False
+    return after // before <= in_flight(max_stages, global_batch, before, whole_model=False)
 
 
 def token_samples(shares: tuple[tuple[str, float], ...], global_batch: int, micro_batch: int) -> dict[str, int]:
@@ -124,9 +136,18 @@ def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int,
         param_bytes = stage_param_bytes(cost.model, stage.start, stage.end)
         group_sync = cost.sync_time_s(stage.devices, param_bytes)
         stage_sync.append(group_sync)
-        held = stage_memory_bytes(cost.model, stage.start, stage.end, stage.micro_batch,
-                                  in_flight(max_stages, global_batch, stage.micro_batch,
-                                            whole_model=stage.start == 0 and stage.end == cost.model.num_layers))
+        held = stage_memory_bytes(
+            cost.model,
+            stage.start,
+            stage.end,
+            stage.micro_batch,
+            in_flight(
+                max_stages,
+                global_batch,
+                stage.micro_batch,
+                whole_model=stage.start == 0 and stage.end == cost.model.num_layers,
+            ),
+        )
         samples = token_samples(stage.shares, global_batch, stage.micro_batch)
         for device, _ in stage.shares:
             total = stage_device_cost(cost, stage, device, samples[device])
@@ -135,13 +156,20 @@ def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int,
             memory[device] = memory.get(device, 0.0) + held
     fill = sum(stage_fill_s(cost, stage) for stage in stages)
     busiest = max(load[d] + sync[d] for d in load)
-    return Prediction(iteration_s=busiest + fill, load_s=load, sync_s=sync, fill_s=fill,
-                      memory_bytes=memory, stage_sync_s=tuple(stage_sync))
+    return Prediction(
+        iteration_s=busiest + fill,
+        load_s=load,
+        sync_s=sync,
+        fill_s=fill,
+        memory_bytes=memory,
+        stage_sync_s=tuple(stage_sync),
+    )
 
 
 def memory_fits(cost: CostModel, prediction: Prediction) -> str | None:
-    """The first device whose predicted memory exceeds its capacity, or None."""
+    """The first device whose predicted memory exceeds what it may fill (its memory less the
+    headroom), or None."""
     for device, used in prediction.memory_bytes.items():
-        if used > cost.cluster.device(device).memory_gb * 1e9:
+        if used > cost.usable_memory_bytes(device):
             return device
     return None

@@ -47,12 +47,40 @@ def check_devices(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[str, ..
     return tuple(devices)
 
 
-def capacity_graph(cluster: ClusterSpec, devices: Sequence[str]) -> nx.DiGraph:
-    """Every device of the group, and a directed edge for every direct link among them."""
+def group_links(
+    cluster: ClusterSpec, devices: Sequence[str], *, trees: bool = True
+) -> list[tuple[str, str, float, float]]:
+    """(src, dst, GB/s, latency us) of every direct link among the devices, as the hardware lets a
+    collective use it. A node with a switch (``Node.switch_gbps``, NVSwitch) gives each device one
+    port: a ring sends to one peer at a time, so a link carries at most the port; trees may send to
+    every peer at once, so each of the k - 1 links from one of the node's k devices in the group gets
+    port / (k - 1) (a packing within those capacities never overloads a port, and the broadcast
+    bound stays the port, not k - 1 ports). A node's shared NIC (``Node.nic_gbps``) caps each of its
+    inter-node links (the collectives also count the NIC once per node: ``collectives``)."""
+    devices = tuple(devices)
+    per_node: dict[str, int] = {}
+    for name in devices:
+        node = cluster.node_of(name).name
+        per_node[node] = per_node.get(node, 0) + 1
+    found = []
+    for link in cluster.links_among(devices):
+        src, dst = cluster.node_of(link.src), cluster.node_of(link.dst)
+        gbps = link.bandwidth_gbps
+        if src.name == dst.name and src.switch_gbps:
+            gbps = min(gbps, src.switch_gbps / (per_node[src.name] - 1) if trees else src.switch_gbps)
+        elif src.name != dst.name:
+            gbps = min([gbps] + [n.nic_gbps for n in (src, dst) if n.nic_gbps])
+        found.append((link.src, link.dst, gbps, link.latency_us))
+    return found
+
+
+def capacity_graph(cluster: ClusterSpec, devices: Sequence[str], *, trees: bool = True) -> nx.DiGraph:
+    """Every device of the group, and a directed edge for every direct link among them (its
+    capacity as :func:`group_links` gives it: ``trees`` for packing, else for a ring)."""
     graph = nx.DiGraph()
     graph.add_nodes_from(devices)
-    for link in cluster.links_among(tuple(devices)):
-        graph.add_edge(link.src, link.dst, capacity=link.bandwidth_gbps, latency_us=link.latency_us)
+    for src, dst, gbps, latency_us in group_links(cluster, devices, trees=trees):
+        graph.add_edge(src, dst, capacity=gbps, latency_us=latency_us)
     return graph
 
 
@@ -83,10 +111,12 @@ def roots_by_bound(graph: nx.DiGraph, candidates: Sequence[str]) -> list[tuple[s
         ranked.append((root, bound))
         if root == candidates[0]:
             narrowest = worst
-    ranked.sort(key=lambda item: -item[1])   # stable: ties keep the candidates' order
+    ranked.sort(key=lambda item: -item[1])  # stable: ties keep the candidates' order
     if ranked[0][1] <= 0 and graph.number_of_nodes() > 1:
-        raise PlanInfeasible(f"the group is disconnected: {narrowest} cannot be reached from {candidates[0]} "
-                             "over the links among the group's devices")
+        raise PlanInfeasible(
+            f"the group is disconnected: {narrowest} cannot be reached from {candidates[0]} "
+            "over the links among the group's devices"
+        )
     return ranked
 
 
@@ -97,8 +127,9 @@ def best_root(graph: nx.DiGraph, candidates: Sequence[str]) -> tuple[str, float]
 
 def _bandwidth_map(graph: nx.DiGraph) -> dict:
     """src -> [(dst, capacity)] widest first: the order the ring search tries links in."""
-    return {u: sorted(((v, d["capacity"]) for v, d in graph[u].items()), key=lambda item: -item[1])
-            for u in graph.nodes}
+    return {
+        u: sorted(((v, d["capacity"]) for v, d in graph[u].items()), key=lambda item: -item[1]) for u in graph.nodes
+    }
 
 
 class _BudgetSpent(Exception):
@@ -122,7 +153,7 @@ def _widest_cycle(out_links: dict, nodes: list, budget: int) -> tuple[list, floa
             return
         for nxt, capacity in out_links[path[-1]]:
             if capacity <= best[0]:
-                break   # widest first: nothing further can beat the best ring
+                break  # widest first: nothing further can beat the best ring
             if nxt not in visited:
                 visited.add(nxt)
                 path.append(nxt)
@@ -167,15 +198,18 @@ def devices_by_node(cluster: ClusterSpec, devices: Sequence[str]) -> dict[str, l
     return {node: names for node, names in grouped.items() if names}
 
 
-def local_signature(cluster: ClusterSpec, names: Sequence[str]) -> tuple:
-    """The group's graph on one server with devices replaced by their position in ``names``.
+def local_signature(cluster: ClusterSpec, names: Sequence[str], *, trees: bool = True) -> tuple:
+    """The group's graph on one server with devices replaced by their position in ``names``
+    (capacities as :func:`group_links` gives them).
 
     Two servers with the same signature (e.g. 64 identical DGX-1s) have the same trees and
     rings up to renaming, so the work is done once.
     """
     index = {name: i for i, name in enumerate(names)}
-    edges = sorted((index[link.src], index[link.dst], link.bandwidth_gbps, link.latency_us)
-                   for link in cluster.links_among(tuple(names)))
+    edges = sorted(
+        (index[src], index[dst], gbps, latency_us)
+        for src, dst, gbps, latency_us in group_links(cluster, names, trees=trees)
+    )
     return len(names), tuple(edges)
 
 
@@ -197,16 +231,30 @@ def best_ring(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[str, 
     """
     per_node = devices_by_node(cluster, devices)
     if len(per_node) == 1:
-        return best_ring_in_graph(capacity_graph(cluster, devices))
+        return best_ring_in_graph(capacity_graph(cluster, devices, trees=False))
     order: list[str] = []
     paths: dict[tuple, tuple] = {}
     for names in per_node.values():
-        key = local_signature(cluster, names)
+        key = local_signature(cluster, names, trees=False)
         if key not in paths:
             paths[key] = best_path_in_graph(signature_graph(key))[0]
         order += [names[i] for i in paths[key]]
     if len(order) < len(devices):
         return (), 0.0
-    bottleneck = min((link.bandwidth_gbps if link else 0.0)
-                     for a, b in zip(order, order[1:] + order[:1]) for link in (cluster.link(a, b),))
+    nics = {node.name: node.nic_gbps for node in cluster.nodes if node.nic_gbps}
+
+    def width(a: str, b: str) -> float:
+        link = cluster.link(a, b)
+        if link is None:
+            return 0.0
+        return min(
+            [link.bandwidth_gbps]
+            + [
+                nics[n]
+                for n in {cluster.node_of(a).name, cluster.node_of(b).name}
+                if n in nics and cluster.node_of(a).name != cluster.node_of(b).name
+            ]
+        )
+
+    bottleneck = min(width(a, b) for a, b in zip(order, order[1:] + order[:1]))
     return (tuple(order), bottleneck) if bottleneck > 0 else ((), 0.0)

@@ -34,8 +34,20 @@ Constraints
                    for every block [c, c') between consecutive cut points, maxcost[o] = max_p cost[o, p]
     (8) twins:     sum_{p in left} load[p] >= sum_{p in right} load[p]  for every pair of twin blocks
                    (:meth:`SearchSpace.twin_blocks`), load[p] the left-hand sum of (5) without fill
+    (9) chain:     sum_{o: i_o = c, b_o = m} x[o] <= sum_{o: j_o = c, follows(b_o, m)} x[o]
+                   for every inner cut c and micro-batch m: the runtime can run a stage of
+                   micro-batch m only after one it may follow (a divisor of m with tokens, m itself
+                   in static pipelines: :func:`felactl.spec.executable.micro_batch_follows`), at
+                   most its in-flight limit times smaller (:func:`evaluate.chain_follows`: so the
+                   memory the model gives each stage holds under the schedule that runs)
+    (10) tokens:   sum_{o: j_o = L, i_o > 0, b_o = m} x[o] <= sum_{o: i_o = 0, holds(o, m)} x[o]
+                   for every micro-batch m of a last stage (tokens only): the first stage's tokens,
+                   rounded up to whole last-stage tokens, each get a sample
+                   (:func:`felactl.spec.executable.tokens_hold_samples`)
 
-(1)-(2) make the chosen options a path from layer 0 to layer L, so the last layer is covered too.
+(1)-(2) make the chosen options a path from layer 0 to layer L, so the last layer is covered too;
+on it exactly one stage ends at each cut where one starts, and one starts at 0, which is why (9)
+and (10) need only one constraint per micro-batch instead of one per pair of options.
 The stage cut, each stage's group (its degree and which device classes), its micro-batch, and
 whether devices serve several stages or one are chosen jointly; the shares within a group are
 proportional to the members' speed (what token pulling converges to), which keeps the program
@@ -64,8 +76,10 @@ from dataclasses import dataclass
 import pulp
 
 from felactl.errors import PlanInfeasible
+from felactl.optimizer.cost import stage_memory_bytes
+from felactl.optimizer.evaluate import chain_follows, in_flight
 from felactl.optimizer.space import SearchSpace, StageOption
-
+from felactl.spec.executable import tokens_hold_samples
 
 MS = 1e3
 """The program counts time in milliseconds: CBC's tolerances (~1e-7) are absolute, and iterations
@@ -125,31 +139,72 @@ def _build(space: SearchSpace, exclusive: bool) -> tuple[pulp.LpProblem, list, p
     for p in range(len(space.profiles)):
         prob += _expr(busy.get(p, []) + fill + [(t, -1)]) <= 0, f"c5_time_{p}"
     for lo, hi in zip(space.boundaries, space.boundaries[1:]):
-        covering = [(var, max(opt.cost_s.values()) * MS) for var, opt in zip(x, options)
-                    if opt.choice.start <= lo and hi <= opt.choice.end]
+        covering = [
+            (var, max(opt.cost_s.values()) * MS)
+            for var, opt in zip(x, options)
+            if opt.choice.start <= lo and hi <= opt.choice.end
+        ]
         prob += _expr(covering + fill + [(t, -1)]) <= 0, f"c7_block_{lo}"
     for k, (left, right) in enumerate(space.twin_blocks()):
         terms = [pair for p in left for pair in busy.get(p, [])]
         terms += [(var, -coef) for p in right for var, coef in busy.get(p, [])]
         prob += _expr(terms) >= 0, f"c8_twins_{k}"
+    _add_executable(prob, space, x, exclusive)
     return prob, x, t
 
 
-def solve(space: SearchSpace, *, exclusive: bool = False, time_limit_s: float | None = None,
-          lp_path: str | None = None, warm: tuple[StageOption, ...] | None = None) -> Solution:
+def _add_executable(prob: pulp.LpProblem, space: SearchSpace, x: list, exclusive: bool) -> None:
+    """Constraints (9) and (10): only plans the runtime can execute (static pipelines when exclusive)."""
+    options = space.options
+    last = space.boundaries[-1]
+    for c in space.boundaries[1:-1]:
+        ending = [(var, o) for var, o in zip(x, options) if o.choice.end == c]
+        starting = [(var, o) for var, o in zip(x, options) if o.choice.start == c]
+        for m in sorted({o.choice.micro_batch for _, o in starting}):
+            follows = [
+                (var, -1)
+                for var, o in ending
+                if chain_follows(o.choice.micro_batch, m, space.max_stages, space.global_batch, static=exclusive)
+            ]
+            prob += (
+                _expr([(var, 1) for var, o in starting if o.choice.micro_batch == m] + follows) <= 0,
+                f"c9_chain_{c}_{m}",
+            )
+    if exclusive:
+        return
+    first = [(var, o) for var, o in zip(x, options) if o.choice.start == 0]
+    ending_last = [(var, o) for var, o in zip(x, options) if o.choice.end == last and o.choice.start > 0]
+    for m in sorted({o.choice.micro_batch for _, o in ending_last}):
+        holds = [
+            (var, -1)
+            for var, o in first
+            if tokens_hold_samples(space.global_batch, o.choice.micro_batch, len(o.choice.devices), m)
+        ]
+        prob += _expr([(var, 1) for var, o in ending_last if o.choice.micro_batch == m] + holds) <= 0, f"c10_tokens_{m}"
+
+
+def solve(
+    space: SearchSpace,
+    *,
+    exclusive: bool = False,
+    time_limit_s: float | None = None,
+    lp_path: str | None = None,
+    warm: tuple[StageOption, ...] | None = None,
+) -> Solution:
     """One CBC run, started from ``warm`` (options of this space) or the best single stage; raise
     PlanInfeasible naming the constraint class when nothing fits. Under a time limit it returns
     the best plan found with CBC's gap to its proven lower bound."""
     if not space.options:
-        raise PlanInfeasible("memory: no stage of the model fits on any device at any micro-batch")
+        raise PlanInfeasible(_infeasible_reason(space, exclusive))
     prob, x, t = _build(space, exclusive)
     warm_started = _warm_start(space, x, warm)
     if lp_path:
         prob.writeLP(lp_path)
     with tempfile.TemporaryDirectory(prefix="felactl-cbc-") as tmp:
         log_path = os.path.join(tmp, "cbc.log")
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=GAP_REL, warmStart=warm_started,
-                                   logPath=log_path)
+        solver = pulp.PULP_CBC_CMD(
+            msg=False, timeLimit=time_limit_s, gapRel=GAP_REL, warmStart=warm_started, logPath=log_path
+        )
         began = time.perf_counter()
         prob.solve(solver)
         solve_s = time.perf_counter() - began
@@ -158,8 +213,9 @@ def solve(space: SearchSpace, *, exclusive: bool = False, time_limit_s: float | 
     has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if not has_solution:
         raise PlanInfeasible(_infeasible_reason(space, exclusive))
-    chosen = sorted((opt for var, opt in zip(x, space.options) if (var.value() or 0) > 0.5),
-                    key=lambda o: o.choice.start)
+    chosen = sorted(
+        (opt for var, opt in zip(x, space.options) if (var.value() or 0) > 0.5), key=lambda o: o.choice.start
+    )
     objective_s = float(t.value()) / MS
     if prob.sol_status == pulp.LpSolutionOptimal:
         return Solution(tuple(chosen), objective_s, pulp.LpStatus[prob.status], solve_s, gap=0.0)
@@ -182,8 +238,11 @@ def _warm_start(space: SearchSpace, x: list, warm: tuple[StageOption, ...] | Non
     if warm:
         chosen = {id(o) for o in warm}
     else:
-        whole = [(max(o.cost_s.values()), k) for k, o in enumerate(space.options)
-                 if o.choice.start == 0 and o.choice.end == space.boundaries[-1]]
+        whole = [
+            (max(o.cost_s.values()), k)
+            for k, o in enumerate(space.options)
+            if o.choice.start == 0 and o.choice.end == space.boundaries[-1]
+        ]
         if not whole:
             return False
         chosen = {id(space.options[min(whole)[1]])}
@@ -196,11 +255,43 @@ def _infeasible_reason(space: SearchSpace, exclusive: bool) -> str:
     covered = {c for o in space.options for c in range(o.choice.start, o.choice.end)}
     missing = [c for c in range(space.boundaries[-1]) if c not in covered]
     if missing:
-        layer = space.cost.model.layers[missing[0]]
-        return (f"memory: layer {missing[0]} ({layer.name!r}) fits on no device at micro-batch 1 "
-                f"with parameters, gradients and AdamW state")
+        return _part_that_does_not_fit(space, missing[0])
     if exclusive:
-        return (f"degree: the devices cannot form equal pipelines of at most {space.max_stages} stages "
-                f"in which each device runs one stage within its memory")
-    return (f"memory: no cut of the model into at most {space.max_stages} stages fits the devices' "
-            f"memory (largest {max(s.memory_bytes for s in space.slots) / 1e9:g} GB)")
+        return (
+            f"degree: the devices cannot form equal pipelines of at most {space.max_stages} stages "
+            f"in which each device runs one stage within its memory, at one micro-batch size"
+        )
+    return (
+        f"memory: no cut of the model into at most {space.max_stages} stages fits the devices' "
+        f"usable memory (largest {max(s.memory_bytes for s in space.slots) / 1e9:.3g} GB) with micro-batches "
+        f"the runtime can chain (each stage's a multiple of the one before, every token holding a sample)"
+    )
+
+
+def _part_that_does_not_fit(space: SearchSpace, layer_index: int) -> str:
+    """Name what fits on no device: the layer of the uncovered block that needs the most where it
+    alone does not fit, else the block (the planner does not cut inside blocks), with the GB each
+    needs at micro-batch 1 (parameters, gradients, AdamW state, the micro-batches in flight)."""
+    model = space.cost.model
+    start = max(c for c in space.boundaries if c <= layer_index)
+    end = min(c for c in space.boundaries if c > layer_index)
+    largest_gb = max(s.memory_bytes for s in space.slots) / 1e9
+
+    def need_gb(first: int, last: int) -> tuple[float, int]:
+        flight = in_flight(space.max_stages, space.global_batch, 1, whole_model=(first, last) == (0, model.num_layers))
+        return stage_memory_bytes(model, first, last, 1, flight) / 1e9, flight
+
+    (worst_gb, flight), worst = max((need_gb(i, i + 1), i) for i in range(start, end))
+    if worst_gb > largest_gb or end - start == 1:
+        part = f"layer {worst} ({model.layers[worst].name!r}) fits"
+    else:
+        (worst_gb, flight) = need_gb(start, end)
+        part = (
+            f"layers {start}-{end - 1} ({model.layers[start].name!r}..{model.layers[end - 1].name!r}), one block "
+            f"the planner does not cut, fit"
+        )
+    return (
+        f"memory: {part} on no device: {worst_gb:.3g} GB at micro-batch 1 ({flight} in flight) with parameters, "
+        f"gradients and AdamW state; the largest device has {largest_gb:.3g} GB usable (its memory less the "
+        f"headroom for the CUDA context and fragmentation)"
+    )

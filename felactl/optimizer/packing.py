@@ -60,8 +60,9 @@ def min_cost_arborescence(graph: nx.DiGraph, root, cost: dict) -> Edges:
     big = graph.number_of_nodes() * (max(cost[e] for e in graph.edges) - lowest + 1.0)
     pricing = nx.DiGraph()
     pricing.add_nodes_from(graph.nodes)
-    pricing.add_weighted_edges_from(((u, v, big - (cost[(u, v)] - lowest)) for u, v in graph.edges if v != root),
-                                    weight="gain")
+    pricing.add_weighted_edges_from(
+        ((u, v, big - (cost[(u, v)] - lowest)) for u, v in graph.edges if v != root), weight="gain"
+    )
     tree = nx.maximum_branching(pricing, attr="gain", preserve_attrs=False)
     if tree.number_of_edges() != graph.number_of_nodes() - 1:
         raise PlanInfeasible(f"Edmonds' algorithm found no spanning tree from {root} although one exists")
@@ -95,8 +96,9 @@ def _dual_price(problem: pulp.LpProblem, name: str) -> float:
     return constraint.pi or 0.0
 
 
-def _solve(problem: pulp.LpProblem, what: str, time_limit_s: float = SOLVER_TIME_LIMIT_S,
-           warm_start: bool = False) -> None:
+def _solve(
+    problem: pulp.LpProblem, what: str, time_limit_s: float = SOLVER_TIME_LIMIT_S, warm_start: bool = False
+) -> None:
     problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm_start))
     status = pulp.LpStatus[problem.status]
     found = pulp.LpSolution.get(problem.sol_status, "")
@@ -128,8 +130,9 @@ def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges]) -> tuple[dict[Edges,
     return weights, duals
 
 
-def pack_trees(graph: nx.DiGraph, root, bound_gbps: float,
-               known: list[Edges] = ()) -> tuple[list[Edges], dict[Edges, float]]:
+def pack_trees(
+    graph: nx.DiGraph, root, bound_gbps: float, known: list[Edges] = ()
+) -> tuple[list[Edges], dict[Edges, float]]:
     """Column generation (step 2): every tree generated, and the optimal rate of each.
 
     ``known`` trees that still fit the graph join the warm-start columns.
@@ -147,8 +150,9 @@ def pack_trees(graph: nx.DiGraph, root, bound_gbps: float,
     return trees, weights
 
 
-def fewest_trees_ilp(graph: nx.DiGraph, trees: list[Edges], packed_gbps: float, min_share: float,
-                     start: dict[Edges, float] | None = None) -> dict[Edges, float]:
+def fewest_trees_ilp(
+    graph: nx.DiGraph, trees: list[Edges], packed_gbps: float, min_share: float, start: dict[Edges, float] | None = None
+) -> dict[Edges, float]:
     """The fewest trees that carry ``min_share`` of the packed rate; returns the kept trees' rates.
 
     Sets: E the directed links (capacity c_e); T the generated trees; u_T = min_{e in T} c_e.
@@ -238,8 +242,9 @@ def _safest(graph: nx.DiGraph, residual: dict, root, trees: list, need_gbps: flo
     return best_weight, best_tree
 
 
-def peel_trees(graph: nx.DiGraph, root, bound_gbps: float,
-               min_share: float) -> tuple[list[Edges], dict[Edges, float], float]:
+def peel_trees(
+    graph: nx.DiGraph, root, bound_gbps: float, min_share: float
+) -> tuple[list[Edges], dict[Edges, float], float]:
     """Few trees with their rates, found greedily; also every tree an LP on the way used.
 
     Repeatedly pack the residual graph (its optimum is the residual need, by the invariant that
@@ -254,7 +259,7 @@ def peel_trees(graph: nx.DiGraph, root, bound_gbps: float,
     while need > (1 - min_share) * bound_gbps + CAPACITY_EPS_GBPS:
         try:
             trees, weights = pack_trees(_residual_graph(graph, residual), root, need, candidates)
-        except PlanInfeasible:   # the residual no longer spans: what is carried is all there is
+        except PlanInfeasible:  # the residual no longer spans: what is carried is all there is
             break
         used = sorted((t for t in trees if weights[t] > CAPACITY_EPS_GBPS), key=lambda t: -weights[t])
         packed = sum(weights.values()) if packed is None else packed
@@ -299,13 +304,14 @@ def _reaches_root(node, parent_of: dict, root) -> bool:
     return False
 
 
-def pack_arborescences(graph: nx.DiGraph, root, bound_gbps: float,
-                       min_share: float) -> tuple[dict[Edges, float], float]:
+def pack_arborescences(
+    graph: nx.DiGraph, root, bound_gbps: float, min_share: float
+) -> tuple[dict[Edges, float], float]:
     """Steps 1-4: the kept trees with their rates (GB/s), and the rate of the full LP packing."""
     if graph.number_of_nodes() == 1:
         return {(): float("inf")}, float("inf")
     candidates, peeled, packed = peel_trees(graph, root, bound_gbps, min_share)
     if packed <= 0:
         raise PlanInfeasible(f"no positive-rate spanning tree from {root}")
-    candidates = all_arborescences(graph, root) or candidates   # small groups: the ILP is exact
+    candidates = all_arborescences(graph, root) or candidates  # small groups: the ILP is exact
     return fewest_trees_ilp(graph, candidates, packed, min_share, start=peeled), packed

@@ -6,23 +6,36 @@ stages (tokens) or one (pipelines, with ``--sync sdpipe``). What is decomposed: 
 grouped into classes and slots (:mod:`space`), deep models into equal-FLOP blocks; shares inside a
 group follow the members' speed; for SDPipe the pipeline degree R is enumerated outside the ILP
 (one solve per R); the Blink trees of each candidate group are packed before the solve and enter
-the ILP as its sync cost; ``no_trees`` is a second solve with rings only.
+the ILP as its sync cost; ``no_trees`` prices the plan's own stages with rings only (no second solve).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
+from felactl import limits
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer import baselines, ilp
-from felactl.optimizer.cost import CostModel
-from felactl.optimizer.evaluate import predict, token_samples
+from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
+from felactl.optimizer.evaluate import StageChoice, in_flight, predict, token_samples
 from felactl.optimizer.simulator import simulate
 from felactl.optimizer.space import build_space
-from felactl.spec import (ClusterSpec, placements_from, ModelRef, ModelSpec, Plan, Prediction, Schedule, SolverInfo, Stage,
-                          StageWorker, SyncMode, SyncSpec)
+from felactl.spec import (
+    ClusterSpec,
+    ModelRef,
+    ModelSpec,
+    Plan,
+    Prediction,
+    Schedule,
+    SolverInfo,
+    Stage,
+    StageWorker,
+    SyncMode,
+    SyncSpec,
+    placements_from,
+)
 
 SYNC_MODES = tuple(m.value for m in SyncMode)
 DEFAULT_TIME_LIMIT_S = 30.0
@@ -45,6 +58,7 @@ def check_devices(cluster: ClusterSpec, devices: Sequence[str] | None) -> tuple[
 def _same_stages(space, options: Sequence) -> tuple | None:
     """The options of ``space`` with the same layer range, micro-batch and group as ``options``
     (another space's solution), or None where one is missing."""
+
     def key(o):
         return o.choice.start, o.choice.end, o.choice.micro_batch, o.group
 
@@ -53,24 +67,35 @@ def _same_stages(space, options: Sequence) -> tuple | None:
     return None if not found or None in found else found
 
 
-def _solve_best(cost: CostModel, global_batch: int, mode: SyncMode, max_stages: int, time_limit_s: float | None,
-                lp_path: str | None, progress: Callable[[str], None],
-                extra_micro_batches: tuple[int, ...] = (), warm: Sequence = ()) -> ilp.Solution:
+def _solve_best(
+    cost: CostModel,
+    global_batch: int,
+    mode: SyncMode,
+    max_stages: int,
+    time_limit_s: float | None,
+    lp_path: str | None,
+    progress: Callable[[str], None],
+    extra_micro_batches: tuple[int, ...] = (),
+    warm: Sequence = (),
+) -> ilp.Solution:
     """Tokens/BSP: one solve. WBSP: one stage. SDPipe: one solve per pipeline degree R. ``warm``:
     stages of an earlier solution (of another cost model) to start CBC from where they exist."""
     if mode is SyncMode.WBSP:
         max_stages = 1
     space = build_space(cost, global_batch, max_stages=max_stages, extra_micro_batches=extra_micro_batches)
-    progress(f"search space: {len(space.options)} stage options, {len(space.slots)} slots, "
-             f"{len(space.boundaries) - 1} blocks")
+    progress(
+        f"search space: {len(space.options)} stage options, {len(space.slots)} slots, "
+        f"{len(space.boundaries) - 1} blocks"
+    )
     if mode is not SyncMode.SDPIPE:
         return ilp.solve(space, time_limit_s=time_limit_s, lp_path=lp_path, warm=_same_stages(space, warm))
     best, last_error = None, None
     for degree in sorted({len(cost_devices(space, g)) for g in range(len(space.groups))}):
         sub = replace(space, options=[o for o in space.options if len(o.choice.devices) == degree])
         try:
-            found = ilp.solve(sub, exclusive=True, time_limit_s=time_limit_s, lp_path=lp_path,
-                              warm=_same_stages(sub, warm))
+            found = ilp.solve(
+                sub, exclusive=True, time_limit_s=time_limit_s, lp_path=lp_path, warm=_same_stages(sub, warm)
+            )
         except PlanInfeasible as exc:
             last_error = exc
             continue
@@ -86,18 +111,33 @@ def cost_devices(space, group: int) -> tuple[str, ...]:
     return tuple(d for s in space.groups[group] for d in space.slots[s].devices)
 
 
-def _plan_from(solution: ilp.Solution, cost: CostModel, model: ModelSpec, global_batch: int, mode: SyncMode,
-               use_trees: bool) -> Plan:
+def _plan_from(
+    choices: Sequence[StageChoice],
+    cost: CostModel,
+    model: ModelSpec,
+    global_batch: int,
+    mode: SyncMode,
+    use_trees: bool,
+    max_stages: int,
+) -> Plan:
+    """The plan of ``choices`` (an ILP solution's stages, or a baseline's), without its prediction."""
     stages, used = [], set()
-    for opt in solution.options:
-        c = opt.choice
-        memory_gb = max(opt.memory_bytes.values()) / 1e9
+    for c in choices:
+        whole = (c.start, c.end) == (0, model.num_layers)
+        flight = in_flight(max_stages, global_batch, c.micro_batch, whole_model=whole)
+        memory_gb = stage_memory_bytes(model, c.start, c.end, c.micro_batch, flight) / 1e9
         samples = token_samples(c.shares, global_batch, c.micro_batch)
-        workers = tuple(StageWorker(device=d, share=round(samples[d] / global_batch, 9),
-                                    predicted_memory_gb=round(memory_gb, 4)) for d, _ in c.shares)
+        workers = tuple(
+            StageWorker(device=d, share=round(samples[d] / global_batch, 9), predicted_memory_gb=round(memory_gb, 4))
+            for d, _ in c.shares
+        )
         fix = 1.0 - sum(w.share for w in workers)
         workers = (replace(workers[0], share=workers[0].share + fix),) + workers[1:]
-        stages.append(Stage(layer_start=c.start, layer_end=c.end, micro_batch=c.micro_batch, workers=workers))
+        stages.append(
+            Stage(
+                layer_start=c.start, layer_end=c.end, micro_batch=c.micro_batch, workers=workers, max_in_flight=flight
+            )
+        )
         used.update(c.devices)
     devices = tuple(d for d in cost.cluster.device_names if d in used)
     schedule, pipelines = Schedule.TOKENS, ()
@@ -108,48 +148,125 @@ def _plan_from(solution: ilp.Solution, cost: CostModel, model: ModelSpec, global
     if use_trees:
         for s, st in enumerate(stages):
             coll = cost.collective(st.devices)
-            if coll is not None:
+            # Trees only where they are no slower than the ring (the sync was priced so): the runtime
+            # runs the trees it is given, and the ring (the backend's allreduce) where it has none.
+            nbytes = stage_param_bytes(model, st.layer_start, st.layer_end)
+            if coll is not None and cost.tree_sync_s(st.devices, nbytes) <= cost.ring_sync_s(st.devices, nbytes):
                 collectives.append(replace(coll, group=f"stage{s}"))
-    return Plan(cluster=cost.cluster.name, model=ModelRef(name=model.name, source=model.source, config=model.config),
-                devices=devices, global_batch=global_batch, schedule=schedule,
-                sync=SyncSpec(mode=mode, use_trees=use_trees), stages=tuple(stages), pipelines=pipelines,
-                collectives=tuple(collectives))
+    return Plan(
+        cluster=cost.cluster.name,
+        model=ModelRef(name=model.name, source=model.source, config=model.config),
+        devices=devices,
+        global_batch=global_batch,
+        schedule=schedule,
+        sync=SyncSpec(mode=mode, use_trees=use_trees),
+        stages=tuple(stages),
+        pipelines=pipelines,
+        collectives=tuple(collectives),
+    )
 
 
-def make_plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, sync: str = "tokens",
-              devices: Sequence[str] | None = None, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
-              use_trees: bool = True,
-              debug_lp_path: str | None = None, max_stages: int = 4,
-              progress: Callable[[str], None] | None = None) -> Plan:
-    """Plan ``model`` on ``cluster`` (or the ``devices`` of it) for one global batch per iteration."""
-    progress = progress or (lambda _msg: None)
+def _predicted(
+    plan: Plan, cost: CostModel, iteration_s: float, baselines_s: dict[str, float], missing: dict[str, str]
+) -> Prediction:
+    """What a plan records of its costs: its iteration time (the cost model's), the baselines', and
+    the simulator's iteration time and peak memory under it."""
+    simulation = simulate(plan, cost)
+    return Prediction(
+        iteration_s=iteration_s,
+        samples_per_s=plan.global_batch / iteration_s,
+        baselines={k: round(v, 9) for k, v in baselines_s.items()},
+        baselines_missing=missing,
+        simulated_iteration_s=simulation.iteration_s,
+        simulated_peak_memory_gb={d: round(b / 1e9, 6) for d, b in simulation.peak_memory_bytes.items()},
+    )
+
+
+def _checked(cluster: ClusterSpec, model: ModelSpec, global_batch: int, sync: str) -> SyncMode:
     if sync not in SYNC_MODES:
         raise InputError(f"--sync: expected one of {', '.join(SYNC_MODES)}, got {sync!r}")
-    if global_batch < 1:
-        raise PlanInfeasible(f"batch split: the global batch must be at least 1 sample, got {global_batch}")
-    mode = SyncMode(sync)
+    problem = limits.BATCH.problem(global_batch)
+    if problem is not None:  # beyond the bound, the baselines' and the ILP's token counts never end
+        raise InputError(f"global batch {problem}")
+    if model.total_params == 0:
+        raise PlanInfeasible(f"params: model {model.name!r} has no trainable parameter: nothing to train")
+    return SyncMode(sync)
+
+
+def make_plan(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    global_batch: int,
+    *,
+    sync: str = "tokens",
+    devices: Sequence[str] | None = None,
+    time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
+    use_trees: bool = True,
+    debug_lp_path: str | None = None,
+    max_stages: int = 4,
+    progress: Callable[[str], None] | None = None,
+    headroom: MemoryHeadroom | None = None,
+) -> Plan:
+    """Plan ``model`` on ``cluster`` (or the ``devices`` of it) for one global batch per iteration."""
+    progress = progress or (lambda _msg: None)
+    mode = _checked(cluster, model, global_batch, sync)
+    if not model.splittable:
+        max_stages = 1  # no cut between its layers: data-parallel plans only
     sub = cluster.subset(check_devices(cluster, devices))
-    cost = CostModel(sub, model, use_trees=use_trees, sync_reference=cluster)
-    found = baselines.baselines(cost, global_batch)
+    cost = CostModel(sub, model, use_trees=use_trees, sync_reference=cluster, headroom=headroom or MemoryHeadroom())
+    found, missing = baselines.baselines_and_missing(cost, global_batch)
     # The baselines' micro-batches join the searched ones, so DP itself is in the space: never worse.
-    extra = tuple(sorted({b for _, b in found.values()}))
+    extra = tuple(sorted({b.micro_batch for b in found.values()}))
     began = time.perf_counter()
     solution = _solve_best(cost, global_batch, mode, max_stages, time_limit_s, debug_lp_path, progress, extra)
     solve_s = time.perf_counter() - began
-    plan = _plan_from(solution, cost, model, global_batch, mode, use_trees)
     stages = tuple(o.choice for o in solution.options)
+    plan = _plan_from(stages, cost, model, global_batch, mode, use_trees, max_stages)
     iteration_s = predict(cost, stages, global_batch, max_stages).iteration_s
-    found_s = {name: t for name, (t, _) in found.items()}
+    found_s = {name: b.iteration_s for name, b in found.items()}
     if use_trees and not cost.trees_ever_faster:
         found_s["no_trees"] = solution.objective_s  # no stage's sync used trees: the same program
     elif use_trees:
-        progress("re-solving with rings only (no_trees baseline)")
-        rings = replace(cost, use_trees=False)
-        # The plan found with trees is a plan with rings too: CBC starts from it.
-        found_s["no_trees"] = _solve_best(rings, global_batch, mode, max_stages, time_limit_s, None,
-                                          progress, extra, warm=solution.options).objective_s
-    simulated = simulate(plan, cost).iteration_s
-    prediction = Prediction(iteration_s=iteration_s, samples_per_s=global_batch / iteration_s,
-                            baselines={k: round(v, 9) for k, v in found_s.items()}, simulated_iteration_s=simulated)
+        # The plan's own stages synced over rings: priced, not solved again (a second solve doubled
+        # the planner's time). The best rings-only plan could differ; this is the trees' own gain.
+        found_s["no_trees"] = predict(replace(cost, use_trees=False), stages, global_batch, max_stages).iteration_s
+    prediction = _predicted(plan, cost, iteration_s, found_s, missing)
     info = SolverInfo(name="PULP_CBC_CMD", status=solution.status, solve_s=round(solve_s, 4), gap=solution.gap)
+    return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))
+
+
+BASELINE_NAMES = ("dp", "mp", "hp")
+
+
+def make_baseline_plan(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    global_batch: int,
+    baseline: str,
+    *,
+    devices: Sequence[str] | None = None,
+    headroom: MemoryHeadroom | None = None,
+) -> Plan:
+    """The runnable plan of one baseline (:mod:`baselines`: ``dp``, ``mp``, ``hp``): the stages
+    ``make_plan`` prices it by (``felactl plan --compare``), synced as its systems do, BSP over
+    rings, its ``predicted.iteration_s`` the very number ``make_plan`` records for it. Raises
+    PlanInfeasible saying why where the baseline has no plan here."""
+    if baseline not in BASELINE_NAMES:
+        raise InputError(f"--baseline: expected one of {', '.join(BASELINE_NAMES)}, got {baseline!r}")
+    _checked(cluster, model, global_batch, SyncMode.BSP.value)
+    sub = cluster.subset(check_devices(cluster, devices))
+    cost = baselines.rings_only(
+        CostModel(sub, model, use_trees=False, sync_reference=cluster, headroom=headroom or MemoryHeadroom())
+    )
+    began = time.perf_counter()
+    found, missing = baselines.baselines_and_missing(cost, global_batch)
+    solve_s = time.perf_counter() - began
+    if baseline not in found:
+        raise PlanInfeasible(f"baseline {baseline}: no plan: {missing[baseline]}")
+    chosen = found[baseline]
+    plan = _plan_from(
+        chosen.stages, cost, model, global_batch, SyncMode.BSP, use_trees=False, max_stages=len(chosen.stages)
+    )
+    prediction = _predicted(plan, cost, chosen.iteration_s, {k: b.iteration_s for k, b in found.items()}, missing)
+    info = SolverInfo(name=f"baseline:{baseline}", status="Baseline", solve_s=round(solve_s, 4))
     return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))

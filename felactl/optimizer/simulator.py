@@ -10,12 +10,24 @@ them are done. Devices take ready tokens of the stages they serve:
 * ``tokens``: a worker takes its own ready tokens, deepest level of the token DAG first (ADS:
   forward s has depth s, backward s depth 2K - 1 - s), then locality (it produced the inputs),
   then id; with none ready it helps: it takes a busy worker's ready token if it would finish it
-  sooner than that worker could (so fast workers pull more, stragglers shed work);
+  sooner than that worker could (so fast workers pull more, stragglers shed work), or if the
+  in-flight limit holds that worker back (below);
 * ``1f1b`` prefers backward tokens, ``gpipe`` forward ones; no helping (static pipelines).
 
 A token's duration is its compute (cost model, times the device's slowdown) plus receiving its
 inputs from the devices that produced them on the actual links; the producer pays the same time
-to send, before its next token. When a stage's last backward token is done its group allreduces
+to send, before its next token. A backward token taken by a worker other than the one that ran
+its forward recomputes that forward first (as the runtime does: the autograd graph lives where
+the forward ran), and the worker that ran it keeps its activations to the iteration's end (the
+runtime frees them there).
+
+**Memory.** Each device holds the weights, gradients and AdamW state of every stage it serves
+and, per forward it ran, the activations autograd saves (:func:`cost.saved_bytes_per_sample`)
+until that token's backward runs there. A worker takes no forward of a stage (and steals no
+backward of it) while it holds ``Stage.max_in_flight`` of that stage's micro-batches: the limit
+the planner's memory model assumed. Should every worker be held up by it with tokens left (a plan
+the limit cannot run), the limit is lifted for the rest of the iteration and the result says so
+(``in_flight_exceeded``). The result reports each device's peak memory. When a stage's last backward token is done its group allreduces
 its gradients (trees or ring, as the cost model says): a barrier among the members, who join once
 they have no token to run, in the order the allreduces became due. Stragglers: per-device slowdown factors, and sleeps at the iteration's start:
 ``roundrobin:SECONDS`` (device ``iteration mod N`` sleeps) or ``prob:P:SECONDS`` (each device
@@ -30,7 +42,13 @@ import random
 from dataclasses import dataclass, field
 
 from felactl.errors import InputError
-from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_param_bytes
+from felactl.optimizer.cost import (
+    CostModel,
+    boundary_bytes_per_sample,
+    saved_bytes_per_sample,
+    stage_memory_bytes,
+    stage_param_bytes,
+)
 from felactl.spec import Plan, Schedule
 
 
@@ -56,6 +74,10 @@ class Interval:
 class SimResult:
     iteration_s: float
     intervals: tuple[Interval, ...]
+    peak_memory_bytes: dict[str, float] = field(default_factory=dict)
+    """Each device's peak memory in the iteration (see module doc)."""
+    in_flight_exceeded: bool = False
+    """Whether the limits had to be lifted to finish the iteration."""
 
     def busy_s(self, device: str) -> float:
         return sum(i.end_s - i.start_s for i in self.intervals if i.device == device and i.label != "sleep")
@@ -90,6 +112,8 @@ class _Token:
     producers: list = field(default_factory=list)
     device: str | None = None
     bound: str | None = None
+    recompute: bool = False
+    """A backward run away from its forward: the forward is run again first."""
 
 
 class _Simulation:
@@ -107,6 +131,21 @@ class _Simulation:
         self.ready: list[list[_Token]] = [[] for _ in range(2 * self.num_stages)]
         self.remaining_bwd = [0] * self.num_stages
         self.sync_joined: list[set] = [set() for _ in plan.stages]
+        self.limit = [stage.max_in_flight or math.inf for stage in plan.stages]
+        self.held: dict[tuple[str, int], int] = {}
+        """(device, stage) -> forwards of that stage whose activations the device holds."""
+        self.memory: dict[str, float] = {}
+        self.peak: dict[str, float] = {}
+        self.relaxed = False
+        self._act_bytes = [
+            sum(saved_bytes_per_sample(cost.model, i) for i in range(st.layer_start, st.layer_end))
+            for st in plan.stages
+        ]
+        for st, members in zip(plan.stages, self.stage_members):
+            weights = stage_memory_bytes(cost.model, st.layer_start, st.layer_end, 1, 0)
+            for d in members:
+                self.memory[d] = self.memory.get(d, 0.0) + weights
+        self.peak = dict(self.memory)
         self.sync_order: list[int] = []
         """Stages whose allreduce is due, in the order they became due: every member joins them in
         this one order, as collectives must be issued, so two barriers never wait on each other."""
@@ -169,11 +208,24 @@ class _Simulation:
             if device in self.stage_members[stage]:
                 yield level
 
+    def _holds_room(self, device: str, tok: _Token) -> bool:
+        """Whether ``device`` may take ``tok`` under the stage's in-flight limit: a forward, or a
+        backward it would recompute, needs room for one more micro-batch."""
+        if self.relaxed or (tok.backward and self.fwd[tok.stage][tok.index].device == device):
+            return True
+        return self.held.get((device, tok.stage), 0) < self.limit[tok.stage]
+
+    def _hold(self, device: str, stage: int, tok: _Token, sign: int) -> None:
+        self.held[(device, stage)] = self.held.get((device, stage), 0) + sign
+        self.memory[device] += sign * self._act_bytes[stage] * (tok.last - tok.first)
+        self.peak[device] = max(self.peak[device], self.memory[device])
+
     def _pick(self, device: str, now: float) -> _Token | None:
         """Its own ready tokens first (deepest level, then locality, then id); else, under token
-        scheduling, help: take another worker's ready token if it finishes sooner here than there."""
+        scheduling, help: take another worker's ready token if it finishes sooner here than there.
+        Never a token the in-flight limit forbids (:meth:`_holds_room`)."""
         for level in self._levels(device):
-            mine = [t for t in self.ready[level] if t.bound in (None, device)]
+            mine = [t for t in self.ready[level] if t.bound in (None, device) and self._holds_room(device, t)]
             if mine:
                 tok = min(mine, key=lambda t: (-sum(p == device for p, _ in t.producers), t.index))
                 self.ready[level].remove(tok)
@@ -183,7 +235,11 @@ class _Simulation:
         for level in self._levels(device):
             for tok in self.ready[level]:
                 owner = tok.bound
-                if now + self._compute_s(tok, device) < self.busy_until[owner] + self._compute_s(tok, owner):
+                if not self._holds_room(device, tok):
+                    continue
+                if not self._holds_room(owner, tok) or now + self._compute_s(tok, device) < self.busy_until[
+                    owner
+                ] + self._compute_s(tok, owner):
                     self.ready[level].remove(tok)
                     return tok
         return None
@@ -191,6 +247,8 @@ class _Simulation:
     def _compute_s(self, tok: _Token, device: str) -> float:
         stage = self.plan.stages[tok.stage]
         fwd_s, bwd_s = self.cost.stage_times_s(stage.layer_start, stage.layer_end, device, stage.micro_batch)
+        if tok.backward and self.fwd[tok.stage][tok.index].device not in (None, device):
+            bwd_s += fwd_s  # the forward is recomputed here first
         compute = (bwd_s if tok.backward else fwd_s) * (tok.last - tok.first) / stage.micro_batch
         return compute * self.stragglers.slowdown.get(device, 1.0)
 
@@ -200,7 +258,10 @@ class _Simulation:
         boundary = stage.layer_end if tok.backward else stage.layer_start
         per_sample = boundary_bytes_per_sample(self.cost.model, boundary)
         receive = 0.0
-        for producer, samples in tok.producers:
+        producers = list(tok.producers)
+        if tok.recompute and tok.stage > 0:  # the recomputed forward fetches its inputs again
+            producers += self.fwd[tok.stage][tok.index].producers
+        for producer, samples in producers:
             link_s = self.cost.link_time_s(producer, device, samples * per_sample)
             receive += link_s
             self.debt_s[producer] += link_s
@@ -219,6 +280,11 @@ class _Simulation:
             if self.debt_s[device] > 0:
                 self.intervals.append(Interval(device, now, now + self.debt_s[device], "send"))
                 start, self.debt_s[device] = now + self.debt_s[device], 0.0
+            if not tok.backward:
+                self._hold(device, tok.stage, tok, +1)
+            elif self.fwd[tok.stage][tok.index].device != device:
+                tok.recompute = True
+                self._hold(device, tok.stage, tok, +1)
             end = start + self._duration_s(tok, device)
             self.busy_until[device] = end
             tok.device = device
@@ -246,6 +312,8 @@ class _Simulation:
     def _finish(self, tok: _Token) -> None:
         self.free[tok.device] = True
         s = tok.stage
+        if tok.backward and (tok.recompute or self.fwd[s][tok.index].device == tok.device):
+            self._hold(tok.device, s, tok, -1)  # the graph it kept (or rebuilt) for this backward
         if not tok.backward:
             followers = self._overlap(self.fwd[s + 1], tok) if s + 1 < self.num_stages else []
             followers.append(self.bwd[s][tok.index])
@@ -270,7 +338,11 @@ class _Simulation:
             self._push(seconds, "wake", device)
         self._dispatch(0.0)
         now = 0.0
-        while self.events:
+        while self.events or not self.relaxed and self._stalled():
+            if not self.events:  # every worker is held up by the in-flight limit: lift it (module doc)
+                self.relaxed = True
+                self._dispatch(now)
+                continue
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == "token":
                 self._finish(payload)
@@ -283,14 +355,26 @@ class _Simulation:
             self._dispatch(now)
         self._optimizer_steps()
         end = max((i.end_s for i in self.intervals), default=0.0)
-        return SimResult(iteration_s=end, intervals=tuple(self.intervals))
+        return SimResult(
+            iteration_s=end,
+            intervals=tuple(self.intervals),
+            peak_memory_bytes=dict(self.peak),
+            in_flight_exceeded=self.relaxed,
+        )
+
+    def _stalled(self) -> bool:
+        """Tokens are left, but nothing runs: only the in-flight limit can hold them up."""
+        return any(self.ready) or any(n > 0 for n in self.remaining_bwd)
 
     def _optimizer_steps(self) -> None:
         """Each device steps the optimizer of every stage it serves once its last work is done
         (the same term :func:`felactl.optimizer.evaluate.predict` charges)."""
         for device in self.plan.devices:
-            step_s = sum(self.cost.optimizer_step_s(st.layer_start, st.layer_end, device)
-                         for st, members in zip(self.plan.stages, self.stage_members) if device in members)
+            step_s = sum(
+                self.cost.optimizer_step_s(st.layer_start, st.layer_end, device)
+                for st, members in zip(self.plan.stages, self.stage_members)
+                if device in members
+            )
             if step_s > 0:
                 done = max((i.end_s for i in self.intervals if i.device == device), default=0.0)
                 self.intervals.append(Interval(device, done, done + step_s, "O"))

@@ -13,8 +13,10 @@
 * **Stage options**: (layer range, micro-batch, group) with, per device profile, the seconds the
   option costs it (compute + exchange + sync, :func:`evaluate.stage_device_cost`), its memory, and
   its pipeline fill. Options that cannot fit a member's memory, or in which a member would get no
-  whole token (:func:`evaluate.token_samples`), are left out; with ``prune``, options dominated by the same range and group at
-  another micro-batch (no better on any device's time, memory, or fill) are dropped too.
+  whole token (:func:`evaluate.token_samples`), are left out, and so are layer ranges without a
+  trainable parameter (the runtime cannot run them as a stage: :mod:`felactl.spec.executable`);
+  with ``prune``, options dominated by the same range and group at another micro-batch (no
+  better on any device's time, memory, or fill) are dropped too.
 * **Twin blocks** (:meth:`SearchSpace.twin_blocks`): sibling slot blocks of one class whose swap
   maps every option onto an equal one; the ILP orders their loads to break the symmetry.
 """
@@ -27,6 +29,7 @@ from itertools import product
 
 from felactl.optimizer.cost import CostModel, micro_batch_options, stage_memory_bytes
 from felactl.optimizer.evaluate import StageChoice, in_flight, stage_device_cost, stage_fill_s, token_samples
+from felactl.spec.executable import stage_trainable
 
 
 @dataclass(frozen=True)
@@ -89,11 +92,12 @@ class SearchSpace:
         for members in by_class.values():
             for m in reversed(_powers_upto(len(members))[:-1] if len(members) > 1 else []):
                 for a in range(0, len(members) - 2 * m + 1, 2 * m):
-                    left, right = members[a:a + m], members[a + m:a + 2 * m]
+                    left, right = members[a : a + m], members[a + m : a + 2 * m]
                     swap = self._swap_map(left, right)
                     if swap and self._is_symmetry(swap, index, group_index):
-                        twins.append((tuple(p for u in left for p in swap[2][u]),
-                                      tuple(p for u in right for p in swap[2][u])))
+                        twins.append(
+                            (tuple(p for u in left for p in swap[2][u]), tuple(p for u in right for p in swap[2][u]))
+                        )
         return twins
 
     def _swap_map(self, left: list[int], right: list[int]):
@@ -151,18 +155,19 @@ def block_boundaries(cost: CostModel, max_blocks: int) -> tuple[int, ...]:
 def make_slots(cost: CostModel, max_slots_per_class: int) -> tuple[tuple[Slot, ...], tuple[Profile, ...]]:
     classes: dict[tuple, list[str]] = {}
     for dev in cost.cluster.devices:
-        classes.setdefault((dev.model, dev.tflops, dev.memory_gb), []).append(dev.name)
+        classes.setdefault((dev.model, dev.tflops, dev.memory_gb, dev.kind), []).append(dev.name)
     slots, profiles = [], []
-    for c, ((_, _, memory_gb), names) in enumerate(classes.items()):
+    for c, names in enumerate(classes.values()):
+        usable_bytes = cost.usable_memory_bytes(names[0])
         num_slots = min(len(names), max_slots_per_class)
         for k in range(num_slots):
-            part = tuple(names[k * len(names) // num_slots:(k + 1) * len(names) // num_slots])
+            part = tuple(names[k * len(names) // num_slots : (k + 1) * len(names) // num_slots])
             by_signature: dict[tuple, list[str]] = {}
             for name in part:
                 sig = tuple(round(x, 15) for x in cost.exchange_signature(name))
                 by_signature.setdefault(sig, []).append(name)
             profiles += [Profile(slot=len(slots), devices=tuple(p)) for p in by_signature.values()]
-            slots.append(Slot(device_class=c, devices=part, memory_bytes=memory_gb * 1e9))
+            slots.append(Slot(device_class=c, devices=part, memory_bytes=usable_bytes))
     return tuple(slots), tuple(profiles)
 
 
@@ -189,7 +194,7 @@ def make_groups(slots: tuple[Slot, ...]) -> tuple[tuple[tuple[int, ...], ...], i
     for cls in by_class.values():
         for size in _powers_upto(len(cls)):
             for start in range(0, len(cls) - size + 1, size):
-                groups[tuple(cls[start:start + size])] = None
+                groups[tuple(cls[start : start + size])] = None
     return tuple(groups), num_prefix
 
 
@@ -199,27 +204,49 @@ def _option(space: SearchSpace, start: int, end: int, micro_batch: int, group: i
     devices = tuple(d for s in members for d in slots[s].devices)
     if math.ceil(space.global_batch / micro_batch) < len(devices):
         return None  # fewer micro-batches than workers: someone would idle
-    held = stage_memory_bytes(cost.model, start, end, micro_batch,
-                              in_flight(space.max_stages, space.global_batch, micro_batch,
-                                        whole_model=start == 0 and end == cost.model.num_layers))
+    held = stage_memory_bytes(
+        cost.model,
+        start,
+        end,
+        micro_batch,
+        in_flight(
+            space.max_stages, space.global_batch, micro_batch, whole_model=start == 0 and end == cost.model.num_layers
+        ),
+    )
     if any(held > slots[s].memory_bytes for s in members):
         return None
     rate = {s: 1.0 / max(cost.per_sample_s(start, end, slots[s].devices[0], micro_batch), 1e-15) for s in members}
     total = sum(rate[s] * len(slots[s].devices) for s in members)
-    choice = StageChoice(start, end, micro_batch, tuple((d, rate[s] / total) for s in members for d in slots[s].devices))
+    choice = StageChoice(
+        start, end, micro_batch, tuple((d, rate[s] / total) for s in members for d in slots[s].devices)
+    )
     samples = token_samples(choice.shares, space.global_batch, micro_batch)
     if min(samples.values()) == 0:
         return None  # a member would get no token: that is a smaller group, listed on its own
     # A profile's first device gets the most tokens of the profile (ties go to earlier workers).
-    cost_s = {p: stage_device_cost(cost, choice, prof.devices[0], samples[prof.devices[0]])
-              for p, prof in enumerate(space.profiles) if prof.slot in members}
-    return StageOption(choice=choice, group=group, slots=members, cost_s=cost_s,
-                       memory_bytes={s: held for s in members}, fill_s=stage_fill_s(cost, choice))
+    cost_s = {
+        p: stage_device_cost(cost, choice, prof.devices[0], samples[prof.devices[0]])
+        for p, prof in enumerate(space.profiles)
+        if prof.slot in members
+    }
+    if not all(math.isfinite(c) for c in cost_s.values()):
+        return None  # the group cannot sync (no trees, no ring even over routes): left out
+    return StageOption(
+        choice=choice,
+        group=group,
+        slots=members,
+        cost_s=cost_s,
+        memory_bytes={s: held for s in members},
+        fill_s=stage_fill_s(cost, choice),
+    )
 
 
 def _dominates(a: StageOption, b: StageOption) -> bool:
-    return (a.fill_s <= b.fill_s and all(a.cost_s[p] <= b.cost_s[p] for p in a.cost_s)
-            and all(a.memory_bytes[s] <= b.memory_bytes[s] for s in a.memory_bytes))
+    return (
+        a.fill_s <= b.fill_s
+        and all(a.cost_s[p] <= b.cost_s[p] for p in a.cost_s)
+        and all(a.memory_bytes[s] <= b.memory_bytes[s] for s in a.memory_bytes)
+    )
 
 
 def _pareto(options: list[StageOption]) -> list[StageOption]:
@@ -230,22 +257,42 @@ def _pareto(options: list[StageOption]) -> list[StageOption]:
     return kept
 
 
-def build_space(cost: CostModel, global_batch: int, *, max_stages: int = 4, max_blocks: int = 8,
-                max_slots_per_class: int = 4, max_micro_batches: int = 4, prune: bool = True,
-                extra_micro_batches: tuple[int, ...] = (), groups: tuple | None = None) -> SearchSpace:
+def build_space(
+    cost: CostModel,
+    global_batch: int,
+    *,
+    max_stages: int = 4,
+    max_blocks: int = 8,
+    max_slots_per_class: int = 4,
+    max_micro_batches: int = 4,
+    prune: bool = True,
+    extra_micro_batches: tuple[int, ...] = (),
+    groups: tuple | None = None,
+) -> SearchSpace:
     """Every stage option of the model on the cost model's cluster (see module doc)."""
     slots, profiles = make_slots(cost, max_slots_per_class)
     groups, num_prefix = (groups, len(groups)) if groups is not None else make_groups(slots)
-    space = SearchSpace(cost=cost, global_batch=global_batch, max_stages=max_stages,
-                        boundaries=block_boundaries(cost, max_blocks), slots=slots, profiles=profiles,
-                        groups=groups, options=[], num_prefix_groups=num_prefix)
+    space = SearchSpace(
+        cost=cost,
+        global_batch=global_batch,
+        max_stages=max_stages,
+        boundaries=block_boundaries(cost, max_blocks),
+        slots=slots,
+        profiles=profiles,
+        groups=groups,
+        options=[],
+        num_prefix_groups=num_prefix,
+    )
     cuts = space.boundaries
-    micro_batches = sorted(set(micro_batch_options(global_batch, max_options=max_micro_batches))
-                           | set(extra_micro_batches))
+    micro_batches = sorted(
+        set(micro_batch_options(global_batch, max_options=max_micro_batches)) | set(extra_micro_batches)
+    )
+    layer_params = [layer.params for layer in cost.model.layers]
     for i, start in enumerate(cuts):
-        for end in cuts[i + 1:]:
+        for end in cuts[i + 1 :]:
+            if not stage_trainable(layer_params, start, end):
+                continue  # the runtime cannot train a stage without parameters (spec.executable, rule 1)
             for g in range(len(space.groups)):
-                found = [o for b in micro_batches
-                         if (o := _option(space, start, end, b, g)) is not None]
+                found = [o for b in micro_batches if (o := _option(space, start, end, b, g)) is not None]
                 space.options += _pareto(found) if prune else found
     return space

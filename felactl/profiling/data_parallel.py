@@ -10,8 +10,11 @@ third too little because of it.
 
 So where a group is this machine's slots, felactl times the step as training will run it: one
 process per slot, pinned to the slot's cores with as many threads, the whole model wrapped in
-DDP over the backend, and blocks of steps with and without gradient sync (``no_sync``) in turn; the
-difference of the medians (the slowest rank of each step) is the sync the step pays. The cost
+DDP over the backend, and pairs of blocks of steps with and without gradient sync (``no_sync``),
+each step counted as its slowest rank; the median over pairs of the difference of the blocks'
+medians is the sync the step pays. Pairs are added until that difference's noise is small next
+to the step, or up to ``max_pairs``; a difference not above its noise is recorded without
+``sync_ms`` (not measured), never as 0 (``felactl.profiling.timing.difference``). The cost
 model turns it into a calibration (measured / its link-based estimate of the group, at least 1)
 for that group and every group inside it (``CostModel.sync_factor``). Both steps include the optimizer step, which the cost model charges apart:
 the difference is what sync adds, to the backward and to the step after it.
@@ -19,22 +22,25 @@ the difference is what sync adds, to the backward and to the step after it.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import queue
-import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from felactl.errors import ProfilingError
 from felactl.profiling.devices import pin_to_cores
+from felactl.profiling.timing import SYNC_NOISE_LIMIT, difference, repeat_until
 from felactl.spec import SyncTiming
 
-BLOCKS = 4
-"""Blocks of each kind, in turn: synced, local, synced, local, ..."""
+MIN_PAIRS = 4
+"""Pairs of blocks (synced, then local) at least; more while the difference is noisy."""
+MAX_PAIRS = 10
 STEPS_PER_BLOCK = 10
 WARMUP_PER_BLOCK = 2
 START_TIMEOUT_S = 120.0
@@ -49,11 +55,20 @@ class Slot:
     cores: tuple[int, ...] = ()
 
 
-def measure_data_parallel_sync(model: str, config: dict[str, Any], micro_batch: int, slots: Sequence[Slot], *,
-                               cluster: str,
-                               blocks: int = BLOCKS, per_block: int = STEPS_PER_BLOCK,
-                               warmup: int = WARMUP_PER_BLOCK, backend: str = "gloo",
-                               timeout_s: float = START_TIMEOUT_S) -> SyncTiming:
+def measure_data_parallel_sync(
+    model: str,
+    config: dict[str, Any],
+    micro_batch: int,
+    slots: Sequence[Slot],
+    *,
+    cluster: str,
+    min_pairs: int = MIN_PAIRS,
+    max_pairs: int = MAX_PAIRS,
+    per_block: int = STEPS_PER_BLOCK,
+    warmup: int = WARMUP_PER_BLOCK,
+    backend: str = "gloo",
+    timeout_s: float = START_TIMEOUT_S,
+) -> SyncTiming:
     """Time ``model`` in DDP on ``slots`` (one process each) with and without sync; see module doc.
     ``cluster``: the name of the cluster profile the slots' devices belong to."""
     if len(slots) < 2:
@@ -62,22 +77,49 @@ def measure_data_parallel_sync(model: str, config: dict[str, Any], micro_batch: 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="felactl-dp-sync.") as tmp:
         store_path = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_slot_main, daemon=True,
-                             args=(rank, len(slots), store_path, backend, model, config, micro_batch,
-                                   list(slot.cores), blocks, per_block, warmup, results))
-                 for rank, slot in enumerate(slots)]
+        procs = [
+            ctx.Process(
+                target=_slot_main,
+                daemon=True,
+                args=(
+                    rank,
+                    len(slots),
+                    store_path,
+                    backend,
+                    model,
+                    config,
+                    micro_batch,
+                    list(slot.cores),
+                    (min_pairs, max_pairs),
+                    per_block,
+                    warmup,
+                    results,
+                ),
+            )
+            for rank, slot in enumerate(slots)
+        ]
         try:
             for proc in procs:
                 proc.start()
-            per_rank = _collect(results, procs, timeout_s + 2 * blocks * (per_block + warmup))
+            pairs = _collect(results, procs, timeout_s + 2 * max_pairs * (per_block + warmup))[0]
         finally:
             reap(procs, grace_s=5.0)
-    counted = blocks * per_block
-    synced = [max(times[i] for times, _ in per_rank) for i in range(counted)]
-    local = [max(times[i] for _, times in per_rank) for i in range(counted)]
-    sync_ms = max(0.0, statistics.median(synced) - statistics.median(local)) * 1e3
-    return SyncTiming(cluster=cluster, devices=tuple(slot.device for slot in slots), backend=backend,
-                      micro_batch=micro_batch, sync_ms=round(sync_ms, 3))
+    return sync_timing(
+        pairs, cluster=cluster, devices=tuple(slot.device for slot in slots), backend=backend, micro_batch=micro_batch
+    )
+
+
+def sync_timing(pairs: Sequence[tuple[Sequence[float], Sequence[float]]], **fields: Any) -> SyncTiming:
+    """The timing of ``pairs`` of blocks (seconds per step, synced and local): see module doc."""
+    diff = difference(pairs)
+    sync_ms = None if diff.estimate is None else round(diff.estimate * 1e3, 3)
+    noise_ms = round(diff.noise * 1e3, 3) if math.isfinite(diff.noise) else None
+    return SyncTiming(sync_ms=sync_ms or None, noise_ms=noise_ms, noisy=not diff.settled(SYNC_NOISE_LIMIT), **fields)
+
+
+def sync_settled(pairs: Sequence[tuple[Sequence[float], Sequence[float]]]) -> bool:
+    """Whether the difference of ``pairs`` is known well enough to stop adding pairs."""
+    return difference(pairs).settled(SYNC_NOISE_LIMIT)
 
 
 def reap(procs, grace_s: float) -> None:
@@ -92,18 +134,20 @@ def reap(procs, grace_s: float) -> None:
             proc.join()
 
 
-def _collect(results, procs, timeout_s: float) -> list[tuple[list[float], list[float]]]:
-    """Every rank's (synced, local) step times, or a ProfilingError naming what went wrong."""
+def _collect(results, procs, timeout_s: float) -> list[Any]:
+    """Every rank's result, or a ProfilingError naming what went wrong."""
     deadline = time.monotonic() + timeout_s
-    got: dict[int, tuple[list[float], list[float]]] = {}
+    got: dict[int, Any] = {}
     while len(got) < len(procs):
         try:
             rank, outcome = results.get(timeout=1.0)
         except queue.Empty:
             dead = [i for i, p in enumerate(procs) if i not in got and p.exitcode is not None]
             if dead and not _settled(results, got):
-                raise ProfilingError(f"data-parallel sync: slot process {dead[0]} exited with code "
-                                     f"{procs[dead[0]].exitcode} before reporting") from None
+                raise ProfilingError(
+                    f"data-parallel sync: slot process {dead[0]} exited with code "
+                    f"{procs[dead[0]].exitcode} before reporting"
+                ) from None
             if time.monotonic() > deadline:
                 raise ProfilingError(f"data-parallel sync: no result within {timeout_s:.0f} s") from None
             continue
@@ -126,26 +170,56 @@ def _settled(results, got: dict) -> bool:
     return True
 
 
-def _slot_main(rank: int, world_size: int, store_path: str, backend: str, model: str, config: dict[str, Any],
-               micro_batch: int, cores: list[int], blocks: int, per_block: int, warmup: int, results) -> None:
+def _slot_main(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    backend: str,
+    model: str,
+    config: dict[str, Any],
+    micro_batch: int,
+    cores: list[int],
+    pairs: tuple[int, int],
+    per_block: int,
+    warmup: int,
+    results,
+) -> None:
     try:
-        results.put((rank, _time_steps(rank, world_size, store_path, backend, model, config, micro_batch, cores,
-                                       blocks, per_block, warmup)))
+        results.put(
+            (
+                rank,
+                _time_steps(
+                    rank, world_size, store_path, backend, model, config, micro_batch, cores, pairs, per_block, warmup
+                ),
+            )
+        )
     except Exception as exc:  # reported to the parent, which raises it with the slot's rank
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
-def _time_steps(rank: int, world_size: int, store_path: str, backend: str, model: str, config: dict[str, Any],
-                micro_batch: int, cores: list[int], blocks: int, per_block: int,
-                warmup: int) -> tuple[list[float], list[float]]:
+def _time_steps(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    backend: str,
+    model: str,
+    config: dict[str, Any],
+    micro_batch: int,
+    cores: list[int],
+    pairs: tuple[int, int],
+    per_block: int,
+    warmup: int,
+) -> list[tuple[list[float], list[float]]]:
+    """Pairs of blocks (synced, local) of step times, each step its slowest rank's: the same on
+    every rank, so every rank decides alike when the pairs are enough."""
     import torch
     import torch.distributed as dist
+
     from felactl.agents.worker.ddp import wrap_replica
     from felactl.models import build
 
     pin_to_cores(cores, strict=True)
-    dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
     try:
         bundle = build(model, config, seed=0)
         replica = wrap_replica(bundle.layers)  # as the runtime wraps it
@@ -154,12 +228,10 @@ def _time_steps(rank: int, world_size: int, store_path: str, backend: str, model
         # it too. lr 0 keeps the replicas equal while no_sync steps skip the allreduce.
         optimizer = torch.optim.AdamW(replica.parameters(), lr=0.0)
         inputs, targets = bundle.data.batch(range(rank * micro_batch, (rank + 1) * micro_batch))
-        synced: list[float] = []
-        local: list[float] = []
-        for block in range(2 * blocks):
-            # Blocks in turn (ABAB...), so drift of a shared machine falls on both alike; each block
-            # of one kind, like training, and its first steps not counted.
-            times, context = ((synced, nullcontext), (local, replica.no_sync))[block % 2]
+
+        def block(context) -> list[float]:
+            # each block of one kind, like training, and its first steps not counted
+            times = []
             for i in range(warmup + per_block):
                 dist.barrier()
                 started = time.perf_counter()
@@ -169,10 +241,19 @@ def _time_steps(rank: int, world_size: int, store_path: str, backend: str, model
                 optimizer.step()
                 if i >= warmup:
                     times.append(time.perf_counter() - started)
+            return times
+
+        def pair() -> tuple[list[float], list[float]]:
+            # adjacent blocks of both kinds, so drift of a shared machine falls on both alike
+            steps = torch.tensor(block(nullcontext) + block(replica.no_sync), dtype=torch.float64)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            return steps[:per_block].tolist(), steps[per_block:].tolist()
+
+        timed, _settled = repeat_until(pair, sync_settled, min_blocks=pairs[0], max_blocks=pairs[1])
         dist.barrier()
-        return synced, local
+        return timed
     finally:
         dist.destroy_process_group()
 
 
-__all__ = ["Slot", "measure_data_parallel_sync", "reap"]
+__all__ = ["Slot", "measure_data_parallel_sync", "reap", "sync_settled", "sync_timing"]

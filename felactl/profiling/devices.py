@@ -12,40 +12,11 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import time
 
-import psutil
-
 GB = 1e9
-
-
-def available_cores() -> list[int]:
-    """The cores this process may run on (honours cgroups/taskset, unlike cpu_count)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:
-        return list(range(psutil.cpu_count(logical=True) or 1))
-
-
-def short_hostname() -> str:
-    """This machine's hostname without its domain: the default node name."""
-    return socket.gethostname().split(".")[0] or "localhost"
-
-
-def num_gpus() -> int:
-    """The CUDA GPUs this process can use (0 without CUDA)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def node_info() -> dict:
-    """What an agent tells the coordinator about its machine."""
-    return {"hostname": socket.gethostname(), "num_cpu_cores": len(available_cores()),
-            "memory_gb": round(psutil.virtual_memory().total / GB, 3), "num_gpus": num_gpus()}
 
 
 def cpu_model_name() -> str:
@@ -59,8 +30,17 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def matmul_tflops(size: int, repetitions: int, device=None, dtype=None) -> float:
-    """Median dense matmul throughput (2·n³ flops per product) on ``device``, TFLOP/s."""
+MIN_BLOCK_S = 0.1
+"""How long each timed block of matmuls lasts at least. A CPU share capped by a cgroup (a
+container's CPU limit, a testbed node) runs at full speed for its quota, then waits out the rest
+of the CFS period (10 ms in a testbed, 100 ms by default): a single product fits inside the quota
+and sees the full core, a block spanning several periods sees the share."""
+
+
+def matmul_tflops(size: int, repetitions: int, device=None, dtype=None, *, min_block_s: float = MIN_BLOCK_S) -> float:
+    """Dense matmul throughput (2·n³ flops per product) on ``device``, TFLOP/s: the median over
+    ``repetitions`` blocks, each of as many products as last ``min_block_s`` together (one, if a
+    product takes longer)."""
     import torch
 
     device = torch.device(device or "cpu")
@@ -70,13 +50,18 @@ def matmul_tflops(size: int, repetitions: int, device=None, dtype=None) -> float
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.matmul(a, b)  # warm-up: allocations, kernel selection
     sync()
-    times_s = []
+    rates = []
     for _ in range(repetitions):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        sync()
-        times_s.append(time.perf_counter() - start)
-    return 2.0 * size ** 3 / max(statistics.median(times_s), 1e-9) / 1e12
+        start, products = time.perf_counter(), 0
+        while True:
+            torch.matmul(a, b)
+            sync()
+            products += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_block_s:
+                break
+        rates.append(products / elapsed)
+    return 2.0 * size**3 * statistics.median(rates) / 1e12
 
 
 def pin_to_cores(cores, *, strict: bool = False) -> None:
@@ -98,8 +83,13 @@ def pin_to_cores(cores, *, strict: bool = False) -> None:
 def measure_cpu_slot(cores: list[int], *, matmul_size: int, repetitions: int, memory_gb: float) -> dict:
     """Pin this process to ``cores``, then measure its matmul throughput."""
     pin_to_cores(cores)
-    return {"kind": "cpu", "model": cpu_model_name(), "cpu_cores": list(cores), "memory_gb": memory_gb,
-            "tflops": matmul_tflops(matmul_size, repetitions)}
+    return {
+        "kind": "cpu",
+        "model": cpu_model_name(),
+        "cpu_cores": list(cores),
+        "memory_gb": memory_gb,
+        "tflops": matmul_tflops(matmul_size, repetitions),
+    }
 
 
 def measure_cuda_slot(local_rank: int, *, matmul_size: int, repetitions: int) -> dict:
@@ -114,10 +104,18 @@ def measure_cuda_slot(local_rank: int, *, matmul_size: int, repetitions: int) ->
         fp32 = matmul_tflops(matmul_size, repetitions, f"cuda:{local_rank}", torch.float32)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
-    bf16 = matmul_tflops(matmul_size, repetitions, f"cuda:{local_rank}", torch.bfloat16) \
-        if torch.cuda.is_bf16_supported() else None
-    return {"kind": "cuda", "model": props.name, "memory_gb": round(props.total_memory / GB, 3),
-            "tflops": fp32, "bf16_tflops": bf16}
+    bf16 = (
+        matmul_tflops(matmul_size, repetitions, f"cuda:{local_rank}", torch.bfloat16)
+        if torch.cuda.is_bf16_supported()
+        else None
+    )
+    return {
+        "kind": "cuda",
+        "model": props.name,
+        "memory_gb": round(props.total_memory / GB, 3),
+        "tflops": fp32,
+        "bf16_tflops": bf16,
+    }
 
 
 # --- the GPU interconnect ----------------------------------------------------------------------
@@ -132,9 +130,16 @@ def gpu_interconnect(num_gpus: int) -> dict[tuple[int, int], dict]:
             break
     else:
         counts = {}
-    return {(i, j): ({"type": "nvlink", "num_links": counts[(i, j)]} if counts.get((i, j), 0) > 0
-                     else {"type": "pcie", "num_links": 1})
-            for i in range(num_gpus) for j in range(num_gpus) if i != j}
+    return {
+        (i, j): (
+            {"type": "nvlink", "num_links": counts[(i, j)]}
+            if counts.get((i, j), 0) > 0
+            else {"type": "pcie", "num_links": 1}
+        )
+        for i in range(num_gpus)
+        for j in range(num_gpus)
+        if i != j
+    }
 
 
 def _nvml_nvlinks(num_gpus: int) -> dict[tuple[int, int], int] | None:
@@ -210,7 +215,7 @@ def parse_nvidia_smi_topo(text: str, num_gpus: int) -> dict[tuple[int, int], int
             header = cells
             continue
         if header is not None and cells and re.fullmatch(r"GPU\d+", cells[0]):
-            rows[int(cells[0][3:])] = cells[1:1 + len(header)]
+            rows[int(cells[0][3:])] = cells[1 : 1 + len(header)]
     if header is None or not rows:
         return None
     columns = [int(h[3:]) for h in header if re.fullmatch(r"GPU\d+", h)]

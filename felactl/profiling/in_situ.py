@@ -9,7 +9,8 @@ underestimates the job, so here:
 1. the layers are timed in this process pinned to the first slot's cores, with as many threads,
    while every other slot's cores run the same model's training steps (as its worker will);
 2. then the whole model's data-parallel step is timed on all the slots, with and without sync,
-   and the difference is recorded as the model's ``data_parallel_sync`` for that group.
+   and the difference is recorded as the model's ``data_parallel_sync`` for that group (without
+   ``sync_ms``, and with a warning, where the busy machine hid it in noise).
 
 ``felactl profile --model M --cluster cluster.yaml`` and ``felactl demo`` use this.
 """
@@ -21,11 +22,13 @@ import multiprocessing
 import os
 import socket
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from felactl.errors import InputError, ProfilingError
-from felactl.profiling.devices import available_cores, pin_to_cores, short_hostname
+from felactl.machine import available_cores, short_hostname
+from felactl.profiling.devices import pin_to_cores
 from felactl.spec import ClusterSpec, Device, DeviceKind, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -46,8 +49,12 @@ def local_cpu_slots(cluster: ClusterSpec, node_name: str | None = None) -> list[
         if not chosen and len(nodes) == 1:
             chosen = list(nodes)
             if nodes[0].hostname and nodes[0].hostname.split(".")[0] != short:
-                log.warning("warning: cluster %r was profiled on %s, not on this machine (%s); timing its slots here",
-                            cluster.name, nodes[0].hostname, host)
+                log.warning(
+                    "warning: cluster %r was profiled on %s, not on this machine (%s); timing its slots here",
+                    cluster.name,
+                    nodes[0].hostname,
+                    host,
+                )
         what = f"no node for this machine ({host}); name it with --node-name"
     if not chosen:
         raise InputError(f"cluster {cluster.name!r} has {what}")
@@ -58,45 +65,67 @@ def local_cpu_slots(cluster: ClusterSpec, node_name: str | None = None) -> list[
     for slot in slots:
         missing = sorted(set(slot.cpu_cores) - usable)
         if missing:
-            raise InputError(f"cluster {cluster.name!r}: slot {slot.name} is pinned to core(s) "
-                             f"{', '.join(map(str, missing))}, which this machine does not have (or this "
-                             f"process may not use): was the cluster profiled on another machine?")
+            raise InputError(
+                f"cluster {cluster.name!r}: slot {slot.name} is pinned to core(s) "
+                f"{', '.join(map(str, missing))}, which this machine does not have (or this "
+                f"process may not use): was the cluster profiled on another machine?"
+            )
     return slots
 
 
-def profile_model_in_situ(model: str, config: dict[str, Any], batch_sizes: Sequence[int], cluster: ClusterSpec,
-                          *, worker_batch: int | None = None, node_name: str | None = None,
-                          say: Callable[[str], None] = lambda line: None, **profile_options: Any) -> ModelSpec:
+def profile_model_in_situ(
+    model: str,
+    config: dict[str, Any],
+    batch_sizes: Sequence[int],
+    cluster: ClusterSpec,
+    *,
+    worker_batch: int | None = None,
+    node_name: str | None = None,
+    say: Callable[[str], None] = lambda line: None,
+    **profile_options: Any,
+) -> ModelSpec:
     """Steps 1 and 2 of the module doc on this machine's CPU slots in ``cluster``
     (:func:`local_cpu_slots`); ``worker_batch``: the samples of one worker's step (the companions
     train on it and the sync is measured at it; default the middle of ``batch_sizes``). A failed sync measurement is said, not fatal: the
     plan then prices sync from the link profile."""
-    from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
-
-    from felactl.profiling.model import middle_batch
-
     from felactl.models import build
+    from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
+    from felactl.profiling.model import middle_batch
 
     slots = local_cpu_slots(cluster, node_name)
     if len(slots) > 1 and build(model, config, seed=0).data is None:
-        raise InputError(f"model {model!r} brings no data (its function returns the layers, not (layers, data)), "
-                         "and --cluster times it training on the other slots: profile it without --cluster")
+        raise InputError(
+            f"model {model!r} brings no data (its function returns the layers, not (layers, data)), "
+            "and --cluster times it training on the other slots: profile it without --cluster"
+        )
     worker_batch = worker_batch or middle_batch(batch_sizes)
+    # The timings are these slots' own, as they train: nothing to scale them by (no timed_tflops).
+    profile_options = {k: v for k, v in profile_options.items() if k != "matmul_size"}
     spec = _profile_beside_companions(model, config, batch_sizes, slots, worker_batch, profile_options)
     if len(slots) < 2:
         return spec
     say(f"timing a data-parallel step on {len(slots)} slots, with and without gradient sync")
     try:
-        timing = measure_data_parallel_sync(model, config, worker_batch,
-                                            [Slot(d.name, tuple(d.cpu_cores)) for d in slots], cluster=cluster.name)
+        timing = measure_data_parallel_sync(
+            model, config, worker_batch, [Slot(d.name, tuple(d.cpu_cores)) for d in slots], cluster=cluster.name
+        )
     except ProfilingError as exc:
         say(f"(sync not measured: {exc}; the plan prices sync from the link profile)")
         return spec
-    return replace(spec, data_parallel_sync=(timing,))
+    spec = replace(spec, data_parallel_sync=(timing,))
+    if not timing.measured or timing.noisy:
+        log.warning("warning: %s: %s; the plan prices sync from the link profile at least", model, spec.untrusted()[-1])
+    return spec
 
 
-def _profile_beside_companions(model: str, config: dict[str, Any], batch_sizes: Sequence[int],
-                               slots: Sequence[Device], batch: int, profile_options: dict[str, Any]) -> ModelSpec:
+def _profile_beside_companions(
+    model: str,
+    config: dict[str, Any],
+    batch_sizes: Sequence[int],
+    slots: Sequence[Device],
+    batch: int,
+    profile_options: dict[str, Any],
+) -> ModelSpec:
     import torch
 
     from felactl.profiling.data_parallel import reap
@@ -108,8 +137,10 @@ def _profile_beside_companions(model: str, config: dict[str, Any], batch_sizes: 
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     started = [ctx.Event() for _ in cores[1:]]
-    companions = [ctx.Process(target=_keep_busy, args=(model, config, batch, slot_cores, stop, ready), daemon=True)
-                  for slot_cores, ready in zip(cores[1:], started)]
+    companions = [
+        ctx.Process(target=_keep_busy, args=(model, config, batch, slot_cores, stop, ready), daemon=True)
+        for slot_cores, ready in zip(cores[1:], started)
+    ]
     try:
         for proc in companions:
             proc.start()
@@ -117,8 +148,10 @@ def _profile_beside_companions(model: str, config: dict[str, Any], batch_sizes: 
         for proc, ready in zip(companions, started):
             while not ready.wait(timeout=0.2):  # set once its first training step is done
                 if proc.exitcode is not None or time.monotonic() > deadline:
-                    raise ProfilingError(f"the companion training on another slot did not start (exit code "
-                                         f"{proc.exitcode}); its log is on stderr")
+                    raise ProfilingError(
+                        f"the companion training on another slot did not start (exit code "
+                        f"{proc.exitcode}); its log is on stderr"
+                    )
         pin_to_cores(cores[0])
         return profile_model(model, config, batch_sizes, **profile_options)
     finally:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 GB = 1e9
 
@@ -25,7 +25,7 @@ GB = 1e9
 class LinkProbe:
     """Sizes of the probe; small ones keep tests fast, the CLI's defaults give steady numbers."""
 
-    message_bytes: int = 16 * 2 ** 20
+    message_bytes: int = 16 * 2**20
     small_message_bytes: int = 8
     repetitions: int = 5
     """Timed large messages (median taken)."""
@@ -37,9 +37,15 @@ def ordered_pairs(world_size: int) -> list[tuple[int, int]]:
     return [(src, dst) for src in range(world_size) for dst in range(world_size) if src != dst]
 
 
-def measure_links(rank: int, world_size: int, probe: LinkProbe, *, device=None,
-                  barrier: Callable[[], None] | None = None,
-                  on_pair: Callable[[int, int], None] = lambda src, dst: None) -> list[dict]:
+def measure_links(
+    rank: int,
+    world_size: int,
+    probe: LinkProbe,
+    *,
+    device=None,
+    barrier: Callable[[], None] | None = None,
+    on_pair: Callable[[int, int], None] = lambda src, dst: None,
+) -> list[dict]:
     """Measure every ordered pair; return the links this rank measured (those it is the source of)."""
     import torch
     import torch.distributed as dist
@@ -90,8 +96,12 @@ def _measure_as_source(dst: int, small, large, probe: LinkProbe, sync) -> dict:
     one_way_s = round_trip_s / 2
     transfer_s = max(push_s - one_way_s, push_s * 0.01)
     message_bytes = large.numel() * large.element_size()
-    return {"dst_rank": dst, "latency_us": one_way_s * 1e6, "bandwidth_gbps": message_bytes / transfer_s / GB,
-            "message_bytes": message_bytes}
+    return {
+        "dst_rank": dst,
+        "latency_us": one_way_s * 1e6,
+        "bandwidth_gbps": message_bytes / transfer_s / GB,
+        "message_bytes": message_bytes,
+    }
 
 
 def _serve_as_destination(src: int, small, large, probe: LinkProbe, sync) -> None:

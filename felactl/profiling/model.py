@@ -9,14 +9,20 @@ device saturates: that curve is what Fela's choice of micro-batch rests on.
 
 FLOPs come from torch's own ``FlopCounterMode`` (with the CPU flash-attention kernels, which it
 does not know, mapped to its attention formulas), never from hand formulas.
+
+Every time is the median of blocks of ``repeats`` runs, repeated until the blocks agree
+(``felactl.profiling.timing``); the spread is recorded with the timing, and the timings that never
+settled are listed in the profile's ``noisy`` and named on stderr in one line.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,14 +30,38 @@ from torch.utils import flop_counter
 
 from felactl.errors import InputError, ProfilingError
 from felactl.models import ModelBundle, build
-from felactl.profiling.devices import cpu_model_name
+from felactl.profiling.devices import cpu_model_name, matmul_tflops
+from felactl.profiling.timing import MIN_BLOCKS, Timed, repeat_until_stable
 from felactl.spec import Layer, LayerTiming, ModelSpec
 
+log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 4, 16, 64)
 DEFAULT_REPEATS = 5
+"""Runs per block; a timing takes at least three blocks, more while they disagree."""
 WARMUP_RUNS = 1
-WHOLE_MODEL_REPEATS = 11
-"""The whole-model time is one number per micro-batch that all its layers are scaled by: more runs."""
+MAX_BLOCKS = 8
+MAX_TIMING_S = 1.0
+"""A timing stops adding blocks after this long (its minimum blocks always run)."""
+Timer = Callable[[], float]
+
+DEVICE_REPETITIONS = 5
+"""Timed blocks of the matmul behind ``timed_tflops`` (``felactl profile``'s default repetitions)."""
+
+
+class Measured(NamedTuple):
+    """A median time and how far its blocks disagreed (``Timed.spread``); ``noisy``: they never settled."""
+
+    ms: float
+    spread: float
+    noisy: bool
+
+
+class LayerTimes(NamedTuple):
+    fwd_ms: float
+    bwd_ms: float
+    spread: float
+    noisy: bool
+
 
 Progress = Callable[[str, int, int], None]
 """``progress(phase, done, total)``, as the cluster profiler calls it: after each measured layer."""
@@ -53,8 +83,9 @@ def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, *
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
-                            out_shape=None, **kwargs) -> int:
+def _cpu_sdpa_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
@@ -68,8 +99,7 @@ def _flop_mapping() -> dict[Any, Any]:
     return mapping
 
 
-def count_flops(layer: nn.Module, inputs: torch.Tensor, *,
-                input_grad: bool = True) -> tuple[int, int, torch.Tensor]:
+def count_flops(layer: nn.Module, inputs: torch.Tensor, *, input_grad: bool = True) -> tuple[int, int, torch.Tensor]:
     """Forward and backward FLOPs of ``layer`` on this batch, and its output (detached).
 
     ``input_grad=False`` for the first layer: its input is data, so backward computes only the
@@ -105,34 +135,68 @@ def saved_bytes(layer: nn.Module, inputs: torch.Tensor, *, input_grad: bool = Tr
     return sum(saved.values())
 
 
-def time_layer(layer: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, *,
-               repeats: int, warmup: int = WARMUP_RUNS, input_grad: bool = True) -> tuple[float, float]:
-    """Median forward and backward milliseconds of ``layer`` on this micro-batch.
+def time_layer(
+    layer: nn.Module,
+    inputs: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    repeats: int,
+    warmup: int = WARMUP_RUNS,
+    input_grad: bool = True,
+    timer: Timer = time.perf_counter,
+) -> LayerTimes:
+    """Median forward and backward milliseconds of ``layer`` on this micro-batch, over blocks of
+    ``repeats`` runs repeated until they agree (see module doc).
 
     Backward is timed on its own: the layer's forward runs on a detached input that requires
     grad (as it would inside a stage), then autograd runs back from a fixed upstream gradient,
     computing the input and weight gradients a real step computes.
     """
-    fwd_s: list[float] = []
-    bwd_s: list[float] = []
     device = inputs.device
-    for run in range(warmup + repeats):
+
+    def run() -> tuple[float, float]:
         inp = _leaf(inputs, input_grad)
         _clear_grads(layer)
         _synchronize(device)
-        start = time.perf_counter()
+        start = timer()
         out = _forward(layer, inp)
         _synchronize(device)
-        mid = time.perf_counter()
-        if out.requires_grad:
-            out.backward(grad_out)
-            _synchronize(device)
-        end = time.perf_counter() if out.requires_grad else mid
-        if run >= warmup:
-            fwd_s.append(mid - start)
-            bwd_s.append(end - mid)
+        mid = timer()
+        if not out.requires_grad:
+            return mid - start, 0.0
+        out.backward(grad_out)
+        _synchronize(device)
+        return mid - start, timer() - mid
+
+    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup)
     _clear_grads(layer)
-    return statistics.median(fwd_s) * 1e3, statistics.median(bwd_s) * 1e3
+    return LayerTimes(
+        statistics.median(f for f, _ in runs) * 1e3,
+        statistics.median(b for _, b in runs) * 1e3,
+        timed.spread,
+        timed.noisy,
+    )
+
+
+def _repeat_runs(
+    run: Callable[[], tuple[float, ...]], *, repeats: int, warmup: int
+) -> tuple[list[tuple[float, ...]], Timed]:
+    """``warmup`` runs, then blocks of runs until the blocks' medians of each run's total agree
+    or a cap is hit: every counted run's parts, and the blocks. The ``repeats`` runs are split
+    over the fewest blocks a spread is read from, so a quiet machine pays about ``repeats`` runs,
+    as a single median of them would (a profile of gpt-mini took 2 min with whole blocks of
+    ``repeats`` on a busy machine); a busy one pays more blocks."""
+    for _ in range(warmup):
+        run()
+    runs: list[tuple[float, ...]] = []
+    per_block = max(1, -(-repeats // MIN_BLOCKS))
+
+    def block() -> float:
+        block_runs = [run() for _ in range(per_block)]
+        runs.extend(block_runs)
+        return statistics.median(sum(parts) for parts in block_runs)
+
+    return runs, repeat_until_stable(block, max_blocks=MAX_BLOCKS, max_s=MAX_TIMING_S)
 
 
 @dataclass
@@ -149,11 +213,23 @@ class _LayerStatic:
     bwd_flops_per_sample: float
 
 
-def profile_model(source: str, config: dict[str, Any] | None = None,
-                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, *, device: str = "cpu",
-                  repeats: int = DEFAULT_REPEATS, input_shape: Sequence[int] | None = None,
-                  seed: int = 0, progress: Progress | None = None) -> ModelSpec:
+def profile_model(
+    source: str,
+    config: dict[str, Any] | None = None,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    *,
+    device: str = "cpu",
+    repeats: int = DEFAULT_REPEATS,
+    input_shape: Sequence[int] | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+    matmul_size: int | None = None,
+) -> ModelSpec:
     """Profile every layer of model ``source`` (built-in name or ``package.module:function``).
+
+    ``matmul_size`` (CPU only): also time this process's matmul as ``felactl profile`` times a CPU
+    slot (:func:`~felactl.profiling.devices.matmul_tflops`, the same side) and record it as
+    ``timed_tflops``, so the planner scales the timings to slots of this CPU at other speeds.
 
     ``input_shape`` (one sample, without the batch axis) is needed only for user models that
     return no data; their inputs are then seeded standard-normal tensors.
@@ -168,8 +244,9 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
     spec_config = dict(bundle.config)
     if bundle.data is None:
         if input_shape is None:
-            raise InputError(f"model {source!r} comes with no data: give the shape of one input "
-                             f"sample (--input-shape, e.g. 3,32,32)")
+            raise InputError(
+                f"model {source!r} comes with no data: give the shape of one input sample (--input-shape, e.g. 3,32,32)"
+            )
         spec_config["input_shape"] = [int(d) for d in input_shape]
     input_shape = spec_config.get("input_shape")
     input_grads = _input_grads(layers)
@@ -179,82 +256,131 @@ def profile_model(source: str, config: dict[str, Any] | None = None,
         progress("flops", len(layers), total)
     timings: list[list[LayerTiming]] = [[] for _ in layers]
     device_model = this_device_model(device)
+    timed_tflops = {}
+    if matmul_size is not None and torch_device.type == "cpu":
+        timed_tflops[device_model] = float(f"{matmul_tflops(matmul_size, DEVICE_REPETITIONS):.4g}")
     scales: dict[str, float] = {}
+    noisy: list[str] = []
     for b_index, batch in enumerate(batch_sizes):
         hidden = _example_input(bundle, batch, input_shape, torch_device, seed)
         for i, layer in enumerate(layers):
             try:
                 out = _forward(layer, hidden).detach()
-                fwd_ms, bwd_ms = time_layer(layer, hidden, _fixed_gradient(out, seed + i), repeats=repeats,
-                                            input_grad=input_grads[i])
+                times = time_layer(
+                    layer, hidden, _fixed_gradient(out, seed + i), repeats=repeats, input_grad=input_grads[i]
+                )
             except torch.cuda.OutOfMemoryError:
-                raise ProfilingError(f"model {source!r}: layer {i} runs out of memory on {device} at "
-                                     f"micro-batch {batch}: profile smaller --batch-sizes") from None
-            timings[i].append(LayerTiming(device_model=device_model, micro_batch=batch, fwd_ms=fwd_ms, bwd_ms=bwd_ms))
+                raise ProfilingError(
+                    f"model {source!r}: layer {i} runs out of memory on {device} at "
+                    f"micro-batch {batch}: profile smaller --batch-sizes"
+                ) from None
+            timings[i].append(
+                LayerTiming(
+                    device_model=device_model,
+                    micro_batch=batch,
+                    fwd_ms=times.fwd_ms,
+                    bwd_ms=times.bwd_ms,
+                    spread=round(times.spread, 3),
+                )
+            )
+            _note_noisy(noisy, f"layers[{i}].timings[{b_index}]", times)
             hidden = out
             if progress is not None:
                 progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
-        scale = _scale_to_whole_model(bundle, layers, timings, torch_device, repeats)
-        if scale is not None:
-            scales[str(batch)] = scale
+        whole = _scale_to_whole_model(bundle, layers, timings, torch_device, repeats)
+        if whole is not None:
+            scales[str(batch)] = whole.ms
+            _note_noisy(noisy, f"whole_model_scale[{batch}]", whole)
     first_input = _example_input(bundle, 1, input_shape, torch_device, seed)
+    step = time_optimizer_step(
+        layers, repeats=repeats, seed=seed, backward=_training_backward(bundle, layers, batch_sizes, torch_device)
+    )
+    _note_noisy(noisy, "optimizer_step_ms", step)
+    if noisy:
+        log.warning(
+            "warning: %s: %d timing(s) did not settle, the machine is too busy to trust them: %s",
+            source,
+            len(noisy),
+            "; ".join(noisy),
+        )
     return ModelSpec(
-        name=bundle.name, source=source, config=spec_config,
+        name=bundle.name,
+        source=source,
+        config=spec_config,
         input_bytes_per_sample=_tensor_bytes(first_input),
         layers=tuple(Layer(timings=tuple(t), **vars(s)) for s, t in zip(statics, timings)),
-        optimizer_step_ms=time_optimizer_step(layers, repeats=max(repeats, WHOLE_MODEL_REPEATS), seed=seed,
-                                              backward=_training_backward(bundle, layers, batch_sizes, torch_device)),
+        splittable=bundle.splittable,
+        optimizer_step_ms=step.ms,
         whole_model_scale=scales,
+        noisy=tuple(noisy),
+        timed_tflops=timed_tflops,
     )
 
 
-def time_whole_model(bundle: ModelBundle, layers: nn.Sequential, batch: int, *, repeats: int,
-                     warmup: int = WARMUP_RUNS) -> float:
-    """Median milliseconds of forward, loss and backward of the whole model on one micro-batch.
+def _note_noisy(noisy: list[str], key: str, measured: Measured | LayerTimes) -> None:
+    if measured.noisy:
+        noisy.append(f"{key}: spread {measured.spread:.2f}")
+
+
+def time_whole_model(
+    bundle: ModelBundle, layers: nn.Sequential, batch: int, *, repeats: int, warmup: int = WARMUP_RUNS
+) -> Measured:
+    """Median milliseconds of forward, loss and backward of the whole model on one micro-batch
+    (blocks of ``repeats`` runs until they agree).
 
     This is what a worker holding the whole model runs; the per-layer timings miss the loss, the
     glue between layers and the cache effects of one long graph (together ~15% on gpt-mini)."""
     device = next((p.device for p in layers.parameters()), torch.device("cpu"))
     inputs, targets = bundle.data.batch(range(batch))
     inputs, targets = inputs.to(device), targets.to(device)
-    runs_s: list[float] = []
-    for run in range(warmup + repeats):
+
+    def run() -> tuple[float]:
         _clear_grads(layers)
         _synchronize(device)
         start = time.perf_counter()
         bundle.loss(layers(inputs), targets).backward()
         _synchronize(device)
-        if run >= warmup:
-            runs_s.append(time.perf_counter() - start)
+        return (time.perf_counter() - start,)
+
+    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup)
     _clear_grads(layers)
-    return statistics.median(runs_s) * 1e3
+    return Measured(statistics.median(r for (r,) in runs) * 1e3, timed.spread, timed.noisy)
 
 
-def _scale_to_whole_model(bundle: ModelBundle, layers: nn.Sequential, timings: list[list[LayerTiming]],
-                          device: torch.device, repeats: int) -> float | None:
+def _scale_to_whole_model(
+    bundle: ModelBundle, layers: nn.Sequential, timings: list[list[LayerTiming]], device: torch.device, repeats: int
+) -> Measured | None:
     """Scale the last timing of every layer (one micro-batch) by (whole model) / (sum of the
     layers), timed right after the layers so both see the same machine, so a stage of all layers
-    costs what the whole model measured; return the factor. None (nothing scaled) for models
-    without data: no targets for a loss."""
+    costs what the whole model measured; return the factor (as ``ms``) and the whole model's
+    spread. None (nothing scaled) for models without data: no targets for a loss."""
     row = [t[-1] for t in timings]
     layers_ms = sum(t.fwd_ms + t.bwd_ms for t in row)
     if bundle.data is None or layers_ms <= 0:
         return None
     batch = row[0].micro_batch
     try:
-        whole_ms = time_whole_model(bundle, layers, batch, repeats=max(repeats, WHOLE_MODEL_REPEATS))
+        whole = time_whole_model(bundle, layers, batch, repeats=repeats)
     except torch.cuda.OutOfMemoryError:
-        raise ProfilingError(f"model {bundle.source!r}: the whole model runs out of memory on {device} "
-                             f"at micro-batch {batch}: profile smaller --batch-sizes") from None
-    scale = whole_ms / layers_ms
+        raise ProfilingError(
+            f"model {bundle.source!r}: the whole model runs out of memory on {device} "
+            f"at micro-batch {batch}: profile smaller --batch-sizes"
+        ) from None
+    scale = whole.ms / layers_ms
     for layer_timings in timings:
         t = layer_timings[-1]
         layer_timings[-1] = replace(t, fwd_ms=t.fwd_ms * scale, bwd_ms=t.bwd_ms * scale)
-    return scale
+    return whole._replace(ms=scale)
 
 
-def time_optimizer_step(layers: nn.Module, *, repeats: int, seed: int = 0, warmup: int = WARMUP_RUNS,
-                        backward: Callable[[], None] | None = None) -> float:
+def time_optimizer_step(
+    layers: nn.Module,
+    *,
+    repeats: int,
+    seed: int = 0,
+    warmup: int = WARMUP_RUNS,
+    backward: Callable[[], None] | None = None,
+) -> Measured:
     """Median milliseconds of one AdamW ``step()`` and ``zero_grad()`` over ``layers``' trainable
     parameters, as a worker's ``optimizer_step`` runs them. With ``backward`` (a forward and
     backward of the model), each timed step follows one, as in training: its activations have
@@ -262,7 +388,7 @@ def time_optimizer_step(layers: nn.Module, *, repeats: int, seed: int = 0, warmu
     on gpt-mini here. Without it, seeded gradients. It updates the weights: call it last."""
     params = [p for p in layers.parameters() if p.requires_grad]
     if not params:
-        return 0.0
+        return Measured(0.0, 0.0, False)
     gen = torch.Generator().manual_seed(seed)
 
     def seeded_gradients() -> None:
@@ -271,18 +397,19 @@ def time_optimizer_step(layers: nn.Module, *, repeats: int, seed: int = 0, warmu
 
     prepare = backward or seeded_gradients
     optimizer = torch.optim.AdamW(params, lr=1e-6)
-    runs_s: list[float] = []
-    for run in range(warmup + repeats):
+
+    def run() -> tuple[float]:
         prepare()
         _synchronize(params[0].device)
         start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _synchronize(params[0].device)
-        if run >= warmup:
-            runs_s.append(time.perf_counter() - start)
+        return (time.perf_counter() - start,)
+
+    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup)
     _clear_grads(layers)
-    return statistics.median(runs_s) * 1e3
+    return Measured(statistics.median(r for (r,) in runs) * 1e3, timed.spread, timed.noisy)
 
 
 def middle_batch(batch_sizes: Sequence[int]) -> int:
@@ -290,8 +417,9 @@ def middle_batch(batch_sizes: Sequence[int]) -> int:
     return sorted(batch_sizes)[len(batch_sizes) // 2]
 
 
-def _training_backward(bundle: ModelBundle, layers: nn.Sequential, batch_sizes: Sequence[int],
-                       device: torch.device) -> Callable[[], None] | None:
+def _training_backward(
+    bundle: ModelBundle, layers: nn.Sequential, batch_sizes: Sequence[int], device: torch.device
+) -> Callable[[], None] | None:
     """A forward, loss and backward of the whole model on a middle profiled micro-batch, for
     timing the optimizer step as it follows one in training; None for models without data."""
     if bundle.data is None:
@@ -311,8 +439,15 @@ def _input_grads(layers: nn.Sequential) -> list[bool]:
     return needed
 
 
-def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int, input_shape: Sequence[int] | None,
-                    input_grads: list[bool], device: torch.device, seed: int) -> list[_LayerStatic]:
+def _profile_static(
+    bundle: ModelBundle,
+    layers: nn.Sequential,
+    batch: int,
+    input_shape: Sequence[int] | None,
+    input_grads: list[bool],
+    device: torch.device,
+    seed: int,
+) -> list[_LayerStatic]:
     hidden = _example_input(bundle, batch, input_shape, device, seed)
     statics = []
     for i, (child_name, layer) in enumerate(layers.named_children()):
@@ -323,16 +458,18 @@ def _profile_static(bundle: ModelBundle, layers: nn.Sequential, batch: int, inpu
             raise InputError(f"model {bundle.source!r}: layer {i}: {exc}") from None
         trainable = [p for p in layer.parameters() if p.requires_grad]
         kind = _kind(layer)
-        statics.append(_LayerStatic(
-            name=child_name if not child_name.isdigit() else f"{i}.{kind}",
-            kind=kind,
-            params=sum(p.numel() for p in trainable),
-            param_bytes=sum(p.numel() * p.element_size() for p in trainable),
-            activation_bytes_per_sample=max(1, _tensor_bytes(out) // batch),
-            saved_bytes_per_sample=saved // batch,
-            fwd_flops_per_sample=fwd_flops / batch,
-            bwd_flops_per_sample=bwd_flops / batch,
-        ))
+        statics.append(
+            _LayerStatic(
+                name=child_name if not child_name.isdigit() else f"{i}.{kind}",
+                kind=kind,
+                params=sum(p.numel() for p in trainable),
+                param_bytes=sum(p.numel() * p.element_size() for p in trainable),
+                activation_bytes_per_sample=max(1, _tensor_bytes(out) // batch),
+                saved_bytes_per_sample=saved // batch,
+                fwd_flops_per_sample=fwd_flops / batch,
+                bwd_flops_per_sample=bwd_flops / batch,
+            )
+        )
         hidden = out
     return statics
 
@@ -344,8 +481,9 @@ def _kind(layer: nn.Module) -> str:
     return type(layer).__name__
 
 
-def _example_input(bundle: ModelBundle, batch: int, input_shape: Sequence[int] | None,
-                   device: torch.device, seed: int) -> torch.Tensor:
+def _example_input(
+    bundle: ModelBundle, batch: int, input_shape: Sequence[int] | None, device: torch.device, seed: int
+) -> torch.Tensor:
     if bundle.data is not None:
         inputs, _targets = bundle.data.batch(range(batch))
     else:
@@ -358,11 +496,15 @@ def _forward(layer: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     try:
         out = layer(inputs)
     except Exception as exc:
-        raise InputError(f"{_kind(layer)} failed on an input of shape {tuple(inputs.shape)}: "
-                         f"{type(exc).__name__}: {exc}".splitlines()[0]) from None
+        raise InputError(
+            f"{_kind(layer)} failed on an input of shape {tuple(inputs.shape)}: "
+            f"{type(exc).__name__}: {exc}".splitlines()[0]
+        ) from None
     if not isinstance(out, torch.Tensor):
-        raise InputError(f"layer {_kind(layer)} returned {type(out).__name__}, expected one tensor "
-                         f"(each layer of a felactl model maps a tensor to a tensor)")
+        raise InputError(
+            f"layer {_kind(layer)} returned {type(out).__name__}, expected one tensor "
+            f"(each layer of a felactl model maps a tensor to a tensor)"
+        )
     return out
 
 
@@ -414,5 +556,17 @@ def _check_device(device: str) -> torch.device:
     return torch_device
 
 
-__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_REPEATS", "count_flops", "middle_batch", "profile_model", "saved_bytes",
-           "this_device_model", "time_layer", "time_optimizer_step", "time_whole_model"]
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "DEFAULT_REPEATS",
+    "LayerTimes",
+    "Measured",
+    "count_flops",
+    "middle_batch",
+    "profile_model",
+    "saved_bytes",
+    "this_device_model",
+    "time_layer",
+    "time_optimizer_step",
+    "time_whole_model",
+]

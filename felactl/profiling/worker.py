@@ -13,18 +13,20 @@ import json
 import os
 from datetime import timedelta
 
+from felactl.control import keys
+
 
 def _device_result(config: dict, local_rank: int, local_world_size: int) -> dict:
-    from felactl.profiling.devices import measure_cpu_slot, measure_cuda_slot, node_info
+    from felactl.machine import node_info
+    from felactl.profiling.devices import measure_cpu_slot, measure_cuda_slot
 
     if config["device"] == "cuda":
-        return measure_cuda_slot(local_rank, matmul_size=config["gpu_matmul_size"],
-                                 repetitions=config["repetitions"])
-    cores = [int(c) for c in os.environ.get("FELACTL_CPU_CORES", "").split(",") if c] or \
-        sorted(os.sched_getaffinity(0))
+        return measure_cuda_slot(local_rank, matmul_size=config["gpu_matmul_size"], repetitions=config["repetitions"])
+    cores = [int(c) for c in os.environ.get("FELACTL_CPU_CORES", "").split(",") if c] or sorted(os.sched_getaffinity(0))
     memory_gb = node_info()["memory_gb"] / local_world_size
-    return measure_cpu_slot(cores, matmul_size=config["cpu_matmul_size"], repetitions=config["repetitions"],
-                            memory_gb=round(memory_gb, 3))
+    return measure_cpu_slot(
+        cores, matmul_size=config["cpu_matmul_size"], repetitions=config["repetitions"], memory_gb=round(memory_gb, 3)
+    )
 
 
 def _gpu_extras(config: dict, local_world_size: int) -> dict:
@@ -36,14 +38,16 @@ def _gpu_extras(config: dict, local_world_size: int) -> dict:
     num_gpus = min(local_world_size, torch.cuda.device_count())
     topology = gpu_interconnect(num_gpus)
     copies = peer_copy_gbps(num_gpus, config["message_bytes"], config["repetitions"])
-    return {"topology": {f"{i},{j}": v for (i, j), v in topology.items()},
-            "peer_copy_gbps": {f"{i},{j}": v for (i, j), v in copies.items()}}
+    return {
+        "topology": {f"{i},{j}": v for (i, j), v in topology.items()},
+        "peer_copy_gbps": {f"{i},{j}": v for (i, j), v in copies.items()},
+    }
 
 
 def main() -> None:
     import torch.distributed as dist
 
-    from felactl.launcher.controlplane import connect_store
+    from felactl.control.store import connect_store
     from felactl.profiling.links import LinkProbe, measure_links
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -51,25 +55,43 @@ def main() -> None:
     prefix = os.environ["FELACTL_STORE_PREFIX"]
     config = json.loads(os.environ["FELACTL_PROFILE_CONFIG"])
     store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), config["timeout_s"])
-    progress_key = prefix + "profile/progress"
+    progress_key = prefix + keys.PROFILE_PROGRESS
 
     device = _device_result(config, local_rank, local_world_size)
     store.add(progress_key, 1)
 
     cuda = config["device"] == "cuda"
     backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg/", store), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=config["timeout_s"]))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix + "pg/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=config["timeout_s"]),
+    )
     try:
         barrier = (lambda: dist.barrier(device_ids=[local_rank])) if cuda else dist.barrier
-        probe = LinkProbe(**{k: config[k] for k in ("message_bytes", "small_message_bytes", "repetitions",
-                                                    "latency_repetitions")})
-        links = measure_links(rank, world_size, probe, device=f"cuda:{local_rank}" if cuda else "cpu",
-                              barrier=barrier, on_pair=lambda src, dst: store.add(progress_key, 1))
+        probe = LinkProbe(
+            **{k: config[k] for k in ("message_bytes", "small_message_bytes", "repetitions", "latency_repetitions")}
+        )
+        links = measure_links(
+            rank,
+            world_size,
+            probe,
+            device=f"cuda:{local_rank}" if cuda else "cpu",
+            barrier=barrier,
+            on_pair=lambda src, dst: store.add(progress_key, 1),
+        )
         extras = _gpu_extras(config, local_world_size) if cuda and local_rank == 0 else {}
-        result = {"rank": rank, "local_rank": local_rank, "node_name": os.environ.get("FELACTL_NODE_NAME", ""),
-                  "device": device, "links": links, **extras}
-        store.set(f"{prefix}profile/result/{rank}", json.dumps(result))
+        result = {
+            "rank": rank,
+            "local_rank": local_rank,
+            "node_name": os.environ.get("FELACTL_NODE_NAME", ""),
+            "device": device,
+            "links": links,
+            **extras,
+        }
+        store.set(prefix + keys.profile_result(rank), json.dumps(result))
         barrier()
     finally:
         dist.destroy_process_group()

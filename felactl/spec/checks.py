@@ -2,22 +2,82 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from felactl.errors import SpecError
 from felactl.spec.cluster import ClusterSpec
+from felactl.spec.executable import check_executable
 from felactl.spec.model import ModelSpec
 from felactl.spec.plan import Plan
 
 
 def check_plan_against_cluster(plan: Plan, cluster: ClusterSpec, where: str = "plan") -> None:
+    """Every device of the plan is in the cluster, on the node and of the kind its placement says."""
     known = cluster.device_names
     for i, dev in enumerate(plan.devices):
         if not cluster.has_device(dev):
             sample = ", ".join(known[:8]) + (", ..." if len(known) > 8 else "")
-            raise SpecError(where, f"devices[{i}]",
-                            f"device {dev!r} is not in cluster {cluster.name!r} (it has: {sample})")
+            raise SpecError(
+                where, f"devices[{i}]", f"device {dev!r} is not in cluster {cluster.name!r} (it has: {sample})"
+            )
+    for i, placed in enumerate(plan.placement):
+        node, kind = cluster.node_of(placed.device).name, cluster.device(placed.device).kind
+        if placed.node != node:
+            raise SpecError(
+                where,
+                f"placement[{i}].node",
+                f"{placed.device!r} is on node {node!r} of cluster {cluster.name!r}, not {placed.node!r}",
+            )
+        if placed.kind != kind:
+            raise SpecError(
+                where,
+                f"placement[{i}].kind",
+                f"{placed.device!r} is a {kind.value} device in cluster {cluster.name!r}, not {placed.kind.value}",
+            )
+    for s, stage in enumerate(plan.stages):
+        for w, worker in enumerate(stage.workers):
+            have = cluster.device(worker.device).memory_gb
+            if worker.predicted_memory_gb is not None and worker.predicted_memory_gb > have:
+                raise SpecError(
+                    where,
+                    f"stages[{s}].workers[{w}].predicted_memory_gb",
+                    f"{worker.predicted_memory_gb:g} GB does not fit {worker.device!r}, which has "
+                    f"{have:g} GB in cluster {cluster.name!r}",
+                )
 
 
 def check_plan_against_model(plan: Plan, model: ModelSpec, where: str = "plan") -> None:
-    if plan.num_layers != model.num_layers:
-        raise SpecError(where, f"stages[{len(plan.stages) - 1}].layer_end",
-                        f"the stages cover {plan.num_layers} layers but model {model.name!r} has {model.num_layers}")
+    """The plan is of this model (name, source, the config values both give) and the runtime can
+    execute it on this model's layers (:func:`~felactl.spec.executable.check_executable`)."""
+    for key in ("source", "name"):
+        mine, theirs = getattr(plan.model, key), getattr(model, key)
+        if mine != theirs:
+            raise SpecError(where, f"model.{key}", f"is {mine!r} but the model profile is of {theirs!r}")
+    for key in sorted(set(plan.model.config) & set(model.config)):
+        if plan.model.config[key] != model.config[key]:
+            raise SpecError(
+                where,
+                f"model.config.{key}",
+                f"is {plan.model.config[key]!r} but the model profile has {model.config[key]!r}",
+            )
+    if not model.splittable and len(plan.stages) > 1:
+        raise SpecError(
+            where,
+            "stages",
+            f"{len(plan.stages)} stages, but model {model.name!r} cannot be split "
+            "(it is no nn.Sequential): data-parallel plans only",
+        )
+    check_executable(plan, [layer.params for layer in model.layers], where)
+
+
+def check_together(files: Sequence[tuple[str, ClusterSpec | ModelSpec | Plan]]) -> None:
+    """Files given together (``felactl check plan.yaml cluster.yaml model.yaml``): every plan is
+    executable, and fits every cluster and every model among them. Raises the first problem."""
+    plans = [(where, spec) for where, spec in files if isinstance(spec, Plan)]
+    for where, plan in plans:
+        check_executable(plan, where=where)
+        for _, spec in files:
+            if isinstance(spec, ClusterSpec):
+                check_plan_against_cluster(plan, spec, where)
+            elif isinstance(spec, ModelSpec):
+                check_plan_against_model(plan, spec, where)

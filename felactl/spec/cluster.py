@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from felactl import limits
 from felactl.spec.codec import SCHEMA_VERSION, FieldProblem, check_header, positive
 
 
@@ -42,12 +43,12 @@ class Device:
     def __post_init__(self) -> None:
         if not self.name:
             raise FieldProblem("name", "must not be empty")
-        positive("tflops", self.tflops)
-        positive("memory_gb", self.memory_gb)
+        positive("tflops", self.tflops, limits.TFLOPS)
+        positive("memory_gb", self.memory_gb, limits.MEMORY_GB)
         if self.bf16_tflops is not None:
-            positive("bf16_tflops", self.bf16_tflops)
-        if self.local_index is not None and self.local_index < 0:
-            raise FieldProblem("local_index", f"must be >= 0, got {self.local_index}")
+            positive("bf16_tflops", self.bf16_tflops, limits.TFLOPS)
+        if self.local_index is not None:
+            positive("local_index", self.local_index, limits.INDEX, allow_zero=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,14 +61,28 @@ class Node:
     memory_gb: float | None = None
     """Host memory."""
     devices: tuple[Device, ...]
+    nic_gbps: float | None = None
+    """The network interface the node's devices share for everything that leaves or enters the
+    node, GB/s each way (e.g. one 12.5 GB/s NIC for 8 A10Gs): the planner divides it among the
+    node's devices that send at once, however wide each device's own inter-node link is listed.
+    Absent: each inter-node link stands alone (the collectives still assume one NIC per node, as
+    wide as its widest inter-node link)."""
+    switch_gbps: float | None = None
+    """The devices of the node reach each other through a switch (NVSwitch) with one port of this
+    many GB/s each way per device: a device sends (and receives) at most that in all, whatever
+    its links to the other devices say. Absent: every intra-node link is its own wire."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise FieldProblem("name", "must not be empty")
+        if self.nic_gbps is not None:
+            positive("nic_gbps", self.nic_gbps, limits.BANDWIDTH_GBPS)
+        if self.switch_gbps is not None:
+            positive("switch_gbps", self.switch_gbps, limits.BANDWIDTH_GBPS)
         if self.num_cpu_cores is not None:
-            positive("num_cpu_cores", self.num_cpu_cores)
+            positive("num_cpu_cores", self.num_cpu_cores, limits.COUNT)
         if self.memory_gb is not None:
-            positive("memory_gb", self.memory_gb)
+            positive("memory_gb", self.memory_gb, limits.MEMORY_GB)
         if not self.devices:
             raise FieldProblem("devices", "a node needs at least one device")
 
@@ -87,9 +102,9 @@ class Link:
     """Physical links bundled here (e.g. 2 NVLinks between a pair); bandwidth_gbps is their sum."""
 
     def __post_init__(self) -> None:
-        positive("bandwidth_gbps", self.bandwidth_gbps)
-        positive("latency_us", self.latency_us, allow_zero=True)
-        positive("num_links", self.num_links)
+        positive("bandwidth_gbps", self.bandwidth_gbps, limits.BANDWIDTH_GBPS)
+        positive("latency_us", self.latency_us, limits.LATENCY_US, allow_zero=True)
+        positive("num_links", self.num_links, limits.COUNT)
         if self.src == self.dst:
             raise FieldProblem("dst", f"a link must join two different devices, got {self.src} -> {self.dst}")
 
@@ -103,8 +118,8 @@ class LinkDefault:
     type: LinkType
 
     def __post_init__(self) -> None:
-        positive("bandwidth_gbps", self.bandwidth_gbps)
-        positive("latency_us", self.latency_us, allow_zero=True)
+        positive("bandwidth_gbps", self.bandwidth_gbps, limits.BANDWIDTH_GBPS)
+        positive("latency_us", self.latency_us, limits.LATENCY_US, allow_zero=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,15 +187,22 @@ class ClusterSpec:
         default = self.intra_node_default if same_node else self.inter_node_default
         if default is None:
             return None
-        return Link(src=src, dst=dst, bandwidth_gbps=default.bandwidth_gbps,
-                    latency_us=default.latency_us, type=default.type)
+        return Link(
+            src=src, dst=dst, bandwidth_gbps=default.bandwidth_gbps, latency_us=default.latency_us, type=default.type
+        )
 
     def links_among(self, device_names: list[str] | tuple[str, ...]) -> list[Link]:
         """Every direct link (listed or default) between two of these devices."""
-        return [link for a in device_names for b in device_names if a != b
-                for link in (self.link(a, b),) if link is not None]
+        return [
+            link
+            for a in device_names
+            for b in device_names
+            if a != b
+            for link in (self.link(a, b),)
+            if link is not None
+        ]
 
-    def subset(self, device_names: list[str] | tuple[str, ...]) -> "ClusterSpec":
+    def subset(self, device_names: list[str] | tuple[str, ...]) -> ClusterSpec:
         """The same cluster restricted to some devices (nodes left empty are dropped)."""
         keep = set(device_names)
         nodes = []
@@ -189,6 +211,11 @@ class ClusterSpec:
             if devs:
                 nodes.append(dataclasses.replace(node, devices=devs))
         links = tuple(l for l in self.links if l.src in keep and l.dst in keep)
-        return ClusterSpec(name=self.name, nodes=tuple(nodes), links=links, description=self.description,
-                           intra_node_default=self.intra_node_default,
-                           inter_node_default=self.inter_node_default)
+        return ClusterSpec(
+            name=self.name,
+            nodes=tuple(nodes),
+            links=links,
+            description=self.description,
+            intra_node_default=self.intra_node_default,
+            inter_node_default=self.inter_node_default,
+        )

@@ -15,6 +15,7 @@ import typing
 from typing import Any, Union
 
 from felactl.errors import SpecError
+from felactl.limits import Bound, show
 
 
 class FieldProblem(ValueError):
@@ -26,14 +27,18 @@ class FieldProblem(ValueError):
         super().__init__(f"{key}: {problem}")
 
 
-def positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    """The one check for "must be > 0" (or ">= 0"), so every message reads the same."""
+def positive(key: str, value: float, bound: Bound | None = None, *, allow_zero: bool = False) -> None:
+    """The one check for "must be > 0" (or ">= 0"), and inside ``bound`` (what a file may claim,
+    :mod:`felactl.limits`), so every message reads the same."""
     if value != value or value in (float("inf"), float("-inf")):  # NaN passes both comparisons below
         raise FieldProblem(key, f"must be a finite number, got {value}")
     if allow_zero and value < 0:
-        raise FieldProblem(key, f"must be >= 0, got {value:g}")
+        raise FieldProblem(key, f"must be >= 0, got {show(value)}")
     if not allow_zero and value <= 0:
-        raise FieldProblem(key, f"must be > 0, got {value:g}")
+        raise FieldProblem(key, f"must be > 0, got {show(value)}")
+    problem = bound.problem(value) if bound is not None else None
+    if problem is not None:
+        raise FieldProblem(key, problem)
 
 
 SCHEMA_VERSION = 1
@@ -60,8 +65,14 @@ def _type_name(tp: Any) -> str:
     if isinstance(tp, type):
         if issubclass(tp, enum.Enum):
             return "one of " + "|".join(str(m.value) for m in tp)
-        return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true/false",
-                "list": "a list", "dict": "a mapping"}.get(tp.__name__, tp.__name__)
+        return {
+            "str": "a string",
+            "int": "an integer",
+            "float": "a number",
+            "bool": "true/false",
+            "list": "a list",
+            "dict": "a mapping",
+        }.get(tp.__name__, tp.__name__)
     origin = typing.get_origin(tp)
     if origin in (list, tuple):
         return "a list"
@@ -87,8 +98,9 @@ def _decode(tp: Any, value: Any, where: str, path: str) -> Any:
                 errors.append(exc)
         if len(errors) == 1:
             raise errors[0]
-        raise SpecError(where, path, f"must be {' or '.join(_type_name(o) for o in non_null)}, "
-                                     f"got {type(value).__name__} {value!r}")
+        raise SpecError(
+            where, path, f"must be {' or '.join(_type_name(o) for o in non_null)}, got {type(value).__name__} {value!r}"
+        )
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -148,8 +160,7 @@ def decode(cls: type, data: Any, where: str, path: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
-        raise SpecError(where, _join(path, unknown[0]),
-                        f"unknown key (expected one of: {', '.join(sorted(fields))})")
+        raise SpecError(where, _join(path, unknown[0]), f"unknown key (expected one of: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, field in fields.items():
         if name not in data:

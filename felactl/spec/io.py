@@ -21,8 +21,52 @@ T = TypeVar("T", ClusterSpec, ModelSpec, Plan)
 KINDS: dict[str, type] = {"Cluster": ClusterSpec, "Model": ModelSpec, "Plan": Plan}
 
 
+MAX_FILE_BYTES = 256 * 2**20
+"""A felactl file's size: a 1,024-device cluster with every one of its million links listed is
+about 100 MB; a file larger than this is not a felactl file (or is /dev/zero)."""
+MAX_DEPTH = 64
+"""Nesting of mappings and lists: the formats need 6; the composer recurses once per level."""
+MAX_VALUES = 16 * 2**20
+"""Values in a file once its aliases are expanded (each use of an anchor counts its whole value):
+bounds what a "billion laughs" alias bomb can make the decoder walk or an error message print."""
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys instead of silently keeping the last one."""
+    """SafeLoader that refuses duplicate keys instead of silently keeping the last one, and
+    documents nested deeper than :data:`MAX_DEPTH` or expanding to more than :data:`MAX_VALUES`
+    values through aliases (PyYAML bounds neither)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._num_values = 0
+        self._expanded: dict[int, int] = {}  # id(node) -> values it expands to
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            node = super().compose_node(parent, index)
+            self._count(self._expanded.get(id(node), 1), mark)
+            return node
+        mark = self.peek_event().start_mark
+        if self._depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+        before = self._count(1, mark)
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        self._expanded[id(node)] = self._num_values - before + 1
+        return node
+
+    def _count(self, num_values: int, mark) -> int:
+        self._num_values += num_values
+        if self._num_values > MAX_VALUES:
+            raise yaml.composer.ComposerError(
+                None, None, f"more than {MAX_VALUES} values once its aliases are expanded", mark
+            )
+        return self._num_values
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -30,8 +74,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in mapping:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark)
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         mapping[key] = loader.construct_object(value_node, deep=deep)
     return mapping
 
@@ -58,8 +101,14 @@ def read_text(path: str | os.PathLike) -> str:
         raise InputError(f"{p}: no such file")
     if p.is_dir():
         raise InputError(f"{p}: is a directory, expected a YAML file")
+    if not p.is_file():
+        raise InputError(f"{p}: not a regular file, expected a YAML file")
     try:
-        return p.read_text(encoding="utf-8")
+        with p.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise InputError(f"{p}: larger than {MAX_FILE_BYTES // 2**20} MiB, not a felactl file")
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{p}: cannot read: {exc}") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from felactl import limits
 from felactl.spec.codec import SCHEMA_VERSION, FieldProblem, check_header, positive
 
 
@@ -17,11 +18,17 @@ class LayerTiming:
     """Forward time of the layer on one micro-batch of this size, median of repetitions."""
     bwd_ms: float
     """Backward time (input and weight gradients) on one micro-batch of this size."""
+    spread: float | None = None
+    """Optional: how far the blocks of repetitions the times are the median of disagreed, as the
+    interquartile range of the blocks' forward + backward over its median (0.1: 10%). Timings
+    whose spread stayed above the profiler's limit are listed in ``ModelSpec.noisy``."""
 
     def __post_init__(self) -> None:
-        positive("micro_batch", self.micro_batch)
-        positive("fwd_ms", self.fwd_ms, allow_zero=True)
-        positive("bwd_ms", self.bwd_ms, allow_zero=True)
+        positive("micro_batch", self.micro_batch, limits.BATCH)
+        positive("fwd_ms", self.fwd_ms, limits.MILLISECONDS, allow_zero=True)
+        positive("bwd_ms", self.bwd_ms, limits.MILLISECONDS, allow_zero=True)
+        if self.spread is not None:
+            positive("spread", self.spread, allow_zero=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,18 +51,20 @@ class Layer:
     def __post_init__(self) -> None:
         if not self.name:
             raise FieldProblem("name", "must not be empty")
-        positive("params", self.params, allow_zero=True)
-        positive("param_bytes", self.param_bytes, allow_zero=True)
-        positive("activation_bytes_per_sample", self.activation_bytes_per_sample)
+        positive("params", self.params, limits.PARAMS, allow_zero=True)
+        positive("param_bytes", self.param_bytes, limits.BYTES, allow_zero=True)
+        positive("activation_bytes_per_sample", self.activation_bytes_per_sample, limits.BYTES)
         if self.saved_bytes_per_sample is not None:
-            positive("saved_bytes_per_sample", self.saved_bytes_per_sample, allow_zero=True)
-        positive("fwd_flops_per_sample", self.fwd_flops_per_sample, allow_zero=True)
-        positive("bwd_flops_per_sample", self.bwd_flops_per_sample, allow_zero=True)
+            positive("saved_bytes_per_sample", self.saved_bytes_per_sample, limits.BYTES, allow_zero=True)
+        positive("fwd_flops_per_sample", self.fwd_flops_per_sample, limits.FLOPS, allow_zero=True)
+        positive("bwd_flops_per_sample", self.bwd_flops_per_sample, limits.FLOPS, allow_zero=True)
         seen = set()
         for i, t in enumerate(self.timings):
             key = (t.device_model, t.micro_batch)
             if key in seen:
-                raise FieldProblem(f"timings[{i}]", f"duplicate timing for {t.device_model!r} at micro_batch {t.micro_batch}")
+                raise FieldProblem(
+                    f"timings[{i}]", f"duplicate timing for {t.device_model!r} at micro_batch {t.micro_batch}"
+                )
             seen.add(key)
 
 
@@ -72,14 +81,31 @@ class SyncTiming:
     backend: str
     micro_batch: int
     """Samples per device in the measured step."""
-    sync_ms: float
-    """Median step with DDP's gradient allreduce minus median step without it (``no_sync``)."""
+    sync_ms: float | None = None
+    """Step with DDP's gradient allreduce minus step without it (``no_sync``): the median over pairs
+    of adjacent blocks of the difference of their medians. Absent where that difference was not
+    above its noise (``noise_ms``): sync then was not measured, and is never taken as 0. (Profiles
+    written before ``noise_ms`` existed may hold 0 here; the cost model reads that as absent.)"""
+    noise_ms: float | None = None
+    """Optional: the noise of ``sync_ms``, the pairs' interquartile range over sqrt(pairs). Where
+    ``sync_ms`` is absent, sync was not told apart from this much noise."""
+    noisy: bool = False
+    """True where the profiler's cap on pairs of blocks was hit with the noise still large next to
+    the step: the machine was too busy to trust ``sync_ms``."""
 
     def __post_init__(self) -> None:
         if len(self.devices) < 2 or len(set(self.devices)) != len(self.devices):
             raise FieldProblem("devices", "a sync timing needs two or more distinct devices")
-        positive("micro_batch", self.micro_batch)
-        positive("sync_ms", self.sync_ms, allow_zero=True)
+        positive("micro_batch", self.micro_batch, limits.BATCH)
+        if self.sync_ms is not None:
+            positive("sync_ms", self.sync_ms, limits.MILLISECONDS, allow_zero=True)
+        if self.noise_ms is not None:
+            positive("noise_ms", self.noise_ms, limits.MILLISECONDS, allow_zero=True)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the profile told a sync time apart from its noise (a 0 of an old file: no)."""
+        return self.sync_ms is not None and self.sync_ms > 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +120,10 @@ class ModelSpec:
     input_bytes_per_sample: int
     """Bytes of one input sample as fed to the first layer."""
     layers: tuple[Layer, ...]
+    splittable: bool = True
+    """Whether a plan may cut the layers into stages: the model is an ``nn.Sequential`` whose
+    children are the layers. False (any other module, profiled as one layer): data-parallel plans
+    only. Absent in profiles written before it: True."""
     optimizer_step_ms: float | None = None
     """Optional: one AdamW ``optimizer.step()`` over all the model's parameters, measured on the
     device the timings came from; the cost model charges each stage its share by parameters."""
@@ -101,18 +131,31 @@ class ModelSpec:
     """Optional record, per micro-batch (as a string): the whole model's forward + loss + backward
     time divided by the sum of its layers' times, by which the layers' timings were scaled."""
     data_parallel_sync: tuple[SyncTiming, ...] = ()
+    timed_tflops: dict[str, float] = field(default_factory=dict)
+    """Optional, per device model the timings are of: the dense matmul TFLOP/s of the device they
+    were taken on, measured as ``felactl profile`` measures a cluster's devices (the same matmul
+    side). A device of that model whose cluster profile measured another speed (a CPU share under
+    a cgroup, a throttled GPU) takes the timings scaled by timed / its own TFLOP/s."""
     """Optional: measured gradient sync of the whole model on groups of devices; the cost model
     scales its link-based estimate of any group inside a measured one by measured / estimate."""
+    noisy: tuple[str, ...] = ()
+    """The timings of this profile whose repetitions still disagreed when the profiler's cap on
+    them was hit, by key path with their spread (``layers[2].timings[0]: spread 0.31``): the
+    machine was too busy to trust them. Empty: every timing settled (or an older profile)."""
 
     def __post_init__(self) -> None:
         check_header(self.kind, "Model", self.schema_version)
         if self.optimizer_step_ms is not None:
-            positive("optimizer_step_ms", self.optimizer_step_ms, allow_zero=True)
+            positive("optimizer_step_ms", self.optimizer_step_ms, limits.MILLISECONDS, allow_zero=True)
         if not self.source:
             raise FieldProblem("source", "must not be empty")
-        positive("input_bytes_per_sample", self.input_bytes_per_sample)
+        positive("input_bytes_per_sample", self.input_bytes_per_sample, limits.BYTES)
         if not self.layers:
             raise FieldProblem("layers", "a model needs at least one layer")
+        if not any(layer.fwd_flops_per_sample or layer.bwd_flops_per_sample for layer in self.layers):
+            raise FieldProblem("layers", "every layer has 0 FLOPs per sample: nothing to price a device by")
+        for device_model, tflops in self.timed_tflops.items():
+            positive(f"timed_tflops[{device_model!r}]", tflops, limits.TFLOPS)
         groups = set()
         for i, timing in enumerate(self.data_parallel_sync):
             group = (timing.cluster, frozenset(timing.devices))
@@ -124,6 +167,18 @@ class ModelSpec:
             if layer.name in names:
                 raise FieldProblem(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
             names.add(layer.name)
+
+    def untrusted(self) -> list[str]:
+        """What of this profile the machine was too busy to measure: ``noisy``, each noisy sync
+        timing and each sync not told apart from its noise, one phrase each."""
+        found = list(self.noisy)
+        for i, timing in enumerate(self.data_parallel_sync):
+            noise = "" if timing.noise_ms is None else f" (noise {timing.noise_ms:g} ms)"
+            if not timing.measured:
+                found.append(f"data_parallel_sync[{i}]: sync not told apart from its noise{noise}")
+            elif timing.noisy:
+                found.append(f"data_parallel_sync[{i}]: sync {timing.sync_ms:g} ms, noisy{noise}")
+        return found
 
     @property
     def num_layers(self) -> int:

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from felactl import limits
 from felactl.spec.cluster import ClusterSpec, DeviceKind
 from felactl.spec.codec import SCHEMA_VERSION, FieldProblem, check_header, positive
 
@@ -57,7 +58,7 @@ class Placement:
     """The device's index within its node (the worker's LOCAL_RANK; the CUDA ordinal)."""
 
     def __post_init__(self) -> None:
-        positive("local_index", self.local_index, allow_zero=True)
+        positive("local_index", self.local_index, limits.INDEX, allow_zero=True)
 
 
 def placements_from(cluster: ClusterSpec, devices: tuple[str, ...] | list[str]) -> tuple[Placement, ...]:
@@ -67,8 +68,14 @@ def placements_from(cluster: ClusterSpec, devices: tuple[str, ...] | list[str]) 
         node = cluster.node_of(name)
         index = next(i for i, d in enumerate(node.devices) if d.name == name)
         dev = cluster.device(name)
-        out.append(Placement(device=name, node=node.name, kind=dev.kind,
-                             local_index=dev.local_index if dev.local_index is not None else index))
+        out.append(
+            Placement(
+                device=name,
+                node=node.name,
+                kind=dev.kind,
+                local_index=dev.local_index if dev.local_index is not None else index,
+            )
+        )
     return tuple(out)
 
 
@@ -95,12 +102,18 @@ class Stage:
     """Samples per micro-batch (Fela's per-sub-model batch size b_i)."""
     workers: tuple[StageWorker, ...]
     predicted_compute_s: float | None = None
+    max_in_flight: int | None = None
+    """Most micro-batches of this stage whose activations one worker holds at once (forward run,
+    backward not yet): what the planner's memory model assumed. The simulator holds every worker
+    to it. None (plans written before it): no limit."""
 
     def __post_init__(self) -> None:
         positive("layer_start", self.layer_start, allow_zero=True)
         if self.layer_end <= self.layer_start:
             raise FieldProblem("layer_end", f"must be > layer_start ({self.layer_start}), got {self.layer_end}")
-        positive("micro_batch", self.micro_batch)
+        positive("micro_batch", self.micro_batch, limits.BATCH)
+        if self.max_in_flight is not None:
+            positive("max_in_flight", self.max_in_flight, limits.COUNT)
         if not self.workers:
             raise FieldProblem("workers", "a stage needs at least one worker")
         seen = set()
@@ -136,8 +149,8 @@ class SyncSpec:
     def __post_init__(self) -> None:
         if self.max_group < 2:
             raise FieldProblem("max_group", f"must be >= 2, got {self.max_group}")
-        positive("initial_wait_ms", self.initial_wait_ms)
-        positive("connect_every", self.connect_every)
+        positive("initial_wait_ms", self.initial_wait_ms, limits.MILLISECONDS)
+        positive("connect_every", self.connect_every, limits.COUNT)
         if self.token_policy not in ("ads", "hf", "ads+hf"):
             raise FieldProblem("token_policy", f"must be one of ads, hf, ads+hf, got {self.token_policy!r}")
 
@@ -163,6 +176,11 @@ class Collective:
     devices: tuple[str, ...]
     root: str
     trees: tuple[Tree, ...] = ()
+    reduce_trees: tuple[Tree, ...] = ()
+    """Trees the reduce runs up, where the graph is asymmetric enough that trees packed for that
+    direction beat reversing ``trees``: arborescences rooted at ``root`` written ``[parent, child]``
+    as ``trees`` are, but the data flows child -> parent (over the link child -> parent). Empty:
+    the reduce runs up ``trees`` reversed."""
     rate_gbps: float
     """Broadcast rate of the packed trees, GB/s."""
     bound_gbps: float
@@ -177,10 +195,11 @@ class Collective:
         positive("bound_gbps", self.bound_gbps, allow_zero=True)
         positive("ring_gbps", self.ring_gbps, allow_zero=True)
         members = set(self.devices)
-        for t, tree in enumerate(self.trees):
-            for e, (a, b) in enumerate(tree.edges):
-                if a not in members or b not in members:
-                    raise FieldProblem(f"trees[{t}].edges[{e}]", f"edge {a} -> {b} leaves the group")
+        for key in ("trees", "reduce_trees"):
+            for t, tree in enumerate(getattr(self, key)):
+                for e, (a, b) in enumerate(tree.edges):
+                    if a not in members or b not in members:
+                        raise FieldProblem(f"{key}[{t}].edges[{e}]", f"edge {a} -> {b} leaves the group")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,8 +208,13 @@ class Prediction:
     samples_per_s: float
     baselines: dict[str, float] = field(default_factory=dict)
     """Predicted iteration time of each baseline (``dp``, ``mp``, ``hp``, ``no_trees``), seconds."""
+    baselines_missing: dict[str, str] = field(default_factory=dict)
+    """Why each baseline absent from ``baselines`` has no plan here (e.g. it does not fit)."""
     simulated_iteration_s: float | None = None
     """The discrete-event simulator's iteration time under this plan."""
+    simulated_peak_memory_gb: dict[str, float] = field(default_factory=dict)
+    """Each device's peak memory in the simulated iteration (weights, gradients, AdamW state and the
+    activations it holds), GB."""
 
     def __post_init__(self) -> None:
         positive("iteration_s", self.iteration_s)
@@ -216,6 +240,8 @@ class Training:
         if self.optimizer not in ("sgd", "adamw"):
             raise FieldProblem("optimizer", f"must be sgd or adamw, got {self.optimizer!r}")
         positive("lr", self.lr)
+        if (problem := limits.SEED.problem(self.seed)) is not None:
+            raise FieldProblem("seed", problem)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,7 +269,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         check_header(self.kind, "Plan", self.schema_version)
-        positive("global_batch", self.global_batch)
+        positive("global_batch", self.global_batch, limits.BATCH)
         if not self.devices:
             raise FieldProblem("devices", "a plan needs at least one device")
         if len(set(self.devices)) != len(self.devices):
@@ -259,7 +285,9 @@ class Plan:
         if not self.placement:
             return
         if len(self.placement) != len(self.devices):
-            raise FieldProblem("placement", f"needs one entry per device ({len(self.devices)}), got {len(self.placement)}")
+            raise FieldProblem(
+                "placement", f"needs one entry per device ({len(self.devices)}), got {len(self.placement)}"
+            )
         for i, (placed, dev) in enumerate(zip(self.placement, self.devices)):
             if placed.device != dev:
                 raise FieldProblem(f"placement[{i}].device", f"must be {dev!r} (devices[{i}]), got {placed.device!r}")
@@ -270,13 +298,16 @@ class Plan:
         expected_start = 0
         for s, stage in enumerate(self.stages):
             if stage.layer_start != expected_start:
-                raise FieldProblem(f"stages[{s}].layer_start",
-                                   f"stages must be consecutive: expected {expected_start}, got {stage.layer_start}")
+                raise FieldProblem(
+                    f"stages[{s}].layer_start",
+                    f"stages must be consecutive: expected {expected_start}, got {stage.layer_start}",
+                )
             expected_start = stage.layer_end
             for w, worker in enumerate(stage.workers):
                 if worker.device not in members:
-                    raise FieldProblem(f"stages[{s}].workers[{w}].device",
-                                       f"{worker.device!r} is not in the plan's devices")
+                    raise FieldProblem(
+                        f"stages[{s}].workers[{w}].device", f"{worker.device!r} is not in the plan's devices"
+                    )
                 used.add(worker.device)
         idle = [d for d in self.devices if d not in used]
         if idle:
@@ -289,7 +320,9 @@ class Plan:
             raise FieldProblem("pipelines", f"schedule {self.schedule.value} needs the pipelines' devices")
         for r, pipe in enumerate(self.pipelines):
             if len(pipe) != len(self.stages):
-                raise FieldProblem(f"pipelines[{r}]", f"needs one device per stage ({len(self.stages)}), got {len(pipe)}")
+                raise FieldProblem(
+                    f"pipelines[{r}]", f"needs one device per stage ({len(self.stages)}), got {len(pipe)}"
+                )
             for s, dev in enumerate(pipe):
                 if dev not in self.stages[s].devices:
                     raise FieldProblem(f"pipelines[{r}][{s}]", f"{dev!r} does not run stage {s}")
@@ -318,13 +351,28 @@ class Plan:
         return {node: tuple(devs) for node, devs in out.items()}
 
 
-def data_parallel_plan(*, model: ModelRef, num_layers: int, devices: tuple[str, ...] | list[str], global_batch: int,
-                       micro_batch: int, sync: SyncSpec | None = None, training: Training | None = None,
-                       shares: tuple[float, ...] | list[float] | None = None, cluster: str = "local") -> Plan:
+def data_parallel_plan(
+    *,
+    model: ModelRef,
+    num_layers: int,
+    devices: tuple[str, ...] | list[str],
+    global_batch: int,
+    micro_batch: int,
+    sync: SyncSpec | None = None,
+    training: Training | None = None,
+    shares: tuple[float, ...] | list[float] | None = None,
+    cluster: str = "local",
+) -> Plan:
     """One stage with every layer on every device (equal shares unless given): plain data parallel,
     the plan a hand-run job, a test or a benchmark wants without profiling and planning."""
     shares = shares or [1 / len(devices)] * len(devices)
     workers = tuple(StageWorker(device=d, share=s) for d, s in zip(devices, shares))
-    return Plan(cluster=cluster, model=model, devices=tuple(devices), global_batch=global_batch,
-                sync=sync or SyncSpec(), training=training or Training(),
-                stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=micro_batch, workers=workers),))
+    return Plan(
+        cluster=cluster,
+        model=model,
+        devices=tuple(devices),
+        global_batch=global_batch,
+        sync=sync or SyncSpec(),
+        training=training or Training(),
+        stages=(Stage(layer_start=0, layer_end=num_layers, micro_batch=micro_batch, workers=workers),),
+    )

@@ -6,11 +6,13 @@ import os
 import sys
 import threading
 import time
+import traceback
+from typing import NoReturn
 
+from felactl.agents.worker import drain
 from felactl.agents.worker.config import from_env
 from felactl.agents.worker.main import run_worker
 from felactl.errors import FelactlError
-
 
 PARENT_CHECK_S = 0.5
 
@@ -34,6 +36,7 @@ def exit_with_parent() -> None:
 
 
 def main() -> int:
+    drain.listen()
     exit_with_parent()
     try:
         run_worker(from_env())
@@ -43,5 +46,23 @@ def main() -> int:
     return 0
 
 
+def run() -> NoReturn:
+    """Run the worker and leave with its exit code at once. The interpreter's teardown is skipped
+    on purpose: a store or gloo thread still busy in C++ at that point aborts the process
+    ("terminate called without an active exception", exit -6), and the launch would then report
+    the abort instead of the worker's own reason. Nothing is lost: metrics, checkpoints and
+    summaries are written with unbuffered or atomic writes before ``main`` returns."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a bug: show it, then leave as the interpreter would
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -22,10 +22,22 @@ def checkpoint_path(run_dir: str | os.PathLike, step: int, stage: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step{step:06d}" / f"stage{stage}.pt"
 
 
-def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    step: int, data_position: int, extra: dict[str, Any] | None = None) -> Path:
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-             "data_position": data_position, **(extra or {})}
+def save_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    data_position: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "data_position": data_position,
+        **(extra or {}),
+    }
     return atomic_write(path, lambda f: torch.save(state, f))
 
 
@@ -37,8 +49,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     return state
 
 
-def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, data_position: int,
-                    src: int, group=None) -> tuple[int, int]:
+def broadcast_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, data_position: int, src: int, group=None
+) -> tuple[int, int]:
     """Every member calls this; afterwards all hold ``src``'s parameters, optimizer state, step and
     data position. Parameters go as one flat tensor broadcast; the optimizer state (whose tensors
     a fresh optimizer has not created yet) goes pickled with the small metadata."""

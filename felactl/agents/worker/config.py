@@ -24,16 +24,21 @@
 | ``FELACTL_RESUME_FROM`` | a checkpoint file to start from (``felactl launch --resume``) | none |
 | ``FELACTL_HEARTBEAT_S`` | elastic: seconds between heartbeats | 0.5 |
 | ``FELACTL_COLLECTIVE_TIMEOUT_S`` | elastic: timeout of the data-parallel group's collectives | 30 |
+| ``FELACTL_SECRET`` | the job secret, from its agent (never on the store): signs, verifies | none: no protection |
+| ``FELACTL_JOB``, ``FELACTL_SESSION`` | the run and its launch's session, which signatures bind | prefix, none |
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
 
 from felactl.agents.worker.stragglers import Pattern, parse_pattern, parse_slowdown
+from felactl.control import Reader, Seal, job_binding
+from felactl.control.events import RefusalLog
 from felactl.errors import InputError
 from felactl.spec import Plan, SyncMode, load_plan
 
@@ -66,12 +71,34 @@ class WorkerConfig:
     resume_from: Path | None = None
     heartbeat_s: float = 0.5
     collective_timeout_s: float = 30.0
+    secret: str = field(default="", repr=False)
+    job: str = ""
+    session: str = ""
+
+    def seal(self) -> Seal:
+        """This job's seal. Without a secret (a worker started by hand, not by felactl's agent)
+        documents are sealed with a key anyone can derive from the store prefix: they still name
+        their key and job, but protect nothing."""
+        secret = self.secret or hashlib.sha256(self.store_prefix.encode()).hexdigest()
+        return Seal(secret, job_binding(self.job or self.store_prefix, self.session))
+
+    def reader(self, store, prefix: str | None = None) -> Reader:
+        """Reads and writes sealed documents at ``prefix`` (default: the job's) + a key's name in
+        ``store``; a forgery is recorded in the run's events.jsonl."""
+        return Reader(
+            self.seal(),
+            store,
+            self.store_prefix if prefix is None else prefix,
+            on_refused=_refusals(self.run_dir / "events.jsonl", self.worker_id),
+        )
 
     def load_plan(self) -> Plan:
         """The plan with the environment's overrides applied."""
         plan = load_plan(self.plan_path)
         if len(plan.devices) != self.world_size:
-            raise InputError(f"{self.plan_path}: plan has {len(plan.devices)} devices but WORLD_SIZE is {self.world_size}")
+            raise InputError(
+                f"{self.plan_path}: plan has {len(plan.devices)} devices but WORLD_SIZE is {self.world_size}"
+            )
         sync = plan.sync
         if self.sync is not None:
             sync = replace(sync, mode=self.sync)
@@ -80,6 +107,14 @@ class WorkerConfig:
         if self.token_policy is not None:
             sync = replace(sync, token_policy=self.token_policy)
         return replace(plan, sync=sync)
+
+
+_REFUSAL_LOGS: dict[tuple[Path, int], RefusalLog] = {}
+
+
+def _refusals(events: Path, worker_id: int) -> RefusalLog:
+    """One log per worker process, however many readers it has (each key's refusals are counted once)."""
+    return _REFUSAL_LOGS.setdefault((events, worker_id), RefusalLog(events, worker=worker_id))
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None, minimum: int = 0) -> int:
@@ -128,9 +163,14 @@ def from_env(env: Mapping[str, str] | None = None) -> WorkerConfig:
     sync = _choice(env, "FELACTL_SYNC", tuple(m.value for m in SyncMode))
     overlap = _choice(env, "FELACTL_OVERLAP", ("0", "1"))
     return WorkerConfig(
-        rank=rank, local_rank=_int(env, "LOCAL_RANK", default=rank), world_size=world_size,
-        store_host=host, store_port=port, host_store=host_store,
-        plan_path=Path(env["FELACTL_PLAN"]), run_dir=Path(env["FELACTL_RUN_DIR"]),
+        rank=rank,
+        local_rank=_int(env, "LOCAL_RANK", default=rank),
+        world_size=world_size,
+        store_host=host,
+        store_port=port,
+        host_store=host_store,
+        plan_path=Path(env["FELACTL_PLAN"]),
+        run_dir=Path(env["FELACTL_RUN_DIR"]),
         store_prefix=env.get("FELACTL_STORE_PREFIX") or "felactl",
         generation=_int(env, "FELACTL_GENERATION", default=0),
         steps=_int(env, "FELACTL_STEPS", default=10, minimum=1),
@@ -142,12 +182,23 @@ def from_env(env: Mapping[str, str] | None = None) -> WorkerConfig:
         token_policy=_choice(env, "FELACTL_TOKEN_POLICY", ("ads", "hf", "ads+hf")),
         backend=_choice(env, "FELACTL_BACKEND", ("gloo", "nccl")),
         timeout_s=float(_int(env, "FELACTL_TIMEOUT_S", default=120, minimum=1)),
-        elastic=env.get("FELACTL_ELASTIC") == "1", worker_id=_int(env, "FELACTL_WORKER_ID", default=rank),
+        elastic=env.get("FELACTL_ELASTIC") == "1",
+        worker_id=_int(env, "FELACTL_WORKER_ID", default=rank),
         join=env.get("FELACTL_JOIN") == "1",
         resume_from=Path(env["FELACTL_RESUME_FROM"]) if env.get("FELACTL_RESUME_FROM") else None,
         heartbeat_s=_float(env, "FELACTL_HEARTBEAT_S", 0.5),
         collective_timeout_s=_float(env, "FELACTL_COLLECTIVE_TIMEOUT_S", 30.0),
+        secret=_secret(env),
+        job=env.get("FELACTL_JOB", ""),
+        session=env.get("FELACTL_SESSION", ""),
     )
+
+
+def _secret(env: Mapping[str, str]) -> str:
+    text = env.get("FELACTL_SECRET", "").strip()
+    if text and (len(text) < 32 or any(c not in "0123456789abcdef" for c in text.lower())):
+        raise InputError("FELACTL_SECRET is not a felactl job secret (expected at least 32 hex digits)")
+    return text
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -12,12 +12,19 @@ _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 def wrap_replica(module: nn.Module, group=None, *, device_ids=None, init_sync: bool = True) -> DistributedDataParallel:
-    """DDP without buffer sync in forward (felactl's models keep no buffers that differ between
-    replicas, and the sync would be a collective per step) and with gradients as views of DDP's
-    buckets (no copy in or out). ``init_sync=False``: the replicas already hold the same
+    """DDP without buffer sync in forward (after each step the loop gives every replica its
+    stage's first replica's buffers, in every mode: :meth:`Trainer.sync_replicas`) and with
+    gradients as views of DDP's buckets (no copy in or out). ``init_sync=False``: the replicas already hold the same
     parameters (a re-formed group), skip the broadcast. torch 2.13 renamed ``broadcast_buffers``
     to ``forward_sync_buffers``; older releases (2.11 on the GPU machines) know only the first."""
-    no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMETERS
-                       else {"broadcast_buffers": False})
-    return DistributedDataParallel(module, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True,
-                                   init_sync=init_sync, **no_forward_sync)
+    no_forward_sync = (
+        {"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMETERS else {"broadcast_buffers": False}
+    )
+    return DistributedDataParallel(
+        module,
+        device_ids=device_ids,
+        process_group=group,
+        gradient_as_bucket_view=True,
+        init_sync=init_sync,
+        **no_forward_sync,
+    )

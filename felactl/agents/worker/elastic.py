@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import gc
-import json
 import logging
 import os
 import signal
@@ -42,17 +41,35 @@ import time
 import torch
 import torch.distributed as dist
 
-from felactl.agents.worker.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.loop import Membership, adopt_claimed_position, claimed_position, train
+from felactl.agents.worker.main import load_checked
 from felactl.agents.worker.replicate import replicate
 from felactl.agents.worker.runtime import Runtime, choose_device, connect_store
-from felactl.agents.worker.sync.bsp import allreduce_grads, data_parallel, settle_buckets
+from felactl.agents.worker.strategies import strategy_for
+from felactl.control import keys
+from felactl.control.documents import (
+    ArrivedDoc,
+    DoneDoc,
+    GenerationDoc,
+    HeartbeatDoc,
+    LeftDoc,
+    ReadyDoc,
+    StuckDoc,
+    SwitchAtDoc,
+    SwitchedDoc,
+)
+from felactl.control.seal import parse_int
 from felactl.errors import InputError, WorkerFailed
-from felactl.spec import SyncMode, load_plan
+from felactl.spec import load_plan
+from felactl.spec.executable import RESCALABLE_SYNC, rescalable
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01
+PLANNED = ("scale-out", "scale-in")
+"""The kinds of generation the coordinator forms on request (the others re-form after a failure)."""
+ARRIVAL_REPEAT_S = 0.1
 
 
 def elastic_prefix(store_prefix: str) -> str:
@@ -70,10 +87,13 @@ class Heartbeat(threading.Thread):
     def __init__(self, cfg: WorkerConfig):
         super().__init__(name="felactl-heartbeat", daemon=True)
         raw = connect_store(cfg.store_host, cfg.store_port, is_master=False, timeout_s=cfg.timeout_s)
-        self.kv = dist.PrefixStore(elastic_prefix(cfg.store_prefix), raw)
-        self.key, self.interval_s = f"hb/{cfg.worker_id}", cfg.heartbeat_s
+        self.reader = cfg.reader(raw)
+        self.key, self.interval_s = keys.heartbeat(cfg.worker_id), cfg.heartbeat_s
         self.step = -1
-        self.generation = int(self.kv.get("generation"))
+        self.generation = cfg.generation
+        self.docs: dict[int, dict] = {}
+        """Generation -> its verified document (what the training thread switches to)."""
+        self.watch()
         self.stopped = threading.Event()
         self.cpu_s = 0.0
         """CPU seconds this thread has used: the steady-state cost of being elastic (the training
@@ -85,83 +105,172 @@ class Heartbeat(threading.Thread):
             try:
                 if time.monotonic() >= next_beat:
                     count += 1
-                    self.kv.set(self.key, json.dumps({"n": count, "step": self.step, "pid": os.getpid()}))
+                    self.reader.write(
+                        self.key,
+                        HeartbeatDoc.KIND.value,
+                        HeartbeatDoc(n=count, step=self.step, pid=os.getpid()).to_body(),
+                        generation=self.generation,
+                    )
                     next_beat = time.monotonic() + self.interval_s
-                self.generation = int(self.kv.get("generation"))
+                self.watch()
             except RuntimeError:
                 return  # the coordinator is gone; the main thread will notice too
             self.cpu_s = time.thread_time()
             self.stopped.wait(self.WATCH_S)
 
+    def watch(self) -> None:
+        """Take the ``generation`` hint when a valid signed document backs it; a number without one
+        (a deleted, bumped or forged key) is ignored: the coordinator writes the true one back."""
+        hint = parse_int(self.reader.raw(keys.GENERATION))
+        if hint is not None and hint > self.generation:
+            doc = self.docs.get(hint) or read_generation(self.reader, hint)
+            if doc is not None:
+                self.docs[hint] = doc
+                self.generation = hint
 
-class ElasticWorker:
+
+def read_generation(reader, generation: int) -> dict | None:
+    """The verified document of ``generation`` (its body), or None: absent, or a forgery (recorded)."""
+    name = keys.generation_document(generation)
+    opened = reader.read(name, GenerationDoc.KIND.value, generation=generation)
+    if opened is None:
+        return None
+    try:
+        doc = GenerationDoc.from_body(opened.body)
+    except ValueError as exc:
+        reader.on_refused(name, f"malformed ({exc})")
+        return None
+    return doc.to_body() if doc.generation == generation else None
+
+
+class ElasticWorker(Membership):
+    """One worker of an elastic job: the membership hooks of the training loop (generations,
+    switching, failures) and its start as an original member or a newcomer."""
+
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.wid = cfg.worker_id
         self.raw = connect_store(cfg.store_host, cfg.store_port, is_master=cfg.host_store, timeout_s=cfg.timeout_s)
         self.kv = dist.PrefixStore(elastic_prefix(cfg.store_prefix), self.raw)
-        self.generation = int(self.kv.compare_set("generation", "", str(cfg.generation)))
+        self.reader = cfg.reader(self.raw)
+        self.generation = cfg.generation
         self.heartbeat = Heartbeat(cfg)
         self.members: list[int] = []
         self.trainer: Trainer | None = None
-        self.ddp = None
-        self.step, self.position = 0, 0
+        self.strategy = None
+        self.agreed_generation = self.generation
+        self.switch_plan: dict | None = None
+        """Where and to which generation the members agreed to switch, when not at BSP's arrival."""
+        self.last_step_end = time.perf_counter()
         self.form_s = 0.0
+        self.unsettled_store: dist.Store | None = None
+        """After a failure in a mode at its own pace: the old generation's store, whose data
+        counter says how far the members got (see :meth:`_merge_unsettled`)."""
+
+    @property
+    def step(self) -> int:
+        return self.trainer.steps_done
 
     # --- groups -------------------------------------------------------------------------------
     def form(self, rank: int, world_size: int, generation: int) -> Runtime:
         cfg = dataclasses.replace(self.cfg, rank=rank, world_size=world_size, generation=generation)
-        store = dist.PrefixStore(f"{cfg.store_prefix}/gen{generation}", self.raw)
+        store = dist.PrefixStore(keys.generation_namespace(cfg.store_prefix, generation), self.raw)
         backend, device = choose_device(cfg)
-        self._arrive(generation, world_size)
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
-                                timeout=_timedelta(cfg.collective_timeout_s))
+        self._arrive(generation, rank, world_size)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=_timedelta(cfg.collective_timeout_s),
+        )
         self.generation = generation
         return Runtime(cfg, store, backend, device, self.raw)
 
-    def _arrive(self, generation: int, world_size: int) -> None:
+    def _arrive(self, generation: int, rank: int, world_size: int) -> None:
         """Wait (up to the store timeout) until every member of ``generation`` is here, so the group
-        itself can run with a short collective timeout even when a first start-up is slow."""
-        key = f"arrived/{generation}"
-        count = self.kv.add(key, 1)
+        itself can run with a short collective timeout even when a first start-up is slow. Each
+        member says so in a signed document of its own, again while it waits (a counter anyone could
+        move; a deleted document comes back)."""
         deadline = time.monotonic() + self.cfg.timeout_s
-        while count < world_size:
+        said = 0.0
+        while True:
+            if time.monotonic() - said > ARRIVAL_REPEAT_S:
+                self.reader.write(
+                    keys.arrived(generation, rank),
+                    ArrivedDoc.KIND.value,
+                    ArrivedDoc(worker_id=self.wid).to_body(),
+                    generation=generation,
+                )
+                said = time.monotonic()
+            missing = [
+                r
+                for r in range(world_size)
+                if self.reader.read(keys.arrived(generation, r), ArrivedDoc.KIND.value, generation=generation) is None
+            ]
+            if not missing:
+                return
             if time.monotonic() > deadline:
-                raise WorkerFailed(f"worker {self.wid}: only {count} of {world_size} members of generation "
-                                   f"{generation} arrived within {self.cfg.timeout_s:g} s")
+                raise WorkerFailed(
+                    f"worker {self.wid}: only {world_size - len(missing)} of {world_size} members of "
+                    f"generation {generation} arrived within {self.cfg.timeout_s:g} s (no valid "
+                    f"{keys.arrived(generation, missing[0])})"
+                )
             time.sleep(POLL_S)
-            count = self.kv.add(key, 0)
 
     def _drop_group(self) -> None:
-        self.ddp = None  # its reducer's hooks go with it, before a new DDP wraps the same module
+        self.strategy = None  # DDP's reducer hooks go with it, before a new DDP wraps the same module
         if dist.is_initialized():
             dist.destroy_process_group()
 
     # --- start ----------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self):
+        """Join the job (an original member, or a newcomer) and return the strategy to train with."""
         self.heartbeat.start()
         if self.cfg.join:
-            self._start_as_newcomer()
-            return
-        plan = self.cfg.load_plan()
+            return self._start_as_newcomer()
+        plan, bundle = load_checked(self.cfg)
         _check_plan(plan)
         self.members = list(range(self.cfg.world_size))
         runtime = self.form(self.cfg.rank, self.cfg.world_size, self.generation)
-        self.trainer = Trainer(runtime, plan, metrics_rank=self.wid)
-        if self.cfg.resume_from is not None:
-            state = load_checkpoint(self.cfg.resume_from, self.trainer.model, self.trainer.optimizer)
-            self.step, self.position = int(state["step"]), int(state["data_position"])
-        self.ddp = data_parallel(self.trainer, dist.group.WORLD)
+        self.trainer = Trainer(runtime, plan, bundle, metrics_rank=self.wid)
+        self._join_loop()
+        self.trainer.begin()
+        self.strategy = strategy_for(plan)(self.trainer)
+        return self.strategy
 
-    def _start_as_newcomer(self) -> None:
+    def _join_loop(self) -> None:
+        self.trainer.agreement = self
+        self.trainer.interrupted = self.members_changed_under_a_wait
+        self.trainer.checkpoint_extra = self.membership()
+        self.kinds: dict[int, str] = {}
+
+    def members_changed_under_a_wait(self) -> bool:
+        """Whether the coordinator re-forms the job because a member failed (or a step was stuck):
+        a wait on the others then never ends. (A planned scale-out or -in is made at a step the
+        members agree on; every wait before it ends by itself.)"""
+        newest = self.heartbeat.generation
+        return newest > self.generation and not self._planned(newest)
+
+    def _planned(self, generation: int) -> bool:
+        """Whether ``generation`` is a planned scale-out or -in (not a re-form after a failure)."""
+        if generation not in self.kinds:  # a scale-out may be followed by a failure: each has its kind
+            self.kinds[generation] = self._doc(generation).get("kind", "failure")
+        return self.kinds[generation] in PLANNED
+
+    def _start_as_newcomer(self):
         """Everything slow happens here, while the others train: import, build the model and its
         optimizer, open the data, run one warm-up forward and backward; then say ready and wait."""
         template = load_plan(self.cfg.plan_path)
-        placeholder = Runtime(dataclasses.replace(self.cfg, rank=0, world_size=len(template.devices)),
-                              self.kv, "gloo", torch.device("cpu"), self.raw)
+        backend, device = choose_device(self.cfg)  # the model is built where it will train, before the join
+        placeholder = Runtime(
+            dataclasses.replace(self.cfg, rank=0, world_size=len(template.devices)), self.kv, backend, device, self.raw
+        )
         self.trainer = Trainer(placeholder, template, metrics_rank=self.wid)
         _warm_up(self.trainer)
-        self.kv.set(f"ready/{self.wid}", json.dumps({"pid": os.getpid(), "time": time.time()}))
+        self.reader.write(
+            keys.ready(self.wid), ReadyDoc.KIND.value, ReadyDoc(pid=os.getpid(), time=time.time()).to_body()
+        )
         doc = self._wait_generation(after=-1, timeout_s=self.cfg.timeout_s, must_include=True)
         members = [int(m) for m in doc["members"]]
         t = time.perf_counter()
@@ -170,121 +279,157 @@ class ElasticWorker:
         plan = load_plan(doc["plan"])
         self.members = members
         self.trainer.rebind(runtime, plan)
-        self.step = -1
-        self._replicate_and_wrap(plan, doc, time.perf_counter(), stayed=False)
+        self.trainer.steps_done = -1  # behind everyone: replication hands it the state
+        return self._replicate_and_wrap(plan, doc, time.perf_counter(), stayed=False)
 
     # --- generations --------------------------------------------------------------------------
     def _doc(self, generation: int) -> dict:
-        return json.loads(self.kv.get(f"gen/{generation}"))
+        """The verified document of ``generation``, waiting for it a store timeout at most (a
+        member may have seen it before a forgery replaced it: the coordinator writes it back)."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while (doc := self.heartbeat.docs.get(generation) or read_generation(self.reader, generation)) is None:
+            if time.monotonic() > deadline:
+                raise WorkerFailed(
+                    f"worker {self.wid}: no valid signed document at "
+                    f"{keys.generation_document(generation)} within {self.cfg.timeout_s:g} s"
+                )
+            time.sleep(POLL_S)
+        return doc
 
     def _wait_generation(self, *, after: int, timeout_s: float, must_include: bool = False) -> dict:
         """The newest generation document past ``after`` (one that lists this worker, if asked)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            current = int(self.kv.get("generation"))
-            if current > after and self.kv.check([f"gen/{current}"]):
-                doc = self._doc(current)
-                if not must_include or self.wid in doc["members"]:
+            current = parse_int(self.reader.raw(keys.GENERATION))
+            if current is not None and current > after:
+                doc = self.heartbeat.docs.get(current) or read_generation(self.reader, current)
+                if doc is not None and (not must_include or self.wid in doc["members"]):
                     return doc
             time.sleep(POLL_S)
         raise WorkerFailed(f"worker {self.wid}: no new membership generation within {timeout_s:g} s")
 
-    def switch(self, doc: dict, last_step_end: float) -> bool:
-        """Move to ``doc``'s generation; False when this worker is not in it (it leaves)."""
+    def switch(self, doc: dict):
+        """Move to ``doc``'s generation; None when this worker is not in it (it leaves)."""
         self._drop_group()
         members = [int(m) for m in doc["members"]]
         generation = int(doc["generation"])
         if self.wid not in members:
-            self.kv.set(f"left/{generation}/{self.wid}", json.dumps({"step": self.step}))
-            return False
+            self.reader.write(
+                keys.left(generation, self.wid), LeftDoc.KIND.value, LeftDoc(self.step).to_body(), generation=generation
+            )
+            return None
         t = time.perf_counter()
         runtime = self.form(members.index(self.wid), len(members), generation)
         self.form_s = time.perf_counter() - t
         plan = load_plan(doc["plan"])
         self.members = members
         self.trainer.rebind(runtime, plan)
-        self._replicate_and_wrap(plan, doc, last_step_end, stayed=True)
-        return True
+        return self._replicate_and_wrap(plan, doc, self.last_step_end, stayed=True)
 
-    def _replicate_and_wrap(self, plan, doc: dict, last_step_end: float, *, stayed: bool) -> None:
+    def _replicate_and_wrap(self, plan, doc: dict, last_step_end: float, *, stayed: bool):
         trainer = self.trainer
-        rep = replicate(trainer.model, trainer.optimizer, step=self.step, data_position=self.position,
-                        device=trainer.runtime.device)
-        self.step, self.position = rep.step, rep.data_position
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = plan.training.lr  # the hybrid-scaling policy's rate for this membership
+        if strategy_for(plan).settles_anywhere and doc.get("kind") not in PLANNED:
+            self._merge_unsettled()
+        rep = replicate(
+            trainer.model,
+            trainer.optimizer,
+            step=trainer.steps_done,
+            data_position=trainer.data_position,
+            device=trainer.runtime.device,
+            scheduler=trainer.scheduler,
+        )
+        # the run goes on from the state every member now holds, in this generation's batches
+        trainer.steps_done = trainer.start_step = rep.step
+        trainer.data_position = trainer.start_position = rep.data_position
+        self.agreed_generation, self.switch_plan = self.generation, None
+        self._join_loop()
+        trainer.apply_plan_lr(plan)  # the hybrid-scaling policy's rate for this membership
         t = time.perf_counter()
-        self.ddp = data_parallel(trainer, dist.group.WORLD, init_sync=False)
+        self.strategy = strategy_for(plan)(trainer)
         wrap_s = time.perf_counter() - t
         pause_s = time.perf_counter() - last_step_end
-        self.kv.set(f"switched/{doc['generation']}/{self.wid}", json.dumps(
-            {"stayed": stayed, "pause_s": pause_s if stayed else None, "step": self.step,
-             "received": rep.received, "replicate_s": rep.seconds, "form_s": self.form_s, "wrap_s": wrap_s,
-             "senders": {str(self.members[r]): b for r, b in rep.senders.items()},
-             "param_checksum": float(trainer.flat_params().double().sum())}))
+        self.reader.write(
+            keys.switched(doc["generation"], self.wid),
+            SwitchedDoc.KIND.value,
+            SwitchedDoc(
+                {
+                    "stayed": stayed,
+                    "pause_s": pause_s if stayed else None,
+                    "step": self.step,
+                    "received": rep.received,
+                    "replicate_s": rep.seconds,
+                    "form_s": self.form_s,
+                    "wrap_s": wrap_s,
+                    "senders": {str(self.members[r]): b for r, b in rep.senders.items()},
+                    "param_checksum": float(trainer.flat_params().double().sum()),
+                }
+            ).to_body(),
+            generation=doc["generation"],
+        )
+        return self.strategy
 
-    # --- training -----------------------------------------------------------------------------
-    def one_step(self) -> int:
-        """Train one iteration; return the newest generation any member had seen before it ended."""
-        trainer, group = self.trainer, dist.group.WORLD
-        start = time.perf_counter()
-        seen = [float(self.heartbeat.generation)]
+    # --- the loop's hooks ---------------------------------------------------------------------
+    def proposals(self) -> list[float]:
+        """What this member proposes at each step's arrival: the newest generation it has seen."""
+        return [float(self.heartbeat.generation)]
 
-        def arrive() -> float:
-            t = time.perf_counter()
-            flag = torch.tensor([seen[0]], device=trainer.runtime.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            seen[0] = float(flag.item())
-            return time.perf_counter() - t
+    def agreed(self, values: list[float]) -> None:
+        self.agreed_generation = int(values[0])
 
-        pattern_s = trainer.straggler.at_iteration(self.step)
-        indices = [self.position + o for o in trainer.placement.offsets]
-        if self.ddp is not None:
-            result = trainer.compute(indices, weight_by=trainer.global_batch, ddp=self.ddp, before_last=arrive)
-            wait_s, comm_s = result.waited_s, 0.0
-        else:
-            result = trainer.compute(indices, weight_by=trainer.global_batch)
-            wait_s = arrive()
-            comm_s = allreduce_grads(trainer, group) if len(self.members) > 1 else 0.0
-        trainer.optimizer_step()
-        settle_buckets(self.ddp)
-        trainer.record(step=self.step, samples=result.samples, loss_sum=result.loss_sum,
-                       compute_s=result.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s,
-                       duration_s=time.perf_counter() - start, generation=self.generation, pid=os.getpid())
-        self.step += 1
-        self.position += trainer.global_batch
+    def record_extra(self) -> dict:
+        return {"generation": self.generation, "pid": os.getpid()}
+
+    def after_step(self) -> dict | None:
+        """Switch after the step every member agreed on, to the generation they agreed on."""
+        self.last_step_end = time.perf_counter()
         self.heartbeat.step = self.step
-        self._maybe_checkpoint()
-        return int(seen[0])
+        if self.strategy.agrees_at_arrival:  # the newest generation any member saw, at this step's arrival
+            return self._doc(self.agreed_generation) if self.agreed_generation > self.generation else None
+        if self.strategy.settles_anywhere:
+            return self._settle_for_newer_generation()
+        if self.switch_plan is None and self.heartbeat.generation > self.generation:
+            # The first member to see a new generation proposes to switch a few steps ahead (more
+            # than any member runs ahead of another); the store keeps the first proposal for all.
+            proposal = SwitchAtDoc(at=self.step + self.trainer.drain.margin, to=self.heartbeat.generation)
+            self.switch_plan = self.reader.agree(
+                keys.switch_agreement(self.generation),
+                SwitchAtDoc.KIND.value,
+                proposal.to_body(),
+                generation=self.generation,
+            )
+        if self.switch_plan is not None and self.step >= self.switch_plan["at"]:
+            return self._doc(int(self.switch_plan["to"]))
+        return None
 
-    def _maybe_checkpoint(self) -> None:
-        every = self.cfg.checkpoint_every
-        if every and self.step % every == 0 and self.trainer.runtime.rank == 0:
-            t = self.trainer
-            save_checkpoint(checkpoint_path(self.cfg.run_dir, self.step, 0), model=t.model, optimizer=t.optimizer,
-                            step=self.step, data_position=self.position,
-                            extra={"global_batch": t.global_batch, "members": self.members,
-                                   "generation": self.generation})
+    def _settle_for_newer_generation(self) -> dict | None:
+        """Modes at their own pace (WBSP, SDPipe) need no common step to switch at: a member that
+        sees a planned generation settles with the others (:meth:`Strategy.finish`: every
+        member's progress merged, the replicas identical, the data position agreed) wherever
+        each stands, and then they switch to the newest generation any of them saw."""
+        newest = self.heartbeat.generation
+        if newest <= self.generation:
+            return None
+        if not self._planned(newest):  # a member died: the settle would wait on it
+            raise RuntimeError(f"worker {self.wid}: generation {newest} re-forms the job after a failure")
+        self.strategy.finish()
+        agreed = torch.tensor([newest], dtype=torch.int64, device=self.trainer.runtime.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return self._doc(int(agreed.item()))
 
-    def train(self) -> bool:
-        """Until the last step; False when this worker was removed on the way."""
-        last_step_end = time.perf_counter()
-        while self.step < self.cfg.steps:
-            failed = None
-            try:
-                agreed = self.one_step()
-            except RuntimeError as exc:  # a peer died or hung: this step did not complete here
-                failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if failed is not None:
-                self._recover(failed)
-                doc = self._wait_generation(after=self.generation, timeout_s=self.cfg.timeout_s)
-                if not self.switch(doc, last_step_end):
-                    return False
-                continue
-            last_step_end = time.perf_counter()
-            if agreed > self.generation and not self.switch(self._doc(agreed), last_step_end):
-                return False
-        return True
+    survives_failures = True
+
+    def after_failure(self, why: str) -> dict:
+        """A peer died or hung: wait for the generation the coordinator forms without it."""
+        if self.strategy is not None and self.strategy.settles_anywhere:
+            # The members stopped each at a step of its own, unsettled: the next group merges them.
+            self.unsettled_store = self.trainer.runtime.store
+        self._recover(why)
+        return self._wait_generation(after=self.generation, timeout_s=self.cfg.timeout_s)
+
+    def membership(self) -> dict:
+        """What a checkpoint records besides the state: the membership it was taken in (a resume
+        continues on that generation's plan)."""
+        return {"global_batch": self.trainer.global_batch, "members": self.members, "generation": self.generation}
 
     def _recover(self, why: str) -> None:
         """Drop the step's gradients and this group at once (outside the ``except``, so the
@@ -295,7 +440,31 @@ class ElasticWorker:
         _sever_peer_connections(self.cfg.store_port)
         self._drop_group()
         gc.collect()
-        self.kv.set(f"stuck/{self.generation}/{self.wid}", why)
+        self.reader.write(
+            keys.stuck(self.generation, self.wid),
+            StuckDoc.KIND.value,
+            StuckDoc(why).to_body(),
+            generation=self.generation,
+        )
+
+    def _merge_unsettled(self) -> None:
+        """After a failure, members of a mode at its own pace hold different parameters (each its
+        own progress since it last merged): they take the mean of theirs, and go on from the data
+        position past every sample claimed before the failure. The failed member's progress that
+        it had not yet merged (what it pushed to no one, or its last claimed samples) is lost with
+        it, as in any asynchronous mode; a newcomer brings no state and takes the others'."""
+        t = self.trainer
+        store, self.unsettled_store = self.unsettled_store, None
+        holds_state = store is not None
+        flat = t.flat_params() if holds_state else torch.zeros_like(t.flat_params())
+        facts = torch.tensor([float(holds_state)], dtype=torch.float64, device=t.runtime.device)
+        dist.all_reduce(flat)
+        dist.all_reduce(facts)
+        position = torch.tensor([claimed_position(t, store) if holds_state else 0], device=t.runtime.device)
+        dist.all_reduce(position, op=dist.ReduceOp.MAX)
+        if holds_state:
+            t.set_flat_params(flat / float(facts.item()))
+            adopt_claimed_position(t, int(position.item()))
 
     def close(self) -> None:
         self.heartbeat.stopped.set()
@@ -307,8 +476,9 @@ def _sever_peer_connections(store_port: int) -> None:
     blocked in a collective waiting on *this* worker then fails at once instead of after the
     collective timeout. Destroying the group alone does not do it while gloo still holds the
     pairs of the failed operation."""
-    import psutil
     import socket as socketlib
+
+    import psutil
 
     for conn in psutil.Process().net_connections(kind="tcp"):
         if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.raddr.port == store_port:
@@ -333,9 +503,12 @@ def _warm_up(trainer: Trainer) -> None:
 
 
 def _check_plan(plan) -> None:
-    if len(plan.stages) != 1 or plan.sync.mode is not SyncMode.BSP:
-        raise InputError("elastic training runs data-parallel plans (one stage) with sync bsp; "
-                         f"this plan has {len(plan.stages)} stage(s) and sync {plan.sync.mode.value}")
+    if not rescalable(plan):
+        raise InputError(
+            f"elastic training runs data-parallel plans (one stage) with sync "
+            f"{' or '.join(m.value for m in RESCALABLE_SYNC)}; this plan has {len(plan.stages)} "
+            f"stage(s) and sync {plan.sync.mode.value}"
+        )
 
 
 def _timedelta(seconds: float):
@@ -348,15 +521,18 @@ def run_elastic(cfg: WorkerConfig) -> dict:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: where is a stuck worker?
     worker = ElasticWorker(cfg)
     try:
-        worker.start()
+        strategy = worker.start()
         start = time.perf_counter()
-        finished = worker.train()
+        finished = train(worker.trainer, strategy, worker)
         wall_s = time.perf_counter() - start
         if finished:
+            worker.trainer.final_checkpoint()
             worker.trainer.totals["heartbeat_cpu_s"] = round(worker.heartbeat.cpu_s, 6)
             worker.trainer.finish(wall_s)
             dist.barrier()
-            worker.kv.set(f"done/{worker.wid}", json.dumps({"step": worker.step}))
+            worker.reader.write(
+                keys.done(worker.wid), DoneDoc.KIND.value, DoneDoc(worker.step).to_body(), generation=worker.generation
+            )
         return dict(worker.trainer.totals, wall_s=wall_s, left=not finished)
     finally:
         worker.close()

@@ -5,34 +5,75 @@ Gradients are weighted by samples: every micro-batch's mean loss is scaled by
 gradients is exactly the gradient of the global batch's mean loss, however the samples were
 divided (uneven shares, tokens pulled at different speeds). A sum-allreduce then gives every
 replica the single-process gradient: BSP semantics.
+
+The user's :class:`felactl.TrainJob` sits behind these methods: :meth:`Trainer.batch` is its
+``collate_fn`` over its ``dataset``, :meth:`Trainer.compute` its ``loss_fn`` (under its autocast),
+:meth:`Trainer.optimizer_step` its clipping, optimizer and LR scheduler.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import json
+import math
 import time
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from felactl import models
-from felactl.agents.worker.checkpoint import checkpoint_path, save_checkpoint
+from felactl.agents.worker.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from felactl.agents.worker.drain import Drain
 from felactl.agents.worker.metrics import MetricsWriter
-from felactl.agents.worker.stages import Placement, micro_batches, place
-from felactl.agents.worker.stragglers import Straggler
 from felactl.agents.worker.runtime import Runtime
+from felactl.agents.worker.stages import Placement, held_stages, micro_batches, place
+from felactl.agents.worker.stragglers import Straggler
+from felactl.errors import InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text
+from felactl.job import TrainJob
 from felactl.spec import Plan
 
+WAIT_SLICE_S = 0.25
+"""How often a wait on the others looks up whether the job's members changed under it."""
 
-def make_optimizer(plan: Plan, params) -> torch.optim.Optimizer:
+
+def make_optimizer(plan: Plan, params, job: TrainJob | None = None) -> torch.optim.Optimizer:
+    """The job's own optimizer where it has a factory; else the plan's ``training`` (sgd or adamw
+    at ``training.lr``): the built-ins' way, so their plans choose it."""
+    if job is not None and job.optimizer is not None:
+        optimizer = job.optimizer(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"TrainJob.optimizer: must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        return optimizer
     if plan.training.optimizer == "sgd":
         return torch.optim.SGD(params, lr=plan.training.lr)
     return torch.optim.AdamW(params, lr=plan.training.lr)
+
+
+def grad_sq_norm(params) -> torch.Tensor:
+    """The squared L2 norm of these parameters' gradients, in float32 (0 where none has one)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for p in params if p.grad is not None]
+    return torch.stack(norms).square().sum() if norms else torch.zeros(())
+
+
+@dataclass
+class Part:
+    """A stage's layers as this worker holds them: the module, its optimizer, and the ranks that
+    hold the same stage (its replicas, in the stage's order: the first one writes checkpoints),
+    and the job's LR scheduler of that optimizer, if it has one."""
+
+    stage: int
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    ranks: tuple[int, ...]
+    scheduler: Any = None
 
 
 @dataclass
@@ -45,8 +86,9 @@ class ComputeResult:
 
 
 class Trainer:
-    def __init__(self, runtime: Runtime, plan: Plan, bundle: models.ModelBundle | None = None,
-                 metrics_rank: int | None = None):
+    def __init__(
+        self, runtime: Runtime, plan: Plan, bundle: models.ModelBundle | None = None, metrics_rank: int | None = None
+    ):
         """``bundle``: the model already built (a newcomer builds it before it knows its rank);
         ``metrics_rank``: the id its metrics carry (an elastic worker's stable id), default the rank."""
         self.runtime = runtime
@@ -55,14 +97,127 @@ class Trainer:
         stage = plan.stages[self.placement.stage]
         self.micro_batch = stage.micro_batch
         self.bundle = bundle or models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
-        self.model: nn.Module = self.bundle.layers[stage.layer_start:stage.layer_end].to(runtime.device)
+        if self.bundle.job is None:
+            raise InputError(
+                f"model {plan.model.source!r} returns layers, not a felactl.TrainJob: "
+                "felactl can profile it but not train it"
+            )
+        self.parts = [self._part(s) for s in held_stages(plan, runtime.rank)]
+        home = next(part for part in self.parts if part.stage == self.placement.stage)
+        self.model: nn.Module = home.module
         self.params = [p for p in self.model.parameters()]
-        self.optimizer = make_optimizer(plan, self.params)
+        self.optimizer = home.optimizer
+        self.scheduler = home.scheduler
+        self.start_step, self.start_position = 0, 0
+        """Where this run starts: 0, or the checkpoint a resume restored (:meth:`restore`)."""
+        self.steps_done, self.data_position = 0, 0
+        """The last completed step (steps done) and the data position after it."""
+        self.checkpointed_at: int | None = None
+        self.checkpoint_extra: dict[str, Any] = {}
+        """What every checkpoint records besides the state (an elastic job: its membership)."""
+        self.interrupted: Callable[[], bool] = lambda: False
+        """Whether a strategy waiting on the others through the store should give up (raise
+        RuntimeError, as a collective with a dead peer does): an elastic job re-forms without a
+        member that died."""
+        self.in_lockstep = True
+        """Whether every rank does every step together (its strategy says: not WBSP, SDPipe)."""
+        self.agreement = None
+        """Values the members agree on at each step's arrival (their maximum): an object with
+        ``proposals() -> list[float]`` and ``agreed(values)``, or None. BSP carries them in the
+        all-reduce it does anyway (an elastic job's newest generation)."""
+        # The job's store, not a generation's: a drain asked before a rescale reaches every member
+        self.drain = Drain(runtime.cfg.reader(runtime._raw))
         cfg = runtime.cfg
         self.straggler = Straggler(cfg.rank, cfg.world_size, cfg.slowdown, cfg.pattern, seed=plan.training.seed)
         self.worker_id = cfg.rank if metrics_rank is None else metrics_rank
         self.metrics = MetricsWriter(cfg.run_dir, self.worker_id, self.placement.stage)
         self.totals = {"samples": 0, "tokens": 0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "steps": 0}
+
+    @property
+    def job(self) -> TrainJob:
+        return self.bundle.job
+
+    def _part(self, stage_index: int) -> Part:
+        stage, plan = self.plan.stages[stage_index], self.plan
+        module = self.bundle.stage_module(stage.layer_start, stage.layer_end).to(self.runtime.device)
+        optimizer = make_optimizer(plan, list(module.parameters()), self.job)
+        scheduler = self.job.lr_scheduler(optimizer) if self.job.lr_scheduler is not None else None
+        return Part(
+            stage_index,
+            module,
+            optimizer,
+            tuple(plan.rank_of(d) for d in stage.devices)
+            if stage_index != self.placement.stage
+            else self.placement.stage_ranks,
+            scheduler,
+        )
+
+    # --- the run's start: the same state on every replica ------------------------------------
+    def begin(self) -> None:
+        """Restore the checkpoint a resume names, then give every replica of each stage its first
+        replica's parameters and buffers (collective over each stage's group: call it on every
+        rank, after the groups exist)."""
+        self.restore()
+        self.sync_replicas()
+
+    def restore(self) -> None:
+        """Load this worker's stages from ``FELACTL_RESUME_FROM`` (a checkpoint directory, or a
+        stage file in it): parameters, optimizer state, step and data position."""
+        source = self.runtime.cfg.resume_from
+        if source is None:
+            return
+        directory = source if source.is_dir() else source.parent
+        states = [
+            load_checkpoint(directory / f"stage{part.stage}.pt", part.module, part.optimizer) for part in self.parts
+        ]
+        for part, state in zip(self.parts, states):
+            if part.scheduler is not None and "lr_scheduler" in state:
+                part.scheduler.load_state_dict(state["lr_scheduler"])
+        self.start_step, self.start_position = int(states[0]["step"]), int(states[0]["data_position"])
+        self.steps_done, self.data_position = self.start_step, self.start_position
+        self.checkpointed_at = self.start_step
+
+    def wait_for_key(self, store: dist.Store, key: str) -> None:
+        """Block until another worker sets ``key``. A writer that died never sets it: give up as a
+        collective with a dead peer does (RuntimeError) once the members changed under the wait,
+        and fail after the store timeout."""
+        deadline = time.monotonic() + self.runtime.cfg.timeout_s
+        while True:
+            try:
+                store.wait([key], datetime.timedelta(seconds=WAIT_SLICE_S))
+                return
+            except RuntimeError:  # this slice timed out
+                self._give_up_if_stuck(deadline, f"nobody wrote {key}")
+
+    def join_thread(self, thread, what: str) -> None:
+        """Join a helper thread that waits on the others (a parameter server, a scheduler), giving
+        up as :meth:`wait_for_key` does."""
+        deadline = time.monotonic() + self.runtime.cfg.timeout_s
+        while thread.is_alive():
+            thread.join(WAIT_SLICE_S)
+            if thread.is_alive():
+                self._give_up_if_stuck(deadline, what)
+
+    def _give_up_if_stuck(self, deadline: float, what: str) -> None:
+        if self.interrupted():
+            raise RuntimeError(f"worker {self.worker_id}: {what}, and the job's members changed")
+        if time.monotonic() > deadline:
+            raise WorkerFailed(f"worker {self.worker_id}: {what} within {self.runtime.cfg.timeout_s:g} s")
+
+    def sync_replicas(self, buffers_only: bool = False) -> None:
+        """felactl never re-initialises what the user's model holds; it makes the replicas agree
+        with the first one of their stage instead (parameters and buffers, one broadcast each).
+        ``buffers_only``: after a step, the buffers (a BatchNorm's running statistics, which each
+        replica updates from its own samples) follow the first replica's, as DDP's
+        ``broadcast_buffers`` has them; a model without buffers pays nothing."""
+        for part in self.parts:
+            tensors = [*([] if buffers_only else part.module.parameters()), *part.module.buffers()]
+            if len(part.ranks) < 2 or not tensors:
+                continue
+            group = self.runtime.group(part.ranks)
+            with torch.no_grad():
+                for tensor in tensors:
+                    dist.broadcast(tensor.data, src=part.ranks[0], group=group)
 
     def rebind(self, runtime: Runtime, plan: Plan) -> None:
         """Take a new generation's place (rank, shares, batch) keeping the model and optimizer:
@@ -70,19 +225,34 @@ class Trainer:
         self.runtime, self.plan = runtime, plan
         self.placement = place(plan, runtime.rank)
         self.micro_batch = plan.stages[self.placement.stage].micro_batch
+        self.parts = [dataclasses.replace(part, ranks=self.placement.stage_ranks) for part in self.parts]
         cfg = runtime.cfg
         self.straggler = Straggler(cfg.rank, cfg.world_size, cfg.slowdown, cfg.pattern, seed=plan.training.seed)
+
+    def apply_plan_lr(self, plan: Plan) -> None:
+        """Give the optimizer the plan's ``training.lr`` (the scaling policy's rate for this
+        membership), where the plan chose the optimizer; a job's own optimizer and scheduler keep
+        their rates."""
+        if self.job.optimizer is None and self.scheduler is None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = plan.training.lr
 
     @property
     def global_batch(self) -> int:
         return self.plan.global_batch
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = self.bundle.data.batch(list(indices))
+        """The job's ``collate_fn([dataset[i] for i in indices])``, on this worker's device."""
+        inputs, targets = self.job.batch(list(indices))
         return inputs.to(self.runtime.device), targets.to(self.runtime.device)
 
-    def compute(self, indices: Sequence[int], weight_by: int | None = None, ddp=None,
-                before_last: Callable[[], float] | None = None) -> ComputeResult:
+    def compute(
+        self,
+        indices: Sequence[int],
+        weight_by: int | None = None,
+        ddp=None,
+        before_last: Callable[[], float] | None = None,
+    ) -> ComputeResult:
         """Forward and backward over ``indices`` (global sample ids) in micro-batches, accumulating
         gradients of ``loss_mean * n / weight_by`` (``weight_by`` defaults to ``len(indices)``, a
         plain local mean). Then the injected slowdown sleeps, counted as compute.
@@ -102,7 +272,8 @@ class Trainer:
                 waited_s = before_last()
             inputs, targets = self.batch([indices[i] for i in chunk])
             with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
-                loss = self.bundle.loss(module(inputs), targets)
+                with self.job.autocast(self.runtime.device):
+                    loss = self.job.loss_fn(module(inputs), targets)
                 (loss * (len(chunk) * scale / weight_by)).backward()
             loss_sum += loss.item() * len(chunk)
         if self.runtime.device.type == "cuda":
@@ -111,8 +282,13 @@ class Trainer:
         compute_s += self.straggler.after_compute(compute_s)
         return ComputeResult(loss_sum, len(indices), compute_s, waited_s)
 
+    def position_of(self, step: int) -> int:
+        """The data position where step ``step`` (0-based) of a synchronous mode begins."""
+        return self.start_position + (step - self.start_step) * self.global_batch
+
     def step_indices(self, step: int, offsets: Sequence[int]) -> list[int]:
-        return [step * self.global_batch + o for o in offsets]
+        begin = self.position_of(step)
+        return [begin + o for o in offsets]
 
     def flat_grads(self) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
@@ -121,7 +297,7 @@ class Trainer:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
+            p.grad = flat[offset : offset + n].view_as(p)
             offset += n
 
     def flat_params(self) -> torch.Tensor:
@@ -135,21 +311,81 @@ class Trainer:
             offset = 0
             for param in self.params:
                 size = param.numel()
-                param.copy_(flat[offset:offset + size].view_as(param))
+                param.copy_(flat[offset : offset + size].view_as(param))
                 offset += size
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def optimizer_step(self, at_step: int | None = None) -> None:
+        """After the gradients are summed: clip them to the job's ``max_grad_norm``, step every
+        stage this worker holds, then its LR scheduler, and clear the gradients.
 
-    def record(self, *, step: int, samples: int, loss_sum: float | None, compute_s: float, comm_s: float,
-               wait_s: float, duration_s: float, loss_samples: int | None = None, **extra) -> None:
+        The scheduler follows global steps. A mode at its own pace passes the global step its
+        samples are in (``at_step``): a worker makes as many local steps as its speed allows, so
+        its scheduler is brought to that step before the update instead of stepped after it."""
+        if self.job.max_grad_norm is not None:
+            self.clip_gradients(self.job.max_grad_norm)
+        for part in self.parts:
+            if at_step is not None and part.scheduler is not None:
+                _advance_scheduler(part.scheduler, at_step)
+            part.optimizer.step()
+            if at_step is None and part.scheduler is not None:
+                part.scheduler.step()
+            part.optimizer.zero_grad(set_to_none=True)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale the gradients so that the whole model's L2 norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does; returns the norm before clipping.
+
+        One stage: this worker's gradients are the model's. Several stages under ``bsp`` or
+        ``tokens`` (every rank steps together, its stages' gradients already summed, so each
+        replica of a stage holds the same): every rank adds its stages' squared norms, each
+        divided by the stage's replicas, in one allreduce over all ranks: the global norm.
+        Under ``wbsp`` and ``sdpipe`` pipelines, whose stages step at their own pace, each stage
+        clips its own norm."""
+        params = [p for part in self.parts for p in part.module.parameters()]
+        global_norm = len(self.plan.stages) > 1 and self.in_lockstep
+        if global_norm:
+            sq = sum(
+                (grad_sq_norm(part.module.parameters()) / len(part.ranks) for part in self.parts), torch.zeros(())
+            ).to(self.runtime.device)
+            dist.all_reduce(sq)
+            total = math.sqrt(float(sq))
+        else:
+            total = float(torch.sqrt(grad_sq_norm(params)))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return total
+
+    def record(
+        self,
+        *,
+        step: int,
+        samples: int,
+        loss_sum: float | None,
+        compute_s: float,
+        comm_s: float,
+        wait_s: float,
+        duration_s: float,
+        loss_samples: int | None = None,
+        **extra,
+    ) -> None:
         """``loss_samples``: the samples ``loss_sum`` is over, where not ``samples`` (a worker of the
         flexible hybrid may compute the first sub-model of some samples and the loss of others)."""
         loss_samples = samples if loss_samples is None else loss_samples
         loss = loss_sum / loss_samples if loss_samples and loss_sum is not None else None
-        self.metrics.write(step=step, samples=samples, loss=loss, compute_s=compute_s, comm_s=comm_s,
-                           wait_s=wait_s, duration_s=duration_s, **extra)
+        self.metrics.write(
+            step=step,
+            samples=samples,
+            loss=loss,
+            compute_s=compute_s,
+            comm_s=comm_s,
+            wait_s=wait_s,
+            duration_s=duration_s,
+            **extra,
+        )
         t = self.totals
         t["samples"] += samples
         t["tokens"] += extra.get("tokens", 0)
@@ -159,17 +395,69 @@ class Trainer:
         t["steps"] += 1
         t["last_loss"] = loss
 
-    def maybe_checkpoint(self, step: int, data_position: int) -> None:
+    # --- checkpoints and the end of a step --------------------------------------------------
+    def end_step(self, step: int) -> bool:
+        """Step ``step`` (0-based) of a synchronous mode completed: checkpoint every
+        ``--checkpoint-every`` steps; True when a graceful stop ends the run here."""
+        self.steps_done, self.data_position = step + 1, self.position_of(step + 1)
+        self.sync_replicas(buffers_only=True)
         every = self.runtime.cfg.checkpoint_every
-        if every and (step + 1) % every == 0 and self.runtime.rank == self.placement.stage_ranks[0]:
-            save_checkpoint(checkpoint_path(self.runtime.cfg.run_dir, step + 1, self.placement.stage),
-                            model=self.model, optimizer=self.optimizer, step=step + 1, data_position=data_position)
+        if every and self.steps_done % every == 0:
+            self.checkpoint()
+        return self.drain.stop_after(self.steps_done)
+
+    def end_local_step(self, indices: Sequence[int]) -> None:
+        """A local step of a mode at its own pace (WBSP, SDPipe) trained ``indices``: checkpoint
+        when its data crosses a multiple of ``--checkpoint-every`` global batches."""
+        end = indices[-1] + 1
+        every_samples = self.runtime.cfg.checkpoint_every * self.global_batch
+        crossed = every_samples and end // every_samples > self.data_position // every_samples
+        self.data_position = max(self.data_position, end)
+        self.steps_done = self.data_position // self.global_batch
+        if crossed:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Write the stages this worker is the first replica of, at ``steps_done``."""
+        for part in self.parts:
+            if self.runtime.rank == part.ranks[0]:
+                scheduler = {} if part.scheduler is None else {"lr_scheduler": part.scheduler.state_dict()}
+                save_checkpoint(
+                    checkpoint_path(self.runtime.cfg.run_dir, self.steps_done, part.stage),
+                    model=part.module,
+                    optimizer=part.optimizer,
+                    step=self.steps_done,
+                    data_position=self.data_position,
+                    extra={**self.checkpoint_extra, **scheduler},
+                )
+        self.checkpointed_at = self.steps_done
+
+    def final_checkpoint(self) -> None:
+        """The run's last completed step (its end, or where a graceful stop ended it), whatever
+        ``--checkpoint-every`` says: no completed step is lost."""
+        if self.steps_done > 0 and self.checkpointed_at != self.steps_done:
+            self.checkpoint()
 
     def finish(self, wall_s: float) -> None:
         """Write this worker's summary (``workers/rank<R>.json``) and close the metrics file."""
-        summary = {"rank": self.worker_id, "stage": self.placement.stage, "wall_s": wall_s,
-                   "sync": self.plan.sync.mode.value, "param_checksum": float(self.flat_params().double().sum()),
-                   **self.totals}
-        atomic_write_text(self.runtime.cfg.run_dir / "workers" / f"rank{self.worker_id}.json",
-                          json.dumps(summary, indent=2) + "\n")
+        summary = {
+            "rank": self.worker_id,
+            "stage": self.placement.stage,
+            "wall_s": wall_s,
+            "sync": self.plan.sync.mode.value,
+            "param_checksum": float(self.flat_params().double().sum()),
+            "buffer_checksum": sum(float(b.double().sum()) for part in self.parts for b in part.module.buffers()),
+            **self.totals,
+        }
+        atomic_write_text(
+            self.runtime.cfg.run_dir / "workers" / f"rank{self.worker_id}.json", json.dumps(summary, indent=2) + "\n"
+        )
         self.metrics.close()
+
+
+def _advance_scheduler(scheduler, step: int) -> None:
+    """Step ``scheduler`` until it stands at ``step`` (never back)."""
+    with warnings.catch_warnings():  # a worker's first update may come after a few global steps
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        while scheduler.last_epoch < step:
+            scheduler.step()

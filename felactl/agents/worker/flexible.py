@@ -2,7 +2,7 @@
 
 Stage ``s`` of the plan is sub-model ``s``; its micro-batch ``b_s`` gives the weight
 ``w_s = b_s / b_0`` and its workers are the CTD subset allowed to run it. A worker builds every
-sub-model it may run. Per iteration, a :class:`~felactl.launcher.tokens.TokenServer` (a thread in
+sub-model it may run. Per iteration, a :class:`~felactl.agents.worker.sync.token_policy.TokenServer` (a thread in
 rank 0, fed through the store) hands out tokens; each request carries the token just finished
 ("report and ask in one small message"), and the reply names the token and which workers hold
 its inputs. A backward token normally goes back to the worker that ran its forward (locality:
@@ -26,36 +26,30 @@ import time
 import torch
 import torch.distributed as dist
 
-from felactl.agents.worker.checkpoint import checkpoint_path, save_checkpoint
-from felactl.agents.worker.engine import Trainer, make_optimizer
+from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.loop import Lockstep, StepResult, Work
 from felactl.agents.worker.pipeline import MAX_DIMS
-from felactl.errors import InputError
-from felactl.launcher.tokens import Token, TokenDAG, TokenServer, num_first_level_tokens, token_samples
+from felactl.agents.worker.sync.token_policy import Token, TokenDAG, TokenServer, token_samples
+from felactl.control import keys
 from felactl.spec import Plan
+from felactl.spec.executable import num_first_tokens
 
 ACTIVATION, GRADIENT, STOP = 0, 1, 2
 TAG_REQUEST, TAG_DATA = 31, 32
 
 
 def token_weights(plan: Plan) -> tuple[int, ...]:
+    """``w_s = b_s / b_0``: whole, as :func:`~felactl.spec.executable.check_executable` made sure."""
     first = plan.stages[0].micro_batch
-    weights = []
-    for s, stage in enumerate(plan.stages):
-        if stage.micro_batch % first:
-            raise InputError(f"stages[{s}].micro_batch ({stage.micro_batch}) must be a multiple of the first "
-                             f"stage's ({first}) for token scheduling")
-        weights.append(stage.micro_batch // first)
-    return tuple(weights)
+    return tuple(stage.micro_batch // first for stage in plan.stages)
 
 
 def make_dag(plan: Plan) -> TokenDAG:
-    weights = token_weights(plan)
-    n1 = num_first_level_tokens(plan.global_batch, plan.stages[0].micro_batch, len(plan.stages[0].workers))
-    n1 = -(-n1 // weights[-1]) * weights[-1]  # round up so the last level's tokens are whole
-    try:
-        return TokenDAG(n1, weights)
-    except ValueError as exc:
-        raise InputError(f"cannot build the token DAG: {exc}") from None
+    first, last = plan.stages[0], plan.stages[-1]
+    return TokenDAG(
+        num_first_tokens(plan.global_batch, first.micro_batch, len(first.workers), last.micro_batch),
+        token_weights(plan),
+    )
 
 
 class TokenService:
@@ -63,7 +57,7 @@ class TokenService:
     trip each way) and answers on each worker's reply queue, parking a request until a token is
     ready for its worker. One :class:`TokenServer` per iteration."""
 
-    def __init__(self, store, plan: Plan, steps: int):
+    def __init__(self, store, plan: Plan, steps: range):
         self.store, self.plan, self.steps = store, plan, steps
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="token-server", daemon=True)
@@ -72,20 +66,36 @@ class TokenService:
         plan = self.plan
         level_workers = {s: tuple(plan.rank_of(d) for d in st.devices) for s, st in enumerate(plan.stages)}
         shares = {plan.rank_of(w.device): w.share for w in plan.stages[0].workers}
-        return TokenServer(make_dag(plan), tuple(range(len(plan.devices))), plan.sync.token_policy,
-                           level_workers=level_workers, shares=shares)
+        return TokenServer(
+            make_dag(plan),
+            tuple(range(len(plan.devices))),
+            plan.sync.token_policy,
+            level_workers=level_workers,
+            shares=shares,
+            max_in_flight={s: st.max_in_flight for s, st in enumerate(plan.stages)},
+        )
 
     def _run(self) -> None:
         try:
-            for step in range(self.steps):
-                self._iteration(step)
+            for step in self.steps:
+                if not self._iteration(step):
+                    return
         except BaseException as exc:
             self.error = exc
 
-    def _iteration(self, step: int) -> None:
+    @staticmethod
+    def stop_before(store, step: int) -> None:
+        """The workers stopped early (a graceful stop) after ``step - 1``: end the server's wait
+        (through ``store``, the caller's own connection: the server's is blocked in a pop)."""
+        store.queue_push(keys.flexible_requests(step), json.dumps({"stop": True}))
+
+    def _iteration(self, step: int) -> bool:
+        """Serve iteration ``step``; False when the workers stopped before it."""
         server, parked, ended = self._server(), [], set()
         while len(ended) < len(server.workers):
-            request = json.loads(self.store.queue_pop(f"fx/{step}/requests", block=True))
+            request = json.loads(self.store.queue_pop(keys.flexible_requests(step), block=True))
+            if request.get("stop"):
+                return False
             if request["done"] is not None:
                 server.complete(request["rank"], Token(*request["done"]))
             parked.append(request["rank"])
@@ -96,17 +106,20 @@ class TokenService:
                     still.append(rank)
                     continue
                 reply = {"end": True} if token is None else self._reply(server, token)
-                self.store.queue_push(f"fx/{step}/reply/{rank}", json.dumps(reply))
+                self.store.queue_push(keys.flexible_reply(step, rank), json.dumps(reply))
                 if token is None:
                     ended.add(rank)
             parked = still
+        return True
 
     @staticmethod
     def _reply(server: TokenServer, token: Token) -> dict:
         """The token and who holds its inputs (for a backward, also its forward's inputs, in case
         it must be recomputed where the forward did not run)."""
+
         def holders(t: Token) -> list[int]:
             return [server.state.done_by[i] for i in server.dag.inputs(t)]
+
         reply = {"token": [token.level, token.backward, token.index], "inputs": holders(token)}
         if token.backward:
             reply["forward_inputs"] = holders(Token(token.level, False, token.index))
@@ -117,7 +130,7 @@ def _send(tensor: torch.Tensor, dst: int, group) -> None:
     tensor = tensor.detach().contiguous()
     header = torch.zeros(MAX_DIMS + 1, dtype=torch.long)
     header[0] = tensor.dim()
-    header[1:1 + tensor.dim()] = torch.tensor(tensor.shape)
+    header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
     dist.send(header, dst, group=group, tag=TAG_DATA)
     dist.send(tensor, dst, group=group, tag=TAG_DATA)
 
@@ -125,7 +138,7 @@ def _send(tensor: torch.Tensor, dst: int, group) -> None:
 def _recv(src: int, group) -> torch.Tensor:
     header = torch.zeros(MAX_DIMS + 1, dtype=torch.long)
     dist.recv(header, src, group=group, tag=TAG_DATA)
-    tensor = torch.empty(tuple(header[1:1 + int(header[0])].tolist()))
+    tensor = torch.empty(tuple(header[1 : 1 + int(header[0])].tolist()))
     dist.recv(tensor, src, group=group, tag=TAG_DATA)
     return tensor
 
@@ -178,13 +191,8 @@ class FlexibleWorker:
         self.t = trainer
         plan, rank = trainer.plan, trainer.runtime.rank
         self.dag = make_dag(plan)
-        self.stages = [s for s, st in enumerate(plan.stages) if plan.devices[rank] in st.devices]
-        self.modules, self.optimizers = {}, {}
-        for s in self.stages:
-            st = plan.stages[s]
-            module = trainer.bundle.layers[st.layer_start:st.layer_end].to(trainer.runtime.device)
-            self.modules[s] = module
-            self.optimizers[s] = make_optimizer(plan, list(module.parameters()))
+        self.stages = [part.stage for part in trainer.parts]  # every sub-model it may run
+        self.modules = {part.stage: part.module for part in trainer.parts}
         self.saved: dict[tuple[int, int], tuple] = {}
         self.store = TensorStore(rank, trainer.runtime.new_world_group("gloo"), trainer.runtime.new_world_group("gloo"))
         self.reset_counters()
@@ -258,8 +266,8 @@ class FlexibleWorker:
         done, wait_s = None, 0.0
         while True:
             start = time.perf_counter()
-            store.queue_push(f"fx/{step}/requests", json.dumps({"rank": rank, "done": done}))
-            reply = json.loads(store.queue_pop(f"fx/{step}/reply/{rank}", block=True))
+            store.queue_push(keys.flexible_requests(step), json.dumps({"rank": rank, "done": done}))
+            reply = json.loads(store.queue_pop(keys.flexible_reply(step, rank), block=True))
             wait_s += time.perf_counter() - start
             if reply.get("end"):
                 return wait_s
@@ -283,54 +291,66 @@ class FlexibleWorker:
                 dist.all_reduce(flat, group=runtime.group(group_ranks))
                 offset = 0
                 for p in params:
-                    p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                    p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
                     offset += p.numel()
         comm_s = time.perf_counter() - start
-        for s in self.stages:
-            self.optimizers[s].step()
-            self.optimizers[s].zero_grad(set_to_none=True)
+        self.t.optimizer_step()  # every stage it holds (clipping, the job's scheduler)
         return comm_s
 
-    def checkpoint(self, step: int) -> None:
-        every, plan, rank = self.t.runtime.cfg.checkpoint_every, self.t.plan, self.t.runtime.rank
-        if not every or (step + 1) % every:
-            return
-        for s in self.stages:
-            if plan.rank_of(plan.stages[s].devices[0]) == rank:
-                save_checkpoint(checkpoint_path(self.t.runtime.cfg.run_dir, step + 1, s), model=self.modules[s],
-                                optimizer=self.optimizers[s], step=step + 1,
-                                data_position=(step + 1) * self.t.global_batch)
 
+class Flexible(Lockstep):
+    """The flexible hybrid: rank 0 serves each iteration's tokens, every worker pulls until the
+    iteration is done, then each stage's workers sum their gradients and step."""
 
-def run(trainer: Trainer) -> None:
-    runtime = trainer.runtime
-    worker = FlexibleWorker(trainer)
-    service = None
-    if runtime.rank == 0:
-        service = TokenService(runtime.new_store_client(), trainer.plan, runtime.cfg.steps)
-        service.thread.start()
-    if runtime.world_size > 1:
-        worker.store.thread.start()
-    try:
-        for step in range(runtime.cfg.steps):
-            start = time.perf_counter()
-            pattern_s = trainer.straggler.at_iteration(step)
-            worker.reset_counters()
-            worker.store.forget_before(step)
-            wait_s = worker.iteration(step)
+    def __init__(self, trainer: Trainer):
+        super().__init__(trainer)
+        runtime = trainer.runtime
+        self.worker = FlexibleWorker(trainer)
+        self.service = None
+        if runtime.rank == 0:
+            self.service = TokenService(
+                runtime.new_store_client(), trainer.plan, range(trainer.start_step, runtime.cfg.steps)
+            )
+            self.service.thread.start()
+        if runtime.world_size > 1:
+            self.worker.store.thread.start()
+
+    def step(self, work: Work) -> StepResult:
+        worker = self.worker
+        self._raise_thread_errors()
+        worker.reset_counters()
+        worker.store.forget_before(work.step)
+        try:
+            wait_s = worker.iteration(work.step)
             comm_s = worker.sync_and_step()
-            trainer.record(step=step, samples=worker.samples, loss_sum=worker.loss_sum,
-                           loss_samples=worker.loss_samples,
-                           compute_s=worker.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s,
-                           duration_s=time.perf_counter() - start, tokens=worker.tokens,
-                           recomputed=worker.recomputed)
-            worker.checkpoint(step)
-    finally:
-        for thread_owner in (service, worker.store):
+        except BaseException:
+            self._raise_thread_errors()  # a dead server or data thread is the cause: say so
+            raise
+        return StepResult(
+            worker.samples,
+            worker.loss_sum,
+            worker.compute_s,
+            comm_s,
+            wait_s,
+            loss_samples=worker.loss_samples,
+            extra={"tokens": worker.tokens, "recomputed": worker.recomputed},
+        )
+
+    def stopped_before(self, step: int) -> None:
+        if self.service is not None and step < self.trainer.runtime.cfg.steps:
+            TokenService.stop_before(self.trainer.runtime.store, step)
+
+    def _raise_thread_errors(self) -> None:
+        for thread_owner in (self.service, self.worker.store):
             if thread_owner is not None and thread_owner.error is not None:
                 raise thread_owner.error
-    if runtime.world_size > 1:
-        worker.store.stop_peer((runtime.rank + 1) % runtime.world_size)
-        worker.store.thread.join()
-    if service is not None:
-        service.thread.join()
+
+    def finish(self) -> None:
+        runtime = self.trainer.runtime
+        self._raise_thread_errors()
+        if runtime.world_size > 1:
+            self.worker.store.stop_peer((runtime.rank + 1) % runtime.world_size)
+            self.worker.store.thread.join()
+        if self.service is not None:
+            self.service.thread.join()
+        self._raise_thread_errors()

@@ -7,50 +7,79 @@ always reaps every process it started.
 
 from __future__ import annotations
 
-import datetime
 import os
+import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
-import torch.distributed as dist
-
+from felactl.control.store import serve_store
 from felactl.errors import WorkerFailed
 
 
-def worker_env(rank: int, world_size: int, *, store_port: int, plan_path: Path, run_dir: Path,
-               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def worker_env(
+    rank: int,
+    world_size: int,
+    *,
+    store_port: int,
+    plan_path: Path,
+    run_dir: Path,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
-                "FELACTL_STORE": f"127.0.0.1:{store_port}", "FELACTL_PLAN": str(plan_path),
-                "FELACTL_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store_port),
+            "FELACTL_STORE": f"127.0.0.1:{store_port}",
+            "FELACTL_PLAN": str(plan_path),
+            "FELACTL_RUN_DIR": str(run_dir),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        }
+    )
     env.update(extra or {})
     return env
 
 
-def run_local(plan_path: str | os.PathLike, run_dir: str | os.PathLike, world_size: int,
-              extra_env: Mapping[str, str] | None = None, per_rank_env: Mapping[int, Mapping[str, str]] | None = None,
-              timeout_s: float = 120.0) -> float:
+def run_local(
+    plan_path: str | os.PathLike,
+    run_dir: str | os.PathLike,
+    world_size: int,
+    extra_env: Mapping[str, str] | None = None,
+    per_rank_env: Mapping[int, Mapping[str, str]] | None = None,
+    timeout_s: float = 120.0,
+) -> float:
     """Start ``world_size`` workers, wait for all; returns the wall seconds. Raises
     :class:`WorkerFailed` (with the failing worker's last stderr lines) if any exits non-zero."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store, port = serve_store("127.0.0.1")  # loopback only (a plain TCPStore server listens everywhere)
     procs: list[subprocess.Popen] = []
     logs = []
     start = time.perf_counter()
+    secret = secrets.token_hex(32)  # the workers sign what they agree on (a graceful stop's last step)
     try:
         for rank in range(world_size):
-            env = worker_env(rank, world_size, store_port=store.port, plan_path=Path(plan_path), run_dir=run_dir,
-                             extra={**(extra_env or {}), **((per_rank_env or {}).get(rank, {}))})
+            env = worker_env(
+                rank,
+                world_size,
+                store_port=port,
+                plan_path=Path(plan_path),
+                run_dir=run_dir,
+                extra={"FELACTL_SECRET": secret, **(extra_env or {}), **((per_rank_env or {}).get(rank, {}))},
+            )
             log = open(run_dir / f"worker{rank}.log", "w+b")
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "felactl.agents.worker"], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "felactl.agents.worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+            )
         _wait_all(procs, logs, start + timeout_s)
         return time.perf_counter() - start
     finally:

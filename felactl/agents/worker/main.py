@@ -2,31 +2,28 @@
 
 from __future__ import annotations
 
-import importlib
 import time
 
 import torch.distributed as dist
 
+from felactl import models
+from felactl.agents.worker import runtime as runtime_mod
 from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.loop import train
 from felactl.agents.worker.stages import stage_rank_sets
-from felactl.agents.worker import runtime as runtime_mod
-from felactl.errors import InputError
-from felactl.spec import Plan, Schedule, SyncMode
-
-SYNC_MODULES = {"bsp": "bsp", "tokens": "tokens", "wbsp": "wbsp", "sdpipe": "sdpipe"}
+from felactl.agents.worker.strategies import strategy_for
+from felactl.spec import Plan
+from felactl.spec.executable import check_executable
 
 
-def strategy(plan: Plan):
-    """The module whose ``run(trainer)`` trains under this plan."""
-    if len(plan.stages) > 1 and plan.schedule is Schedule.TOKENS:
-        return importlib.import_module("felactl.agents.worker.flexible")
-    if len(plan.stages) > 1:
-        if plan.sync.mode is SyncMode.WBSP:
-            raise InputError("sync wbsp runs on data-parallel plans (one stage); static pipelines synchronise "
-                             "each stage's replicas with bsp or sdpipe")
-        return importlib.import_module("felactl.agents.worker.pipeline")
-    return importlib.import_module(f"felactl.agents.worker.sync.{SYNC_MODULES[plan.sync.mode.value]}")
+def load_checked(cfg: WorkerConfig) -> tuple[Plan, models.ModelBundle]:
+    """The plan (with the environment's overrides) and its model, refused (InputError) before
+    this worker connects to anyone unless the runtime can execute the one on the other."""
+    plan = cfg.load_plan()
+    bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
+    check_executable(plan, bundle.layer_params(), where=str(cfg.plan_path))
+    return plan, bundle
 
 
 def run_worker(cfg: WorkerConfig) -> dict:
@@ -34,16 +31,17 @@ def run_worker(cfg: WorkerConfig) -> dict:
         from felactl.agents.worker.elastic import run_elastic
 
         return run_elastic(cfg)
-    plan = cfg.load_plan()
-    module = strategy(plan)
+    plan, bundle = load_checked(cfg)
     runtime = runtime_mod.start(cfg)
     try:
         runtime.make_groups(stage_rank_sets(plan))
-        trainer = Trainer(runtime, plan)
+        trainer = Trainer(runtime, plan, bundle)
+        trainer.begin()
         dist.barrier()
         start = time.perf_counter()
-        module.run(trainer)
+        train(trainer, strategy_for(plan)(trainer))
         wall_s = time.perf_counter() - start
+        trainer.final_checkpoint()
         trainer.finish(wall_s)
         dist.barrier()
         return dict(trainer.totals, wall_s=wall_s)

@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from felactl.errors import InputError
 from felactl.fsutil import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 RECORD_KEYS = ("time", "rank", "stage", "step", "samples", "loss", "compute_s", "comm_s", "wait_s", "duration_s")
+REQUIRED_NUMBERS = ("time", "rank", "step", "samples", "compute_s", "comm_s", "wait_s", "duration_s")
+"""What :func:`summarize` reads of every record (``stage`` and ``loss`` may be absent)."""
 
 
 class MetricsWriter:
@@ -28,12 +31,31 @@ class MetricsWriter:
         self.stage = stage
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def write(self, *, step: int, samples: int, loss: float | None, compute_s: float, comm_s: float,
-              wait_s: float, duration_s: float, **extra: Any) -> dict[str, Any]:
-        record = {"time": time.time(), "rank": self.rank, "stage": self.stage, "step": step,
-                  "samples": samples, "loss": loss, "compute_s": round(compute_s, 6),
-                  "comm_s": round(comm_s, 6), "wait_s": round(wait_s, 6), "duration_s": round(duration_s, 6),
-                  **extra}
+    def write(
+        self,
+        *,
+        step: int,
+        samples: int,
+        loss: float | None,
+        compute_s: float,
+        comm_s: float,
+        wait_s: float,
+        duration_s: float,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        record = {
+            "time": time.time(),
+            "rank": self.rank,
+            "stage": self.stage,
+            "step": step,
+            "samples": samples,
+            "loss": loss,
+            "compute_s": round(compute_s, 6),
+            "comm_s": round(comm_s, 6),
+            "wait_s": round(wait_s, 6),
+            "duration_s": round(duration_s, 6),
+            **extra,
+        }
         os.write(self._fd, (json.dumps(record) + "\n").encode("utf-8"))
         return record
 
@@ -50,11 +72,40 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         p = p / METRICS_FILE
     if not p.exists():
         raise InputError(f"{p}: no such file (did the run start?)")
-    return read_jsonl(p)
+    return check_records(read_jsonl(p), p)
 
 
-def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Aggregate metrics records into the run summary (pure).
+def check_records(records: list[Any], where: str | os.PathLike) -> list[dict[str, Any]]:
+    """``records`` when each is one :func:`summarize` can read; else an InputError naming ``where``,
+    the record and what is wrong with it."""
+    for i, r in enumerate(records, 1):
+        if not isinstance(r, dict):
+            raise InputError(f"{where}: record {i} is not a JSON object: {r!r}"[:300])
+        which = f"record {i} (rank {r.get('rank', '?')}, step {r.get('step', '?')})"
+        for key in REQUIRED_NUMBERS:
+            if key not in r:
+                raise InputError(f"{where}: {which} has no {key!r}")
+            if not _is_number(r[key]):
+                raise InputError(f"{where}: {which}: {key!r} must be a number, got {r[key]!r}"[:300])
+        if r.get("loss") is not None and not _is_number(r["loss"]):
+            raise InputError(f"{where}: {which}: 'loss' must be a number or null, got {r['loss']!r}"[:300])
+    return records
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def without_redone(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records, less those a resume redid: written before a ``resume`` event at or past the
+    step it continued from (the dead job got that far, but its checkpoint did not)."""
+    resumes = [(e["time"], e["from_step"]) for e in events if e.get("kind") == "resume" and "from_step" in e]
+    return [r for r in records if not any(r["time"] < t and r["step"] >= step for t, step in resumes)]
+
+
+def summarize(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Aggregate metrics records into the run summary (pure); ``events``: the run's, so that the
+    steps a resume redid count once (:func:`without_redone`).
 
     Samples are counted at the first stage only (later stages see the same samples again).
     ``wall_s`` runs from the earliest step start to the last step end; ``compute_fraction`` is
@@ -62,15 +113,26 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     compute: they emulate a slower device). ``final_loss`` is the sample-weighted mean of each
     worker's last recorded loss.
     """
-    records = list(records)
+    records = without_redone(records, events)
     if not records:
         raise InputError("no metrics records to summarize")
     workers: dict[int, dict[str, Any]] = {}
     last: dict[int, dict[str, Any]] = {}
     for r in records:
-        w = workers.setdefault(r["rank"], {"rank": r["rank"], "stage": r.get("stage", 0), "steps": 0,
-                                           "samples": 0, "tokens": 0, "compute_s": 0.0, "comm_s": 0.0,
-                                           "wait_s": 0.0, "busy_s": 0.0})
+        w = workers.setdefault(
+            r["rank"],
+            {
+                "rank": r["rank"],
+                "stage": r.get("stage", 0),
+                "steps": 0,
+                "samples": 0,
+                "tokens": 0,
+                "compute_s": 0.0,
+                "comm_s": 0.0,
+                "wait_s": 0.0,
+                "busy_s": 0.0,
+            },
+        )
         w["steps"] += 1
         w["samples"] += r["samples"]
         w["tokens"] += r.get("tokens", 0)
@@ -95,8 +157,10 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "final_loss": final_loss,
         "compute_fraction": sum(w["compute_s"] for w in workers.values()) / busy if busy > 0 else 0.0,
         "wall_s": wall_s,
-        "workers": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in w.items() if k != "busy_s"}
-                    for _, w in sorted(workers.items())],
+        "workers": [
+            {k: (round(v, 6) if isinstance(v, float) else v) for k, v in w.items() if k != "busy_s"}
+            for _, w in sorted(workers.items())
+        ],
     }
 
 

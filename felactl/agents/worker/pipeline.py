@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.loop import AtOwnPace, Lockstep, StepResult, Work
 from felactl.agents.worker.stages import micro_batches, stage_rank_sets
-from felactl.agents.worker.sync._local import claim_samples
 from felactl.agents.worker.sync.bsp import allreduce_grads, arrive
-from felactl.agents.worker.sync.trees import stage_trees
 from felactl.agents.worker.sync.sdpipe import SDPipeSync
-from felactl.spec import Schedule, SyncMode
+from felactl.agents.worker.sync.trees import stage_trees
+from felactl.spec import Schedule
 
 TAG_ACTIVATION, TAG_GRADIENT, TAG_CHUNK = 21, 22, 23
 MAX_DIMS = 7
@@ -58,15 +58,17 @@ class _Link:
         tensor = tensor.detach().contiguous()
         header = torch.zeros(MAX_DIMS + 1, dtype=torch.long)
         header[0] = tensor.dim()
-        header[1:1 + tensor.dim()] = torch.tensor(tensor.shape)
-        self.pending += [(dist.isend(header.to(self.device), self.peer, tag=tag), header),
-                         (dist.isend(tensor, self.peer, tag=tag), tensor)]
+        header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
+        self.pending += [
+            (dist.isend(header.to(self.device), self.peer, tag=tag), header),
+            (dist.isend(tensor, self.peer, tag=tag), tensor),
+        ]
 
     def recv(self, tag: int) -> torch.Tensor:
         header = torch.zeros(MAX_DIMS + 1, dtype=torch.long, device=self.device)
         dist.recv(header, self.peer, tag=tag)
         header = header.cpu()
-        tensor = torch.empty(tuple(header[1:1 + int(header[0])].tolist()), device=self.device)
+        tensor = torch.empty(tuple(header[1 : 1 + int(header[0])].tolist()), device=self.device)
         dist.recv(tensor, self.peer, tag=tag)
         return tensor
 
@@ -128,8 +130,11 @@ class PipelineStep:
         micro_batch = t.plan.stages[0].micro_batch  # one micro-batch size along a static pipeline
         chunks = [[indices[i] for i in m] for m in micro_batches(range(len(indices)), micro_batch)]
         num_stages = len(t.plan.stages)
-        order = gpipe(len(chunks)) if t.plan.schedule is Schedule.GPIPE else \
-            one_f_one_b(num_stages, t.placement.stage, len(chunks))
+        order = (
+            gpipe(len(chunks))
+            if t.plan.schedule is Schedule.GPIPE
+            else one_f_one_b(num_stages, t.placement.stage, len(chunks))
+        )
         for op, i in order:
             if op == "F":
                 self.saved[i] = self.forward(chunks[i])
@@ -142,65 +147,70 @@ class PipelineStep:
 
 def links(trainer: Trainer) -> tuple[_Link | None, _Link | None]:
     p, device = trainer.placement, trainer.runtime.device
-    return (_Link(p.prev_rank, device) if p.prev_rank is not None else None,
-            _Link(p.next_rank, device) if p.next_rank is not None else None)
+    return (
+        _Link(p.prev_rank, device) if p.prev_rank is not None else None,
+        _Link(p.next_rank, device) if p.next_rank is not None else None,
+    )
 
 
-def run(trainer: Trainer) -> None:
-    if trainer.plan.sync.mode is SyncMode.SDPIPE:
-        return run_sdpipe(trainer)
-    placement = trainer.placement
-    group = trainer.runtime.group(placement.stage_ranks)
-    device = trainer.runtime.device
-    prev, next = links(trainer)
-    trees = stage_trees(trainer.plan, placement.stage, trainer.runtime.rank, group)
-    for step in range(trainer.runtime.cfg.steps):
-        start = time.perf_counter()
-        pattern_s = trainer.straggler.at_iteration(step)
-        it = PipelineStep(trainer, prev, next)
-        it.run(trainer.step_indices(step, placement.offsets), trainer.global_batch)
-        wait_s = it.wait_s + (arrive(group, device) if len(placement.stage_ranks) > 1 else 0.0)
-        comm_s = allreduce_grads(trainer, group, trees) if len(placement.stage_ranks) > 1 else 0.0
-        trainer.optimizer_step()
-        samples = len(placement.offsets)
-        trainer.record(step=step, samples=samples, loss_sum=it.loss_sum if placement.is_last else None,
-                       compute_s=it.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s,
-                       duration_s=time.perf_counter() - start)
-        trainer.maybe_checkpoint(step, (step + 1) * trainer.global_batch)
+class Pipeline(Lockstep):
+    """Static pipelines (1F1B or GPipe inside each step); each stage's replicas sum their
+    gradients (along the plan's trees where it has them) before the optimizer step."""
+
+    def __init__(self, trainer: Trainer):
+        super().__init__(trainer)
+        placement = trainer.placement
+        self.group = trainer.runtime.group(placement.stage_ranks)
+        self.prev, self.next = links(trainer)
+        self.trees = stage_trees(trainer.plan, placement.stage, trainer.runtime.rank, self.group)
+        self.replicated = len(placement.stage_ranks) > 1
+
+    def step(self, work: Work) -> StepResult:
+        t = self.trainer
+        it = PipelineStep(t, self.prev, self.next)
+        it.run(list(work.indices), t.global_batch)
+        wait_s = it.wait_s + (arrive(self.group, t.runtime.device) if self.replicated else 0.0)
+        comm_s = allreduce_grads(t, self.group, self.trees) if self.replicated else 0.0
+        t.optimizer_step()
+        return StepResult(
+            len(t.placement.offsets), it.loss_sum if t.placement.is_last else None, it.compute_s, comm_s, wait_s
+        )
 
 
-def pass_chunk(trainer: Trainer, prev: _Link | None, next: _Link | None) -> list[int]:
-    """SDPipe pipelines run at their own pace: the first stage claims the replica's next samples
-    from the store counter and hands ``[start, count]`` down its pipeline (count 0: the data is done)."""
-    device = trainer.runtime.device  # the default group may be NCCL: tensors on the device
-    if prev is None:
-        indices = claim_samples(trainer)
-        header = torch.tensor([indices[0] if indices else 0, len(indices)], device=device)
-    else:
-        header = torch.zeros(2, dtype=torch.long, device=device)
-        dist.recv(header, prev.peer, tag=TAG_CHUNK)
-    if next is not None:
-        dist.send(header, next.peer, tag=TAG_CHUNK)
-    start, count = int(header[0]), int(header[1])
-    return list(range(start, start + count))
-
-
-def run_sdpipe(trainer: Trainer) -> None:
+class PipelineSDPipe(AtOwnPace):
     """SDPipe proper: S stages x N pipelines, 1F1B inside each, no waiting for other pipelines;
     after each local step a stage's worker averages with the group its stage's scheduler forms."""
-    sdpipe = SDPipeSync(trainer, stage_rank_sets(trainer.plan))
-    prev, next = links(trainer)
-    step = 0
-    while indices := pass_chunk(trainer, prev, next):
-        start = time.perf_counter()
-        pattern_s = trainer.straggler.at_iteration(step)
-        it = PipelineStep(trainer, prev, next)
-        it.run(indices, len(indices))
-        trainer.optimizer_step()
-        comm_s, wait_s = sdpipe.sync(step)
-        trainer.record(step=step, samples=len(indices), loss_sum=it.loss_sum if trainer.placement.is_last else None,
-                       compute_s=it.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s + it.wait_s,
-                       duration_s=time.perf_counter() - start)
-        trainer.maybe_checkpoint(step, indices[-1] + 1)
-        step += 1
-    sdpipe.finish()
+
+    def __init__(self, trainer: Trainer):
+        super().__init__(trainer)
+        self.sdpipe = SDPipeSync(trainer, stage_rank_sets(trainer.plan))
+        self.prev, self.next = links(trainer)
+
+    def claim(self) -> list[int]:
+        """The first stage claims the pipeline's next samples from the store counter and hands
+        ``[start, count]`` down its pipeline (count 0: the data is done)."""
+        device = self.trainer.runtime.device  # the default group may be NCCL: tensors on the device
+        if self.prev is None:
+            indices = super().claim()
+            header = torch.tensor([indices[0] if indices else 0, len(indices)], device=device)
+        else:
+            header = torch.zeros(2, dtype=torch.long, device=device)
+            dist.recv(header, self.prev.peer, tag=TAG_CHUNK)
+        if self.next is not None:
+            dist.send(header, self.next.peer, tag=TAG_CHUNK)
+        start, count = int(header[0]), int(header[1])
+        return list(range(start, start + count))
+
+    def step(self, work: Work) -> StepResult:
+        t = self.trainer
+        it = PipelineStep(t, self.prev, self.next)
+        it.run(list(work.indices), len(work.indices))
+        t.optimizer_step(at_step=work.step)
+        comm_s, wait_s = self.sdpipe.sync(work.local_step)
+        return StepResult(
+            len(work.indices), it.loss_sum if t.placement.is_last else None, it.compute_s, comm_s, wait_s + it.wait_s
+        )
+
+    def finish(self) -> None:
+        self.sdpipe.finish()
+        super().finish()

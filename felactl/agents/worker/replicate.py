@@ -3,7 +3,7 @@
 Every member of a freshly formed group calls :func:`replicate` with its step. The members at the
 highest step hold the state (parameters, optimizer moments, step, data position, learning rate);
 the others — newcomers, or survivors of a failure that had not finished the step the others did —
-receive it. The state is flattened into one buffer, cut into one disjoint shard per holder, and
+receive it, the LR scheduler's state (when the job has one) with it. The state is flattened into one buffer, cut into one disjoint shard per holder, and
 every holder broadcasts its shard at the same time (asynchronous broadcasts, waited together),
 so a newcomer's bytes come from several senders at once and never touch a file.
 """
@@ -44,18 +44,28 @@ def _skeleton(optimizer: torch.optim.Optimizer) -> tuple[dict, list[tuple[int, s
     return skeleton, keys
 
 
+def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers (a user's BatchNorm statistics are state too)."""
+    return [p.detach() for p in model.parameters()] + [b.detach() for b in model.buffers()]
+
+
 def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, keys) -> list[torch.Tensor]:
     state = optimizer.state_dict()["state"]
-    return [p.detach() for p in model.parameters()] + [state[i][n] for i, n in keys]
+    return _model_tensors(model) + [state[i][n] for i, n in keys]
 
 
 def _allocate(skeleton: dict) -> dict:
     """A state dict shaped like ``skeleton`` with empty tensors where the tensors go."""
     state = {}
     for index, entry in skeleton["state"].items():
-        state[index] = {name: (torch.empty(value[1], dtype=getattr(torch, value[2]))
-                               if isinstance(value, tuple) and value and value[0] == "tensor" else value)
-                        for name, value in entry.items()}
+        state[index] = {
+            name: (
+                torch.empty(value[1], dtype=getattr(torch, value[2]))
+                if isinstance(value, tuple) and value and value[0] == "tensor"
+                else value
+            )
+            for name, value in entry.items()
+        }
     return {"state": state, "param_groups": skeleton["param_groups"]}
 
 
@@ -70,8 +80,16 @@ def shard_bounds(total: int, num_shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def replicate(model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, data_position: int,
-              group=None, device: torch.device = torch.device("cpu")) -> Replication:
+def replicate(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    step: int,
+    data_position: int,
+    group=None,
+    device: torch.device = torch.device("cpu"),
+    scheduler=None,
+) -> Replication:
     """Make every member hold the state of the members at the highest step; see the module doc."""
     start = time.perf_counter()
     world = dist.get_world_size(group)
@@ -85,17 +103,21 @@ def replicate(model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, 
     me = dist.get_rank(group)
     holder = me in holders
     skeleton, keys = _skeleton(optimizer) if holder else (None, None)
-    meta = [skeleton, keys, top, data_position]
+    scheduler_state = scheduler.state_dict() if holder and scheduler is not None else None
+    meta = [skeleton, keys, top, data_position, scheduler_state]
     src0 = dist.get_global_rank(group, holders[0]) if group is not None else holders[0]
     dist.broadcast_object_list(meta, src=src0, group=group)
-    skeleton, keys, top, data_position = meta
+    skeleton, keys, top, data_position, scheduler_state = meta
     if holder:
         tensors = _state_tensors(model, optimizer, keys)
     else:
         loaded = _allocate(skeleton)
-        tensors = [p.detach() for p in model.parameters()] + [loaded["state"][i][n] for i, n in keys]
-    flat = (torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]) if holder
-            else torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32))
+        tensors = _model_tensors(model) + [loaded["state"][i][n] for i, n in keys]
+    flat = (
+        torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+        if holder
+        else torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
+    )
     flat = flat.to(device)
     bounds = shard_bounds(flat.numel(), len(holders))
     works, senders = [], {}
@@ -110,8 +132,15 @@ def replicate(model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, 
         with torch.no_grad():
             for t in tensors:
                 n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t).to(t.dtype))
+                t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
                 offset += n
         optimizer.load_state_dict(loaded)
-    return Replication(step=top, data_position=int(data_position), senders=senders, received=not holder,
-                       seconds=time.perf_counter() - start)
+        if scheduler is not None and scheduler_state is not None:
+            scheduler.load_state_dict(scheduler_state)
+    return Replication(
+        step=top,
+        data_position=int(data_position),
+        senders=senders,
+        received=not holder,
+        seconds=time.perf_counter() - start,
+    )

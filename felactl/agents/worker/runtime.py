@@ -15,14 +15,16 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.config import WorkerConfig
+from felactl.control import keys
 from felactl.errors import ControlPlaneError, InputError
 
 
 def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """A TCPStore client (or the server, for rank 0 under plain torchrun variables)."""
     try:
-        return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.TCPStore(
+            host, port, is_master=is_master, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     except (RuntimeError, OSError) as exc:
         raise ControlPlaneError(f"cannot reach the control-plane store at {host}:{port}: {exc}") from exc
 
@@ -30,6 +32,7 @@ def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) ->
 @dataclass(frozen=True)
 class MembersGroup:
     """A process-group backend over some ranks, used directly (see :meth:`Runtime.members_group`)."""
+
     ranks: tuple[int, ...]
     backend: dist.ProcessGroup
 
@@ -50,7 +53,7 @@ class Runtime:
     device: torch.device
     _raw: dist.TCPStore
     _groups: dict[tuple[int, ...], object] = field(default_factory=dict)
-    _member_groups: dict[tuple[int, ...], "MembersGroup"] = field(default_factory=dict)
+    _member_groups: dict[tuple[int, ...], MembersGroup] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -66,7 +69,7 @@ class Runtime:
         return dist.PrefixStore(self._prefix(), raw)
 
     def _prefix(self) -> str:
-        return f"{self.cfg.store_prefix}/gen{self.cfg.generation}"
+        return keys.generation_namespace(self.cfg.store_prefix, self.cfg.generation)
 
     def group(self, ranks: tuple[int, ...]):
         """The process group of ``ranks`` (the default group for everyone). Create groups through
@@ -87,7 +90,7 @@ class Runtime:
         """Whether :meth:`members_group` works here (gloo; not built for NCCL yet)."""
         return self.backend == "gloo"
 
-    def members_group(self, ranks: tuple[int, ...]) -> "MembersGroup":
+    def members_group(self, ranks: tuple[int, ...]) -> MembersGroup:
         """A group of a subset that only its members learn they need, mid-run (the workers that
         summed a tokens iteration another one skipped). ``new_group`` cannot make it: it is
         collective over all ranks, and its ``use_local_synchronization`` names the group after
@@ -98,8 +101,9 @@ class Runtime:
             if not self.forms_member_groups:
                 raise NotImplementedError(f"groups of a subset formed mid-run on {self.backend}")
             store = dist.PrefixStore("members/" + "_".join(map(str, key)), self.store)
-            backend = dist.ProcessGroupGloo(store, key.index(self.rank), len(key),
-                                            datetime.timedelta(seconds=self.cfg.timeout_s))
+            backend = dist.ProcessGroupGloo(
+                store, key.index(self.rank), len(key), datetime.timedelta(seconds=self.cfg.timeout_s)
+            )
             self._member_groups[key] = MembersGroup(key, backend)
         return self._member_groups[key]
 
@@ -120,8 +124,10 @@ def choose_device(cfg: WorkerConfig) -> tuple[str, torch.device]:
     if cfg.backend != "nccl":
         return "gloo", torch.device("cpu")
     if cfg.local_rank >= torch.cuda.device_count():
-        raise InputError(f"worker {cfg.rank}: the plan puts it on GPU {cfg.local_rank} but this machine has "
-                         f"{torch.cuda.device_count()} GPU(s)")
+        raise InputError(
+            f"worker {cfg.rank}: the plan puts it on GPU {cfg.local_rank} but this machine has "
+            f"{torch.cuda.device_count()} GPU(s)"
+        )
     device = torch.device("cuda", cfg.local_rank)
     torch.cuda.set_device(device)
     return "nccl", device
@@ -130,9 +136,14 @@ def choose_device(cfg: WorkerConfig) -> tuple[str, torch.device]:
 def start(cfg: WorkerConfig) -> Runtime:
     """Connect to the store and rendezvous the default process group of this generation."""
     raw = connect_store(cfg.store_host, cfg.store_port, is_master=cfg.host_store, timeout_s=cfg.timeout_s)
-    prefix = f"{cfg.store_prefix}/gen{cfg.generation}"
+    prefix = keys.generation_namespace(cfg.store_prefix, cfg.generation)
     store = dist.PrefixStore(prefix, raw)
     backend, device = choose_device(cfg)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=cfg.rank,
-                            world_size=cfg.world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("pg", store),
+        rank=cfg.rank,
+        world_size=cfg.world_size,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
     return Runtime(cfg, store, backend, device, raw)

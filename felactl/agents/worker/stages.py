@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from felactl.errors import InputError
 from felactl.spec import Plan, Schedule
 
 
@@ -49,7 +48,7 @@ def split_by_shares(total: int, shares: list[float]) -> list[range]:
 
 
 def micro_batches(offsets: range, micro_batch: int) -> list[range]:
-    return [offsets[i:i + micro_batch] for i in range(0, len(offsets), micro_batch)]
+    return [offsets[i : i + micro_batch] for i in range(0, len(offsets), micro_batch)]
 
 
 def place(plan: Plan, rank: int) -> Placement:
@@ -63,20 +62,32 @@ def place(plan: Plan, rank: int) -> Placement:
         # Flexible hybrid: the rank may run several stages; its "home" is the first one it is in.
         s = next(i for i, stage in enumerate(plan.stages) if device in stage.devices)
         stage = plan.stages[s]
-        return Placement(rank, s, stage.devices.index(device), range(0),
-                         tuple(plan.rank_of(d) for d in stage.devices))
-    slots = [(r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe) if d == device]
-    if len(slots) != 1:
-        raise InputError(f"device {device!r} must appear in exactly one pipeline slot, found {len(slots)}")
-    replica, s = slots[0]
+        return Placement(rank, s, stage.devices.index(device), range(0), tuple(plan.rank_of(d) for d in stage.devices))
+    # One slot per device: felactl.spec.executable's rule 6, checked at the worker's start.
+    replica, s = next((r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe) if d == device)
     pipe = plan.pipelines[replica]
     first = plan.stages[0]
     shares = [first.workers[first.devices.index(p[0])].share for p in plan.pipelines]
     offsets = split_by_shares(plan.global_batch, shares)[replica]
     stage_ranks = tuple(plan.rank_of(p[s]) for p in plan.pipelines)
-    return Placement(rank, s, replica, offsets, stage_ranks,
-                     prev_rank=plan.rank_of(pipe[s - 1]) if s > 0 else None,
-                     next_rank=plan.rank_of(pipe[s + 1]) if s + 1 < len(pipe) else None)
+    return Placement(
+        rank,
+        s,
+        replica,
+        offsets,
+        stage_ranks,
+        prev_rank=plan.rank_of(pipe[s - 1]) if s > 0 else None,
+        next_rank=plan.rank_of(pipe[s + 1]) if s + 1 < len(pipe) else None,
+    )
+
+
+def held_stages(plan: Plan, rank: int) -> list[int]:
+    """The stages whose layers ``rank`` holds: its placement's one, or under the flexible hybrid
+    every sub-model its device may run."""
+    if len(plan.stages) > 1 and plan.schedule is Schedule.TOKENS:
+        device = plan.devices[rank]
+        return [s for s, stage in enumerate(plan.stages) if device in stage.devices]
+    return [place(plan, rank).stage]
 
 
 def stage_rank_sets(plan: Plan) -> list[tuple[int, ...]]:

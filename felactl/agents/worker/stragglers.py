@@ -13,10 +13,12 @@ The parsers are pure and raise :class:`InputError` with one line, so the CLI reu
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
 
+from felactl import limits
 from felactl.errors import InputError
 
 
@@ -43,8 +45,10 @@ def parse_slowdown(text: str | None) -> dict[int, float]:
             raise InputError(f"slowdown {item!r}: RANK must be an integer and FACTOR a number") from None
         if rank < 0:
             raise InputError(f"slowdown {item!r}: RANK must be >= 0, got {rank}")
-        if not factor >= 1.0:
-            raise InputError(f"slowdown {item!r}: FACTOR must be >= 1 (1 = no slowdown), got {factor:g}")
+        if not 1.0 <= factor < math.inf:
+            raise InputError(
+                f"slowdown {item!r}: FACTOR must be a finite number >= 1 (1 = no slowdown), got {factor:g}"
+            )
         if rank in factors:
             raise InputError(f"slowdown: rank {rank} given twice")
         factors[rank] = factor
@@ -66,8 +70,9 @@ def parse_pattern(text: str | None) -> Pattern | None:
     except ValueError:
         numbers = "SECONDS must be a number" if parts[0] == "roundrobin" else "P and SECONDS must be numbers"
         raise InputError(f"straggler pattern {text!r}: {numbers}") from None
-    if pattern.seconds < 0:
-        raise InputError(f"straggler pattern {text!r}: SECONDS must be >= 0, got {pattern.seconds:g}")
+    problem = limits.SECONDS.problem(pattern.seconds)
+    if problem is not None:
+        raise InputError(f"straggler pattern {text!r}: SECONDS {problem}")
     if not 0.0 <= pattern.probability <= 1.0:
         raise InputError(f"straggler pattern {text!r}: P must be in [0, 1], got {pattern.probability:g}")
     return pattern
@@ -76,8 +81,7 @@ def parse_pattern(text: str | None) -> Pattern | None:
 class Straggler:
     """One worker's injected slowness. ``after_compute`` sleeps and returns the seconds slept."""
 
-    def __init__(self, rank: int, world_size: int, factor: float = 1.0, pattern: Pattern | None = None,
-                 seed: int = 0):
+    def __init__(self, rank: int, world_size: int, factor: float = 1.0, pattern: Pattern | None = None, seed: int = 0):
         self.rank = rank
         self.world_size = world_size
         self.factor = factor

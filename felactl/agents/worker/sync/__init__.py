@@ -1,1 +1,1 @@
-"""The sync strategies. Each module's ``run(trainer)`` trains ``cfg.steps`` iterations' worth of samples."""
+"""The data-parallel sync strategies (one class each; the table of them is felactl.agents.worker.strategies)."""

@@ -20,14 +20,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from felactl.agents.worker.ddp import wrap_replica
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.loop import Lockstep, StepResult, Work
 from felactl.agents.worker.stages import split_by_shares
 from felactl.agents.worker.sync.trees import TreeAllreduce, ddp_hook, stage_trees
 
 
-def arrive(group, device: torch.device) -> float:
-    """Block until every member of ``group`` arrived; returns the seconds waited."""
+def arrive(group, device: torch.device, agreement=None) -> float:
+    """Block until every member of ``group`` arrived; returns the seconds waited. With an
+    ``agreement`` (values each member proposes, see :class:`felactl.agents.worker.engine.Trainer`),
+    the one-element all-reduce carries them and every member learns their maximum, at no extra cost."""
     start = time.perf_counter()
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    values = torch.tensor(agreement.proposals() if agreement else [0.0], device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    if agreement:
+        agreement.agreed(values.tolist())
     return time.perf_counter() - start
 
 
@@ -70,27 +76,32 @@ def settle_buckets(ddp: DistributedDataParallel | None) -> None:
         ddp._felactl_settled = True
 
 
-def run(trainer: Trainer) -> None:
-    placement = trainer.placement
-    group = trainer.runtime.group(placement.stage_ranks)
-    device = trainer.runtime.device
-    ddp = data_parallel(trainer, group)
-    trees = stage_trees(trainer.plan, placement.stage, trainer.runtime.rank, group)
-    for step in range(trainer.runtime.cfg.steps):
-        start = time.perf_counter()
-        pattern_s = trainer.straggler.at_iteration(step)
-        indices = trainer.step_indices(step, placement.offsets)
-        if ddp is not None:
-            result = trainer.compute(indices, weight_by=trainer.global_batch, ddp=ddp,
-                                     before_last=lambda: arrive(group, device))
+class BSP(Lockstep):
+    """Every replica computes its share of each step; the stage's gradients are summed (inside
+    DDP's backward where it fits, else in one flat allreduce) before the optimizer step."""
+
+    agrees_at_arrival = True
+
+    def __init__(self, trainer: Trainer):
+        super().__init__(trainer)
+        self.group = trainer.runtime.group(trainer.placement.stage_ranks)
+        self.ddp = data_parallel(trainer, self.group, init_sync=False)  # begin() or replication made them agree
+        self.trees = stage_trees(trainer.plan, trainer.placement.stage, trainer.runtime.rank, self.group)
+
+    def step(self, work: Work) -> StepResult:
+        t, device = self.trainer, self.trainer.runtime.device
+        if self.ddp is not None:
+            result = t.compute(
+                work.indices,
+                weight_by=t.global_batch,
+                ddp=self.ddp,
+                before_last=lambda: arrive(self.group, device, t.agreement),
+            )
             wait_s, comm_s = result.waited_s, 0.0
         else:
-            result = trainer.compute(indices, weight_by=trainer.global_batch)
-            wait_s = arrive(group, device)
-            comm_s = allreduce_grads(trainer, group, trees)
-        trainer.optimizer_step()
-        settle_buckets(ddp)
-        trainer.record(step=step, samples=result.samples, loss_sum=result.loss_sum,
-                       compute_s=result.compute_s + pattern_s, comm_s=comm_s, wait_s=wait_s,
-                       duration_s=time.perf_counter() - start)
-        trainer.maybe_checkpoint(step, (step + 1) * trainer.global_batch)
+            result = t.compute(work.indices, weight_by=t.global_batch)
+            wait_s = arrive(self.group, device, t.agreement)
+            comm_s = allreduce_grads(t, self.group, self.trees)
+        t.optimizer_step()
+        settle_buckets(self.ddp)
+        return StepResult(result.samples, result.loss_sum, result.compute_s, comm_s, wait_s)

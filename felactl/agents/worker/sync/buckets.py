@@ -18,7 +18,7 @@ by the others alone); ``None`` means this worker's gradients are already the sum
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -39,14 +39,15 @@ class GradBuckets:
                 size_bytes = 0
             self.buckets[-1].append(p)
             size_bytes += p.numel() * p.element_size()
-        self.buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                        for b in self.buckets]
+        self.buffers = [
+            torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device) for b in self.buckets
+        ]
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self.views: dict[int, torch.Tensor] = {}
         for bucket, buffer in zip(self.buckets, self.buffers):
             offset = 0
             for p in bucket:
-                self.views[id(p)] = buffer[offset:offset + p.numel()].view_as(p)
+                self.views[id(p)] = buffer[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
         self.armed = False
         self.pending: list[int] = []

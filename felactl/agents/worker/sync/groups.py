@@ -83,14 +83,17 @@ class GroupScheduler:
                 groups.append(self._close(list(self.waiting), now))
             return groups
         while len(self.waiting) >= self.max_group:
-            groups.append(self._close(self.waiting[:self.max_group], now))
+            groups.append(self._close(self.waiting[: self.max_group], now))
         if self.waiting and now >= self.first_arrival + self.wait_s:
             groups.append(self._close(list(self.waiting), now))
         return groups
 
     def _close(self, group: list[int], now: float) -> list[int]:
-        self.waiting = self.waiting[len(group):] if self.waiting[:len(group)] == group else \
-            [w for w in self.waiting if w not in group]
+        self.waiting = (
+            self.waiting[len(group) :]
+            if self.waiting[: len(group)] == group
+            else [w for w in self.waiting if w not in group]
+        )
         self.first_arrival = now if self.waiting else None
         self.wait_s = adapt_wait(self.wait_s, len(group))
         self.uf.union(group)

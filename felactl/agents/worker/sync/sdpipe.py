@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.sync._local import local_steps
+from felactl.agents.worker.loop import AtOwnPace, StepResult, Work
 from felactl.agents.worker.sync.groups import GroupScheduler
+from felactl.control import keys
 
 LEAVE = -1
 POLL_S = 0.0002
@@ -33,7 +34,7 @@ class SchedulerService:
     """Feeds one stage's arrival log (keys under ``prefix``) to a :class:`GroupScheduler` and
     publishes the groups."""
 
-    def __init__(self, store: dist.Store, scheduler: GroupScheduler, prefix: str = "sd/"):
+    def __init__(self, store: dist.Store, scheduler: GroupScheduler, prefix: str):
         self.store = store
         self.scheduler = scheduler
         self.prefix = prefix
@@ -45,7 +46,7 @@ class SchedulerService:
         try:
             ticket, rounds = 1, {r: 0 for r in self.scheduler.members}
             while self.scheduler.active:
-                key = f"{self.prefix}arrival/{ticket}"
+                key = self.prefix + keys.sdpipe_arrival(ticket)
                 if self._arrived(key):
                     rank, kind = (int(x) for x in self.store.get(key).decode().split(":"))
                     self.store.delete_key(key)
@@ -74,13 +75,13 @@ class SchedulerService:
         document = json.dumps({"id": self.scheduler.groups_formed, "members": sorted(group)})
         self.sizes.append(len(group))
         for rank in group:
-            self.store.set(f"{self.prefix}group/{rank}/{rounds[rank]}", document)
+            self.store.set(self.prefix + keys.sdpipe_group(rank, rounds[rank]), document)
             rounds[rank] += 1
 
 
 def announce(store: dist.Store, prefix: str, rank: int, kind: int = 0) -> None:
-    ticket = store.add(f"{prefix}tickets", 1)
-    store.set(f"{prefix}arrival/{ticket}", f"{rank}:{kind}")
+    ticket = store.add(prefix + keys.SDPIPE_TICKETS, 1)
+    store.set(prefix + keys.sdpipe_arrival(ticket), f"{rank}:{kind}")
 
 
 def average_in_group(trainer: Trainer, members: list[int], group_id: int, group) -> None:
@@ -112,13 +113,13 @@ class SDPipeSync:
     def __init__(self, trainer: Trainer, stage_rank_sets: list[tuple[int, ...]]):
         self.trainer = trainer
         runtime, spec = trainer.runtime, trainer.plan.sync
-        self.prefix = f"sd/s{trainer.placement.stage}/"
+        self.prefix = keys.sdpipe_stage(trainer.placement.stage)
         self.group = runtime.new_world_group(backend="gloo")
         self.services = []
         if runtime.rank == 0:
             for stage, ranks in enumerate(stage_rank_sets):
                 scheduler = GroupScheduler(list(ranks), spec.max_group, spec.initial_wait_ms / 1000, spec.connect_every)
-                self.services.append(SchedulerService(runtime.new_store_client(), scheduler, f"sd/s{stage}/"))
+                self.services.append(SchedulerService(runtime.new_store_client(), scheduler, keys.sdpipe_stage(stage)))
             for service in self.services:
                 service.thread.start()
 
@@ -127,7 +128,8 @@ class SDPipeSync:
         store, rank = self.trainer.runtime.store, self.trainer.runtime.rank
         start = time.perf_counter()
         announce(store, self.prefix, rank)
-        key = f"{self.prefix}group/{rank}/{step}"
+        key = self.prefix + keys.sdpipe_group(rank, step)
+        self.trainer.wait_for_key(store, key)  # the scheduler's worker may have died
         document = json.loads(store.get(key).decode())
         store.delete_key(key)
         waited = time.perf_counter()
@@ -138,7 +140,7 @@ class SDPipeSync:
         runtime = self.trainer.runtime
         announce(runtime.store, self.prefix, runtime.rank, LEAVE)
         for stage, service in enumerate(self.services):
-            service.thread.join()
+            self.trainer.join_thread(service.thread, f"stage {stage}'s SDPipe scheduler did not see every worker leave")
             if service.error is not None:
                 raise service.error
             sizes = {str(n): service.sizes.count(n) for n in sorted(set(service.sizes))}
@@ -150,7 +152,19 @@ class SDPipeSync:
         self.trainer.set_flat_params(flat / len(ranks))
 
 
-def run(trainer: Trainer) -> None:
-    sdpipe = SDPipeSync(trainer, [trainer.placement.stage_ranks])
-    local_steps(trainer, sdpipe.sync)
-    sdpipe.finish()
+class SDPipe(AtOwnPace):
+    """Data-parallel SDPipe: after each local step a worker averages with the group its stage's
+    scheduler formed of the workers ready then."""
+
+    def __init__(self, trainer: Trainer):
+        super().__init__(trainer)
+        self.sdpipe = SDPipeSync(trainer, [trainer.placement.stage_ranks])
+
+    def step(self, work: Work) -> StepResult:
+        result = self.trainer.compute(work.indices)
+        self.trainer.optimizer_step(at_step=work.step)
+        return self.trained_then_synced(result, lambda: self.sdpipe.sync(work.local_step))
+
+    def finish(self) -> None:
+        self.sdpipe.finish()
+        super().finish()

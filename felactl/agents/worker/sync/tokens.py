@@ -9,7 +9,7 @@ until nothing is left, so fast workers simply pull more.
   each. The owner takes tokens from the front (``add 1``), helpers from the back (``add
   STEAL``): the counter's value holds both counts, so a claim is valid exactly when the two
   together do not exceed the sub-bucket. A worker drains its own, then helps the owner chosen by
-  :func:`felactl.launcher.tokens.choose_victim` (reading one counter per other worker).
+  :func:`felactl.agents.worker.sync.token_policy.choose_victim` (reading one counter per other worker).
 - ``ads``: one shared bucket. With a single level, ADS has one depth to choose from, so it
   hands tokens out in id order; the multi-level policy lives in :class:`TokenServer`.
 
@@ -46,15 +46,19 @@ The last worker to finish an iteration deletes its keys; the seconds per token o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.loop import Lockstep, StepResult, Work
 from felactl.agents.worker.stages import split_by_shares
 from felactl.agents.worker.sync.buckets import GradBuckets
+from felactl.agents.worker.sync.token_policy import SubBucketView, choose_victim, token_samples
+from felactl.control import keys
 from felactl.errors import WorkerFailed
-from felactl.launcher.tokens import SubBucketView, choose_victim, num_first_level_tokens, token_samples
+from felactl.spec.executable import num_first_level_tokens
 
 STEAL = 1 << 20
 """A helper's claim adds this to the owner's counter: owner count in the low bits, helpers' above."""
@@ -92,8 +96,20 @@ class StoreTokenBucket:
     sum), :meth:`next_token` until None or a last token, :meth:`close`, :meth:`record_speed`, and
     :meth:`finish_iteration` once this worker's update is applied. ``max_lag`` 0: no gate."""
 
-    def __init__(self, store: dist.Store, rank: int, workers: tuple[int, ...], shares: list[float],
-                 num_tokens: int, policy: str, max_lag: int = 0, timeout_s: float = 300.0):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        workers: tuple[int, ...],
+        shares: list[float],
+        num_tokens: int,
+        policy: str,
+        max_lag: int = 0,
+        timeout_s: float = 300.0,
+        interrupted: Callable[[], bool] = lambda: False,
+    ):
+        """``interrupted()``: whether to give up a wait on the others (a member died: an elastic
+        job re-forms without it, see :attr:`Trainer.interrupted`)."""
         if num_tokens >= STEAL:
             raise ValueError(f"{num_tokens} tokens per iteration is too many (at most {STEAL - 1})")
         self.store = store
@@ -107,6 +123,7 @@ class StoreTokenBucket:
         self.everyone = sum(self.bit.values())
         """The gate bits of all the workers."""
         self.timeout_s = timeout_s
+        self.interrupted = interrupted
         self.step = -1
         self.helping: set[int] = set()
         self.claimed: list[int] = []
@@ -121,7 +138,7 @@ class StoreTokenBucket:
         return self.max_lag > 0
 
     def _key(self, name: str, step: int | None = None) -> str:
-        return f"tok/{self.step if step is None else step}/{name}"
+        return keys.token(self.step if step is None else step, name)
 
     def begin(self, step: int) -> float:
         """Open iteration ``step``: wait until nobody is ``max_lag`` iterations behind, read the
@@ -129,7 +146,7 @@ class StoreTokenBucket:
         waited_s = self._wait_for_laggards(step)
         if self.hf:
             for w in self.workers:
-                key = f"tok/speed/{w}"
+                key = keys.token_speed(w)
                 if w != self.rank and self.store.check([key]):
                     seconds = float(self.store.get(key))
                     if seconds > 0:
@@ -148,11 +165,23 @@ class StoreTokenBucket:
             return 0.0
         key, start = self._key("done", step - self.max_lag), time.perf_counter()
         while self.store.check([key]):
-            if time.perf_counter() - start > self.timeout_s:
-                raise WorkerFailed(f"worker {self.rank}: a peer has not finished iteration {step - self.max_lag} "
-                                   f"after {self.timeout_s:g} s")
+            self._give_up_after(start, f"a peer has not finished iteration {step - self.max_lag}")
             time.sleep(LAG_POLL_S)
         return time.perf_counter() - start
+
+    def _give_up_after(self, start: float, what: str) -> None:
+        if self.interrupted():  # a RuntimeError, as a collective with a dead peer raises: the step failed
+            raise RuntimeError(f"worker {self.rank}: {what}, and the job's members changed")
+        if time.perf_counter() - start > self.timeout_s:
+            raise WorkerFailed(f"worker {self.rank}: {what} after {self.timeout_s:g} s")
+
+    def wait_get(self, key: str) -> bytes:
+        """The value of ``key`` once another worker set it (polled, so a dead writer is noticed)."""
+        start = time.perf_counter()
+        while not self.store.check([key]):
+            self._give_up_after(start, f"nobody wrote {key}")
+            time.sleep(LAG_POLL_S)
+        return self.store.get(key)
 
     def join(self) -> bool:
         """Enter the iteration before the first claim. False: the others closed it without this
@@ -181,24 +210,24 @@ class StoreTokenBucket:
         return bits
 
     def _published_members(self) -> int:
-        return int(self.store.get(self._key("members")))
+        return int(self.wait_get(self._key("members")))
 
     def _may_sum_apart(self, bits: int) -> bool:
         """Whether the workers of ``bits`` may sum without the rest: alone, or in a group of
         them the job has formed already or may still form (at most ``MAX_MEMBER_GROUPS``)."""
         if bits == self.everyone or bits.bit_count() == 1:
             return True
-        formed = f"tok/groups/{bits}"
+        formed = keys.token_group(bits)
         if self.store.check([formed]):
             return True
-        if self.store.add("tok/groups/count", 1) > MAX_MEMBER_GROUPS:
+        if self.store.add(keys.TOKEN_GROUPS, 1) > MAX_MEMBER_GROUPS:
             return False
         self.store.set(formed, "1")
         return True
 
     def sum_key(self, piece: int) -> str:
         """Where the members publish piece ``piece`` of the iteration's summed gradients."""
-        return self._key(f"sum/{piece}")
+        return self._key(keys.token_sum(piece))
 
     def next_token(self) -> tuple[int, bool] | None:
         """``(token, last)``: the claimed token and whether this worker will claim no more this
@@ -208,15 +237,15 @@ class StoreTokenBucket:
             if position >= self.num_tokens:
                 return None
             return self._took(position, position == self.num_tokens - 1)
-        own, steals = self._split(self.store.add(self._key(f"b/{self.rank}"), 1))
+        own, steals = self._split(self.store.add(self._key(keys.token_bucket(self.rank)), 1))
         mine = self.ranges[self.rank]
         if own + steals <= len(mine):
             return self._took(mine[own - 1], self._last(len(mine) - own - steals))
         while (victim := choose_victim(self._views())) is not None:
             if victim not in self.helping and len(self.workers) > 2:
                 self.helping.add(victim)
-                self.store.add(self._key(f"helpers/{victim}"), 1)
-            own, steals = self._split(self.store.add(self._key(f"b/{victim}"), STEAL))
+                self.store.add(self._key(keys.token_helpers(victim)), 1)
+            own, steals = self._split(self.store.add(self._key(keys.token_bucket(victim)), STEAL))
             theirs = self.ranges[victim]
             if own + steals <= len(theirs):
                 return self._took(theirs[len(theirs) - steals], self._last(len(theirs) - own - steals, skip=victim))
@@ -235,13 +264,20 @@ class StoreTokenBucket:
         for w in self.workers:
             if w == self.rank:
                 continue
-            own, steals = self._split(self.store.add(self._key(f"b/{w}"), 0))
+            own, steals = self._split(self.store.add(self._key(keys.token_bucket(w)), 0))
             backlog = max(0, len(self.ranges[w]) - own - steals)
             if backlog:
                 views.append(SubBucketView(w, backlog, 0, max(own - 1, 0)))
         if len(views) > 1:  # whom to help depends on who helps already
-            views = [SubBucketView(v.owner, v.backlog, self._count(f"helpers/{v.owner}") - (v.owner in self.helping),
-                                   v.completed) for v in views]
+            views = [
+                SubBucketView(
+                    v.owner,
+                    v.backlog,
+                    self._count(keys.token_helpers(v.owner)) - (v.owner in self.helping),
+                    v.completed,
+                )
+                for v in views
+            ]
         return views
 
     def _count(self, name: str) -> int:
@@ -265,7 +301,7 @@ class StoreTokenBucket:
         for w in others:
             if w == skip:
                 continue
-            own, steals = self._split(self.store.add(self._key(f"b/{w}"), 0))
+            own, steals = self._split(self.store.add(self._key(keys.token_bucket(w)), 0))
             left += max(0, len(self.ranges[w]) - own - steals)
             started = started and own > 0
         if left == 0:
@@ -289,7 +325,7 @@ class StoreTokenBucket:
         """Record this worker's seconds per token (when it ran tokens this iteration)."""
         if self.claimed:
             self.token_s = token_s if self.token_s is None else 0.5 * self.token_s + 0.5 * token_s
-            self.store.set(f"tok/speed/{self.rank}", f"{self.token_s:.6f}")
+            self.store.set(keys.token_speed(self.rank), f"{self.token_s:.6f}")
 
     def finish_iteration(self, sum_pieces: int) -> None:
         """This worker has applied the iteration's update; the last one to get here deletes the
@@ -297,8 +333,8 @@ class StoreTokenBucket:
         if self.store.add(self._key("done"), 1) < len(self.workers):
             return
         names = ["gate", "members", "all", "retired"]
-        names += [f"{kind}/{w}" for w in self.workers for kind in ("b", "helpers")]
-        names += [f"sum/{i}" for i in range(sum_pieces)] if self.gated else []
+        names += [name(w) for w in self.workers for name in (keys.token_bucket, keys.token_helpers)]
+        names += [keys.token_sum(i) for i in range(sum_pieces)] if self.gated else []
         for name in names + ["done"]:  # ``done`` last: its absence says the iteration is over
             self.store.delete_key(self._key(name))
 
@@ -308,7 +344,9 @@ def sum_pieces(grads: GradBuckets) -> list[tuple[int, slice]]:
     pieces = []
     for index, buffer in enumerate(grads.buffers):
         size = buffer.numel() * buffer.element_size()
-        pieces += [(index, slice(start, min(start + SUM_PIECE_BYTES, size))) for start in range(0, size, SUM_PIECE_BYTES)]
+        pieces += [
+            (index, slice(start, min(start + SUM_PIECE_BYTES, size))) for start in range(0, size, SUM_PIECE_BYTES)
+        ]
     return pieces
 
 
@@ -324,65 +362,76 @@ def receive_sum(bucket: StoreTokenBucket, grads: GradBuckets) -> None:
     grads.begin()
     raw = [torch.empty(buffer.numel() * buffer.element_size(), dtype=torch.uint8) for buffer in grads.buffers]
     for piece, (index, span) in enumerate(sum_pieces(grads)):
-        raw[index][span] = torch.frombuffer(bytearray(bucket.store.get(bucket.sum_key(piece))), dtype=torch.uint8)
+        raw[index][span] = torch.frombuffer(bytearray(bucket.wait_get(bucket.sum_key(piece))), dtype=torch.uint8)
     for buffer, data in zip(grads.buffers, raw):
         buffer.copy_(data.view(buffer.dtype).view(buffer.shape))
 
 
-def run(trainer: Trainer) -> None:
-    placement, plan, runtime = trainer.placement, trainer.plan, trainer.runtime
-    stage = plan.stages[placement.stage]
-    stage_group = runtime.group(placement.stage_ranks)
-    num_tokens = num_first_level_tokens(plan.global_batch, stage.micro_batch, len(stage.workers))
-    grads = GradBuckets(trainer.params)
-    grad_bytes = sum(b.numel() * b.element_size() for b in grads.buffers)
-    num_pieces = len(sum_pieces(grads))
-    bucket = StoreTokenBucket(runtime.store, runtime.rank, placement.stage_ranks,
-                              [w.share for w in stage.workers], num_tokens, plan.sync.token_policy,
-                              max_lag=skip_ahead_limit(grad_bytes, len(placement.stage_ranks),
-                                                       runtime.forms_member_groups),
-                              timeout_s=runtime.cfg.timeout_s)
+class Tokens(Lockstep):
+    """Fela's token bucket on a data-parallel stage (see the module doc)."""
 
-    def group_of(members: tuple[int, ...]):
-        if len(members) == len(placement.stage_ranks):
-            return stage_group
-        return runtime.members_group(members) if len(members) > 1 else None
+    def __init__(self, trainer: Trainer):
+        super().__init__(trainer)
+        placement, plan, runtime = trainer.placement, trainer.plan, trainer.runtime
+        stage = plan.stages[placement.stage]
+        self.stage_group = runtime.group(placement.stage_ranks)
+        self.num_tokens = num_first_level_tokens(plan.global_batch, stage.micro_batch, len(stage.workers))
+        self.grads = GradBuckets(trainer.params)
+        grad_bytes = sum(b.numel() * b.element_size() for b in self.grads.buffers)
+        self.num_pieces = len(sum_pieces(self.grads))
+        self.bucket = StoreTokenBucket(
+            runtime.store,
+            runtime.rank,
+            placement.stage_ranks,
+            [w.share for w in stage.workers],
+            self.num_tokens,
+            plan.sync.token_policy,
+            max_lag=skip_ahead_limit(grad_bytes, len(placement.stage_ranks), runtime.forms_member_groups),
+            timeout_s=runtime.cfg.timeout_s,
+            interrupted=trainer.interrupted,
+        )
+        trainer.drain.margin = self.bucket.max_lag + 2  # members may be max_lag iterations ahead
 
-    for step in range(runtime.cfg.steps):
-        start = time.perf_counter()
-        pattern_s = trainer.straggler.at_iteration(step)
-        lag_wait_s = bucket.begin(step)
+    def _group_of(self, members: tuple[int, ...]):
+        if len(members) == len(self.trainer.placement.stage_ranks):
+            return self.stage_group
+        return self.trainer.runtime.members_group(members) if len(members) > 1 else None
+
+    def step(self, work: Work) -> StepResult:
+        t, bucket, grads = self.trainer, self.bucket, self.grads
+        lag_wait_s = bucket.begin(work.step)
         if not bucket.join():  # stalled past the iteration: apply the members' sum
             receive_start = time.perf_counter()
             receive_sum(bucket, grads)
-            trainer.optimizer_step()
-            bucket.finish_iteration(num_pieces)
-            trainer.record(step=step, samples=0, loss_sum=None, compute_s=pattern_s,
-                           comm_s=time.perf_counter() - receive_start, wait_s=lag_wait_s,
-                           duration_s=time.perf_counter() - start, tokens=0, skipped=True)
-            trainer.maybe_checkpoint(step, (step + 1) * trainer.global_batch)
-            continue
+            t.optimizer_step()
+            bucket.finish_iteration(self.num_pieces)
+            return StepResult(
+                0,
+                None,
+                0.0,
+                comm_s=time.perf_counter() - receive_start,
+                wait_s=lag_wait_s,
+                extra={"tokens": 0, "skipped": True},
+            )
         grads.begin()
         loss_sum, samples, tokens, token_s = 0.0, 0, 0, 0.0
         while (claim := bucket.next_token()) is not None:
             token, last = claim
             if last:
-                grads.arm(group_of(bucket.close()))
-            offsets = token_samples(plan.global_batch, num_tokens, token)
-            result = trainer.compute(trainer.step_indices(step, offsets), weight_by=plan.global_batch)
+                grads.arm(self._group_of(bucket.close()))
+            offsets = token_samples(t.global_batch, self.num_tokens, token)
+            result = t.compute(t.step_indices(work.step, offsets), weight_by=t.global_batch)
             loss_sum, samples, tokens = loss_sum + result.loss_sum, samples + result.samples, tokens + 1
             token_s += result.compute_s
             if last:
                 break
         members = bucket.close()
         bucket.record_speed(token_s / tokens if tokens else 0.0)
-        wait_s, comm_s = grads.finish(group_of(members))
-        if len(members) < len(placement.stage_ranks) and runtime.rank == members[0]:  # first in stage order
+        wait_s, comm_s = grads.finish(self._group_of(members))
+        if len(members) < len(t.placement.stage_ranks) and t.runtime.rank == members[0]:  # first in stage order
             publish_start = time.perf_counter()
             publish_sum(bucket, grads)
             comm_s += time.perf_counter() - publish_start
-        trainer.optimizer_step()
-        bucket.finish_iteration(num_pieces)
-        trainer.record(step=step, samples=samples, loss_sum=loss_sum, compute_s=token_s + pattern_s, comm_s=comm_s,
-                       wait_s=wait_s + lag_wait_s, duration_s=time.perf_counter() - start, tokens=tokens)
-        trainer.maybe_checkpoint(step, (step + 1) * trainer.global_batch)
+        t.optimizer_step()
+        bucket.finish_iteration(self.num_pieces)
+        return StepResult(samples, loss_sum, token_s, comm_s, wait_s + lag_wait_s, extra={"tokens": tokens})

@@ -37,32 +37,47 @@ class _Tree:
 
 
 class TreeAllreduce:
-    """Sums a flat tensor in place over the ranks of one stage group along its packed trees."""
+    """Sums a flat tensor in place over the ranks of one stage group along its packed trees (and,
+    where the plan packed trees for the reduce direction, reduces up those first, then broadcasts
+    down the broadcast trees)."""
 
-    def __init__(self, trees: list[_Tree], group, size: int):
-        self.trees, self.group, self.size = trees, group, size
-        total = sum(t.weight for t in trees)
-        self.fractions = [t.weight / total for t in trees]
+    def __init__(self, trees: list[_Tree], group, size: int, reduce_trees: list[_Tree] | None = None):
+        self.trees, self.group, self.size, self.reduce_trees = trees, group, size, reduce_trees or None
+
+    @staticmethod
+    def _chunks(trees: list[_Tree], flat: torch.Tensor):
+        """(tree, its contiguous chunk of ``flat``), chunks sized by the trees' weights."""
+        n, start, total = flat.numel(), 0, sum(t.weight for t in trees)
+        for i, tree in enumerate(trees):
+            end = n if i == len(trees) - 1 else min(n, start + round(n * tree.weight / total))
+            if end > start:
+                yield tree, flat[start:end]
+            start = end
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
-        n = flat.numel()
-        start = 0
-        for i, (tree, fraction) in enumerate(zip(self.trees, self.fractions)):
-            end = n if i == len(self.trees) - 1 else min(n, start + round(n * fraction))
-            if end > start:
-                self._allreduce_chunk(tree, flat[start:end])
-            start = end
+        if self.reduce_trees is None:
+            for tree, chunk in self._chunks(self.trees, flat):
+                self._reduce(tree, chunk)
+                self._broadcast(tree, chunk)
+            return flat
+        for tree, chunk in self._chunks(self.reduce_trees, flat):  # the root ends with the whole sum
+            self._reduce(tree, chunk)
+        for tree, chunk in self._chunks(self.trees, flat):
+            self._broadcast(tree, chunk)
         return flat
 
-    def _allreduce_chunk(self, tree: _Tree, chunk: torch.Tensor) -> None:
-        if tree.children:  # reduce: what each child's subtree summed, added here
+    def _reduce(self, tree: _Tree, chunk: torch.Tensor) -> None:
+        if tree.children:  # what each child's subtree summed, added here
             incoming = torch.empty_like(chunk)
             for child in tree.children:
                 dist.recv(incoming, src=child, group=self.group)
                 chunk.add_(incoming)
         if tree.parent is not None:
             dist.send(chunk, dst=tree.parent, group=self.group)
-            dist.recv(chunk, src=tree.parent, group=self.group)  # broadcast: the group's sum
+
+    def _broadcast(self, tree: _Tree, chunk: torch.Tensor) -> None:
+        if tree.parent is not None:
+            dist.recv(chunk, src=tree.parent, group=self.group)  # the group's sum
         pending = [dist.isend(chunk, dst=child, group=self.group) for child in tree.children]
         for work in pending:
             work.wait()
@@ -78,14 +93,17 @@ def stage_trees(plan: Plan, stage: int, rank: int, group) -> TreeAllreduce | Non
     if collective is None or len(devices) < 2:
         return None
     me = plan.devices[rank]
-    trees = []
-    for tree in collective.trees:
-        if not _spans(tree.edges, collective.root, devices) or tree.weight <= 0:
-            return None  # not a spanning arborescence of this group: a receive would never be matched
-        parent = next((a for a, b in tree.edges if b == me), None)
-        children = tuple(plan.rank_of(b) for a, b in tree.edges if a == me)
-        trees.append(_Tree(tree.weight, None if parent is None else plan.rank_of(parent), children))
-    return TreeAllreduce(trees, group, len(devices))
+    built = []
+    for packed in (collective.trees, collective.reduce_trees):
+        trees = []
+        for tree in packed:
+            if not _spans(tree.edges, collective.root, devices) or tree.weight <= 0:
+                return None  # not a spanning arborescence of this group: a receive would never be matched
+            parent = next((a for a, b in tree.edges if b == me), None)
+            children = tuple(plan.rank_of(b) for a, b in tree.edges if a == me)
+            trees.append(_Tree(tree.weight, None if parent is None else plan.rank_of(parent), children))
+        built.append(trees)
+    return TreeAllreduce(built[0], group, len(devices), reduce_trees=built[1])
 
 
 def _spans(edges, root: str, devices: set[str]) -> bool:

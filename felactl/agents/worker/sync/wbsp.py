@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.sync._local import local_steps
+from felactl.agents.worker.loop import AtOwnPace, StepResult, Work
 
 PUSH, DONE = 1, 2
 TAG_HEADER, TAG_DELTA, TAG_REPLY, TAG_MODEL = 11, 12, 13, 14
@@ -153,40 +153,54 @@ class Overlapped:
         self.thread.join()
 
 
-def run(trainer: Trainer) -> None:
-    runtime = trainer.runtime
-    group = runtime.new_world_group(backend="gloo")
-    last_pushed = trainer.flat_params().cpu()
-    server = ParameterServer(last_pushed, runtime.world_size, group) if runtime.rank == 0 else None
-    if server is not None:
-        server.thread.start()
-    client = Client(runtime.rank, group, server, last_pushed.numel())
-    overlapped = Overlapped(client) if trainer.plan.sync.overlap and server is None else None
+class WBSP(AtOwnPace):
+    """Each worker pushes its change after every local step to rank 0's parameter server and
+    takes the merged parameters back when a round closed (see the module doc)."""
 
-    def sync(step: int) -> tuple[float, float]:
-        nonlocal last_pushed
+    def __init__(self, trainer: Trainer):
+        super().__init__(trainer)
+        runtime = trainer.runtime
+        self.group = runtime.new_world_group(backend="gloo")
+        self.last_pushed = trainer.flat_params().cpu()
+        self.server = ParameterServer(self.last_pushed, runtime.world_size, self.group) if runtime.rank == 0 else None
+        if self.server is not None:
+            self.server.thread.start()
+        self.client = Client(runtime.rank, self.group, self.server, self.last_pushed.numel())
+        self.overlapped = Overlapped(self.client) if trainer.plan.sync.overlap and self.server is None else None
+
+    def step(self, work: Work) -> StepResult:
+        t = self.trainer
+        result = t.compute(work.indices)
+        t.optimizer_step(at_step=work.step)
+        return self.trained_then_synced(result, self._push_and_pull)
+
+    def _push_and_pull(self) -> tuple[float, float]:
+        """Push this step's change; take the merged parameters when a round closed."""
+        t = self.trainer
         start = time.perf_counter()
-        theta = trainer.flat_params().cpu()
-        delta, last_pushed = theta - last_pushed, theta
-        pulled = overlapped.offer(delta) if overlapped else client.exchange(delta)
+        theta = t.flat_params().cpu()
+        delta, self.last_pushed = theta - self.last_pushed, theta
+        pulled = self.overlapped.offer(delta) if self.overlapped else self.client.exchange(delta)
         if pulled is not None:
-            trainer.set_flat_params(pulled.to(runtime.device))
+            t.set_flat_params(pulled.to(t.runtime.device))
             # A fresh copy, never ``pulled`` itself: ``set_flat_params`` may make the parameters
             # views of the tensor it is given, and the next optimizer step would then move the base
             # along with the model, so the next delta would be zero and that step's progress lost.
-            last_pushed = trainer.flat_params().cpu()
+            self.last_pushed = t.flat_params().cpu()
         return time.perf_counter() - start, 0.0
 
-    local_steps(trainer, sync)
-    if overlapped is not None:
-        overlapped.close()
-    client.done()
-    if server is not None:
-        server.thread.join()
-        if server.error is not None:
-            raise server.error
-        final = server.theta
-    else:
-        final = torch.zeros_like(last_pushed)
-    dist.broadcast(final, src=0, group=group)
-    trainer.set_flat_params(final.to(runtime.device))
+    def finish(self) -> None:
+        """Every replica takes the server's final parameters."""
+        if self.overlapped is not None:
+            self.overlapped.close()
+        self.client.done()
+        if self.server is not None:
+            self.trainer.join_thread(self.server.thread, "the parameter server did not hear from every worker")
+            if self.server.error is not None:
+                raise self.server.error
+            final = self.server.theta
+        else:
+            final = torch.zeros_like(self.last_pushed)
+        dist.broadcast(final, src=0, group=self.group)
+        self.trainer.set_flat_params(final.to(self.trainer.runtime.device))
+        super().finish()

@@ -18,6 +18,12 @@ Policies (SEEDS.md section 1):
 - **CTD**: a level may be restricted to a subset of workers (a stage's worker set).
 - ``pin_backward``: a backward token runs where its forward ran (the autograd graph and the
   saved activations live there), as the runtime requires.
+- ``max_in_flight`` (level -> count, the plan's ``Stage.max_in_flight``): a worker gets no forward
+  token of a level, and no backward it would recompute, while it holds that many of the level's
+  forwards whose backward it has not run (the memory the planner gave it). A forward whose
+  backward another worker took stays held to the iteration's end, as the runtime keeps it. Should
+  nothing run and only the limit hold tokens back, it is lifted for the rest of the iteration
+  (``limit_lifted``) rather than hang.
 
 No I/O here: the runtime keeps the same state in the control-plane store (data parallel) or feeds
 this server its requests; tests drive it directly.
@@ -25,9 +31,8 @@ this server its requests; tests drive it directly.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 POLICIES = ("ads", "hf", "ads+hf")
 
@@ -40,11 +45,6 @@ class Token:
 
     def __str__(self) -> str:
         return f"{'B' if self.backward else 'F'}{self.level}.{self.index}"
-
-
-def num_first_level_tokens(global_batch: int, micro_batch: int, num_workers: int) -> int:
-    """Fela's ``n1 = max(global_batch / b1, N)``: at least one token per worker."""
-    return max(math.ceil(global_batch / micro_batch), num_workers)
 
 
 def token_samples(global_batch: int, num_tokens: int, index: int) -> range:
@@ -76,8 +76,12 @@ class TokenDAG:
         return self.num_first // self.weights[level]
 
     def tokens(self) -> list[Token]:
-        return [Token(level, backward, j) for backward in (False, True)
-                for level in range(self.num_levels) for j in range(self.count(level))]
+        return [
+            Token(level, backward, j)
+            for backward in (False, True)
+            for level in range(self.num_levels)
+            for j in range(self.count(level))
+        ]
 
     def depth(self, token: Token) -> int:
         return 2 * self.num_levels - 1 - token.level if token.backward else token.level
@@ -128,6 +132,8 @@ class _State:
     done_by: dict[Token, int] = field(default_factory=dict)
     helpers: dict[int, set[int]] = field(default_factory=dict)
     completed: dict[int, int] = field(default_factory=dict)
+    held: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(worker, level) -> forwards of that level whose activations the worker holds."""
 
 
 class TokenServer:
@@ -137,9 +143,16 @@ class TokenServer:
     level's tokens into the workers' sub-buckets (equal by default).
     """
 
-    def __init__(self, dag: TokenDAG, workers: Sequence[int], policy: str = "ads+hf",
-                 level_workers: Mapping[int, Sequence[int]] | None = None,
-                 shares: Mapping[int, float] | None = None, pin_backward: bool = False):
+    def __init__(
+        self,
+        dag: TokenDAG,
+        workers: Sequence[int],
+        policy: str = "ads+hf",
+        level_workers: Mapping[int, Sequence[int]] | None = None,
+        shares: Mapping[int, float] | None = None,
+        pin_backward: bool = False,
+        max_in_flight: Mapping[int, int] | None = None,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"token policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.dag = dag
@@ -147,6 +160,8 @@ class TokenServer:
         self.policy = policy
         self.level_workers = {lvl: tuple(ws) for lvl, ws in (level_workers or {}).items()}
         self.pin_backward = pin_backward
+        self.max_in_flight = {lvl: n for lvl, n in (max_in_flight or {}).items() if n}
+        self.limit_lifted = False
         self.state = _State(completed={w: 0 for w in self.workers}, helpers={w: set() for w in self.workers})
         self._assign_first_level(shares or {w: 1.0 for w in self.allowed(0)})
 
@@ -179,9 +194,22 @@ class TokenServer:
             return 0.0
         return sum(self.state.done_by.get(t) == worker for t in inputs) / len(inputs)
 
+    def _has_room(self, worker: int, token: Token) -> bool:
+        """The in-flight limit (module doc): a forward, or a backward run away from its forward,
+        needs room for one more of its level's micro-batches on ``worker``."""
+        limit = self.max_in_flight.get(token.level)
+        if limit is None or self.limit_lifted:
+            return True
+        if token.backward and self.state.done_by.get(Token(token.level, False, token.index)) == worker:
+            return True
+        return self.state.held.get((worker, token.level), 0) < limit
+
     def request(self, worker: int) -> Token | None:
         """The next token for ``worker`` under the policy, or None if none is ready for it now."""
-        mine = [t for t in self.state.ready if self.may_run(worker, t)]
+        allowed = [t for t in self.state.ready if self.may_run(worker, t)]
+        mine = [t for t in allowed if self._has_room(worker, t)]
+        if allowed and not mine and not self.state.running:
+            self.limit_lifted, mine = True, allowed  # only the limit holds tokens back: lift it
         if not mine:
             return None
         if "hf" in self.policy:
@@ -197,6 +225,8 @@ class TokenServer:
             token = min(mine)
         del self.state.ready[token]
         self.state.running[token] = worker
+        if not token.backward:
+            self.state.held[(worker, token.level)] = self.state.held.get((worker, token.level), 0) + 1
         return token
 
     def _victim(self, worker: int, mine: list[Token]) -> int:
@@ -204,8 +234,10 @@ class TokenServer:
         for t in mine:
             owner = self.state.ready[t]
             backlog[owner] = backlog.get(owner, 0) + 1
-        views = [SubBucketView(owner, n, len(self.state.helpers[owner] - {worker}), self.state.completed[owner])
-                 for owner, n in backlog.items()]
+        views = [
+            SubBucketView(owner, n, len(self.state.helpers[owner] - {worker}), self.state.completed[owner])
+            for owner, n in backlog.items()
+        ]
         return choose_victim(views)
 
     def complete(self, worker: int, token: Token) -> list[Token]:
@@ -214,6 +246,8 @@ class TokenServer:
             raise ValueError(f"token {token} was not handed to worker {worker}")
         self.state.done_by[token] = worker
         self.state.completed[worker] += 1
+        if token.backward and self.state.done_by.get(Token(token.level, False, token.index)) == worker:
+            self.state.held[(worker, token.level)] -= 1  # its graph is freed with this backward
         newly = [t for t in self._dependents(token) if all(i in self.state.done_by for i in self.dag.inputs(t))]
         for t in newly:
             self.state.ready[t] = self._owner_of(t)

@@ -1,0 +1,235 @@
+"""An agent's side of the control plane: join the coordinator by proving the job secret, wait for
+its part of the job, report how its workers are, watch for the stop order.
+
+The protocol (keys, documents, the join handshake's messages) is :mod:`felactl.control`'s; the
+coordinator's side is :mod:`felactl.launcher.controlplane`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from felactl.control import Reader, Seal, job_binding, keys
+from felactl.control.documents import AgentStateDoc, Assignment, JobDoc, StopDoc
+from felactl.control.join import HELLO_AGAIN_S, JOIN_REFUSALS, admit_message, join_message, sign, verify
+from felactl.control.store import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    POLL_INTERVAL_S,
+    connect_store,
+    first_line,
+    parse_endpoint,
+    wait_key,
+)
+from felactl.errors import AuthError, ControlPlaneError
+
+
+@dataclass(frozen=True)
+class StopOrder:
+    reason: str
+    drain_s: float = 0.0
+    """Seconds the workers get to end after an agreed step and checkpoint it (the agent sends them
+    SIGINT) before they are killed; 0: stop them at once."""
+
+
+class AgentSession:
+    """An agent's side of the control plane: join, wait for the job, report state, watch for stop."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        secret: str,
+        *,
+        job: str | None = "job",
+        generation: int = 0,
+        timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ):
+        """``job`` None: the job the coordinator at ``endpoint`` runs (:data:`keys.JOB_NAME`)."""
+        self.host, self.port = parse_endpoint(endpoint)
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.store = connect_store(self.host, self.port, timeout_s)
+        if job is None:
+            job = wait_key(
+                self.store, keys.JOB_NAME, time.monotonic() + timeout_s, "the coordinator's job name"
+            ).decode()
+        self.job = job
+        self.prefix = keys.job_prefix(job, generation)
+        self.agent_id = ""
+        self.session = ""
+        self.reader: Reader | None = None
+
+    def join(self, node_name: str, num_slots: int, info: dict | None = None) -> str:
+        """Prove the secret and join; AuthError when the coordinator refuses."""
+        deadline = time.monotonic() + self.timeout_s
+        agent_id = f"{node_name}-{uuid.uuid4().hex[:8]}"
+        payload = json.dumps(
+            {"node_name": node_name, "num_slots": num_slots, "hostname": socket.gethostname(), "info": info or {}},
+            sort_keys=True,
+        )
+        refusals = 0
+        while True:
+            try:
+                reply = self._try_join(agent_id, payload, min(deadline, time.monotonic() + HELLO_AGAIN_S))
+            except _Refused:
+                # Refused: the secret is wrong, or someone put a forged challenge in this agent's
+                # place (then a fresh hello gets a fresh one). Refused every time: the secret.
+                refusals += 1
+                if refusals >= JOIN_REFUSALS:
+                    raise AuthError(
+                        f"the coordinator at {self.host}:{self.port} refused this agent: wrong job "
+                        "secret (check --secret-file)"
+                    ) from None
+                continue
+            if reply is not None:
+                break
+            if time.monotonic() > deadline:
+                raise ControlPlaneError("timed out waiting for the coordinator to admit this agent")
+        self.agent_id, self.session = agent_id, reply
+        self.reader = Reader(
+            Seal(self.secret, job_binding(self.job, self.session)), self.store, self.prefix, on_refused=_say_refused
+        )
+        return agent_id
+
+    def _try_join(self, agent_id: str, payload: str, until: float) -> str | None:
+        """One hello, challenge and join; the launch's session once admitted, None to try again."""
+        client_nonce = secrets.token_hex(8)
+        queue = self.prefix + keys.JOIN_REQUESTS
+        self.store.queue_push(queue, json.dumps({"op": "hello", "agent_id": agent_id, "client_nonce": client_nonce}))
+        challenge_name = keys.join_challenge(agent_id, client_nonce)
+        nonce = None
+        while nonce is None:
+            # The challenge's proof is not checked: an agent with a wrong secret could not tell its
+            # coordinator's from a forgery. A forged one only gets this attempt refused.
+            raw = self._poll(challenge_name, until)
+            if raw is None:
+                return None
+            try:
+                nonce = str(json.loads(raw)["nonce"])
+            except (ValueError, KeyError, TypeError):
+                time.sleep(POLL_INTERVAL_S)
+        proof = sign(self.secret, join_message(self.job, agent_id, client_nonce, nonce, payload))
+        self.store.queue_push(
+            queue, json.dumps({"agent_id": agent_id, "client_nonce": client_nonce, "payload": payload, "proof": proof})
+        )
+        reply_name = keys.join_reply(agent_id, client_nonce)
+        while True:
+            raw = self._poll(reply_name, until + HELLO_AGAIN_S)
+            if raw is None:
+                return None
+            try:
+                reply = json.loads(raw)
+                admitted, session = reply.get("admitted"), str(reply.get("session", ""))
+            except (ValueError, AttributeError):
+                continue
+            if admitted is False:
+                raise _Refused
+            if verify(
+                self.secret,
+                admit_message(self.job, agent_id, client_nonce, nonce, session),
+                str(reply.get("proof", "")),
+            ):
+                return session
+            time.sleep(POLL_INTERVAL_S)  # a forged admission: not from the coordinator
+
+    def _poll(self, name: str, until: float) -> bytes | None:
+        key = self.prefix + name
+        while time.monotonic() < until:
+            try:
+                if self.store.check([key]):
+                    return self.store.get(key)
+            except RuntimeError as exc:
+                raise ControlPlaneError(f"lost the coordinator while joining: {first_line(exc)}") from exc
+            time.sleep(POLL_INTERVAL_S)
+        return None
+
+    def read_signed(self, name: str, kind: str) -> dict | None:
+        """The valid signed document ``name`` if published; None when absent or forged (said once)."""
+        opened = self.reader.read(name, kind)
+        return None if opened is None else opened.body
+
+    def wait_assignment(self, timeout_s: float, alive=None, attempt: int = 0) -> Assignment:
+        deadline = time.monotonic() + timeout_s
+        name = keys.job_document(attempt)
+        while True:
+            wait_key(self.store, self.prefix + name, deadline, "the job", alive)
+            body = self.read_signed(name, JobDoc.KIND.value)
+            if body is not None:
+                break
+            if alive is not None:
+                alive()
+            if time.monotonic() > deadline:
+                raise ControlPlaneError("timed out waiting for the job (only forged job documents came)")
+            time.sleep(POLL_INTERVAL_S)
+        try:
+            mine = dict(JobDoc.from_body(body).assignments.get(self.agent_id))
+        except (TypeError, ValueError):
+            raise ControlPlaneError(f"the job has no place for agent {self.agent_id}") from None
+        mine["args"] = tuple(mine.get("args", ()))
+        return Assignment(**mine)
+
+    def wait_attempt(self, attempt: int, timeout_s: float) -> Assignment | None:
+        """This agent's part of the job's ``attempt``, or None once the coordinator stops the job."""
+
+        class _Stopped(Exception):
+            pass
+
+        def alive() -> None:
+            if self.stop_requested() is not None:
+                raise _Stopped
+
+        try:
+            return self.wait_assignment(timeout_s, alive=alive, attempt=attempt)
+        except _Stopped:
+            return None
+
+    def attempt_published(self, attempt: int) -> bool:
+        """Whether the coordinator published (a valid document for) the job's ``attempt``."""
+        return self.read_signed(keys.job_document(attempt), JobDoc.KIND.value) is not None
+
+    def stop_requested(self) -> StopOrder | None:
+        """The coordinator's stop order, if it gave one (a forged one is ignored); ControlPlaneError
+        if the store is gone."""
+        try:
+            document = self.read_signed(keys.STOP, StopDoc.KIND.value)
+        except RuntimeError as exc:
+            raise ControlPlaneError(f"lost the coordinator at {self.host}:{self.port}: {first_line(exc)}") from exc
+        if document is None:
+            return None
+        try:
+            stop = StopDoc.from_body(document)
+        except ValueError:
+            return None
+        return StopOrder(stop.reason, float(stop.drain_s))
+
+    def report(self, state: str, **details: Any) -> None:
+        name = keys.agent_state(self.agent_id)
+        self.store.set(
+            self.prefix + name,
+            self.reader.seal.seal(
+                name, AgentStateDoc.KIND.value, AgentStateDoc(state, json.loads(json.dumps(details))).to_body()
+            ),
+        )
+
+    def beat(self) -> None:
+        """Say this agent is alive (an elastic job's coordinator stops sending work to a silent one)."""
+        self.store.add(self.prefix + keys.agent_beat(self.agent_id), 1)
+
+    def worker_env(self) -> dict[str, str]:
+        """What felactl's own workers need to verify and sign documents: the secret (in their
+        environment, never on the store) and the launch's session."""
+        return {"FELACTL_SECRET": self.secret, "FELACTL_SESSION": self.session, "FELACTL_JOB": self.job}
+
+
+class _Refused(Exception):
+    pass
+
+
+def _say_refused(key: str, reason: str) -> None:
+    print(f"felactl agent: ignored a forged {key}: {reason}", file=sys.stderr)

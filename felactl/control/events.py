@@ -1,0 +1,72 @@
+"""The kinds of event a run records in ``events.jsonl``, and the one way to record a refusal."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from pathlib import Path
+
+from felactl.fsutil import append_jsonl
+
+log = logging.getLogger(__name__)
+
+
+class EventKind(str, enum.Enum):
+    LAUNCH = "launch"
+    RESUME = "resume"
+    START = "start"
+    RESTART = "restart"
+    NODE_JOINED = "node-joined"
+    SCALE_OUT = "scale-out"
+    SCALE_IN = "scale-in"
+    FAILURE = "failure"
+    RE_FORM = "re-form"
+    REFUSED = "refused"
+    """A request refused, or a forged document ignored (``key`` and ``reason`` say which and why)."""
+    REPAIRED = "repaired"
+    """A key the coordinator owns was deleted or changed; it was written back from the coordinator's state."""
+    STOPPED = "stopped"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def record(events: Path | None, kind: EventKind, **fields) -> None:
+    """Append an event (``events`` None: only log it, e.g. a coordinator without a run directory)."""
+    event = {"time": time.time(), "kind": kind.value, **fields}
+    if kind in (EventKind.REFUSED, EventKind.REPAIRED):
+        log.warning("control plane: %s %s: %s", kind.value, fields.get("key", ""), fields.get("reason", ""))
+    if events is not None:
+        try:
+            append_jsonl(Path(events), event)
+        except OSError as exc:  # a worker on a node without the run directory: the log line stays
+            log.warning("could not record %s in %s: %s", kind.value, events, exc)
+
+
+REFUSALS_PER_KEY = 20
+"""Refusals recorded per key: past it, one more line says the rest are not (someone writing
+forgeries in a loop must not fill the disk)."""
+
+
+class RefusalLog:
+    """Records forgeries as ``refused`` events, at most :data:`REFUSALS_PER_KEY` per key."""
+
+    def __init__(self, events: Path | None, **fields):
+        self.events, self.fields = events, fields
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, key: str, reason: str) -> None:
+        count = self.counts[key] = self.counts.get(key, 0) + 1
+        if count <= REFUSALS_PER_KEY:
+            record(self.events, EventKind.REFUSED, key=key, reason=reason, **self.fields)
+        elif count == REFUSALS_PER_KEY + 1:
+            record(
+                self.events,
+                EventKind.REFUSED,
+                key=key,
+                reason=f"{reason} (and more: further refusals at this key are not recorded)",
+                **self.fields,
+            )

@@ -1,0 +1,44 @@
+"""The join handshake's messages: what an agent signs to prove the job secret, and what the
+coordinator signs to admit it (see :mod:`felactl.launcher.controlplane` for the protocol)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from felactl.control.seal import mac
+
+HELLO_AGAIN_S = 2.0
+"""A joining agent that has seen no valid challenge or reply this long says hello again."""
+JOIN_REFUSALS = 3
+"""Refusals in a row (each after a fresh hello) that tell an agent its secret is wrong."""
+
+
+def sign(secret: str, message: str | bytes) -> str:
+    """HMAC-SHA256 of ``message`` under the job secret, hex."""
+    return mac(secret, message.encode("utf-8") if isinstance(message, str) else message)
+
+
+def verify(secret: str, message: str | bytes, signature: str) -> bool:
+    """True when ``signature`` is ``sign(secret, message)``; constant-time."""
+    return hmac.compare_digest(sign(secret, message), str(signature))
+
+
+def join_message(job: str, agent_id: str, client_nonce: str, nonce: str, payload: str) -> str:
+    return f"join|{job}|{agent_id}|{client_nonce}|{nonce}|{payload}"
+
+
+def admit_message(job: str, agent_id: str, client_nonce: str, nonce: str, session: str) -> str:
+    return f"admit|{job}|{agent_id}|{client_nonce}|{nonce}|{session}"
+
+
+def admit_reply(secret: str, job: str, agent_id: str, client_nonce: str, nonce: str, session: str) -> str:
+    """The admission: its proof binds the agent's challenge (the agent knows the coordinator holds
+    the secret) and the launch's session (which the agent's documents are bound to from now on)."""
+    return json.dumps(
+        {
+            "admitted": True,
+            "session": session,
+            "proof": sign(secret, admit_message(job, agent_id, client_nonce, nonce, session)),
+        }
+    )

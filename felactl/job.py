@@ -1,0 +1,91 @@
+"""``felactl.TrainJob``: what a user's ``package.module:function`` returns for felactl to train.
+
+felactl owns the data order (samples by global index), synchronisation, checkpoints and
+membership; the job owns the model, the data, the loss and the optimizer. A batch is
+``collate_fn([dataset[i % len(dataset)] for i in indices])``, which gives ``(inputs, targets)``;
+the loss is ``loss_fn(model(inputs), targets)``, a mean over the batch's samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset, default_collate
+
+from felactl.errors import InputError
+
+PRECISIONS = ("fp32", "bf16")
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob:
+    model: nn.Module
+    """Any module for data-parallel plans. Only an ``nn.Sequential`` can be split into pipeline
+    stages (its children are the layers felactl profiles and plans); any other module is one layer."""
+    dataset: Any
+    """A map-style dataset (``__getitem__`` and ``__len__``): felactl asks for samples by global
+    index (wrapping around its length), so every run sees the same data in the same order."""
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    """``loss_fn(output, targets)``: the mean loss of a batch (felactl weights it by samples)."""
+    collate_fn: Callable[[list], Sequence] = default_collate
+    """Samples -> ``(inputs, targets)``; inputs go to ``model``, targets to ``loss_fn``."""
+    optimizer: OptimizerFactory | None = None
+    """``optimizer(parameters)`` -> any ``torch.optim.Optimizer``, called once per stage a worker
+    holds. None: the plan's ``training`` (``sgd`` or ``adamw`` at ``training.lr``), as built-ins do."""
+    lr_scheduler: SchedulerFactory | None = None
+    """Optional ``lr_scheduler(optimizer)`` -> a scheduler, stepped once per optimizer step (once
+    per global step in bsp and tokens); its state is checkpointed and handed to newcomers."""
+    max_grad_norm: float | None = None
+    """Clip the summed gradients to this global L2 norm before each step (None: no clipping)."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: forward and loss under ``torch.autocast`` in bfloat16 on CUDA workers
+    (CPU workers run fp32)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise InputError(f"TrainJob.model: must be an nn.Module, got {type(self.model).__name__}")
+        if isinstance(self.dataset, IterableDataset) or not (
+            hasattr(self.dataset, "__getitem__") and hasattr(self.dataset, "__len__")
+        ):
+            raise InputError(
+                "TrainJob.dataset: must be a map-style dataset (__getitem__ and __len__), "
+                f"got {type(self.dataset).__name__}"
+            )
+        if len(self.dataset) < 1:
+            raise InputError("TrainJob.dataset: is empty")
+        for name in ("loss_fn", "collate_fn"):
+            if not callable(getattr(self, name)):
+                raise InputError(f"TrainJob.{name}: must be callable")
+        for name in ("optimizer", "lr_scheduler"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise InputError(f"TrainJob.{name}: must be a factory (callable) or None")
+        norm = self.max_grad_norm
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0):
+            raise InputError(f"TrainJob.max_grad_norm: must be a number > 0 or None, got {norm!r}")
+        if self.precision not in PRECISIONS:
+            raise InputError(f"TrainJob.precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+    @property
+    def splittable(self) -> bool:
+        """Whether plans may cut the model into stages: an ``nn.Sequential`` can be."""
+        return isinstance(self.model, nn.Sequential)
+
+    def batch(self, indices: Sequence[int]) -> Sequence:
+        """``(inputs, targets)`` of these global sample indices."""
+        size = len(self.dataset)
+        return self.collate_fn([self.dataset[int(i) % size] for i in indices])
+
+    def autocast(self, device: torch.device):
+        """The autocast context the forward and loss run in on ``device``."""
+        enabled = self.precision == "bf16" and device.type == "cuda"
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+__all__ = ["PRECISIONS", "TrainJob"]

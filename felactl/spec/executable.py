@@ -1,0 +1,218 @@
+"""What the worker runtime can execute: the one definition the planner's search space, ``felactl
+check``, ``felactl launch`` and the worker at its start all use.
+
+A plan that loads is well formed (``Plan.__post_init__``); this says whether the runtime can run
+it. A plan runs one of three ways (:func:`execution`): data parallel (one stage), Fela's flexible
+hybrid (several stages, ``schedule: tokens``, :mod:`felactl.agents.worker.flexible`) or static
+pipelines (several stages, ``1f1b``/``gpipe``, :mod:`felactl.agents.worker.pipeline`). Rules:
+
+1. **params**: every stage holds a trainable parameter. A stage of parameter-free layers only
+   (``Flatten``, ``ReLU``) has nothing to train or synchronise, and the runtime's optimizer, sync
+   and checkpoint code all assume a stage owns parameters; a first such stage cannot even run
+   backward (its output needs no gradient). Such layers cost the planner nothing to leave in a
+   neighbouring stage, so it never cuts them out alone (needs the model's per-layer counts).
+2. **layers**: the stages cover exactly the model's layers (needs the model's layer count).
+3. **micro-batch chain** (:func:`micro_batch_follows`): flexible, each stage's micro-batch is a
+   multiple of the one before (a token of stage s joins ``b_s / b_{s-1}`` tokens of stage s-1);
+   pipelines, one micro-batch size along the pipeline.
+4. **tokens hold samples** (:func:`tokens_hold_samples`): flexible, the first-level tokens, rounded
+   up to whole last-level tokens, are at most the global batch: an empty token trains on NaN.
+5. **sync**: flexible synchronises each stage by allreduce (sync bsp or tokens); pipelines
+   synchronise each stage's replicas with bsp (tokens runs as bsp) or sdpipe, not wbsp.
+6. **pipeline slots**: with static pipelines, every device holds exactly one pipeline slot.
+
+:func:`problems` lists every broken rule; :func:`check_executable` raises the first as a
+:class:`~felactl.errors.SpecError` (exit 2). Pure: stdlib only, so the optimizer imports it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from felactl.errors import InputError, SpecError
+from felactl.spec.plan import Plan, Schedule, SyncMode
+
+
+class Execution(str, enum.Enum):
+    DATA_PARALLEL = "data_parallel"
+    FLEXIBLE = "flexible"
+    PIPELINE = "pipeline"
+
+
+FLEXIBLE_SYNC = (SyncMode.BSP, SyncMode.TOKENS)
+PIPELINE_SYNC = (SyncMode.BSP, SyncMode.TOKENS, SyncMode.SDPIPE)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    key: str
+    """The plan's key path the problem is at (``stages[2].micro_batch``)."""
+    reason: str
+
+
+def execution(plan: Plan) -> Execution:
+    if len(plan.stages) == 1:
+        return Execution.DATA_PARALLEL
+    return Execution.FLEXIBLE if plan.schedule is Schedule.TOKENS else Execution.PIPELINE
+
+
+RESCALABLE_SYNC = (SyncMode.BSP, SyncMode.TOKENS, SyncMode.WBSP, SyncMode.SDPIPE)
+"""The sync modes whose data-parallel jobs grow, shrink and survive failures while they train."""
+
+FIXED_BATCH_SYNC = (SyncMode.WBSP, SyncMode.SDPIPE)
+"""The modes whose workers go at their own pace: a step is a fixed number of samples (a sample's
+step is its position over the global batch), so their jobs rescale with a fixed global batch."""
+
+
+def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
+    """Refuse (InputError) a membership change that would change the global batch of a mode whose
+    steps are counted in samples."""
+    if sync in FIXED_BATCH_SYNC and batch != launched_batch:
+        raise InputError(
+            f"sync {sync.value} rescales with a fixed global batch ({launched_batch}); use --scaling-policy fixed-batch"
+        )
+
+
+def rescalable(plan: Plan, sync: SyncMode | None = None) -> bool:
+    """Whether a job of ``plan`` (under ``sync`` where given) can change its members while it trains."""
+    return execution(plan) is Execution.DATA_PARALLEL and (sync or plan.sync.mode) in RESCALABLE_SYNC
+
+
+def stage_trainable(layer_params: Sequence[int], start: int, end: int) -> bool:
+    """Rule 1: layers ``[start, end)`` hold at least one trainable parameter."""
+    return sum(layer_params[start:end]) > 0
+
+
+def micro_batch_follows(before: int, after: int, *, static: bool) -> bool:
+    """Rule 3: a stage with micro-batch ``after`` may follow one with ``before``."""
+    return after == before if static else after % before == 0
+
+
+def num_first_level_tokens(global_batch: int, micro_batch: int, num_workers: int) -> int:
+    """Fela's ``n1 = max(global_batch / b1, N)``: at least one token per worker."""
+    return max(math.ceil(global_batch / micro_batch), num_workers)
+
+
+def num_first_tokens(global_batch: int, first_micro_batch: int, num_first_workers: int, last_micro_batch: int) -> int:
+    """First-level tokens of a flexible plan: ``n1`` rounded up so the last level's tokens are whole."""
+    weight = last_micro_batch // first_micro_batch
+    return -(-num_first_level_tokens(global_batch, first_micro_batch, num_first_workers) // weight) * weight
+
+
+def tokens_hold_samples(
+    global_batch: int, first_micro_batch: int, num_first_workers: int, last_micro_batch: int
+) -> bool:
+    """Rule 4: every first-level token gets at least one sample of the global batch (False where
+    the last micro-batch is not a multiple of the first: rule 3 refuses that already)."""
+    if last_micro_batch % first_micro_batch:
+        return False
+    return num_first_tokens(global_batch, first_micro_batch, num_first_workers, last_micro_batch) <= global_batch
+
+
+def problems(plan: Plan, layer_params: Sequence[int] | None = None) -> list[Problem]:
+    """Every rule the plan breaks; ``layer_params``: the model's trainable parameters per layer
+    (from its profile or the built model), without which rules 1 and 2 are not checked."""
+    found = [] if layer_params is None else _model_problems(plan, layer_params)
+    how = execution(plan)
+    if how is Execution.FLEXIBLE:
+        found += _flexible_problems(plan)
+    elif how is Execution.PIPELINE:
+        found += _pipeline_problems(plan)
+    return found
+
+
+def check_executable(plan: Plan, layer_params: Sequence[int] | None = None, where: str = "plan") -> None:
+    """Raise the first of :func:`problems` as a SpecError naming ``where`` and the key."""
+    found = problems(plan, layer_params)
+    if found:
+        raise SpecError(where, found[0].key, found[0].reason)
+
+
+def _model_problems(plan: Plan, layer_params: Sequence[int]) -> list[Problem]:
+    if plan.num_layers != len(layer_params):
+        return [
+            Problem(
+                f"stages[{len(plan.stages) - 1}].layer_end",
+                f"the stages cover {plan.num_layers} layers but model {plan.model.name!r} has {len(layer_params)}",
+            )
+        ]
+    return [
+        Problem(
+            f"stages[{s}]",
+            f"layers {st.layer_start}..{st.layer_end - 1} hold no trainable parameter: "
+            "a stage needs one (put them in a neighbouring stage)",
+        )
+        for s, st in enumerate(plan.stages)
+        if not stage_trainable(layer_params, st.layer_start, st.layer_end)
+    ]
+
+
+def _flexible_problems(plan: Plan) -> list[Problem]:
+    found = []
+    if plan.sync.mode not in FLEXIBLE_SYNC:
+        found.append(
+            Problem(
+                "sync.mode",
+                f"sync {plan.sync.mode.value} cannot run a flexible plan (schedule tokens, "
+                "several stages): its stages synchronise with bsp or tokens",
+            )
+        )
+    stages = plan.stages
+    for s in range(1, len(stages)):
+        if not micro_batch_follows(stages[s - 1].micro_batch, stages[s].micro_batch, static=False):
+            found.append(
+                Problem(
+                    f"stages[{s}].micro_batch",
+                    f"must be a multiple of stages[{s - 1}].micro_batch ({stages[s - 1].micro_batch}) "
+                    f"for token scheduling, got {stages[s].micro_batch}",
+                )
+            )
+    if found:
+        return found
+    first, last = stages[0], stages[-1]
+    if not tokens_hold_samples(plan.global_batch, first.micro_batch, len(first.workers), last.micro_batch):
+        n1 = num_first_tokens(plan.global_batch, first.micro_batch, len(first.workers), last.micro_batch)
+        found.append(
+            Problem(
+                "global_batch",
+                f"{plan.global_batch} samples cannot fill {n1} first-level tokens "
+                f"(micro-batches {first.micro_batch}..{last.micro_batch} on "
+                f"{len(first.workers)} first-stage workers): some would be empty",
+            )
+        )
+    return found
+
+
+def _pipeline_problems(plan: Plan) -> list[Problem]:
+    found = []
+    if plan.sync.mode not in PIPELINE_SYNC:
+        found.append(
+            Problem(
+                "sync.mode",
+                f"sync {plan.sync.mode.value} runs on data-parallel plans (one stage); "
+                "static pipelines synchronise each stage's replicas with bsp or sdpipe",
+            )
+        )
+    first = plan.stages[0].micro_batch
+    for s, stage in enumerate(plan.stages[1:], start=1):
+        if not micro_batch_follows(first, stage.micro_batch, static=True):
+            found.append(
+                Problem(
+                    f"stages[{s}].micro_batch",
+                    f"must equal stages[0].micro_batch ({first}): a static "
+                    f"pipeline runs one micro-batch size, got {stage.micro_batch}",
+                )
+            )
+    slots = Counter(d for pipe in plan.pipelines for d in pipe)
+    for d, device in enumerate(plan.devices):
+        if slots[device] != 1:
+            found.append(
+                Problem(
+                    f"devices[{d}]", f"device {device!r} must hold exactly one pipeline slot, holds {slots[device]}"
+                )
+            )
+    return found

@@ -1,0 +1,572 @@
+"""The coordinator's membership decision alone: a table of states and sightings, and the actions
+each calls for (no store, no process, no clock; torch elastic tests its agent with fake workers
+the same way). The controller that looks and does is covered by test_scale.py and test_attacks.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from felactl.launcher.membership import (
+    FAILED_FIRST,
+    FINISHED_FIRST,
+    AdmitAgent,
+    Agent,
+    Answer,
+    AnswerAgain,
+    Drop,
+    Exit,
+    Fail,
+    Finish,
+    IgnoreAgent,
+    Join,
+    Refuse,
+    Request,
+    Rules,
+    Seen,
+    Starting,
+    StartNewcomers,
+    State,
+    StopNewcomers,
+    Switch,
+    SwitchAbandoned,
+    SwitchDone,
+    Switching,
+    Worker,
+    decide,
+)
+from felactl.launcher.scale_plan import ScalingPolicy
+
+RULES = Rules(
+    heartbeat_timeout_s=5.0,
+    ready_timeout_s=60.0,
+    switch_timeout_s=60.0,
+    agent_gone_s=1.25,
+    logs="runs/r/logs",
+    run_id="r",
+)
+ADD_ONE = Request("r1", {"op": "add", "count": 1})
+NOW = 10.0
+"""The time of every sighting in the table; every worker and agent last beat at 9.0 unless a row says otherwise."""
+
+
+def job(members=(0, 1), *, newcomers=(), slots=4, other_nodes=(), rules=RULES, **fields) -> State:
+    """A job on node ``n`` (agent ``a``; ``other_nodes`` have agents of their own), with
+    ``members`` and ``newcomers`` alive (each beat at 9.0)."""
+    agents = {node: Agent(f"agent-{node}", slots, beat="1", since=9.0) for node in ("n", *other_nodes)}
+    workers = {w: Worker("n", f"cpu{w}", "agent-n", beat="1", since=9.0) for w in (*members, *newcomers)}
+    return State(
+        rules=rules,
+        generation=fields.pop("generation", 0),
+        members=tuple(members),
+        workers=workers,
+        agents=agents,
+        next_id=max(workers) + 1,
+        **fields,
+    )
+
+
+def adding(newcomers=(2,), members=(0, 1), *, deadline=60.0, ready=(), **fields) -> State:
+    """``members`` with newcomers starting for request r1 (--add)."""
+    starting = Starting(
+        request=ADD_ONE, policy=None, node="n", newcomers=tuple(newcomers), deadline=deadline, ready=frozenset(ready)
+    )
+    return job(members, newcomers=newcomers, starting=starting, **fields)
+
+
+def switching_to(
+    members, before, *, kind="scale-out", request_id="r1", reported=(), deadline=60.0, if_finished=None, **fields
+) -> State:
+    """Generation 1 of ``members`` published (the members were ``before``), waiting for reports."""
+    switching = Switching(
+        generation=1,
+        kind=kind,
+        members=tuple(members),
+        before=tuple(before),
+        deadline=deadline,
+        if_finished=tuple(before if if_finished is None else if_finished),
+        request_id=request_id,
+        reported=frozenset(reported),
+    )
+    everyone = sorted(set(members) | set(before))
+    state = job(everyone, generation=1, switching=switching, **fields)
+    return dataclasses.replace(state, members=tuple(members))
+
+
+def seen(**fields) -> Seen:
+    return Seen(now=NOW, **fields)
+
+
+def request(command, request_id="r1") -> Seen:
+    return seen(requests=(Request(request_id, command),))
+
+
+EXITED_1 = "worker 1 exited with code 1: boom"
+NO_WORKER_LEFT = (
+    "worker failed: no worker is left (worker 0 exited with code 1; worker 1 exited with code 1); "
+    "logs in runs/r/logs; a run with checkpoints continues with `felactl launch --resume r`"
+)
+SLOTS_FULL = (
+    "node 'n' has 2 worker slot(s) and 2 in use: cannot add 1 (a CPU node offers one slot per core; launch "
+    "with --max-nproc-per-node to allow more)"
+)
+
+# (state, what was seen, the actions expected, the members after)
+TABLE = [
+    # --- joins and leaves ---
+    pytest.param(
+        job(),
+        request({"op": "add", "count": 1}),
+        [StartNewcomers("n", "agent-n", {2: "cpu2"}, (0, 1, 2), None)],
+        (0, 1),
+        id="add: newcomers start",
+    ),
+    pytest.param(
+        job(other_nodes=("m",)),
+        request({"op": "add", "count": 2, "node": "m", "scaling_policy": "linear-lr"}),
+        [StartNewcomers("m", "agent-m", {2: "cpu2", 3: "cpu3"}, (0, 1, 2, 3), ScalingPolicy("linear-lr"))],
+        (0, 1),
+        id="add on another node with a policy",
+    ),
+    pytest.param(adding(), seen(), [], (0, 1), id="add: newcomer not ready yet: wait"),
+    pytest.param(
+        adding(),
+        seen(ready=frozenset({2})),
+        [Switch(1, (0, 1, 2), (0, 1), "scale-out")],
+        (0, 1, 2),
+        id="add: newcomer ready: switch",
+    ),
+    pytest.param(
+        switching_to((0, 1, 2), (0, 1), reported=(0,)),
+        seen(switched=frozenset({1, 2})),
+        [SwitchDone(1, "r1")],
+        (0, 1, 2),
+        id="add: every member switched: done, answered",
+    ),
+    pytest.param(
+        job(), request({"op": "remove", "ranks": [1]}), [Switch(1, (0,), (0, 1), "scale-in")], (0,), id="remove"
+    ),
+    pytest.param(
+        job(),
+        request({"op": "to", "count": 3}),
+        [StartNewcomers("n", "agent-n", {2: "cpu2"}, (0, 1, 2), None)],
+        (0, 1),
+        id="to: up",
+    ),
+    pytest.param(
+        job((0, 1, 2)),
+        request({"op": "to", "count": 1}),
+        [Switch(1, (0,), (0, 1, 2), "scale-in")],
+        (0,),
+        id="to: down removes the highest ids",
+    ),
+    pytest.param(
+        job(),
+        request({"op": "to", "count": 2}),
+        [Answer("r1", {"kind": "unchanged", "members": [0, 1], "generation": 0})],
+        (0, 1),
+        id="to: as many as there are",
+    ),
+    pytest.param(
+        job(),
+        seen(joins=(Join("m", "agent-m", 8),)),
+        [AdmitAgent("m", "agent-m", None)],
+        (0, 1),
+        id="an agent joins for a new node",
+    ),
+    pytest.param(
+        job(),
+        seen(joins=(Join("n", "agent-x", 8),)),
+        [IgnoreAgent("n", "agent-x")],
+        (0, 1),
+        id="an agent joins for a node whose agent answers: ignored",
+    ),
+    pytest.param(
+        job(),
+        Seen(now=20.0, joins=(Join("n", "agent-x", 8),), heartbeats={0: "2", 1: "2"}),
+        [AdmitAgent("n", "agent-x", "agent-n")],
+        (0, 1),
+        id="an agent replaces a silent one",
+    ),
+    # --- failures ---
+    pytest.param(
+        job(),
+        seen(exits={1: Exit(1, "boom")}),
+        [Drop({1: EXITED_1}), Switch(1, (0,), (0, 1), "failure", EXITED_1)],
+        (0,),
+        id="a worker exits: dropped, the survivors switch",
+    ),
+    pytest.param(
+        job(),
+        Seen(now=15.0, heartbeats={0: "2"}, agent_beats={"agent-n": "2"}),
+        [
+            Drop({1: "worker 1: no heartbeat for 6.0 s"}),
+            Switch(1, (0,), (0, 1), "failure", "worker 1: no heartbeat for 6.0 s"),
+        ],
+        (0,),
+        id="a worker goes silent: dropped",
+    ),
+    pytest.param(
+        job(other_nodes=("m",)),
+        Seen(now=15.0, heartbeats={0: "2"}, agent_beats={"agent-m": "2"}),
+        [
+            Drop({1: "worker 1: no heartbeat for 6.0 s (the agent of node 'n' is gone too)"}),
+            Switch(1, (0,), (0, 1), "failure", "worker 1: no heartbeat for 6.0 s (the agent of node 'n' is gone too)"),
+        ],
+        (0,),
+        id="a worker goes silent with its agent: dropped, the agent named",
+    ),
+    pytest.param(
+        job(),
+        seen(exits={1: Exit(0)}, done=frozenset({1})),
+        [],
+        (0, 1),
+        id="a worker that finished and exited is not dropped",
+    ),
+    pytest.param(
+        job(stuck_since=4.0),
+        seen(stuck=True),
+        [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
+        (0, 1),
+        id="a collective failed with everyone alive: re-form",
+    ),
+    pytest.param(job(stuck_since=6.0), seen(stuck=True), [], (0, 1), id="a collective failed just now: wait"),
+    pytest.param(
+        job(),
+        seen(exits={0: Exit(1), 1: Exit(1)}),
+        [Drop({0: "worker 0 exited with code 1", 1: "worker 1 exited with code 1"}), Fail(NO_WORKER_LEFT)],
+        (0, 1),
+        id="no member left: the job fails",
+    ),
+    # --- failures during a change ---
+    pytest.param(
+        switching_to((0, 1, 2), (0, 1), reported=(0,)),
+        seen(exits={1: Exit(1, "boom")}),
+        [Drop({1: EXITED_1}), SwitchDone(1, "r1"), Switch(2, (0, 2), (0, 1, 2), "failure", EXITED_1)],
+        (0, 2),
+        id="a stayer dies while a switch is pending: it ends as it stands, the rest switch again",
+    ),
+    pytest.param(
+        switching_to((0, 1, 2), (0, 1), reported=(0, 1)),
+        seen(exits={1: Exit(1)}),
+        [],
+        (0, 1, 2),
+        id="a member that switched is not judged until the switch is done",
+    ),
+    pytest.param(
+        switching_to((0, 1, 2), (0, 1), reported=(0,)),
+        Seen(now=61.0, heartbeats={1: "2", 2: "2"}),
+        [Refuse("r1", FAILED_FIRST), Fail("generation 1: workers [1, 2] did not switch within 60 s; see runs/r/logs")],
+        (0, 1, 2),
+        id="a switch that never completes fails the job",
+    ),
+    pytest.param(
+        switching_to((0, 1, 2), (0, 1)),
+        seen(done=frozenset({0, 1})),
+        [
+            SwitchAbandoned(1),
+            StopNewcomers((2,)),
+            Refuse("r1", "the job finished its last step before generation 1 could start; nothing changed"),
+            Finish(),
+        ],
+        (0, 1),
+        id="the stayers finish before switching: the scale-out is abandoned",
+    ),
+    pytest.param(
+        switching_to((0,), (0, 1), kind="failure", request_id=None, if_finished=(0,)),
+        seen(done=frozenset({0})),
+        [SwitchAbandoned(1), Finish()],
+        (0,),
+        id="the survivors finish before a failure's switch: they are the members, the job is done",
+    ),
+    pytest.param(
+        adding(),
+        seen(exits={1: Exit(1, "boom")}),
+        [Drop({1: EXITED_1}), Switch(1, (0,), (0, 1), "failure", EXITED_1)],
+        (0,),
+        id="a member dies while a newcomer starts: the failure switches first",
+    ),
+    pytest.param(
+        dataclasses.replace(
+            adding(ready=(2,)),
+            generation=1,
+            members=(0,),
+            switching=Switching(
+                generation=1, kind="failure", members=(0,), before=(0, 1), deadline=60.0, if_finished=(0,)
+            ),
+        ),
+        seen(switched=frozenset({0})),
+        [SwitchDone(1, None), Switch(2, (0, 2), (0,), "scale-out")],
+        (0, 2),
+        id="a ready newcomer joins the survivors once the failure's switch is done",
+    ),
+    pytest.param(
+        adding(),
+        seen(exits={2: Exit(1)}),
+        [
+            StopNewcomers((2,)),
+            Refuse(
+                "r1", "the new worker(s) did not start (worker 2 exited with code 1); see runs/r/logs", ADD_ONE.command
+            ),
+        ],
+        (0, 1),
+        id="a newcomer lost: stopped, the request refused",
+    ),
+    pytest.param(
+        dataclasses.replace(
+            adding(),
+            generation=1,
+            members=(0,),
+            switching=Switching(
+                generation=1, kind="failure", members=(0,), before=(0, 1), deadline=60.0, if_finished=(0,)
+            ),
+        ),
+        seen(exits={2: Exit(1)}),
+        [
+            StopNewcomers((2,)),
+            Refuse(
+                "r1", "the new worker(s) did not start (worker 2 exited with code 1); see runs/r/logs", ADD_ONE.command
+            ),
+        ],
+        (0,),
+        id="a newcomer lost while the others switch after a failure",
+    ),
+    pytest.param(
+        adding(deadline=50.0),
+        Seen(now=51.0, heartbeats={0: "2"}, agent_beats={"agent-n": "2"}),
+        [
+            Drop({1: "worker 1: no heartbeat for 42.0 s"}),
+            Switch(1, (0,), (0, 1), "failure", "worker 1: no heartbeat for 42.0 s"),
+            StopNewcomers((2,)),
+            Refuse("r1", "the new worker(s) did not start (not ready within 60 s); see runs/r/logs", ADD_ONE.command),
+        ],
+        (0,),
+        id="a newcomer never ready while a member goes silent",
+    ),
+    pytest.param(
+        adding(),
+        seen(done=frozenset({0, 1})),
+        [
+            StopNewcomers((2,)),
+            Refuse(
+                "r1",
+                "the job finished its last step while the new worker(s) were starting; nothing changed",
+                ADD_ONE.command,
+            ),
+            Finish(),
+        ],
+        (0, 1),
+        id="the job finishes while a newcomer starts",
+    ),
+    pytest.param(
+        adding(),
+        seen(planning_failed="the planner found nothing"),
+        [StopNewcomers((2,)), Refuse("r1", "the planner found nothing", ADD_ONE.command)],
+        (0, 1),
+        id="a scale-out the planner refuses: the newcomers stop",
+    ),
+    pytest.param(
+        switching_to((0,), (0, 1), kind="scale-in"),
+        seen(planning_failed="no plan"),
+        [Refuse("r1", "no plan")],
+        (0, 1),
+        id="a scale-in the planner refuses: nothing changes",
+    ),
+    # --- requests refused, deferred, repeated ---
+    pytest.param(
+        job(),
+        request({"op": "remove", "ranks": [0, 1]}),
+        [
+            Refuse(
+                "r1",
+                "cannot remove every worker: at least one must stay (stop the job instead)",
+                {"op": "remove", "ranks": [0, 1]},
+            )
+        ],
+        (0, 1),
+        id="refused: removing every worker",
+    ),
+    pytest.param(
+        job(),
+        request({"op": "remove", "ranks": [7]}),
+        [Refuse("r1", "--remove 7: no such worker in the job (workers: 0, 1)", {"op": "remove", "ranks": [7]})],
+        (0, 1),
+        id="refused: removing an unknown worker",
+    ),
+    pytest.param(
+        job(),
+        request({"op": "add", "count": 1, "node": "x"}),
+        [
+            Refuse(
+                "r1", "--node 'x': no agent of this job runs there (nodes: n)", {"op": "add", "count": 1, "node": "x"}
+            )
+        ],
+        (0, 1),
+        id="refused: adding on an unknown node",
+    ),
+    pytest.param(
+        job(slots=2),
+        request({"op": "add", "count": 1}),
+        [Refuse("r1", SLOTS_FULL, {"op": "add", "count": 1})],
+        (0, 1),
+        id="refused: no free slot",
+    ),
+    pytest.param(
+        job(rules=dataclasses.replace(RULES, profile={"n": ("cpu0", "cpu1", "gpu0")})),
+        request({"op": "add", "count": 1}),
+        [StartNewcomers("n", "agent-n", {2: "gpu0"}, (0, 1, 2), None)],
+        (0, 1),
+        id="with a profile, a newcomer gets a free profiled device",
+    ),
+    pytest.param(
+        job(rules=dataclasses.replace(RULES, profile={"n": ("cpu0", "cpu1", "gpu0")}), other_nodes=("m",)),
+        request({"op": "add", "count": 1, "node": "m"}),
+        [
+            Refuse(
+                "r1",
+                "node 'm' is not in the run's cluster profile: the planner cannot place workers there",
+                {"op": "add", "count": 1, "node": "m"},
+            )
+        ],
+        (0, 1),
+        id="refused: a node not profiled",
+    ),
+    pytest.param(
+        job(),
+        Seen(now=20.0, heartbeats={0: "2", 1: "2"}, requests=(ADD_ONE,)),
+        [
+            Refuse(
+                "r1",
+                "--node 'n': its agent has not answered for 11.0 s (killed or unreachable); add "
+                "workers on another node or restart `felactl agent` there",
+                ADD_ONE.command,
+            )
+        ],
+        (0, 1),
+        id="refused: adding where the agent is silent",
+    ),
+    pytest.param(
+        job(),
+        request({"op": "add", "count": "x"}),
+        [Refuse("r1", "invalid literal for int() with base 10: 'x'", {"op": "add", "count": "x"})],
+        (0, 1),
+        id="refused: a malformed count",
+    ),
+    pytest.param(
+        job(),
+        request({"op": "shuffle"}),
+        [Refuse("r1", "unknown scale operation 'shuffle'", {"op": "shuffle"})],
+        (0, 1),
+        id="refused: an unknown operation",
+    ),
+    pytest.param(
+        job(),
+        seen(requests=(Request("r9", None, "scale request: not signed"),)),
+        [Refuse("r9", "scale request: not signed", forged=True)],
+        (0, 1),
+        id="refused unsigned: a forged request",
+    ),
+    pytest.param(
+        job(answered=frozenset({"r9"})),
+        seen(requests=(Request("r9", None, "scale request: not signed"),)),
+        [Refuse("", "scale request: not signed", forged=True)],
+        (0, 1),
+        id="a forgery never answers over a genuine answer",
+    ),
+    pytest.param(
+        job(answered=frozenset({"r1"})),
+        seen(requests=(ADD_ONE,)),
+        [AnswerAgain("r1")],
+        (0, 1),
+        id="a request sent again: the same answer, nothing redone",
+    ),
+    pytest.param(adding(), seen(requests=(ADD_ONE,)), [], (0, 1), id="a request sent again while under way: ignored"),
+    pytest.param(
+        switching_to((0, 1, 2), (0, 1)),
+        request({"op": "add", "count": 1}, "r2"),
+        [],
+        (0, 1, 2),
+        id="adding while a switch is in progress waits its turn",
+    ),
+    pytest.param(
+        switching_to((0, 1, 2), (0, 1), deferred=(Request("r2", {"op": "add", "count": 1}),)),
+        seen(switched=frozenset({0, 1, 2})),
+        [SwitchDone(1, "r1"), StartNewcomers("n", "agent-n", {3: "cpu3"}, (0, 1, 2, 3), None)],
+        (0, 1, 2),
+        id="a waiting request is served once the switch is done",
+    ),
+    # --- the end ---
+    pytest.param(job(), seen(done=frozenset({0, 1})), [Finish()], (0, 1), id="every member finished"),
+    pytest.param(job(), seen(done=frozenset({0})), [], (0, 1), id="one member still trains"),
+    pytest.param(
+        job(),
+        seen(done=frozenset({0, 1}), requests=(ADD_ONE,)),
+        [Refuse("r1", FINISHED_FIRST, ADD_ONE.command), Finish()],
+        (0, 1),
+        id="a request to a finished job is refused",
+    ),
+    pytest.param(
+        adding(deferred=(Request("r2", {"op": "to", "count": 1}),)),
+        seen(exits={0: Exit(1), 1: Exit(1)}),
+        [
+            Drop({0: "worker 0 exited with code 1", 1: "worker 1 exited with code 1"}),
+            Refuse("r1", FAILED_FIRST, ADD_ONE.command),
+            Refuse("r2", FAILED_FIRST, {"op": "to", "count": 1}),
+            Fail(NO_WORKER_LEFT),
+        ],
+        (0, 1),
+        id="a job that fails answers the requests it will not serve",
+    ),
+]
+
+
+@pytest.mark.parametrize("state, sighting, actions, members_after", TABLE)
+def test_decide(state, sighting, actions, members_after):
+    after, decided = decide(state, sighting)
+    assert decided == actions
+    assert after.members == members_after
+
+
+def test_a_request_is_answered_once_however_often_it_comes():
+    """The first look refuses it and remembers the id; the second only answers again."""
+    state, actions = decide(job(slots=2), request(ADD_ONE.command))
+    assert actions == [Refuse("r1", SLOTS_FULL, ADD_ONE.command)]
+    assert decide(state, request(ADD_ONE.command))[1] == [AnswerAgain("r1")]
+
+
+def test_a_member_lost_while_a_newcomer_starts_is_planned_out_of_the_scale_out():
+    """Worker 1 dies while newcomer 2 starts: the survivors switch to [0], then [0, 2] scale out
+    (the sequence test_scale.py drives through a real store)."""
+    state, actions = decide(job(), request(ADD_ONE.command))
+    assert actions == [StartNewcomers("n", "agent-n", {2: "cpu2"}, (0, 1, 2), None)]
+    state, actions = decide(state, seen(exits={1: Exit(1)}))
+    assert actions == [
+        Drop({1: "worker 1 exited with code 1"}),
+        Switch(1, (0,), (0, 1), "failure", "worker 1 exited with code 1"),
+    ]
+    state, actions = decide(state, seen(ready=frozenset({2})))  # ready, but the failure's switch goes first
+    assert actions == []
+    state, actions = decide(state, seen(switched=frozenset({0})))
+    assert actions == [SwitchDone(1, None), Switch(2, (0, 2), (0,), "scale-out")]
+    state, actions = decide(state, seen(switched=frozenset({0, 2})))
+    assert actions == [SwitchDone(2, "r1")]
+    assert state.members == (0, 2) and not state.busy and state.answered == {"r1"}
+
+
+def test_silence_is_timed_from_the_last_new_heartbeat():
+    """A beat that changed restarts the clock; the same beat again does not."""
+    state, _ = decide(job(), Seen(now=12.0, heartbeats={0: "2", 1: "1"}, agent_beats={"agent-n": "2"}))
+    assert state.workers[0].since == 12.0 and state.workers[1].since == 9.0
+    _, actions = decide(state, Seen(now=14.5, heartbeats={0: "2", 1: "1"}, agent_beats={"agent-n": "3"}))
+    assert actions == [
+        Drop({1: "worker 1: no heartbeat for 5.5 s"}),
+        Switch(1, (0,), (0, 1), "failure", "worker 1: no heartbeat for 5.5 s"),
+    ]
+
+
+def test_a_newcomer_without_a_heartbeat_gets_the_start_up_time():
+    """Before its first beat a worker is silent for the ready timeout, not the heartbeat timeout."""
+    state = job()
+    state = dataclasses.replace(state, workers={**state.workers, 1: Worker("n", "cpu1", "agent-n", since=9.0)})
+    assert decide(state, Seen(now=30.0, heartbeats={0: "2"}, agent_beats={"agent-n": "2"}))[1] == []

@@ -1,0 +1,105 @@
+"""Memory holds under the schedule that runs (issue 14, item 1): the simulator holds every worker
+to the in-flight limit the plan's memory model assumed, recomputes the forward of a stolen
+backward, reports each device's peak memory; plans keep headroom."""
+
+from __future__ import annotations
+
+import pytest
+
+from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes
+from felactl.optimizer.planner import make_plan
+from felactl.optimizer.simulator import Stragglers, simulate
+from felactl.spec import ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec
+from tests.planner_fixtures import cluster, model, tight_instance
+
+FAST_THEN_SLOW = cluster([[("fast", 40.0, 16.0), ("slow", 2.0, 16.0)]])
+NET = model([(10_000_000, 2_000_000, 2e9), (10_000_000, 2_000_000, 2e9)])
+
+
+def _pipeline(max_in_flight):
+    """Stage 0 on the fast device, stage 1 on the slow one: the fast one runs ahead."""
+    stages = tuple(
+        Stage(
+            layer_start=s,
+            layer_end=s + 1,
+            micro_batch=4,
+            max_in_flight=max_in_flight,
+            workers=(StageWorker(device=d, share=1.0),),
+        )
+        for s, d in enumerate(("n0.d0", "n0.d1"))
+    )
+    return Plan(
+        cluster="test",
+        model=ModelRef(name="m", source="mlp"),
+        devices=("n0.d0", "n0.d1"),
+        global_batch=64,
+        schedule=Schedule.TOKENS,
+        sync=SyncSpec(mode=SyncMode.TOKENS),
+        stages=stages,
+    )
+
+
+def test_the_simulator_holds_a_worker_to_the_in_flight_limit():
+    cost = CostModel(FAST_THEN_SLOW, NET)
+    weights = stage_memory_bytes(NET, 0, 1, 4, 0)
+    per_micro_batch = stage_memory_bytes(NET, 0, 1, 4, 1) - weights
+    unlimited = simulate(_pipeline(None), cost)
+    assert unlimited.peak_memory_bytes["n0.d0"] >= weights + 8 * per_micro_batch  # runs far ahead
+    limited = simulate(_pipeline(2), cost)
+    assert limited.peak_memory_bytes["n0.d0"] == pytest.approx(weights + 2 * per_micro_batch)
+    assert not limited.in_flight_exceeded
+    assert limited.iteration_s == pytest.approx(unlimited.iteration_s, rel=0.05)  # the slow stage sets the pace
+
+
+def test_a_stolen_backward_recomputes_its_forward():
+    """Data parallel on two devices, one asleep at the start: the other takes its tokens, and the
+    backwards whose forward ran on the sleeper cost the thief a forward more."""
+    spec = cluster([[("g", 10.0, 16.0), ("g", 10.0, 16.0)]])
+    stage = Stage(
+        layer_start=0,
+        layer_end=2,
+        micro_batch=4,
+        max_in_flight=1,
+        workers=(StageWorker(device="n0.d0", share=0.5), StageWorker(device="n0.d1", share=0.5)),
+    )
+    plan = Plan(
+        cluster="test",
+        model=ModelRef(name="m", source="mlp"),
+        devices=("n0.d0", "n0.d1"),
+        global_batch=16,
+        schedule=Schedule.TOKENS,
+        sync=SyncSpec(mode=SyncMode.TOKENS),
+        stages=(stage,),
+    )
+    cost = CostModel(spec, NET)
+    fwd, bwd = cost.stage_times_s(0, 2, "n0.d0", 4)
+    sim = simulate(plan, cost, Stragglers(slowdown={"n0.d1": 100.0}))
+    stolen = [i for i in sim.intervals if i.device == "n0.d0" and i.label == "B0" and i.end_s - i.start_s > bwd * 1.5]
+    assert all(i.end_s - i.start_s == pytest.approx(fwd + bwd) for i in stolen)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_simulated_peak_memory_fits_each_device_less_headroom(seed):
+    spec, net, batch = tight_instance(seed)
+    plan = make_plan(spec, net, batch, time_limit_s=20)
+    cost = CostModel(spec.subset(plan.devices), net)
+    result = simulate(plan, cost)
+    assert not result.in_flight_exceeded
+    for device in plan.devices:
+        assert result.peak_memory_bytes[device] <= cost.usable_memory_bytes(device) * (1 + 1e-9)
+        assert plan.predicted.simulated_peak_memory_gb[device] == pytest.approx(
+            result.peak_memory_bytes[device] / 1e9, abs=1e-5
+        )
+
+
+def test_headroom_is_configurable_and_cuda_only_for_the_reserve():
+    spec = cluster([[("g", 10.0, 10.0)]])
+    cost = CostModel(spec, NET, headroom=MemoryHeadroom(reserved_gb=2.0, fraction=0.2))
+    assert cost.usable_memory_bytes("n0.d0") == pytest.approx(6e9)
+    assert CostModel(spec, NET).usable_memory_bytes("n0.d0") == pytest.approx(8e9)
+    # 13 GB of weights, gradients and AdamW state: fits 16 GB less the default headroom, not less 4 GB
+    big = model([(800_000_000, 4096, 1e9)])
+    plan = make_plan(cluster([[("g", 10.0, 16.0)]]), big, 8)
+    assert plan.predicted.simulated_peak_memory_gb["n0.d0"] <= 16 * 0.9 - 1
+    with pytest.raises(Exception, match="memory"):
+        make_plan(cluster([[("g", 10.0, 16.0)]]), big, 8, headroom=MemoryHeadroom(reserved_gb=4.0))
