@@ -62,7 +62,13 @@ by this so that ``bandwidth_gbps`` is what an application's stream gets."""
 CPU_PERIOD_US = 10_000
 """The CFS bandwidth period: a node capped at 0.25 runs 2.5 ms in every 10 (the kernel's default
 period of 100 ms would stall it 75 ms at a time, which a collective waiting on it would see).
-The kernel's smallest quota is 1 ms, so a share below 0.1 gets a longer period."""
+The kernel's smallest quota is 1 ms, so a share below 0.1 gets a longer period.
+
+Short quotas cost something on a virtual machine whose core idles while the node is throttled:
+every period the vCPU is woken again, and on this project's 2-core VM, idle otherwise, a node
+capped at 0.25 (2.5 ms of every 10) ran matmuls at 0.19 of a core, one at 0.5 at 0.48. On a busy
+host the loss vanishes (BENCHMARKS.md, "The profile sees the emulated cluster"). The profile
+measures what a node really gets, and the planner plans with that."""
 
 
 CPU_WEIGHT_V2, CPU_SHARES_V1 = 10_000, 262_144
