@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from felactl.agents.worker.sync.trees import stage_trees
+from felactl.agents.worker.sync.trees import PIECE_BYTES, WINDOW, deal, stage_trees
 from felactl.profiling.data_parallel import reap
 from felactl.spec import Collective, Tree
 
@@ -98,7 +98,10 @@ def _sum_over_trees(rank: int, world: int, port: int, plan, results) -> None:
     try:
         allreduce = stage_trees(plan, 0, rank, dist.group.WORLD)
         dist.all_reduce = None  # the trees must not fall back on the backend's allreduce
-        for n in (1, 2, 7, 1000):  # fewer elements than trees, uneven chunks
+        # fewer elements than trees, uneven pieces; then many more pieces than the receives posted
+        # ahead (WINDOW); then the default pieces
+        for n, piece_bytes in ((1, None), (2, None), (7, None), (1000, None), (50_001, 1024), (300_000, None)):
+            allreduce.piece_bytes = piece_bytes or PIECE_BYTES
             flat = torch.arange(n, dtype=torch.float64) * (rank + 1)
             allreduce(flat)
             results.put((rank, n, bool(torch.equal(flat, torch.arange(n, dtype=torch.float64) * 6))))
@@ -125,7 +128,16 @@ def test_tree_allreduce_sums_exactly_with_point_to_point_only(reduce_trees):
     try:
         for p in procs:
             p.start()
-        got = [results.get(timeout=30) for _ in range(3 * 4)]
+        got = [results.get(timeout=30) for _ in range(3 * 6)]
     finally:
         reap(procs, grace_s=10.0)
-    assert all(ok for _, _, ok in got) and len(got) == 12
+    assert all(ok for _, _, ok in got) and len(got) == 18
+    assert 50_001 * 8 // 1024 > 4 * WINDOW
+
+
+def test_pieces_are_dealt_to_the_trees_by_weight_in_every_prefix():
+    order = deal([2.0, 1.0], 9)
+    assert order.count(0) == 6 and order.count(1) == 3
+    for k in range(1, 10):  # every prefix within one piece of 2 : 1
+        assert abs(order[:k].count(0) - 2 * k / 3) <= 1
+    assert deal([1.0], 3) == [0, 0, 0] and deal([0.5, 0.5], 0) == []
