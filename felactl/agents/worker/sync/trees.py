@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -142,11 +143,8 @@ class TreeAllreduce:
                 parts[p].append((dist.irecv(buffer, src=child, group=self.group, tag=_REDUCE_TAG), buffer))
 
         sends = []
-        for p in range(min(WINDOW, len(pieces))):
-            post(p)
-        for p, piece in enumerate(pieces):
-            if p + WINDOW < len(pieces):
-                post(p + WINDOW)
+        for p in _posting_ahead(len(pieces), post):
+            piece = pieces[p]
             for work, part in parts.pop(p):
                 work.wait()
                 piece.add_(part)
@@ -168,11 +166,8 @@ class TreeAllreduce:
                 received[p] = dist.irecv(pieces[p], src=down[p].parent, group=self.group, tag=_BROADCAST_TAG)
 
         sends = []
-        for p in range(min(WINDOW, len(pieces))):
-            post(p)
-        for p, piece in enumerate(pieces):
-            if p + WINDOW < len(pieces):
-                post(p + WINDOW)
+        for p in _posting_ahead(len(pieces), post):
+            piece = pieces[p]
             if down[p].parent is None:
                 summed[p].wait()
             else:
@@ -180,6 +175,17 @@ class TreeAllreduce:
             sends += [dist.isend(piece, dst=child, group=self.group, tag=_BROADCAST_TAG) for child in down[p].children]
         for work in sends:
             work.wait()
+
+
+def _posting_ahead(count: int, post) -> Iterator[int]:
+    """The pieces 0 .. count - 1 in order, each one's receives posted (``post(p)``) WINDOW pieces
+    before it is reached."""
+    for p in range(min(WINDOW, count)):
+        post(p)
+    for p in range(count):
+        if p + WINDOW < count:
+            post(p + WINDOW)
+        yield p
 
 
 def stage_trees(plan: Plan, stage: int, rank: int, group) -> TreeAllreduce | None:
