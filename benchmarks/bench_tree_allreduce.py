@@ -13,12 +13,20 @@ done (a second barrier). Reported per size, medians of ``--repeat``:
 - ``trees / bound``: the trees' measured rate (bytes / s) over the min-cut bound of an allreduce on
   that graph (the smaller of the broadcast bound from the root and the reduce bound into it, from
   the configured links; the target: >= 0.8);
-- ``predicted s``: the planner's own time for the trees (``allreduce_time_s``).
+- ``predicted s``: the planner's own time for the trees (``allreduce_time_s``);
+- ``busiest CPU``: the CPU seconds per second of the busiest node's process (all its threads), to
+  compare with the node's share: a node at its share is what holds the collective back.
+
+``--end-to-end MODEL`` also trains MODEL (a built-in, e.g. gpt-mini) on every node of each testbed
+with a bsp data-parallel plan, once with the packed trees (``sync.use_trees``, the collective
+above) and once without (gloo's allreduce), through the real ``felactl launch --testbed``, and
+reports steady samples/s of each (after ``--warmup`` steps; ``steady_rate`` of
+bench_testbed_plans.py) and the per-step comm seconds the workers record.
 
 Each testbed holds ``--lock`` (the lock of ``flock /tmp/felactl-testbed.lock CMD``) while it is up.
 
     sudo python benchmarks/bench_tree_allreduce.py [--testbeds dgx1v-fragment,two-servers,asymmetric]
-        [--sizes-mib 16,64,256] [--repeat 3] [--json]
+        [--sizes-mib 16,64,256] [--repeat 3] [--end-to-end gpt-mini [--steps 40]] [--json]
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 TESTBEDS = ROOT / "plans" / "testbeds"
 MIB = 1 << 20
@@ -110,11 +119,12 @@ def worker(args) -> None:
     for size_mib in args.sizes_mib:
         flat = torch.ones(size_mib * MIB // 4)
         timings = {"gloo": [], "trees": []}
+        cpu = {"gloo": [], "trees": []}  # this process's CPU seconds (all its threads) per second
         for repetition in range(args.repeat + 1):  # the first is a warm-up
             for name, run in (("gloo", lambda t: dist.all_reduce(t)), ("trees", allreduce)):
                 flat.fill_(1.0)
                 dist.barrier()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 run(flat)
                 dist.barrier()
                 elapsed = time.perf_counter() - start
@@ -122,7 +132,16 @@ def worker(args) -> None:
                     raise SystemExit(f"{name} summed wrong: {flat[0].item()} on rank {args.rank}")
                 if repetition:
                     timings[name].append(elapsed)
-        results.append({"size_mib": size_mib, **{k: statistics.median(v) for k, v in timings.items()}})
+                    cpu[name].append((time.process_time() - start_cpu) / elapsed)
+        busiest = [None] * args.world
+        dist.all_gather_object(busiest, {k: statistics.median(v) for k, v in cpu.items()})
+        results.append(
+            {
+                "size_mib": size_mib,
+                **{k: statistics.median(v) for k, v in timings.items()},
+                **{f"{k}_cpu": max(b[k] for b in busiest) for k in cpu},
+            }
+        )
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -208,12 +227,80 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
     return rows
 
 
+def end_to_end(name: str, model: str, steps: int, warmup: int, global_batch: int, lock: str) -> list[dict]:
+    """MODEL trained with trees on and off in testbed ``name`` (module docstring)."""
+    import dataclasses
+
+    from bench_testbed_plans import parts, steady_rate
+
+    from felactl.agents.worker.metrics import read_metrics
+    from felactl.models import build
+    from felactl.optimizer.collectives import plan_collective
+    from felactl.spec import ModelRef, Placement, SyncMode, SyncSpec, data_parallel_plan, save
+    from felactl.testbed import down, load_testbed, up
+
+    spec = load_testbed(TESTBEDS / f"{name}.yaml")
+    devices = tuple(f"{n}-cpu0" for n in spec.node_names)
+    collective = dataclasses.replace(plan_collective(testbed_cluster(spec), devices), group="stage0")
+    base = data_parallel_plan(
+        model=ModelRef(name=model, source=model, config={}),
+        num_layers=len(build(model, {}).layers),
+        devices=devices,
+        global_batch=global_batch,
+        micro_batch=global_batch // len(devices),
+        cluster=spec.name,
+    )
+    placement = tuple(Placement(device=d, node=n) for d, n in zip(devices, spec.node_names))
+    rows = []
+    with held(lock), tempfile.TemporaryDirectory(prefix="felactl-trees-e2e-") as tmp:
+        bed = "tbe2e"
+        up(spec, str(TESTBEDS / f"{name}.yaml"), name=bed, allow_no_latency=True)
+        try:
+            for trees in (True, False):
+                plan = dataclasses.replace(
+                    base,
+                    placement=placement,
+                    collectives=(collective,) if trees else (),
+                    sync=SyncSpec(mode=SyncMode.BSP, use_trees=trees),
+                )
+                path = save(plan, Path(tmp) / f"plan-{trees}.yaml")
+                run_id = "trees" if trees else "gloo"
+                command = [sys.executable, "-m", "felactl", "launch", str(path), "--testbed", bed]
+                command += ["--steps", str(steps), "--json", "--runs-root", str(Path(tmp) / "runs"), "--run-id", run_id]
+                env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+                done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+                if done.returncode != 0:
+                    raise SystemExit(f"launch of {run_id} in {name} failed: {done.stderr.strip()[-800:]}")
+                records = read_metrics(Path(json.loads(done.stdout)["run_dir"]))
+                rate = steady_rate(records, global_batch, warmup)
+                comm = [worker["comm_s"] for worker in parts(records, warmup).values()]
+                rows.append(
+                    {
+                        "testbed": name,
+                        "model": model,
+                        "sync": "trees" if trees else "gloo",
+                        "samples_per_s": rate["samples_per_s"],
+                        "median_step_s": rate["median_step_s"],
+                        "median_comm_s": statistics.median(comm),
+                    }
+                )
+                print(f"{name} {run_id}: {rate['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
+        finally:
+            down(bed)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--testbeds", default="dgx1v-fragment,two-servers,asymmetric")
     parser.add_argument("--sizes-mib", default="16,64,256")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--lock", default="/tmp/felactl-testbed.lock")
+    parser.add_argument("--end-to-end", metavar="MODEL", help="also train MODEL with trees on and off")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--skip-allreduce", action="store_true", help="only the end-to-end runs")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--rank", "--world"):
@@ -225,21 +312,35 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    rows = []
+    rows, e2e = [], []
     for name in args.testbeds.split(","):
-        rows += measure_testbed(name, args.sizes_mib, args.repeat, args.lock)
-        if not args.json:
-            print(f"{name}: done", file=sys.stderr)
+        if not args.skip_allreduce:
+            rows += measure_testbed(name, args.sizes_mib, args.repeat, args.lock)
+        if args.end_to_end:
+            e2e += end_to_end(name, args.end_to_end, args.steps, args.warmup, args.global_batch, args.lock)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"allreduce": rows, "end_to_end": e2e}, indent=2))
         return
-    print("| testbed | MiB | gloo s | trees s | trees ÷ gloo | trees ÷ bound | predicted s |")
-    print("|---|---|---|---|---|---|---|")
+    if e2e:
+        print("| testbed | model | sync | samples/s | median step s | median comm s |")
+        print("|---|---|---|---|---|---|")
+        for r in e2e:
+            print(
+                f"| {r['testbed']} | {r['model']} | {r['sync']} | {r['samples_per_s']:.1f} "
+                f"| {r['median_step_s']:.3f} | {r['median_comm_s']:.3f} |"
+            )
+        print()
+    if not rows:
+        return
+    print(
+        "| testbed | MiB | gloo s | trees s | trees ÷ gloo | trees ÷ bound | predicted s | busiest CPU gloo / trees |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['testbed']} ({r['nodes']} nodes, {r['num_trees']}+{r['num_reduce_trees']} trees) | {r['size_mib']} "
             f"| {r['gloo']:.2f} | {r['trees']:.2f} | {r['trees_over_gloo']:.2f}× | {r['trees_over_bound']:.2f} "
-            f"| {r['predicted']:.2f} |"
+            f"| {r['predicted']:.2f} | {r['gloo_cpu']:.2f} / {r['trees_cpu']:.2f} |"
         )
 
 

@@ -141,3 +141,15 @@ def test_pieces_are_dealt_to_the_trees_by_weight_in_every_prefix():
     for k in range(1, 10):  # every prefix within one piece of 2 : 1
         assert abs(order[:k].count(0) - 2 * k / 3) <= 1
     assert deal([1.0], 3) == [0, 0, 0] and deal([0.5, 0.5], 0) == []
+
+
+def test_nccl_groups_keep_their_backend_s_allreduce(monkeypatch):
+    """NCCL matches a pair's messages by order, not tag: the two-thread streaming is gloo's only."""
+    from felactl.agents.worker.sync import trees as trees_module
+
+    plan = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
+    monkeypatch.setattr(trees_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(trees_module.dist, "get_backend", lambda group=None: "nccl")
+    assert stage_trees(plan, 0, 0, "a group") is None
+    monkeypatch.setattr(trees_module.dist, "get_backend", lambda group=None: "gloo")
+    assert stage_trees(plan, 0, 0, "a group") is not None

@@ -190,8 +190,13 @@ def _posting_ahead(count: int, post) -> Iterator[int]:
 
 def stage_trees(plan: Plan, stage: int, rank: int, group) -> TreeAllreduce | None:
     """The allreduce over the trees the plan packed for ``stage``'s group, from ``rank``'s side;
-    None where the plan has none for it (then the backend's allreduce runs)."""
+    None where the plan has none for it (then the backend's allreduce runs), and on NCCL: NCCL
+    matches a pair's point-to-point messages by order alone (no tags), so the reduce and the
+    broadcast could not stream between the same two GPUs in two threads; NCCL's own allreduce
+    already builds rings and trees over NVLink."""
     if not plan.sync.use_trees:
+        return None
+    if dist.is_initialized() and dist.get_backend(group) != "gloo":
         return None
     devices = {w.device for w in plan.stages[stage].workers}
     collective = next((c for c in plan.collectives if set(c.devices) == devices and c.trees), None)
