@@ -32,8 +32,6 @@ Each testbed holds ``--lock`` (the lock of ``flock /tmp/felactl-testbed.lock CMD
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import statistics
@@ -46,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_testbed_plans import held, parts, steady_rate  # noqa: E402
 
 TESTBEDS = ROOT / "plans" / "testbeds"
 MIB = 1 << 20
@@ -93,6 +92,31 @@ def allreduce_bound_gbps(cluster, collective) -> float:
     return min(collective.bound_gbps, reduce_bound)
 
 
+def testbed_plan(spec, model: str, global_batch: int, *, trees: bool = True):
+    """A bsp data-parallel plan of ``model`` with one worker on every node of the testbed, its
+    placement naming each node, and (``trees``) the trees ``plan_collective`` packs for them as
+    the stage's collective; without, the plan syncs with the backend's allreduce."""
+    import dataclasses
+
+    from felactl.models import build
+    from felactl.optimizer.collectives import plan_collective
+    from felactl.spec import ModelRef, Placement, SyncMode, SyncSpec, data_parallel_plan
+
+    devices = tuple(f"{n}-cpu0" for n in spec.node_names)
+    collective = dataclasses.replace(plan_collective(testbed_cluster(spec), devices), group="stage0")
+    plan = data_parallel_plan(
+        model=ModelRef(name=model, source=model, config={}),
+        num_layers=len(build(model, {}).layers),
+        devices=devices,
+        global_batch=global_batch,
+        micro_batch=global_batch // len(devices),
+        sync=SyncSpec(mode=SyncMode.BSP, use_trees=trees),
+        cluster=spec.name,
+    )
+    placement = tuple(Placement(device=d, node=n) for d, n in zip(devices, spec.node_names))
+    return dataclasses.replace(plan, placement=placement, collectives=(collective,) if trees else ())
+
+
 # --- one node's process --------------------------------------------------------------------
 
 
@@ -100,21 +124,13 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from felactl.agents.worker.sync.trees import TreeAllreduce, _Tree
+    from felactl.agents.worker.sync.trees import stage_trees
+    from felactl.spec import load_plan
 
     torch.set_num_threads(1)
     store = dist.FileStore(args.store, args.world)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
-    plan = json.loads(Path(args.trees).read_text())
-    built = []
-    for packed in (plan["trees"], plan["reduce_trees"]):
-        trees = []
-        for tree in packed:
-            me = args.rank
-            parent = next((a for a, b in tree["edges"] if b == me), None)
-            trees.append(_Tree(tree["weight"], parent, tuple(b for a, b in tree["edges"] if a == me)))
-        built.append(trees)
-    allreduce = TreeAllreduce(built[0], dist.group.WORLD, args.world, reduce_trees=built[1] or None)
+    allreduce = stage_trees(load_plan(args.plan), 0, args.rank, dist.group.WORLD)  # as BSP's worker does
     results = []
     for size_mib in args.sizes_mib:
         flat = torch.ones(size_mib * MIB // 4)
@@ -150,48 +166,30 @@ def worker(args) -> None:
 # --- the driver ----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def held(lock_path: str):
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> list[dict]:
-    from felactl.optimizer.collectives import allreduce_time_s, plan_collective
+    from felactl.optimizer.collectives import allreduce_time_s
+    from felactl.spec import save
     from felactl.testbed import down, load_testbed, node_command, node_env, up
 
     spec = load_testbed(TESTBEDS / f"{name}.yaml")
     cluster = testbed_cluster(spec)
-    devices = tuple(f"{n}-cpu0" for n in spec.node_names)
-    collective = plan_collective(cluster, devices)
-    rank = {d: i for i, d in enumerate(devices)}
+    plan = testbed_plan(spec, "mlp", len(spec.nodes))
+    collective = plan.collectives[0]
     bound = allreduce_bound_gbps(cluster, collective)
-    with held(lock), tempfile.TemporaryDirectory(prefix="felactl-trees-") as tmp:
-        trees_file = Path(tmp) / "trees.json"
-        trees_file.write_text(
-            json.dumps(
-                {
-                    key: [
-                        {"weight": t.weight, "edges": [[rank[a], rank[b]] for a, b in t.edges]}
-                        for t in getattr(collective, key)
-                    ]
-                    for key in ("trees", "reduce_trees")
-                }
-            )
-        )
+    with held(Path(lock)), tempfile.TemporaryDirectory(prefix="felactl-trees-") as tmp:
+        plan_file = save(plan, Path(tmp) / "plan.yaml")
         bed = "tbtrees"
         state = up(spec, str(TESTBEDS / f"{name}.yaml"), name=bed, allow_no_latency=True)
         procs = []
         try:
             for i, node in enumerate(spec.node_names):
                 info = state.node(node)
-                argv = [sys.executable, __file__, "--worker", "--rank", str(i), "--world", str(len(devices))]
+                argv = [sys.executable, __file__, "--worker", "--rank", str(i), "--world", str(len(spec.nodes))]
                 argv += [
                     "--store",
                     str(Path(tmp) / "store"),
-                    "--trees",
-                    str(trees_file),
+                    "--plan",
+                    str(plan_file),
                     "--out",
                     str(Path(tmp) / "out.json"),
                 ]
@@ -214,7 +212,7 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
         rows.append(
             {
                 "testbed": name,
-                "nodes": len(devices),
+                "nodes": len(spec.nodes),
                 "num_trees": len(collective.trees),
                 "num_reduce_trees": len(collective.reduce_trees),
                 **row,
@@ -229,40 +227,18 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
 
 def end_to_end(name: str, model: str, steps: int, warmup: int, global_batch: int, lock: str) -> list[dict]:
     """MODEL trained with trees on and off in testbed ``name`` (module docstring)."""
-    import dataclasses
-
-    from bench_testbed_plans import parts, steady_rate
-
     from felactl.agents.worker.metrics import read_metrics
-    from felactl.models import build
-    from felactl.optimizer.collectives import plan_collective
-    from felactl.spec import ModelRef, Placement, SyncMode, SyncSpec, data_parallel_plan, save
+    from felactl.spec import save
     from felactl.testbed import down, load_testbed, up
 
     spec = load_testbed(TESTBEDS / f"{name}.yaml")
-    devices = tuple(f"{n}-cpu0" for n in spec.node_names)
-    collective = dataclasses.replace(plan_collective(testbed_cluster(spec), devices), group="stage0")
-    base = data_parallel_plan(
-        model=ModelRef(name=model, source=model, config={}),
-        num_layers=len(build(model, {}).layers),
-        devices=devices,
-        global_batch=global_batch,
-        micro_batch=global_batch // len(devices),
-        cluster=spec.name,
-    )
-    placement = tuple(Placement(device=d, node=n) for d, n in zip(devices, spec.node_names))
     rows = []
-    with held(lock), tempfile.TemporaryDirectory(prefix="felactl-trees-e2e-") as tmp:
+    with held(Path(lock)), tempfile.TemporaryDirectory(prefix="felactl-trees-e2e-") as tmp:
         bed = "tbe2e"
         up(spec, str(TESTBEDS / f"{name}.yaml"), name=bed, allow_no_latency=True)
         try:
             for trees in (True, False):
-                plan = dataclasses.replace(
-                    base,
-                    placement=placement,
-                    collectives=(collective,) if trees else (),
-                    sync=SyncSpec(mode=SyncMode.BSP, use_trees=trees),
-                )
+                plan = testbed_plan(spec, model, global_batch, trees=trees)
                 path = save(plan, Path(tmp) / f"plan-{trees}.yaml")
                 run_id = "trees" if trees else "gloo"
                 command = [sys.executable, "-m", "felactl", "launch", str(path), "--testbed", bed]
@@ -305,7 +281,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--rank", "--world"):
         parser.add_argument(hidden, type=int, help=argparse.SUPPRESS)
-    for hidden in ("--store", "--trees", "--out"):
+    for hidden in ("--store", "--plan", "--out"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.sizes_mib = [int(s) for s in args.sizes_mib.split(",")]
