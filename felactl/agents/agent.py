@@ -566,3 +566,36 @@ def _pop_commands(session) -> list[dict]:
             except ValueError as exc:
                 print(f"felactl agent: dropped a malformed command: {exc}", file=sys.stderr)
     return commands
+
+
+# --- starting an agent elsewhere (ssh, a testbed node) -----------------------------------
+
+
+def agent_argv(
+    endpoint: str,
+    *,
+    nproc: int,
+    node_name: str,
+    job: str,
+    log_dir: str | None = None,
+    felactl: tuple[str, ...] = (sys.executable, "-m", "felactl"),
+) -> list[str]:
+    """``felactl agent`` joining ``endpoint`` as ``node_name`` with ``nproc`` worker slots for
+    ``job``; it reads the job secret from stdin (:func:`start_agent` writes it there)."""
+    argv = [*felactl, "agent", "--rdzv-endpoint", endpoint, "--secret-file", "-"]
+    argv += ["--nproc-per-node", str(nproc), "--node-name", node_name, "--job", job]
+    return argv + (["--log-dir", log_dir] if log_dir else [])
+
+
+def start_agent(command: list[str], secret: str, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``command`` (an :func:`agent_argv`, wrapped in ssh or a testbed node's entry) in a session
+    of its own, its output appended to ``log_path``, and hand it the secret on stdin (never on its
+    command line, where ``ps`` shows it)."""
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            command, env=env, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    assert proc.stdin is not None
+    proc.stdin.write((secret + "\n").encode())
+    proc.stdin.close()
+    return proc

@@ -12,6 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from felactl.agents.agent import agent_argv, start_agent
 from felactl.errors import InputError
 from felactl.machine import stop_processes
 
@@ -62,22 +63,9 @@ def agent_ssh_command(
     job: str = "profile",
 ) -> list[str]:
     """The ssh command line that starts one host's agent (the secret comes on stdin)."""
-    remote = [
-        felactl,
-        "agent",
-        "--rdzv-endpoint",
-        endpoint,
-        "--secret-file",
-        "-",
-        "--nproc-per-node",
-        str(host.num_slots),
-        "--node-name",
-        host.hostname,
-        "--job",
-        job,
-    ]
-    if log_dir:
-        remote += ["--log-dir", log_dir]
+    remote = agent_argv(
+        endpoint, nproc=host.num_slots, node_name=host.hostname, job=job, log_dir=log_dir, felactl=(felactl,)
+    )
     return [ssh, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", host.hostname, shlex.join(remote)]
 
 
@@ -89,18 +77,8 @@ def start_ssh_agents(
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for host in hosts:
-            with open(log_dir / f"ssh-{host.hostname}.log", "ab") as log_file:
-                proc = subprocess.Popen(
-                    agent_ssh_command(host, endpoint, job=job),
-                    stdin=subprocess.PIPE,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            procs.append(proc)
-            assert proc.stdin is not None
-            proc.stdin.write((secret + "\n").encode())
-            proc.stdin.close()
+            command = agent_ssh_command(host, endpoint, job=job)
+            procs.append(start_agent(command, secret, log_dir / f"ssh-{host.hostname}.log"))
     except BaseException:
         stop_processes(procs)
         raise

@@ -894,45 +894,17 @@ def start_node_agents(
     """``felactl agent`` in each node of ``slots`` (node -> worker slots), in its namespace and cgroup,
     joining ``endpoint`` (the coordinator on the bridge's address); gloo binds the node's ``fl0``.
     The secret goes on stdin, as to an ssh agent; each agent's output is ``log_dir/testbed-<node>.log``."""
-    import subprocess
-    import sys
+    from felactl.agents.agent import agent_argv, start_agent
 
-    procs: list[subprocess.Popen] = []
+    procs = []
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for node, count in slots.items():
             info = state.node(node)
-            argv = [
-                sys.executable,
-                "-m",
-                "felactl",
-                "agent",
-                "--rdzv-endpoint",
-                endpoint,
-                "--secret-file",
-                "-",
-                "--nproc-per-node",
-                str(count),
-                "--node-name",
-                node,
-                "--job",
-                job,
-                "--log-dir",
-                str(log_dir / node),
-            ]
-            with open(log_dir / f"testbed-{node}.log", "ab") as log_file:
-                proc = subprocess.Popen(
-                    node_command(info, argv),
-                    env=node_env(state, info),
-                    stdin=subprocess.PIPE,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            procs.append(proc)
-            assert proc.stdin is not None
-            proc.stdin.write((secret + "\n").encode())
-            proc.stdin.close()
+            argv = agent_argv(endpoint, nproc=count, node_name=node, job=job, log_dir=str(log_dir / node))
+            procs.append(
+                start_agent(node_command(info, argv), secret, log_dir / f"testbed-{node}.log", node_env(state, info))
+            )
     except BaseException:
         from felactl.machine import stop_processes
 
