@@ -17,7 +17,6 @@ from typing import Any
 import yaml
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from felactl.cli import output
@@ -87,15 +86,7 @@ def run(
         raise InputError(f"--cluster profiles on this machine's CPU slots; --device is {device} (use --device cpu)")
     in_cluster = load_cluster(cluster) if cluster is not None else None
     started = time.perf_counter()
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=output.stderr,
-        transient=True,
-        disable=not output.stderr.is_terminal,
-    ) as bar:
+    with output.progress() as bar:
         task = bar.add_task(f"profiling {model}", total=None)
 
         def on_progress(phase: str, done: int, total: int) -> None:

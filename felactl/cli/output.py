@@ -26,3 +26,19 @@ def wide(console: Console) -> Console:
     """``console`` on a terminal; piped to a file or a CI log, where there is no width to respect,
     a 160-column console on the same file, so tables keep their numbers whole."""
     return console if console.is_terminal else Console(file=console.file, width=160, highlight=False)
+
+
+def progress():
+    """The progress bar of a long command, on stderr: gone when it ends, and off where stderr is
+    not a terminal (a log would keep every redraw)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr,
+        transient=True,
+        disable=not stderr.is_terminal,
+    )

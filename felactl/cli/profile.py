@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from felactl import limits
@@ -188,14 +187,7 @@ def profile(
     )
     # Bad input is said before the progress bar opens (a transient bar leaves a blank line).
     check_profile_flags(nproc_per_node, nnodes, rdzv_endpoint, hostfile, testbed)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=output.stderr,
-        transient=True,
-    ) as bar:
+    with output.progress() as bar:
         task = bar.add_task("starting", total=None)
 
         def on_progress(phase: str, done: int, total: int) -> None:

@@ -82,6 +82,7 @@ def measure_data_parallel_sync(
                 target=_slot_main,
                 daemon=True,
                 args=(
+                    results,
                     rank,
                     len(slots),
                     store_path,
@@ -93,7 +94,6 @@ def measure_data_parallel_sync(
                     (min_pairs, max_pairs),
                     per_block,
                     warmup,
-                    results,
                 ),
             )
             for rank, slot in enumerate(slots)
@@ -170,29 +170,11 @@ def _settled(results, got: dict) -> bool:
     return True
 
 
-def _slot_main(
-    rank: int,
-    world_size: int,
-    store_path: str,
-    backend: str,
-    model: str,
-    config: dict[str, Any],
-    micro_batch: int,
-    cores: list[int],
-    pairs: tuple[int, int],
-    per_block: int,
-    warmup: int,
-    results,
-) -> None:
+def _slot_main(results, rank: int, *args) -> None:
+    """One slot's process: :func:`_time_steps` ``(rank, *args)``, its result or its failure put on
+    ``results`` with its rank."""
     try:
-        results.put(
-            (
-                rank,
-                _time_steps(
-                    rank, world_size, store_path, backend, model, config, micro_batch, cores, pairs, per_block, warmup
-                ),
-            )
-        )
+        results.put((rank, _time_steps(rank, *args)))
     except Exception as exc:  # reported to the parent, which raises it with the slot's rank
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
