@@ -301,3 +301,23 @@ def test_an_agreement_someone_keeps_spoiling_fails_with_one_line_naming_the_key(
     reader = Reader(Seal(SECRET, JOB), Spoiled(), "")
     with pytest.raises(ControlPlaneError, match="drain/last_step: kept being overwritten"):
         reader.agree(keys.LAST_STEP, "last-step", {"step": 3})
+
+
+def test_forged_scale_requests_to_a_job_that_cannot_scale_do_not_fill_the_events_file(tmp_path):
+    """A job that answers every ``felactl scale`` with a refusal (not elastic, or ending) records
+    a forged request as any forgery: at most REFUSALS_PER_KEY of them."""
+    from felactl.control.events import REFUSALS_PER_KEY
+    from felactl.launcher.controlplane import Coordinator
+    from felactl.launcher.elastic import refuse_requests
+    from felactl.launcher.rundir import read_jsonl
+
+    run = RunDir.create("r", tmp_path)
+    coordinator = Coordinator(new_secret(), job="r", events=run.events)
+    try:
+        for i in range(200):
+            coordinator.store.queue_push(coordinator.prefix + keys.SCALE_REQUESTS, f"forgery {i}")
+        refuse_requests(coordinator, run, "the job is not elastic")
+    finally:
+        coordinator.close()
+    refused = [e for e in read_jsonl(run.events) if e["kind"] == "refused"]
+    assert len(refused) == REFUSALS_PER_KEY + 1 and refused[0]["key"] == keys.SCALE_REQUESTS

@@ -45,6 +45,7 @@ from felactl.control.documents import (
     StuckDoc,
     SwitchedDoc,
 )
+from felactl.control.events import record
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator, Member
 from felactl.launcher.membership import (
@@ -285,16 +286,13 @@ class ElasticController:
             rank_offset=0, world_size=1, module=self.worker_module, env=dict(self.worker_env), num_workers=0
         )
         self.coordinator.publish_assignments(self.joined)
-        append_jsonl(
+        record(
             self.run.events,
-            {
-                "time": time.time(),
-                "kind": EventKind.NODE_JOINED,
-                "node": action.node,
-                "agent": action.agent_id,
-                "replaces": action.replaces,
-                "members": self.members,
-            },
+            EventKind.NODE_JOINED,
+            node=action.node,
+            agent=action.agent_id,
+            replaces=action.replaces,
+            members=self.members,
         )
 
     def _ignore_agent(self, action: IgnoreAgent) -> None:
@@ -357,22 +355,15 @@ class ElasticController:
         answer(self.coordinator, action.request_id, self.answers[action.request_id])
 
     def _refuse(self, action: Refuse) -> None:
-        log.warning("elastic: refused %s", action.reason)
-        append_jsonl(
-            self.run.events,
-            {
-                "time": time.time(),
-                "kind": EventKind.REFUSED,
-                "reason": action.reason,
-                **({"key": keys.SCALE_REQUESTS} if action.forged else {}),
-                "command": None if action.command is None else dict(action.command),
-                "members": self.members,
-            },
-        )
-        if not action.request_id:
+        if action.forged:  # recorded as every forgery is: a few per key, not one line per attempt
+            self.coordinator.refuse(keys.SCALE_REQUESTS, action.reason)
+            if action.request_id:  # its sender may hold a wrong secret: it could not verify a signed answer
+                answer_unsigned(self.coordinator, action.request_id, action.reason)
             return
-        if action.forged:  # its sender may hold a wrong secret: it could not verify a signed answer
-            answer_unsigned(self.coordinator, action.request_id, action.reason)
+        log.warning("elastic: refused %s", action.reason)
+        command = None if action.command is None else dict(action.command)
+        record(self.run.events, EventKind.REFUSED, reason=action.reason, command=command, members=self.members)
+        if not action.request_id:
             return
         self.answers[action.request_id] = {"ok": False, "error": action.reason}
         answer(self.coordinator, action.request_id, self.answers[action.request_id])
@@ -642,11 +633,9 @@ def refuse_requests(coordinator: Coordinator, run: RunDir, reason: str) -> None:
         raw = store.queue_pop(queue, block=False)
         request_id, command, why = open_request(coordinator, raw)
         if command is None:
-            append_jsonl(
-                run.events, {"time": time.time(), "kind": EventKind.REFUSED, "key": keys.SCALE_REQUESTS, "reason": why}
-            )
+            coordinator.refuse(keys.SCALE_REQUESTS, why)
             if request_id:
                 answer_unsigned(coordinator, request_id, why)
             continue
-        append_jsonl(run.events, {"time": time.time(), "kind": EventKind.REFUSED, "reason": reason})
+        record(run.events, EventKind.REFUSED, reason=reason)
         answer(coordinator, request_id, {"ok": False, "error": reason})
