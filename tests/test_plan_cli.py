@@ -67,12 +67,19 @@ def test_writes_a_plan_that_loads_and_shows_compare_and_explain(runner, tmp_path
     assert "speedup" in result.output and "one iteration" in result.output
 
 
-def test_debug_writes_the_lp_file(runner, tmp_path):
+@pytest.mark.parametrize("how", ["--debug", "FELACTL_DEBUG=1"])
+def test_debug_writes_the_lp_file(runner, tmp_path, monkeypatch, how):
+    """``--debug`` and ``FELACTL_DEBUG=1`` are one switch (the environment one wrote no .lp file)."""
     out = tmp_path / "p.yaml"
+    if how == "--debug":
+        debug = ["--debug"]
+    else:
+        debug = []
+        monkeypatch.setenv("FELACTL_DEBUG", "1")
     result = runner.invoke(
         app,
         [
-            "--debug",
+            *debug,
             "plan",
             "--cluster",
             DGX1V,

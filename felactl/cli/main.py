@@ -7,7 +7,6 @@ prints one line and exits 1. ``--debug`` (or ``FELACTL_DEBUG=1``) shows the trac
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from typing import Annotated
@@ -21,17 +20,8 @@ except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
 from felactl import __version__
+from felactl.cli import output
 from felactl.errors import EXIT_FAILED, FelactlError
-
-
-def _debug_enabled(ctx: typer.Context | None) -> bool:
-    if os.environ.get("FELACTL_DEBUG") == "1":
-        return True
-    while ctx is not None:
-        if isinstance(ctx.obj, dict) and ctx.obj.get("debug"):
-            return True
-        ctx = ctx.parent
-    return False
 
 
 class FelactlGroup(typer.core.TyperGroup):
@@ -64,7 +54,7 @@ class FelactlGroup(typer.core.TyperGroup):
         except (typer.Exit, typer.Abort, ClickException):
             raise
         except FelactlError as exc:
-            if _debug_enabled(ctx):
+            if output.debug_enabled(ctx):
                 raise
             typer.echo(f"felactl: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
@@ -74,7 +64,7 @@ class FelactlGroup(typer.core.TyperGroup):
         except BrokenPipeError:
             raise  # the reader of our output stopped early (`| head`): click ends quietly (exit 1)
         except Exception as exc:  # a bug: still one line, the traceback behind --debug
-            if _debug_enabled(ctx):
+            if output.debug_enabled(ctx):
                 raise
             typer.echo(
                 f"felactl: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True

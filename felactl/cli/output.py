@@ -42,3 +42,17 @@ def progress():
         transient=True,
         disable=not stderr.is_terminal,
     )
+
+
+def debug_enabled(ctx) -> bool:
+    """``--debug`` on the command line (on this command's context or a parent's), or
+    ``FELACTL_DEBUG=1``: tracebacks instead of one line, and what a command keeps for debugging."""
+    import os
+
+    if os.environ.get("FELACTL_DEBUG") == "1":
+        return True
+    while ctx is not None:
+        if isinstance(ctx.obj, dict) and ctx.obj.get("debug"):
+            return True
+        ctx = ctx.parent
+    return False

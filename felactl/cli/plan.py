@@ -218,7 +218,7 @@ def plan(
         raise InputError(f"--baseline plans sync bsp, as the baselines' systems do; got --sync {sync}")
     cluster_spec, model_spec = load_cluster(cluster), load_model(model)
     names = resolve_devices(cluster_spec, devices) if devices is not None else None
-    debug = bool(ctx.find_root().obj and ctx.find_root().obj.get("debug"))
+    debug = output.debug_enabled(ctx)
     lp_path = str((out or Path("plan.yaml")).with_suffix(".lp")) if debug and baseline is None else None
     headroom = MemoryHeadroom(reserved_gb=reserve_gb, fraction=fragmentation)
     if baseline is not None:
