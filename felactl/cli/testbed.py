@@ -6,7 +6,6 @@ pinned cores (:mod:`felactl.testbed`). Needs root.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +14,7 @@ from rich.table import Table
 
 from felactl.cli import output
 from felactl.errors import InputError
+from felactl.testbed.build import DEFAULT_NAME
 
 testbed_app = typer.Typer(
     help="An emulated uneven cluster on this machine: nodes as network namespaces with shaped links "
@@ -112,7 +112,7 @@ def _render(result: dict):
 @testbed_app.command("up")
 def up_command(
     spec: Annotated[Path, typer.Argument(help="A Testbed file (plans/testbeds/*.yaml).")],
-    name: NameOption = "tb",
+    name: NameOption = DEFAULT_NAME,
     no_latency: Annotated[
         bool,
         typer.Option(
@@ -133,7 +133,7 @@ def up_command(
 
 @testbed_app.command("down")
 def down_command(
-    name: NameOption = "tb",
+    name: NameOption = DEFAULT_NAME,
     all_: Annotated[bool, typer.Option("--all", help="Remove every felactl testbed on this machine.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was removed as one JSON object.")] = False,
 ) -> None:
@@ -161,7 +161,7 @@ def down_command(
 
 @testbed_app.command("status")
 def status_command(
-    name: NameOption = "tb",
+    name: NameOption = DEFAULT_NAME,
     as_json: Annotated[bool, typer.Option("--json", help="Print the testbed as one JSON object.")] = False,
 ) -> None:
     """Show a testbed that is up: its nodes (namespace, address, CPU share) and links."""
@@ -178,7 +178,7 @@ def link_command(
     bandwidth_gbps: Annotated[float | None, typer.Option("--bandwidth-gbps", help="New bandwidth, GB/s.")] = None,
     latency_us: Annotated[float | None, typer.Option("--latency-us", help="New one-way latency, us (netem).")] = None,
     loss: Annotated[float | None, typer.Option("--loss", help="New loss, 0..1 (1 cuts the link).")] = None,
-    name: NameOption = "tb",
+    name: NameOption = DEFAULT_NAME,
     as_json: Annotated[bool, typer.Option("--json", help="Print the new link as one JSON object.")] = False,
 ) -> None:
     """Change one direction of a link of a testbed that is up, while traffic flows: `--loss 1` cuts
@@ -206,7 +206,7 @@ def link_command(
 @testbed_app.command("cut")
 def cut_command(
     node: Annotated[str, typer.Argument(help="The node to cut off.")],
-    name: NameOption = "tb",
+    name: NameOption = DEFAULT_NAME,
 ) -> None:
     """Cut NODE off the testbed, as a lost machine: every packet to and from it (its peers and the
     control plane alike) is dropped, and open connections hang. `felactl testbed heal NODE` undoes it."""
@@ -219,7 +219,7 @@ def cut_command(
 @testbed_app.command("crash")
 def crash_command(
     node: Annotated[str, typer.Argument(help="The node to crash.")],
-    name: NameOption = "tb",
+    name: NameOption = DEFAULT_NAME,
 ) -> None:
     """SIGKILL every process in NODE (its namespace and cgroup), as a machine that loses power."""
     from felactl.testbed.build import crash_node
@@ -233,7 +233,7 @@ def crash_command(
 @testbed_app.command("heal")
 def heal_command(
     node: Annotated[str, typer.Argument(help="The node to connect again.")],
-    name: NameOption = "tb",
+    name: NameOption = DEFAULT_NAME,
 ) -> None:
     """Connect NODE again after `felactl testbed cut`."""
     from felactl.testbed.build import cut_node
@@ -246,22 +246,19 @@ def heal_command(
 def exec_command(
     node: Annotated[str, typer.Argument(help="The node to run in.")],
     command: Annotated[list[str] | None, typer.Argument(help="The command and its arguments (after --).")] = None,
-    name: NameOption = "tb",
+    name: NameOption = DEFAULT_NAME,
 ) -> None:
     """Run a command in NODE: in its namespace (it sees only its own interface, fl0) and its cgroup (its CPU
     share and cores). GLOO_SOCKET_IFNAME, FELACTL_TESTBED_NODE and FELACTL_TESTBED_ADDR are set.
     Exits with the command's exit code."""
-    from felactl.testbed import node_command, node_env, read_state
+    from felactl.testbed import exec_in_node
 
     command = list(command or ())
     if command[:1] == ["--"]:  # a separator click left in the arguments
         command = command[1:]
     if not command:
         raise InputError("give the command to run: felactl testbed exec NODE -- CMD [ARGS...]")
-    state = read_state(name)
-    info = state.node(node)
-    rc = subprocess.call(node_command(info, command), env=node_env(state, info))
-    raise typer.Exit(rc)
+    raise typer.Exit(exec_in_node(name, node, command))
 
 
 def register(app: typer.Typer) -> None:

@@ -121,7 +121,6 @@ class ElasticController:
         self.worker_module, self.worker_env = worker or ("felactl.agents.worker", {})
         self.joined: dict[str, Assignment] = {}
         self.store = coordinator.store
-        self.kv = coordinator.prefix + "elastic/"
         self.reader = coordinator.reader
         self.first_plan = (start_generation, plan_path or run.plan)
         # With the profiles the plan came from, every change runs the planner again on them.

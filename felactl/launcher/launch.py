@@ -565,11 +565,13 @@ class Agents:
     def start(self) -> None:
         if self.hostfile is not None:
             hosts = hostfile.read_hostfile(self.hostfile)
-            self.ssh = hostfile.start_ssh_agents(hosts, self.coordinator.endpoint, self.secret, self.logs, job=self.job)
+            self.ssh += hostfile.start_ssh_agents(
+                hosts, self.coordinator.endpoint, self.secret, self.logs, job=self.job
+            )
         if self.testbed is not None:
             from felactl.testbed import read_state, start_node_agents
 
-            self.ssh = start_node_agents(
+            self.ssh += start_node_agents(
                 read_state(self.testbed),
                 self.testbed_slots,
                 self.coordinator.endpoint,

@@ -68,9 +68,6 @@ class ModelBundle:
         the whole model's child names), or the unsplittable model itself."""
         return self.layers[layer_start:layer_end] if self.splittable else self.model
 
-    def example_batch(self, batch_size: int):
-        return self.data.batch(range(batch_size))
-
     def layer_params(self) -> tuple[int, ...]:
         """Trainable parameters of each layer, as its profile counts them: what
         :func:`felactl.spec.executable.check_executable` checks a plan's stages against."""

@@ -472,12 +472,6 @@ class CostModel:
             and all(self.cluster.device(d).kind == DeviceKind.CPU for d in g)
         ]
 
-    def uses_trees(self, devices: tuple[str, ...], num_bytes: float) -> bool:
-        """Whether the group's allreduce goes over its trees (faster than the ring)."""
-        if self.collective(devices) is None or num_bytes <= 0:
-            return False
-        return self.tree_sync_s(tuple(devices), num_bytes) < self.ring_sync_s(tuple(devices), num_bytes)
-
 
 @cache
 def micro_batch_options(global_batch: int, largest: int = 1024, max_options: int | None = None) -> tuple[int, ...]:

@@ -120,11 +120,6 @@ def roots_by_bound(graph: nx.DiGraph, candidates: Sequence[str]) -> list[tuple[s
     return ranked
 
 
-def best_root(graph: nx.DiGraph, candidates: Sequence[str]) -> tuple[str, float]:
-    """The candidate with the largest min-cut bound (the first such in order), and that bound."""
-    return roots_by_bound(graph, candidates)[0]
-
-
 def _bandwidth_map(graph: nx.DiGraph) -> dict:
     """src -> [(dst, capacity)] widest first: the order the ring search tries links in."""
     return {

@@ -888,6 +888,16 @@ def node_env(state: TestbedState, node: NodeInfo, base: dict[str, str] | None = 
     return env
 
 
+def exec_in_node(name: str, node: str, argv: list[str]) -> int:
+    """Run ``argv`` in ``node`` of testbed ``name`` (its namespace, cgroup and environment) and
+    wait for it; its exit code."""
+    import subprocess
+
+    state = read_state(name)
+    info = state.node(node)
+    return subprocess.call(node_command(info, argv), env=node_env(state, info))
+
+
 def start_node_agents(
     state: TestbedState, slots: dict[str, int], endpoint: str, secret: str, log_dir: Path, job: str
 ) -> list:

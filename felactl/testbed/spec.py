@@ -12,15 +12,14 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from felactl.limits import COUNT, INDEX, SHARE, Bound
+from felactl.limits import INDEX, LATENCY_US, SHARE, Bound
 from felactl.spec.codec import SCHEMA_VERSION, FieldProblem, check_header, positive
-from felactl.spec.io import from_dict, parse_yaml, read_text
+from felactl.spec.io import load
 
 MAX_NODES = 64
 """Nodes of one testbed: each is a namespace, a veth pair and a cgroup on one machine."""
 BANDWIDTH_GBPS = Bound(1e-5, 100.0, "100 GB/s: more than a veth pair carries")
 """A link's rate in GB/s: from 10 KB/s (htb keeps time in microseconds) to more than one machine moves."""
-LATENCY_US = Bound(0.0, 1e7, "10 s: no link is slower to answer")
 CPUS = Bound(0.01, 4096.0, "more cores than a machine has")
 """CPU time in cores' worth (docker's --cpus): 0.25 is a quarter of one core."""
 
@@ -127,7 +126,6 @@ class TestbedSpec:
             raise FieldProblem("nodes", "a testbed needs at least one node")
         if len(self.nodes) > MAX_NODES:
             raise FieldProblem("nodes", f"at most {MAX_NODES} nodes on one machine, got {len(self.nodes)}")
-        positive("nodes", len(self.nodes), COUNT)
         for i, node in enumerate(self.nodes):
             if node.name in self._nodes:
                 raise FieldProblem(f"nodes[{i}].name", f"duplicate node name {node.name!r}")
@@ -172,5 +170,4 @@ class TestbedSpec:
 
 def load_testbed(path: str | os.PathLike) -> TestbedSpec:
     """Load a Testbed file; every problem is one line naming the file and the key path."""
-    where = str(path)
-    return from_dict(TestbedSpec, parse_yaml(read_text(path), where), where)
+    return load(TestbedSpec, path)

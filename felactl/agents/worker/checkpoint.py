@@ -1,4 +1,4 @@
-"""Checkpoints (atomic files) and state replication to a newcomer by broadcast (no disk).
+"""Checkpoints (atomic files). (A newcomer gets its state by broadcast, with no disk: replicate.py.)
 
 A checkpoint holds the stage's parameters, the optimizer state, the step and the data position;
 ``step{K:06d}/stage{S}.pt`` is written by the first worker of each stage through
@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from felactl.fsutil import atomic_write
@@ -47,19 +46,3 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     return state
-
-
-def broadcast_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, data_position: int, src: int, group=None
-) -> tuple[int, int]:
-    """Every member calls this; afterwards all hold ``src``'s parameters, optimizer state, step and
-    data position. Parameters go as one flat tensor broadcast; the optimizer state (whose tensors
-    a fresh optimizer has not created yet) goes pickled with the small metadata."""
-    flat = nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-    dist.broadcast(flat, src=src, group=group)
-    with torch.no_grad():
-        nn.utils.vector_to_parameters(flat, model.parameters())
-    meta = [optimizer.state_dict(), step, data_position]
-    dist.broadcast_object_list(meta, src=src, group=group)
-    optimizer.load_state_dict(meta[0])
-    return int(meta[1]), int(meta[2])

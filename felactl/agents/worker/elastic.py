@@ -74,7 +74,7 @@ ARRIVAL_REPEAT_S = 0.1
 
 def elastic_prefix(store_prefix: str) -> str:
     """Where the elastic keys of a job live (the coordinator writes ``<job prefix>elastic/...``)."""
-    return store_prefix + "elastic"
+    return store_prefix + keys.ELASTIC.rstrip("/")
 
 
 class Heartbeat(threading.Thread):
