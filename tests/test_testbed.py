@@ -347,3 +347,17 @@ def test_a_link_is_cut_healed_and_reshaped_while_up(host, name) -> None:
     ]
     bad = link("a", "b", "--loss", "2")
     assert bad.returncode == 2 and "--loss must be at most 1" in bad.stderr
+
+
+def test_a_machine_without_iproute2_is_told_so_in_one_line(tmp_path, monkeypatch):
+    """The host probe runs ip and tc through testbed.host.run: a missing tool is exit 2 and one
+    line, never a FileNotFoundError."""
+    import os
+
+    from felactl.testbed import TestbedUnavailable, probe_host
+
+    if os.geteuid() != 0:
+        pytest.skip("the probe stops at 'needs root' first")
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no ip, no tc
+    with pytest.raises(TestbedUnavailable, match="iproute2"):
+        probe_host()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from felactl.errors import FelactlError, InputError
+from felactl.machine import available_cores
 
 
 class TestbedUnavailable(InputError):
@@ -130,32 +131,24 @@ def probe_host() -> Host:
             except OSError:
                 pass
     ns = f"felactlprobe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+    made = run(["ip", "netns", "add", ns], check=False)
     if made.returncode != 0:
         why = (made.stderr.strip().splitlines() or ["unknown error"])[-1]
         raise TestbedUnavailable(f"testbed: cannot make network namespaces here: {why}")
     try:
         netem = (
-            subprocess.run(
-                ["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
-                capture_output=True,
-                text=True,
-            ).returncode
+            run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], check=False).returncode
             == 0
         )
-        veth = subprocess.run(
-            ["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"], capture_output=True, text=True
-        )
+        veth = run(["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"], check=False)
         if veth.returncode != 0:
             why = (veth.stderr.strip().splitlines() or ["unknown error"])[-1]
             raise TestbedUnavailable(f"testbed: cannot make veth pairs here: {why}")
-        htb = subprocess.run(
-            ["tc", "-n", ns, "qdisc", "add", "dev", "p0", "root", "handle", "1:", "htb"], capture_output=True, text=True
-        )
+        htb = run(["tc", "-n", ns, "qdisc", "add", "dev", "p0", "root", "handle", "1:", "htb"], check=False)
         if htb.returncode != 0:
             raise TestbedUnavailable(
                 "testbed: this kernel has no htb qdisc (CONFIG_NET_SCH_HTB), so links cannot be shaped"
             )
     finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    return Host(cgroup=layout, netem=netem, cores=tuple(sorted(os.sched_getaffinity(0))))
+        run(["ip", "netns", "del", ns], check=False)
+    return Host(cgroup=layout, netem=netem, cores=tuple(available_cores()))
