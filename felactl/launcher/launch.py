@@ -28,6 +28,7 @@ from felactl.agents.worker.metrics import summarize
 from felactl.agents.worker.stragglers import parse_pattern, parse_slowdown
 from felactl.control import EventKind
 from felactl.control.documents import Assignment
+from felactl.control.events import record
 from felactl.control.store import parse_endpoint
 from felactl.errors import ControlPlaneError, InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text, check_directory
@@ -36,7 +37,7 @@ from felactl.launcher.controlplane import Coordinator, Member, read_secret_file,
 from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_requests
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
 from felactl.launcher.resume import ResumePoint, find_resume_point, pick_checkpoint, prune_checkpoints
-from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
+from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy
 from felactl.limits import check_flag
 from felactl.machine import num_gpus, short_hostname, stop_processes
@@ -368,18 +369,15 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
             shutil.rmtree(run.path, ignore_errors=True)
         raise
     heartbeat = Heartbeat(run.heartbeat)  # with the identity below, how felactl status tells a lost launch
-    append_jsonl(
+    record(
         run.events,
-        {
-            "time": time.time(),
-            "kind": EventKind.RESUME if resume else EventKind.LAUNCH,
-            "run": run.run_id,
-            "endpoint": coordinator.endpoint,
-            "session": coordinator.session,
-            "devices": list(plan.devices),
-            "launcher": LaunchIdentity.of_this_process().to_dict(),
-            **({"from_step": resume.step, "checkpoint": str(resume.checkpoint)} if resume else {}),
-        },
+        EventKind.RESUME if resume else EventKind.LAUNCH,
+        run=run.run_id,
+        endpoint=coordinator.endpoint,
+        session=coordinator.session,
+        devices=list(plan.devices),
+        launcher=LaunchIdentity.of_this_process().to_dict(),
+        **({"from_step": resume.step, "checkpoint": str(resume.checkpoint)} if resume else {}),
     )
     agents = Agents(
         coordinator,
@@ -412,14 +410,11 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
                 worker=(WORKER_MODULE, env),
             )
         coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env))
-        append_jsonl(
+        record(
             run.events,
-            {
-                "time": time.time(),
-                "kind": EventKind.START,
-                "members": [m.node_name for m in state.members],
-                "agents": [m.agent_id for m in state.members],
-            },
+            EventKind.START,
+            members=[m.node_name for m in state.members],
+            agents=[m.agent_id for m in state.members],
         )
         if controller is None:
             state.not_elastic = (
@@ -439,15 +434,13 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         raise
     except BaseException as exc:
         coordinator.stop(f"launch ended: {type(exc).__name__}")
-        append_jsonl(
-            run.events, {"time": time.time(), "kind": EventKind.FAILED, "reason": str(exc) or type(exc).__name__}
-        )
+        record(run.events, EventKind.FAILED, reason=str(exc) or type(exc).__name__)
         ending = "the job failed; nothing changed"
         raise
     finally:
         close_job(agents, coordinator, run, heartbeat, ending)
     run.write_summary(summary)
-    append_jsonl(run.events, {"time": time.time(), "kind": EventKind.FINISHED, "steps": summary["steps"]})
+    record(run.events, EventKind.FINISHED, steps=summary["steps"])
     return summary
 
 
@@ -472,7 +465,7 @@ def drain_job(coordinator: Coordinator, agents: Agents, run: RunDir, drain_s: fl
         step = pick_checkpoint(run).step
     except InputError:
         step = None
-    append_jsonl(run.events, {"time": time.time(), "kind": EventKind.STOPPED, "checkpoint_step": step})
+    record(run.events, EventKind.STOPPED, checkpoint_step=step)
 
 
 def check_runnable(plan: Plan, where: str = "plan") -> None:

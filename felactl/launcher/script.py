@@ -32,6 +32,7 @@ from typing import Any
 from felactl.agents.agent import WorkerState, group_state
 from felactl.control import EventKind
 from felactl.control.documents import Assignment
+from felactl.control.events import record
 from felactl.control.store import parse_endpoint, serve_store
 from felactl.errors import InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text
@@ -48,7 +49,7 @@ from felactl.launcher.launch import (
     node_devices,
 )
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
-from felactl.launcher.rundir import RunDir, append_jsonl
+from felactl.launcher.rundir import RunDir
 from felactl.machine import short_hostname
 from felactl.spec import Plan, load_plan, save
 
@@ -177,18 +178,15 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
         raise
     heartbeat = Heartbeat(run.heartbeat)
     started = time.monotonic()
-    append_jsonl(
+    record(
         run.events,
-        {
-            "time": time.time(),
-            "kind": EventKind.LAUNCH,
-            "run": run.run_id,
-            "script": str(options.script),
-            "args": list(options.args),
-            "endpoint": coordinator.endpoint,
-            "session": coordinator.session,
-            "launcher": LaunchIdentity.of_this_process().to_dict(),
-        },
+        EventKind.LAUNCH,
+        run=run.run_id,
+        script=str(options.script),
+        args=list(options.args),
+        endpoint=coordinator.endpoint,
+        session=coordinator.session,
+        launcher=LaunchIdentity.of_this_process().to_dict(),
     )
     agents = Agents(
         coordinator,
@@ -212,9 +210,7 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
         raise
     except BaseException as exc:
         coordinator.stop(f"launch ended: {type(exc).__name__}")
-        append_jsonl(
-            run.events, {"time": time.time(), "kind": EventKind.FAILED, "reason": str(exc) or type(exc).__name__}
-        )
+        record(run.events, EventKind.FAILED, reason=str(exc) or type(exc).__name__)
         raise
     finally:
         close_job(agents, coordinator, run, heartbeat, NOT_ELASTIC)
@@ -236,12 +232,9 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
             f"the script failed on rank {failure.rank} with exit code {failure.exit_code} "
             f"({failure.line}) after {attempts} attempt(s); logs in {run.logs}"
         )
-        append_jsonl(
-            run.events,
-            {"time": time.time(), "kind": EventKind.FAILED, "reason": message, "exit_code": failure.exit_code},
-        )
+        record(run.events, EventKind.FAILED, reason=message, exit_code=failure.exit_code)
         raise ScriptFailed(message, failure.exit_code)
-    append_jsonl(run.events, {"time": time.time(), "kind": EventKind.FINISHED, "attempts": attempts})
+    record(run.events, EventKind.FINISHED, attempts=attempts)
     return summary
 
 
@@ -327,27 +320,22 @@ def _run_attempts(
             attempt=attempt,
         )
         if attempt == 0:
-            append_jsonl(
-                run.events, {"time": time.time(), "kind": EventKind.START, "members": [m.node_name for m in members]}
-            )
+            record(run.events, EventKind.START, members=[m.node_name for m in members])
         action, reports = _watch_attempt(coordinator, run, agents, members, attempt, max_restarts)
         if action is Action.SUCCEED:
             return attempt + 1, None
         failure = first_failure(reports, attempt)
         if action is Action.FAIL:
             return attempt + 1, failure
-        append_jsonl(
+        record(
             run.events,
-            {
-                "time": time.time(),
-                "kind": EventKind.RESTART,
-                "attempt": attempt + 1,
-                "restart_count": attempt + 1,
-                "max_restarts": max_restarts,
-                "failed_rank": failure.rank,
-                "exit_code": failure.exit_code,
-                "reason": failure.line,
-            },
+            EventKind.RESTART,
+            attempt=attempt + 1,
+            restart_count=attempt + 1,
+            max_restarts=max_restarts,
+            failed_rank=failure.rank,
+            exit_code=failure.exit_code,
+            reason=failure.line,
         )
     raise AssertionError("unreachable: the last attempt either succeeds or fails")
 
