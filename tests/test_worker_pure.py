@@ -210,3 +210,13 @@ def test_worker_entry_exits_2_with_one_line_on_bad_input(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr.strip() == "felactl worker: FELACTL_PLAN is not set"
+
+
+def test_a_resumed_run_is_timed_over_the_time_it_ran_not_the_time_it_was_stopped():
+    """Steps 0-9 at 1 s each, stopped, resumed from step 10 a thousand seconds later, steps 10-19:
+    20 s of training (the stop counted as training made samples/s 50x too low)."""
+    records = [_record(0, s, 8, 1.0, 100.0 + s, 1.0, 0.8) for s in range(10)]
+    records += [_record(0, s, 8, 1.0, 1100.0 + s, 1.0, 0.8) for s in range(10, 20)]
+    events = [{"time": 99.0, "kind": "launch"}, {"time": 1099.0, "kind": "resume", "from_step": 10}]
+    s = summarize(records, events)
+    assert s["wall_s"] == pytest.approx(20.0) and s["samples_per_s"] == pytest.approx(160 / 20.0)

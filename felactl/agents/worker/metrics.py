@@ -7,7 +7,9 @@ ever half written or interleaved. :func:`summarize` turns the records into ``sum
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -103,16 +105,30 @@ def without_redone(records: Iterable[dict[str, Any]], events: Iterable[dict[str,
     return [r for r in records if not any(r["time"] < t and r["step"] >= step for t, step in resumes)]
 
 
+def _running_s(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> float:
+    """Seconds the run trained: per launch (the records between two ``resume`` events), from its
+    first step's start to its last step's end, summed."""
+    resumed_at = sorted(e["time"] for e in events if e.get("kind") == "resume")
+    spans: dict[int, tuple[float, float]] = {}
+    for r in records:
+        launch = bisect.bisect(resumed_at, r["time"])
+        start, end = spans.get(launch, (math.inf, -math.inf))
+        spans[launch] = (min(start, r["time"] - r["duration_s"]), max(end, r["time"]))
+    return sum(end - start for start, end in spans.values())
+
+
 def summarize(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]] = ()) -> dict[str, Any]:
     """Aggregate metrics records into the run summary (pure); ``events``: the run's, so that the
     steps a resume redid count once (:func:`without_redone`).
 
     Samples are counted at the first stage only (later stages see the same samples again).
-    ``wall_s`` runs from the earliest step start to the last step end; ``compute_fraction`` is
+    ``wall_s`` runs from the earliest step start to the last step end of each launch (a resume
+    starts another: the time a run lay stopped is not training time); ``compute_fraction`` is
     the share of the workers' step time spent computing (injected straggler sleeps count as
     compute: they emulate a slower device). ``final_loss`` is the sample-weighted mean of each
     worker's last recorded loss.
     """
+    events = list(events)
     records = without_redone(records, events)
     if not records:
         raise InputError("no metrics records to summarize")
@@ -141,8 +157,7 @@ def summarize(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]
         w["busy_s"] += r["duration_s"]
         if r["rank"] not in last or r["step"] >= last[r["rank"]]["step"]:
             last[r["rank"]] = r
-    start = min(r["time"] - r["duration_s"] for r in records)
-    wall_s = max(r["time"] for r in records) - start
+    wall_s = _running_s(records, events)
     first_stage = min(w["stage"] for w in workers.values())
     samples = sum(w["samples"] for w in workers.values() if w["stage"] == first_stage)
     busy = sum(w["busy_s"] for w in workers.values())
