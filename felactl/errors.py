@@ -17,6 +17,15 @@ class FelactlError(Exception):
     exit_code = EXIT_FAILED
 
 
+EXIT_INTERRUPTED = 130
+"""Stopped by Ctrl-C or SIGTERM (the shell's 128 + SIGINT)."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A run stopped on request after checkpointing (Ctrl-C, SIGTERM): its message says where it
+    stands and how to go on. Still a KeyboardInterrupt, so whatever cleans up on one does."""
+
+
 class InputError(FelactlError):
     """The user gave something wrong: a flag value, a file, a name. Exit 2."""
 

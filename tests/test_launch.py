@@ -319,7 +319,8 @@ def test_a_killed_launch_leaves_no_worker_running(tmp_path, sig):
         _, alive = psutil.wait_procs(workers, timeout=5)
         assert not alive, f"workers still running after the launch got signal {sig}"
         if sig == signal.SIGTERM:
-            assert launch.returncode == 130 and "interrupted" in launch.stderr.read().decode()
+            said = launch.stderr.read().decode()
+            assert launch.returncode == 130 and "run k stopped" in said and "felactl launch --resume k" in said, said
             assert _status(tmp_path, "k")["state"] == "stopped", "an interrupted launch records how it ended"
     finally:
         _kill(launch, *workers)

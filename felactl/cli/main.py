@@ -21,7 +21,7 @@ except ImportError:  # older typer runs on click itself
 
 from felactl import __version__
 from felactl.cli import output
-from felactl.errors import EXIT_FAILED, FelactlError
+from felactl.errors import EXIT_FAILED, EXIT_INTERRUPTED, FelactlError
 
 
 class FelactlGroup(typer.core.TyperGroup):
@@ -58,9 +58,9 @@ class FelactlGroup(typer.core.TyperGroup):
                 raise
             typer.echo(f"felactl: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            typer.echo("felactl: interrupted", err=True)
-            ctx.exit(130)
+        except KeyboardInterrupt as exc:
+            typer.echo(f"felactl: {exc or 'interrupted'}", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:
             raise  # the reader of our output stopped early (`| head`): click ends quietly (exit 1)
         except Exception as exc:  # a bug: still one line, the traceback behind --debug

@@ -30,7 +30,7 @@ from felactl.control import EventKind
 from felactl.control.documents import Assignment
 from felactl.control.events import record
 from felactl.control.store import parse_endpoint
-from felactl.errors import ControlPlaneError, InputError, WorkerFailed
+from felactl.errors import ControlPlaneError, InputError, Stopped, WorkerFailed
 from felactl.fsutil import atomic_write_text, check_directory
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
@@ -429,9 +429,9 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         coordinator.stop("finished")
         ending = "the job finished its last step; nothing changed"
     except KeyboardInterrupt:
-        drain_job(coordinator, agents, run, options.drain_s)
+        stopped = drain_job(coordinator, agents, run, options.drain_s)
         ending = "the job was stopped; nothing changed"
-        raise
+        raise stopped from None
     except BaseException as exc:
         coordinator.stop(f"launch ended: {type(exc).__name__}")
         record(run.events, EventKind.FAILED, reason=str(exc) or type(exc).__name__)
@@ -456,9 +456,10 @@ def close_job(agents: Agents, coordinator: Coordinator, run: RunDir, heartbeat: 
     heartbeat.stop()
 
 
-def drain_job(coordinator: Coordinator, agents: Agents, run: RunDir, drain_s: float) -> None:
+def drain_job(coordinator: Coordinator, agents: Agents, run: RunDir, drain_s: float) -> Stopped:
     """A graceful stop: the workers end after an agreed step and checkpoint it (within
-    ``drain_s``, else they are killed); the ``stopped`` event says which step a resume starts at."""
+    ``drain_s``, else they are killed); the ``stopped`` event says which step a resume starts at.
+    Returns what the launch raises then: where the run stands, for the user."""
     coordinator.stop("interrupted", drain_s=drain_s)
     agents.stop(timeout_s=drain_s + 10, let_remote_drain=True)
     try:
@@ -466,6 +467,9 @@ def drain_job(coordinator: Coordinator, agents: Agents, run: RunDir, drain_s: fl
     except InputError:
         step = None
     record(run.events, EventKind.STOPPED, checkpoint_step=step)
+    if step is None:
+        return Stopped(f"run {run.run_id} stopped before its first checkpoint (in {run.path})")
+    return Stopped(f"run {run.run_id} stopped at step {step}; continue with `felactl launch --resume {run.run_id}`")
 
 
 def check_runnable(plan: Plan, where: str = "plan") -> None:

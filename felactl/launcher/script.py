@@ -206,8 +206,8 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
         attempts, failure = _run_attempts(coordinator, run, agents, members, base, options.max_restarts)
         coordinator.stop("finished" if failure is None else "failed")
     except KeyboardInterrupt:  # each worker gets SIGINT, as torchrun forwards it: the script may clean up
-        drain_job(coordinator, agents, run, SCRIPT_STOP_S)
-        raise
+        stopped = drain_job(coordinator, agents, run, SCRIPT_STOP_S)
+        raise stopped from None
     except BaseException as exc:
         coordinator.stop(f"launch ended: {type(exc).__name__}")
         record(run.events, EventKind.FAILED, reason=str(exc) or type(exc).__name__)
