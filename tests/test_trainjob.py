@@ -189,3 +189,25 @@ def test_the_readme_minimal_job_file_is_short_and_builds(tmp_path, monkeypatch):
         sys.modules.pop("felactl_readme_net", None)
     inputs, targets = bundle.data.batch(range(4))
     assert inputs.shape == (4, 8) and bundle.loss(bundle.model(inputs), targets).item() > 0
+
+
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        ("nan", "takes int, got 'nan'"),
+        (".nan", "not a finite number"),
+        ("abc", "takes int, got 'abc'"),
+        ("8.5", "takes int"),
+    ],
+)
+@pytest.mark.parametrize("command", ["launch", "profile"])
+def test_a_config_value_the_jobs_function_cannot_take_exits_2(command, value, words, monkeypatch):
+    """``width: int = 16`` in the job's signature: ``--config width=nan`` (read as the string
+    'nan') is refused before any worker starts, as ``.nan`` and a float are (they started the
+    workers, which failed deep in torch: exit 1; and profile wrote the config into model.yaml)."""
+    monkeypatch.chdir(ROOT)
+    args = ["--job", "examples.lm:job", "--nproc-per-node", "2", "--global-batch", "8"]
+    args = args if command == "launch" else ["--model", "examples.lm:job"]
+    result = runner.invoke(app, [command, *args, "--config", f"width={value}"])
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "width" in result.output

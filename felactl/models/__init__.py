@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -175,8 +176,23 @@ def _user_kwargs(func: Callable[..., Any], config: dict[str, Any]) -> dict[str, 
 
 def _check_user_config(source: str, func: Callable[..., Any], config: dict[str, Any]) -> None:
     """A config key the user's function does not take is a typo, refused as for built-ins
-    (a function with ``**kwargs`` takes any)."""
-    params = inspect.signature(func).parameters
+    (a function with ``**kwargs`` takes any); a value must be a finite number where the function
+    takes a number (annotated ``int``/``float``, or with such a default): ``--config lr=nan``
+    arrives as the string 'nan', which would fail in the workers, deep in torch."""
+    try:
+        params = inspect.signature(func, eval_str=True).parameters
+    except Exception:  # an annotation that does not evaluate: go by the defaults only
+        params = inspect.signature(func).parameters
+    for key, value in config.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InputError(f"model {source!r}: config {key}={value} is not a finite number")
+        number = _number_type(params.get(key))
+        if number is not None and not (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and (number is float or isinstance(value, int))
+        ):
+            raise InputError(f"model {source!r}: config {key} takes {number.__name__}, got {value!r}")
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     for key in _user_kwargs(func, config):
@@ -184,11 +200,21 @@ def _check_user_config(source: str, func: Callable[..., Any], config: dict[str, 
             raise InputError(f"model {source!r}: unknown config key {key!r}; it takes {', '.join(params) or 'none'}")
 
 
+def _number_type(param: inspect.Parameter | None) -> type | None:
+    """int or float where the parameter takes one (its annotation, else its default's type)."""
+    if param is None:
+        return None
+    if param.annotation in (int, float):
+        return param.annotation
+    return type(param.default) if type(param.default) in (int, float) else None
+
+
 def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
     """``package.module:function`` returning a :class:`felactl.TrainJob` (to train it), or an
     ``nn.Sequential`` / a list of layers (to profile it only, given an input shape)."""
     func_name = source.partition(":")[2]
     func = _user_function(source)
+    _check_user_config(source, func, config)
     try:
         built = func(**_user_kwargs(func, config))
     except InputError as exc:
