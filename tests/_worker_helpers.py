@@ -200,9 +200,9 @@ def fake_ssh(bin_dir):
 class Job:
     """``felactl launch`` in a subprocess of its own session; stop() reaps it and its workers."""
 
-    def __init__(self, tmp_path: Path, *args: str):
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
         self.root = tmp_path / "runs"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "felactl", "launch", *args, "--runs-root", str(self.root), "--json"],
             env=env,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -329,6 +330,40 @@ def test_a_hung_worker_is_noticed_by_heartbeat_and_dropped(tmp_path, no_leftover
     assert summary["steps"] == 250
 
 
+def test_a_slow_first_step_is_not_cut_short_by_the_collective_timeout(tmp_path, no_leftovers):
+    """The short --collective-timeout bounds steps once the group has run one: a first step that
+    takes longer (worker 1's first forward sleeps 3 s, as a compiling or autotuning step does)
+    is waited for under the start-up timeout. It used to fail worker 0's first allreduce after
+    1 s: the job re-formed with the same members after a 9 s pause, or, where the failure came
+    before the loop that survives failures (CI), the whole job failed."""
+    env_path = f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}"
+    job = Job(
+        tmp_path,
+        "--job",
+        "_user_models:slow_first_step",
+        "--nproc-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--sync",
+        "bsp",
+        "--run-id",
+        "slow",
+        "--steps",
+        "6",
+        "--collective-timeout",
+        "1",
+        env={"PYTHONPATH": env_path},
+    )
+    try:
+        summary = job.finish()
+    finally:
+        job.stop()
+    assert summary["steps"] == 6
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "runs" / "slow" / "events.jsonl")]
+    assert kinds == ["launch", "start", "finished"], kinds  # no failure, no re-form
+
+
 def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(tmp_path, no_leftovers):
     plan = save(gpt_plan(2), tmp_path / "plan.yaml")
     reference = Job(tmp_path, str(plan), "--run-id", "ref", "--steps", "120")
@@ -574,7 +609,6 @@ def test_a_member_lost_while_a_newcomer_starts_is_planned_out_of_the_scale_out(t
             {"n": plan.devices},
             ElasticSettings(heartbeat_timeout_s=0.5, ready_timeout_s=20, switch_timeout_s=10, max_nproc_per_node=3),
         )
-        kv = controller.kv
         workers_reader = Reader(coordinator.seal, store, coordinator.prefix)  # the workers hold the secret too
 
         def beat_of(wid: int, n: int) -> None:
@@ -592,7 +626,7 @@ def test_a_member_lost_while_a_newcomer_starts_is_planned_out_of_the_scale_out(t
                     workers_reader.write(keys.ready(2), "ready", {"pid": 1, "time": 0.0})
                 if beat > 20:
                     beat_of(2, beat)
-                gen = int(store.get(f"{kv}generation"))
+                gen = int(store.get(coordinator.prefix + keys.GENERATION))
                 if gen > 0 and gen not in reported:
                     doc = workers_reader.read(keys.generation_document(gen), "generation", generation=gen).body
                     for w in doc["members"]:

@@ -163,6 +163,8 @@ class ElasticWorker(Membership):
         """Where and to which generation the members agreed to switch, when not at BSP's arrival."""
         self.last_step_end = time.perf_counter()
         self.form_s = 0.0
+        self.collective_timeout_due = False
+        """Whether the group still runs under the start-up timeout (see :meth:`form`)."""
         self.unsettled_store: dist.Store | None = None
         """After a failure in a mode at its own pace: the old generation's store, whose data
         counter says how far the members got (see :meth:`_merge_unsettled`)."""
@@ -177,13 +179,18 @@ class ElasticWorker(Membership):
         store = dist.PrefixStore(keys.generation_namespace(cfg.store_prefix, generation), self.raw)
         backend, device = choose_device(cfg)
         self._arrive(generation, rank, world_size)
+        # A new group runs its first step under the start-up timeout: until every member has done
+        # one, a member may still be building its optimizer or running a first forward that
+        # compiles or autotunes, and a short collective timeout would fail a healthy job there,
+        # before the loop that survives failures has begun. after_step then shortens it.
         dist.init_process_group(
             backend,
             store=dist.PrefixStore("pg", store),
             rank=rank,
             world_size=world_size,
-            timeout=_timedelta(cfg.collective_timeout_s),
+            timeout=_timedelta(max(cfg.timeout_s, cfg.collective_timeout_s)),
         )
+        self.collective_timeout_due = True
         self.generation = generation
         return Runtime(cfg, store, backend, device, self.raw)
 
@@ -383,6 +390,9 @@ class ElasticWorker(Membership):
         """Switch after the step every member agreed on, to the generation they agreed on."""
         self.last_step_end = time.perf_counter()
         self.heartbeat.step = self.step
+        if self.collective_timeout_due:  # every member has been through a step of this group
+            dist.distributed_c10d._set_pg_timeout(_timedelta(self.cfg.collective_timeout_s))
+            self.collective_timeout_due = False
         if self.strategy.agrees_at_arrival:  # the newest generation any member saw, at this step's arrival
             return self._doc(self.agreed_generation) if self.agreed_generation > self.generation else None
         if self.strategy.settles_anywhere:
