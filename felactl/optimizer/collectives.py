@@ -318,10 +318,14 @@ def plan_collective(
 
 
 def _symmetric(cluster: ClusterSpec, devices: Sequence[str]) -> bool:
-    """Whether every link among the devices has a reverse link of the same bandwidth."""
+    """Whether every link among the devices has a reverse link of the same bandwidth. Only listed
+    links can break it (a pair joined by defaults has the same default both ways): checking every
+    pair instead took 8 s for 512 GPUs."""
+    members = set(devices)
     return all(
         (back := cluster.link(link.dst, link.src)) is not None and back.bandwidth_gbps == link.bandwidth_gbps
-        for link in cluster.links_among(tuple(devices))
+        for link in cluster.links
+        if link.src in members and link.dst in members
     )
 
 
