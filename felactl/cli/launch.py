@@ -123,7 +123,11 @@ def launch(
         float, typer.Option(help="Seconds without a heartbeat before a worker is dropped.")
     ] = 5.0,
     collective_timeout: Annotated[
-        float, typer.Option(help="Elastic jobs: seconds before a blocked collective fails (then the job re-forms).")
+        float,
+        typer.Option(
+            help="Elastic jobs: seconds before a blocked collective fails (then the job re-forms); "
+            "a new group's first step may take up to the start-up timeout."
+        ),
     ] = 10.0,
     elastic: Annotated[bool, typer.Option(help="Run data-parallel bsp plans under live rescaling.")] = True,
     cluster: Annotated[
