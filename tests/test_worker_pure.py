@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from _worker_helpers import dp_plan, pipeline_plan
 
@@ -220,3 +222,29 @@ def test_a_resumed_run_is_timed_over_the_time_it_ran_not_the_time_it_was_stopped
     events = [{"time": 99.0, "kind": "launch"}, {"time": 1099.0, "kind": "resume", "from_step": 10}]
     s = summarize(records, events)
     assert s["wall_s"] == pytest.approx(20.0) and s["samples_per_s"] == pytest.approx(160 / 20.0)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_live_run_view_ends_on_a_line_of_its_own(terminal):
+    """Piped to a log (or on a terminal), the run's last table ends with a newline, so the launch's
+    result line that follows is a line of its own (rich's Live left it glued to the caption)."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from felactl.cli.runview import live_run
+
+    out = io.StringIO()
+    console = Console(file=out, width=100, force_terminal=terminal, color_system=None)
+    state = types.SimpleNamespace(run=types.SimpleNamespace(run_id="r1"), records=[])
+    with live_run(console, lambda run_id: f"run {run_id}") as update:
+        update(state)  # no record yet: nothing to draw
+        state.records = [_record(0, 0, 24, 2.0, 10.0, 1.0, 0.8), _record(0, 1, 24, 1.5, 11.0, 1.0, 0.8)]
+        update(state)
+    console.print("run r1: 2 steps")
+    text = out.getvalue()
+    assert "run r1" in text and "loss 1.5000" in text
+    assert re.search(r"\n(\x1b\[\?25h)?run r1: 2 steps\n$", text), text  # (a terminal shows its cursor again)
+    if not terminal:
+        assert text.count("loss 1.5000") == 1

@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.live import Live
 
 from felactl.cli import output
 from felactl.cli.model_profile import layer_table
 from felactl.cli.profile import render_cluster
-from felactl.cli.runview import run_table
+from felactl.cli.runview import live_run
 
 
 def demo(
@@ -26,7 +25,6 @@ def demo(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Profile this machine and gpt-mini, plan, and train it on local workers; say where results are."""
-    from felactl.agents.worker.metrics import summarize
     from felactl.cli.plan import render_compare, render_summary
     from felactl.quickstart import QuickstartOptions, as_dict, quickstart, too_noisy
 
@@ -39,25 +37,21 @@ def demo(
         run_id=run_id,
     )
     console = output.stderr
-    with Live(console=console, refresh_per_second=4, transient=False) as live:
-
-        def update(state) -> None:
-            if state.records:
-                live.update(run_table(summarize(state.records), f"training run {state.run.run_id} ({steps} steps)"))
+    with live_run(console, lambda run_id: f"training run {run_id} ({steps} steps)") as update:
 
         def say(message: str) -> None:
-            live.console.rule(message, align="left")
+            console.rule(message, align="left")
 
         def show(what: str, result) -> None:
             if as_json:
                 return
             if what == "cluster":
-                render_cluster(live.console, result)
+                render_cluster(console, result)
             elif what == "model":
-                output.wide(live.console).print(layer_table(result))
+                output.wide(console).print(layer_table(result))
             elif what == "plan":
-                render_summary(live.console, result, out_dir / "plan.yaml")
-                render_compare(live.console, result)
+                render_summary(console, result, out_dir / "plan.yaml")
+                render_compare(console, result)
 
         result = quickstart(options, say, show, on_update=update)
     summary = result["summary"]

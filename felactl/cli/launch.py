@@ -10,10 +10,9 @@ from typing import Annotated
 
 import typer
 import typer.core
-from rich.live import Live
 
 from felactl.cli import output
-from felactl.cli.runview import run_table
+from felactl.cli.runview import live_run
 from felactl.spec import SyncMode
 
 SCRIPT_ARGS = "felactl.script_args"
@@ -232,14 +231,7 @@ def launch(
         cluster_path=cluster,
         model_path=model,
     )
-    with scratch, Live(console=output.stderr, refresh_per_second=4, transient=False) as live:
-
-        def update(state) -> None:
-            from felactl.agents.worker.metrics import summarize
-
-            if state.records:
-                live.update(run_table(summarize(state.records), f"run {state.run.run_id} (of {options.steps} steps)"))
-
+    with scratch, live_run(output.stderr, lambda run_id: f"run {run_id} (of {options.steps} steps)") as update:
         summary = run_launch(options, on_update=update)
     output.emit(
         summary,

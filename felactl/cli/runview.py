@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+
+@contextlib.contextmanager
+def live_run(console: Console, title: Callable[[str], str]) -> Iterator[Callable[[Any], None]]:
+    """The ``on_update`` of a training run (it takes the launcher's state): the run's table,
+    titled ``title(run_id)``, redrawn in place on a terminal. Elsewhere (a log, a pipe) the last
+    table is printed once when the run ends, on lines of its own: rich's Live writes it there
+    without a final newline, and the next line (the launch's result) was glued to it."""
+    from felactl.agents.worker.metrics import summarize
+
+    def view(state) -> Table | None:
+        return run_table(summarize(state.records), title(state.run.run_id)) if state.records else None
+
+    if console.is_terminal:
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+
+            def redraw(state) -> None:
+                table = view(state)
+                if table is not None:
+                    live.update(table)
+
+            yield redraw
+        return
+    last: dict[str, Any] = {}
+    try:
+        yield lambda state: last.update(state=state)
+    finally:
+        table = view(last["state"]) if last else None
+        if table is not None:
+            console.print(table)
 
 
 def run_table(summary: dict[str, Any], title: str) -> Table:
