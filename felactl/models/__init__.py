@@ -148,7 +148,10 @@ def _user_function(source: str) -> Callable[..., Any]:
     try:
         return getattr(_import_user_module(module_name), func_name)
     except (ImportError, AttributeError) as exc:
-        raise InputError(f"model {source!r}: cannot import: {exc}") from None
+        where = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
+            where = f" (felactl looks in the current directory, {os.getcwd()}, and on PYTHONPATH)"
+        raise InputError(f"model {source!r}: cannot import: {exc}{where}") from None
     except Exception as exc:
         raise InputError(f"model {source!r}: importing it failed: {type(exc).__name__}: {exc}") from None
 
