@@ -261,3 +261,13 @@ def test_a_server_whose_part_is_disconnected_is_named():
     cluster = dataclasses.replace(load_cluster(CLUSTERS / "dgx1v-x2.yaml"), intra_node_default=None)
     with pytest.raises(PlanInfeasible, match=r"on dgx1 \(dgx1.gpu0, dgx1.gpu5\) are not connected"):
         plan_collective(cluster, ["dgx0.gpu0", "dgx0.gpu1", "dgx1.gpu0", "dgx1.gpu5"])
+
+
+def test_a_server_behind_a_narrow_nic_bounds_the_three_phase_rate():
+    """The L4 server of h100-a10g-l4.yaml receives through a 3.125 GB/s NIC: the trees cannot
+    broadcast faster than that. The chain's hop into it was priced at the link's 12.5 GB/s, so
+    `plan collectives` printed a rate of 12.5 over a min-cut bound of 3.125 ("4x the ring")."""
+    cluster = load_cluster(CLUSTERS / "h100-a10g-l4.yaml")
+    collective = plan_collective(cluster, cluster.device_names)
+    assert collective.rate_gbps <= collective.bound_gbps * (1 + 1e-9)
+    assert collective.rate_gbps == pytest.approx(3.125)

@@ -247,7 +247,7 @@ def _multi_server(
                 dst, src = next((y, x) for y in per_node[b] for x in per_node[a] if (x, y) not in listed)
         local_roots[b] = dst
         children[a] = children.get(a, 0) + 1
-        hops.append((src, dst, gbps))
+        hops.append((src, dst, min(gbps, nic[b])))  # b receives through its own NIC
         last = b
     local_trees, rates, bounds = {}, [], []
     for server, names in per_node.items():
