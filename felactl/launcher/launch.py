@@ -16,7 +16,7 @@ import logging
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,8 +391,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         testbed=options.testbed,
         testbed_slots={node: len(devs) for node, devs in nodes.items()},
     )
-    ending = "the job ended; nothing changed"
-    try:
+    with supervised(coordinator, agents, run, heartbeat, drain_s=options.drain_s):
         agents.start()
         state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
         env = worker_env(options, run, plan, coordinator.endpoint, elastic=elastic, resume=resume)
@@ -427,21 +426,39 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         prune_checkpoints(run.checkpoints, len(plan.stages), options.keep_checkpoints)  # the last ones too
         summary = _summary(state)  # here, so that a run without a step is recorded as failed
         coordinator.stop("finished")
-        ending = "the job finished its last step; nothing changed"
-    except KeyboardInterrupt:
-        stopped = drain_job(coordinator, agents, run, options.drain_s)
-        ending = "the job was stopped; nothing changed"
-        raise stopped from None
-    except BaseException as exc:
-        coordinator.stop(f"launch ended: {type(exc).__name__}")
-        record(run.events, EventKind.FAILED, reason=str(exc) or type(exc).__name__)
-        ending = "the job failed; nothing changed"
-        raise
-    finally:
-        close_job(agents, coordinator, run, heartbeat, ending)
     run.write_summary(summary)
     record(run.events, EventKind.FINISHED, steps=summary["steps"])
     return summary
+
+
+@contextlib.contextmanager
+def supervised(
+    coordinator: Coordinator,
+    agents: Agents,
+    run: RunDir,
+    heartbeat: Heartbeat,
+    *,
+    drain_s: float,
+    late_requests: str | None = None,
+) -> Iterator[None]:
+    """The life of a started job (a plan's or a script's) around its body. Ctrl-C or SIGTERM
+    drains it (the workers checkpoint a step they agree on) and raises :class:`Stopped`, saying
+    where the run stands; any other exception stops the job and records it as failed. Whatever
+    happened, :func:`close_job` then answers late ``felactl scale`` requests with
+    ``late_requests``, or else with how the job ended."""
+    ending = "the job finished its last step; nothing changed"
+    try:
+        yield
+    except KeyboardInterrupt:
+        ending = "the job was stopped; nothing changed"
+        raise drain_job(coordinator, agents, run, drain_s) from None
+    except BaseException as exc:
+        ending = "the job failed; nothing changed"
+        coordinator.stop(f"launch ended: {type(exc).__name__}")
+        record(run.events, EventKind.FAILED, reason=str(exc) or type(exc).__name__)
+        raise
+    finally:
+        close_job(agents, coordinator, run, heartbeat, late_requests or ending)
 
 
 def close_job(agents: Agents, coordinator: Coordinator, run: RunDir, heartbeat: Heartbeat, ending: str) -> None:

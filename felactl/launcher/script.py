@@ -44,9 +44,8 @@ from felactl.launcher.launch import (
     Agents,
     assign_ranks,
     check_nodes,
-    close_job,
-    drain_job,
     node_devices,
+    supervised,
 )
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
 from felactl.launcher.rundir import RunDir
@@ -198,22 +197,14 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
         hostfile=options.hostfile,
         join_timeout_s=options.join_timeout_s,
     )
-    try:
+    # A stop gives each worker SIGINT, as torchrun forwards it: the script may clean up.
+    with supervised(coordinator, agents, run, heartbeat, drain_s=SCRIPT_STOP_S, late_requests=NOT_ELASTIC):
         agents.start()
         num_agents = len(nodes) if nodes is not None else _num_agents(options)
         members = coordinator.wait_members(num_agents, options.join_timeout_s, alive=agents.check)
         base = _assignments(options, run, plan, nodes, members, local_node)
         attempts, failure = _run_attempts(coordinator, run, agents, members, base, options.max_restarts)
         coordinator.stop("finished" if failure is None else "failed")
-    except KeyboardInterrupt:  # each worker gets SIGINT, as torchrun forwards it: the script may clean up
-        stopped = drain_job(coordinator, agents, run, SCRIPT_STOP_S)
-        raise stopped from None
-    except BaseException as exc:
-        coordinator.stop(f"launch ended: {type(exc).__name__}")
-        record(run.events, EventKind.FAILED, reason=str(exc) or type(exc).__name__)
-        raise
-    finally:
-        close_job(agents, coordinator, run, heartbeat, NOT_ELASTIC)
     summary = {
         "run": run.run_id,
         "run_dir": str(run.path),
