@@ -190,11 +190,7 @@ def _check_user_config(source: str, func: Callable[..., Any], config: dict[str, 
         if isinstance(value, float) and not math.isfinite(value):
             raise InputError(f"model {source!r}: config {key}={value} is not a finite number")
         number = _number_type(params.get(key))
-        if number is not None and not (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and (number is float or isinstance(value, int))
-        ):
+        if number is not None and not _is_a(number, value):
             raise InputError(f"model {source!r}: config {key} takes {number.__name__}, got {value!r}")
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
@@ -210,6 +206,13 @@ def _number_type(param: inspect.Parameter | None) -> type | None:
     if param.annotation in (int, float):
         return param.annotation
     return type(param.default) if type(param.default) in (int, float) else None
+
+
+def _is_a(number: type, value: Any) -> bool:
+    """Whether ``value`` passes for ``number``: an int for an int (not a bool), an int or a float
+    for a float."""
+    allowed = (int,) if number is int else (int, float)
+    return isinstance(value, allowed) and not isinstance(value, bool)
 
 
 def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
