@@ -393,3 +393,35 @@ def test_an_agent_started_in_a_testbed_node_takes_the_node_s_name(tmp_path, monk
         "127.0.0.1:1", "s", nproc=1, node_name="mine", log_dir=tmp_path, join_timeout_s=1, job=None
     )
     assert named.node_name == "mine"
+
+
+def test_a_failed_workers_reason_is_its_exceptions_first_line(tmp_path):
+    """A worker's log ends in a traceback whose message spans lines (torch's argument errors list
+    the signatures it expected): the reason is the exception's own line, not the log's last one,
+    which read '* (tuple of ints dim, bool keepdim = False, ...)'."""
+    from felactl.agents.agent import last_line
+
+    log = tmp_path / "worker-0.log"
+    log.write_text(
+        "step 1\n"
+        "Traceback (most recent call last):\n"
+        '  File "a.py", line 1, in <module>\n'
+        "    raise ValueError('first')\n"
+        "ValueError: first\n"
+        "\n"
+        "During handling of the above exception, another exception occurred:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        '  File "myreg.py", line 10, in __getitem__\n'
+        "    return x, x.sum(keepdim=True)\n"
+        "              ^^^^^^^^^^^^^^^^^^^\n"
+        "TypeError: sum() received an invalid combination of arguments - got (keepdim=bool, ), but expected one of:\n"
+        " * (*, torch.dtype dtype = None)\n"
+        " * (tuple of ints dim, bool keepdim = False, *, torch.dtype dtype = None)\n"
+        "\n"
+    )
+    assert last_line(log) == (
+        "TypeError: sum() received an invalid combination of arguments - got (keepdim=bool, ), but expected one of:"
+    )
+    log.write_text("step 1\nfelactl worker: error: plan.yaml: no such file\n")
+    assert last_line(log) == "felactl worker: error: plan.yaml: no such file"

@@ -150,6 +150,9 @@ def split_cores(cores: list[int], nproc: int) -> tuple[tuple[int, ...], ...]:
 
 
 def last_line(path: Path, max_bytes: int = 4096) -> str:
+    """Why a worker failed, from the end of its log: the line of its last traceback's exception
+    (``TypeError: ...``: a message may go on over more lines, which say less), else the log's
+    last line."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -157,6 +160,11 @@ def last_line(path: Path, max_bytes: int = 4096) -> str:
             lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
     except OSError:
         return ""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
+    if starts:  # the frames below it are indented; the exception's line is the first that is not
+        exception = next((ln for ln in lines[starts[-1] + 1 :] if not ln[0].isspace()), None)
+        if exception is not None:
+            return exception.strip()
     return lines[-1].strip() if lines else ""
 
 
