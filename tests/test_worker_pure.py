@@ -225,19 +225,20 @@ def test_a_resumed_run_is_timed_over_the_time_it_ran_not_the_time_it_was_stopped
 
 
 @pytest.mark.parametrize("terminal", [False, True])
-def test_the_live_run_view_ends_on_a_line_of_its_own(terminal):
+def test_the_live_run_view_ends_on_a_line_of_its_own(terminal, tmp_path):
     """Piped to a log (or on a terminal), the run's last table ends with a newline, so the launch's
     result line that follows is a line of its own (rich's Live left it glued to the caption)."""
     import io
-    import types
 
     from rich.console import Console
 
     from felactl.cli.runview import live_run
+    from felactl.launcher.launch import LaunchState
+    from felactl.launcher.rundir import RunDir
 
     out = io.StringIO()
     console = Console(file=out, width=100, force_terminal=terminal, color_system=None)
-    state = types.SimpleNamespace(run=types.SimpleNamespace(run_id="r1"), records=[])
+    state = LaunchState(run=RunDir.create("r1", root=tmp_path), plan=dp_plan(1), sync=dp_plan(1).sync.mode)
     with live_run(console, lambda run_id: f"run {run_id}") as update:
         update(state)  # no record yet: nothing to draw
         state.records = [_record(0, 0, 24, 2.0, 10.0, 1.0, 0.8), _record(0, 1, 24, 1.5, 11.0, 1.0, 0.8)]
@@ -248,3 +249,27 @@ def test_the_live_run_view_ends_on_a_line_of_its_own(terminal):
     assert re.search(r"\n(\x1b\[\?25h)?run r1: 2 steps\n$", text), text  # (a terminal shows its cursor again)
     if not terminal:
         assert text.count("loss 1.5000") == 1
+
+
+def test_the_live_view_of_a_resumed_run_counts_the_time_it_ran(tmp_path):
+    """The live table of a resumed run reads the same samples/s as the summary under it: it
+    summarized the records without the run's events, so the time the run lay stopped counted
+    (a trial printed 6525 samples/s in the table and 8823 in the result line below it)."""
+    import io
+
+    from rich.console import Console
+
+    from felactl.cli.runview import live_run
+    from felactl.launcher.launch import LaunchState
+    from felactl.launcher.rundir import RunDir, append_jsonl
+
+    run = RunDir.create("r", root=tmp_path)
+    for event in ({"time": 99.0, "kind": "launch"}, {"time": 1099.0, "kind": "resume", "from_step": 10}):
+        append_jsonl(run.events, event)
+    state = LaunchState(run=run, plan=dp_plan(1), sync=dp_plan(1).sync.mode)
+    state.records = [_record(0, s, 8, 1.0, 100.0 + s, 1.0, 0.8) for s in range(10)]
+    state.records += [_record(0, s, 8, 1.0, 1100.0 + s, 1.0, 0.8) for s in range(10, 20)]
+    out = io.StringIO()
+    with live_run(Console(file=out, width=100), lambda run_id: run_id) as update:
+        update(state)
+    assert "8.0 samples/s" in out.getvalue(), out.getvalue()  # 160 samples in 20 s of training

@@ -15,14 +15,14 @@ from rich.text import Text
 
 @contextlib.contextmanager
 def live_run(console: Console, title: Callable[[str], str]) -> Iterator[Callable[[Any], None]]:
-    """The ``on_update`` of a training run (it takes the launcher's state): the run's table,
-    titled ``title(run_id)``, redrawn in place on a terminal. Elsewhere (a log, a pipe) the last
-    table is printed once when the run ends, on lines of its own: rich's Live writes it there
+    """The ``on_update`` of a training run (it takes the launcher's ``LaunchState``): the run's
+    table, titled ``title(run_id)``, redrawn in place on a terminal. Elsewhere (a log, a pipe) the
+    last table is printed once when the run ends, on lines of its own: rich's Live writes it there
     without a final newline, and the next line (the launch's result) was glued to it."""
-    from felactl.agents.worker.metrics import summarize
 
     def view(state) -> Table | None:
-        return run_table(summarize(state.records), title(state.run.run_id)) if state.records else None
+        summary = state.summary_so_far()
+        return None if summary is None else run_table(summary, title(state.run.run_id))
 
     if console.is_terminal:
         with Live(console=console, refresh_per_second=4, transient=False) as live:

@@ -171,6 +171,11 @@ class LaunchState:
     not_elastic: str = ""
     """Why ``felactl scale`` is refused (a job that is not elastic)."""
 
+    def summary_so_far(self) -> dict[str, Any] | None:
+        """The summary of the steps recorded so far, None before the first; with the run's events,
+        so a resumed run counts neither its redone steps nor the time it lay stopped."""
+        return summarize(self.records, read_jsonl(self.run.events)) if self.records else None
+
 
 def node_devices(plan: Plan, local_node: str) -> dict[str, tuple[str, ...]]:
     """Node -> its devices in rank order; a plan without placement runs wholly on ``local_node``."""
@@ -710,9 +715,9 @@ class _MetricsTail:
 
 
 def _summary(state: LaunchState) -> dict[str, Any]:
-    if not state.records:
+    summary = state.summary_so_far()
+    if summary is None:
         raise WorkerFailed(f"the workers ended without recording a step; logs in {state.run.logs}")
-    summary = summarize(state.records, read_jsonl(state.run.events))
     predicted = state.plan.predicted
     measured_iteration_s = summary["wall_s"] / max(summary["steps"], 1)
     first_step = min(r["step"] for r in state.records)
