@@ -154,8 +154,10 @@ def run_fault(fault: str, host, give_up_s: float) -> dict:
             launch.wait()
         down(name)
     metrics = _lines(run / "metrics.jsonl")
-    survivor = [m["step"] for m in metrics if m["rank"] == 0]
-    after = [m["step"] for m in metrics if m["rank"] == 0 and m["time"] >= fault_at]
+    # a worker that trained before and after the fault (the partition drops na's worker 0)
+    stayed = failure["members_after"][0] if failure is not None else 0
+    survivor = [m["step"] for m in metrics if m["rank"] == stayed]
+    after = [m["step"] for m in metrics if m["rank"] == stayed and m["time"] >= fault_at]
     steps = sorted(set(survivor))
     lost = len(set(range(steps[0], steps[-1] + 1)) - set(steps)) if steps else None
     return {

@@ -278,7 +278,12 @@ def test_the_arrival_barrier_counts_signed_arrivals_only_and_names_the_missing_o
     from felactl.errors import WorkerFailed
 
     store = _Store()
-    member = SimpleNamespace(reader=Reader(Seal(SECRET, JOB), store, "p/"), wid=0, cfg=SimpleNamespace(timeout_s=0.5))
+    member = SimpleNamespace(
+        reader=Reader(Seal(SECRET, JOB), store, "p/"),
+        wid=0,
+        cfg=SimpleNamespace(timeout_s=0.5),
+        probe=SimpleNamespace(address="127.0.0.1:1"),
+    )
     store.set("p/" + keys.arrived(4, 1), json.dumps({"worker_id": 1}))  # forged: member 1 is not here
     with pytest.raises(WorkerFailed, match=r"only 1 of 2 members of generation 4 .*elastic/arrived/4/1"):
         ElasticWorker._arrive(member, 4, 0, 2)

@@ -35,6 +35,7 @@ from felactl.launcher.membership import (
     Switching,
     Worker,
     decide,
+    reachable_group,
 )
 from felactl.launcher.scale_plan import ScalingPolicy
 
@@ -103,6 +104,13 @@ def request(command, request_id="r1") -> Seen:
 
 
 EXITED_1 = "worker 1 exited with code 1: boom"
+PARTITIONED_0 = (
+    "worker 0: cut off from worker(s) 1, 2 by a network partition (the largest group that reaches itself goes on: 1, 2)"
+)
+PARTITIONED_2, PARTITIONED_3 = (
+    f"worker {w}: cut off from worker(s) 0, 1 by a network partition (the largest group that reaches itself goes on: 0, 1)"
+    for w in (2, 3)
+)
 NO_WORKER_LEFT = (
     "worker failed: no worker is left (worker 0 exited with code 1; worker 1 exited with code 1); "
     "logs in runs/r/logs; a run with checkpoints continues with `felactl launch --resume r`"
@@ -226,12 +234,45 @@ TABLE = [
     ),
     pytest.param(
         job(stuck_since=4.0),
-        seen(stuck=True),
+        seen(stuck={0: frozenset()}),
         [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
         (0, 1),
         id="a collective failed with everyone alive: re-form",
     ),
-    pytest.param(job(stuck_since=6.0), seen(stuck=True), [], (0, 1), id="a collective failed just now: wait"),
+    pytest.param(
+        job(stuck_since=6.0), seen(stuck={0: frozenset()}), [], (0, 1), id="a collective failed just now: wait"
+    ),
+    pytest.param(
+        job(stuck_since=9.5),
+        seen(stuck={0: frozenset(), 1: frozenset()}),
+        [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
+        (0, 1),
+        id="every member reported its failed step: none is dead, re-form at once",
+    ),
+    pytest.param(
+        job((0, 1, 2), stuck_since=9.5),
+        seen(stuck={0: frozenset({1, 2}), 1: frozenset({0}), 2: frozenset({0})}),
+        [Drop({0: PARTITIONED_0}), Switch(1, (1, 2), (0, 1, 2), "failure", PARTITIONED_0)],
+        (1, 2),
+        id="a partition, everyone alive: the larger side goes on, the other is dropped",
+    ),
+    pytest.param(
+        job((0, 1, 2), stuck_since=4.0),
+        seen(stuck={1: frozenset({0}), 2: frozenset({0})}),
+        [Drop({0: PARTITIONED_0}), Switch(1, (1, 2), (0, 1, 2), "failure", PARTITIONED_0)],
+        (1, 2),
+        id="a partition, one side silent past the heartbeat timeout: what the others reported decides",
+    ),
+    pytest.param(
+        job((0, 1, 2, 3), stuck_since=9.5),
+        seen(stuck={0: frozenset({2, 3}), 1: frozenset({2, 3}), 2: frozenset({0, 1}), 3: frozenset({0, 1})}),
+        [
+            Drop({2: PARTITIONED_2, 3: PARTITIONED_3}),
+            Switch(1, (0, 1), (0, 1, 2, 3), "failure", f"{PARTITIONED_2}; {PARTITIONED_3}"),
+        ],
+        (0, 1),
+        id="two halves as large: the one of the lowest worker ids goes on",
+    ),
     pytest.param(
         job(),
         seen(exits={0: Exit(1), 1: Exit(1)}),
@@ -552,6 +593,24 @@ def test_a_member_lost_while_a_newcomer_starts_is_planned_out_of_the_scale_out()
     state, actions = decide(state, seen(switched=frozenset({0, 2})))
     assert actions == [SwitchDone(2, "r1")]
     assert state.members == (0, 2) and not state.busy and state.answered == {"r1"}
+
+
+@pytest.mark.parametrize(
+    "members, unreachable, group",
+    [
+        ((0, 1, 2), {}, (0, 1, 2)),
+        ((0, 1, 2), {0: {1, 2}}, (1, 2)),
+        ((0, 1), {1: {0}}, (0,)),
+        ((0, 1, 2, 3, 4), {0: {3, 4}, 1: {3, 4}, 2: {3, 4}}, (0, 1, 2)),
+        ((0, 1, 2, 3), {0: {1}, 2: {3}}, (0, 2)),
+        ((0, 1, 2), {0: {7}, 5: {1}}, (0, 1, 2)),
+        ((0, 1, 2), {0: {1, 2}, 1: {0, 2}, 2: {0, 1}}, (0,)),
+    ],
+    ids=["nobody apart", "one cut off", "two apart", "three and two", "two cuts", "strangers ignored", "all apart"],
+)
+def test_the_group_that_goes_on_is_the_largest_that_reaches_itself(members, unreachable, group):
+    reports = {w: frozenset(lost) for w, lost in unreachable.items()}
+    assert reachable_group(members, reports) == group
 
 
 def test_silence_is_timed_from_the_last_new_heartbeat():

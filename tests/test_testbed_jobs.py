@@ -314,21 +314,35 @@ def _steps_of_rank_0(run: Path) -> list[int]:
     return sorted({r["step"] for r in records if r["rank"] == 0})
 
 
+def _partition(bed, *, apart: bool) -> None:
+    """na and nb no longer reach each other (loss 1 both ways), while both still reach the
+    coordinator on the bridge; ``apart=False`` heals it."""
+    for src, dst in (("na", "nb"), ("nb", "na")):
+        set_link(bed.name, src, dst, loss=1.0 if apart else 0.0)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fault", ["cut", "crash"])
+@pytest.mark.parametrize("fault", ["cut", "crash", "partition"])
 def test_a_node_that_fails_is_dropped_and_the_job_finishes_on_the_rest(bed, tmp_path, fault) -> None:
     """Item 6, in the middle of an elastic bsp job: nb's cable is pulled (every packet to and from it
     dropped, its connections hang instead of closing), or every process in nb (its agent and its
-    worker) is killed. The coordinator notices within the heartbeat timeout, na goes on alone, and
-    every step is done once, none lost."""
+    worker) is killed, or na and nb are partitioned apart while both still heartbeat to the
+    coordinator (the two halves as large: the one of the lowest worker id goes on). The coordinator
+    notices within the heartbeat timeout (a partition: when the collective times out), na goes on
+    alone, and every step is done once, none lost."""
     from felactl.testbed.build import crash_node, cut_node
 
+    inject = {
+        "cut": lambda: cut_node(bed.name, "nb"),
+        "crash": lambda: crash_node(bed.name, "nb"),
+        "partition": lambda: _partition(bed, apart=True),
+    }
     steps, run = 400, tmp_path / "runs" / "fail"
     launch = _start_elastic_pair(bed, tmp_path, "fail", steps, stdout=subprocess.PIPE)
     try:
         _wait_training(run)
         failed_at = time.monotonic()
-        cut_node(bed.name, "nb") if fault == "cut" else crash_node(bed.name, "nb")
+        inject[fault]()
         dropped_at = _wait_event(run, ("failure", "scale-in"), timeout_s=60)
         out, err = launch.communicate(timeout=120)
     finally:
@@ -336,10 +350,17 @@ def test_a_node_that_fails_is_dropped_and_the_job_finishes_on_the_rest(bed, tmp_
             launch.kill()
             launch.wait()
         cut_node(bed.name, "nb", cut=False)
+        _partition(bed, apart=False)
     assert launch.returncode == 0, err[-2000:]
     assert dropped_at - failed_at < 3 + 5 + 5
     assert json.loads(out)["steps"] == steps
     assert _steps_of_rank_0(run) in (list(range(steps)), list(range(1, steps + 1))), "a step lost or skipped"
+    failure = next(
+        e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["kind"] == "failure"
+    )
+    assert failure["members_after"] == [0]
+    if fault == "partition":  # not taken for dead: nb's worker lived, and was dropped for being apart
+        assert "cut off from worker(s) 0 by a network partition" in failure["reason"], failure["reason"]
 
 
 @pytest.mark.multiprocess

@@ -30,9 +30,9 @@ key                                written by     read by, to
 ``elastic/hb/<w>``                 worker         coordinator: the worker lives (else it is dropped)
 ``elastic/ready/<w>``              worker         coordinator: a newcomer may join a generation
 ``elastic/switched/<G>/<w>``       worker         coordinator: a change is complete
-``elastic/stuck/<G>/<w>``          worker         coordinator: re-form the members
+``elastic/stuck/<G>/<w>``          worker         coordinator: re-form members that reach each other
 ``elastic/left/<G>/<w>``           worker         nobody acts on it (a record, signed for uniformity)
-``elastic/arrived/<G>/<rank>``     worker         members of G: form the group (said while waiting)
+``elastic/arrived/<G>/<rank>``     worker         members of G: form the group; where to probe it
 ``elastic/switch/<G>``             workers        workers: the step to switch after (first wins)
 ``drain/last_step``                workers        workers: the graceful stop's last step (first wins)
 =================================  =============  ===================================================

@@ -190,8 +190,11 @@ class SwitchedDoc(Document):
 
 @dataclass(frozen=True)
 class StuckDoc(Document):
+    """A member's report that its step failed, and the members it then could not reach."""
+
     KIND: ClassVar[DocKind] = DocKind.STUCK
     why: str
+    unreachable: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -217,5 +220,8 @@ class LastStepDoc(Document):
 
 @dataclass(frozen=True)
 class ArrivedDoc(Document):
+    """A member is here for a generation; ``probe`` is where the others can test that they reach it."""
+
     KIND: ClassVar[DocKind] = DocKind.ARRIVED
     worker_id: int
+    probe: str = ""

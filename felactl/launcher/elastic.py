@@ -213,10 +213,7 @@ class ElasticController:
         heartbeats = {w: beat for w in watched if (beat := self._beat(w)) is not None}
         # Every member's done mark is read (not just until one is missing): every forgery is noticed.
         done = frozenset([w for w in watched if w not in state.done and self._is_done(w)])
-        stuck = state.switching is None and any(
-            self.reader.read(keys.stuck(state.generation, w), StuckDoc.KIND.value, generation=state.generation)
-            for w in state.members
-        )
+        stuck = {} if state.switching is not None else self._stuck_reports()
         ready = (
             frozenset()
             if state.starting is None
@@ -261,6 +258,22 @@ class ElasticController:
     def _is_done(self, wid: int) -> bool:
         """Whether worker ``wid`` finished its last step: a valid signed ``done`` (a forged one is refused)."""
         return self.reader.read(keys.done(wid), DoneDoc.KIND.value) is not None
+
+    def _stuck_reports(self) -> dict[int, frozenset[int]]:
+        """The members whose step failed in this generation, each with the members it could not reach."""
+        generation, reports = self.state.generation, {}
+        for w in self.state.members:
+            name = keys.stuck(generation, w)
+            opened = self.reader.read(name, StuckDoc.KIND.value, generation=generation)
+            if opened is None:
+                continue
+            try:
+                doc = StuckDoc.from_body(opened.body)
+            except ValueError as exc:
+                self.reader.on_refused(name, f"malformed ({exc})")
+                continue
+            reports[w] = frozenset(v for v in doc.unreachable if isinstance(v, int) and v in self.state.members)
+        return reports
 
     def _read_reports(self, switching) -> frozenset[int]:
         """The members that reported the generation being switched to (their reports kept for its event)."""

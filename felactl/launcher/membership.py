@@ -166,8 +166,9 @@ class Seen:
     forged or unreadable beat neither revives a silent worker nor silences a live one)."""
     exits: Mapping[int, Exit] = field(default_factory=dict)
     done: frozenset[int] = frozenset()
-    stuck: bool = False
-    """A member said its step failed in the current generation."""
+    stuck: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    """The members that said their step failed in the current generation, each with the members
+    it then could not reach."""
     ready: frozenset[int] = frozenset()
     switched: frozenset[int] = frozenset()
     """Members that reported the generation being switched to."""
@@ -408,16 +409,66 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
         return dataclasses.replace(state, stuck_since=None)
     stuck_since = state.stuck_since if state.stuck_since is not None else seen.now
     state = dataclasses.replace(state, stuck_since=stuck_since)
-    if seen.now - stuck_since > state.rules.heartbeat_timeout_s:
-        return _switch(
-            state,
-            state.members,
-            EventKind.RE_FORM.value,
-            seen.now,
-            actions,
-            reason="a collective failed with every member alive",
-        )
-    return state
+    # Once every member has reported, nobody is dead (the dead report nothing); until then a silent
+    # one may yet be found dead by its heartbeat.
+    everyone = set(seen.stuck) >= set(state.members)
+    if not everyone and seen.now - stuck_since <= state.rules.heartbeat_timeout_s:
+        return state
+    group = reachable_group(state.members, seen.stuck)
+    if len(group) < len(state.members):
+        cut_off = {w: _partition_reason(w, group, seen.stuck) for w in state.members if w not in group}
+        actions.append(Drop(cut_off))
+        return _switch_without(state, cut_off, seen.now, actions)
+    return _switch(
+        state,
+        state.members,
+        EventKind.RE_FORM.value,
+        seen.now,
+        actions,
+        reason="a collective failed with every member alive",
+    )
+
+
+def reachable_group(members: tuple[int, ...], unreachable: Mapping[int, frozenset[int]]) -> tuple[int, ...]:
+    """The largest group of ``members`` that all reach one another, when each member's report of
+    whom it could not reach is all that is known (two members are apart when either says so; a
+    member that did not report is taken to reach whoever does not say otherwise). Among groups as
+    large, the one of the lowest worker ids. A maximum clique (Bron-Kerbosch with a pivot): the
+    members of a job are few, and a partition leaves few cliques."""
+    apart = {w: set() for w in members}
+    for w, lost in unreachable.items():
+        for v in lost:
+            if w in apart and v in apart and v != w:
+                apart[w].add(v)
+                apart[v].add(w)
+    near = {w: set(members) - apart[w] - {w} for w in members}
+    best: tuple[int, ...] = ()
+
+    def grow(clique: set[int], candidates: set[int], excluded: set[int]) -> None:
+        nonlocal best
+        if not candidates and not excluded:
+            found = tuple(sorted(clique))
+            if len(found) > len(best) or (len(found) == len(best) and found < best):
+                best = found
+            return
+        pivot = max(candidates | excluded, key=lambda w: len(near[w] & candidates))
+        for w in sorted(candidates - near[pivot]):
+            grow(clique | {w}, candidates & near[w], excluded & near[w])
+            candidates = candidates - {w}
+            excluded = excluded | {w}
+
+    grow(set(), set(members), set())
+    return best
+
+
+def _partition_reason(wid: int, group: tuple[int, ...], unreachable: Mapping[int, frozenset[int]]) -> str:
+    apart = sorted(
+        {v for v in unreachable.get(wid, ()) if v in group} | {v for v in group if wid in unreachable.get(v, ())}
+    )
+    return (
+        f"worker {wid}: cut off from worker(s) {', '.join(map(str, apart))} by a network partition "
+        f"(the largest group that reaches itself goes on: {', '.join(map(str, group))})"
+    )
 
 
 def _switch_without(state: State, dead: Mapping[int, str], now: float, actions: list[Action]) -> State:

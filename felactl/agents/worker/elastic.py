@@ -23,8 +23,9 @@ the same members (a collective that merely timed out costs a re-form, not the jo
 Failures: a heartbeat thread sets ``hb/<id>`` every ``FELACTL_HEARTBEAT_S``; the coordinator
 drops a member whose process ended or whose heartbeat stopped, killing it if it still exists,
 which makes its peers' gloo collectives fail at once (connection closed) rather than after a
-timeout. A survivor whose step failed discards that step's gradients, waits for the next
-generation and re-forms; :func:`replicate` aligns anyone who missed a completed step.
+timeout. A survivor whose step failed discards that step's gradients, says which members it
+could not reach (:mod:`felactl.agents.worker.reach`: a partition leaves everyone alive), waits
+for the next generation and re-forms; :func:`replicate` aligns anyone who missed a completed step.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.loop import Membership, adopt_claimed_position, claimed_position, train
 from felactl.agents.worker.main import load_checked
+from felactl.agents.worker.reach import ProbeListener, local_address, unreachable
 from felactl.agents.worker.replicate import replicate
 from felactl.agents.worker.runtime import Runtime, choose_device, connect_store
 from felactl.agents.worker.strategies import strategy_for
@@ -155,6 +157,8 @@ class ElasticWorker(Membership):
         self.reader = cfg.reader(self.raw)
         self.generation = cfg.generation
         self.heartbeat = Heartbeat(cfg)
+        self.probe = ProbeListener(local_address(cfg.store_host, cfg.store_port))
+        """Where the other members test that they reach this one (after a failed step)."""
         self.members: list[int] = []
         self.trainer: Trainer | None = None
         self.strategy = None
@@ -206,7 +210,7 @@ class ElasticWorker(Membership):
                 self.reader.write(
                     keys.arrived(generation, rank),
                     ArrivedDoc.KIND.value,
-                    ArrivedDoc(worker_id=self.wid).to_body(),
+                    ArrivedDoc(worker_id=self.wid, probe=self.probe.address).to_body(),
                     generation=generation,
                 )
                 said = time.monotonic()
@@ -450,12 +454,30 @@ class ElasticWorker(Membership):
         _sever_peer_connections(self.cfg.store_port)
         self._drop_group()
         gc.collect()
+        # Probing takes up to a second; not worth it once the coordinator has re-formed the job (a
+        # member found dead by its heartbeat), only when it may be waiting on these reports.
+        decided = self.heartbeat.generation > self.generation
         self.reader.write(
             keys.stuck(self.generation, self.wid),
             StuckDoc.KIND.value,
-            StuckDoc(why).to_body(),
+            StuckDoc(why, [] if decided else unreachable(self._peer_probes())).to_body(),
             generation=self.generation,
         )
+
+    def _peer_probes(self) -> dict[int, str]:
+        """The other members of this generation and where to probe them (from their arrival)."""
+        probes = {}
+        for rank, wid in enumerate(self.members):
+            opened = self.reader.read(
+                keys.arrived(self.generation, rank), ArrivedDoc.KIND.value, generation=self.generation
+            )
+            try:
+                doc = ArrivedDoc.from_body(opened.body) if opened is not None else None
+            except ValueError:
+                doc = None
+            if wid != self.wid and doc is not None and doc.worker_id == wid and doc.probe:
+                probes[wid] = doc.probe
+        return probes
 
     def _merge_unsettled(self) -> None:
         """After a failure, members of a mode at its own pace hold different parameters (each its
@@ -478,6 +500,7 @@ class ElasticWorker(Membership):
 
     def close(self) -> None:
         self.heartbeat.stopped.set()
+        self.probe.close()
         self._drop_group()
 
 
