@@ -8,8 +8,8 @@ built-in mlp, one worker per node, under ``felactl launch --testbed``. Once it t
 * ``cut``: nb's cable is pulled (``felactl testbed cut nb``: every packet to and from it dropped;
   its connections hang rather than close);
 * ``kill``: every process in nb's namespace is killed with SIGKILL (its agent and its worker);
-* ``partition``: na and {nb, nc} can no longer reach each other (loss 1 both ways), while all of
-  them still reach the coordinator.
+* ``partition``: na and {nb, nc} can no longer reach each other (``felactl testbed partition na``:
+  loss 1 both ways), while all of them still reach the coordinator.
 
 Per fault: seconds from the fault to the coordinator's ``failure`` event (detected), the
 survivors' pause, the steps the job then made, and steps lost (a step number missing from the
@@ -33,7 +33,7 @@ import yaml
 
 from felactl.spec.io import from_dict
 from felactl.testbed import TestbedSpec, TestbedUnavailable, down, probe_host, up
-from felactl.testbed.build import crash_node, cut_node, set_link
+from felactl.testbed.build import crash_node, cut_node, partition_nodes
 
 ROOT = Path(__file__).resolve().parent.parent
 FELACTL = [sys.executable, "-m", "felactl"]
@@ -90,10 +90,7 @@ def inject(fault: str, name: str) -> None:
     elif fault == "kill":
         crash_node(name, "nb")
     elif fault == "partition":
-        for a in ("na",):
-            for b in ("nb", "nc"):
-                set_link(name, a, b, loss=1.0)
-                set_link(name, b, a, loss=1.0)
+        partition_nodes(name, ["na"])
     else:
         raise ValueError(fault)
 

@@ -349,6 +349,63 @@ def test_a_link_is_cut_healed_and_reshaped_while_up(host, name) -> None:
     assert bad.returncode == 2 and "--loss must be at most 1" in bad.stderr
 
 
+def test_a_partition_keeps_the_sides_apart_and_the_host_reachable_and_heals(host, name) -> None:
+    """`felactl testbed partition a` (issue 15 item 6's partition between two halves): a and {b, c}
+    lose every packet between them, both ways; inside a side and to the host everything passes;
+    `--heal` puts back the loss each link had (a -> c had 0.25 of its own)."""
+    spec = _spec(
+        [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+        [{"src": "a", "dst": "c", "bandwidth_gbps": 0.02, "loss": 0.25}],
+        {"bandwidth_gbps": 0.02},
+    )
+    state = up(spec, "test.yaml", name=name, host=host)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def felactl(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "felactl", "testbed", *args, "--name", name]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+    def reaches(src: str, address: str, port: int = 9) -> bool:
+        """Whether a TCP connection from src to address opens (or is refused: it got there)."""
+        probe = (
+            "import socket,sys\n"
+            "try:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()\n"
+            "except ConnectionRefusedError:\n    pass\n"
+            "except OSError:\n    sys.exit(1)\n"
+        )
+        command = node_command(state.node(src), [sys.executable, "-c", probe, address, str(port)])
+        return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+
+    made = felactl("partition", "a")
+    assert made.returncode == 0, made.stderr
+    assert "a: apart from the other nodes" in made.stderr
+    addr = {n: state.node(n).address for n in "abc"}
+    assert not reaches("a", addr["b"]) and not reaches("b", addr["a"]) and not reaches("c", addr["a"])
+    assert reaches("b", addr["c"]) and reaches("c", addr["b"])
+    import socket
+
+    with socket.create_server((state.host_address, 0)) as server:  # the control plane, on the host
+        assert all(reaches(n, state.host_address, server.getsockname()[1]) for n in "abc")
+    status = json.loads(felactl("status", "--json").stdout)
+    assert status["partitioned"] == ["a"]
+    assert {(l["src"], l["dst"]) for l in status["links"] if l["loss"] == 1.0} == {
+        ("a", "b"),
+        ("a", "c"),
+        ("b", "a"),
+        ("c", "a"),
+    }
+    again = felactl("partition", "b")
+    assert again.returncode == 2 and "already partitioned" in again.stderr
+    assert felactl("partition", "a,b,c").returncode == 2  # a side and no other
+    assert felactl("partition", "a,zz").returncode == 2  # no such node
+    healed = felactl("partition", "--heal")
+    assert healed.returncode == 0, healed.stderr
+    assert reaches("a", addr["b"]) and reaches("b", addr["a"])
+    losses = {(l["src"], l["dst"]): l["loss"] for l in json.loads(felactl("status", "--json").stdout)["links"]}
+    assert losses[("a", "c")] == 0.25 and losses[("a", "b")] == 0.0 and losses[("c", "a")] == 0.0
+    assert felactl("partition", "--heal").returncode == 2  # nothing to heal
+
+
 def test_a_machine_without_iproute2_is_told_so_in_one_line(tmp_path, monkeypatch):
     """The host probe runs ip and tc through testbed.host.run: a missing tool is exit 2 and one
     line, never a FileNotFoundError."""

@@ -314,13 +314,6 @@ def _steps_of_rank_0(run: Path) -> list[int]:
     return sorted({r["step"] for r in records if r["rank"] == 0})
 
 
-def _partition(bed, *, apart: bool) -> None:
-    """na and nb no longer reach each other (loss 1 both ways), while both still reach the
-    coordinator on the bridge; ``apart=False`` heals it."""
-    for src, dst in (("na", "nb"), ("nb", "na")):
-        set_link(bed.name, src, dst, loss=1.0 if apart else 0.0)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("fault", ["cut", "crash", "partition"])
 def test_a_node_that_fails_is_dropped_and_the_job_finishes_on_the_rest(bed, tmp_path, fault) -> None:
@@ -330,12 +323,13 @@ def test_a_node_that_fails_is_dropped_and_the_job_finishes_on_the_rest(bed, tmp_
     coordinator (the two halves as large: the one of the lowest worker id goes on). The coordinator
     notices within the heartbeat timeout (a partition: when the collective times out), na goes on
     alone, and every step is done once, none lost."""
-    from felactl.testbed.build import crash_node, cut_node
+    from felactl.testbed.build import crash_node, cut_node, partition_nodes, partitioned
 
     inject = {
         "cut": lambda: cut_node(bed.name, "nb"),
         "crash": lambda: crash_node(bed.name, "nb"),
-        "partition": lambda: _partition(bed, apart=True),
+        # na and nb no longer reach each other, while both still reach the coordinator on the bridge
+        "partition": lambda: partition_nodes(bed.name, ["na"]),
     }
     steps, run = 400, tmp_path / "runs" / "fail"
     launch = _start_elastic_pair(bed, tmp_path, "fail", steps, stdout=subprocess.PIPE)
@@ -350,7 +344,8 @@ def test_a_node_that_fails_is_dropped_and_the_job_finishes_on_the_rest(bed, tmp_
             launch.kill()
             launch.wait()
         cut_node(bed.name, "nb", cut=False)
-        _partition(bed, apart=False)
+        if partitioned(bed.name):
+            partition_nodes(bed.name, [], apart=False)
     assert launch.returncode == 0, err[-2000:]
     assert dropped_at - failed_at < 3 + 5 + 5
     assert json.loads(out)["steps"] == steps

@@ -33,7 +33,7 @@ NameOption = Annotated[
 
 
 def _describe(state) -> dict:
-    from felactl.testbed.build import cut_nodes
+    from felactl.testbed.build import cut_nodes, partitioned
 
     spec = state.spec
     links = []
@@ -71,6 +71,7 @@ def _describe(state) -> dict:
         ],
         "links": links,
         "cut": cut_nodes(state.name),
+        "partitioned": partitioned(state.name),
     }
 
 
@@ -103,6 +104,8 @@ def _render(result: dict):
         console.print(links)
         if result.get("cut"):
             console.print("cut off: " + ", ".join(result["cut"]))
+        if result.get("partitioned"):
+            console.print("partitioned: " + ", ".join(result["partitioned"]) + " apart from the other nodes")
         if not result["latency_emulated"]:
             console.print("latency is not emulated: this kernel has no netem qdisc")
 
@@ -240,6 +243,28 @@ def heal_command(
 
     cut_node(name, node, cut=False)
     output.emit({"node": node, "cut": False}, False, lambda console: console.print(f"{node}: connected again"))
+
+
+@testbed_app.command("partition")
+def partition_command(
+    nodes: Annotated[
+        str | None, typer.Argument(help="The nodes on one side, comma-separated (the rest are the other side).")
+    ] = None,
+    heal: Annotated[bool, typer.Option("--heal", help="Join the two sides again.")] = False,
+    name: NameOption = DEFAULT_NAME,
+) -> None:
+    """Partition the testbed in two: NODES and the others can no longer reach each other (loss 1 on
+    every link between them, both ways), while every node still reaches the control plane on the
+    host, as a failed switch between two racks. `--heal` restores the links' loss."""
+    from felactl.testbed.build import partition_nodes
+
+    if heal == bool(nodes):
+        raise InputError("give the nodes of one side (felactl testbed partition NA,NB), or --heal alone")
+    side = partition_nodes(name, [] if heal else [n for n in nodes.split(",") if n], apart=not heal)
+    what = "joined again" if heal else "apart from the other nodes"
+    output.emit(
+        {"side": side, "partitioned": not heal}, False, lambda console: console.print(f"{', '.join(side)}: {what}")
+    )
 
 
 @testbed_app.command("exec", context_settings={"ignore_unknown_options": True})
