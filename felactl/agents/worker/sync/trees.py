@@ -6,17 +6,18 @@ pipelined reduce + broadcast at the trees' rate. This module runs exactly that: 
 cut into pieces (:data:`PIECE_BYTES`), the pieces are dealt to the trees in proportion to their
 weights (each tree's share of the packed rate), and each piece is summed up its reduce tree to the
 root (children first, each parent adds what its children send) and sent back down its broadcast
-tree. The pieces stream: a rank posts its receives :data:`WINDOW` pieces ahead and never waits
-for a send, and the reduce and the broadcast run in two threads, so while piece p climbs a tree,
-the pieces before it descend, every tree moves at once and each link carries data both ways. (In
-one thread, a rank's wait for a piece coming down held up the pieces it should send up: every
-step then cost a round trip from leaf to root and back, 5x the predicted time on a testbed.)
+tree. The pieces stream: every tree and direction is a walk of its own (a thread, and a tag of its
+own, since gloo matches a message by sender and tag), which posts its receives :data:`WINDOW`
+pieces ahead and never waits for a send; so while piece p climbs a tree, the pieces before it
+descend, every tree moves at its own pace and each link carries data both ways. (In one thread, a
+rank's wait for a piece coming down held up the pieces it should send up: every step then cost a
+round trip from leaf to root and back, 5x the predicted time on a testbed. With one walk per
+direction over all trees, a piece late on one tree held up the other trees' pieces behind it.)
 
-Deadlock-free by construction: each direction walks the pieces in one order on every rank and
+Deadlock-free by construction: each walk takes its tree's pieces in one order on every rank and
 only ever blocks on a receive, whose matching send is issued by a rank further along the same walk
 (deeper in the reduce tree, nearer the root in the broadcast tree); the root's broadcast of a piece
-waits only for its own reduce of it. Messages between two ranks keep their order per direction,
-and reduce and broadcast use their own tags.
+waits only for its own reduce of it. Messages between two ranks keep their order per tag.
 
 Why not the backend's allreduce: gloo's ring crosses every link of its rank order, thin ones
 included, and sends 2(n-1)/n of the data over each; the trees route around thin links
@@ -30,6 +31,7 @@ worker nothing overlaps anyway. Pipelines use it for their replicas' flat buffer
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Iterator
@@ -52,10 +54,8 @@ so that it streams through the depth of the trees and splits by their weights.""
 MIN_PIECE_BYTES = 16 << 10
 
 WINDOW = 8
-"""How many pieces ahead each direction posts its receives (the reduce's buffers: WINDOW x
-children x piece), enough to keep every link of a tree a few pieces deep busy."""
-
-_REDUCE_TAG, _BROADCAST_TAG = 1, 2
+"""How many pieces ahead each walk posts its receives (a reduce walk's buffers: WINDOW x children
+x piece), enough to keep every link of a tree a few pieces deep busy."""
 
 
 @dataclass(frozen=True)
@@ -107,84 +107,102 @@ class TreeAllreduce:
         if flat.numel() == 0:
             return flat
         pieces = self._pieces(flat)
-        up = [self.reduce_trees[i] for i in deal([t.weight for t in self.reduce_trees], len(pieces))]
-        down = [self.trees[i] for i in deal([t.weight for t in self.trees], len(pieces))]
         summed = [threading.Event() for _ in pieces]  # at the root: piece p's sum is complete
+        walks = [
+            functools.partial(self._reduce, pieces, order, tree, _tag(k, up=True), summed)
+            for k, (tree, order) in enumerate(_walks(self.reduce_trees, len(pieces)))
+        ] + [
+            functools.partial(self._broadcast, pieces, order, tree, _tag(k, up=False), summed)
+            for k, (tree, order) in enumerate(_walks(self.trees, len(pieces)))
+        ]
         failure: list[BaseException] = []
 
-        def broadcast() -> None:
+        def run(walk) -> None:
             try:
-                self._broadcast(pieces, down, summed)
+                walk()
             except BaseException as exc:  # handed to the caller's thread
                 failure.append(exc)
-
-        thread = threading.Thread(target=broadcast, name="felactl-tree-broadcast", daemon=True)
-        thread.start()
-        try:
-            self._reduce(pieces, up, summed)
-        finally:
-            if failure or thread.is_alive():
-                for event in summed:  # a failed reduce must not leave the broadcast waiting on the root
+                for event in summed:  # a failed reduce must not leave a broadcast waiting on the root
                     event.set()
+
+        threads = [threading.Thread(target=run, args=(w,), name="felactl-tree", daemon=True) for w in walks[1:]]
+        for thread in threads:
+            thread.start()
+        run(walks[0])
+        for thread in threads:
             thread.join()
         if failure:
             raise failure[0]
         return flat
 
-    def _reduce(self, pieces, up: list[_Tree], summed: list[threading.Event]) -> None:
-        """Every piece up its reduce tree, in order: wait for the children's partial sums (their
-        receives posted WINDOW pieces ahead), add them, send the result to the parent."""
+    def _reduce(self, pieces, order: list[int], tree: _Tree, tag: int, summed: list[threading.Event]) -> None:
+        """The pieces ``order`` up ``tree``, in that order: wait for the children's partial sums
+        (their receives posted WINDOW pieces ahead), add them, send the result to the parent."""
         parts: dict[int, list] = {}
 
         def post(p: int) -> None:
             parts[p] = []
-            for child in up[p].children:
+            for child in tree.children:
                 buffer = torch.empty_like(pieces[p])
-                parts[p].append((dist.irecv(buffer, src=child, group=self.group, tag=_REDUCE_TAG), buffer))
+                parts[p].append((dist.irecv(buffer, src=child, group=self.group, tag=tag), buffer))
 
         sends = []
-        for p in _posting_ahead(len(pieces), post):
+        for p in _posting_ahead(order, post):
             piece = pieces[p]
             for work, part in parts.pop(p):
                 work.wait()
                 piece.add_(part)
-            if up[p].parent is None:
+            if tree.parent is None:
                 summed[p].set()
             else:
-                sends.append(dist.isend(piece, dst=up[p].parent, group=self.group, tag=_REDUCE_TAG))
+                sends.append(dist.isend(piece, dst=tree.parent, group=self.group, tag=tag))
         for work in sends:
             work.wait()
 
-    def _broadcast(self, pieces, down: list[_Tree], summed: list[threading.Event]) -> None:
-        """Every piece down its broadcast tree, in order: at the root once its sum is complete,
+    def _broadcast(self, pieces, order: list[int], tree: _Tree, tag: int, summed: list[threading.Event]) -> None:
+        """The pieces ``order`` down ``tree``, in that order: at the root once its sum is complete,
         elsewhere once the parent's copy has arrived (received straight into the piece: nothing
         arrives before this rank's own part has gone up, since the root's sum needs it)."""
         received: dict[int, object] = {}
 
         def post(p: int) -> None:
-            if down[p].parent is not None:
-                received[p] = dist.irecv(pieces[p], src=down[p].parent, group=self.group, tag=_BROADCAST_TAG)
+            if tree.parent is not None:
+                received[p] = dist.irecv(pieces[p], src=tree.parent, group=self.group, tag=tag)
 
         sends = []
-        for p in _posting_ahead(len(pieces), post):
+        for p in _posting_ahead(order, post):
             piece = pieces[p]
-            if down[p].parent is None:
+            if tree.parent is None:
                 summed[p].wait()
             else:
                 received.pop(p).wait()
-            sends += [dist.isend(piece, dst=child, group=self.group, tag=_BROADCAST_TAG) for child in down[p].children]
+            sends += [dist.isend(piece, dst=child, group=self.group, tag=tag) for child in tree.children]
         for work in sends:
             work.wait()
 
 
-def _posting_ahead(count: int, post) -> Iterator[int]:
-    """The pieces 0 .. count - 1 in order, each one's receives posted (``post(p)``) WINDOW pieces
+def _walks(trees: list[_Tree], count: int) -> list[tuple[_Tree, list[int]]]:
+    """Each tree with the pieces dealt to it (in order); trees dealt none are left out."""
+    orders: list[list[int]] = [[] for _ in trees]
+    for p, k in enumerate(deal([t.weight for t in trees], count)):
+        orders[k].append(p)
+    return [(tree, order) for tree, order in zip(trees, orders) if order]
+
+
+def _tag(tree: int, *, up: bool) -> int:
+    """Each tree and direction has its own tag: gloo matches a message by sender and tag, so every
+    tree streams on its own and a piece late on one holds up none of another's."""
+    return 1 + 2 * tree + (0 if up else 1)
+
+
+def _posting_ahead(order: list[int], post) -> Iterator[int]:
+    """The pieces of ``order`` in turn, each one's receives posted (``post(p)``) WINDOW pieces
     before it is reached."""
-    for p in range(min(WINDOW, count)):
+    for p in order[:WINDOW]:
         post(p)
-    for p in range(count):
-        if p + WINDOW < count:
-            post(p + WINDOW)
+    for i, p in enumerate(order):
+        if i + WINDOW < len(order):
+            post(order[i + WINDOW])
         yield p
 
 
