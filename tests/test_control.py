@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from felactl.control import Forged, Reader, Seal, job_binding, keys
-from felactl.control.documents import GenerationDoc, StopDoc
+from felactl.control.documents import GenerationDoc, StopDoc, StuckDoc
 from felactl.control.store import serve_store
 from felactl.launcher.controlplane import new_secret
 from felactl.launcher.rundir import RunDir
@@ -114,6 +114,24 @@ def test_a_replayed_document_is_refused_and_each_forgery_reported_once():
     store.values["p/" + keys.STOP] = b"garbage"
     assert reader.read(keys.STOP, "stop") is None
     assert [key for key, _ in refused] == [keys.STOP, keys.STOP]
+
+
+def test_a_typed_read_refuses_a_signed_but_malformed_body_once():
+    """What a worker reads from a member's stuck report or arrival: a document signed with the
+    secret whose fields are of the wrong type is refused (reported once), not trusted half-way."""
+    store, refused = _Store(), []
+    writer = Reader(Seal(SECRET, JOB), store, "p/")
+    reader = Reader(Seal(SECRET, JOB), store, "p/", on_refused=lambda key, why: refused.append((key, why)))
+    name = keys.stuck(2, 1)
+    assert reader.read_doc(name, StuckDoc, generation=2) is None and not refused  # absent
+    writer.write(name, "stuck", {"why": "timeout", "unreachable": [0]}, generation=2)
+    assert reader.read_doc(name, StuckDoc, generation=2) == StuckDoc("timeout", [0])
+    writer.write(name, "stuck", {"why": 7}, generation=2)
+    assert reader.read_doc(name, StuckDoc, generation=2) is None
+    assert reader.read_doc(name, StuckDoc, generation=2) is None
+    assert refused == [(name, "malformed (why: int)")]
+    writer.write(name, "stuck", {"why": "a member"}, generation=2)  # an older report without the field
+    assert reader.read_doc(name, StuckDoc, generation=2) == StuckDoc("a member", [])
 
 
 def test_an_agreement_replaces_a_forgery_and_keeps_the_first_valid_proposal():

@@ -24,9 +24,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from felactl.errors import ControlPlaneError
+
+D = TypeVar("D")
 
 VERSION = 1
 
@@ -155,6 +157,21 @@ class Reader:
         """The valid document at ``key``; None when there is none or it is a forgery."""
         raw = self.raw(key)
         return None if raw is None else self.open(key, raw, kind, generation=generation)
+
+    def read_doc(self, key: str, doc_type: type[D], *, generation: int | None = None) -> D | None:
+        """The valid document at ``key`` as a ``doc_type`` (a :class:`~felactl.control.documents.Document`);
+        None when there is none, it is a forgery, or its body is malformed (reported once, like a forgery)."""
+        raw = self.raw(key)
+        opened = None if raw is None else self.open(key, raw, doc_type.KIND.value, generation=generation)
+        if opened is None:
+            return None
+        try:
+            return doc_type.from_body(opened.body)
+        except ValueError as exc:
+            if self.refused.get(key) != raw:
+                self.refused[key] = raw
+                self.on_refused(key, f"malformed ({exc})")
+            return None
 
     def write(self, key: str, kind: str, body: dict, *, generation: int = 0) -> str:
         value = self.seal.seal(key, kind, body, generation=generation)

@@ -261,18 +261,11 @@ class ElasticController:
 
     def _stuck_reports(self) -> dict[int, frozenset[int]]:
         """The members whose step failed in this generation, each with the members it could not reach."""
-        generation, reports = self.state.generation, {}
-        for w in self.state.members:
-            name = keys.stuck(generation, w)
-            opened = self.reader.read(name, StuckDoc.KIND.value, generation=generation)
-            if opened is None:
-                continue
-            try:
-                doc = StuckDoc.from_body(opened.body)
-            except ValueError as exc:
-                self.reader.on_refused(name, f"malformed ({exc})")
-                continue
-            reports[w] = frozenset(v for v in doc.unreachable if isinstance(v, int) and v in self.state.members)
+        generation, members, reports = self.state.generation, self.state.members, {}
+        for w in members:
+            doc = self.reader.read_doc(keys.stuck(generation, w), StuckDoc, generation=generation)
+            if doc is not None:
+                reports[w] = frozenset(v for v in doc.unreachable if isinstance(v, int) and v in members)
         return reports
 
     def _read_reports(self, switching) -> frozenset[int]:

@@ -133,16 +133,8 @@ class Heartbeat(threading.Thread):
 
 def read_generation(reader, generation: int) -> dict | None:
     """The verified document of ``generation`` (its body), or None: absent, or a forgery (recorded)."""
-    name = keys.generation_document(generation)
-    opened = reader.read(name, GenerationDoc.KIND.value, generation=generation)
-    if opened is None:
-        return None
-    try:
-        doc = GenerationDoc.from_body(opened.body)
-    except ValueError as exc:
-        reader.on_refused(name, f"malformed ({exc})")
-        return None
-    return doc.to_body() if doc.generation == generation else None
+    doc = reader.read_doc(keys.generation_document(generation), GenerationDoc, generation=generation)
+    return doc.to_body() if doc is not None and doc.generation == generation else None
 
 
 class ElasticWorker(Membership):
@@ -468,13 +460,7 @@ class ElasticWorker(Membership):
         """The other members of this generation and where to probe them (from their arrival)."""
         probes = {}
         for rank, wid in enumerate(self.members):
-            opened = self.reader.read(
-                keys.arrived(self.generation, rank), ArrivedDoc.KIND.value, generation=self.generation
-            )
-            try:
-                doc = ArrivedDoc.from_body(opened.body) if opened is not None else None
-            except ValueError:
-                doc = None
+            doc = self.reader.read_doc(keys.arrived(self.generation, rank), ArrivedDoc, generation=self.generation)
             if wid != self.wid and doc is not None and doc.worker_id == wid and doc.probe:
                 probes[wid] = doc.probe
         return probes
