@@ -210,6 +210,7 @@ FLAGS = {
     ("launch", "p.yaml"): {
         "--heartbeat-timeout": float,
         "--collective-timeout": float,
+        "--join-timeout": float,
         "--max-batch": int,
         "--max-nproc-per-node": int,
         "--nnodes": int,

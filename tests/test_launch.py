@@ -169,6 +169,7 @@ def test_bad_flags(tmp_path):
         (["--slowdown", "5=2"], "rank 5 does not exist"),
         (["--straggler", "roundrobin:abc"], "SECONDS must be a number"),
         (["--collective-timeout", "-1"], "--collective-timeout"),
+        (["--join-timeout", "0"], "--join-timeout"),
         (["--rdzv-endpoint", "127.0.0.1:99999"], "port in 0..65535"),
         (["--rdzv-endpoint", "127.0.0.1:29999", "--nnodes", "2"], "places its workers on 1 node"),
         (["--hostfile", str(tmp_path / "missing")], "no such hostfile"),

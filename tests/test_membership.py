@@ -380,7 +380,11 @@ TABLE = [
             Drop({1: "worker 1: no heartbeat for 42.0 s"}),
             Switch(1, (0,), (0, 1), "failure", "worker 1: no heartbeat for 42.0 s"),
             StopNewcomers((2,)),
-            Refuse("r1", "the new worker(s) did not start (not ready within 60 s); see runs/r/logs", ADD_ONE.command),
+            Refuse(
+                "r1",
+                "the new worker(s) did not start (not ready within 60 s, the launch's --join-timeout); see runs/r/logs",
+                ADD_ONE.command,
+            ),
         ],
         (0,),
         id="a newcomer never ready while a member goes silent",

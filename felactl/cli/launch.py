@@ -128,6 +128,13 @@ def launch(
             "a new group's first step may take up to the start-up timeout."
         ),
     ] = 10.0,
+    join_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds for the nodes' agents to join, and for a worker `felactl scale --add` starts to "
+            "be ready (import torch, build the model): raise it for slow nodes."
+        ),
+    ] = 60.0,
     elastic: Annotated[bool, typer.Option(help="Run data-parallel bsp plans under live rescaling.")] = True,
     cluster: Annotated[
         Path | None,
@@ -228,6 +235,7 @@ def launch(
         heartbeat_timeout_s=heartbeat_timeout,
         elastic=elastic,
         collective_timeout_s=collective_timeout,
+        join_timeout_s=join_timeout,
         cluster_path=cluster,
         model_path=model,
     )

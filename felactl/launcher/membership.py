@@ -518,7 +518,7 @@ def _follow_newcomers(state: State, seen: Seen, actions: list[Action]) -> State:
     # Before it is ready a newcomer has no heartbeat: only its exit, or the deadline, says it failed.
     failed = [exit_reason(w, seen.exits[w]) for w in waiting if w in seen.exits and w not in state.done]
     if failed or (waiting and seen.now > starting.deadline):
-        why = "; ".join(failed) or f"not ready within {state.rules.ready_timeout_s:g} s"
+        why = "; ".join(failed) or f"not ready within {state.rules.ready_timeout_s:g} s, the launch's --join-timeout"
         return _give_up_newcomers(state, f"the new worker(s) did not start ({why}); see {state.rules.logs}", actions)
     if _all_done(state):
         return _give_up_newcomers(
