@@ -15,8 +15,18 @@ RUNS=$(mktemp -d)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 
-echo "== GPU tests"
-python3 -m pytest -p no:cacheprovider -rs tests/test_profile_gpu.py tests/test_worker_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+echo "== GPU tests (elastic on NCCL included: what needs two GPUs skips on one)"
+rm -rf /tmp/felactl-gpu-tests
+timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -p no:cacheprovider -rs -v --basetemp=/tmp/felactl-gpu-tests \
+    tests/test_profile_gpu.py tests/test_worker_gpu.py tests/test_elastic_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+# the runs' logs and events, for a test that failed
+tar czf "$OUT/gpu_test_runs.tgz" -C /tmp/felactl-gpu-tests . 2>/dev/null || true
+
+if [ "${QUICK:-0}" = 1 ]; then  # the GPU tests, then the suite's single-process tests with CUDA visible
+    timeout ${SUITE_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -q -m "not multiprocess" -n 8 \
+        2>&1 | tail -25 | tee "$OUT/suite.log"
+    exit 0
+fi
 
 echo "== felactl profile (auto: one slot per GPU)"
 $FELACTL profile -o "$OUT/cluster.yaml" --json >"$OUT/profile.json" || echo "profile failed: $?"

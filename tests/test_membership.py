@@ -131,6 +131,13 @@ TABLE = [
         id="add: newcomers start",
     ),
     pytest.param(
+        job(rules=dataclasses.replace(RULES, device_prefix="cuda")),
+        request({"op": "add", "count": 1}),
+        [StartNewcomers("n", "agent-n", {2: "cuda2"}, (0, 1, 2), None)],
+        (0, 1),
+        id="add to a GPU job without a profile: the newcomer is named as a GPU",
+    ),
+    pytest.param(
         job(other_nodes=("m",)),
         request({"op": "add", "count": 2, "node": "m", "scaling_policy": "linear-lr"}),
         [StartNewcomers("m", "agent-m", {2: "cpu2", 3: "cpu3"}, (0, 1, 2, 3), ScalingPolicy("linear-lr"))],

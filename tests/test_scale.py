@@ -416,6 +416,60 @@ def test_a_job_that_is_not_elastic_refuses_scale_at_once(tmp_path, no_leftovers)
     assert status.exit_code == 0 and "membership history" in status.stderr and "refused" in status.stderr
 
 
+def test_a_gpu_jobs_newcomer_is_started_on_a_free_gpu_without_a_profile(tmp_path, monkeypatch):
+    """A GPU job launched without profiles holds GPUs 0 and 2 of node n: a newcomer is told GPU 1
+    (LOCAL_RANK, the index the re-plan gives it), not the agent's count of the workers it started
+    (which put it on a GPU in use, where NCCL refuses a second rank)."""
+    import dataclasses as dc
+
+    from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
+    from felactl.launcher.elastic import ElasticController, ElasticSettings
+    from felactl.launcher.membership import Request, Seen
+    from felactl.launcher.rundir import RunDir
+    from felactl.spec import DeviceKind, Placement
+
+    run = RunDir.create("gpu", root=tmp_path)
+    cpu_plan = gpt_plan(2)
+    plan = dc.replace(
+        cpu_plan,
+        devices=("n.gpu0", "n.gpu2"),
+        stages=(
+            dc.replace(
+                cpu_plan.stages[0],
+                workers=tuple(
+                    dc.replace(w, device=d) for w, d in zip(cpu_plan.stages[0].workers, ("n.gpu0", "n.gpu2"))
+                ),
+            ),
+        ),
+        placement=(
+            Placement(device="n.gpu0", node="n", kind=DeviceKind.CUDA, local_index=0),
+            Placement(device="n.gpu2", node="n", kind=DeviceKind.CUDA, local_index=2),
+        ),
+        pipelines=(("n.gpu0",), ("n.gpu2",)),
+    )
+    save(plan, run.plan)
+    coordinator = Coordinator(write_secret_file(run.secret), job="gpu")
+    try:
+        controller = ElasticController(
+            coordinator,
+            run,
+            plan,
+            [Member(agent_id="a", node_name="n", num_slots=3, hostname="n")],
+            {"n": plan.devices},
+            ElasticSettings(heartbeat_timeout_s=5, ready_timeout_s=20, switch_timeout_s=10),
+        )
+        commands = []
+        monkeypatch.setattr(controller, "_command", lambda wid, command: commands.append(command))
+        controller._apply(Seen(now=time.monotonic(), requests=(Request("r1", {"op": "add", "count": 1}),)))
+    finally:
+        coordinator.close()
+    [add] = commands
+    assert add["op"] == "add" and add["env"]["LOCAL_RANK"] == "1", add
+    members, (early, _how) = controller.early_plan
+    newcomer = next(p for p in early.placement if p.device not in plan.devices)
+    assert newcomer.device == "cuda2" and newcomer.kind is DeviceKind.CUDA and newcomer.local_index == 1
+
+
 def test_scaling_policies_and_replan():
     fixed, linear = ScalingPolicy("fixed-batch"), ScalingPolicy("linear-lr", max_batch=48)
     assert fixed.batch_and_lr(16, 1e-3, 2, 5) == (16, 1e-3)

@@ -73,8 +73,8 @@ from felactl.launcher.membership import (
     decide,
 )
 from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
-from felactl.launcher.scale_plan import REPLAN_TIME_LIMIT_S, ScalingPolicy, replan, replan_with_planner
-from felactl.spec import Plan, load_cluster, load_model, save
+from felactl.launcher.scale_plan import REPLAN_TIME_LIMIT_S, ScalingPolicy, place_devices, replan, replan_with_planner
+from felactl.spec import DeviceKind, Plan, load_cluster, load_model, save
 from felactl.spec.executable import check_scaled_batch
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ class ElasticController:
             profile=profile,
             logs=str(run.logs),
             run_id=run.run_id,
+            device_prefix="cuda" if plan.placement and plan.placement[0].kind is DeviceKind.CUDA else "cpu",
         )
         self.state = State(
             rules=rules,
@@ -331,6 +332,16 @@ class ElasticController:
         """Ask the node's agent for the newcomers, then plan for them while they import torch and
         build the model."""
         profiled = self._profiled_node(action.node)
+        workers = self.state.workers
+        # Without a profile, the index the re-plan will give each newcomer: its GPU on a GPU job.
+        placed = {
+            p.device: p.local_index
+            for p in place_devices(
+                self.plan,
+                [workers[w].device for w in action.members],
+                {workers[w].device: workers[w].node for w in action.members},
+            )
+        }
         for wid, device in action.newcomers.items():
             env = {
                 "FELACTL_WORKER_ID": str(wid),
@@ -343,6 +354,8 @@ class ElasticController:
                 index = next(i for i, d in enumerate(profiled.devices) if d.name == device)
                 local_index = self.profiles[0].device(device).local_index
                 env["LOCAL_RANK"] = str(index if local_index is None else local_index)
+            elif device in placed:
+                env["LOCAL_RANK"] = str(placed[device])
             self._command(wid, {"op": "add", "worker_id": wid, "env": env})
         try:
             self.early_plan = (action.members, self._plan_for(list(action.members), action.policy))

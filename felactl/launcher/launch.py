@@ -53,7 +53,7 @@ from felactl.spec import (
     load_plan,
     save,
 )
-from felactl.spec.executable import FIXED_BATCH_SYNC, rescalable
+from felactl.spec.executable import FIXED_BATCH_SYNC, RESCALABLE_SYNC, rescalable
 
 log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 2.0
@@ -363,9 +363,9 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     run, secret = prepare_run(options, plan, resume)
     if (warning := idle_gpus_warning(plan, local_node)) is not None:
         log.warning(warning)
-    # Live rescaling covers CPU data-parallel plans of the rescalable sync modes: a newcomer builds its model on the CPU
-    # and is not yet moved to its GPU, so plans on GPUs run without it.
-    elastic = options.elastic and rescalable(plan, sync) and plan_backend(plan) == "gloo"
+    # Live rescaling covers data-parallel plans of the rescalable sync modes, on CPUs (gloo) and GPUs (NCCL): a
+    # newcomer builds its model on its own device before it joins (felactl.agents.worker.elastic).
+    elastic = options.elastic and rescalable(plan, sync)
     state = LaunchState(run=run, plan=plan, sync=sync)
     try:
         coordinator = Coordinator(secret, endpoint=endpoint, job=run.run_id, events=run.events)
@@ -423,9 +423,8 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         if controller is None:
             state.not_elastic = (
                 f"this job cannot be rescaled: live rescaling covers data-parallel plans (one stage) "
-                f"on CPU workers; it runs {len(plan.stages)} stage(s) with sync "
-                f"{sync.value} on {'GPUs' if plan_backend(plan) == 'nccl' else 'CPUs'}"
-                + ("" if options.elastic else " and was launched --no-elastic")
+                f"with sync {' or '.join(m.value for m in RESCALABLE_SYNC)}; it runs {len(plan.stages)} stage(s) "
+                f"with sync {sync.value}" + ("" if options.elastic else " and was launched --no-elastic")
             )
         _watch(coordinator, state, agents, on_update, controller, options.keep_checkpoints)
         prune_checkpoints(run.checkpoints, len(plan.stages), options.keep_checkpoints)  # the last ones too

@@ -49,6 +49,8 @@ class Rules:
     planner can place a newcomer only on a profiled device)."""
     logs: str = "logs"
     run_id: str = "run"
+    device_prefix: str = "cpu"
+    """How a newcomer's device is named without a profile (``cpu3``; ``cuda3`` in a GPU job)."""
 
 
 @dataclass(frozen=True)
@@ -718,13 +720,11 @@ def capacity(state: State, node: str) -> int:
 
 def _free_devices(state: State, node: str, count: int) -> list[str]:
     """Names for newcomers: the profile's devices of ``node`` that no member holds (so the
-    planner knows them); without a profile, ``cpu<id>``."""
+    planner knows them); without a profile, ``cpu<id>`` (``cuda<id>`` in a GPU job)."""
     taken = {state.workers[w].device for w in state.members}
     if state.rules.profile is None:
-        return [
-            f"cpu{state.next_id + i}" if f"cpu{state.next_id + i}" not in taken else f"w{state.next_id + i}"
-            for i in range(count)
-        ]
+        names = [f"{state.rules.device_prefix}{state.next_id + i}" for i in range(count)]
+        return [name if name not in taken else f"w{state.next_id + i}" for i, name in enumerate(names)]
     profiled = state.rules.profile.get(node)
     if profiled is None:
         raise InputError(f"node {node!r} is not in the run's cluster profile: the planner cannot place workers there")

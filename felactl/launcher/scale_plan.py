@@ -26,6 +26,7 @@ Hybrid scaling (Elan): how the global batch and the learning rate follow the num
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from felactl import limits
@@ -67,6 +68,27 @@ def shares_by_speed(devices: list[str], speeds: dict[str, float]) -> list[float]
     return [w / total for w in weights]
 
 
+def place_devices(plan: Plan, devices: Sequence[str], nodes: Mapping[str, str]) -> tuple[Placement, ...]:
+    """Where ``devices`` (rank order) go when ``plan``'s job is rescaled without a cluster profile:
+    a device of ``plan`` keeps its place; a new one goes on its node (``nodes``) at the lowest index
+    there that no other device holds, of the plan's kind: the GPU a newcomer is started on."""
+    if not plan.placement:
+        return ()
+    kinds = {p.device: p for p in plan.placement}
+    where = {d: nodes.get(d) or (kinds[d].node if d in kinds else "") for d in devices}
+    used = {(where[d], kinds[d].local_index) for d in devices if d in kinds}
+    entries = []
+    for d in devices:
+        if d in kinds:
+            index = kinds[d].local_index
+        else:
+            index = next(i for i in range(len(devices) + len(used)) if (where[d], i) not in used)
+            used.add((where[d], index))
+        kind = kinds[d].kind if d in kinds else plan.placement[0].kind
+        entries.append(Placement(device=d, node=where[d], kind=kind, local_index=index))
+    return tuple(entries)
+
+
 def replan(
     plan: Plan,
     devices: list[str],
@@ -92,22 +114,8 @@ def replan(
         micro_batch=stage.micro_batch,
         workers=tuple(StageWorker(device=d, share=s) for d, s in zip(devices, shares)),
     )
-    kinds = {p.device: p for p in plan.placement}
     if placement is None:
-        placement = ()
-    if plan.placement and not placement:
-        where = {d: nodes.get(d) or (kinds[d].node if d in kinds else "") for d in devices}
-        used = {(where[d], kinds[d].local_index) for d in devices if d in kinds}
-        entries = []
-        for d in devices:
-            if d in kinds:
-                index = kinds[d].local_index
-            else:
-                index = next(i for i in range(len(devices) + len(used)) if (where[d], i) not in used)
-                used.add((where[d], index))
-            kind = kinds[d].kind if d in kinds else plan.placement[0].kind
-            entries.append(Placement(device=d, node=where[d], kind=kind, local_index=index))
-        placement = tuple(entries)
+        placement = place_devices(plan, devices, nodes)
     pipelines = () if plan.schedule is Schedule.TOKENS else tuple((d,) for d in devices)
     return dataclasses.replace(
         plan,

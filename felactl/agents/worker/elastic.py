@@ -174,6 +174,8 @@ class ElasticWorker(Membership):
         cfg = dataclasses.replace(self.cfg, rank=rank, world_size=world_size, generation=generation)
         store = dist.PrefixStore(keys.generation_namespace(cfg.store_prefix, generation), self.raw)
         backend, device = choose_device(cfg)
+        if backend == "nccl":
+            _nccl_errors_reach_the_caller()
         self._arrive(generation, rank, world_size)
         # A new group runs its first step under the start-up timeout: until every member has done
         # one, a member may still be building its optimizer or running a first forward that
@@ -221,9 +223,15 @@ class ElasticWorker(Membership):
                 )
             time.sleep(POLL_S)
 
-    def _drop_group(self) -> None:
+    def _drop_group(self, *, failed: bool = False) -> None:
         self.strategy = None  # DDP's reducer hooks go with it, before a new DDP wraps the same module
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if failed and dist.get_backend() == "nccl":
+            # A failed step's collective may still be on the GPU, waiting for a peer that is gone:
+            # destroying the group would wait for it too; aborting the communicators ends it.
+            dist.distributed_c10d._abort_process_group()
+        else:
             dist.destroy_process_group()
 
     # --- start ----------------------------------------------------------------------------------
@@ -443,8 +451,9 @@ class ElasticWorker(Membership):
         survivors are still blocked in, instead of leaving them to the collective timeout."""
         log.warning("worker %d: step %d failed (%s); waiting for the next generation", self.wid, self.step, why)
         self.trainer.optimizer.zero_grad(set_to_none=True)
-        _sever_peer_connections(self.cfg.store_port)
-        self._drop_group()
+        if self.trainer.runtime.backend == "gloo":  # NCCL's survivors find out by their collective timeout
+            _sever_peer_connections(self.cfg.store_port)
+        self._drop_group(failed=True)
         gc.collect()
         # Probing takes up to a second; not worth it once the coordinator has re-formed the job (a
         # member found dead by its heartbeat), only when it may be waiting on these reports.
@@ -512,6 +521,14 @@ def _sever_peer_connections(store_port: int) -> None:
                 sock.close()
         except OSError:
             pass
+
+
+def _nccl_errors_reach_the_caller() -> None:
+    """Make a collective that a lost peer never completes raise in the training thread after the
+    collective timeout (blocking wait), where the loop survives it, instead of hanging on the GPU
+    or having NCCL's watchdog end the whole process (its default). Read when a group is made."""
+    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
 
 
 def _warm_up(trainer: Trainer) -> None:

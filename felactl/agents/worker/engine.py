@@ -445,6 +445,7 @@ class Trainer:
             "stage": self.placement.stage,
             "wall_s": wall_s,
             "sync": self.plan.sync.mode.value,
+            "device": str(self.runtime.device),
             "param_checksum": float(self.flat_params().double().sum()),
             "buffer_checksum": sum(float(b.double().sum()) for part in self.parts for b in part.module.buffers()),
             **self.totals,
