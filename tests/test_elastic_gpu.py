@@ -67,9 +67,10 @@ def test_a_job_on_a_gpu_is_elastic_and_resumes_on_its_gpu(tmp_path, no_leftovers
         job.wait_step("g", 50, timeout_s=90)
         added = job.scale("g", "--add", "1")
         if GPUS == 1:  # elastic (not "cannot be rescaled"), but this machine has no second GPU
-            assert added.exit_code == 2 and "slot" in added.stderr, added.output
+            assert added.exit_code == 2 and "one worker per GPU" in added.stderr, added.output
         else:
             assert added.exit_code == 0, added.output
+        job.wait_step("g", 250, timeout_s=90)  # past two checkpoints
         job.stop()  # the whole job dies: launcher, agent and workers
     finally:
         job.stop()

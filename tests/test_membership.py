@@ -465,6 +465,20 @@ TABLE = [
         id="refused: no free slot",
     ),
     pytest.param(
+        job(slots=2, rules=dataclasses.replace(RULES, device_prefix="cuda")),
+        request({"op": "add", "count": 1}),
+        [
+            Refuse(
+                "r1",
+                "node 'n' has 2 worker slot(s) and 2 in use: cannot add 1 (one worker per GPU, as NCCL runs "
+                "one rank per GPU: add on another node with --node)",
+                {"op": "add", "count": 1},
+            )
+        ],
+        (0, 1),
+        id="refused: every GPU of the node in use",
+    ),
+    pytest.param(
         job(rules=dataclasses.replace(RULES, profile={"n": ("cpu0", "cpu1", "gpu0")})),
         request({"op": "add", "count": 1}),
         [StartNewcomers("n", "agent-n", {2: "gpu0"}, (0, 1, 2), None)],

@@ -690,10 +690,12 @@ def _scale_out(
             if profiled and state.rules.max_nproc_per_node is None
             else "worker slot(s)"
         )
-        raise InputError(
-            f"node {node!r} has {slots} {where} and {used} in use: cannot add {count} "
-            "(a CPU node offers one slot per core; launch with --max-nproc-per-node to allow more)"
+        hint = (
+            "one worker per GPU, as NCCL runs one rank per GPU: add on another node with --node"
+            if state.rules.device_prefix == "cuda"
+            else "a CPU node offers one slot per core; launch with --max-nproc-per-node to allow more"
         )
+        raise InputError(f"node {node!r} has {slots} {where} and {used} in use: cannot add {count} ({hint})")
     devices = _free_devices(state, node, count)
     agent_id = state.agents[node].agent_id
     newcomers = {state.next_id + i: device for i, device in enumerate(devices)}
