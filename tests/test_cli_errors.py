@@ -591,6 +591,15 @@ _BASE_ARGS = {
 }
 
 
+def _takes_a_float(param) -> bool:
+    descriptor = getattr(param, "type_descriptor", None)  # typer >= 0.20's own click keeps no .type
+    if descriptor is not None:
+        return float in (descriptor.annotation, *typing.get_args(descriptor.annotation))
+    import click  # an older typer on click (as on the lent GPU machines)
+
+    return isinstance(param.type, click.types.FloatParamType)
+
+
 def test_every_float_flag_refuses_nan_and_inf(tmp_path, monkeypatch):
     """click parses 'nan' and 'inf' as floats, and every comparison with nan is False: a timeout
     of nan was never reached (a hung worker never noticed). Every float flag, today's and
@@ -601,8 +610,7 @@ def test_every_float_flag_refuses_nan_and_inf(tmp_path, monkeypatch):
     checked = []
     for path, command in _commands(typer.main.get_command(app)):
         for param in command.params:
-            annotation = param.type_descriptor.annotation  # this typer's own click keeps no .type
-            if param.param_type_name != "option" or float not in (annotation, *typing.get_args(annotation)):
+            if param.param_type_name != "option" or not _takes_a_float(param):
                 continue
             flag = max(param.opts, key=len)
             for value in ("nan", "inf", "-inf"):

@@ -96,7 +96,8 @@ def test_a_pipeline_runs_checkpoint_exports_as_the_whole_model(tmp_path, no_left
 
 
 def test_the_stages_merge_into_the_whole_model(tmp_path):
-    runs = tmp_path / "runs"
+    # a path longer than a line: printed whole (a path wrapped across lines cannot be copied)
+    runs = tmp_path / ("a-rather-long-folder-name-" * 4) / "runs"
     plan = pipeline_plan([0, 1, 3], 1)
     _write_run(runs, "two", plan, {2: [0, 1], 4: [0, 1]})
 

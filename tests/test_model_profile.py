@@ -190,6 +190,8 @@ def test_cli_writes_model_yaml_and_one_json_object(tmp_path):
             "2",
             "--matmul-size",
             "64",
+            "--device",
+            "cpu",  # what follows is about a CPU's profile, also on a machine with a GPU
             "-o",
             str(out),
             "--json",

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parent.parent)
+"""felactl importable by a script of a test also where it is not installed."""
 
 
 def test_a_worker_refusing_its_input_exits_2_while_a_store_thread_is_busy(tmp_path):
@@ -37,6 +42,12 @@ def test_a_worker_refusing_its_input_exits_2_while_a_store_thread_is_busy(tmp_pa
     """)
     )
     for _ in range(3):  # the abort came most times, not every time
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])},
+        )
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip() == "felactl worker: model 'x' builds nothing"
