@@ -13,8 +13,13 @@ import pulp
 import pytest
 
 from felactl.errors import InputError, PlanInfeasible
-from felactl.optimizer.collectives import allreduce_time_s, plan_collective, ring_allreduce_time_s
-from felactl.optimizer.graph import best_ring, capacity_graph, min_cut_bound
+from felactl.optimizer.collectives import (
+    allreduce_throughput_gbps,
+    allreduce_time_s,
+    plan_collective,
+    ring_allreduce_time_s,
+)
+from felactl.optimizer.graph import allreduce_bound, best_ring, capacity_graph, min_cut_bound
 from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,18 +68,18 @@ GROUPS = [
 
 @pytest.mark.parametrize("cluster,devices", GROUPS, ids=lambda x: ",".join(x) if isinstance(x, tuple) else x.name)
 def test_trees_are_arborescences_within_capacity(cluster, devices):
-    collective = plan_collective(cluster, devices)
+    collective = plan_collective(cluster, devices, two_way=False)  # Blink's broadcast packing
     assert_valid(cluster, collective)
     assert collective.rate_gbps >= 0.99 * collective.bound_gbps - EPS
 
 
 def test_full_dgx1v_from_gpu0_reaches_the_min_cut():
     # gpu0 has 6 NVLinks (0-1, 0-2, 2x 0-3, 2x 0-4) of 25 GB/s: 150 GB/s; PCIe adds 3 x 10 GB/s.
-    nvlink = plan_collective(NVLINK_ONLY, NVLINK_ONLY.device_names, root="gpu0", min_share=1.0)
+    nvlink = plan_collective(NVLINK_ONLY, NVLINK_ONLY.device_names, root="gpu0", min_share=1.0, two_way=False)
     assert nvlink.bound_gbps == pytest.approx(150.0)
     assert nvlink.rate_gbps == pytest.approx(150.0)
     assert len(nvlink.trees) <= 8
-    both = plan_collective(DGX, DGX.device_names, root="gpu0", min_share=1.0)
+    both = plan_collective(DGX, DGX.device_names, root="gpu0", min_share=1.0, two_way=False)
     assert_valid(DGX, both)
     assert both.bound_gbps == pytest.approx(180.0) and both.rate_gbps == pytest.approx(180.0)
     assert both.ring_gbps == pytest.approx(50.0)  # the widest Hamiltonian cycle uses only 2-link pairs
@@ -93,7 +98,7 @@ def test_three_gpus_without_nvlink_ring_trees_beat_the_ring():
 
 @pytest.mark.parametrize("devices", [NVLINK_ONLY.device_names, *itertools.combinations(NVLINK_ONLY.device_names, 7)])
 def test_at_most_n_trees_on_the_nvlink_graph(devices):
-    collective = plan_collective(NVLINK_ONLY, devices)
+    collective = plan_collective(NVLINK_ONLY, devices, two_way=False)
     assert 1 <= len(collective.trees) <= len(devices)
     assert collective.rate_gbps >= 0.99 * collective.bound_gbps - EPS
 
@@ -250,7 +255,7 @@ def test_mixed_cluster_loads_and_plans():
     cluster = load_cluster(CLUSTERS / "mixed.yaml")
     assert len(cluster.devices) == 24
     a100 = [d.name for d in cluster.nodes[0].devices]
-    local = plan_collective(cluster, a100, min_share=1.0)
+    local = plan_collective(cluster, a100, min_share=1.0, two_way=False)
     assert local.rate_gbps == pytest.approx(300.0)  # 3 peers x 4 NVLinks x 25 GB/s
     everything = plan_collective(cluster, cluster.device_names)
     assert_valid(cluster, everything)
@@ -271,3 +276,52 @@ def test_a_server_behind_a_narrow_nic_bounds_the_three_phase_rate():
     collective = plan_collective(cluster, cluster.device_names)
     assert collective.rate_gbps <= collective.bound_gbps * (1 + 1e-9)
     assert collective.rate_gbps == pytest.approx(3.125)
+
+
+# --- trees packed for the allreduce itself (two-way) ------------------------------------------
+FRAGMENT = _pair_cluster(  # plans/testbeds/dgx1v-fragment.yaml: 100 out and 100 in at gpu0 and gpu1
+    ("g0", "g1", 25.0, 10.0),
+    ("g0", "g2", 25.0, 10.0),
+    ("g0", "g3", 50.0, 10.0),
+    ("g1", "g2", 50.0, 10.0),
+    ("g1", "g3", 25.0, 10.0),
+    ("g2", "g3", 50.0, 10.0),
+)
+
+
+def test_the_bound_of_any_allreduce_counts_every_transfer_not_the_broadcasts_cut():
+    names = list(FRAGMENT.device_names)
+    graph = capacity_graph(FRAGMENT, names)
+    assert min_cut_bound(graph, "g0")[0] == pytest.approx(100.0)  # a broadcast from g0 reaches 100
+    # four parties need six transfers per element over 2 x 225 GB/s of links: 75
+    assert allreduce_bound(graph) == pytest.approx(75.0)
+    one_way_narrow = ClusterSpec(
+        name="hand",
+        nodes=(Node(name="n", devices=FRAGMENT.nodes[0].devices[:2]),),
+        links=(
+            Link(src="g0", dst="g1", bandwidth_gbps=10.0, latency_us=1.0, type=LinkType.PCIE),
+            Link(src="g1", dst="g0", bandwidth_gbps=4.0, latency_us=1.0, type=LinkType.PCIE),
+        ),
+    )
+    assert allreduce_bound(capacity_graph(one_way_narrow, ["g0", "g1"])) == pytest.approx(4.0)  # each way
+
+
+def test_trees_packed_for_the_allreduce_reach_its_bound_where_the_broadcasts_reach_two_thirds():
+    broadcast = plan_collective(FRAGMENT, FRAGMENT.device_names, two_way=False)
+    assert broadcast.rate_gbps == pytest.approx(100.0)
+    assert allreduce_throughput_gbps(FRAGMENT, broadcast) == pytest.approx(50.0)
+    collective = plan_collective(FRAGMENT, FRAGMENT.device_names)
+    assert_valid(FRAGMENT, collective)
+    assert not collective.reduce_trees  # the reduce runs up the same trees
+    assert allreduce_throughput_gbps(FRAGMENT, collective) == pytest.approx(75.0)
+    assert len(collective.trees) <= 4
+    assert allreduce_time_s(FRAGMENT, collective, 1e9) < allreduce_time_s(FRAGMENT, broadcast, 1e9) / 1.4
+
+
+@pytest.mark.parametrize("cluster,devices", GROUPS, ids=lambda x: ",".join(x) if isinstance(x, tuple) else x.name)
+def test_the_allreduce_trees_are_never_slower_than_the_broadcasts_nor_beat_the_bound(cluster, devices):
+    collective = plan_collective(cluster, devices)
+    assert_valid(cluster, collective)
+    x = allreduce_throughput_gbps(cluster, collective)
+    assert x >= allreduce_throughput_gbps(cluster, plan_collective(cluster, devices, two_way=False)) * (1 - EPS)
+    assert x <= allreduce_bound(capacity_graph(cluster, devices)) * (1 + EPS)

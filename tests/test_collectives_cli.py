@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -32,9 +33,23 @@ def test_json_for_three_gpus_by_index():
     result = runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--devices", "0,1,5", "--json"])
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)  # exactly one JSON object on stdout
-    assert set(data) == {"devices", "root", "trees", "rate_gbps", "bound_gbps", "ring_gbps", "solve_s"}
+    assert set(data) == {
+        "devices",
+        "root",
+        "trees",
+        "rate_gbps",
+        "bound_gbps",
+        "ring_gbps",
+        "solve_s",
+        "allreduce_gbps",
+        "allreduce_bound_gbps",
+        "ring_allreduce_gbps",
+    }
     assert data["devices"] == ["gpu0", "gpu1", "gpu5"]
     assert data["rate_gbps"] == 35.0 and data["bound_gbps"] == 35.0 and data["ring_gbps"] == 10.0
+    # gpu0 has 25 + 10 GB/s each way: no allreduce beats 35, and the trees move one at that
+    assert data["allreduce_gbps"] == pytest.approx(data["allreduce_bound_gbps"])
+    assert data["ring_allreduce_gbps"] == pytest.approx(10.0 * 3 / 4)
     assert sum(t["weight"] for t in data["trees"]) == 35.0
     assert all(len(t["edges"]) == 2 and t["edges"][0][0] == data["root"] for t in data["trees"])
 
@@ -47,8 +62,13 @@ def test_names_root_and_human_table_on_stderr():
     assert result.exit_code == 0, result.stderr
     assert result.stdout == ""
     text = " ".join(result.stderr.split())  # rich wraps lines at the terminal's width
-    assert "root gpu2" in text and "rate 75.00 GB/s, min-cut bound 75.00 GB/s" in text
-    assert "best ring 25.00 GB/s (3.00x the ring)" in text
+    # links of 50 (gpu0-gpu3), 25 (gpu0-gpu2) and 50 (gpu3-gpu2) each way: an allreduce among three
+    # sends 4 transfers per element, so none beats 2 x 125 / 4 = 62.5, which the trees reach; their
+    # broadcast alone could reach 75
+    assert "root gpu2" in text and "allreduce 62.50 GB/s over the trees" in text
+    assert "no allreduce can beat 62.50 GB/s here" in text
+    assert "the trees' broadcast: rate 62.50 GB/s, min-cut bound 75.00 GB/s" in text
+    assert "3.33x the best ring's 18.75" in text
     assert "allreduce of 100 MB: trees" in text
 
 

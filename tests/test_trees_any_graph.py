@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from felactl.cli.main import app
 from felactl.optimizer.collectives import allreduce_throughput_gbps, allreduce_time_s, plan_collective, reversed_cluster
 from felactl.optimizer.cost import CostModel
-from felactl.optimizer.graph import capacity_graph
+from felactl.optimizer.graph import allreduce_bound, capacity_graph
 from felactl.optimizer.planner import make_plan
 from felactl.spec import save
 from tests.graph_fixtures import graph_cluster, random_strong_graph
@@ -33,13 +33,17 @@ def _bound(cluster, root) -> float:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_strongly_connected_graphs_get_trees_at_the_bound(seed):
     cluster = random_strong_graph(seed)
-    coll = plan_collective(cluster, cluster.device_names)
+    coll = plan_collective(cluster, cluster.device_names, two_way=False)  # the broadcast's packing
     assert coll.rate_gbps >= 0.98 * _bound(cluster, coll.root)
     # The allreduce: between min(R, R_reduce) / 2 and min(R, R_reduce) (the module's claim).
     reduce_bound = _bound(reversed_cluster(cluster), coll.root)
     x = allreduce_throughput_gbps(cluster, coll)
     assert min(coll.rate_gbps, reduce_bound) / 2 * (1 - 1e-6) <= x <= min(coll.rate_gbps, reduce_bound) * (1 + 1e-6)
     assert math.isfinite(allreduce_time_s(cluster, coll, 1e8))
+    # The trees plan_collective gives (two-way where faster): never slower, never past any allreduce's bound.
+    best = allreduce_throughput_gbps(cluster, plan_collective(cluster, cluster.device_names))
+    bound = allreduce_bound(capacity_graph(cluster, cluster.device_names))
+    assert x * (1 - 1e-6) <= best and (bound is None or best <= bound * (1 + 1e-6))
 
 
 @pytest.mark.parametrize("seed", SEEDS[::3])

@@ -18,8 +18,13 @@ from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError, PlanInfeasible
 from felactl.limits import check_flag
-from felactl.optimizer.collectives import allreduce_time_s, plan_collective, ring_allreduce_time_s
-from felactl.optimizer.graph import abbreviate_names
+from felactl.optimizer.collectives import (
+    allreduce_throughput_gbps,
+    allreduce_time_s,
+    plan_collective,
+    ring_allreduce_time_s,
+)
+from felactl.optimizer.graph import abbreviate_names, allreduce_bound, capacity_graph
 from felactl.spec import ClusterSpec, Collective, load_cluster
 
 
@@ -53,9 +58,12 @@ def resolve_devices(cluster: ClusterSpec, text: str | None) -> list[str]:
     return names
 
 
-def collective_result(collective: Collective, solve_s: float) -> dict:
-    """The JSON object of ``--json``."""
-    return {
+def collective_result(collective: Collective, solve_s: float, cluster: ClusterSpec | None = None) -> dict:
+    """The JSON object of ``--json``: the trees, their broadcast rate beside the min-cut bound,
+    the ring's; with the ``cluster``, also the rate of the allreduce over the trees beside the
+    bound of any allreduce (None where the group is too large to compute it, or where the trees
+    have no way back to the root) and the best ring's allreduce rate."""
+    result = {
         "devices": list(collective.devices),
         "root": collective.root,
         "trees": [{"edges": [list(e) for e in tree.edges], "weight": tree.weight} for tree in collective.trees],
@@ -64,6 +72,18 @@ def collective_result(collective: Collective, solve_s: float) -> dict:
         "ring_gbps": collective.ring_gbps,
         "solve_s": solve_s,
     }
+    if cluster is not None:
+        n = len(collective.devices)
+        try:
+            allreduce = allreduce_throughput_gbps(cluster, collective) if collective.trees else None
+        except PlanInfeasible:
+            allreduce = None
+        result.update(
+            allreduce_gbps=allreduce,
+            allreduce_bound_gbps=allreduce_bound(capacity_graph(cluster, collective.devices)),
+            ring_allreduce_gbps=collective.ring_gbps * n / (2 * (n - 1)) if n > 1 else 0.0,
+        )
+    return result
 
 
 def _render(console, result: dict) -> None:
@@ -75,11 +95,19 @@ def _render(console, result: dict) -> None:
         edges = ", ".join(f"{a}->{b}" for a, b in tree["edges"])
         table.add_row(str(i), f"{tree['weight']:.2f}", f"{tree['weight'] / rate:.1%}", edges)
     console.print(table)
-    ring = result["ring_gbps"]
-    versus = f"{result['rate_gbps'] / ring:.2f}x the ring" if ring > 0 else "no ring exists over direct links"
+    ring, ring_allreduce, allreduce = result["ring_gbps"], result["ring_allreduce_gbps"], result["allreduce_gbps"]
+    if allreduce is not None:
+        versus = (
+            f"{allreduce / ring_allreduce:.2f}x the best ring's" if ring > 0 else "no ring exists over direct links"
+        )
+        bound = result["allreduce_bound_gbps"]
+        console.print(
+            f"allreduce {allreduce:.2f} GB/s over the trees ({versus} {ring_allreduce:.2f})"
+            + (f"; no allreduce can beat {bound:.2f} GB/s here" if bound is not None else "")
+        )
     console.print(
-        f"rate {result['rate_gbps']:.2f} GB/s, min-cut bound {result['bound_gbps']:.2f} GB/s, "
-        f"best ring {ring:.2f} GB/s ({versus}); solved in {result['solve_s']:.2f} s"
+        f"the trees' broadcast: rate {result['rate_gbps']:.2f} GB/s, min-cut bound {result['bound_gbps']:.2f} GB/s; "
+        f"best ring {ring:.2f} GB/s; solved in {result['solve_s']:.2f} s"
     )
     if "allreduce_s" in result:
         ring_s, tree_s = result["ring_allreduce_s"], result["allreduce_s"]
@@ -118,7 +146,7 @@ def collectives(
     root_name = resolve_device(spec, root) if root is not None else None
     started = time.perf_counter()
     collective = plan_collective(spec, names, root=root_name, min_share=min_share)
-    result = collective_result(collective, time.perf_counter() - started)
+    result = collective_result(collective, time.perf_counter() - started, spec)
     if size_mb is not None:
         num_bytes = size_mb * 1e6
         ring_s = ring_allreduce_time_s(spec, names, num_bytes) if collective.ring_gbps > 0 else None

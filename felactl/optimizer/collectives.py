@@ -39,6 +39,16 @@ and kept where they make the allreduce faster than the reversed trees (or where 
 link that does not exist). A group whose devices cannot all reach the root has no reduce over
 trees: its allreduce over trees is refused and the planner prices a ring.
 
+**Trees for the allreduce itself.** Trees packed for a broadcast reach its bound R, but an
+allreduce sends every byte up as well as down, so where a broadcast tree uses a link one way and
+another tree the other way, the reduce and the broadcast meet on both: on four devices whose
+links give each 100 in and 100 out, the broadcast's trees move an allreduce at 50 where 75 is
+possible. So one server's group is also packed *two-way* (``packing``: each tree loads its links
+both ways, the reduce running up it reversed), and those trees are kept where their allreduce
+is faster (then ``rate_gbps``, their broadcast rate, is below ``bound_gbps``, the broadcast's).
+Where links are as wide both ways, the two-way LP optimum is Nash-Williams' bound of spanning
+tree packing, which equals the bound of any allreduce (``graph.allreduce_bound``).
+
 **Times** (bytes N; rates in GB/s = 1e9 bytes/s; latencies in microseconds):
 
 - Tree allreduce = reduce up the reduce trees (the broadcast trees reversed where there are none
@@ -73,6 +83,7 @@ import networkx as nx
 
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer.graph import (
+    allreduce_bound,
     best_ring,
     capacity_graph,
     check_devices,
@@ -288,8 +299,10 @@ def plan_collective(
     group: str = "group",
     root: str | None = None,
     min_share: float = 0.99,
+    two_way: bool = True,
 ) -> Collective:
-    """The allreduce trees of a group of devices (module docstring), with rate, bound and ring rate."""
+    """The allreduce trees of a group of devices (module docstring), with rate, bound and ring rate.
+    ``two_way=False`` keeps the trees packed for a broadcast (Blink's packing, at the min-cut bound)."""
     devices = check_devices(cluster, devices)
     if root is not None and root not in devices:
         raise InputError(f"root {root!r} is not one of the group's devices ({', '.join(devices)})")
@@ -314,7 +327,39 @@ def plan_collective(
         ring_gbps=best_ring(cluster, devices)[1],
         trees=tuple(Tree(edges=_root_first(edges, root), weight=w) for edges, w in trees if w > 0),
     )
-    return _with_reduce_trees(cluster, collective, lambda spec: pack(spec, root))
+    collective = _with_reduce_trees(cluster, collective, lambda spec: pack(spec, root))
+    return _with_two_way_trees(cluster, collective, min_share) if two_way and len(per_node) == 1 else collective
+
+
+def _with_two_way_trees(cluster: ClusterSpec, collective: Collective, min_share: float) -> Collective:
+    """The trees packed two-way for the allreduce (module docstring), where they move it faster.
+    Tried where the bound of any allreduce is known (up to ``ALLREDUCE_BOUND_MAX_DEVICES``) and the
+    trees in hand stay below it; packings of the same local shape are remembered."""
+    try:
+        current = allreduce_throughput_gbps(cluster, collective)
+    except PlanInfeasible:
+        current = 0.0
+    graph = capacity_graph(cluster, collective.devices)
+    bound = allreduce_bound(graph)
+    if bound is None or current >= bound * (1 - 1e-3):
+        return collective
+    signature = local_signature(cluster, collective.devices)
+    kept = _pack_two_way_signature(signature, collective.devices.index(collective.root), min_share)
+    if kept is None:  # some link has no way back: only the trees packed each way apply
+        return collective
+    named = [(tuple((collective.devices[a], collective.devices[b]) for a, b in edges), w) for edges, w in kept.items()]
+    trees = tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in named if w > 0)
+    candidate = dataclasses.replace(collective, trees=trees, reduce_trees=(), rate_gbps=sum(t.weight for t in trees))
+    return candidate if allreduce_throughput_gbps(cluster, candidate) > current * (1 + 1e-6) else collective
+
+
+@functools.lru_cache(maxsize=4096)
+def _pack_two_way_signature(signature: tuple, root: int, min_share: float):
+    """The two-way packing of a local signature's graph from ``root`` (positions), or None."""
+    try:
+        return pack_arborescences(signature_graph(signature), root, math.inf, min_share, two_way=True)[0]
+    except PlanInfeasible:
+        return None
 
 
 def _symmetric(cluster: ClusterSpec, devices: Sequence[str]) -> bool:

@@ -15,7 +15,7 @@ Groups spanning several servers chain each server's best Hamiltonian path, as NC
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import networkx as nx
 
@@ -97,6 +97,55 @@ def min_cut_bound(graph: nx.DiGraph, root: str) -> tuple[float, str | None]:
         if flow < bound:
             bound, narrowest = flow, node
     return (0.0 if narrowest is None else bound), narrowest
+
+
+ALLREDUCE_BOUND_MAX_DEVICES = 9
+"""Groups up to this size get :func:`allreduce_bound` (it enumerates partitions: 21,147 for 9)."""
+
+
+def allreduce_bound(graph: nx.DiGraph) -> float | None:
+    """The rate (GB/s) no allreduce over ``graph`` can beat, whatever its algorithm; None for a
+    group too large to enumerate (``ALLREDUCE_BOUND_MAX_DEVICES``).
+
+    Every element of the sum must reach every device from every other, and with sums formed on
+    the way the fewest one-way transfers that do it are 2 (k - 1) among k parties (the one-way
+    gossip bound; a ring and reduce-then-broadcast trees both meet it). Taking the parts of any
+    partition P of the devices as the parties (transfers inside a part are free), the links
+    crossing P must carry 2 (|P| - 1) times the data: rate <= (width crossing P, both ways) /
+    (2 (|P| - 1)). Across a cut (A, B) the data must also cross each way: rate <= width A -> B.
+    The bound is the least of these over all partitions. (A broadcast's min-cut bound is no
+    bound of an allreduce: on four devices whose links give each 100 out and 100 in, a broadcast
+    reaches 100 but no allreduce beats the 450 / 6 = 75 that the six transfers per element leave.)
+    """
+    nodes = list(graph.nodes)
+    if len(nodes) < 2:
+        return 0.0
+    if len(nodes) > ALLREDUCE_BOUND_MAX_DEVICES:
+        return None
+    width = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
+    best = float("inf")
+    for parts in _partitions(nodes):
+        if len(parts) < 2:
+            continue
+        side = {node: i for i, part in enumerate(parts) for node in part}
+        crossing = [(u, v) for (u, v) in width if side[u] != side[v]]
+        best = min(best, sum(width[e] for e in crossing) / (2 * (len(parts) - 1)))
+        if len(parts) == 2:
+            for direction in (0, 1):
+                best = min(best, sum(width[(u, v)] for u, v in crossing if side[u] == direction))
+    return best
+
+
+def _partitions(items: list) -> Iterator[list[list]]:
+    """Every partition of ``items`` into non-empty parts."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for smaller in _partitions(rest):
+        for i in range(len(smaller)):
+            yield [*smaller[:i], [first, *smaller[i]], *smaller[i + 1 :]]
+        yield [[first], *smaller]
 
 
 def roots_by_bound(graph: nx.DiGraph, candidates: Sequence[str]) -> list[tuple[str, float]]:

@@ -18,6 +18,15 @@ and a root; knows nothing of clusters.
    every tree steps 2-3 produced, or, where the group is small enough to list every
    arborescence (``ENUMERATION_LIMIT``), over all of them, which makes the count the true
    minimum: keep as few trees as possible that still carry ``min_share`` of the packed rate.
+
+**Two-way packing** (``two_way=True``), for an allreduce that reduces up each tree and broadcasts
+down it at once: a tree then loads each of its links both ways, so link (u, v) carries the rate
+of every tree that holds (u, v) *or* (v, u). Steps 1, 2 and 4 run with that load (a tree's price
+is then y_uv + y_vu per edge); peeling's cut test is the broadcast's and is skipped: the fewest
+trees start from the LP's. Only links whose reverse exists take part (the reduce comes back on
+it). Where links are as wide both ways, the LP optimum is Nash-Williams' bound of fractional
+spanning-tree packing, min over partitions P of (width crossing P) / (|P| - 1): what any
+allreduce can reach there (:func:`felactl.optimizer.graph.allreduce_bound`).
 """
 
 from __future__ import annotations
@@ -106,21 +115,36 @@ def _solve(
         raise PlanInfeasible(f"{what}: the solver returned {status} ({found or 'no solution'})")
 
 
-def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges]) -> tuple[dict[Edges, float], dict]:
+def loaded_links(tree: Edges, two_way: bool) -> frozenset:
+    """The directed links a tree loads: its edges, and (two-way) their reverses."""
+    return frozenset(tree) | frozenset((v, u) for u, v in tree) if two_way else frozenset(tree)
+
+
+def two_way_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """The links of ``graph`` whose reverse it has too: what a two-way packing may use."""
+    kept = nx.DiGraph()
+    kept.add_nodes_from(graph.nodes)
+    kept.add_edges_from((u, v, d) for u, v, d in graph.edges(data=True) if graph.has_edge(v, u))
+    return kept
+
+
+def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges], two_way: bool = False) -> tuple[dict[Edges, float], dict]:
     """The packing LP over the given trees; returns (rate of each tree GB/s, dual price of each edge).
 
     Sets: E the directed links (capacity c_e, GB/s); T the candidate spanning arborescences.
     Variables: w_T >= 0, the rate tree T carries (GB/s).
     Objective: maximise sum_T w_T (the broadcast rate).
-    Constraints: (1) for every link e: sum over trees T containing e of w_T <= c_e.
-    The dual price y_e of (1) prices link e; a tree with sum_{e in T} y_e < 1 would improve it.
+    Constraints: (1) for every link e: sum over trees T loading e of w_T <= c_e (T loads its
+    edges; two-way, their reverses too).
+    The dual price y_e of (1) prices link e; a tree with sum_{e loaded} y_e < 1 would improve it.
     """
     problem = pulp.LpProblem(f"tree_packing_{next(_names)}", pulp.LpMaximize)
     rate = {tree: _variable(problem, f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
+    loads = {tree: loaded_links(tree, two_way) for tree in trees}
     problem += pulp.lpSum(rate.values())
     names = {}
     for e, (u, v, data) in enumerate(graph.edges(data=True)):
-        users = [rate[t] for t in trees if (u, v) in t]
+        users = [rate[t] for t in trees if (u, v) in loads[t]]
         if users:
             names[(u, v)] = f"c1_capacity_{e}"
             problem += (pulp.lpSum(users) <= data["capacity"], names[(u, v)])
@@ -131,7 +155,7 @@ def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges]) -> tuple[dict[Edges,
 
 
 def pack_trees(
-    graph: nx.DiGraph, root, bound_gbps: float, known: list[Edges] = ()
+    graph: nx.DiGraph, root, bound_gbps: float, known: list[Edges] = (), two_way: bool = False
 ) -> tuple[list[Edges], dict[Edges, float]]:
     """Column generation (step 2): every tree generated, and the optimal rate of each.
 
@@ -140,26 +164,35 @@ def pack_trees(
     trees = [t for t in known if all(graph.has_edge(*e) for e in t)]
     trees += [t for t in warm_start_trees(graph, root) if t not in trees]
     for _ in range(MAX_PRICING_ROUNDS):
-        weights, duals = solve_packing_lp(graph, trees)
+        weights, duals = solve_packing_lp(graph, trees, two_way)
         if sum(weights.values()) >= bound_gbps * (1 - BOUND_TOLERANCE):
             break
-        priced = min_cost_arborescence(graph, root, {e: max(y, 0.0) for e, y in duals.items()})
-        if sum(max(duals[e], 0.0) for e in priced) >= 1 - REDUCED_COST_TOLERANCE or priced in trees:
+        price = {e: max(y, 0.0) for e, y in duals.items()}
+        if two_way:  # a tree loads its edges both ways
+            price = {(u, v): y + price.get((v, u), 0.0) for (u, v), y in price.items()}
+        priced = min_cost_arborescence(graph, root, price)
+        if sum(price[e] for e in priced) >= 1 - REDUCED_COST_TOLERANCE or priced in trees:
             break
         trees.append(priced)
     return trees, weights
 
 
 def fewest_trees_ilp(
-    graph: nx.DiGraph, trees: list[Edges], packed_gbps: float, min_share: float, start: dict[Edges, float] | None = None
+    graph: nx.DiGraph,
+    trees: list[Edges],
+    packed_gbps: float,
+    min_share: float,
+    start: dict[Edges, float] | None = None,
+    two_way: bool = False,
 ) -> dict[Edges, float]:
     """The fewest trees that carry ``min_share`` of the packed rate; returns the kept trees' rates.
 
-    Sets: E the directed links (capacity c_e); T the generated trees; u_T = min_{e in T} c_e.
+    Sets: E the directed links (capacity c_e); T the generated trees; u_T = min c_e over the links
+    T loads (its edges; two-way, their reverses too).
     Variables: z_T in {0, 1} (tree kept); w_T >= 0 its rate (GB/s).
     Objective: minimise sum_T z_T - 0.5 * sum_T w_T / R, R the packed rate (fewest trees first;
     the second term < 1 only breaks ties towards the fastest of the smallest sets).
-    Constraints: (1) for every link e: sum over T containing e of w_T <= c_e;
+    Constraints: (1) for every link e: sum over T loading e of w_T <= c_e;
     (2) for every tree T: w_T <= u_T z_T; (3) sum_T w_T >= min_share * R.
     ``start`` (tree -> rate), a feasible solution, warm-starts CBC.
     """
@@ -167,13 +200,14 @@ def fewest_trees_ilp(
     kept = {tree: _variable(problem, f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
     rate = {tree: _variable(problem, f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
     problem += pulp.lpSum(kept.values()) - 0.5 * pulp.lpSum(rate.values()) * (1.0 / packed_gbps)
+    loads = {tree: loaded_links(tree, two_way) for tree in trees}
     for e, (u, v, data) in enumerate(graph.edges(data=True)):
-        users = [rate[t] for t in trees if (u, v) in t]
+        users = [rate[t] for t in trees if (u, v) in loads[t]]
         if users:
             problem += (pulp.lpSum(users) <= data["capacity"], f"c1_capacity_{e}")
     capacity = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
     for t, tree in enumerate(trees):
-        problem += (rate[tree] <= min(capacity[e] for e in tree) * kept[tree], f"c2_kept_{t}")
+        problem += (rate[tree] <= min(capacity[e] for e in loads[tree]) * kept[tree], f"c2_kept_{t}")
     problem += (pulp.lpSum(rate.values()) >= min_share * packed_gbps, "c3_share")
     for tree in trees:
         kept[tree].setInitialValue(1 if start and tree in start else 0)
@@ -305,13 +339,60 @@ def _reaches_root(node, parent_of: dict, root) -> bool:
 
 
 def pack_arborescences(
-    graph: nx.DiGraph, root, bound_gbps: float, min_share: float
+    graph: nx.DiGraph, root, bound_gbps: float, min_share: float, two_way: bool = False
 ) -> tuple[dict[Edges, float], float]:
-    """Steps 1-4: the kept trees with their rates (GB/s), and the rate of the full LP packing."""
+    """Steps 1-4: the kept trees with their rates (GB/s), and the rate of the full LP packing.
+    ``two_way``: packed for an allreduce up and down the same trees (module docstring);
+    ``bound_gbps`` is then only where column generation may stop early."""
     if graph.number_of_nodes() == 1:
         return {(): float("inf")}, float("inf")
+    if two_way:
+        return _pack_two_way(two_way_graph(graph), root, bound_gbps, min_share)
     candidates, peeled, packed = peel_trees(graph, root, bound_gbps, min_share)
     if packed <= 0:
         raise PlanInfeasible(f"no positive-rate spanning tree from {root}")
     candidates = all_arborescences(graph, root) or candidates  # small groups: the ILP is exact
     return fewest_trees_ilp(graph, candidates, packed, min_share, start=peeled), packed
+
+
+def _pack_two_way(graph: nx.DiGraph, root, bound_gbps: float, min_share: float) -> tuple[dict[Edges, float], float]:
+    """Two-way packing: the LP over every arborescence (small groups) or by column generation,
+    then the fewest trees that carry ``min_share`` of it, started from the LP's own trees."""
+    if len(nx.descendants(graph, root)) < graph.number_of_nodes() - 1:
+        raise PlanInfeasible(f"no spanning tree from {root} over links that go both ways")
+    trees = all_arborescences(graph, root)
+    if trees is None:
+        trees, weights = pack_trees(graph, root, bound_gbps, two_way=True)
+    else:
+        weights, _ = solve_packing_lp(graph, trees, two_way=True)
+    packed = sum(weights.values())
+    if packed <= CAPACITY_EPS_GBPS:
+        raise PlanInfeasible(f"no positive-rate spanning tree from {root} over links that go both ways")
+    start = {t: w for t, w in weights.items() if w > CAPACITY_EPS_GBPS}
+    kept = fewest_trees_ilp(graph, list(start), packed, min_share, start=start, two_way=True)
+    if len(kept) > graph.number_of_nodes():  # many slim trees: the most rate n trees can carry instead
+        kept = most_rate_ilp(graph, list(start), graph.number_of_nodes(), two_way=True)
+    return kept, packed
+
+
+def most_rate_ilp(graph: nx.DiGraph, trees: list[Edges], max_trees: int, two_way: bool = False) -> dict[Edges, float]:
+    """The most rate at most ``max_trees`` of ``trees`` carry; returns the kept trees' rates.
+
+    Variables z_T in {0, 1}, w_T >= 0. Objective: maximise sum_T w_T. Constraints: (1) for every
+    link e: sum over T loading e of w_T <= c_e; (2) w_T <= u_T z_T; (3) sum_T z_T <= max_trees.
+    """
+    problem = pulp.LpProblem(f"most_rate_{next(_names)}", pulp.LpMaximize)
+    kept = {tree: _variable(problem, f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
+    rate = {tree: _variable(problem, f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
+    problem += pulp.lpSum(rate.values())
+    loads = {tree: loaded_links(tree, two_way) for tree in trees}
+    capacity = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
+    for e, (u, v) in enumerate(capacity):
+        users = [rate[t] for t in trees if (u, v) in loads[t]]
+        if users:
+            problem += (pulp.lpSum(users) <= capacity[(u, v)], f"c1_capacity_{e}")
+    for t, tree in enumerate(trees):
+        problem += (rate[tree] <= min(capacity[e] for e in loads[tree]) * kept[tree], f"c2_kept_{t}")
+    problem += (pulp.lpSum(kept.values()) <= max_trees, "c3_count")
+    _solve(problem, "most-rate ILP", FEWEST_TREES_TIME_LIMIT_S)
+    return {tree: rate[tree].value() for tree in trees if (kept[tree].value() or 0) > 0.5 and rate[tree].value() > 0}
