@@ -49,10 +49,10 @@ def test_a_shared_nic_is_divided_among_the_nodes_devices():
 def test_a_switch_port_is_counted_once():
     switched = _cluster(switch_gbps=450.0)
     names = [f"a10g.gpu{i}" for i in range(8)]
-    coll = plan_collective(switched, names, two_way=False)
+    coll = plan_collective(switched, names, for_allreduce=False)
     assert coll.rate_gbps == pytest.approx(450.0) and coll.bound_gbps == pytest.approx(450.0)
     assert allreduce_throughput_gbps(switched, coll) <= 450.0 * (1 + 1e-9)
-    wired = plan_collective(_cluster(), names, two_way=False)  # a full mesh of 450 GB/s wires: 7 x 450
+    wired = plan_collective(_cluster(), names, for_allreduce=False)  # a full mesh of 450 GB/s wires: 7 x 450
     assert wired.rate_gbps == pytest.approx(7 * 450.0)
     # A ring sends to one peer at a time: the port is the ring's bottleneck either way.
     assert ring_allreduce_time_s(switched, names, 1e9) == pytest.approx(ring_allreduce_time_s(_cluster(), names, 1e9))

@@ -68,18 +68,18 @@ GROUPS = [
 
 @pytest.mark.parametrize("cluster,devices", GROUPS, ids=lambda x: ",".join(x) if isinstance(x, tuple) else x.name)
 def test_trees_are_arborescences_within_capacity(cluster, devices):
-    collective = plan_collective(cluster, devices, two_way=False)  # Blink's broadcast packing
+    collective = plan_collective(cluster, devices, for_allreduce=False)  # Blink's broadcast packing
     assert_valid(cluster, collective)
     assert collective.rate_gbps >= 0.99 * collective.bound_gbps - EPS
 
 
 def test_full_dgx1v_from_gpu0_reaches_the_min_cut():
     # gpu0 has 6 NVLinks (0-1, 0-2, 2x 0-3, 2x 0-4) of 25 GB/s: 150 GB/s; PCIe adds 3 x 10 GB/s.
-    nvlink = plan_collective(NVLINK_ONLY, NVLINK_ONLY.device_names, root="gpu0", min_share=1.0, two_way=False)
+    nvlink = plan_collective(NVLINK_ONLY, NVLINK_ONLY.device_names, root="gpu0", min_share=1.0, for_allreduce=False)
     assert nvlink.bound_gbps == pytest.approx(150.0)
     assert nvlink.rate_gbps == pytest.approx(150.0)
     assert len(nvlink.trees) <= 8
-    both = plan_collective(DGX, DGX.device_names, root="gpu0", min_share=1.0, two_way=False)
+    both = plan_collective(DGX, DGX.device_names, root="gpu0", min_share=1.0, for_allreduce=False)
     assert_valid(DGX, both)
     assert both.bound_gbps == pytest.approx(180.0) and both.rate_gbps == pytest.approx(180.0)
     assert both.ring_gbps == pytest.approx(50.0)  # the widest Hamiltonian cycle uses only 2-link pairs
@@ -98,7 +98,7 @@ def test_three_gpus_without_nvlink_ring_trees_beat_the_ring():
 
 @pytest.mark.parametrize("devices", [NVLINK_ONLY.device_names, *itertools.combinations(NVLINK_ONLY.device_names, 7)])
 def test_at_most_n_trees_on_the_nvlink_graph(devices):
-    collective = plan_collective(NVLINK_ONLY, devices, two_way=False)
+    collective = plan_collective(NVLINK_ONLY, devices, for_allreduce=False)
     assert 1 <= len(collective.trees) <= len(devices)
     assert collective.rate_gbps >= 0.99 * collective.bound_gbps - EPS
 
@@ -144,7 +144,7 @@ def test_packing_matches_an_lp_over_every_arborescence(seed):
     """A second implementation: enumerate every spanning arborescence, solve the full LP."""
     cluster = _random_cluster(seed, 5)
     devices = cluster.device_names
-    collective = plan_collective(cluster, devices, root="d0", min_share=1.0)
+    collective = plan_collective(cluster, devices, root="d0", min_share=1.0, for_allreduce=False)
     assert_valid(cluster, collective)
     capacity = {(l.src, l.dst): l.bandwidth_gbps for l in cluster.links}
     trees = _all_arborescences(devices, "d0", set(capacity))
@@ -255,7 +255,7 @@ def test_mixed_cluster_loads_and_plans():
     cluster = load_cluster(CLUSTERS / "mixed.yaml")
     assert len(cluster.devices) == 24
     a100 = [d.name for d in cluster.nodes[0].devices]
-    local = plan_collective(cluster, a100, min_share=1.0, two_way=False)
+    local = plan_collective(cluster, a100, min_share=1.0, for_allreduce=False)
     assert local.rate_gbps == pytest.approx(300.0)  # 3 peers x 4 NVLinks x 25 GB/s
     everything = plan_collective(cluster, cluster.device_names)
     assert_valid(cluster, everything)
@@ -307,7 +307,7 @@ def test_the_bound_of_any_allreduce_counts_every_transfer_not_the_broadcasts_cut
 
 
 def test_trees_packed_for_the_allreduce_reach_its_bound_where_the_broadcasts_reach_two_thirds():
-    broadcast = plan_collective(FRAGMENT, FRAGMENT.device_names, two_way=False)
+    broadcast = plan_collective(FRAGMENT, FRAGMENT.device_names, for_allreduce=False)
     assert broadcast.rate_gbps == pytest.approx(100.0)
     assert allreduce_throughput_gbps(FRAGMENT, broadcast) == pytest.approx(50.0)
     collective = plan_collective(FRAGMENT, FRAGMENT.device_names)
@@ -323,5 +323,24 @@ def test_the_allreduce_trees_are_never_slower_than_the_broadcasts_nor_beat_the_b
     collective = plan_collective(cluster, devices)
     assert_valid(cluster, collective)
     x = allreduce_throughput_gbps(cluster, collective)
-    assert x >= allreduce_throughput_gbps(cluster, plan_collective(cluster, devices, two_way=False)) * (1 - EPS)
+    assert x >= allreduce_throughput_gbps(cluster, plan_collective(cluster, devices, for_allreduce=False)) * (1 - EPS)
     assert x <= allreduce_bound(capacity_graph(cluster, devices)) * (1 + EPS)
+
+
+def test_where_links_differ_by_direction_the_reduce_and_broadcast_trees_are_packed_together():
+    # plans/testbeds/asymmetric.yaml: 80 round the ring one way, 10 back. Each family packed alone
+    # reaches 90, and together they moved the allreduce at 45; packed together for it, at 50.
+    fast, slow = 80.0, 10.0
+    devices = tuple(Device(name=n, kind=DeviceKind.CPU, model="x", tflops=1.0, memory_gb=1.0) for n in ("a", "b", "c"))
+    links = [("a", "b", fast), ("b", "c", fast), ("c", "a", fast), ("b", "a", slow), ("c", "b", slow), ("a", "c", slow)]
+    ring = ClusterSpec(
+        name="hand",
+        nodes=(Node(name="n", devices=devices),),
+        links=tuple(Link(src=s, dst=d, bandwidth_gbps=g, latency_us=1.0, type=LinkType.PCIE) for s, d, g in links),
+    )
+    collective = plan_collective(ring, ["a", "b", "c"], root="a")
+    assert_valid(ring, collective)
+    assert allreduce_throughput_gbps(ring, collective) == pytest.approx(50.0)
+    assert allreduce_bound(capacity_graph(ring, ["a", "b", "c"])) == pytest.approx(
+        67.5
+    )  # trees from one root stay below

@@ -33,7 +33,7 @@ def _bound(cluster, root) -> float:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_strongly_connected_graphs_get_trees_at_the_bound(seed):
     cluster = random_strong_graph(seed)
-    coll = plan_collective(cluster, cluster.device_names, two_way=False)  # the broadcast's packing
+    coll = plan_collective(cluster, cluster.device_names, for_allreduce=False)  # the broadcast's packing
     assert coll.rate_gbps >= 0.98 * _bound(cluster, coll.root)
     # The allreduce: between min(R, R_reduce) / 2 and min(R, R_reduce) (the module's claim).
     reduce_bound = _bound(reversed_cluster(cluster), coll.root)

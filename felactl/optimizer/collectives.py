@@ -47,7 +47,11 @@ possible. So one server's group is also packed *two-way* (``packing``: each tree
 both ways, the reduce running up it reversed), and those trees are kept where their allreduce
 is faster (then ``rate_gbps``, their broadcast rate, is below ``bound_gbps``, the broadcast's).
 Where links are as wide both ways, the two-way LP optimum is Nash-Williams' bound of spanning
-tree packing, which equals the bound of any allreduce (``graph.allreduce_bound``).
+tree packing, which equals the bound of any allreduce (``graph.allreduce_bound``). Where links
+differ by direction, broadcast and reduce trees are packed together instead, in one LP whose
+objective is the allreduce's rate (``packing.pack_up_and_down``), kept where faster. Both are
+tried for one server's groups of up to ``ALLREDUCE_BOUND_MAX_DEVICES``; ``for_allreduce=False``
+keeps the broadcast's packing.
 
 **Times** (bytes N; rates in GB/s = 1e9 bytes/s; latencies in microseconds):
 
@@ -83,6 +87,7 @@ import networkx as nx
 
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer.graph import (
+    ALLREDUCE_BOUND_MAX_DEVICES,
     allreduce_bound,
     best_ring,
     capacity_graph,
@@ -93,7 +98,7 @@ from felactl.optimizer.graph import (
     roots_by_bound,
     signature_graph,
 )
-from felactl.optimizer.packing import pack_arborescences
+from felactl.optimizer.packing import pack_arborescences, pack_up_and_down
 from felactl.spec.cluster import ClusterSpec
 from felactl.spec.plan import Collective, Tree
 
@@ -299,10 +304,11 @@ def plan_collective(
     group: str = "group",
     root: str | None = None,
     min_share: float = 0.99,
-    two_way: bool = True,
+    for_allreduce: bool = True,
 ) -> Collective:
     """The allreduce trees of a group of devices (module docstring), with rate, bound and ring rate.
-    ``two_way=False`` keeps the trees packed for a broadcast (Blink's packing, at the min-cut bound)."""
+    ``for_allreduce=False`` keeps the trees packed for a broadcast (Blink's packing, at the min-cut
+    bound) and, where links differ by direction, the reduce's packed on their own."""
     devices = check_devices(cluster, devices)
     if root is not None and root not in devices:
         raise InputError(f"root {root!r} is not one of the group's devices ({', '.join(devices)})")
@@ -328,7 +334,11 @@ def plan_collective(
         trees=tuple(Tree(edges=_root_first(edges, root), weight=w) for edges, w in trees if w > 0),
     )
     collective = _with_reduce_trees(cluster, collective, lambda spec: pack(spec, root))
-    return _with_two_way_trees(cluster, collective, min_share) if two_way and len(per_node) == 1 else collective
+    if not for_allreduce or len(per_node) > 1:
+        return collective
+    if _symmetric(cluster, devices):
+        return _with_two_way_trees(cluster, collective, min_share)
+    return _with_trees_packed_up_and_down(cluster, collective)
 
 
 def _with_two_way_trees(cluster: ClusterSpec, collective: Collective, min_share: float) -> Collective:
@@ -401,6 +411,35 @@ def _with_reduce_trees(cluster: ClusterSpec, collective: Collective, pack) -> Co
         reduce_trees=tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in trees if w > 0),
     )
     return candidate if allreduce_throughput_gbps(cluster, candidate) > reverse_x * (1 + 1e-9) else collective
+
+
+def _with_trees_packed_up_and_down(cluster: ClusterSpec, collective: Collective) -> Collective:
+    """Where links differ by direction: broadcast and reduce trees packed together for the
+    allreduce (``packing.pack_up_and_down``), where they beat the trees in hand; groups up to
+    ``ALLREDUCE_BOUND_MAX_DEVICES`` on one server, at most n trees of each kind (the heaviest)."""
+    devices = collective.devices
+    if len(devices) > ALLREDUCE_BOUND_MAX_DEVICES or not collective.trees:
+        return collective
+    try:
+        down, up, _ = pack_up_and_down(capacity_graph(cluster, devices), collective.root)
+    except PlanInfeasible:
+        return collective
+
+    def heaviest(trees: dict) -> tuple[Tree, ...]:
+        kept = sorted(trees.items(), key=lambda item: -item[1])[: len(devices)]
+        return tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in kept)
+
+    if not down or not up:
+        return collective
+    trees = heaviest(down)
+    candidate = dataclasses.replace(
+        collective, trees=trees, reduce_trees=heaviest(up), rate_gbps=sum(t.weight for t in trees)
+    )
+    try:
+        current = allreduce_throughput_gbps(cluster, collective)
+    except PlanInfeasible:
+        current = 0.0
+    return candidate if allreduce_throughput_gbps(cluster, candidate) > current * (1 + 1e-6) else collective
 
 
 def _root_first(edges: tuple, root: str) -> tuple[tuple[str, str], ...]:

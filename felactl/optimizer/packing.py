@@ -396,3 +396,57 @@ def most_rate_ilp(graph: nx.DiGraph, trees: list[Edges], max_trees: int, two_way
     problem += (pulp.lpSum(kept.values()) <= max_trees, "c3_count")
     _solve(problem, "most-rate ILP", FEWEST_TREES_TIME_LIMIT_S)
     return {tree: rate[tree].value() for tree in trees if (kept[tree].value() or 0) > 0.5 and rate[tree].value() > 0}
+
+
+def pack_up_and_down(graph: nx.DiGraph, root) -> tuple[dict[Edges, float], dict[Edges, float], float]:
+    """Broadcast trees and reduce trees packed together for an allreduce at the highest rate X,
+    where links differ by direction (two-way packing takes the narrower way for both).
+
+    Sets: E the directed links (capacity c_e); D arborescences out of the root (broadcast, down);
+    U arborescences out of the root in the reversed graph (reduce: its edge (p, c) sends c -> p).
+    Variables: w_D, v_U >= 0 (rates), X >= 0. Objective: maximise X.
+    Constraints: (1) sum_D w_D >= X [alpha]; (2) sum_U v_U >= X [beta]; (3) for every link e = (a, b):
+    sum_{D contains e} w_D + sum_{U contains (b, a)} v_U <= c_e [y_e].
+    Column generation: a down tree improves X when its y-length is below alpha, an up tree when its
+    length in the reversed prices is below beta; both prices are minimum-cost arborescences.
+    Returns (down trees, up trees, X); their rates as the LP gives them (each family's shares are
+    its rates over their sum).
+    """
+    reverse = graph.reverse(copy=True)
+    down = warm_start_trees(graph, root)
+    up = warm_start_trees(reverse, root)
+    for _ in range(MAX_PRICING_ROUNDS):
+        problem = pulp.LpProblem(f"up_and_down_{next(_names)}", pulp.LpMaximize)
+        x = _variable(problem, "x", lowBound=0)
+        w = {t: _variable(problem, f"w_{i}", lowBound=0) for i, t in enumerate(down)}
+        v = {t: _variable(problem, f"v_{i}", lowBound=0) for i, t in enumerate(up)}
+        problem += x
+        problem += (pulp.lpSum(w.values()) - x >= 0, "c1_down")
+        problem += (pulp.lpSum(v.values()) - x >= 0, "c2_up")
+        names = {}
+        for e, (a, b, data) in enumerate(graph.edges(data=True)):
+            users = [w[t] for t in down if (a, b) in t] + [v[t] for t in up if (b, a) in t]
+            if users:
+                names[(a, b)] = f"c3_capacity_{e}"
+                problem += (pulp.lpSum(users) <= data["capacity"], names[(a, b)])
+        _solve(problem, "up-and-down packing LP")
+        y = {e: max(_dual_price(problem, names[e]), 0.0) if e in names else 0.0 for e in graph.edges}
+        alpha, beta = abs(_dual_price(problem, "c1_down")), abs(_dual_price(problem, "c2_up"))
+        added = False
+        tree = min_cost_arborescence(graph, root, y)
+        if sum(y[e] for e in tree) < alpha - REDUCED_COST_TOLERANCE and tree not in down:
+            down.append(tree)
+            added = True
+        priced_up = {(b, a): price for (a, b), price in y.items()}
+        tree = min_cost_arborescence(reverse, root, priced_up)
+        if sum(priced_up[e] for e in tree) < beta - REDUCED_COST_TOLERANCE and tree not in up:
+            up.append(tree)
+            added = True
+        if not added:
+            break
+    rate = x.value() or 0.0
+    return (
+        {t: var.value() for t, var in w.items() if (var.value() or 0) > CAPACITY_EPS_GBPS},
+        {t: var.value() for t, var in v.items() if (var.value() or 0) > CAPACITY_EPS_GBPS},
+        rate,
+    )
