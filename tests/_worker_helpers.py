@@ -286,3 +286,13 @@ def rescale(controller, command: dict, timeout_s: float = 30) -> dict:
     reply = controller.answers[request_id]
     assert reply["ok"], reply
     return reply["result"]
+
+
+def one_node_controller(coordinator, run, plan: Plan, slots: int, **settings):
+    """An ElasticController of ``plan``'s job on one node ``n`` (agent ``a``, ``slots`` slots),
+    as the tests that drive the coordinator without workers build it."""
+    from felactl.launcher.controlplane import Member
+    from felactl.launcher.elastic import ElasticController, ElasticSettings
+
+    member = Member(agent_id="a", node_name="n", num_slots=slots, hostname="n")
+    return ElasticController(coordinator, run, plan, [member], {"n": plan.devices}, ElasticSettings(**settings))

@@ -20,7 +20,7 @@ from felactl.launcher.rundir import read_jsonl
 from felactl.spec import save
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker_helpers import Job, dp_plan, rescale  # noqa: E402
+from _worker_helpers import Job, dp_plan, one_node_controller, rescale  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 200
@@ -278,8 +278,7 @@ def test_a_generation_document_spoiled_during_a_switch_is_written_back(tmp_path)
     appears. The coordinator writes it back while it waits for the members (it used to check its
     keys only between changes, so the members never saw a valid document and the switch failed)."""
     from felactl.control import Reader
-    from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
-    from felactl.launcher.elastic import ElasticController, ElasticSettings
+    from felactl.launcher.controlplane import Coordinator, write_secret_file
     from felactl.launcher.rundir import RunDir
 
     run = RunDir.create("spoil", root=tmp_path)
@@ -289,14 +288,7 @@ def test_a_generation_document_spoiled_during_a_switch_is_written_back(tmp_path)
     stop, spoiled = threading.Event(), threading.Event()
     store, name = coordinator.store, keys.generation_document(1)
     try:
-        controller = ElasticController(
-            coordinator,
-            run,
-            plan,
-            [Member(agent_id="a", node_name="n", num_slots=2, hostname="n")],
-            {"n": plan.devices},
-            ElasticSettings(heartbeat_timeout_s=2, switch_timeout_s=5),
-        )
+        controller = one_node_controller(coordinator, run, plan, 2, heartbeat_timeout_s=2, switch_timeout_s=5)
         workers = Reader(coordinator.seal, store, coordinator.prefix)
 
         def attacker() -> None:

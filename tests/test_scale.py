@@ -22,7 +22,7 @@ from felactl.launcher.scale_plan import ScalingPolicy, replan
 from felactl.spec import Plan, SyncMode, SyncSpec, Training, save
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker_helpers import Job, rescale  # noqa: E402
+from _worker_helpers import Job, one_node_controller, rescale  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 GPT_CONFIG = {"depth": 1, "width": 64}
@@ -422,8 +422,7 @@ def test_a_gpu_jobs_newcomer_is_started_on_a_free_gpu_without_a_profile(tmp_path
     (which put it on a GPU in use, where NCCL refuses a second rank)."""
     import dataclasses as dc
 
-    from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
-    from felactl.launcher.elastic import ElasticController, ElasticSettings
+    from felactl.launcher.controlplane import Coordinator, write_secret_file
     from felactl.launcher.membership import Request, Seen
     from felactl.launcher.rundir import RunDir
     from felactl.spec import DeviceKind, Placement
@@ -450,13 +449,8 @@ def test_a_gpu_jobs_newcomer_is_started_on_a_free_gpu_without_a_profile(tmp_path
     save(plan, run.plan)
     coordinator = Coordinator(write_secret_file(run.secret), job="gpu")
     try:
-        controller = ElasticController(
-            coordinator,
-            run,
-            plan,
-            [Member(agent_id="a", node_name="n", num_slots=3, hostname="n")],
-            {"n": plan.devices},
-            ElasticSettings(heartbeat_timeout_s=5, ready_timeout_s=20, switch_timeout_s=10),
+        controller = one_node_controller(
+            coordinator, run, plan, 3, heartbeat_timeout_s=5, ready_timeout_s=20, switch_timeout_s=10
         )
         commands = []
         monkeypatch.setattr(controller, "_command", lambda wid, command: commands.append(command))
