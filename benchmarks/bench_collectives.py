@@ -36,7 +36,9 @@ CLUSTERS = Path(__file__).resolve().parent.parent / "plans" / "clusters"
 def measure(cluster: ClusterSpec, devices: tuple[str, ...]) -> dict | None:
     started = time.perf_counter()
     try:
-        collective = plan_collective(cluster, devices)
+        # Blink's broadcast packing, which this table is about (its rate against the min-cut bound);
+        # the trees packed for the allreduce itself are measured by bench_tree_allreduce.py.
+        collective = plan_collective(cluster, devices, for_allreduce=False)
     except PlanInfeasible:
         return None
     solve_s = time.perf_counter() - started
@@ -107,7 +109,7 @@ def whole_clusters() -> list[dict]:
     rows = []
     for name, cluster in cases:
         started = time.perf_counter()
-        collective = plan_collective(cluster, cluster.device_names)
+        collective = plan_collective(cluster, cluster.device_names, for_allreduce=False)
         solve_s = time.perf_counter() - started
         rows.append(
             {
