@@ -230,8 +230,12 @@ class ElasticWorker(Membership):
         if failed and dist.get_backend() == "nccl":
             # A failed step's collective may still be on the GPU, waiting for a peer that is gone:
             # destroying the group would wait for it too; aborting the communicators ends it.
-            dist.distributed_c10d._abort_process_group()
-        else:
+            try:
+                dist.distributed_c10d._abort_process_group()
+                return
+            except (RuntimeError, ValueError) as exc:  # an experimental API of torch's: fall back
+                log.warning("worker %d: aborting the NCCL group failed (%s); destroying it", self.wid, exc)
+        if dist.is_initialized():
             dist.destroy_process_group()
 
     # --- start ----------------------------------------------------------------------------------
