@@ -18,13 +18,8 @@ from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError, PlanInfeasible
 from felactl.limits import check_flag
-from felactl.optimizer.collectives import (
-    allreduce_throughput_gbps,
-    allreduce_time_s,
-    plan_collective,
-    ring_allreduce_time_s,
-)
-from felactl.optimizer.graph import abbreviate_names, allreduce_bound, capacity_graph
+from felactl.optimizer.collectives import allreduce_rates, allreduce_time_s, plan_collective, ring_allreduce_time_s
+from felactl.optimizer.graph import abbreviate_names
 from felactl.spec import ClusterSpec, Collective, load_cluster
 
 
@@ -73,16 +68,7 @@ def collective_result(collective: Collective, solve_s: float, cluster: ClusterSp
         "solve_s": solve_s,
     }
     if cluster is not None:
-        n = len(collective.devices)
-        try:
-            allreduce = allreduce_throughput_gbps(cluster, collective) if collective.trees else None
-        except PlanInfeasible:
-            allreduce = None
-        result.update(
-            allreduce_gbps=allreduce,
-            allreduce_bound_gbps=allreduce_bound(capacity_graph(cluster, collective.devices)),
-            ring_allreduce_gbps=collective.ring_gbps * n / (2 * (n - 1)) if n > 1 else 0.0,
-        )
+        result.update(allreduce_rates(cluster, collective))
     return result
 
 

@@ -345,13 +345,8 @@ def _with_two_way_trees(cluster: ClusterSpec, collective: Collective, min_share:
     """The trees packed two-way for the allreduce (module docstring), where they move it faster.
     Tried where the bound of any allreduce is known (up to ``ALLREDUCE_BOUND_MAX_DEVICES``) and the
     trees in hand stay below it; packings of the same local shape are remembered."""
-    try:
-        current = allreduce_throughput_gbps(cluster, collective)
-    except PlanInfeasible:
-        current = 0.0
-    graph = capacity_graph(cluster, collective.devices)
-    bound = allreduce_bound(graph)
-    if bound is None or current >= bound * (1 - 1e-3):
+    bound = allreduce_bound(capacity_graph(cluster, collective.devices))
+    if bound is None or _x_or_zero(cluster, collective) >= bound * (1 - 1e-3):
         return collective
     signature = local_signature(cluster, collective.devices)
     kept = _pack_two_way_signature(signature, collective.devices.index(collective.root), min_share)
@@ -360,7 +355,20 @@ def _with_two_way_trees(cluster: ClusterSpec, collective: Collective, min_share:
     named = [(tuple((collective.devices[a], collective.devices[b]) for a, b in edges), w) for edges, w in kept.items()]
     trees = tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in named if w > 0)
     candidate = dataclasses.replace(collective, trees=trees, reduce_trees=(), rate_gbps=sum(t.weight for t in trees))
-    return candidate if allreduce_throughput_gbps(cluster, candidate) > current * (1 + 1e-6) else collective
+    return _faster(cluster, candidate, collective)
+
+
+def _x_or_zero(cluster: ClusterSpec, collective: Collective) -> float:
+    """The allreduce rate of ``collective``'s trees; 0 where a reduce link is missing."""
+    try:
+        return allreduce_throughput_gbps(cluster, collective)
+    except PlanInfeasible:
+        return 0.0
+
+
+def _faster(cluster: ClusterSpec, candidate: Collective, collective: Collective) -> Collective:
+    """``candidate`` where its allreduce is faster than ``collective``'s, else ``collective``."""
+    return candidate if _x_or_zero(cluster, candidate) > _x_or_zero(cluster, collective) * (1 + 1e-6) else collective
 
 
 @functools.lru_cache(maxsize=4096)
@@ -399,10 +407,6 @@ def _with_reduce_trees(cluster: ClusterSpec, collective: Collective, pack) -> Co
     if not collective.trees or _symmetric(cluster, collective.devices):
         return collective
     try:
-        reverse_x = allreduce_throughput_gbps(cluster, collective)
-    except PlanInfeasible:
-        reverse_x = 0.0
-    try:
         _, trees, _, _ = pack(reversed_cluster(cluster))
     except PlanInfeasible:  # no path back to the root from some device: no reduce over trees
         return collective
@@ -410,7 +414,7 @@ def _with_reduce_trees(cluster: ClusterSpec, collective: Collective, pack) -> Co
         collective,
         reduce_trees=tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in trees if w > 0),
     )
-    return candidate if allreduce_throughput_gbps(cluster, candidate) > reverse_x * (1 + 1e-9) else collective
+    return _faster(cluster, candidate, collective)
 
 
 def _with_trees_packed_up_and_down(cluster: ClusterSpec, collective: Collective) -> Collective:
@@ -435,11 +439,7 @@ def _with_trees_packed_up_and_down(cluster: ClusterSpec, collective: Collective)
     candidate = dataclasses.replace(
         collective, trees=trees, reduce_trees=heaviest(up), rate_gbps=sum(t.weight for t in trees)
     )
-    try:
-        current = allreduce_throughput_gbps(cluster, collective)
-    except PlanInfeasible:
-        current = 0.0
-    return candidate if allreduce_throughput_gbps(cluster, candidate) > current * (1 + 1e-6) else collective
+    return _faster(cluster, candidate, collective)
 
 
 def _root_first(edges: tuple, root: str) -> tuple[tuple[str, str], ...]:
@@ -564,4 +564,26 @@ def ring_allreduce_time_s(cluster: ClusterSpec, devices: Sequence[str], num_byte
         )
     slowest_us = max(cluster.link(a, b).latency_us for a, b in zip(order, order[1:] + order[:1]))
     steps = 2 * (count - 1)
-    return steps / count * num_bytes / (bottleneck_gbps * GBPS_TO_BYTES_PER_S) + steps * slowest_us * US_TO_S
+    return (
+        num_bytes / (ring_allreduce_gbps(bottleneck_gbps, count) * GBPS_TO_BYTES_PER_S) + steps * slowest_us * US_TO_S
+    )
+
+
+def ring_allreduce_gbps(bottleneck_gbps: float, count: int) -> float:
+    """The rate a ring allreduce over ``count`` devices moves the data at: each sends 2 (n - 1) / n of it."""
+    return bottleneck_gbps * count / (2 * (count - 1)) if count > 1 else 0.0
+
+
+def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, float | None]:
+    """What a reader weighs the trees by: their allreduce rate (None without trees, or where a
+    reduce link is missing), the bound of any allreduce over the group (None where too large to
+    compute), and the best ring's allreduce rate."""
+    try:
+        allreduce = allreduce_throughput_gbps(cluster, collective) if collective.trees else None
+    except PlanInfeasible:
+        allreduce = None
+    return {
+        "allreduce_gbps": allreduce,
+        "allreduce_bound_gbps": allreduce_bound(capacity_graph(cluster, collective.devices)),
+        "ring_allreduce_gbps": ring_allreduce_gbps(collective.ring_gbps, len(collective.devices)),
+    }

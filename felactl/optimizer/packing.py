@@ -128,6 +128,26 @@ def two_way_graph(graph: nx.DiGraph) -> nx.DiGraph:
     return kept
 
 
+def _capacity_rows(problem: pulp.LpProblem, graph: nx.DiGraph, loads: dict) -> dict[tuple, str]:
+    """Add "for every link e: the rates of the columns loading e sum to at most c_e" to ``problem``
+    (``loads``: column variable -> the links it loads); returns each constrained link's row name."""
+    names = {}
+    for e, (u, v, data) in enumerate(graph.edges(data=True)):
+        users = [var for var, links in loads.items() if (u, v) in links]
+        if users:
+            names[(u, v)] = f"c1_capacity_{e}"
+            problem += (pulp.lpSum(users) <= data["capacity"], names[(u, v)])
+    return names
+
+
+def _kept_rows(problem: pulp.LpProblem, graph: nx.DiGraph, trees, kept: dict, rate: dict, two_way: bool) -> None:
+    """Add "a tree carries nothing unless kept, and at most its narrowest loaded link" (w_T <= u_T z_T)."""
+    capacity = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
+    for t, tree in enumerate(trees):
+        narrowest = min(capacity[e] for e in loaded_links(tree, two_way))
+        problem += (rate[tree] <= narrowest * kept[tree], f"c2_kept_{t}")
+
+
 def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges], two_way: bool = False) -> tuple[dict[Edges, float], dict]:
     """The packing LP over the given trees; returns (rate of each tree GB/s, dual price of each edge).
 
@@ -140,14 +160,8 @@ def solve_packing_lp(graph: nx.DiGraph, trees: list[Edges], two_way: bool = Fals
     """
     problem = pulp.LpProblem(f"tree_packing_{next(_names)}", pulp.LpMaximize)
     rate = {tree: _variable(problem, f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
-    loads = {tree: loaded_links(tree, two_way) for tree in trees}
     problem += pulp.lpSum(rate.values())
-    names = {}
-    for e, (u, v, data) in enumerate(graph.edges(data=True)):
-        users = [rate[t] for t in trees if (u, v) in loads[t]]
-        if users:
-            names[(u, v)] = f"c1_capacity_{e}"
-            problem += (pulp.lpSum(users) <= data["capacity"], names[(u, v)])
+    names = _capacity_rows(problem, graph, {rate[t]: loaded_links(t, two_way) for t in trees})
     _solve(problem, "tree packing LP")
     weights = {tree: var.value() or 0.0 for tree, var in rate.items()}
     duals = {edge: _dual_price(problem, names[edge]) if edge in names else 0.0 for edge in graph.edges}
@@ -200,14 +214,8 @@ def fewest_trees_ilp(
     kept = {tree: _variable(problem, f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
     rate = {tree: _variable(problem, f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
     problem += pulp.lpSum(kept.values()) - 0.5 * pulp.lpSum(rate.values()) * (1.0 / packed_gbps)
-    loads = {tree: loaded_links(tree, two_way) for tree in trees}
-    for e, (u, v, data) in enumerate(graph.edges(data=True)):
-        users = [rate[t] for t in trees if (u, v) in loads[t]]
-        if users:
-            problem += (pulp.lpSum(users) <= data["capacity"], f"c1_capacity_{e}")
-    capacity = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
-    for t, tree in enumerate(trees):
-        problem += (rate[tree] <= min(capacity[e] for e in loads[tree]) * kept[tree], f"c2_kept_{t}")
+    _capacity_rows(problem, graph, {rate[t]: loaded_links(t, two_way) for t in trees})
+    _kept_rows(problem, graph, trees, kept, rate, two_way)
     problem += (pulp.lpSum(rate.values()) >= min_share * packed_gbps, "c3_share")
     for tree in trees:
         kept[tree].setInitialValue(1 if start and tree in start else 0)
@@ -385,14 +393,8 @@ def most_rate_ilp(graph: nx.DiGraph, trees: list[Edges], max_trees: int, two_way
     kept = {tree: _variable(problem, f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
     rate = {tree: _variable(problem, f"w_{t}", lowBound=0) for t, tree in enumerate(trees)}
     problem += pulp.lpSum(rate.values())
-    loads = {tree: loaded_links(tree, two_way) for tree in trees}
-    capacity = {(u, v): d["capacity"] for u, v, d in graph.edges(data=True)}
-    for e, (u, v) in enumerate(capacity):
-        users = [rate[t] for t in trees if (u, v) in loads[t]]
-        if users:
-            problem += (pulp.lpSum(users) <= capacity[(u, v)], f"c1_capacity_{e}")
-    for t, tree in enumerate(trees):
-        problem += (rate[tree] <= min(capacity[e] for e in loads[tree]) * kept[tree], f"c2_kept_{t}")
+    _capacity_rows(problem, graph, {rate[t]: loaded_links(t, two_way) for t in trees})
+    _kept_rows(problem, graph, trees, kept, rate, two_way)
     problem += (pulp.lpSum(kept.values()) <= max_trees, "c3_count")
     _solve(problem, "most-rate ILP", FEWEST_TREES_TIME_LIMIT_S)
     return {tree: rate[tree].value() for tree in trees if (kept[tree].value() or 0) > 0.5 and rate[tree].value() > 0}
@@ -423,12 +425,9 @@ def pack_up_and_down(graph: nx.DiGraph, root) -> tuple[dict[Edges, float], dict[
         problem += x
         problem += (pulp.lpSum(w.values()) - x >= 0, "c1_down")
         problem += (pulp.lpSum(v.values()) - x >= 0, "c2_up")
-        names = {}
-        for e, (a, b, data) in enumerate(graph.edges(data=True)):
-            users = [w[t] for t in down if (a, b) in t] + [v[t] for t in up if (b, a) in t]
-            if users:
-                names[(a, b)] = f"c3_capacity_{e}"
-                problem += (pulp.lpSum(users) <= data["capacity"], names[(a, b)])
+        loads = {w[t]: frozenset(t) for t in down}  # an up tree's edge (p, c) sends c -> p
+        loads.update({v[t]: frozenset((c, p) for p, c in t) for t in up})
+        names = _capacity_rows(problem, graph, loads)
         _solve(problem, "up-and-down packing LP")
         y = {e: max(_dual_price(problem, names[e]), 0.0) if e in names else 0.0 for e in graph.edges}
         alpha, beta = abs(_dual_price(problem, "c1_down")), abs(_dual_price(problem, "c2_up"))
