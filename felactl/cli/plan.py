@@ -241,7 +241,11 @@ def plan(
     if out is not None:
         save(result, out)
     cost = CostModel(
-        cluster_spec.subset(result.devices), model_spec, use_trees=not no_trees, sync_reference=cluster_spec
+        cluster_spec.subset(result.devices),
+        model_spec,
+        use_trees=not no_trees,
+        sync_reference=cluster_spec,
+        ring_order=tuple(result.devices),
     )
     if cost.uncalibrated_cpu_groups([tuple(w.device for w in st.workers) for st in result.stages]):
         output.stderr.print(

@@ -186,8 +186,12 @@ def finishing_together(
 
 
 def rings_only(cost: CostModel) -> CostModel:
-    """The cost model the baselines are priced with: ``cost`` with trees off."""
-    return replace(cost, use_trees=False) if cost.use_trees else cost
+    """The cost model the baselines are priced with: ``cost`` with trees off, and the backend's
+    rings in cluster order, the ranks torchrun would give (and their plans keep)."""
+    order = tuple(cost.cluster.device_names)
+    if not cost.use_trees and cost.ring_order == order:
+        return cost
+    return replace(cost, use_trees=False, ring_order=order)
 
 
 def baselines(cost: CostModel, global_batch: int) -> dict[str, Baseline]:

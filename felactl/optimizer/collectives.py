@@ -95,6 +95,7 @@ from felactl.optimizer.graph import (
     devices_by_node,
     local_signature,
     min_cut_bound,
+    ring_width,
     roots_by_bound,
     signature_graph,
 )
@@ -551,22 +552,39 @@ def allreduce_rate_and_fill(cluster: ClusterSpec, collective: Collective) -> tup
     return throughput_gbps, fill_us * US_TO_S
 
 
-def ring_allreduce_time_s(cluster: ClusterSpec, devices: Sequence[str], num_bytes: float) -> float:
-    """Seconds for a ring allreduce of ``num_bytes`` over the best ring (module docstring)."""
+def ring_allreduce_time_s(
+    cluster: ClusterSpec, devices: Sequence[str], num_bytes: float, *, order: Sequence[str] | None = None
+) -> float:
+    """Seconds for a ring allreduce of ``num_bytes`` over the best ring (module docstring), or over
+    the ring that sends along ``order`` (each device to the next) where the runtime fixes it
+    (:func:`gloo_ring`)."""
     devices = check_devices(cluster, devices)
     count = len(devices)
     if count == 1 or num_bytes <= 0:
         return 0.0
-    order, bottleneck_gbps = best_ring(cluster, devices)
+    if order is None:
+        order, bottleneck_gbps = best_ring(cluster, devices)
+    else:
+        bottleneck_gbps = ring_width(cluster, order)
     if bottleneck_gbps <= 0:
         raise PlanInfeasible(
             f"no ring over {', '.join(devices)}: some device has no direct link in or out that closes a cycle"
         )
-    slowest_us = max(cluster.link(a, b).latency_us for a, b in zip(order, order[1:] + order[:1]))
+    slowest_us = max(cluster.link(a, b).latency_us for a, b in zip(order, [*order[1:], *order[:1]]))
     steps = 2 * (count - 1)
     return (
         num_bytes / (ring_allreduce_gbps(bottleneck_gbps, count) * GBPS_TO_BYTES_PER_S) + steps * slowest_us * US_TO_S
     )
+
+
+def gloo_ring(ranked: Sequence[str]) -> tuple[str, ...]:
+    """The ring gloo's allreduce sends along over a group whose devices are ``ranked`` (ascending
+    rank): each rank sends to the rank before it, so the data goes round the ranks backwards.
+    Measured on the asymmetric testbed (links fast one way round, 8x slower the other): ranks
+    n0, n1, n2 took 2.25 s for 16 MiB, the slow ring's time; ranks n0, n2, n1 took 0.29 s, the fast
+    one's (BENCHMARKS.md, "Measured plan quality"). Rank order is felactl's to choose
+    (:func:`felactl.optimizer.planner.rank_order`)."""
+    return tuple(reversed(ranked))
 
 
 def ring_allreduce_gbps(bottleneck_gbps: float, count: int) -> float:

@@ -173,6 +173,12 @@ class CostModel:
     """The whole cluster, when ``cluster`` is a part of it (``plan --devices``, a re-plan after a
     scale-in): the model profile's sync timings were measured on the whole one, so their
     calibration is worked out there (its measured set may hold devices the part lacks)."""
+    ring_order: tuple[str, ...] | None = None
+    """The rank order of the plan's devices where it is fixed (a baseline's, or a plan's once
+    :func:`~felactl.optimizer.planner.rank_order` chose it): a group of CPU devices then syncs over
+    gloo's ring in that order (:func:`~felactl.optimizer.collectives.gloo_ring`). None: over the
+    group's best ring, which the planner gives the ranks' order to realise. (NCCL builds its own
+    rings on GPUs, whatever the ranks.)"""
     trees_ever_faster: bool = field(default=False, init=False)
     """Whether some sync time asked so far went over trees: if not, rings-only costs are the same."""
     _prefix: dict = field(default_factory=dict, init=False, repr=False)
@@ -400,7 +406,8 @@ class CostModel:
         return num_bytes / (rate_gbps * GB) + fill_s
 
     def ring_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
-        """Ring allreduce over the best ring of direct links; where the group's direct links close no
+        """Ring allreduce over the best ring of direct links (over the backend's ring in the rank
+        order, where :attr:`ring_order` fixes it); where the group's direct links close no
         ring (two devices linked only through a third, one-way links), over the best ring of routes
         (:meth:`link_time_s`'s paths, which may pass devices outside the group; the traffic they
         relay for the ring is not charged to them); inf where some device reaches no other."""
@@ -409,8 +416,9 @@ class CostModel:
 
         if len(group) < 2 or num_bytes <= 0:
             return 0.0
+        order = self._backend_ring(group)
         try:
-            return ring_allreduce_time_s(self.cluster, list(group), num_bytes)
+            return ring_allreduce_time_s(self.cluster, list(group), num_bytes, order=order)
         except PlanInfeasible:
             pass
         import networkx as nx
@@ -423,12 +431,26 @@ class CostModel:
                     latency_s, per_byte_s = self._direct_or_relay(a, b)
                     if per_byte_s < math.inf:
                         routes.add_edge(a, b, capacity=1.0 / (per_byte_s * GB), latency_s=latency_s)
-        order, bottleneck_gbps = best_ring_in_graph(routes)
+        if order is None:
+            order, bottleneck_gbps = best_ring_in_graph(routes)
+        else:
+            hops = list(zip(order, [*order[1:], *order[:1]]))
+            bottleneck_gbps = min((routes[a][b]["capacity"] if routes.has_edge(a, b) else 0.0) for a, b in hops)
         if bottleneck_gbps <= 0:
             return math.inf
         slowest_s = max(routes[a][b]["latency_s"] for a, b in zip(order, order[1:] + order[:1]))
         steps = 2 * (len(group) - 1)
         return steps / len(group) * num_bytes / (bottleneck_gbps * GB) + steps * slowest_s
+
+    def _backend_ring(self, group: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The ring the backend's allreduce follows over ``group`` where the rank order fixes it
+        (:attr:`ring_order`, CPU devices: gloo); None for the best ring."""
+        from felactl.optimizer.collectives import gloo_ring
+
+        if self.ring_order is None or any(self.cluster.device(d).kind != DeviceKind.CPU for d in group):
+            return None
+        members = set(group)
+        return gloo_ring([d for d in self.ring_order if d in members])
 
     def sync_factor(self, group: tuple[str, ...]) -> float:
         """How many times its link estimate a group's sync takes, from the model profile's

@@ -285,6 +285,14 @@ def best_ring(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[str, 
         order += [names[i] for i in paths[key]]
     if len(order) < len(devices):
         return (), 0.0
+    bottleneck = ring_width(cluster, order)
+    return (tuple(order), bottleneck) if bottleneck > 0 else ((), 0.0)
+
+
+def ring_width(cluster: ClusterSpec, order: Sequence[str]) -> float:
+    """The bottleneck GB/s of the ring that sends from each device of ``order`` to the next (the
+    last to the first) over direct links, a server's network interface capping the links that
+    leave or enter it; 0 where a link is missing."""
     nics = {node.name: node.nic_gbps for node in cluster.nodes if node.nic_gbps}
 
     def width(a: str, b: str) -> float:
@@ -300,5 +308,4 @@ def best_ring(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[str, 
             ]
         )
 
-    bottleneck = min(width(a, b) for a, b in zip(order, order[1:] + order[:1]))
-    return (tuple(order), bottleneck) if bottleneck > 0 else ((), 0.0)
+    return min(width(a, b) for a, b in zip(order, [*order[1:], *order[:1]]))

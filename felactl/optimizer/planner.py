@@ -18,12 +18,15 @@ from dataclasses import replace
 from felactl import limits
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer import baselines, ilp
+from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, in_flight, predict, token_samples
+from felactl.optimizer.graph import best_ring, ring_width
 from felactl.optimizer.simulator import simulate
 from felactl.optimizer.space import build_space
 from felactl.spec import (
     ClusterSpec,
+    DeviceKind,
     ModelRef,
     ModelSpec,
     Plan,
@@ -119,8 +122,12 @@ def _plan_from(
     mode: SyncMode,
     use_trees: bool,
     max_stages: int,
+    *,
+    order_ranks: bool = True,
 ) -> Plan:
-    """The plan of ``choices`` (an ILP solution's stages, or a baseline's), without its prediction."""
+    """The plan of ``choices`` (an ILP solution's stages, or a baseline's), without its prediction.
+    ``order_ranks``: the devices' ranks in the order :func:`rank_order` gives; else in cluster
+    order, as torchrun gives them (the baselines)."""
     stages, used = [], set()
     for c in choices:
         whole = (c.start, c.end) == (0, model.num_layers)
@@ -153,6 +160,8 @@ def _plan_from(
             nbytes = stage_param_bytes(model, st.layer_start, st.layer_end)
             if coll is not None and cost.tree_sync_s(st.devices, nbytes) <= cost.ring_sync_s(st.devices, nbytes):
                 collectives.append(replace(coll, group=f"stage{s}"))
+    if order_ranks:
+        devices = rank_order(cost, stages, {frozenset(c.devices) for c in collectives})
     return Plan(
         cluster=cost.cluster.name,
         model=ModelRef(name=model.name, source=model.source, config=model.config),
@@ -164,6 +173,37 @@ def _plan_from(
         pipelines=pipelines,
         collectives=tuple(collectives),
     )
+
+
+def rank_order(cost: CostModel, stages: Sequence[Stage], over_trees: set[frozenset[str]]) -> tuple[str, ...]:
+    """The plan's devices in the rank order that makes the backend's ring of each stage group the
+    best ring the planner priced it with (``cost.ring_order`` None).
+
+    gloo's allreduce runs round the ranks backwards (:func:`collectives.gloo_ring`), so where links
+    differ by direction the rank order decides between a fast ring and a slow one (the asymmetric
+    testbed: 8x). Groups of CPU devices that sync over the backend's ring (not over trees:
+    ``over_trees``) are taken longest sync first; each places its devices not placed yet in the
+    reverse of its best ring (in cluster order where that ring is as wide), so the first group's
+    ring is its best, and so is a later one's where it shares no device with the earlier ones. The
+    rest keep cluster order. The planner then prices the plan with these ranks
+    (``CostModel.ring_order``)."""
+    ranked: list[str] = []
+    synced = {}
+    for st in stages:
+        if len(st.devices) > 1 and frozenset(st.devices) not in over_trees:
+            nbytes = stage_param_bytes(cost.model, st.layer_start, st.layer_end)
+            synced[st.devices] = max(synced.get(st.devices, 0.0), cost.sync_time_s(st.devices, nbytes))
+    for group in sorted(synced, key=synced.get, reverse=True):
+        if any(cost.cluster.device(d).kind != DeviceKind.CPU for d in group):
+            continue  # NCCL builds its own rings
+        ring, width = best_ring(cost.cluster, group)
+        in_cluster_order = [d for d in cost.cluster.device_names if d in group]
+        if width > 0 and ring_width(cost.cluster, gloo_ring(in_cluster_order)) < width:
+            ranked += [d for d in gloo_ring(ring) if d not in ranked]
+        else:  # cluster order is as good: the ranks stay as a user would number them
+            ranked += [d for d in in_cluster_order if d not in ranked]
+    used = {d for st in stages for d in st.devices}
+    return tuple(ranked) + tuple(d for d in cost.cluster.device_names if d in used and d not in ranked)
 
 
 def _predicted(
@@ -222,15 +262,16 @@ def make_plan(
     solve_s = time.perf_counter() - began
     stages = tuple(o.choice for o in solution.options)
     plan = _plan_from(stages, cost, model, global_batch, mode, use_trees, max_stages)
-    iteration_s = predict(cost, stages, global_batch, max_stages).iteration_s
+    ranked = replace(cost, ring_order=plan.devices)  # priced as it will run: its rings in its rank order
+    iteration_s = predict(ranked, stages, global_batch, max_stages).iteration_s
     found_s = {name: b.iteration_s for name, b in found.items()}
     if use_trees and not cost.trees_ever_faster:
-        found_s["no_trees"] = solution.objective_s  # no stage's sync used trees: the same program
+        found_s["no_trees"] = iteration_s  # no stage's sync used trees: the same program
     elif use_trees:
         # The plan's own stages synced over rings: priced, not solved again (a second solve doubled
         # the planner's time). The best rings-only plan could differ; this is the trees' own gain.
-        found_s["no_trees"] = predict(replace(cost, use_trees=False), stages, global_batch, max_stages).iteration_s
-    prediction = _predicted(plan, cost, iteration_s, found_s, missing)
+        found_s["no_trees"] = predict(replace(ranked, use_trees=False), stages, global_batch, max_stages).iteration_s
+    prediction = _predicted(plan, ranked, iteration_s, found_s, missing)
     info = SolverInfo(name="PULP_CBC_CMD", status=solution.status, solve_s=round(solve_s, 4), gap=solution.gap)
     return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))
 
@@ -265,7 +306,14 @@ def make_baseline_plan(
         raise PlanInfeasible(f"baseline {baseline}: no plan: {missing[baseline]}")
     chosen = found[baseline]
     plan = _plan_from(
-        chosen.stages, cost, model, global_batch, SyncMode.BSP, use_trees=False, max_stages=len(chosen.stages)
+        chosen.stages,
+        cost,
+        model,
+        global_batch,
+        SyncMode.BSP,
+        use_trees=False,
+        max_stages=len(chosen.stages),
+        order_ranks=False,
     )
     prediction = _predicted(plan, cost, chosen.iteration_s, {k: b.iteration_s for k, b in found.items()}, missing)
     info = SolverInfo(name=f"baseline:{baseline}", status="Baseline", solve_s=round(solve_s, 4))
