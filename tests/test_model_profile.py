@@ -364,3 +364,43 @@ def test_per_layer_times_of_a_tiny_conv_are_sane_while_a_core_is_busy():
         assert all(t.spread is not None for t in layer.timings)
     if spec.noisy:
         assert all(": spread " in entry for entry in spec.noisy)
+
+
+class SlowSamples:
+    """A dataset whose samples cost 1 ms each to load, as decoding a record might."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int):
+        time.sleep(0.001)
+        return torch.full((8,), float(i % 7)), torch.tensor(i % 4)
+
+
+def slow_input_job(hidden: int = 8):
+    from felactl import TrainJob
+
+    net = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 4))
+    return TrainJob(model=net, dataset=SlowSamples(), loss_fn=nn.functional.cross_entropy)
+
+
+def test_the_whole_models_time_counts_the_jobs_input_as_a_worker_runs_it():
+    """A worker fetches every micro-batch from the job (``batch``) before its forward: 16 samples of
+    1 ms each cost 16 ms a micro-batch beside a tiny model's fraction of one, so a plan priced from
+    the layers alone was several times too fast (mlp's input: 2 of 30 ms a token here)."""
+    bundle = build("test_model_profile:slow_input_job", {}, seed=0)
+    assert time_whole_model(bundle, bundle.layers, 16, repeats=3).ms >= 16.0
+    spec = _profile("test_model_profile:slow_input_job", {}, (16,))
+    per_token_ms = sum(t.fwd_ms + t.bwd_ms for layer in spec.layers for t in layer.timings)
+    assert per_token_ms >= 16.0
+
+
+def test_timed_tflops_is_the_median_of_matmul_timings_beside_each_micro_batch(monkeypatch):
+    """One timing moved +-13% between runs, and every device's speed is scaled by it: the profile
+    times the matmul before the layers and after each micro-batch size, and keeps the median."""
+    import felactl.profiling.model as model_profile
+
+    rates = iter([0.05, 0.09, 0.06])
+    monkeypatch.setattr(model_profile, "matmul_tflops", lambda size, repetitions: next(rates))
+    spec = profile_model("mlp", {"depth": 1, "hidden": 16, "input_dim": 8}, [1, 2], repeats=1, matmul_size=64)
+    assert spec.timed_tflops == {this_device_model(): 0.06}

@@ -256,9 +256,16 @@ def profile_model(
         progress("flops", len(layers), total)
     timings: list[list[LayerTiming]] = [[] for _ in layers]
     device_model = this_device_model(device)
-    timed_tflops = {}
-    if matmul_size is not None and torch_device.type == "cpu":
-        timed_tflops[device_model] = float(f"{matmul_tflops(matmul_size, DEVICE_REPETITIONS):.4g}")
+    # The CPU's matmul rate is timed beside the layers, once before and once after each micro-batch
+    # size's timings, and its median kept: a single timing moved +-13% between runs here (0.055 to
+    # 0.071 TFLOP/s), and every device's predicted speed is scaled by it (CostModel.timed_slowdown).
+    matmul_rates: list[float] = []
+
+    def time_matmul() -> None:
+        if matmul_size is not None and torch_device.type == "cpu":
+            matmul_rates.append(matmul_tflops(matmul_size, DEVICE_REPETITIONS))
+
+    time_matmul()
     scales: dict[str, float] = {}
     noisy: list[str] = []
     for b_index, batch in enumerate(batch_sizes):
@@ -291,6 +298,8 @@ def profile_model(
         if whole is not None:
             scales[str(batch)] = whole.ms
             _note_noisy(noisy, f"whole_model_scale[{batch}]", whole)
+        time_matmul()
+    timed_tflops = {device_model: float(f"{statistics.median(matmul_rates):.4g}")} if matmul_rates else {}
     first_input = _example_input(bundle, 1, input_shape, torch_device, seed)
     step = time_optimizer_step(
         layers, repeats=repeats, seed=seed, backward=_training_backward(bundle, layers, batch_sizes, torch_device)
@@ -325,20 +334,25 @@ def _note_noisy(noisy: list[str], key: str, measured: Measured | LayerTimes) -> 
 def time_whole_model(
     bundle: ModelBundle, layers: nn.Sequential, batch: int, *, repeats: int, warmup: int = WARMUP_RUNS
 ) -> Measured:
-    """Median milliseconds of forward, loss and backward of the whole model on one micro-batch
-    (blocks of ``repeats`` runs until they agree).
+    """Median milliseconds of one micro-batch through the whole model as a worker runs it: the
+    job's ``batch`` of fresh indices (its dataset's samples and collate), to the device, forward,
+    loss, backward and the loss read back (blocks of ``repeats`` runs until they agree).
 
-    This is what a worker holding the whole model runs; the per-layer timings miss the loss, the
-    glue between layers and the cache effects of one long graph (together ~15% on gpt-mini)."""
+    The per-layer timings miss the loss, the glue between layers and the cache effects of one long
+    graph (together ~15% on gpt-mini), and the input: mlp's ``batch`` of 256 samples takes 2 ms
+    beside its 28 ms of layers, which the plans on the testbeds measured as missing."""
     device = next((p.device for p in layers.parameters()), torch.device("cpu"))
-    inputs, targets = bundle.data.batch(range(batch))
-    inputs, targets = inputs.to(device), targets.to(device)
+    first = [0]
 
     def run() -> tuple[float]:
         _clear_grads(layers)
         _synchronize(device)
         start = time.perf_counter()
-        bundle.loss(layers(inputs), targets).backward()
+        inputs, targets = bundle.data.batch(range(first[0], first[0] + batch))
+        first[0] += batch
+        loss = bundle.loss(layers(inputs.to(device)), targets.to(device))
+        loss.backward()
+        loss.item()
         _synchronize(device)
         return (time.perf_counter() - start,)
 
