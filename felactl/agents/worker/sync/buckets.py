@@ -17,8 +17,11 @@ by the others alone); ``None`` means this worker's gradients are already the sum
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -27,8 +30,48 @@ from felactl.agents.worker.runtime import all_reduce_async
 BUCKET_BYTES = 4 << 20
 
 
+class _TreeThread:
+    """The buckets' one thread for sums over the plan's trees: the trees' walks match messages by
+    sender and tag alone, so two buckets must not stream at once, and every rank sums them in
+    bucket order. A daemon, unlike an executor's: a sum stuck on a dead peer must not hold up the
+    worker's exit."""
+
+    def __init__(self, trees):
+        self.trees, self.queue = trees, queue.SimpleQueue()
+        threading.Thread(target=self._run, name="felactl-tree-buckets", daemon=True).start()
+
+    def submit(self, buffer: torch.Tensor) -> _TreeWork:
+        future: Future = Future()
+        self.queue.put((buffer, future))
+        return _TreeWork(future)
+
+    def _run(self) -> None:
+        while True:
+            buffer, future = self.queue.get()
+            try:
+                self.trees(buffer)
+                future.set_result(None)
+            except BaseException as exc:  # handed to the waiting training thread
+                future.set_exception(exc)
+
+
+class _TreeWork:
+    def __init__(self, future: Future):
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
+
+
 class GradBuckets:
-    def __init__(self, params: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES):
+    def __init__(
+        self, params: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES, *, trees=None, trees_group=None
+    ):
+        """``trees``: the plan's :class:`~felactl.agents.worker.sync.trees.TreeAllreduce` over
+        ``trees_group``; a sum over that group goes along them, over any other group (some of the
+        workers) through the backend's allreduce."""
+        self.trees, self.trees_group = trees, trees_group
+        self._tree_thread = _TreeThread(trees) if trees is not None else None
         self.group = None
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[torch.Tensor]] = []
@@ -83,7 +126,15 @@ class GradBuckets:
             self._launch(len(self.works))
 
     def _launch(self, index: int) -> None:
-        self.works.append(all_reduce_async(self.buffers[index], self.group))
+        if self.trees is not None and self.group is self.trees_group:
+            self.works.append(self._tree_thread.submit(self.buffers[index]))
+        else:
+            self.works.append(all_reduce_async(self.buffers[index], self.group))
+
+    @property
+    def over_trees(self) -> bool:
+        """Whether this iteration's sum went along the plan's trees."""
+        return self.trees is not None and self.group is self.trees_group
 
     def finish(self, group) -> tuple[float, float]:
         """Launch the rest over ``group`` (the one given to :meth:`arm`, if armed), wait for all;

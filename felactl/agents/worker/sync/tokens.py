@@ -56,6 +56,7 @@ from felactl.agents.worker.loop import Lockstep, StepResult, Work
 from felactl.agents.worker.stages import split_by_shares
 from felactl.agents.worker.sync.buckets import GradBuckets
 from felactl.agents.worker.sync.token_policy import SubBucketView, choose_victim, token_samples
+from felactl.agents.worker.sync.trees import stage_trees
 from felactl.control import keys
 from felactl.errors import WorkerFailed
 from felactl.spec.executable import num_first_level_tokens
@@ -376,7 +377,10 @@ class Tokens(Lockstep):
         stage = plan.stages[placement.stage]
         self.stage_group = runtime.group(placement.stage_ranks)
         self.num_tokens = num_first_level_tokens(plan.global_batch, stage.micro_batch, len(stage.workers))
-        self.grads = GradBuckets(trainer.params)
+        # The whole stage sums along the plan's trees, as the planner priced it; an iteration that
+        # a stalled worker skipped is summed by the others through the backend.
+        trees = stage_trees(plan, placement.stage, runtime.rank, self.stage_group)
+        self.grads = GradBuckets(trainer.params, trees=trees, trees_group=self.stage_group)
         grad_bytes = sum(b.numel() * b.element_size() for b in self.grads.buffers)
         self.num_pieces = len(sum_pieces(self.grads))
         self.bucket = StoreTokenBucket(
@@ -434,4 +438,11 @@ class Tokens(Lockstep):
             comm_s += time.perf_counter() - publish_start
         t.optimizer_step()
         bucket.finish_iteration(self.num_pieces)
-        return StepResult(samples, loss_sum, token_s, comm_s, wait_s + lag_wait_s, extra={"tokens": tokens})
+        return StepResult(
+            samples,
+            loss_sum,
+            token_s,
+            comm_s,
+            wait_s + lag_wait_s,
+            extra={"tokens": tokens, "over_trees": grads.over_trees},
+        )
