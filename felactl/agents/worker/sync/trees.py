@@ -26,7 +26,9 @@ included, and sends 2(n-1)/n of the data over each; the trees route around thin 
 BSP installs it as a ``DistributedDataParallel`` communication hook (DDP keeps its buckets; only
 the collective changes). The hook blocks the backward thread for its bucket's transfer, so unlike
 gloo's asynchronous allreduce a bucket does not overlap the rest of the backward; on one core per
-worker nothing overlaps anyway. Pipelines use it for their replicas' flat buffer.
+worker nothing overlaps anyway. Pipelines use it for their replicas' flat buffer, and tokens for
+the stage's gradient buckets (:class:`~felactl.agents.worker.sync.buckets.GradBuckets`, one bucket
+at a time in a thread of their own, so the sum still overlaps the last token's backward).
 """
 
 from __future__ import annotations
