@@ -92,3 +92,13 @@ def test_ranks_stay_in_cluster_order_where_its_ring_is_as_good():
     )
     plan = make_plan(symmetric, model([(1_000_000, 1000, 1e9)]), 64, sync="bsp", use_trees=False, max_stages=1)
     assert plan.devices == ("n0", "n1", "n2")
+
+
+def test_a_replan_keeps_the_live_ranks_and_is_priced_by_their_ring():
+    """A live job's members keep their ranks when it is re-planned (``launcher.scale_plan``): the
+    plan keeps that order, and its prediction is the slow ring's where that order makes it."""
+    spec, net = asymmetric(), model([(1_000_000, 1000, 1e9)])
+    free = make_plan(spec, net, 1024, sync="bsp", use_trees=False, max_stages=1)
+    kept = make_plan(spec, net, 1024, sync="bsp", use_trees=False, max_stages=1, ranks=("n0", "n1", "n2"))
+    assert kept.devices == ("n0", "n1", "n2") and free.devices != kept.devices
+    assert kept.predicted.iteration_s > free.predicted.iteration_s

@@ -156,6 +156,7 @@ def replan_with_planner(
             max_stages=1,
             time_limit_s=time_limit_s,
             use_trees=plan.sync.use_trees,
+            ranks=devices,  # the live workers keep their ranks: priced by the rings they make
         )
     except PlanInfeasible as exc:
         raise InputError(f"the planner finds no plan for workers {', '.join(devices)}: {exc}") from None

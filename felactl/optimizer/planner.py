@@ -122,12 +122,10 @@ def _plan_from(
     mode: SyncMode,
     use_trees: bool,
     max_stages: int,
-    *,
-    order_ranks: bool = True,
 ) -> Plan:
     """The plan of ``choices`` (an ILP solution's stages, or a baseline's), without its prediction.
-    ``order_ranks``: the devices' ranks in the order :func:`rank_order` gives; else in cluster
-    order, as torchrun gives them (the baselines)."""
+    Its ranks: in ``cost.ring_order`` where that fixes them (a baseline's cluster order, as
+    torchrun numbers ranks; a live job's members), else in the order :func:`rank_order` gives."""
     stages, used = [], set()
     for c in choices:
         whole = (c.start, c.end) == (0, model.num_layers)
@@ -160,7 +158,9 @@ def _plan_from(
             nbytes = stage_param_bytes(model, st.layer_start, st.layer_end)
             if coll is not None and cost.tree_sync_s(st.devices, nbytes) <= cost.ring_sync_s(st.devices, nbytes):
                 collectives.append(replace(coll, group=f"stage{s}"))
-    if order_ranks:
+    if cost.ring_order is not None:
+        devices = tuple(d for d in cost.ring_order if d in used)
+    else:
         devices = rank_order(cost, stages, {frozenset(c.devices) for c in collectives})
     return Plan(
         cluster=cost.cluster.name,
@@ -246,14 +246,25 @@ def make_plan(
     max_stages: int = 4,
     progress: Callable[[str], None] | None = None,
     headroom: MemoryHeadroom | None = None,
+    ranks: Sequence[str] | None = None,
 ) -> Plan:
-    """Plan ``model`` on ``cluster`` (or the ``devices`` of it) for one global batch per iteration."""
+    """Plan ``model`` on ``cluster`` (or the ``devices`` of it) for one global batch per iteration.
+    ``ranks``: the devices' rank order where it is fixed already (a live job's members keep their
+    ranks when it is re-planned): the plan keeps it, and is solved and priced with the rings it
+    makes; else the planner numbers the ranks (:func:`rank_order`)."""
     progress = progress or (lambda _msg: None)
     mode = _checked(cluster, model, global_batch, sync)
     if not model.splittable:
         max_stages = 1  # no cut between its layers: data-parallel plans only
     sub = cluster.subset(check_devices(cluster, devices))
-    cost = CostModel(sub, model, use_trees=use_trees, sync_reference=cluster, headroom=headroom or MemoryHeadroom())
+    cost = CostModel(
+        sub,
+        model,
+        use_trees=use_trees,
+        sync_reference=cluster,
+        headroom=headroom or MemoryHeadroom(),
+        ring_order=tuple(ranks) if ranks is not None else None,
+    )
     found, missing = baselines.baselines_and_missing(cost, global_batch)
     # The baselines' micro-batches join the searched ones, so DP itself is in the space: never worse.
     extra = tuple(sorted({b.micro_batch for b in found.values()}))
@@ -313,7 +324,6 @@ def make_baseline_plan(
         SyncMode.BSP,
         use_trees=False,
         max_stages=len(chosen.stages),
-        order_ranks=False,
     )
     prediction = _predicted(plan, cost, chosen.iteration_s, {k: b.iteration_s for k, b in found.items()}, missing)
     info = SolverInfo(name=f"baseline:{baseline}", status="Baseline", solve_s=round(solve_s, 4))
