@@ -95,6 +95,7 @@ from felactl.optimizer.graph import (
     devices_by_node,
     local_signature,
     min_cut_bound,
+    ring_hops,
     ring_width,
     roots_by_bound,
     signature_graph,
@@ -570,7 +571,7 @@ def ring_allreduce_time_s(
         raise PlanInfeasible(
             f"no ring over {', '.join(devices)}: some device has no direct link in or out that closes a cycle"
         )
-    slowest_us = max(cluster.link(a, b).latency_us for a, b in zip(order, [*order[1:], *order[:1]]))
+    slowest_us = max(cluster.link(a, b).latency_us for a, b in ring_hops(order))
     steps = 2 * (count - 1)
     return (
         num_bytes / (ring_allreduce_gbps(bottleneck_gbps, count) * GBPS_TO_BYTES_PER_S) + steps * slowest_us * US_TO_S

@@ -56,6 +56,7 @@ Formulas (times in seconds, sizes in bytes):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 
@@ -412,7 +413,7 @@ class CostModel:
         (:meth:`link_time_s`'s paths, which may pass devices outside the group; the traffic they
         relay for the ring is not charged to them); inf where some device reaches no other."""
         from felactl.optimizer.collectives import ring_allreduce_time_s
-        from felactl.optimizer.graph import best_ring_in_graph
+        from felactl.optimizer.graph import best_ring_in_graph, ring_hops
 
         if len(group) < 2 or num_bytes <= 0:
             return 0.0
@@ -434,20 +435,25 @@ class CostModel:
         if order is None:
             order, bottleneck_gbps = best_ring_in_graph(routes)
         else:
-            hops = list(zip(order, [*order[1:], *order[:1]]))
-            bottleneck_gbps = min((routes[a][b]["capacity"] if routes.has_edge(a, b) else 0.0) for a, b in hops)
+            bottleneck_gbps = min(routes.edges[h]["capacity"] if routes.has_edge(*h) else 0.0 for h in ring_hops(order))
         if bottleneck_gbps <= 0:
             return math.inf
-        slowest_s = max(routes[a][b]["latency_s"] for a, b in zip(order, order[1:] + order[:1]))
+        slowest_s = max(routes.edges[h]["latency_s"] for h in ring_hops(order))
         steps = 2 * (len(group) - 1)
         return steps / len(group) * num_bytes / (bottleneck_gbps * GB) + steps * slowest_s
 
+    def ranks_decide_ring(self, group: Sequence[str]) -> bool:
+        """Whether the rank order decides the ring the backend's allreduce takes over ``group``:
+        gloo's on CPU devices does (:func:`~felactl.optimizer.collectives.gloo_ring`); NCCL builds
+        its own rings on GPUs, whatever the ranks."""
+        return all(self.cluster.device(d).kind == DeviceKind.CPU for d in group)
+
     def _backend_ring(self, group: tuple[str, ...]) -> tuple[str, ...] | None:
         """The ring the backend's allreduce follows over ``group`` where the rank order fixes it
-        (:attr:`ring_order`, CPU devices: gloo); None for the best ring."""
+        (:attr:`ring_order`, :meth:`ranks_decide_ring`); None for the best ring."""
         from felactl.optimizer.collectives import gloo_ring
 
-        if self.ring_order is None or any(self.cluster.device(d).kind != DeviceKind.CPU for d in group):
+        if self.ring_order is None or not self.ranks_decide_ring(group):
             return None
         members = set(group)
         return gloo_ring([d for d in self.ring_order if d in members])

@@ -289,6 +289,11 @@ def best_ring(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[str, 
     return (tuple(order), bottleneck) if bottleneck > 0 else ((), 0.0)
 
 
+def ring_hops(order: Sequence[str]) -> list[tuple[str, str]]:
+    """The links a ring along ``order`` sends over: each device to the next, the last to the first."""
+    return list(zip(order, [*order[1:], *order[:1]]))
+
+
 def ring_width(cluster: ClusterSpec, order: Sequence[str]) -> float:
     """The bottleneck GB/s of the ring that sends from each device of ``order`` to the next (the
     last to the first) over direct links, a server's network interface capping the links that
@@ -308,4 +313,4 @@ def ring_width(cluster: ClusterSpec, order: Sequence[str]) -> float:
             ]
         )
 
-    return min(width(a, b) for a, b in zip(order, [*order[1:], *order[:1]]))
+    return min(width(a, b) for a, b in ring_hops(order))

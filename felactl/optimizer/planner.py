@@ -26,7 +26,6 @@ from felactl.optimizer.simulator import simulate
 from felactl.optimizer.space import build_space
 from felactl.spec import (
     ClusterSpec,
-    DeviceKind,
     ModelRef,
     ModelSpec,
     Plan,
@@ -194,8 +193,8 @@ def rank_order(cost: CostModel, stages: Sequence[Stage], over_trees: set[frozens
             nbytes = stage_param_bytes(cost.model, st.layer_start, st.layer_end)
             synced[st.devices] = max(synced.get(st.devices, 0.0), cost.sync_time_s(st.devices, nbytes))
     for group in sorted(synced, key=synced.get, reverse=True):
-        if any(cost.cluster.device(d).kind != DeviceKind.CPU for d in group):
-            continue  # NCCL builds its own rings
+        if not cost.ranks_decide_ring(group):
+            continue
         ring, width = best_ring(cost.cluster, group)
         in_cluster_order = [d for d in cost.cluster.device_names if d in group]
         if width > 0 and ring_width(cost.cluster, gloo_ring(in_cluster_order)) < width:
@@ -317,13 +316,7 @@ def make_baseline_plan(
         raise PlanInfeasible(f"baseline {baseline}: no plan: {missing[baseline]}")
     chosen = found[baseline]
     plan = _plan_from(
-        chosen.stages,
-        cost,
-        model,
-        global_batch,
-        SyncMode.BSP,
-        use_trees=False,
-        max_stages=len(chosen.stages),
+        chosen.stages, cost, model, global_batch, SyncMode.BSP, use_trees=False, max_stages=len(chosen.stages)
     )
     prediction = _predicted(plan, cost, chosen.iteration_s, {k: b.iteration_s for k, b in found.items()}, missing)
     info = SolverInfo(name=f"baseline:{baseline}", status="Baseline", solve_s=round(solve_s, 4))

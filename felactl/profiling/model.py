@@ -17,6 +17,7 @@ settled are listed in the profile's ``noisy`` and named on stderr in one line.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -342,14 +343,14 @@ def time_whole_model(
     graph (together ~15% on gpt-mini), and the input: mlp's ``batch`` of 256 samples takes 2 ms
     beside its 28 ms of layers, which the plans on the testbeds measured as missing."""
     device = next((p.device for p in layers.parameters()), torch.device("cpu"))
-    first = [0]
+    starts = itertools.count(0, batch)  # fresh samples each run, as a worker's next micro-batch
 
     def run() -> tuple[float]:
         _clear_grads(layers)
         _synchronize(device)
         start = time.perf_counter()
-        inputs, targets = bundle.data.batch(range(first[0], first[0] + batch))
-        first[0] += batch
+        start_index = next(starts)
+        inputs, targets = bundle.data.batch(range(start_index, start_index + batch))
         loss = bundle.loss(layers(inputs.to(device)), targets.to(device))
         loss.backward()
         loss.item()

@@ -21,7 +21,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 import torch
 
@@ -40,10 +39,12 @@ class _TreeThread:
         self.trees, self.queue = trees, queue.SimpleQueue()
         threading.Thread(target=self._run, name="felactl-tree-buckets", daemon=True).start()
 
-    def submit(self, buffer: torch.Tensor) -> _TreeWork:
-        future: Future = Future()
+    def submit(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """Sum ``buffer`` along the trees after the buckets submitted before; ``wait()`` on the
+        returned future raises what the sum raised."""
+        future: torch.futures.Future = torch.futures.Future()
         self.queue.put((buffer, future))
-        return _TreeWork(future)
+        return future
 
     def _run(self) -> None:
         while True:
@@ -53,14 +54,6 @@ class _TreeThread:
                 future.set_result(None)
             except BaseException as exc:  # handed to the waiting training thread
                 future.set_exception(exc)
-
-
-class _TreeWork:
-    def __init__(self, future: Future):
-        self.future = future
-
-    def wait(self) -> None:
-        self.future.result()
 
 
 class GradBuckets:
@@ -126,14 +119,14 @@ class GradBuckets:
             self._launch(len(self.works))
 
     def _launch(self, index: int) -> None:
-        if self.trees is not None and self.group is self.trees_group:
+        if self.over_trees:
             self.works.append(self._tree_thread.submit(self.buffers[index]))
         else:
             self.works.append(all_reduce_async(self.buffers[index], self.group))
 
     @property
     def over_trees(self) -> bool:
-        """Whether this iteration's sum went along the plan's trees."""
+        """Whether this iteration's sum goes along the plan's trees (over the whole stage)."""
         return self.trees is not None and self.group is self.trees_group
 
     def finish(self, group) -> tuple[float, float]:
