@@ -5,8 +5,9 @@ For each testbed (``plans/testbeds/<name>.yaml``): ``felactl testbed up --no-lat
 profile --testbed`` (the cluster as the nodes' namespaces and CPU shares give it), ``felactl plan``
 (felactl's plan) and ``felactl plan --baseline dp|hp`` (the baselines' own runnable plans, whose
 predictions are the ones ``--compare`` prints), ``felactl launch --testbed`` of each, ``down`` (always).
-The model is profiled once, on this machine's CPU (one thread), with ``--matmul-size`` as the
-cluster profile, so the planner scales its timings to each node's measured speed.
+The model is profiled on this machine's CPU (one thread) with ``--matmul-size`` as the cluster
+profile, so the planner scales its timings to each node's measured speed; once per testbed, just
+before its cluster profile, so both matmul references see the machine in the same minutes.
 
 Measured samples/s: the global batch times the steps after ``--warmup``, over the time from the
 end of the last warm-up step to the end of the last step (each step ends when its last worker
@@ -91,7 +92,33 @@ def parts(records: list[dict], warmup: int) -> dict:
     return out
 
 
-def run_testbed(name: str, model_yaml: Path, args, work: Path) -> list[dict]:
+def profile_model(model_yaml: Path, args) -> Path:
+    """``felactl profile --model`` on this machine's CPU, just before the testbed's cluster profile.
+
+    Every node's timings are the host's scaled by host matmul ÷ node matmul, so the two matmul
+    rates must see the same machine: this shared VM's speed moves by up to a fifth between runs
+    (the host's matmul read 0.0599 TFLOP/s in one run, 0.0503 in the next), and a model profiled
+    once at the start of a 20-minute run scaled the later testbeds by a reference taken minutes
+    before their own."""
+    if not model_yaml.exists():
+        config = [c for kv in args.config for c in ("--config", kv)]
+        felactl(
+            "profile",
+            "--model",
+            args.model,
+            *config,
+            "--batch-sizes",
+            args.batch_sizes,
+            "--matmul-size",
+            str(args.matmul_size),
+            "-o",
+            str(model_yaml),
+            "--json",
+        )
+    return model_yaml
+
+
+def run_testbed(name: str, args, work: Path) -> list[dict]:
     from felactl.agents.worker.metrics import read_metrics
     from felactl.spec import load_plan
 
@@ -102,6 +129,7 @@ def run_testbed(name: str, model_yaml: Path, args, work: Path) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     with held(args.lock):
         felactl("testbed", "down", "--name", bed, timeout=120)
+        model_yaml = profile_model(out / "model.yaml", args)
         try:
             felactl("testbed", "up", str(spec), "--name", bed, "--no-latency", timeout=120)
             cluster = out / "cluster.yaml"
@@ -266,26 +294,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_testbed.") as tmp:
         work = args.out or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model_yaml = work / "model.yaml"
-        if not model_yaml.exists():
-            config = [c for kv in args.config for c in ("--config", kv)]
-            with held(args.lock):  # a measurement too: not while a testbed measures
-                felactl(
-                    "profile",
-                    "--model",
-                    args.model,
-                    *config,
-                    "--batch-sizes",
-                    args.batch_sizes,
-                    "--matmul-size",
-                    str(args.matmul_size),
-                    "-o",
-                    str(model_yaml),
-                    "--json",
-                )
         rows = []
         for name in args.testbeds.split(","):
-            rows += run_testbed(name, model_yaml, args, work)
+            rows += run_testbed(name, args, work)
             (work / "rows.json").write_text(json.dumps(rows, indent=1))
     load = os.getloadavg()
     if args.json:

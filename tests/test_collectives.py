@@ -15,12 +15,13 @@ import pytest
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer.collectives import (
     allreduce_throughput_gbps,
+    allreduce_rate_and_fill,
     allreduce_time_s,
     plan_collective,
     ring_allreduce_time_s,
 )
 from felactl.optimizer.graph import allreduce_bound, best_ring, capacity_graph, min_cut_bound
-from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, load_cluster
+from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, Tree, load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTERS = REPO / "plans" / "clusters"
@@ -207,12 +208,17 @@ def test_time_formulas_on_hand_computed_groups():
     pair = _pair_cluster(("a", "b", 10.0, 5.0))
     collective = plan_collective(pair, ["a", "b"])
     # n = 2: ring 2(n-1)/n * N / 10 GB/s + 2(n-1) * 5 us; trees: reduce and broadcast overlap on the two directions.
+    # Pieces of 1 MiB: the last one climbs 0 hops after the leaf's last send and comes down 1.
+    piece = 2**20
     assert ring_allreduce_time_s(pair, ["a", "b"], 1e9) == pytest.approx(0.1 + 10e-6)
-    assert allreduce_time_s(pair, collective, 1e9) == pytest.approx(0.1 + 10e-6)
+    assert allreduce_time_s(pair, collective, 1e9) == pytest.approx(0.1 + 10e-6 + 1 * piece / 10e9)
     chain = _pair_cluster(("a", "b", 20.0, 2.0), ("b", "c", 20.0, 3.0))
     collective = plan_collective(chain, ["a", "b", "c"], root="a")
     assert collective.rate_gbps == pytest.approx(20.0) and collective.ring_gbps == 0.0
-    assert allreduce_time_s(chain, collective, 1e9) == pytest.approx(1e9 / 20e9 + 2 * (2 + 3) * 1e-6)
+    # Two hops deep: the last piece waits one hop up and two down.
+    assert allreduce_time_s(chain, collective, 1e9) == pytest.approx(
+        1e9 / 20e9 + 2 * (2 + 3) * 1e-6 + (1 + 2) * piece / 20e9
+    )
     with pytest.raises(PlanInfeasible, match="no ring"):
         ring_allreduce_time_s(chain, ["a", "b", "c"], 1e9)
 
@@ -230,7 +236,10 @@ def test_two_dgx1v_three_phase_trees():
     assert len(collective.trees) <= 16
     # two servers: the broadcast crosses one way and the reduce the other, each NIC busy once per direction
     # plus the pipeline's fill: twice the deepest latency (<= 7 PCIe-or-NVLink hops per server + the network)
-    assert 1e9 / 12.5e9 < allreduce_time_s(cluster, collective, 1e9) <= 1e9 / 12.5e9 + 2 * (14 * 8 + 5) * 1e-6
+    # and the pieces' (of 1 MiB: a light tree moves its pieces slowly, so its depth costs many)
+    pieces_s = allreduce_rate_and_fill(cluster, collective).piece_hops * 2**20 / 12.5e9
+    assert pieces_s > 0
+    assert 1e9 / 12.5e9 < allreduce_time_s(cluster, collective, 1e9) <= 1e9 / 12.5e9 + 2 * (14 * 8 + 5) * 1e-6 + pieces_s
     assert ring_allreduce_time_s(cluster, cluster.device_names, 1e9) == pytest.approx(
         2 * 15 / 16 * 1e9 / 12.5e9 + 2 * 15 * 5e-6
     )
@@ -344,3 +353,33 @@ def test_where_links_differ_by_direction_the_reduce_and_broadcast_trees_are_pack
     assert allreduce_bound(capacity_graph(ring, ["a", "b", "c"])) == pytest.approx(
         67.5
     )  # trees from one root stay below
+
+
+def test_a_small_buffer_pays_the_pieces_fill_the_runtime_cuts_it_into():
+    """16 MiB over a 3-hop chain goes in the runtime's pieces of at most 1 MiB: the last piece
+    reaches the root 2 pieces' time after the deepest leaf's last send and comes down 3 hops, so
+    the allreduce takes 5 pieces' time beyond N / X; a buffer of 160 KiB is cut into 8 pieces of
+    20 KiB and pays 5 of those. Before, both were priced N / X."""
+    from felactl.spec.plan import tree_piece_bytes
+
+    chain = _pair_cluster(("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("c", "d", 1.0, 0.0))
+    collective = plan_collective(chain, ["a", "b", "c", "d"], root="a")
+    assert len(collective.trees) == 1
+    for num_bytes, piece in ((16 * 2**20, 2**20), (160 * 2**10, 20 * 2**10)):
+        assert tree_piece_bytes(num_bytes, 1) == piece
+        assert allreduce_time_s(chain, collective, num_bytes) == pytest.approx((num_bytes + 5 * piece) / 1e9)
+
+
+def test_the_fill_of_unequal_trees_is_set_by_the_tree_slowest_for_its_depth():
+    """Two trees of weights 3 and 1: the lighter carries a quarter of the data at a quarter of the
+    rate, so each of its pieces takes 4 pieces' time at the whole rate; its depth is what counts."""
+    chain = _pair_cluster(("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("a", "c", 1.0, 0.0))
+    deep = Tree(edges=(("a", "b"), ("b", "c")), weight=1.0)
+    shallow = Tree(edges=(("a", "b"), ("a", "c")), weight=3.0)
+    collective = Collective(
+        group="g", devices=("a", "b", "c"), root="a", trees=(shallow, deep), rate_gbps=4.0, bound_gbps=4.0, ring_gbps=0.0
+    )
+    cost = allreduce_rate_and_fill(chain, collective)
+    # up: the deep tree (2 - 1) hops at 4x; down: the deep tree 2 hops at 4x.
+    assert cost.piece_hops == pytest.approx(1 * 4 + 2 * 4)
+    assert cost.num_trees == 2

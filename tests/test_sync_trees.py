@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from felactl.agents.worker.metrics import read_metrics
-from felactl.agents.worker.sync.trees import PIECE_BYTES, WINDOW, deal, stage_trees
+from felactl.agents.worker.sync.trees import WINDOW, deal, stage_trees
+from felactl.spec.plan import TREE_PIECE_BYTES
 from felactl.profiling.data_parallel import reap
 from felactl.spec import Collective, Tree
 
@@ -114,7 +115,7 @@ def _sum_over_trees(rank: int, world: int, port: int, plan, results) -> None:
         # fewer elements than trees, uneven pieces; then many more pieces than the receives posted
         # ahead (WINDOW); then the default pieces
         for n, piece_bytes in ((1, None), (2, None), (7, None), (1000, None), (50_001, 1024), (300_000, None)):
-            allreduce.piece_bytes = piece_bytes or PIECE_BYTES
+            allreduce.piece_bytes = piece_bytes or TREE_PIECE_BYTES
             flat = torch.arange(n, dtype=torch.float64) * (rank + 1)
             allreduce(flat)
             results.put((rank, n, bool(torch.equal(flat, torch.arange(n, dtype=torch.float64) * 6))))

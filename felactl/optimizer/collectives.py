@@ -62,7 +62,13 @@ keeps the broadcast's packing.
   load(a, b) = sum_{T: (a,b) in T} f_T + sum_{T' reduce: (b,a) in T'} f_T'. The allreduce moves
   X = min( min_links c_ab / load(a, b), min_servers NIC / (cross-server load out or in) ) GB/s
   and takes ``N / X + deepest broadcast latency + deepest reduce latency`` (the largest sum of
-  link latencies on a root-to-leaf path of any tree: the pipeline's fill, once up, once down).
+  link latencies on a root-to-leaf path of any tree: the pipeline's fill, once up, once down)
+  ``+ p / X * (max_T (up_T - 1) / f_T + max_T down_T / f_T)``: the pieces' fill, p being the bytes
+  of one piece (``spec.plan.tree_piece_bytes``, the runtime's rule) and up_T, down_T a tree's
+  depth in hops. A tree moves its pieces through its links at f_T X as a flow shop: the last piece
+  reaches the root (up_T - 1) pieces' time after the reduce's last send from a deepest leaf, then
+  takes down_T hops to the deepest leaf. (Measured on the fragment testbed: 16 MiB over 2 trees in
+  1 MiB pieces took 0.41 s where N / X alone priced 0.22.)
   X <= min(R, R') where R' is the reduce trees' rate (each direction alone moves at most that).
   X >= min(R, R') / 2 where the reduce trees are packed (each family loads a link at most
   c_ab / R, resp. c_ab / R'), and X >= R / 2 for reversed trees on links equally wide both ways
@@ -102,7 +108,7 @@ from felactl.optimizer.graph import (
 )
 from felactl.optimizer.packing import pack_arborescences, pack_up_and_down
 from felactl.spec.cluster import ClusterSpec
-from felactl.spec.plan import Collective, Tree
+from felactl.spec.plan import Collective, Tree, tree_piece_bytes
 
 GBPS_TO_BYTES_PER_S = 1e9
 US_TO_S = 1e-6
@@ -541,16 +547,51 @@ def allreduce_time_s(cluster: ClusterSpec, collective: Collective, num_bytes: fl
         return 0.0
     if not collective.trees:
         raise InputError(f"collective {collective.group!r} of {len(collective.devices)} devices has no trees")
-    throughput_gbps, fill_s = allreduce_rate_and_fill(cluster, collective)
-    return num_bytes / (throughput_gbps * GBPS_TO_BYTES_PER_S) + fill_s
+    return allreduce_rate_and_fill(cluster, collective).seconds(num_bytes)
 
 
-def allreduce_rate_and_fill(cluster: ClusterSpec, collective: Collective) -> tuple[float, float]:
-    """(X GB/s, the pipeline's fill in seconds) of the collective's allreduce: its time for N bytes
-    is N / X + fill (:func:`allreduce_time_s`)."""
+@dataclasses.dataclass(frozen=True)
+class TreeAllreduceCost:
+    """What a tree allreduce of N bytes costs (module docstring, "Times"): ``N / rate`` plus the
+    links' latencies once up and once down, plus ``piece_hops`` pieces' time at the rate."""
+
+    rate_gbps: float
+    latency_s: float
+    piece_hops: float
+    """max_T (up_T - 1) / f_T + max_T down_T / f_T: pieces' times at the rate the fill takes."""
+    num_trees: int
+    """The more of the broadcast and reduce trees: the runtime cuts the pieces by it."""
+
+    def seconds(self, num_bytes: float) -> float:
+        rate = self.rate_gbps * GBPS_TO_BYTES_PER_S
+        piece = tree_piece_bytes(num_bytes, self.num_trees)
+        return num_bytes / rate + self.latency_s + self.piece_hops * piece / rate
+
+
+def allreduce_rate_and_fill(cluster: ClusterSpec, collective: Collective) -> TreeAllreduceCost:
+    """The rate X of the collective's allreduce and its pipeline's fill, worked out once per
+    collective; :meth:`TreeAllreduceCost.seconds` prices N bytes."""
     throughput_gbps = allreduce_throughput_gbps(cluster, collective)  # raises where a link is missing
     fill_us = _deepest_latency_us(cluster, collective) + _deepest_latency_us(cluster, collective, upward=True)
-    return throughput_gbps, fill_us * US_TO_S
+    up = _reduce_trees(collective)
+    piece_hops = max(
+        (_depth(tree, collective.root) - 1) * _total_weight(up) / tree.weight for tree in up
+    ) + max(_depth(tree, collective.root) * _total_weight(collective.trees) / tree.weight for tree in collective.trees)
+    return TreeAllreduceCost(
+        throughput_gbps, fill_us * US_TO_S, max(0.0, piece_hops), max(len(collective.trees), len(up))
+    )
+
+
+def _depth(tree: Tree, root: str) -> int:
+    """Hops from ``root`` to the tree's deepest device."""
+    depth = {root: 0}
+    for parent, child in _root_first(tuple(tree.edges), root):
+        depth[child] = depth[parent] + 1
+    return max(depth.values())
+
+
+def _total_weight(trees: Sequence[Tree]) -> float:
+    return sum(tree.weight for tree in trees)
 
 
 def ring_allreduce_time_s(

@@ -403,8 +403,7 @@ class CostModel:
                 self._sync[key] = None
         if self._sync[key] is None:
             return math.inf
-        rate_gbps, fill_s = self._sync[key]
-        return num_bytes / (rate_gbps * GB) + fill_s
+        return self._sync[key].seconds(num_bytes)
 
     def ring_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
         """Ring allreduce over the best ring of direct links (over the backend's ring in the rank

@@ -9,6 +9,7 @@ collective trees, and what the planner predicted, so a run can be compared with 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,27 @@ class SyncSpec:
         positive("connect_every", self.connect_every, limits.COUNT)
         if self.token_policy not in ("ads", "hf", "ads+hf"):
             raise FieldProblem("token_policy", f"must be one of ads, hf, ads+hf, got {self.token_policy!r}")
+
+
+TREE_PIECE_BYTES = 1 << 20
+"""The largest piece a tree's link carries at once: small enough that a tree's depth fills quickly
+and the pieces deal out close to the trees' weights, large enough that each message's fixed cost
+(tens of microseconds in gloo) stays small next to its transfer."""
+
+MIN_PIECES_PER_TREE = 8
+"""A small buffer is still cut into this many pieces per tree (down to :data:`MIN_TREE_PIECE_BYTES`),
+so that it streams through the depth of the trees and splits by their weights."""
+
+MIN_TREE_PIECE_BYTES = 16 << 10
+
+
+def tree_piece_bytes(num_bytes: float, num_trees: int, largest: int = TREE_PIECE_BYTES) -> int:
+    """The bytes of each piece an allreduce of ``num_bytes`` over ``num_trees`` trees (the more of
+    a collective's broadcast and reduce trees) streams in: the rule the runtime cuts by
+    (``felactl.agents.worker.sync.trees``) and the planner prices the pipeline's fill by
+    (``felactl.optimizer.collectives``), in one place so they cannot drift apart."""
+    wanted = MIN_PIECES_PER_TREE * max(1, num_trees)
+    return int(max(min(largest, math.ceil(num_bytes / wanted)), min(MIN_TREE_PIECE_BYTES, largest)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,7 +3,7 @@
 The planner packs weighted broadcast trees rooted at one device of each stage group
 (``plan.collectives``; felactl.optimizer.collectives) and predicts the stage's sync time as a
 pipelined reduce + broadcast at the trees' rate. This module runs exactly that: the flat buffer is
-cut into pieces (:data:`PIECE_BYTES`), the pieces are dealt to the trees in proportion to their
+cut into pieces (:func:`felactl.spec.plan.tree_piece_bytes`), the pieces are dealt to the trees in proportion to their
 weights (each tree's share of the packed rate), and each piece is summed up its reduce tree to the
 root (children first, each parent adds what its children send) and sent back down its broadcast
 tree. The pieces stream: every tree and direction is a walk of its own (a thread, and a tag of its
@@ -34,7 +34,6 @@ at a time in a thread of their own, so the sum still overlaps the last token's b
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,17 +42,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.spec import Plan
-
-PIECE_BYTES = 1 << 20
-"""The largest piece a link carries at once: small enough that a tree's depth fills quickly and
-the pieces deal out close to the trees' weights, large enough that each message's fixed cost
-(tens of microseconds in gloo) stays small next to its transfer."""
-
-MIN_PIECES_PER_TREE = 8
-"""A small buffer is still cut into this many pieces per tree (down to :data:`MIN_PIECE_BYTES`),
-so that it streams through the depth of the trees and splits by their weights."""
-
-MIN_PIECE_BYTES = 16 << 10
+from felactl.spec.plan import TREE_PIECE_BYTES, tree_piece_bytes
 
 WINDOW = 8
 """How many pieces ahead each walk posts its receives (a reduce walk's buffers: WINDOW x children
@@ -93,7 +82,7 @@ class TreeAllreduce:
         size: int,
         reduce_trees: list[_Tree] | None = None,
         *,
-        piece_bytes: int = PIECE_BYTES,
+        piece_bytes: int = TREE_PIECE_BYTES,
     ):
         self.trees, self.group, self.size = trees, group, size
         self.reduce_trees = reduce_trees or trees
@@ -101,8 +90,7 @@ class TreeAllreduce:
 
     def _pieces(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         nbytes = flat.numel() * flat.element_size()
-        wanted = MIN_PIECES_PER_TREE * max(len(self.trees), len(self.reduce_trees))
-        piece = max(min(self.piece_bytes, math.ceil(nbytes / wanted)), min(MIN_PIECE_BYTES, self.piece_bytes))
+        piece = tree_piece_bytes(nbytes, max(len(self.trees), len(self.reduce_trees)), self.piece_bytes)
         return flat.split(max(1, piece // flat.element_size()))
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
