@@ -116,3 +116,46 @@ def test_agent_ssh_command_keeps_the_secret_off_the_command_line():
     assert command[6] == (
         "felactl agent --rdzv-endpoint 10.0.0.5:29400 --secret-file - --nproc-per-node 4 --node-name w1 --job run-7"
     )
+
+
+def test_a_profiling_worker_times_its_device_after_every_worker_has_joined(monkeypatch):
+    """The device's matmul is timed after the process group formed and a barrier passed (every
+    worker started), not as the worker comes up beside the others' starts."""
+    import json
+
+    import torch.distributed as dist
+
+    import felactl.control.store
+    import felactl.profiling.links
+    from felactl.profiling import worker
+
+    calls: list[str] = []
+
+    class Store:
+        def add(self, key, n):
+            return 0
+
+        def set(self, key, value):
+            calls.append("result")
+
+    monkeypatch.setattr(felactl.control.store, "connect_store", lambda *a: Store())
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: store)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append("join"))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(worker, "_device_result", lambda *a: calls.append("device") or {"tflops": 1.0})
+    monkeypatch.setattr(felactl.profiling.links, "measure_links", lambda *a, **k: calls.append("links") or [])
+    config = {
+        "device": "cpu",
+        "timeout_s": 5,
+        "message_bytes": 1,
+        "small_message_bytes": 1,
+        "repetitions": 1,
+        "latency_repetitions": 1,
+    }
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in {**env, "MASTER_PORT": "1", "FELACTL_STORE_PREFIX": "p/"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FELACTL_PROFILE_CONFIG", json.dumps(config))
+    worker.main()
+    assert calls[:4] == ["join", "barrier", "device", "links"]

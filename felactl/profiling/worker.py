@@ -2,9 +2,9 @@
 
 It finds its place from the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) plus FELACTL_STORE_PREFIX (its job's keys on the coordinator's store) and
-FELACTL_PROFILE_CONFIG (sizes). It measures its device, joins one process group with every slot
-of every node (on the coordinator's store, under the job prefix), measures its links, and leaves
-its result on the store for the coordinator to assemble.
+FELACTL_PROFILE_CONFIG (sizes). It joins one process group with every slot of every node (on the
+coordinator's store, under the job prefix), measures its device once every worker has joined,
+then its links, and leaves its result on the store for the coordinator to assemble.
 """
 
 from __future__ import annotations
@@ -57,9 +57,6 @@ def main() -> None:
     store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), config["timeout_s"])
     progress_key = prefix + keys.PROFILE_PROGRESS
 
-    device = _device_result(config, local_rank, local_world_size)
-    store.add(progress_key, 1)
-
     cuda = config["device"] == "cuda"
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(
@@ -71,6 +68,15 @@ def main() -> None:
     )
     try:
         barrier = (lambda: dist.barrier(device_ids=[local_rank])) if cuda else dist.barrier
+        # Every device is timed once every worker has started, all at once, as a job runs them, not
+        # while the others are still starting (their agents and torch imports). Measured as each
+        # worker came up, the fragment testbed's two nodes of one core read 0.0187 and 0.0190 TFLOP/s
+        # against 0.0251 and 0.0264 on the other core at the same 45% share, and ran as fast as those
+        # in the job. (Timed together, one profile in two still read one core's pair 20% slower: the
+        # host's own work lands on one core; BENCHMARKS.md, "Measured plan quality".)
+        barrier()
+        device = _device_result(config, local_rank, local_world_size)
+        store.add(progress_key, 1)
         probe = LinkProbe(
             **{k: config[k] for k in ("message_bytes", "small_message_bytes", "repetitions", "latency_repetitions")}
         )
