@@ -14,8 +14,8 @@ import pytest
 
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer.collectives import (
-    allreduce_throughput_gbps,
     allreduce_rate_and_fill,
+    allreduce_throughput_gbps,
     allreduce_time_s,
     plan_collective,
     ring_allreduce_time_s,
@@ -239,7 +239,9 @@ def test_two_dgx1v_three_phase_trees():
     # and the pieces' (of 1 MiB: a light tree moves its pieces slowly, so its depth costs many)
     pieces_s = allreduce_rate_and_fill(cluster, collective).piece_hops * 2**20 / 12.5e9
     assert pieces_s > 0
-    assert 1e9 / 12.5e9 < allreduce_time_s(cluster, collective, 1e9) <= 1e9 / 12.5e9 + 2 * (14 * 8 + 5) * 1e-6 + pieces_s
+    assert (
+        1e9 / 12.5e9 < allreduce_time_s(cluster, collective, 1e9) <= 1e9 / 12.5e9 + 2 * (14 * 8 + 5) * 1e-6 + pieces_s
+    )
     assert ring_allreduce_time_s(cluster, cluster.device_names, 1e9) == pytest.approx(
         2 * 15 / 16 * 1e9 / 12.5e9 + 2 * 15 * 5e-6
     )
@@ -377,7 +379,13 @@ def test_the_fill_of_unequal_trees_is_set_by_the_tree_slowest_for_its_depth():
     deep = Tree(edges=(("a", "b"), ("b", "c")), weight=1.0)
     shallow = Tree(edges=(("a", "b"), ("a", "c")), weight=3.0)
     collective = Collective(
-        group="g", devices=("a", "b", "c"), root="a", trees=(shallow, deep), rate_gbps=4.0, bound_gbps=4.0, ring_gbps=0.0
+        group="g",
+        devices=("a", "b", "c"),
+        root="a",
+        trees=(shallow, deep),
+        rate_gbps=4.0,
+        bound_gbps=4.0,
+        ring_gbps=0.0,
     )
     cost = allreduce_rate_and_fill(chain, collective)
     # up: the deep tree (2 - 1) hops at 4x; down: the deep tree 2 hops at 4x.

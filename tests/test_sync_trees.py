@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 
 from felactl.agents.worker.metrics import read_metrics
 from felactl.agents.worker.sync.trees import WINDOW, deal, stage_trees
-from felactl.spec.plan import TREE_PIECE_BYTES
 from felactl.profiling.data_parallel import reap
 from felactl.spec import Collective, Tree
+from felactl.spec.plan import TREE_PIECE_BYTES
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _worker_helpers import dp_plan, final_params, pipeline_plan, reference_params, run_plan  # noqa: E402

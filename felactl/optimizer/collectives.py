@@ -574,9 +574,9 @@ def allreduce_rate_and_fill(cluster: ClusterSpec, collective: Collective) -> Tre
     throughput_gbps = allreduce_throughput_gbps(cluster, collective)  # raises where a link is missing
     fill_us = _deepest_latency_us(cluster, collective) + _deepest_latency_us(cluster, collective, upward=True)
     up = _reduce_trees(collective)
-    piece_hops = max(
-        (_depth(tree, collective.root) - 1) * _total_weight(up) / tree.weight for tree in up
-    ) + max(_depth(tree, collective.root) * _total_weight(collective.trees) / tree.weight for tree in collective.trees)
+    piece_hops = max((_depth(tree, collective.root) - 1) * _total_weight(up) / tree.weight for tree in up) + max(
+        _depth(tree, collective.root) * _total_weight(collective.trees) / tree.weight for tree in collective.trees
+    )
     return TreeAllreduceCost(
         throughput_gbps, fill_us * US_TO_S, max(0.0, piece_hops), max(len(collective.trees), len(up))
     )
