@@ -14,6 +14,9 @@ end of the last warm-up step to the end of the last step (each step ends when it
 records it). Each testbed holds ``--lock`` (flock, the same lock as ``flock /tmp/felactl-testbed.lock
 CMD``) from ``up`` to ``down``, so no two testbeds measure at once on a shared machine.
 
+Its agents import felactl from the tree this script sits in: run it from a worktree (``git worktree
+add /tmp/benchtree HEAD``) while editing, or an edit reaches a run half made.
+
     sudo python benchmarks/bench_testbed_plans.py [--testbeds one-slow,three-speeds,two-servers]
         [--model mlp] [--config hidden=512] [--global-batch 2048] [--seconds 20] [--warmup 3] [--json]
 """
