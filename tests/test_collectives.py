@@ -14,11 +14,11 @@ import pytest
 
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer.collectives import (
-    allreduce_rate_and_fill,
     allreduce_throughput_gbps,
     allreduce_time_s,
     plan_collective,
     ring_allreduce_time_s,
+    tree_allreduce_cost,
 )
 from felactl.optimizer.graph import allreduce_bound, best_ring, capacity_graph, min_cut_bound
 from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, Tree, load_cluster
@@ -237,7 +237,7 @@ def test_two_dgx1v_three_phase_trees():
     # two servers: the broadcast crosses one way and the reduce the other, each NIC busy once per direction
     # plus the pipeline's fill: twice the deepest latency (<= 7 PCIe-or-NVLink hops per server + the network)
     # and the pieces' (of 1 MiB: a light tree moves its pieces slowly, so its depth costs many)
-    pieces_s = allreduce_rate_and_fill(cluster, collective).piece_hops * 2**20 / 12.5e9
+    pieces_s = tree_allreduce_cost(cluster, collective).piece_hops * 2**20 / 12.5e9
     assert pieces_s > 0
     assert (
         1e9 / 12.5e9 < allreduce_time_s(cluster, collective, 1e9) <= 1e9 / 12.5e9 + 2 * (14 * 8 + 5) * 1e-6 + pieces_s
@@ -387,7 +387,7 @@ def test_the_fill_of_unequal_trees_is_set_by_the_tree_slowest_for_its_depth():
         bound_gbps=4.0,
         ring_gbps=0.0,
     )
-    cost = allreduce_rate_and_fill(chain, collective)
+    cost = tree_allreduce_cost(chain, collective)
     # up: the deep tree (2 - 1) hops at 4x; down: the deep tree 2 hops at 4x.
     assert cost.piece_hops == pytest.approx(1 * 4 + 2 * 4)
     assert cost.num_trees == 2

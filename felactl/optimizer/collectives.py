@@ -474,11 +474,10 @@ def _link_loads(collective: Collective) -> dict[tuple[str, str], float]:
     reduce trees (child -> parent)."""
     loads: dict[tuple[str, str], float] = {}
     for trees, upward in ((collective.trees, False), (_reduce_trees(collective), True)):
-        total = sum(tree.weight for tree in trees)
         for tree in trees:
             for parent, child in tree.edges:
                 link = (child, parent) if upward else (parent, child)
-                loads[link] = loads.get(link, 0.0) + tree.weight / total
+                loads[link] = loads.get(link, 0.0) + _share(tree, trees)
     return loads
 
 
@@ -528,17 +527,23 @@ def allreduce_throughput_gbps(cluster: ClusterSpec, collective: Collective) -> f
     return throughput
 
 
+def _reach(tree: Tree, root: str, hop) -> float:
+    """The largest sum of ``hop(parent, child)`` over a path from ``root`` down ``tree``."""
+    reach = {root: 0.0}
+    for parent, child in _root_first(tuple(tree.edges), root):
+        reach[child] = reach[parent] + hop(parent, child)
+    return max(reach.values())
+
+
 def _deepest_latency_us(cluster: ClusterSpec, collective: Collective, upward: bool = False) -> float:
     """The largest sum of link latencies from the root to a leaf of any tree (``upward``: of the
     reduce trees, over the links child -> parent)."""
-    deepest = 0.0
-    for tree in _reduce_trees(collective) if upward else collective.trees:
-        reach_us = {collective.root: 0.0}
-        for parent, child in _root_first(tuple(tree.edges), collective.root):
-            link = cluster.link(child, parent) if upward else cluster.link(parent, child)
-            reach_us[child] = reach_us[parent] + link.latency_us
-        deepest = max(deepest, max(reach_us.values()))
-    return deepest
+
+    def latency_us(parent: str, child: str) -> float:
+        return (cluster.link(child, parent) if upward else cluster.link(parent, child)).latency_us
+
+    trees = _reduce_trees(collective) if upward else collective.trees
+    return max(_reach(tree, collective.root, latency_us) for tree in trees)
 
 
 def allreduce_time_s(cluster: ClusterSpec, collective: Collective, num_bytes: float) -> float:
@@ -547,7 +552,7 @@ def allreduce_time_s(cluster: ClusterSpec, collective: Collective, num_bytes: fl
         return 0.0
     if not collective.trees:
         raise InputError(f"collective {collective.group!r} of {len(collective.devices)} devices has no trees")
-    return allreduce_rate_and_fill(cluster, collective).seconds(num_bytes)
+    return tree_allreduce_cost(cluster, collective).seconds(num_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,30 +573,23 @@ class TreeAllreduceCost:
         return num_bytes / rate + self.latency_s + self.piece_hops * piece / rate
 
 
-def allreduce_rate_and_fill(cluster: ClusterSpec, collective: Collective) -> TreeAllreduceCost:
+def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAllreduceCost:
     """The rate X of the collective's allreduce and its pipeline's fill, worked out once per
     collective; :meth:`TreeAllreduceCost.seconds` prices N bytes."""
     throughput_gbps = allreduce_throughput_gbps(cluster, collective)  # raises where a link is missing
     fill_us = _deepest_latency_us(cluster, collective) + _deepest_latency_us(cluster, collective, upward=True)
-    up = _reduce_trees(collective)
-    piece_hops = max((_depth(tree, collective.root) - 1) * _total_weight(up) / tree.weight for tree in up) + max(
-        _depth(tree, collective.root) * _total_weight(collective.trees) / tree.weight for tree in collective.trees
-    )
-    return TreeAllreduceCost(
-        throughput_gbps, fill_us * US_TO_S, max(0.0, piece_hops), max(len(collective.trees), len(up))
-    )
+    up, down, root = _reduce_trees(collective), collective.trees, collective.root
+
+    def hops(tree: Tree) -> float:
+        return _reach(tree, root, lambda parent, child: 1.0)
+
+    piece_hops = max((hops(t) - 1) / _share(t, up) for t in up) + max(hops(t) / _share(t, down) for t in down)
+    return TreeAllreduceCost(throughput_gbps, fill_us * US_TO_S, piece_hops, max(len(down), len(up)))
 
 
-def _depth(tree: Tree, root: str) -> int:
-    """Hops from ``root`` to the tree's deepest device."""
-    depth = {root: 0}
-    for parent, child in _root_first(tuple(tree.edges), root):
-        depth[child] = depth[parent] + 1
-    return max(depth.values())
-
-
-def _total_weight(trees: Sequence[Tree]) -> float:
-    return sum(tree.weight for tree in trees)
+def _share(tree: Tree, trees: Sequence[Tree]) -> float:
+    """f_T: the share of the data ``tree`` carries among ``trees`` (the runtime deals pieces so)."""
+    return tree.weight / sum(t.weight for t in trees)
 
 
 def ring_allreduce_time_s(

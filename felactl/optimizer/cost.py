@@ -388,17 +388,17 @@ class CostModel:
     def tree_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
         """Allreduce over the group's packed trees; inf where trees are off or cannot be packed.
         (:func:`collectives.allreduce_time_s`, whose rate and fill are worked out once per group.)"""
-        from felactl.optimizer.collectives import allreduce_rate_and_fill
+        from felactl.optimizer.collectives import tree_allreduce_cost
 
         if len(group) < 2 or num_bytes <= 0:
             return 0.0
         coll = self.collective(group)
         if coll is None:
             return math.inf
-        key = ("rate", tuple(sorted(group)))
+        key = ("trees", tuple(sorted(group)))
         if key not in self._sync:
             try:
-                self._sync[key] = allreduce_rate_and_fill(self.cluster, coll)
+                self._sync[key] = tree_allreduce_cost(self.cluster, coll)
             except PlanInfeasible:  # a link the trees need is missing: the ring (or routes) carries it
                 self._sync[key] = None
         if self._sync[key] is None:
