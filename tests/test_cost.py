@@ -255,3 +255,21 @@ def test_a_micro_batch_between_two_measured_ones_interpolates_their_per_sample_t
     assert layer_times_s(layer, GPU, 512)[0] == pytest.approx(
         512 * 0.018e-3 * efficiency(256, 100) / efficiency(512, 100)
     )
+
+
+def test_on_a_cpu_a_micro_batch_beyond_the_measured_ones_keeps_the_largest_ones_per_sample_time():
+    """A CPU is saturated by the sizes a profile measures (16-64): beyond the largest, a sample
+    costs what it cost there. The GPU saturation curve made micro-batch 512 of a user's model 2.1x
+    cheaper per sample than its 64 (a Linear's b_half of 100), the planner chose 512 for it, and
+    the run measured 32 ms a token of 512 where the plan priced 15 (0.43 of the predicted rate)."""
+    cpu = Device(name="c", kind=DeviceKind.CPU, model="C1", tflops=0.05, memory_gb=16.0)
+    layer = _linear(
+        timings=(
+            LayerTiming(device_model="C1", micro_batch=16, fwd_ms=0.4, bwd_ms=0.8),
+            LayerTiming(device_model="C1", micro_batch=64, fwd_ms=1.28, bwd_ms=2.56),
+        )
+    )
+    assert layer_times_s(layer, cpu, 512) == pytest.approx((512 * 0.02e-3, 512 * 0.04e-3))
+    # below the smallest measured size the curve still charges the small batch's inefficiency
+    fwd_4, _ = layer_times_s(layer, cpu, 4)
+    assert fwd_4 / 4 > 0.4e-3 / 16

@@ -10,7 +10,9 @@ Formulas (times in seconds, sizes in bytes):
   ``b``; between two measured sizes, the per-sample time interpolated linearly in log2 b (the
   curve below is a GPU's: on a CPU, which saturates at small batches, it made a micro-batch
   between two measured ones up to a third too fast); outside them, the nearest one (in log2 b)
-  scaled by the saturation curve ``eff(b_meas) / eff(b)``; else ``flops / (tflops * 1e12 * eff(b))``.
+  scaled by the saturation curve ``eff(b_meas) / eff(b)``, except above the largest size
+  measured on a CPU, where a sample costs what it cost there (the curve made 512 twice as cheap
+  per sample as a measured 64); else ``flops / (tflops * 1e12 * eff(b))``.
   The saturation curve is ``eff(b) = b / (b + b_half)``. Measured timings (and the optimizer
   step) are of the device the model was profiled on; where the profile recorded that device's
   matmul TFLOP/s (``ModelSpec.timed_tflops``) they are scaled by timed / ``d.tflops``: a device
@@ -125,7 +127,12 @@ def layer_times_s(layer: Layer, device: Device, micro_batch: int) -> tuple[float
     if measured:
         nearest = min(measured, key=lambda b: (abs(math.log2(b / micro_batch)), b))
         t = measured[nearest]
-        scale = micro_batch / nearest * efficiency(nearest, half) / efficiency(micro_batch, half)
+        scale = micro_batch / nearest
+        if not (device.kind == DeviceKind.CPU and micro_batch > nearest):
+            # The saturation curve, except beyond the largest size measured on a CPU: a CPU is
+            # saturated by the sizes a profile measures, so a sample costs what it cost there (the
+            # curve made a user's micro-batch 512 2.1x cheaper per sample than the measured 64).
+            scale *= efficiency(nearest, half) / efficiency(micro_batch, half)
         return t.fwd_ms / 1e3 * scale, t.bwd_ms / 1e3 * scale
     rate = device.tflops * 1e12 * efficiency(micro_batch, half)
     return (layer.fwd_flops_per_sample * micro_batch / rate, layer.bwd_flops_per_sample * micro_batch / rate)
