@@ -112,11 +112,16 @@ def test_the_lm_example_on_2_workers_equals_single_process_training(mode, tmp_pa
     )
     run_dir = run_plan(plan, tmp_path, steps)
     expected = reference_params(plan, steps)
-    assert torch.allclose(final_params(run_dir, steps), expected, atol=1e-5, rtol=0)
+    # Summing the micro-batches' gradients in another order (per worker, then across workers) moves
+    # them by float32 rounding, and AdamW's first steps divide by sqrt(v): after 4 steps the
+    # parameters differ by up to 7e-6 even with the split fixed (tokens also moves the split).
+    atol = 5e-5
+    assert torch.allclose(final_params(run_dir, steps), expected, atol=atol, rtol=0)
     unclipped = dataclasses.replace(
         plan, model=dataclasses.replace(plan.model, config={**LM_SMALL, "max_grad_norm": 1e9})
     )
-    assert (reference_params(unclipped, steps) - expected).abs().max() > 1e-4, "clipping took effect (AdamW damps it)"
+    clipping_effect = (reference_params(unclipped, steps) - expected).abs().max()
+    assert clipping_effect > 10 * atol, "clipping took effect (AdamW damps it) far beyond the rounding allowed"
     state = torch.load(run_dir / "checkpoints" / f"step{steps:06d}" / "stage0.pt", weights_only=False)
     assert state["lr_scheduler"]["last_epoch"] == steps
 
