@@ -7,7 +7,9 @@ serves, so over one iteration of global batch ``B``:
 * ``load(d)  = sum_s samples(s, d) * (compute_per_sample(s, d, b_s) + exchange_per_sample(s, d))``
   where ``samples`` apportions whole tokens by share (:func:`token_samples`) and the exchange is
   one boundary round trip per micro-batch on each cut the stage touches;
-* ``sync(d)  = sum_{s served by d} allreduce_s(group_s, param_bytes_s)``;
+* ``sync(d)  = sum_{s served by d} exposed_s(d)``: what the allreduce of the stage's gradients
+  over its group adds after ``d``'s last backward (the buckets that backward completes early run
+  under it, :meth:`CostModel.exposed_sync_s`);
 * ``fill     = sum_s fill_s`` (:func:`stage_fill_s`): the pipeline's bubble, one micro-batch's
   forward + backward of each later stage on its slowest member and the first stage's backward;
 * ``iteration = max_d (load(d) + sync(d)) + fill``.
@@ -22,7 +24,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_memory_bytes, stage_param_bytes
+from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_memory_bytes
 from felactl.spec.executable import micro_batch_follows
 
 
@@ -47,7 +49,6 @@ class Prediction:
     sync_s: dict[str, float]
     fill_s: float
     memory_bytes: dict[str, float]
-    stage_sync_s: tuple[float, ...]
 
 
 def in_flight(max_stages: int, global_batch: int, micro_batch: int, whole_model: bool) -> int:
@@ -108,9 +109,14 @@ def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples:
     step and the sync."""
     per_sample = cost.per_sample_s(stage.start, stage.end, device, stage.micro_batch)
     exchange = exchange_per_sample_s(cost, stage.start, stage.end, stage.micro_batch, device)
-    sync = cost.sync_time_s(stage.devices, stage_param_bytes(cost.model, stage.start, stage.end))
+    sync = stage_sync_s(cost, stage, device)
     step = cost.optimizer_step_s(stage.start, stage.end, device)
     return samples * (per_sample + exchange) + step + sync
+
+
+def stage_sync_s(cost: CostModel, stage: StageChoice, device: str) -> float:
+    """What the stage's gradient sum adds to ``device``'s iteration after its last backward."""
+    return cost.exposed_sync_s(stage.devices, stage.start, stage.end, device, stage.micro_batch)
 
 
 def stage_fill_s(cost: CostModel, stage: StageChoice) -> float:
@@ -131,11 +137,7 @@ def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int,
     load: dict[str, float] = {}
     sync: dict[str, float] = {}
     memory: dict[str, float] = {}
-    stage_sync = []
     for stage in stages:
-        param_bytes = stage_param_bytes(cost.model, stage.start, stage.end)
-        group_sync = cost.sync_time_s(stage.devices, param_bytes)
-        stage_sync.append(group_sync)
         held = stage_memory_bytes(
             cost.model,
             stage.start,
@@ -151,8 +153,9 @@ def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int,
         samples = token_samples(stage.shares, global_batch, stage.micro_batch)
         for device, _ in stage.shares:
             total = stage_device_cost(cost, stage, device, samples[device])
-            load[device] = load.get(device, 0.0) + total - group_sync
-            sync[device] = sync.get(device, 0.0) + group_sync
+            exposed = stage_sync_s(cost, stage, device)
+            load[device] = load.get(device, 0.0) + total - exposed
+            sync[device] = sync.get(device, 0.0) + exposed
             memory[device] = memory.get(device, 0.0) + held
     fill = sum(stage_fill_s(cost, stage) for stage in stages)
     busiest = max(load[d] + sync[d] for d in load)
@@ -162,7 +165,6 @@ def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int,
         sync_s=sync,
         fill_s=fill,
         memory_bytes=memory,
-        stage_sync_s=tuple(stage_sync),
     )
 
 

@@ -47,7 +47,6 @@ from felactl.optimizer.cost import (
     boundary_bytes_per_sample,
     saved_bytes_per_sample,
     stage_memory_bytes,
-    stage_param_bytes,
 )
 from felactl.spec import Plan, Schedule
 
@@ -300,8 +299,11 @@ class _Simulation:
                 self.free[device] = False
                 self.busy_until[device] = math.inf
                 if len(self.sync_joined[s]) == len(stage.workers):
-                    nbytes = stage_param_bytes(self.cost.model, stage.layer_start, stage.layer_end)
-                    end = now + self.cost.sync_time_s(stage.devices, nbytes)
+                    # The last to join ended its backward last: what of the sum its backward
+                    # did not hide is what the group waits for.
+                    end = now + self.cost.exposed_sync_s(
+                        stage.devices, stage.layer_start, stage.layer_end, device, stage.micro_batch
+                    )
                     for member in stage.devices:
                         self.intervals.append(Interval(member, now, end, f"S{s}"))
                         self.busy_until[member] = end

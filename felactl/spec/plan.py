@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +176,29 @@ def tree_piece_bytes(num_bytes: float, num_trees: int, largest: int = TREE_PIECE
     (``felactl.optimizer.collectives``), in one place so they cannot drift apart."""
     wanted = MIN_PIECES_PER_TREE * max(1, num_trees)
     return int(max(min(largest, math.ceil(num_bytes / wanted)), min(MIN_TREE_PIECE_BYTES, largest)))
+
+
+FIRST_BUCKET_BYTES = 1 << 20
+"""The first gradient bucket closes at this many bytes (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``): the
+last layers' gradients start their sum while backward still runs through the others."""
+
+BUCKET_BYTES = 25 << 20
+"""Every later bucket closes at this many bytes (DDP's ``bucket_cap_mb`` default)."""
+
+
+def gradient_buckets(sizes: Sequence[int]) -> list[int]:
+    """The bucket of each gradient, ``sizes`` (bytes) in the order backward produces them: a bucket
+    closes once it holds at least its cap (:data:`FIRST_BUCKET_BYTES`, then :data:`BUCKET_BYTES`),
+    as DDP assigns its buckets (``dist._compute_bucket_assignment_by_size``). The rule the
+    runtime's buckets follow (DDP under bsp, ``sync.buckets.GradBuckets`` under tokens) and the
+    planner prices the overlap of sync with backward by (``CostModel.exposed_sync_s``)."""
+    index, filled, buckets = 0, 0, []
+    for size in sizes:
+        buckets.append(index)
+        filled += size
+        if filled >= (FIRST_BUCKET_BYTES if index == 0 else BUCKET_BYTES):
+            index, filled = index + 1, 0
+    return buckets
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,7 +3,9 @@
 ``p.grad`` of every parameter is a view into one of the buffers (like DDP's
 ``gradient_as_bucket_view``), so accumulating micro-batches writes straight into what the
 allreduce sends: no concatenation before, no copy back after. Buckets follow the reverse
-parameter order, the order backward produces gradients in.
+parameter order, the order backward produces gradients in, and close as DDP's do
+(:func:`felactl.spec.plan.gradient_buckets`: a small first one, then 25 MiB), so the planner prices
+one rule for bsp and tokens.
 
 Once :meth:`arm` is called (the worker knows the micro-batch it starts is its last of the
 iteration), a hook launches each bucket's asynchronous sum-allreduce the moment backward has
@@ -25,8 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from felactl.agents.worker.runtime import all_reduce_async
-
-BUCKET_BYTES = 4 << 20
+from felactl.spec.plan import gradient_buckets
 
 
 class _TreeThread:
@@ -57,9 +58,7 @@ class _TreeThread:
 
 
 class GradBuckets:
-    def __init__(
-        self, params: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES, *, trees=None, trees_group=None
-    ):
+    def __init__(self, params: Sequence[torch.Tensor], *, trees=None, trees_group=None):
         """``trees``: the plan's :class:`~felactl.agents.worker.sync.trees.TreeAllreduce` over
         ``trees_group``; a sum over that group goes along them, over any other group (some of the
         workers) through the backend's allreduce."""
@@ -67,14 +66,11 @@ class GradBuckets:
         self._tree_thread = _TreeThread(trees) if trees is not None else None
         self.group = None
         self.params = [p for p in params if p.requires_grad]
-        self.buckets: list[list[torch.Tensor]] = []
-        size_bytes = bucket_bytes
-        for p in reversed(self.params):
-            if size_bytes >= bucket_bytes:
-                self.buckets.append([])
-                size_bytes = 0
-            self.buckets[-1].append(p)
-            size_bytes += p.numel() * p.element_size()
+        backward_order = list(reversed(self.params))
+        assignment = gradient_buckets([p.numel() * p.element_size() for p in backward_order])
+        self.buckets: list[list[torch.Tensor]] = [[] for _ in range(max(assignment, default=-1) + 1)]
+        for p, index in zip(backward_order, assignment, strict=True):
+            self.buckets[index].append(p)
         self.buffers = [
             torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device) for b in self.buckets
         ]
