@@ -32,6 +32,8 @@ Formulas (times in seconds, sizes in bytes):
   Where the group's direct links close no ring, the ring runs over routes (paths through other
   devices, :meth:`CostModel.ring_sync_s`); a group that neither trees nor routes join costs
   infinitely much, so the planner leaves its stage options out instead of refusing the cluster.
+  The runtime sums in DDP's buckets, each as soon as backward completed it, so a device's iteration
+  pays only what of the sum its last backward did not hide (:meth:`CostModel.exposed_sync_s`).
   Where the model profile measured the whole model's sync on this cluster's devices
   (``ModelSpec.data_parallel_sync``: a DDP step with and without sync, as training runs it), a
   group inside the measured set costs that estimate times measured / estimate of the set (at
