@@ -398,12 +398,50 @@ def test_a_partition_keeps_the_sides_apart_and_the_host_reachable_and_heals(host
     assert again.returncode == 2 and "already partitioned" in again.stderr
     assert felactl("partition", "a,b,c").returncode == 2  # a side and no other
     assert felactl("partition", "a,zz").returncode == 2  # no such node
-    healed = felactl("partition", "--heal")
+    healed = felactl("partition", "--heal", "--json")
     assert healed.returncode == 0, healed.stderr
+    assert json.loads(healed.stdout) == {"side": ["a"], "partitioned": False}
     assert reaches("a", addr["b"]) and reaches("b", addr["a"])
     losses = {(l["src"], l["dst"]): l["loss"] for l in json.loads(felactl("status", "--json").stdout)["links"]}
     assert losses[("a", "c")] == 0.25 and losses[("a", "b")] == 0.0 and losses[("c", "a")] == 0.0
     assert felactl("partition", "--heal").returncode == 2  # nothing to heal
+
+
+def test_cut_heal_and_crash_say_what_they_did_as_json(host, name) -> None:
+    """The failure commands a chaos script drives, each with --json as every felactl command has."""
+    state = up(_spec([{"name": "a"}, {"name": "b"}], [], {"bandwidth_gbps": 0.02}), "test.yaml", name=name, host=host)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def felactl(*args: str) -> dict:
+        command = [sys.executable, "-m", "felactl", "testbed", *args, "--name", name, "--json"]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert felactl("cut", "a") == {"node": "a", "cut": True}
+    assert json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "felactl", "testbed", "status", "--name", name, "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    )["cut"] == ["a"]
+    assert felactl("heal", "a") == {"node": "a", "cut": False}
+    sleeper = subprocess.Popen(node_command(state.node("b"), ["sleep", "60"]))
+    try:
+        deadline = time.monotonic() + 10
+        crashed = felactl("crash", "b")
+        while not crashed["killed"] and time.monotonic() < deadline:  # until sleep runs in the node
+            time.sleep(0.2)
+            crashed = felactl("crash", "b")
+        assert crashed["node"] == "b" and crashed["killed"], crashed
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
 
 
 def test_a_machine_without_iproute2_is_told_so_in_one_line(tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ NameOption = Annotated[
         help="The testbed's name (a letter, then up to 7 letters or digits); several testbeds may be up at once.",
     ),
 ]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print what changed as one JSON object.")]
 
 
 def _describe(state) -> dict:
@@ -210,26 +211,28 @@ def link_command(
 def cut_command(
     node: Annotated[str, typer.Argument(help="The node to cut off.")],
     name: NameOption = DEFAULT_NAME,
+    as_json: JsonOption = False,
 ) -> None:
     """Cut NODE off the testbed, as a lost machine: every packet to and from it (its peers and the
     control plane alike) is dropped, and open connections hang. `felactl testbed heal NODE` undoes it."""
     from felactl.testbed.build import cut_node
 
     cut_node(name, node, cut=True)
-    output.emit({"node": node, "cut": True}, False, lambda console: console.print(f"{node}: cut off"))
+    output.emit({"node": node, "cut": True}, as_json, lambda console: console.print(f"{node}: cut off"))
 
 
 @testbed_app.command("crash")
 def crash_command(
     node: Annotated[str, typer.Argument(help="The node to crash.")],
     name: NameOption = DEFAULT_NAME,
+    as_json: JsonOption = False,
 ) -> None:
     """SIGKILL every process in NODE (its namespace and cgroup), as a machine that loses power."""
     from felactl.testbed.build import crash_node
 
     pids = crash_node(name, node)
     output.emit(
-        {"node": node, "killed": pids}, False, lambda console: console.print(f"{node}: killed {len(pids)} process(es)")
+        {"node": node, "killed": pids}, as_json, lambda console: console.print(f"{node}: killed {len(pids)} process(es)")
     )
 
 
@@ -237,12 +240,13 @@ def crash_command(
 def heal_command(
     node: Annotated[str, typer.Argument(help="The node to connect again.")],
     name: NameOption = DEFAULT_NAME,
+    as_json: JsonOption = False,
 ) -> None:
     """Connect NODE again after `felactl testbed cut`."""
     from felactl.testbed.build import cut_node
 
     cut_node(name, node, cut=False)
-    output.emit({"node": node, "cut": False}, False, lambda console: console.print(f"{node}: connected again"))
+    output.emit({"node": node, "cut": False}, as_json, lambda console: console.print(f"{node}: connected again"))
 
 
 @testbed_app.command("partition")
@@ -252,6 +256,7 @@ def partition_command(
     ] = None,
     heal: Annotated[bool, typer.Option("--heal", help="Join the two sides again.")] = False,
     name: NameOption = DEFAULT_NAME,
+    as_json: JsonOption = False,
 ) -> None:
     """Partition the testbed in two: NODES and the others can no longer reach each other (loss 1 on
     every link between them, both ways), while every node still reaches the control plane on the
@@ -263,7 +268,7 @@ def partition_command(
     side = partition_nodes(name, [] if heal else [n for n in nodes.split(",") if n], apart=not heal)
     what = "joined again" if heal else "apart from the other nodes"
     output.emit(
-        {"side": side, "partitioned": not heal}, False, lambda console: console.print(f"{', '.join(side)}: {what}")
+        {"side": side, "partitioned": not heal}, as_json, lambda console: console.print(f"{', '.join(side)}: {what}")
     )
 
 
