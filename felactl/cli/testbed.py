@@ -232,7 +232,9 @@ def crash_command(
 
     pids = crash_node(name, node)
     output.emit(
-        {"node": node, "killed": pids}, as_json, lambda console: console.print(f"{node}: killed {len(pids)} process(es)")
+        {"node": node, "killed": pids},
+        as_json,
+        lambda console: console.print(f"{node}: killed {len(pids)} process(es)"),
     )
 
 

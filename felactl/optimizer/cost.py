@@ -333,10 +333,6 @@ class CostModel:
         return self._round_trip.get(device, (0.0, 0.0))
 
     # --- sync ----------------------------------------------------------------------------
-    @property
-    def model_param_bytes(self) -> int:
-        return stage_param_bytes(self.model, 0, self.model.num_layers)
-
     def collective(self, devices: tuple[str, ...]) -> Collective | None:
         """The packed trees of a group (cached), or None where trees are off or not worth it."""
         if not self.use_trees or len(devices) < 2 or len(devices) > self.max_tree_devices:
