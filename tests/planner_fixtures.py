@@ -132,3 +132,15 @@ def tight_instance(seed: int) -> tuple[ClusterSpec, ModelSpec, int]:
         model(layers),
         rng.choice([32, 64, 128, 256]),
     )
+
+
+def calibrated_exposed_sync_s(cost, sync) -> tuple[float, float]:
+    """(what the cost model charges for the measured step's sum, what it should charge): a
+    profile's measured sync (a DDP step with its sum less one without) is the whole model's sum
+    that backward did not hide, on the slower device of the set; the cost model charges that
+    much, never less than its links' estimate of it."""
+    layers = cost.model.num_layers
+    slower = max(sync.devices, key=lambda d: cost.stage_times_s(0, layers, d, sync.micro_batch)[1])
+    charged = cost.exposed_sync_s(tuple(sync.devices), 0, layers, slower, sync.micro_batch)
+    estimate_s = cost.measured_sync_estimate_s(sync)
+    return charged, max(estimate_s, sync.sync_ms / 1e3) if sync.measured else estimate_s

@@ -10,7 +10,7 @@ from felactl.errors import ProfilingError
 from felactl.profiling.data_parallel import Slot, measure_data_parallel_sync
 from felactl.spec import SyncTiming
 from felactl.spec.codec import decode, encode
-from tests.planner_fixtures import two_cpu_slot_cluster
+from tests.planner_fixtures import calibrated_exposed_sync_s, two_cpu_slot_cluster
 
 pytestmark = pytest.mark.multiprocess
 
@@ -101,12 +101,8 @@ def test_profile_model_with_cluster_measures_the_slots_sync_and_plan_charges_it(
     assert sync.devices == ("cpu0", "cpu1") and sync.micro_batch == 16 and sync.cluster == "here"
     assert_measured_or_hidden_in_noise(sync, more_than_ms=1.0)
     cost = CostModel(load_cluster(cluster), model)
-    # What was measured (a DDP step with its sum less one without) is the sum backward did not
-    # hide: the whole model's exposed sum on the slower slot costs it, never less than its links.
-    estimate_s = cost.measured_sync_estimate_s(sync)
-    slower = max(sync.devices, key=lambda d: cost.stage_times_s(0, model.num_layers, d, sync.micro_batch)[1])
-    exposed_s = cost.exposed_sync_s(("cpu1", "cpu0"), 0, model.num_layers, slower, sync.micro_batch)
-    assert exposed_s == pytest.approx(max(estimate_s, sync.sync_ms / 1e3) if sync.measured else estimate_s)
+    charged, expected = calibrated_exposed_sync_s(cost, sync)
+    assert charged == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
