@@ -36,7 +36,8 @@ Formulas (times in seconds, sizes in bytes):
   pays only what of the sum its last backward did not hide (:meth:`CostModel.exposed_sync_s`).
   Where the model profile measured the whole model's sync on this cluster's devices
   (``ModelSpec.data_parallel_sync``: a DDP step with and without sync, as training runs it), a
-  group inside the measured set costs that estimate times measured / estimate of the set (at
+  group inside the measured set costs that estimate times measured / estimate of the set (the
+  set's whole-model sum that backward did not hide, :meth:`CostModel.measured_sync_estimate_s`; at
   least 1): on CPU slots the links' ping-pong prices gloo's allreduce several times too low.
   A timing whose difference was not above its noise (no ``sync_ms``, or an old profile's 0) is
   no measurement: its group keeps the link estimate, the floor sync never beats, and counts as
@@ -65,7 +66,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 from felactl.errors import PlanInfeasible
-from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Layer, ModelSpec
+from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Layer, ModelSpec, SyncTiming
 from felactl.spec.plan import gradient_buckets
 
 RIDGE_FLOPS_PER_BYTE = 50.0
@@ -526,7 +527,7 @@ class CostModel:
                     self._sync_factors.append((frozenset(timing.devices), max(1.0, timing.sync_ms / 1e3 / link_s)))
         return self._sync_factors
 
-    def measured_sync_estimate_s(self, timing) -> float:
+    def measured_sync_estimate_s(self, timing: SyncTiming) -> float:
         """The link estimate of what a profile's ``data_parallel_sync`` timing measured: a DDP step
         of the whole model with its sum less one without, on the set's slowest device (the one
         whose backward the last bucket waits for), so the sum partly hidden under backward."""
