@@ -139,8 +139,7 @@ def calibrated_exposed_sync_s(cost, sync) -> tuple[float, float]:
     profile's measured sync (a DDP step with its sum less one without) is the whole model's sum
     that backward did not hide, on the slower device of the set; the cost model charges that
     much, never less than its links' estimate of it."""
-    layers = cost.model.num_layers
-    slower = max(sync.devices, key=lambda d: cost.stage_times_s(0, layers, d, sync.micro_batch)[1])
-    charged = cost.exposed_sync_s(tuple(sync.devices), 0, layers, slower, sync.micro_batch)
+    device = cost.timed_sync_device(sync)
+    charged = cost.exposed_sync_s(tuple(sync.devices), 0, cost.model.num_layers, device, sync.micro_batch)
     estimate_s = cost.measured_sync_estimate_s(sync)
     return charged, max(estimate_s, sync.sync_ms / 1e3) if sync.measured else estimate_s

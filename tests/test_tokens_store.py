@@ -245,6 +245,13 @@ def test_grad_buckets_accumulate_in_place_and_launch_during_backward(one_rank_gr
 def test_grad_buckets_are_the_buckets_ddp_makes(widths):
     """One bucket rule for bsp (DDP) and tokens (GradBuckets), the one the planner prices the overlap
     of sync with backward by: DDP's own assignment, in backward order, is the reference."""
+    from torch.nn.parallel import distributed as ddp_module
+
+    from felactl.spec.plan import BUCKET_BYTES, FIRST_BUCKET_BYTES
+
+    # the rule's caps are DDP's defaults, as felactl's bsp wraps replicas with them
+    assert FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
+    assert BUCKET_BYTES == ddp_module._DEFAULT_BUCKET_CAP_MB * 2**20
     layers = [torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
     params = [p for layer in layers for p in layer.parameters()]
     grads = GradBuckets(params)

@@ -529,15 +529,19 @@ class CostModel:
 
     def measured_sync_estimate_s(self, timing: SyncTiming) -> float:
         """The link estimate of what a profile's ``data_parallel_sync`` timing measured: a DDP step
-        of the whole model with its sum less one without, on the set's slowest device (the one
-        whose backward the last bucket waits for), so the sum partly hidden under backward."""
+        of the whole model with its sum less one without, on :meth:`timed_sync_device`, so the
+        sum partly hidden under backward."""
         group = tuple(sorted(timing.devices))
+        device = self.timed_sync_device(timing)
+        return self._exposed_link_s(group, 0, self.model.num_layers, device, timing.micro_batch)
 
-        def backward_s(device: str) -> float:
-            return self._prefix_sums(self.cluster.device(device), timing.micro_batch)[1][-1]
-
-        slowest = max(group, key=backward_s)
-        return self._exposed_link_s(group, 0, self.model.num_layers, slowest, timing.micro_batch)
+    def timed_sync_device(self, timing: SyncTiming) -> str:
+        """The device of a measured set whose whole-model backward is longest: the last bucket
+        waits for it, so the measured step's exposed sum is its."""
+        return max(
+            sorted(timing.devices),
+            key=lambda d: self._prefix_sums(self.cluster.device(d), timing.micro_batch)[1][-1],
+        )
 
     def uncalibrated_cpu_groups(self, groups) -> list[tuple[str, ...]]:
         """The groups of two or more CPU slots that no measured sync set holds: their sync is priced
