@@ -358,16 +358,17 @@ def test_where_links_differ_by_direction_the_reduce_and_broadcast_trees_are_pack
 
 
 def test_a_small_buffer_pays_the_pieces_fill_the_runtime_cuts_it_into():
-    """16 MiB over a 3-hop chain goes in the runtime's pieces of at most 1 MiB: the last piece
+    """256 MiB over a 3-hop chain goes in the runtime's largest pieces, 1 MiB: the last piece
     reaches the root 2 pieces' time after the deepest leaf's last send and comes down 3 hops, so
-    the allreduce takes 5 pieces' time beyond N / X; a buffer of 160 KiB is cut into 8 pieces of
-    20 KiB and pays 5 of those. Before, both were priced N / X."""
+    the allreduce takes 5 pieces' time beyond N / X; 16 MiB is cut into 128 pieces of 128 KiB, a
+    buffer of 160 KiB into pieces of the smallest size, 64 KiB, and each pays 5 of its pieces.
+    Before, all were priced N / X."""
     from felactl.spec.plan import tree_piece_bytes
 
     chain = _pair_cluster(("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("c", "d", 1.0, 0.0))
     collective = plan_collective(chain, ["a", "b", "c", "d"], root="a")
     assert len(collective.trees) == 1
-    for num_bytes, piece in ((16 * 2**20, 2**20), (160 * 2**10, 20 * 2**10)):
+    for num_bytes, piece in ((256 * 2**20, 2**20), (16 * 2**20, 128 * 2**10), (160 * 2**10, 64 * 2**10)):
         assert tree_piece_bytes(num_bytes, 1) == piece
         assert allreduce_time_s(chain, collective, num_bytes) == pytest.approx((num_bytes + 5 * piece) / 1e9)
 

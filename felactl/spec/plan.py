@@ -162,11 +162,19 @@ TREE_PIECE_BYTES = 1 << 20
 and the pieces deal out close to the trees' weights, large enough that each message's fixed cost
 (tens of microseconds in gloo) stays small next to its transfer."""
 
-MIN_PIECES_PER_TREE = 8
-"""A small buffer is still cut into this many pieces per tree (down to :data:`MIN_TREE_PIECE_BYTES`),
-so that it streams through the depth of the trees and splits by their weights."""
+MIN_PIECES_PER_TREE = 128
+"""A buffer is cut into at least this many pieces per tree (down to :data:`MIN_TREE_PIECE_BYTES`),
+so that it streams through the depth of the trees and splits by their weights. A piece crosses a
+tree's every hop before the tree is done (the fill), so a tree D deep pays about 2 D pieces'
+time beyond its transfer: 128 pieces keep that to a few percent. (8 pieces of a 16 MiB sum over
+the fragment testbed's two trees reached 0.53 of the allreduce's bound, 128 reach 0.84;
+BENCHMARKS.md, "Trees at run time".)"""
 
-MIN_TREE_PIECE_BYTES = 16 << 10
+MIN_TREE_PIECE_BYTES = 64 << 10
+"""The smallest piece: each message costs gloo a fixed few tens of microseconds of CPU at either
+end (measured on loopback: 16 KiB messages cost 100 us of CPU each, one after another), which a
+node held to a share of a core pays several times over; at 64 KiB that stays below the transfer
+of the piece on the slowest links the trees are for."""
 
 
 def tree_piece_bytes(num_bytes: float, num_trees: int, largest: int = TREE_PIECE_BYTES) -> int:
