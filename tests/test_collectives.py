@@ -392,3 +392,34 @@ def test_the_fill_of_unequal_trees_is_set_by_the_tree_slowest_for_its_depth():
     # up: the deep tree (2 - 1) hops at 4x; down: the deep tree 2 hops at 4x.
     assert cost.piece_hops == pytest.approx(1 * 4 + 2 * 4)
     assert cost.num_trees == 2
+
+
+def test_a_buffer_of_few_pieces_pays_only_for_the_trees_it_is_dealt_to():
+    """The runtime deals pieces by weight (``spec.plan.deal``): two pieces over trees of weights 3
+    and 1 both go to the heavy, shallow tree, so the light tree's depth costs nothing and the
+    heavy one moves all the bytes at its share of the rate. (Priced as if every tree had pieces,
+    a 3-device plan of a small model took the ring over its trees: the rescale test's.)"""
+    from felactl.spec.plan import deal, tree_piece_bytes
+
+    chain = _pair_cluster(("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("a", "c", 1.0, 0.0))
+    deep = Tree(edges=(("a", "b"), ("b", "c")), weight=1.0)
+    shallow = Tree(edges=(("a", "b"), ("a", "c")), weight=3.0)
+    collective = Collective(
+        group="g",
+        devices=("a", "b", "c"),
+        root="a",
+        trees=(shallow, deep),
+        rate_gbps=4.0,
+        bound_gbps=4.0,
+        ring_gbps=0.0,
+    )
+    cost = tree_allreduce_cost(chain, collective)
+    rate = cost.rate_gbps * 1e9
+    small = 128 * 2**10
+    piece = tree_piece_bytes(small, 2)
+    assert piece == 64 * 2**10 and deal([3.0, 1.0], 2) == [0, 0]
+    # the shallow tree alone: its 3/4 of the rate, reduce 0 hops beyond the first, broadcast 1
+    assert cost.seconds(small) == pytest.approx((small / 0.75 + (0 + 1 / 0.75) * piece) / rate)
+    # every tree dealt its share: the whole rate, and the deep tree's fill (1 and 2 hops at 4x)
+    big = 64 * 2**20
+    assert cost.seconds(big) == pytest.approx((big + (1 * 4 + 2 * 4) * tree_piece_bytes(big, 2)) / rate)

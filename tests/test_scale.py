@@ -493,10 +493,13 @@ def test_scaling_policies_and_replan():
 
 def _local_profiles(tmp_path: Path, num_devices: int):
     """A cluster profile of this machine as ``num_devices`` CPU slots (cpu0..), and gpt-mini's
-    model profile: what ``felactl launch --cluster --model`` keeps for re-planning."""
+    model profile: what ``felactl launch --cluster --model`` keeps for re-planning. The link
+    between cpu1 and cpu2 is a tenth of the others: a ring must cross it and trees route around
+    it, so a group of three syncs over packed trees. (With every link alike, gpt-mini's 270 KB
+    sum is so small that the trees' fill and the ring's latency decide, and they are close.)"""
     from felactl.machine import short_hostname
     from felactl.profiling.model import profile_model
-    from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node
+    from felactl.spec import ClusterSpec, Device, DeviceKind, Link, LinkDefault, LinkType, Node
 
     node = Node(
         name=short_hostname(),
@@ -509,6 +512,11 @@ def _local_profiles(tmp_path: Path, num_devices: int):
         name="here",
         nodes=(node,),
         intra_node_default=LinkDefault(bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK),
+        links=tuple(
+            Link(src=a, dst=b, bandwidth_gbps=0.5, latency_us=50.0, type=LinkType.LOOPBACK)
+            for a, b in (("cpu1", "cpu2"), ("cpu2", "cpu1"))
+            if num_devices > 2
+        ),
     )
     model = profile_model("gpt-mini", GPT_CONFIG, [8], repeats=1)
     return save(cluster, tmp_path / "cluster.yaml"), save(model, tmp_path / "model.yaml")

@@ -67,7 +67,10 @@ keeps the broadcast's packing.
   of one piece (``spec.plan.tree_piece_bytes``, the runtime's rule) and up_T, down_T a tree's
   depth in hops. A tree moves its pieces through its links at f_T X as a flow shop: the last piece
   reaches the root (up_T - 1) pieces' time after the reduce's last send from a deepest leaf, then
-  takes down_T hops to the deepest leaf. (Measured on the fragment testbed: 16 MiB over 2 trees in
+  takes down_T hops to the deepest leaf. The pieces are dealt to the trees as the runtime deals
+  them (``spec.plan.deal``), and both maxima, and N / X, run over the trees dealt any: a buffer of
+  a few pieces leaves light trees none, and its time is then the slowest dealt tree's bytes at
+  f_T X (``TreeAllreduceCost.seconds``). (Measured on the fragment testbed: 16 MiB over 2 trees in
   1 MiB pieces took 0.41 s where N / X alone priced 0.22.)
   X <= min(R, R') where R' is the reduce trees' rate (each direction alone moves at most that).
   X >= min(R, R') / 2 where the reduce trees are packed (each family loads a link at most
@@ -108,7 +111,7 @@ from felactl.optimizer.graph import (
 )
 from felactl.optimizer.packing import pack_arborescences, pack_up_and_down
 from felactl.spec.cluster import ClusterSpec
-from felactl.spec.plan import Collective, Tree, tree_piece_bytes
+from felactl.spec.plan import Collective, Tree, deal, tree_piece_bytes
 
 GBPS_TO_BYTES_PER_S = 1e9
 US_TO_S = 1e-6
@@ -557,20 +560,52 @@ def allreduce_time_s(cluster: ClusterSpec, collective: Collective, num_bytes: fl
 
 @dataclasses.dataclass(frozen=True)
 class TreeAllreduceCost:
-    """What a tree allreduce of N bytes costs (module docstring, "Times"): ``N / rate`` plus the
-    links' latencies once up and once down, plus ``piece_hops`` pieces' time at the rate."""
+    """What a tree allreduce of N bytes costs (module docstring, "Times"): the links' latencies
+    once up and once down, plus, over the trees the runtime deals pieces to, the slowest tree's
+    transfer of its pieces at its share of the rate and the deepest fill in pieces' time."""
 
     rate_gbps: float
     latency_s: float
     piece_hops: float
-    """max_T (up_T - 1) / f_T + max_T down_T / f_T: pieces' times at the rate the fill takes."""
+    """max_T (up_T - 1) / f_T + max_T down_T / f_T: pieces' times at the rate the fill takes
+    when every tree is dealt pieces."""
     num_trees: int
     """The more of the broadcast and reduce trees: the runtime cuts the pieces by it."""
+    up: tuple[tuple[float, float], ...] = ()
+    """(weight, up_T - 1) of each reduce tree."""
+    down: tuple[tuple[float, float], ...] = ()
+    """(weight, down_T) of each broadcast tree."""
 
     def seconds(self, num_bytes: float) -> float:
         rate = self.rate_gbps * GBPS_TO_BYTES_PER_S
         piece = tree_piece_bytes(num_bytes, self.num_trees)
-        return num_bytes / rate + self.latency_s + self.piece_hops * piece / rate
+        if not (self.up and self.down):
+            return num_bytes / rate + self.latency_s + self.piece_hops * piece / rate
+        count = math.ceil(num_bytes / piece)
+        transfer_up, fill_up = _dealt_family(self.up, count, piece, num_bytes)
+        transfer_down, fill_down = _dealt_family(self.down, count, piece, num_bytes)
+        return self.latency_s + (max(transfer_up, transfer_down) + (fill_up + fill_down) * piece) / rate
+
+
+def _dealt_family(trees: tuple[tuple[float, float], ...], count: int, piece: int, num_bytes: float):
+    """For one family of trees ((weight, hops) each) and ``count`` pieces dealt to them as the
+    runtime deals (``spec.plan.deal``): the bytes the slowest tree moves over its share f_T (bytes
+    at the whole rate) and the deepest fill in pieces (hops / f_T), over the trees dealt any."""
+    weights = tuple(weight for weight, _ in trees)
+    counts, last = _deal_counts(weights, count)
+    short = count * piece - num_bytes  # the last piece is the rest of the buffer
+    dealt = [k for k, n in enumerate(counts) if n]
+    share = [weight / sum(weights) for weight in weights]
+    transfer = max((counts[k] * piece - (short if k == last else 0)) / share[k] for k in dealt)
+    fill = max(trees[k][1] / share[k] for k in dealt)
+    return transfer, fill
+
+
+@functools.lru_cache(maxsize=4096)
+def _deal_counts(weights: tuple[float, ...], count: int) -> tuple[tuple[int, ...], int]:
+    """How many of ``count`` pieces each tree is dealt, and which tree the last goes to."""
+    order = deal(list(weights), count)
+    return tuple(order.count(k) for k in range(len(weights))), order[-1]
 
 
 def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAllreduceCost:
@@ -584,7 +619,14 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
         return _reach(tree, root, lambda parent, child: 1.0)
 
     piece_hops = max((hops(t) - 1) / _share(t, up) for t in up) + max(hops(t) / _share(t, down) for t in down)
-    return TreeAllreduceCost(throughput_gbps, fill_us * US_TO_S, piece_hops, max(len(down), len(up)))
+    return TreeAllreduceCost(
+        throughput_gbps,
+        fill_us * US_TO_S,
+        piece_hops,
+        max(len(down), len(up)),
+        up=tuple((t.weight, hops(t) - 1) for t in up),
+        down=tuple((t.weight, hops(t)) for t in down),
+    )
 
 
 def _share(tree: Tree, trees: Sequence[Tree]) -> float:

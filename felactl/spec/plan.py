@@ -186,6 +186,21 @@ def tree_piece_bytes(num_bytes: float, num_trees: int, largest: int = TREE_PIECE
     return int(max(min(largest, math.ceil(num_bytes / wanted)), min(MIN_TREE_PIECE_BYTES, largest)))
 
 
+def deal(weights: list[float], count: int) -> list[int]:
+    """Which tree each of ``count`` pieces goes to: smooth weighted round robin, so that every
+    prefix of the pieces is split close to the weights (and every rank deals the same). The
+    runtime deals its pieces so, and the planner prices the trees by the same deal: a buffer of
+    a few pieces leaves a light tree none, and then its depth costs nothing."""
+    total, credit, order = sum(weights), [0.0] * len(weights), []
+    for _ in range(count):
+        for i, weight in enumerate(weights):
+            credit[i] += weight
+        best = max(range(len(weights)), key=lambda i: credit[i])
+        credit[best] -= total
+        order.append(best)
+    return order
+
+
 FIRST_BUCKET_BYTES = 1 << 20
 """The first gradient bucket closes at this many bytes (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``): the
 last layers' gradients start their sum while backward still runs through the others."""

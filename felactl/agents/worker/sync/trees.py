@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.spec import Plan
-from felactl.spec.plan import TREE_PIECE_BYTES, tree_piece_bytes
+from felactl.spec.plan import TREE_PIECE_BYTES, deal, tree_piece_bytes
 
 WINDOW = 8
 """How many pieces ahead each walk posts its receives (a reduce walk's buffers: WINDOW x children
@@ -55,19 +55,6 @@ class _Tree:
     parent: int | None
     """This rank's parent in the tree (None at the root)."""
     children: tuple[int, ...]
-
-
-def deal(weights: list[float], count: int) -> list[int]:
-    """Which tree each of ``count`` pieces goes to: smooth weighted round robin, so that every
-    prefix of the pieces is split close to the weights (and every rank deals the same)."""
-    total, credit, order = sum(weights), [0.0] * len(weights), []
-    for _ in range(count):
-        for i, weight in enumerate(weights):
-            credit[i] += weight
-        best = max(range(len(weights)), key=lambda i: credit[i])
-        credit[best] -= total
-        order.append(best)
-    return order
 
 
 class TreeAllreduce:
