@@ -373,9 +373,9 @@ def test_a_small_buffer_pays_the_pieces_fill_the_runtime_cuts_it_into():
         assert allreduce_time_s(chain, collective, num_bytes) == pytest.approx((num_bytes + 5 * piece) / 1e9)
 
 
-def test_the_fill_of_unequal_trees_is_set_by_the_tree_slowest_for_its_depth():
-    """Two trees of weights 3 and 1: the lighter carries a quarter of the data at a quarter of the
-    rate, so each of its pieces takes 4 pieces' time at the whole rate; its depth is what counts."""
+def _shallow_and_deep_trees_cost():
+    """Over a, b, c with links of 1 GB/s: a shallow tree (a -> b, a -> c) of weight 3 and a deep
+    one (a -> b -> c) of weight 1."""
     chain = _pair_cluster(("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("a", "c", 1.0, 0.0))
     deep = Tree(edges=(("a", "b"), ("b", "c")), weight=1.0)
     shallow = Tree(edges=(("a", "b"), ("a", "c")), weight=3.0)
@@ -388,7 +388,13 @@ def test_the_fill_of_unequal_trees_is_set_by_the_tree_slowest_for_its_depth():
         bound_gbps=4.0,
         ring_gbps=0.0,
     )
-    cost = tree_allreduce_cost(chain, collective)
+    return tree_allreduce_cost(chain, collective)
+
+
+def test_the_fill_of_unequal_trees_is_set_by_the_tree_slowest_for_its_depth():
+    """Two trees of weights 3 and 1: the lighter carries a quarter of the data at a quarter of the
+    rate, so each of its pieces takes 4 pieces' time at the whole rate; its depth is what counts."""
+    cost = _shallow_and_deep_trees_cost()
     # up: the deep tree (2 - 1) hops at 4x; down: the deep tree 2 hops at 4x.
     assert cost.piece_hops == pytest.approx(1 * 4 + 2 * 4)
     assert cost.num_trees == 2
@@ -401,19 +407,7 @@ def test_a_buffer_of_few_pieces_pays_only_for_the_trees_it_is_dealt_to():
     a 3-device plan of a small model took the ring over its trees: the rescale test's.)"""
     from felactl.spec.plan import deal, tree_piece_bytes
 
-    chain = _pair_cluster(("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("a", "c", 1.0, 0.0))
-    deep = Tree(edges=(("a", "b"), ("b", "c")), weight=1.0)
-    shallow = Tree(edges=(("a", "b"), ("a", "c")), weight=3.0)
-    collective = Collective(
-        group="g",
-        devices=("a", "b", "c"),
-        root="a",
-        trees=(shallow, deep),
-        rate_gbps=4.0,
-        bound_gbps=4.0,
-        ring_gbps=0.0,
-    )
-    cost = tree_allreduce_cost(chain, collective)
+    cost = _shallow_and_deep_trees_cost()
     rate = cost.rate_gbps * 1e9
     small = 128 * 2**10
     piece = tree_piece_bytes(small, 2)
