@@ -566,21 +566,25 @@ class TreeAllreduceCost:
 
     rate_gbps: float
     latency_s: float
-    piece_hops: float
-    """max_T (up_T - 1) / f_T + max_T down_T / f_T: pieces' times at the rate the fill takes
-    when every tree is dealt pieces."""
-    num_trees: int
-    """The more of the broadcast and reduce trees: the runtime cuts the pieces by it."""
-    up: tuple[tuple[float, float], ...] = ()
+    up: tuple[tuple[float, float], ...]
     """(weight, up_T - 1) of each reduce tree."""
-    down: tuple[tuple[float, float], ...] = ()
+    down: tuple[tuple[float, float], ...]
     """(weight, down_T) of each broadcast tree."""
+
+    @property
+    def num_trees(self) -> int:
+        """The more of the broadcast and reduce trees: the runtime cuts the pieces by it."""
+        return max(len(self.up), len(self.down))
+
+    @property
+    def piece_hops(self) -> float:
+        """max_T (up_T - 1) / f_T + max_T down_T / f_T: the fill in pieces' times at the rate when
+        every tree is dealt pieces."""
+        return sum(_fill(trees, range(len(trees))) for trees in (self.up, self.down))
 
     def seconds(self, num_bytes: float) -> float:
         rate = self.rate_gbps * GBPS_TO_BYTES_PER_S
         piece = tree_piece_bytes(num_bytes, self.num_trees)
-        if not (self.up and self.down):
-            return num_bytes / rate + self.latency_s + self.piece_hops * piece / rate
         count = math.ceil(num_bytes / piece)
         transfer_up, fill_up = _dealt_family(self.up, count, piece, num_bytes)
         transfer_down, fill_down = _dealt_family(self.down, count, piece, num_bytes)
@@ -590,15 +594,19 @@ class TreeAllreduceCost:
 def _dealt_family(trees: tuple[tuple[float, float], ...], count: int, piece: int, num_bytes: float):
     """For one family of trees ((weight, hops) each) and ``count`` pieces dealt to them as the
     runtime deals (``spec.plan.deal``): the bytes the slowest tree moves over its share f_T (bytes
-    at the whole rate) and the deepest fill in pieces (hops / f_T), over the trees dealt any."""
-    weights = tuple(weight for weight, _ in trees)
-    counts, last = _deal_counts(weights, count)
+    at the whole rate) and the deepest fill in pieces, over the trees dealt any."""
+    total = sum(weight for weight, _ in trees)
+    counts, last = _deal_counts(tuple(weight for weight, _ in trees), count)
     short = count * piece - num_bytes  # the last piece is the rest of the buffer
     dealt = [k for k, n in enumerate(counts) if n]
-    share = [weight / sum(weights) for weight in weights]
-    transfer = max((counts[k] * piece - (short if k == last else 0)) / share[k] for k in dealt)
-    fill = max(trees[k][1] / share[k] for k in dealt)
-    return transfer, fill
+    transfer = max((counts[k] * piece - (short if k == last else 0)) * total / trees[k][0] for k in dealt)
+    return transfer, _fill(trees, dealt)
+
+
+def _fill(trees: tuple[tuple[float, float], ...], which) -> float:
+    """max over the trees ``which`` of hops / f_T: their fill in pieces' times at the whole rate."""
+    total = sum(weight for weight, _ in trees)
+    return max(trees[k][1] * total / trees[k][0] for k in which)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -618,12 +626,9 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
     def hops(tree: Tree) -> float:
         return _reach(tree, root, lambda parent, child: 1.0)
 
-    piece_hops = max((hops(t) - 1) / _share(t, up) for t in up) + max(hops(t) / _share(t, down) for t in down)
     return TreeAllreduceCost(
         throughput_gbps,
         fill_us * US_TO_S,
-        piece_hops,
-        max(len(down), len(up)),
         up=tuple((t.weight, hops(t) - 1) for t in up),
         down=tuple((t.weight, hops(t)) for t in down),
     )
