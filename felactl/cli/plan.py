@@ -126,13 +126,13 @@ def _render_explain(console, plan: Plan, cost: CostModel) -> None:
 
 def gantt(plan: Plan, cost: CostModel, width: int = 72) -> str:
     """A text Gantt chart of one simulated iteration: one row per device, one mark per time slice
-    (F/B forward/backward of an even stage, f/b of an odd one, S sync, O optimizer step, > send, z sleep,
+    (F/B forward/backward of an even stage, f/b of an odd one, S sync, O optimizer step, z sleep,
     . idle)."""
     result = simulate(plan, cost)
     span = result.iteration_s or 1.0
     rows = [
         f"one iteration, {span:.4g} s, {width} columns ({span / width:.3g} s each); "
-        "F/B forward/backward (stage shown as f/b when odd), S sync, O optimizer step, > send, z sleep, . idle"
+        "F/B forward/backward (stage shown as f/b when odd), S sync, O optimizer step, z sleep, . idle"
     ]
     name_width = max(len(d) for d in plan.devices)
     for device in plan.devices:
@@ -140,7 +140,7 @@ def gantt(plan: Plan, cost: CostModel, width: int = 72) -> str:
         for iv in result.intervals:
             if iv.device != device:
                 continue
-            mark = {"send": ">", "sleep": "z"}.get(iv.label) or iv.label[0]
+            mark = {"sleep": "z"}.get(iv.label) or iv.label[0]
             if mark in "FB" and int(iv.label[1:]) % 2:
                 mark = mark.lower()
             first = int(iv.start_s / span * width)

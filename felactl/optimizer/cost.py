@@ -23,10 +23,15 @@ Formulas (times in seconds, sizes in bytes):
   ``b * i`` reaches its ridge point (``RIDGE_FLOPS_PER_BYTE``), so ``b_half = RIDGE / i``,
   clamped to [``B_HALF_MIN``, ``B_HALF_MAX``]. A linear layer (i = 0.5) gets b_half = 100 and
   saturates only at large batches; a 32x32 conv (i ~ 500) saturates at once: Fela's observation.
-* **Transfer** of a stage boundary per micro-batch: the activation forward and its gradient
-  backward, each ``latency + b * activation_bytes_per_sample / bandwidth`` on the actual link
-  (:meth:`CostModel.transfer_gbps`: a node's shared NIC is divided among its devices in the
-  cluster planned for, a switch port caps its device's links).
+* **Transfer** of a stage boundary per micro-batch, paid by the device that fetches it: a stage's
+  worker waits for its input activation (the cut before it) and for its output's gradient (the
+  cut after it), each a request there and ``latency + b * activation_bytes_per_sample /
+  bandwidth`` back on the actual link (:meth:`CostModel.mean_fetch_s`; :meth:`CostModel.transfer_gbps`:
+  a node's shared NIC is divided among its devices in the cluster planned for, a switch port caps
+  its device's links). Serving a tensor costs its producer nothing: the runtimes send from a
+  thread (tokens) or with ``isend`` (static pipelines) while it computes. Charging both ends, as
+  this model once did, priced the hybrid baseline's exchange-bound last stage up to 1.5x too slow
+  on the emulated testbeds (BENCHMARKS.md, issue 15 item 4).
 * **Sync** of a stage group: an allreduce of the stage's gradients (``param_bytes``), over the
   group's packed Blink trees or a ring, whichever is faster when trees are on; a ring otherwise.
   Where the group's direct links close no ring, the ring runs over routes (paths through other
@@ -196,7 +201,7 @@ class CostModel:
     _prefix: dict = field(default_factory=dict, init=False, repr=False)
     _collectives: dict = field(default_factory=dict, init=False, repr=False)
     _shapes: dict = field(default_factory=dict, init=False, repr=False)
-    _round_trip: dict = field(default_factory=dict, init=False, repr=False)
+    _fetch: dict = field(default_factory=dict, init=False, repr=False)
     _sync: dict = field(default_factory=dict, init=False, repr=False)
     _sync_factors: list | None = field(default=None, init=False, repr=False)
     _links: dict = field(default_factory=dict, init=False, repr=False)
@@ -307,31 +312,35 @@ class CostModel:
         latency_s, per_byte_s = self._direct_or_relay(src, dst)
         return latency_s + num_bytes * per_byte_s
 
-    def mean_round_trip_s(self, device: str, num_bytes: float) -> float:
-        """Expected time of one boundary exchange (activation one way, its gradient back) between
-        ``device`` and a peer drawn uniformly from the cluster's other devices.
+    def mean_fetch_s(self, device: str, num_bytes: float) -> float:
+        """Expected time for ``device`` to fetch one boundary tensor (an activation into a later
+        stage, a gradient back into an earlier one) from a peer drawn uniformly from the cluster's
+        other devices: its small request there, the tensor back.
 
+        The consumer waits for it; the producer does not (the tokens runtime's server thread
+        answers while its worker computes, a static pipeline's ``isend`` returns at once), so a
+        tensor is charged once, to the device that fetches it, over the link it arrives on.
         Under token scheduling a stage's input comes from whichever worker produced it, so the
         planner charges the mean over the plan's devices; the simulator uses the actual producer.
         """
         if num_bytes <= 0 or len(self.cluster.device_names) < 2:
             return 0.0
-        if device not in self._round_trip:
+        if device not in self._fetch:
             others = [p for p in self.cluster.device_names if p != device]
             latency_s = per_byte_s = 0.0
             for p in others:
-                for src, dst in ((p, device), (device, p)):
-                    lat, per_byte = self._direct_or_relay(src, dst)
-                    latency_s += lat
-                    per_byte_s += per_byte
-            self._round_trip[device] = (latency_s / len(others), per_byte_s / len(others))
-        latency_s, per_byte_s = self._round_trip[device]
+                request_latency_s, _ = self._direct_or_relay(device, p)
+                reply_latency_s, reply_per_byte_s = self._direct_or_relay(p, device)
+                latency_s += request_latency_s + reply_latency_s
+                per_byte_s += reply_per_byte_s
+            self._fetch[device] = (latency_s / len(others), per_byte_s / len(others))
+        latency_s, per_byte_s = self._fetch[device]
         return latency_s + num_bytes * per_byte_s
 
     def exchange_signature(self, device: str) -> tuple[float, float]:
         """What the device's exchange cost depends on; devices alike here cost alike."""
-        self.mean_round_trip_s(device, 1.0)
-        return self._round_trip.get(device, (0.0, 0.0))
+        self.mean_fetch_s(device, 1.0)
+        return self._fetch.get(device, (0.0, 0.0))
 
     # --- sync ----------------------------------------------------------------------------
     def collective(self, devices: tuple[str, ...]) -> Collective | None:

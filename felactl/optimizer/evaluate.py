@@ -6,12 +6,15 @@ serves, so over one iteration of global batch ``B``:
 
 * ``load(d)  = sum_s samples(s, d) * (compute_per_sample(s, d, b_s) + exchange_per_sample(s, d))``
   where ``samples`` apportions whole tokens by share (:func:`token_samples`) and the exchange is
-  one boundary round trip per micro-batch on each cut the stage touches;
+  what the device fetches per micro-batch: its input activation from the stage before, its
+  output's gradient from the stage after (:meth:`CostModel.mean_fetch_s`);
 * ``sync(d)  = sum_{s served by d} exposed_s(d)``: what the allreduce of the stage's gradients
   over its group adds after ``d``'s last backward (the buckets that backward completes early run
   under it, :meth:`CostModel.exposed_sync_s`);
 * ``fill     = sum_s fill_s`` (:func:`stage_fill_s`): the pipeline's bubble, one micro-batch's
-  forward + backward of each later stage on its slowest member and the first stage's backward;
+  forward + backward of each later stage on its slowest member and the first stage's backward,
+  and each cut's first activation and last gradient on their way (nothing else is in flight
+  then to hide them);
 * ``iteration = max_d (load(d) + sync(d)) + fill``.
 
 The ILP minimises exactly this expression (its coefficients come from :func:`stage_device_cost`),
@@ -96,12 +99,18 @@ def token_samples(shares: tuple[tuple[str, float], ...], global_batch: int, micr
 
 
 def exchange_per_sample_s(cost: CostModel, start: int, end: int, micro_batch: int, device: str) -> float:
-    """Boundary round trips (activation + gradient) per sample of a stage on ``device``."""
+    """What a stage's worker on ``device`` fetches, per sample: the activation crossing the cut
+    before the stage (its forward's input) and the gradient crossing the cut after it (its
+    backward's), one fetch per micro-batch each."""
     total = 0.0
     for boundary in (start, end):
-        num_bytes = boundary_bytes_per_sample(cost.model, boundary) * micro_batch
-        total += cost.mean_round_trip_s(device, num_bytes)
+        total += _boundary_fetch_s(cost, boundary, micro_batch, device)
     return total / micro_batch
+
+
+def _boundary_fetch_s(cost: CostModel, boundary: int, micro_batch: int, device: str) -> float:
+    """One micro-batch's tensor at cut ``boundary`` fetched into ``device`` (0 at the model's ends)."""
+    return cost.mean_fetch_s(device, boundary_bytes_per_sample(cost.model, boundary) * micro_batch)
 
 
 def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples: int) -> float:
@@ -122,14 +131,17 @@ def stage_sync_s(cost: CostModel, stage: StageChoice, device: str) -> float:
 def stage_fill_s(cost: CostModel, stage: StageChoice) -> float:
     """The pipeline's fill and drain a stage adds: one micro-batch's forward + backward on its
     slowest member, except for a first stage, which adds only its backward (the drain: after the
-    last gradient comes back, its micro-batch still has to go through it); nothing for a stage
-    that is the whole model."""
+    last gradient comes back, its micro-batch still has to go through it); and the fetches no
+    other work hides, on the member slowest to fetch: a later stage waits for its first input
+    activation (the fill), an earlier one for its last output gradient (the drain). Nothing for a
+    stage that is the whole model."""
     if stage.start == 0 and stage.end == cost.model.num_layers:
         return 0.0
     times = [cost.stage_times_s(stage.start, stage.end, d, stage.micro_batch) for d in stage.devices]
-    if stage.start == 0:
-        return max(bwd for _, bwd in times)
-    return max(fwd + bwd for fwd, bwd in times)
+    compute = max(bwd for _, bwd in times) if stage.start == 0 else max(fwd + bwd for fwd, bwd in times)
+    first_input = max(_boundary_fetch_s(cost, stage.start, stage.micro_batch, d) for d in stage.devices)
+    last_gradient = max(_boundary_fetch_s(cost, stage.end, stage.micro_batch, d) for d in stage.devices)
+    return compute + first_input + last_gradient
 
 
 def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int, max_stages: int) -> Prediction:

@@ -14,9 +14,10 @@ them are done. Devices take ready tokens of the stages they serve:
   in-flight limit holds that worker back (below);
 * ``1f1b`` prefers backward tokens, ``gpipe`` forward ones; no helping (static pipelines).
 
-A token's duration is its compute (cost model, times the device's slowdown) plus receiving its
-inputs from the devices that produced them on the actual links; the producer pays the same time
-to send, before its next token. A backward token taken by a worker other than the one that ran
+A token's duration is its compute (cost model, times the device's slowdown) plus fetching its
+inputs from the devices that produced them on the actual links (a request there, the tensor
+back); the producer serves them from a thread while it computes, at no cost to its tokens (the
+runtime's, :class:`~felactl.agents.worker.flexible.TensorStore`). A backward token taken by a worker other than the one that ran
 its forward recomputes that forward first (as the runtime does: the autograd graph lives where
 the forward ran), and the worker that ran it keeps its activations to the iteration's end (the
 runtime frees them there).
@@ -66,7 +67,7 @@ class Interval:
     start_s: float
     end_s: float
     label: str
-    """``F0`` / ``B1`` (forward/backward of a stage), ``S0`` (sync), ``sleep``, ``send``."""
+    """``F0`` / ``B1`` (forward/backward of a stage), ``S0`` (sync), ``sleep``."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,6 @@ class _Simulation:
         self.seq = 0
         self.intervals: list[Interval] = []
         self.free: dict[str, bool] = {d: True for d in plan.devices}
-        self.debt_s: dict[str, float] = {d: 0.0 for d in plan.devices}
         self.busy_until: dict[str, float] = {d: 0.0 for d in plan.devices}
         self.ready: list[list[_Token]] = [[] for _ in range(2 * self.num_stages)]
         self.remaining_bwd = [0] * self.num_stages
@@ -261,9 +261,8 @@ class _Simulation:
         if tok.recompute and tok.stage > 0:  # the recomputed forward fetches its inputs again
             producers += self.fwd[tok.stage][tok.index].producers
         for producer, samples in producers:
-            link_s = self.cost.link_time_s(producer, device, samples * per_sample)
-            receive += link_s
-            self.debt_s[producer] += link_s
+            request_s = self.cost.link_time_s(device, producer, 0)
+            receive += request_s + self.cost.link_time_s(producer, device, samples * per_sample)
         return compute + receive
 
     def _dispatch(self, now: float) -> None:
@@ -276,9 +275,6 @@ class _Simulation:
                 continue
             self.free[device] = False
             start = now
-            if self.debt_s[device] > 0:
-                self.intervals.append(Interval(device, now, now + self.debt_s[device], "send"))
-                start, self.debt_s[device] = now + self.debt_s[device], 0.0
             if not tok.backward:
                 self._hold(device, tok.stage, tok, +1)
             elif self.fwd[tok.stage][tok.index].device != device:
