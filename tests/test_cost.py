@@ -6,8 +6,23 @@ import dataclasses
 
 import pytest
 
-from felactl.optimizer.cost import CostModel, b_half, efficiency, layer_times_s, micro_batch_options, stage_memory_bytes
-from felactl.optimizer.evaluate import StageChoice, exchange_per_sample_s, predict, stage_fill_s, token_samples
+from felactl.optimizer.cost import (
+    TOKEN_OVERHEAD_S,
+    CostModel,
+    b_half,
+    efficiency,
+    layer_times_s,
+    micro_batch_options,
+    stage_memory_bytes,
+)
+from felactl.optimizer.evaluate import (
+    StageChoice,
+    exchange_per_sample_s,
+    predict,
+    stage_fill_s,
+    stage_tokens,
+    token_samples,
+)
 from felactl.spec import ClusterSpec, Device, DeviceKind, Layer, LayerTiming, Link, LinkType, SyncTiming
 from tests.planner_fixtures import cluster, model
 
@@ -136,7 +151,8 @@ def test_prediction_of_data_parallel_by_hand():
 
     ring = ring_allreduce_time_s(spec, ["n0.d0", "n0.d1"], 4e6)
     assert got.fill_s == 0.0
-    assert got.iteration_s == pytest.approx(compute / efficiency(4, b_half(net.layers[0])) + ring)
+    one_token = TOKEN_OVERHEAD_S  # each device runs one token of 4 samples; a GPU's host at full speed
+    assert got.iteration_s == pytest.approx(compute / efficiency(4, b_half(net.layers[0])) + one_token + ring)
 
 
 def test_micro_batch_options():
@@ -160,7 +176,7 @@ def test_optimizer_step_is_charged_by_parameter_share_on_the_profiled_hardware()
     without = predict(
         CostModel(spec, dataclasses.replace(net, optimizer_step_ms=None), use_trees=False), (stage,), 4, 1
     ).iteration_s
-    assert without == pytest.approx(4 * 2 * 0.003)
+    assert without == pytest.approx(4 * (2 * 0.003 + TOKEN_OVERHEAD_S))
     assert with_step - without == pytest.approx(0.008)
 
 
@@ -352,9 +368,9 @@ def test_the_first_buckets_sum_runs_under_the_rest_of_the_backward(bwd_ms):
         assert exposed == pytest.approx(second), "the first bucket's sum is hidden whole"
     stage = StageChoice(0, 2, 1, (("n0.d0", 0.5), ("n0.d1", 0.5)))
     prediction = predict(cost, (stage,), 2, 1)
-    assert prediction.iteration_s == pytest.approx(layer0_s + layer1_s + exposed)
+    assert prediction.iteration_s == pytest.approx(layer0_s + layer1_s + TOKEN_OVERHEAD_S + exposed)
     if bwd_ms[0] > 10:  # (else two sums, each with its latency, cost a little more than one)
-        assert prediction.iteration_s < layer0_s + layer1_s + cost.sync_time_s(pair, 13_200_000)
+        assert prediction.iteration_s < layer0_s + layer1_s + TOKEN_OVERHEAD_S + cost.sync_time_s(pair, 13_200_000)
 
 
 def test_the_simulator_charges_the_sum_backward_did_not_hide():
@@ -364,3 +380,28 @@ def test_the_simulator_charges_the_sum_backward_did_not_hide():
     plan = make_plan(cluster([[("G1", 10.0, 8.0)] * 2], intra_gbps=1.0), net, 8, sync="bsp", use_trees=False)
     assert len(plan.stages) == 1 and len(plan.stages[0].workers) == 2, "data parallel over the pair"
     assert plan.predicted.simulated_iteration_s == pytest.approx(plan.predicted.iteration_s)
+
+
+def test_each_token_costs_the_runtime_s_work_around_it_on_the_slot_s_share_of_a_core():
+    """The tokens runtime's work per token (asking the token server, gathering the inputs,
+    publishing the output) is host CPU: a CPU slot at a quarter of the profiled speed takes 4x as
+    long, a GPU's host the profiled time. Unpriced, micro-batches of 64 looked as good as 1024 on
+    the testbeds and ran at half their prediction."""
+    timing = tuple(LayerTiming(device_model="X", micro_batch=b, fwd_ms=b * 0.01, bwd_ms=b * 0.02) for b in (4, 64))
+    net = dataclasses.replace(model([(1000, 10, 1.0), (3000, 10, 1.0)]), timed_tflops={"X": 2.0})
+    net = dataclasses.replace(net, layers=tuple(dataclasses.replace(l, timings=timing) for l in net.layers))
+    base = cluster([[("X", 2.0, 8.0), ("X", 0.5, 8.0)]])
+    slots = tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in base.nodes[0].devices)
+    cpus = dataclasses.replace(base, nodes=(dataclasses.replace(base.nodes[0], devices=slots),))
+    cost = CostModel(cpus, net, use_trees=False)
+    assert cost.token_overhead_s("n0.d0") == pytest.approx(TOKEN_OVERHEAD_S)
+    assert cost.token_overhead_s("n0.d1") == pytest.approx(4 * TOKEN_OVERHEAD_S)
+    gpus = CostModel(cluster([[("X", 0.5, 8.0)]]), net, use_trees=False)
+    assert gpus.token_overhead_s("n0.d0") == pytest.approx(TOKEN_OVERHEAD_S)
+    # one slot, 64 samples: the compute is the same per sample at 4 and at 64, the tokens are not
+    whole = [StageChoice(0, 2, b, (("n0.d1", 1.0),)) for b in (4, 64)]
+    small, large = (predict(cost, (stage,), 64, max_stages=1).iteration_s for stage in whole)
+    assert small - large == pytest.approx((16 - 1) * 4 * TOKEN_OVERHEAD_S)
+    # a pipeline's stage runs a forward and a backward token per micro-batch
+    assert stage_tokens(cost, StageChoice(0, 1, 4, (("n0.d1", 1.0),)), 64) == 32
+    assert stage_tokens(cost, whole[0], 64) == 16

@@ -24,9 +24,9 @@ def _two_stage_plan():
         inter_gbps=10.0,
     )
     net = model([(50_000, 200_000, 5e9), (100_000, 100_000, 5e9), (300_000_000, 16_000, 6e8), (200_000_000, 400, 4e8)])
-    # Batch 128: at 64 the chain rule (a stage at most its in-flight limit times the micro-batch of
-    # the one before) leaves the FC stages one token each, where the ILP's fill counts it twice.
-    return spec, net, make_plan(spec, net, 128, use_trees=False)
+    # Batch 256: with each token's overhead priced, at 128 the planner gives each FC layer a stage
+    # of one 128-sample token, and the ILP's fill counts that one token twice (as fill and as load).
+    return spec, net, make_plan(spec, net, 256, use_trees=False)
 
 
 @pytest.mark.parametrize("cluster_name,model_name", [("dgx1v", "vgg-mini"), ("dgx1v", "gpt-mini"), ("dgx1v-x2", "mlp")])
@@ -44,8 +44,7 @@ def test_simulator_agrees_with_the_ilp_on_shipped_examples(cluster_name, model_n
 
 def test_simulator_agrees_with_the_ilp_on_a_memory_forced_pipeline():
     _, _, plan = _two_stage_plan()
-    assert len(plan.stages) >= 3  # the two FC layers fit no device together (3 stages, or 4 when
-    # the micro-batch chain the runtime can execute makes splitting the conv layers cheaper)
+    assert len(plan.stages) >= 2  # the two FC layers fit no device together
     # The ILP charges a whole micro-batch of fill per stage; token pulling overlaps part of it. The
     # simulator holds workers to the in-flight limit, which the ILP does not model: at times it waits.
     simulated, predicted = plan.predicted.simulated_iteration_s, plan.predicted.iteration_s

@@ -47,6 +47,12 @@ Formulas (times in seconds, sizes in bytes):
   A timing whose difference was not above its noise (no ``sync_ms``, or an old profile's 0) is
   no measurement: its group keeps the link estimate, the floor sync never beats, and counts as
   uncalibrated (``uncalibrated_cpu_groups``), so the plan says its sync is priced too low.
+* **Per token**, the runtime's own work beyond compute (asking the token server, gathering the
+  token's inputs, publishing its output): :data:`TOKEN_OVERHEAD_S` of host CPU at the profiled
+  speed, times the device's slowdown on a CPU device (:meth:`CostModel.token_overhead_s`). A
+  worker runs one token per micro-batch of a whole-model stage, two (forward, backward) of a
+  stage of a pipeline. It is what keeps the planner from micro-batches too small to pay for
+  themselves.
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
   ``step()`` over the whole model (``ModelSpec.optimizer_step_ms``) times the stage's share of
   the parameters (the step is a few passes over each parameter: linear in their number). Charged
@@ -81,6 +87,15 @@ B_HALF_MAX = 4096.0
 ADAMW_STATE_BYTES_PER_PARAM = 8
 """Two fp32 moments per parameter."""
 GB = 1e9
+TOKEN_OVERHEAD_S = 1.5e-3
+"""Host CPU seconds the tokens runtime spends on one token outside its compute, at the speed the
+model was profiled at: the request to the token server and its reply (two store round trips
+each side, JSON), the token's batch indices and inputs, publishing its output. Measured on the
+three-speeds testbed, felactl's plan at micro-batches 16, 64 and 256 (the difference of the
+workers' non-compute time over the difference of their token counts): 0.8-1.1 ms on the node
+that hosts the token server, 2.0 ms on the other, each in full-core seconds (BENCHMARKS.md,
+issue 15 item 4, ninth session). Unpriced, it made micro-batches of 64 look as good as 1024
+and ran them at 0.51-0.58 of their prediction."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +211,8 @@ class CostModel:
     gloo's ring in that order (:func:`~felactl.optimizer.collectives.gloo_ring`). None: over the
     group's best ring, which the planner gives the ranks' order to realise. (NCCL builds its own
     rings on GPUs, whatever the ranks.)"""
+    token_cpu_s: float = TOKEN_OVERHEAD_S
+    """Host CPU seconds per token beyond compute, at the profiled speed (:meth:`token_overhead_s`)."""
     trees_ever_faster: bool = field(default=False, init=False)
     """Whether some sync time asked so far went over trees: if not, rings-only costs are the same."""
     _prefix: dict = field(default_factory=dict, init=False, repr=False)
@@ -236,6 +253,15 @@ class CostModel:
         """(forward, backward) seconds of one micro-batch of layers [start, end) on a device."""
         fwd, bwd = self._prefix_sums(self.cluster.device(device_name), micro_batch)
         return fwd[end] - fwd[start], bwd[end] - bwd[start]
+
+    def token_overhead_s(self, device_name: str) -> float:
+        """What one token costs ``device_name`` beyond its compute (:data:`TOKEN_OVERHEAD_S`, the
+        CostModel's ``token_overhead_s``): host CPU work, so a CPU device held to part of a core
+        takes its profiled slowdown times as long; a GPU's host runs at the profiled speed."""
+        device = self.cluster.device(device_name)
+        if device.kind is DeviceKind.CPU:
+            return self.token_cpu_s * self.timed_slowdown(device)
+        return self.token_cpu_s
 
     def per_sample_s(self, start: int, end: int, device_name: str, micro_batch: int) -> float:
         fwd, bwd = self.stage_times_s(start, end, device_name, micro_batch)

@@ -4,10 +4,13 @@ A candidate is a list of stages, each a layer range, a micro-batch and the share
 samples each device computes. Under token scheduling every device pulls work from every stage it
 serves, so over one iteration of global batch ``B``:
 
-* ``load(d)  = sum_s samples(s, d) * (compute_per_sample(s, d, b_s) + exchange_per_sample(s, d))``
-  where ``samples`` apportions whole tokens by share (:func:`token_samples`) and the exchange is
+* ``load(d)  = sum_s samples(s, d) * (compute_per_sample(s, d, b_s) + exchange_per_sample(s, d))
+  + tokens(s, d) * token_overhead(d)``
+  where ``samples`` apportions whole tokens by share (:func:`token_samples`), the exchange is
   what the device fetches per micro-batch: its input activation from the stage before, its
-  output's gradient from the stage after (:meth:`CostModel.mean_fetch_s`);
+  output's gradient from the stage after (:meth:`CostModel.mean_fetch_s`), and each token the
+  device runs (:func:`stage_tokens`) costs the runtime's work around it
+  (:meth:`CostModel.token_overhead_s`);
 * ``sync(d)  = sum_{s served by d} exposed_s(d)``: what the allreduce of the stage's gradients
   over its group adds after ``d``'s last backward (the buckets that backward completes early run
   under it, :meth:`CostModel.exposed_sync_s`);
@@ -114,13 +117,21 @@ def _boundary_fetch_s(cost: CostModel, boundary: int, micro_batch: int, device: 
 
 
 def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples: int) -> float:
-    """Seconds ``device`` spends on ``stage`` in one iteration: compute, exchange, the optimizer
-    step and the sync."""
+    """Seconds ``device`` spends on ``stage`` in one iteration: compute, exchange, its tokens'
+    overhead, the optimizer step and the sync."""
     per_sample = cost.per_sample_s(stage.start, stage.end, device, stage.micro_batch)
     exchange = exchange_per_sample_s(cost, stage.start, stage.end, stage.micro_batch, device)
+    tokens = stage_tokens(cost, stage, samples)
     sync = stage_sync_s(cost, stage, device)
     step = cost.optimizer_step_s(stage.start, stage.end, device)
-    return samples * (per_sample + exchange) + step + sync
+    return samples * (per_sample + exchange) + tokens * cost.token_overhead_s(device) + step + sync
+
+
+def stage_tokens(cost: CostModel, stage: StageChoice, samples: int) -> int:
+    """Tokens a worker runs for ``samples`` of a stage: one per micro-batch of a whole-model stage
+    (its forward and backward run as one), a forward and a backward one per micro-batch else."""
+    whole_model = stage.start == 0 and stage.end == cost.model.num_layers
+    return math.ceil(samples / stage.micro_batch) * (1 if whole_model else 2)
 
 
 def stage_sync_s(cost: CostModel, stage: StageChoice, device: str) -> float:

@@ -17,7 +17,8 @@ them are done. Devices take ready tokens of the stages they serve:
 A token's duration is its compute (cost model, times the device's slowdown) plus fetching its
 inputs from the devices that produced them on the actual links (a request there, the tensor
 back); the producer serves them from a thread while it computes, at no cost to its tokens (the
-runtime's, :class:`~felactl.agents.worker.flexible.TensorStore`). A backward token taken by a worker other than the one that ran
+runtime's, :class:`~felactl.agents.worker.flexible.TensorStore`); and the runtime's own work
+around each token (:meth:`CostModel.token_overhead_s`). A backward token taken by a worker other than the one that ran
 its forward recomputes that forward first (as the runtime does: the autograd graph lives where
 the forward ran), and the worker that ran it keeps its activations to the iteration's end (the
 runtime frees them there).
@@ -263,7 +264,14 @@ class _Simulation:
         for producer, samples in producers:
             request_s = self.cost.link_time_s(device, producer, 0)
             receive += request_s + self.cost.link_time_s(producer, device, samples * per_sample)
-        return compute + receive
+        return compute + receive + self._overhead_s(tok, device)
+
+    def _overhead_s(self, tok: _Token, device: str) -> float:
+        """The runtime's work around a token (:meth:`CostModel.token_overhead_s`); a whole-model
+        stage's forward and backward are one token there, charged with its forward."""
+        stage = self.plan.stages[tok.stage]
+        whole_model = stage.layer_start == 0 and stage.layer_end == self.cost.model.num_layers
+        return 0.0 if whole_model and tok.backward else self.cost.token_overhead_s(device)
 
     def _dispatch(self, now: float) -> None:
         for device in self.plan.devices:
