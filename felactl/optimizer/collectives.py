@@ -645,10 +645,21 @@ def ring_allreduce_time_s(
     """Seconds for a ring allreduce of ``num_bytes`` over the best ring (module docstring), or over
     the ring that sends along ``order`` (each device to the next) where the runtime fixes it
     (:func:`gloo_ring`)."""
+    if len(devices) == 1 or num_bytes <= 0:
+        check_devices(cluster, devices)
+        return 0.0
+    fixed_s, per_byte_s = ring_allreduce_line(cluster, devices, order=order)
+    return fixed_s + num_bytes * per_byte_s
+
+
+def ring_allreduce_line(
+    cluster: ClusterSpec, devices: Sequence[str], *, order: Sequence[str] | None = None
+) -> tuple[float, float]:
+    """A ring allreduce's time as ``fixed_s + bytes * per_byte_s`` (:func:`ring_allreduce_time_s`
+    for any size): finding the best ring is the costly part, so a caller pricing many sizes over
+    one group (the cost model, a bucket at a time) finds it once."""
     devices = check_devices(cluster, devices)
     count = len(devices)
-    if count == 1 or num_bytes <= 0:
-        return 0.0
     if order is None:
         order, bottleneck_gbps = best_ring(cluster, devices)
     else:
@@ -659,9 +670,7 @@ def ring_allreduce_time_s(
         )
     slowest_us = max(cluster.link(a, b).latency_us for a, b in ring_hops(order))
     steps = 2 * (count - 1)
-    return (
-        num_bytes / (ring_allreduce_gbps(bottleneck_gbps, count) * GBPS_TO_BYTES_PER_S) + steps * slowest_us * US_TO_S
-    )
+    return steps * slowest_us * US_TO_S, 1.0 / (ring_allreduce_gbps(bottleneck_gbps, count) * GBPS_TO_BYTES_PER_S)
 
 
 def gloo_ring(ranked: Sequence[str]) -> tuple[str, ...]:

@@ -487,14 +487,22 @@ class CostModel:
         ring (two devices linked only through a third, one-way links), over the best ring of routes
         (:meth:`link_time_s`'s paths, which may pass devices outside the group; the traffic they
         relay for the ring is not charged to them); inf where some device reaches no other."""
-        from felactl.optimizer.collectives import ring_allreduce_time_s
-        from felactl.optimizer.graph import best_ring_in_graph, ring_hops
-
         if len(group) < 2 or num_bytes <= 0:
             return 0.0
+        key = ("ring", group)
+        if key not in self._sync:  # (fixed s, s per byte): the ring is found once per group
+            self._sync[key] = self._ring_line(group)
+        fixed_s, per_byte_s = self._sync[key]
+        return fixed_s + num_bytes * per_byte_s
+
+    def _ring_line(self, group: tuple[str, ...]) -> tuple[float, float]:
+        """:meth:`ring_sync_s` as ``fixed_s + bytes * per_byte_s`` ((inf, inf) where no ring is)."""
+        from felactl.optimizer.collectives import ring_allreduce_line
+        from felactl.optimizer.graph import best_ring_in_graph, ring_hops
+
         order = self._backend_ring(group)
         try:
-            return ring_allreduce_time_s(self.cluster, list(group), num_bytes, order=order)
+            return ring_allreduce_line(self.cluster, list(group), order=order)
         except PlanInfeasible:
             pass
         import networkx as nx
@@ -512,10 +520,10 @@ class CostModel:
         else:
             bottleneck_gbps = min(routes.edges[h]["capacity"] if routes.has_edge(*h) else 0.0 for h in ring_hops(order))
         if bottleneck_gbps <= 0:
-            return math.inf
+            return math.inf, math.inf
         slowest_s = max(routes.edges[h]["latency_s"] for h in ring_hops(order))
         steps = 2 * (len(group) - 1)
-        return steps / len(group) * num_bytes / (bottleneck_gbps * GB) + steps * slowest_s
+        return steps * slowest_s, steps / len(group) / (bottleneck_gbps * GB)
 
     def ranks_decide_ring(self, group: Sequence[str]) -> bool:
         """Whether the rank order decides the ring the backend's allreduce takes over ``group``:
