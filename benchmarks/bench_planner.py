@@ -261,7 +261,8 @@ def main() -> None:
     print(f"\n## felactl plan: predicted speedup of the plan over each baseline (global batch {GLOBAL_BATCH})\n")
     rows = speedup_table()
     print(render_speedups(rows))
-    worse = [r for r in rows if r.get("vs_dp", 1.0) < 1.0 - 1e-9]
+    # a plan records its baselines' times to 9 digits: a plan that is DP itself can read 0.9999999x
+    worse = [r for r in rows if r.get("vs_dp", 1.0) < 1.0 - 1e-6]
     print(f"\nplans worse than DP: {len(worse)} of {len(rows)}")
 
 
