@@ -405,6 +405,31 @@ def test_each_token_costs_the_runtime_s_work_around_it_on_the_slot_s_share_of_a_
     # a pipeline's stage runs a forward and a backward token per micro-batch
     assert stage_tokens(cost, StageChoice(0, 1, 4, (("n0.d1", 1.0),)), 64) == 32
     assert stage_tokens(cost, whole[0], 64) == 16
+    # under bsp (DDP), wbsp and sdpipe a worker loops over its own share: no token to ask for
+    ddp = dataclasses.replace(cost, data_parallel_tokens=False)
+    assert stage_tokens(ddp, whole[0], 64) == 0
+    assert stage_tokens(ddp, StageChoice(0, 1, 4, (("n0.d1", 1.0),)), 64) == 32
+    small, large = (predict(ddp, (stage,), 64, max_stages=1).iteration_s for stage in whole)
+    assert small == pytest.approx(large)
+
+
+def test_the_planner_prices_tokens_only_where_its_plan_asks_for_them():
+    """Under sync tokens a data-parallel worker claims each micro-batch through the store; under
+    bsp it runs DDP over its share. The rescale test's job (gpt-mini, batch 16, bsp) stopped
+    getting its third device once every micro-batch paid a token it never asks for."""
+    from felactl.optimizer.planner import make_baseline_plan, make_plan
+
+    net = model([(1_000_000, 1000, 1e9)])
+    spec = cluster([[("g", 10.0, 8.0)] * 2])
+    tokens = make_plan(spec, net, 64, sync="tokens", max_stages=1)
+    bsp = make_plan(spec, net, 64, sync="bsp", max_stages=1)
+    (stage,) = bsp.stages
+    share = StageChoice(0, 1, stage.micro_batch, tuple((w.device, w.share) for w in stage.workers))
+    plain = CostModel(spec, net, ring_order=bsp.devices, data_parallel_tokens=False)
+    assert bsp.predicted.iteration_s == pytest.approx(predict(plain, (share,), 64, 1).iteration_s)
+    assert tokens.predicted.iteration_s > bsp.predicted.iteration_s
+    dp = make_baseline_plan(spec, net, 64, "dp")
+    assert dp.predicted.iteration_s == pytest.approx(bsp.predicted.baselines["dp"])
 
 
 def test_the_best_ring_of_a_group_is_found_once_whatever_the_sizes_priced(monkeypatch):

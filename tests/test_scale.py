@@ -525,7 +525,9 @@ def _local_profiles(tmp_path: Path, num_devices: int):
 def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftovers):
     """Launched with --cluster/--model, a scale-out names the newcomer after a free device of the
     profile, and the new generation's plan is the planner's: its micro-batch, shares, packed
-    trees and prediction for the three devices. Beyond the profile's devices: refused."""
+    trees and prediction for the three devices. Beyond the profile's devices: refused. (linear-lr:
+    the batch grows to 24 with the third worker; at 16, two micro-batches of gpt-mini's profiled 8
+    are cheaper on two devices than smaller ones on three, and the planner says so.)"""
     from felactl.optimizer.planner import make_plan
 
     cluster_path, model_path = _local_profiles(tmp_path, 3)
@@ -546,6 +548,8 @@ def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftove
         str(cluster_path),
         "--model",
         str(model_path),
+        "--scaling-policy",
+        "linear-lr",
     )
     try:
         job.wait_step("p", 20)

@@ -20,7 +20,7 @@ from felactl.limits import check_flag
 from felactl.optimizer.cost import CostModel, MemoryHeadroom
 from felactl.optimizer.planner import BASELINE_NAMES, DEFAULT_TIME_LIMIT_S, SYNC_MODES, make_baseline_plan, make_plan
 from felactl.optimizer.simulator import simulate
-from felactl.spec import Plan, load_cluster, load_model, save
+from felactl.spec import Plan, SyncMode, load_cluster, load_model, save
 
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
@@ -246,6 +246,7 @@ def plan(
         use_trees=not no_trees,
         sync_reference=cluster_spec,
         ring_order=tuple(result.devices),
+        data_parallel_tokens=result.sync.mode is SyncMode.TOKENS,
     )
     if cost.uncalibrated_cpu_groups([tuple(w.device for w in st.workers) for st in result.stages]):
         output.stderr.print(

@@ -186,12 +186,14 @@ def finishing_together(
 
 
 def rings_only(cost: CostModel) -> CostModel:
-    """The cost model the baselines are priced with: ``cost`` with trees off, and the backend's
-    rings in cluster order, the ranks torchrun would give (and their plans keep)."""
+    """The cost model the baselines are priced with: ``cost`` with trees off, the backend's rings
+    in cluster order, the ranks torchrun would give (and their plans keep), and data parallelism
+    as DDP runs it, each worker over its own share, asking for no token (their plans sync
+    ``bsp``; ``felactl plan --baseline`` writes them)."""
     order = tuple(cost.cluster.device_names)
-    if not cost.use_trees and cost.ring_order == order:
+    if not cost.use_trees and cost.ring_order == order and not cost.data_parallel_tokens:
         return cost
-    return replace(cost, use_trees=False, ring_order=order)
+    return replace(cost, use_trees=False, ring_order=order, data_parallel_tokens=False)
 
 
 def baselines(cost: CostModel, global_batch: int) -> dict[str, Baseline]:

@@ -50,9 +50,10 @@ Formulas (times in seconds, sizes in bytes):
 * **Per token**, the runtime's own work beyond compute (asking the token server, gathering the
   token's inputs, publishing its output): :data:`TOKEN_OVERHEAD_S` of host CPU at the profiled
   speed, times the device's slowdown on a CPU device (:meth:`CostModel.token_overhead_s`). A
-  worker runs one token per micro-batch of a whole-model stage, two (forward, backward) of a
-  stage of a pipeline. It is what keeps the planner from micro-batches too small to pay for
-  themselves.
+  worker runs one token per micro-batch of a whole-model stage under sync ``tokens`` (none under
+  the modes that loop over their own share: :attr:`CostModel.data_parallel_tokens`), two
+  (forward, backward) of a stage of a pipeline. It is what keeps the planner from micro-batches
+  too small to pay for themselves.
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
   ``step()`` over the whole model (``ModelSpec.optimizer_step_ms``) times the stage's share of
   the parameters (the step is a few passes over each parameter: linear in their number). Charged
@@ -213,6 +214,11 @@ class CostModel:
     rings on GPUs, whatever the ranks.)"""
     token_cpu_s: float = TOKEN_OVERHEAD_S
     """Host CPU seconds per token beyond compute, at the profiled speed (:meth:`token_overhead_s`)."""
+    data_parallel_tokens: bool = True
+    """Whether a whole-model stage's micro-batches are tokens claimed through the store (sync
+    ``tokens``) and pay :meth:`token_overhead_s`; False for the modes whose workers loop over their
+    own share (``bsp``: DDP, ``wbsp``, ``sdpipe``), which ask nobody. A pipeline's stages always run
+    on tokens (the planner's schedule)."""
     trees_ever_faster: bool = field(default=False, init=False)
     """Whether some sync time asked so far went over trees: if not, rings-only costs are the same."""
     _prefix: dict = field(default_factory=dict, init=False, repr=False)

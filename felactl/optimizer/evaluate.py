@@ -128,10 +128,14 @@ def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples:
 
 
 def stage_tokens(cost: CostModel, stage: StageChoice, samples: int) -> int:
-    """Tokens a worker runs for ``samples`` of a stage: one per micro-batch of a whole-model stage
-    (its forward and backward run as one), a forward and a backward one per micro-batch else."""
-    whole_model = stage.start == 0 and stage.end == cost.model.num_layers
-    return math.ceil(samples / stage.micro_batch) * (1 if whole_model else 2)
+    """Tokens a worker asks for to run ``samples`` of a stage: one per micro-batch of a whole-model
+    stage under sync ``tokens`` (none where the workers loop over their own share,
+    :attr:`CostModel.data_parallel_tokens`), a forward and a backward one per micro-batch of a
+    pipeline's stage."""
+    micro_batches = math.ceil(samples / stage.micro_batch)
+    if stage.start == 0 and stage.end == cost.model.num_layers:
+        return micro_batches if cost.data_parallel_tokens else 0
+    return 2 * micro_batches
 
 
 def stage_sync_s(cost: CostModel, stage: StageChoice, device: str) -> float:

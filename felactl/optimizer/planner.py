@@ -263,9 +263,12 @@ def make_plan(
         sync_reference=cluster,
         headroom=headroom or MemoryHeadroom(),
         ring_order=tuple(ranks) if ranks is not None else None,
+        data_parallel_tokens=mode is SyncMode.TOKENS,
     )
     found, missing = baselines.baselines_and_missing(cost, global_batch)
-    # The baselines' micro-batches join the searched ones, so DP itself is in the space: never worse.
+    # The baselines' micro-batches join the searched ones, so DP itself is in the space: never worse
+    # under the same sync (under sync tokens a data-parallel worker pays a claim per micro-batch
+    # that the DP baseline, DDP, does not: there a plan can come out slower than DP, and says so).
     extra = tuple(sorted({b.micro_batch for b in found.values()}))
     began = time.perf_counter()
     solution = _solve_best(cost, global_batch, mode, max_stages, time_limit_s, debug_lp_path, progress, extra)

@@ -268,10 +268,13 @@ class _Simulation:
 
     def _overhead_s(self, tok: _Token, device: str) -> float:
         """The runtime's work around a token (:meth:`CostModel.token_overhead_s`); a whole-model
-        stage's forward and backward are one token there, charged with its forward."""
+        stage's forward and backward are one token there, charged with its forward, and none
+        where its workers loop over their own share (:attr:`CostModel.data_parallel_tokens`)."""
         stage = self.plan.stages[tok.stage]
-        whole_model = stage.layer_start == 0 and stage.layer_end == self.cost.model.num_layers
-        return 0.0 if whole_model and tok.backward else self.cost.token_overhead_s(device)
+        if stage.layer_start == 0 and stage.layer_end == self.cost.model.num_layers:
+            if tok.backward or not self.cost.data_parallel_tokens:
+                return 0.0
+        return self.cost.token_overhead_s(device)
 
     def _dispatch(self, now: float) -> None:
         for device in self.plan.devices:
