@@ -75,6 +75,12 @@ def render_summary(console, plan: Plan, out: Path | None) -> None:
         console.print(
             f"simulated peak memory {peak:.3g} GB on {device} (weights, optimizer state and the activations it holds)"
         )
+    dp_s = p.baselines.get("dp")
+    if plan_label(plan) == "felactl" and plan.sync.mode is SyncMode.TOKENS and dp_s and dp_s < p.iteration_s:
+        console.print(
+            f"note: data parallel as DDP runs it is predicted faster ({dp_s:.4g} s): under sync tokens "
+            f"each micro-batch is a token claimed through the store; `--sync bsp` plans without them"
+        )
     if out is not None:
         console.print(f"wrote {out}")
 
