@@ -23,10 +23,11 @@ def runner() -> CliRunner:
     return CliRunner()
 
 
+VGG_ON_THREE = ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64", "--devices", "0,1,2"]
+
+
 def test_json_has_the_promised_keys(runner):
-    result = runner.invoke(
-        app, ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64", "--devices", "0,1,2", "--json"]
-    )
+    result = runner.invoke(app, [*VGG_ON_THREE, "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     for key in ("iteration_s", "samples_per_s", "solve_s", "status", "baselines", "collectives"):
@@ -36,30 +37,12 @@ def test_json_has_the_promised_keys(runner):
     assert data["samples_per_s"] == pytest.approx(64 / data["iteration_s"])
     # Under bsp, DP as DDP runs it is in the plan's space: never worse. (Under the default sync,
     # tokens, each micro-batch is a claim DDP does not pay, and a millisecond step can lose.)
-    bsp = runner.invoke(
-        app,
-        [
-            "plan",
-            "--cluster",
-            DGX1V,
-            "--model",
-            VGG,
-            "--global-batch",
-            "64",
-            "--devices",
-            "0,1,2",
-            "--sync",
-            "bsp",
-            "--json",
-        ],
-    )
+    bsp = runner.invoke(app, [*VGG_ON_THREE, "--sync", "bsp", "--json"])
     assert bsp.exit_code == 0, bsp.output
     data = json.loads(bsp.stdout)
     assert data["iteration_s"] <= data["baselines"]["dp"] * (1 + 1e-9)
     # vgg-mini's millisecond steps on three V100s: the tokens plan loses to DDP, and says what to do
-    told = runner.invoke(
-        app, ["plan", "--cluster", DGX1V, "--model", VGG, "--global-batch", "64", "--devices", "0,1,2"]
-    )
+    told = runner.invoke(app, VGG_ON_THREE)
     assert told.exit_code == 0, told.output
     assert "predicted faster" in told.output and "--sync bsp" in told.output
     for coll in data["collectives"]:
