@@ -38,7 +38,7 @@ from synthetic_models import transformer_spec, vgg_spec  # noqa: E402
 
 from felactl.optimizer import ilp  # noqa: E402
 from felactl.optimizer.cost import CostModel  # noqa: E402
-from felactl.optimizer.planner import make_plan  # noqa: E402
+from felactl.optimizer.planner import make_plan, plan_cost_model  # noqa: E402
 from felactl.optimizer.space import build_space  # noqa: E402
 from felactl.spec import load_cluster, load_model  # noqa: E402
 
@@ -197,7 +197,7 @@ def hetero_table() -> list[dict]:
         began, began_cpu = time.perf_counter(), cpu_s()
         plan = make_plan(cluster, model, batch)
         wall, cpu = time.perf_counter() - began, cpu_s() - began_cpu
-        cost = CostModel(cluster.subset(plan.devices), model)
+        cost = plan_cost_model(plan, cluster, model, use_trees=True)
         result = simulate(plan, cost)
         fill = {d: result.peak_memory_bytes[d] / cost.usable_memory_bytes(d) for d in plan.devices}
         worst = max(fill, key=fill.get)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
-from felactl.spec import ClusterSpec, Device, DeviceKind, Layer, LinkDefault, LinkType, ModelSpec, Node
+from felactl.spec import ClusterSpec, Device, DeviceKind, Layer, Link, LinkDefault, LinkType, ModelSpec, Node
 
 
 def cluster(
@@ -38,6 +39,19 @@ def cluster(
         nodes=tuple(nodes),
         intra_node_default=LinkDefault(bandwidth_gbps=intra_gbps, latency_us=5.0, type=LinkType.NVLINK),
         inter_node_default=LinkDefault(bandwidth_gbps=inter_gbps, latency_us=20.0, type=LinkType.NET),
+    )
+
+
+def one_way_pair() -> ClusterSpec:
+    """Devices n0.d0 and n1.d0 on two nodes: n0 -> n1 at 1 GB/s and 100 us, n1 -> n0 at 100 GB/s
+    and 10 us (a link that differs by direction)."""
+    base = cluster([[("g", 10.0, 8.0)], [("g", 10.0, 8.0)]])
+    return dataclasses.replace(
+        base,
+        links=(
+            Link(src="n0.d0", dst="n1.d0", bandwidth_gbps=1.0, latency_us=100.0, type=LinkType.NET),
+            Link(src="n1.d0", dst="n0.d0", bandwidth_gbps=100.0, latency_us=10.0, type=LinkType.NET),
+        ),
     )
 
 

@@ -23,8 +23,8 @@ from felactl.optimizer.evaluate import (
     stage_tokens,
     token_samples,
 )
-from felactl.spec import ClusterSpec, Device, DeviceKind, Layer, LayerTiming, Link, LinkType, SyncTiming
-from tests.planner_fixtures import cluster, model
+from felactl.spec import Device, DeviceKind, Layer, LayerTiming, SyncTiming
+from tests.planner_fixtures import cluster, model, one_way_pair
 
 GPU = Device(name="g", kind=DeviceKind.CUDA, model="G1", tflops=10.0, memory_gb=16.0)
 
@@ -92,24 +92,12 @@ def test_links_relay_when_there_is_no_direct_link():
     assert cost.mean_fetch_s("n0.d0", 2e9) == pytest.approx(2 * 20e-6 + 1.0)
 
 
-def _one_way_pair() -> ClusterSpec:
-    """Devices a and b on two nodes: a -> b at 1 GB/s, b -> a at 100 GB/s, 100 and 10 us."""
-    base = cluster([[("g", 10.0, 8.0)], [("g", 10.0, 8.0)]])
-    return dataclasses.replace(
-        base,
-        links=(
-            Link(src="n0.d0", dst="n1.d0", bandwidth_gbps=1.0, latency_us=100.0, type=LinkType.NET),
-            Link(src="n1.d0", dst="n0.d0", bandwidth_gbps=100.0, latency_us=10.0, type=LinkType.NET),
-        ),
-    )
-
-
 def test_a_stage_pays_for_fetching_its_inputs_not_for_serving_its_outputs():
     """The runtimes pull a stage's inputs (tokens: the consumer asks, the producer's server thread
     answers while it computes; static pipelines: isend, then the consumer's recv): each boundary
     tensor is paid once, by the device that waits for it, over the link it arrives on."""
     net = model([(1000, 1_000_000, 1e6), (1000, 10, 1e6)])  # 1 MB of activation per sample at the cut
-    cost = CostModel(_one_way_pair(), net, use_trees=False)
+    cost = CostModel(one_way_pair(), net, use_trees=False)
     request = 100e-6 + 10e-6  # one small message each way
     # the later stage on b fetches activations over a -> b; it sends its input gradients back for free
     assert exchange_per_sample_s(cost, 1, 2, 4, "n1.d0") == pytest.approx((request + 4e6 / 1e9) / 4)
@@ -119,7 +107,7 @@ def test_a_stage_pays_for_fetching_its_inputs_not_for_serving_its_outputs():
 
 def test_the_pipeline_fill_waits_for_the_first_activation_and_the_last_gradient():
     net = model([(1000, 1_000_000, 1e6), (1000, 10, 1e6)])
-    cost = CostModel(_one_way_pair(), net, use_trees=False)
+    cost = CostModel(one_way_pair(), net, use_trees=False)
     first = StageChoice(0, 1, 4, (("n0.d0", 1.0),))
     last = StageChoice(1, 2, 4, (("n1.d0", 1.0),))
     _, first_bwd = cost.stage_times_s(0, 1, "n0.d0", 4)

@@ -79,3 +79,26 @@ def test_a_round_robin_sleep_delays_the_iteration_by_at_most_the_sleep():
     base = simulate(plan, cost).iteration_s
     delayed = simulate(plan, cost, Stragglers(pattern=f"roundrobin:{base / 2}")).iteration_s
     assert base < delayed <= base * 1.5 + 1e-9
+
+
+def test_a_producer_serves_its_output_while_it_computes():
+    """One micro-batch through a two-stage pipeline over a link that differs by direction: each
+    stage pays for fetching its input (a request there, the tensor back over the link it arrives
+    on) and nothing for serving its output (the runtime's server thread sends it). Charged a
+    'send' before its next token, as the simulator once did, the first stage's device paid the
+    activation's 4 ms on the slow link twice."""
+    from felactl.optimizer.evaluate import StageChoice
+    from felactl.optimizer.planner import _plan_from
+    from felactl.spec import SyncMode
+    from tests.planner_fixtures import one_way_pair
+
+    net = model([(1000, 1_000_000, 1e6), (1000, 10, 1e6)])  # 1 MB of activation per sample at the cut
+    cost = CostModel(one_way_pair(), net, use_trees=False, token_cpu_s=0.0)
+    stages = (StageChoice(0, 1, 4, (("n0.d0", 1.0),)), StageChoice(1, 2, 4, (("n1.d0", 1.0),)))
+    plan = _plan_from(stages, cost, net, 4, SyncMode.TOKENS, use_trees=False, max_stages=2)
+    first_fwd, first_bwd = cost.stage_times_s(0, 1, "n0.d0", 4)
+    last_fwd, last_bwd = cost.stage_times_s(1, 2, "n1.d0", 4)
+    request = 100e-6 + 10e-6
+    activation_in, gradient_back = request + 4e6 / 1e9, request + 4e6 / 100e9
+    expected = first_fwd + activation_in + last_fwd + last_bwd + gradient_back + first_bwd
+    assert simulate(plan, cost).iteration_s == pytest.approx(expected)

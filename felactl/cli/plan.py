@@ -18,7 +18,14 @@ from felactl.cli.plan_collectives import collective_result, register_collectives
 from felactl.errors import InputError
 from felactl.limits import check_flag
 from felactl.optimizer.cost import CostModel, MemoryHeadroom
-from felactl.optimizer.planner import BASELINE_NAMES, DEFAULT_TIME_LIMIT_S, SYNC_MODES, make_baseline_plan, make_plan
+from felactl.optimizer.planner import (
+    BASELINE_NAMES,
+    DEFAULT_TIME_LIMIT_S,
+    SYNC_MODES,
+    make_baseline_plan,
+    make_plan,
+    plan_cost_model,
+)
 from felactl.optimizer.simulator import simulate
 from felactl.spec import Plan, SyncMode, load_cluster, load_model, save
 
@@ -246,14 +253,7 @@ def plan(
             )
     if out is not None:
         save(result, out)
-    cost = CostModel(
-        cluster_spec.subset(result.devices),
-        model_spec,
-        use_trees=not no_trees,
-        sync_reference=cluster_spec,
-        ring_order=tuple(result.devices),
-        data_parallel_tokens=result.sync.mode is SyncMode.TOKENS,
-    )
+    cost = plan_cost_model(result, cluster_spec, model_spec, use_trees=not no_trees)
     if cost.uncalibrated_cpu_groups([tuple(w.device for w in st.workers) for st in result.stages]):
         output.stderr.print(
             f"note: this plan syncs gradients between CPU slots, which the link profile prices "

@@ -47,13 +47,11 @@ Formulas (times in seconds, sizes in bytes):
   A timing whose difference was not above its noise (no ``sync_ms``, or an old profile's 0) is
   no measurement: its group keeps the link estimate, the floor sync never beats, and counts as
   uncalibrated (``uncalibrated_cpu_groups``), so the plan says its sync is priced too low.
-* **Per token**, the runtime's own work beyond compute (asking the token server, gathering the
-  token's inputs, publishing its output): :data:`TOKEN_OVERHEAD_S` of host CPU at the profiled
-  speed, times the device's slowdown on a CPU device (:meth:`CostModel.token_overhead_s`). A
-  worker runs one token per micro-batch of a whole-model stage under sync ``tokens`` (none under
-  the modes that loop over their own share: :attr:`CostModel.data_parallel_tokens`), two
-  (forward, backward) of a stage of a pipeline. It is what keeps the planner from micro-batches
-  too small to pay for themselves.
+* **Per token**, the runtime's own work beyond compute (claiming the token, gathering its
+  inputs, publishing its output): :data:`TOKEN_OVERHEAD_S` of host CPU at the profiled speed,
+  times the device's slowdown on a CPU device (:meth:`CostModel.token_overhead_s`), for each
+  token a worker claims (:meth:`CostModel.tokens_per_micro_batch`). It is what keeps the planner
+  from micro-batches too small to pay for themselves.
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
   ``step()`` over the whole model (``ModelSpec.optimizer_step_ms``) times the stage's share of
   the parameters (the step is a few passes over each parameter: linear in their number). Charged
@@ -89,14 +87,15 @@ ADAMW_STATE_BYTES_PER_PARAM = 8
 """Two fp32 moments per parameter."""
 GB = 1e9
 TOKEN_OVERHEAD_S = 1.5e-3
-"""Host CPU seconds the tokens runtime spends on one token outside its compute, at the speed the
-model was profiled at: the request to the token server and its reply (two store round trips
-each side, JSON), the token's batch indices and inputs, publishing its output. Measured on the
-three-speeds testbed, felactl's plan at micro-batches 16, 64 and 256 (the difference of the
-workers' non-compute time over the difference of their token counts): 0.8-1.1 ms on the node
-that hosts the token server, 2.0 ms on the other, each in full-core seconds (BENCHMARKS.md,
-issue 15 item 4, ninth session). Unpriced, it made micro-batches of 64 look as good as 1024
-and ran them at 0.51-0.58 of their prediction."""
+"""Host CPU seconds a tokens runtime spends on one token outside its compute, at the speed the
+model was profiled at: claiming it (a data-parallel stage under sync ``tokens``: store ``add``s
+on its bucket's counters; a pipeline's stage: a request to rank 0's token server and its reply),
+the token's batch indices and inputs, publishing its output. Measured for the first: on the
+three-speeds testbed, felactl's data-parallel plan at micro-batches 16, 64 and 256 (the
+difference of the workers' non-compute time over the difference of their token counts): 0.8-1.1
+ms on rank 0's node, 2.0 ms on the other, each in full-core seconds (BENCHMARKS.md, issue 15
+item 4, ninth session). A pipeline's token is priced the same, not measured apart. Unpriced, it
+made micro-batches of 64 look as good as 1024 and ran them at 0.51-0.58 of their prediction."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +258,20 @@ class CostModel:
         """(forward, backward) seconds of one micro-batch of layers [start, end) on a device."""
         fwd, bwd = self._prefix_sums(self.cluster.device(device_name), micro_batch)
         return fwd[end] - fwd[start], bwd[end] - bwd[start]
+
+    def whole_model(self, start: int, end: int) -> bool:
+        """Whether layers [start, end) are the whole model: a stage that exchanges nothing with
+        another, whose forward and backward a worker runs as one."""
+        return start == 0 and end == self.model.num_layers
+
+    def tokens_per_micro_batch(self, start: int, end: int) -> int:
+        """Tokens a worker claims per micro-batch of a stage of layers [start, end), each paying
+        :meth:`token_overhead_s`: a pipeline's stage runs a forward and a backward token; a
+        whole-model stage one under sync ``tokens``, none where its workers loop over their own
+        share (:attr:`data_parallel_tokens`)."""
+        if not self.whole_model(start, end):
+            return 2
+        return 1 if self.data_parallel_tokens else 0
 
     def token_overhead_s(self, device_name: str) -> float:
         """What one token costs ``device_name`` beyond its compute (:data:`TOKEN_OVERHEAD_S`, the

@@ -128,14 +128,8 @@ def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples:
 
 
 def stage_tokens(cost: CostModel, stage: StageChoice, samples: int) -> int:
-    """Tokens a worker asks for to run ``samples`` of a stage: one per micro-batch of a whole-model
-    stage under sync ``tokens`` (none where the workers loop over their own share,
-    :attr:`CostModel.data_parallel_tokens`), a forward and a backward one per micro-batch of a
-    pipeline's stage."""
-    micro_batches = math.ceil(samples / stage.micro_batch)
-    if stage.start == 0 and stage.end == cost.model.num_layers:
-        return micro_batches if cost.data_parallel_tokens else 0
-    return 2 * micro_batches
+    """Tokens a worker claims to run ``samples`` of a stage (:meth:`CostModel.tokens_per_micro_batch`)."""
+    return math.ceil(samples / stage.micro_batch) * cost.tokens_per_micro_batch(stage.start, stage.end)
 
 
 def stage_sync_s(cost: CostModel, stage: StageChoice, device: str) -> float:
@@ -150,7 +144,7 @@ def stage_fill_s(cost: CostModel, stage: StageChoice) -> float:
     other work hides, on the member slowest to fetch: a later stage waits for its first input
     activation (the fill), an earlier one for its last output gradient (the drain). Nothing for a
     stage that is the whole model."""
-    if stage.start == 0 and stage.end == cost.model.num_layers:
+    if cost.whole_model(stage.start, stage.end):
         return 0.0
     times = [cost.stage_times_s(stage.start, stage.end, d, stage.micro_batch) for d in stage.devices]
     compute = max(bwd for _, bwd in times) if stage.start == 0 else max(fwd + bwd for fwd, bwd in times)
@@ -174,7 +168,7 @@ def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int,
                 max_stages,
                 global_batch,
                 stage.micro_batch,
-                whole_model=stage.start == 0 and stage.end == cost.model.num_layers,
+                whole_model=cost.whole_model(stage.start, stage.end),
             ),
         )
         samples = token_samples(stage.shares, global_batch, stage.micro_batch)

@@ -127,8 +127,7 @@ def _plan_from(
     torchrun numbers ranks; a live job's members), else in the order :func:`rank_order` gives."""
     stages, used = [], set()
     for c in choices:
-        whole = (c.start, c.end) == (0, model.num_layers)
-        flight = in_flight(max_stages, global_batch, c.micro_batch, whole_model=whole)
+        flight = in_flight(max_stages, global_batch, c.micro_batch, whole_model=cost.whole_model(c.start, c.end))
         memory_gb = stage_memory_bytes(model, c.start, c.end, c.micro_batch, flight) / 1e9
         samples = token_samples(c.shares, global_batch, c.micro_batch)
         workers = tuple(
@@ -232,6 +231,25 @@ def _checked(cluster: ClusterSpec, model: ModelSpec, global_batch: int, sync: st
     return SyncMode(sync)
 
 
+def _claims_tokens(mode: SyncMode) -> bool:
+    """Whether a data-parallel stage under ``mode`` claims its micro-batches as tokens (sync tokens:
+    through the store); bsp, wbsp and sdpipe workers loop over their own share."""
+    return mode is SyncMode.TOKENS
+
+
+def plan_cost_model(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, use_trees: bool) -> CostModel:
+    """The cost model ``plan`` is priced by, for a reader to explain or simulate it: its devices,
+    the rings its rank order makes, and the tokens its sync mode claims."""
+    return CostModel(
+        cluster.subset(plan.devices),
+        model,
+        use_trees=use_trees,
+        sync_reference=cluster,
+        ring_order=tuple(plan.devices),
+        data_parallel_tokens=_claims_tokens(plan.sync.mode),
+    )
+
+
 def make_plan(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -263,7 +281,7 @@ def make_plan(
         sync_reference=cluster,
         headroom=headroom or MemoryHeadroom(),
         ring_order=tuple(ranks) if ranks is not None else None,
-        data_parallel_tokens=mode is SyncMode.TOKENS,
+        data_parallel_tokens=_claims_tokens(mode),
     )
     found, missing = baselines.baselines_and_missing(cost, global_batch)
     # The baselines' micro-batches join the searched ones, so DP itself is in the space: never worse

@@ -267,14 +267,13 @@ class _Simulation:
         return compute + receive + self._overhead_s(tok, device)
 
     def _overhead_s(self, tok: _Token, device: str) -> float:
-        """The runtime's work around a token (:meth:`CostModel.token_overhead_s`); a whole-model
-        stage's forward and backward are one token there, charged with its forward, and none
-        where its workers loop over their own share (:attr:`CostModel.data_parallel_tokens`)."""
+        """The runtime's work around a token it claims (:meth:`CostModel.token_overhead_s`): the
+        simulator's forward and backward tokens of a stage the runtime claims as one
+        (:meth:`CostModel.tokens_per_micro_batch`) are charged once, with the forward."""
         stage = self.plan.stages[tok.stage]
-        if stage.layer_start == 0 and stage.layer_end == self.cost.model.num_layers:
-            if tok.backward or not self.cost.data_parallel_tokens:
-                return 0.0
-        return self.cost.token_overhead_s(device)
+        claims = self.cost.tokens_per_micro_batch(stage.layer_start, stage.layer_end)
+        charged = claims == 2 or (claims == 1 and not tok.backward)
+        return self.cost.token_overhead_s(device) if charged else 0.0
 
     def _dispatch(self, now: float) -> None:
         for device in self.plan.devices:

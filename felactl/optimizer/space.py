@@ -209,9 +209,7 @@ def _option(space: SearchSpace, start: int, end: int, micro_batch: int, group: i
         start,
         end,
         micro_batch,
-        in_flight(
-            space.max_stages, space.global_batch, micro_batch, whole_model=start == 0 and end == cost.model.num_layers
-        ),
+        in_flight(space.max_stages, space.global_batch, micro_batch, whole_model=cost.whole_model(start, end)),
     )
     if any(held > slots[s].memory_bytes for s in members):
         return None
