@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -129,6 +130,22 @@ def test_user_model_from_a_list_of_layers():
     bundle = build("test_models:user_layers", {"hidden": 16})
     assert isinstance(bundle.layers, nn.Sequential) and bundle.layers[0].out_features == 16
     assert bundle.data is None
+
+
+def test_a_job_file_named_like_a_standard_module_is_told_so(tmp_path, monkeypatch):
+    """A user's wave.py beside them: ``import wave`` finds Python's own wave module first, which
+    has no ``job``; the error names the module that was imported and the file it shadowed."""
+    (tmp_path / "wave.py").write_text("def job():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"imported .*wave\.py.*not .*tmp.*wave\.py.*rename"):
+        build("wave:job", {})
+    # an AttributeError raised by the module's own code while it imports is reported as it is
+    (tmp_path / "felactl_broken_net.py").write_text("import os\nos.no_such_thing\n")
+    try:
+        with pytest.raises(InputError, match=r"cannot import: module 'os' has no attribute 'no_such_thing'$"):
+            build("felactl_broken_net:job", {})
+    finally:
+        sys.modules.pop("felactl_broken_net", None)
 
 
 def test_user_model_found_in_the_working_directory(tmp_path, monkeypatch):

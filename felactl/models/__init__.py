@@ -145,15 +145,29 @@ def _import_user_module(module_name: str):
 def _user_function(source: str) -> Callable[..., Any]:
     """The function ``package.module:function`` names, imported (not called)."""
     module_name, _, func_name = source.partition(":")
+    module = None  # an AttributeError may come from the module's own code, while it imports
     try:
-        return getattr(_import_user_module(module_name), func_name)
+        module = _import_user_module(module_name)
+        return getattr(module, func_name)
     except (ImportError, AttributeError) as exc:
         where = ""
         if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
             where = f" (felactl looks in the current directory, {os.getcwd()}, and on PYTHONPATH)"
+        elif module is not None:
+            where = _shadowed(module, module_name)
         raise InputError(f"model {source!r}: cannot import: {exc}{where}") from None
     except Exception as exc:
         raise InputError(f"model {source!r}: importing it failed: {type(exc).__name__}: {exc}") from None
+
+
+def _shadowed(module, module_name: str) -> str:
+    """Where the working directory has a file of the module's name that is not the module imported
+    (a user's wave.py behind Python's own ``wave``): say so, it is not a typo in the function."""
+    mine = os.path.join(os.getcwd(), *module_name.split(".")) + ".py"
+    imported = getattr(module, "__file__", None)
+    if not os.path.exists(mine) or (imported and os.path.samefile(imported, mine)):
+        return ""
+    return f" (imported {imported or 'a built-in module'}, not {mine}, which has the same name: rename your file)"
 
 
 def check_source(source: str, config: dict[str, Any] | None = None) -> None:
