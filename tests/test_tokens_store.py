@@ -126,6 +126,36 @@ def test_a_worker_that_joins_before_the_close_is_a_member_even_with_no_token_lef
     assert buckets[1].close() == (0, 1) == buckets[0].close()
 
 
+def test_the_first_of_two_one_token_workers_learns_later_that_its_token_was_its_last():
+    """One token each (the planner's favourite: a whole share per micro-batch): the first to claim
+    cannot yet call its token its last, the other has not claimed; once it has, nothing is left
+    anywhere and the first may arm its buckets after all."""
+    store = dist.HashStore()
+    buckets = _buckets(store, [0, 1], 2)
+    for b in buckets.values():
+        b.begin(0)
+        assert b.join()
+    assert buckets[0].next_token() == (0, False), "worker 1 has not claimed: its token may still be worker 0's"
+    assert not buckets[0].nothing_left()
+    assert buckets[1].next_token() == (1, True)
+    assert buckets[0].nothing_left(), "every token claimed: worker 0 will claim no more"
+    assert buckets[0].next_token() is None
+    assert buckets[0].close() == buckets[1].close() == (0, 1)
+
+
+def test_nothing_left_under_the_shared_bucket_policy():
+    store = dist.HashStore()
+    buckets = _buckets(store, [0, 1], 3, policy="ads")
+    for b in buckets.values():
+        b.begin(0)
+        assert b.join()
+    assert buckets[0].next_token() == (0, False)
+    assert buckets[1].next_token() == (1, False)
+    assert not buckets[0].nothing_left()
+    assert buckets[0].next_token() == (2, True)
+    assert buckets[1].nothing_left()
+
+
 def test_nobody_retires_while_a_worker_has_not_joined():
     """Retiring leaves tokens to the others; one that has not joined may be stalled for long."""
     store = dist.HashStore()
@@ -239,6 +269,24 @@ def test_grad_buckets_accumulate_in_place_and_launch_during_backward(one_rank_gr
         assert p.grad.data_ptr() == grads.views[id(p)].data_ptr()
         # Sums over 32768 outputs: rounding relative to the largest gradient, not to each.
         assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-5 * q.grad.abs().max().item())
+
+
+def test_grad_buckets_armed_at_the_first_complete_bucket_when_the_token_turns_out_last(one_rank_group):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1 << 15))
+    grads = GradBuckets(list(model.parameters()))
+    x = torch.randn(4, 8)
+    grads.begin()
+    grads.arm_if_last(lambda: False, lambda: one_rank_group)
+    model(x).square().sum().backward()
+    assert grads.works == [] and not grads.armed, "still tokens left: nothing launched"
+    asked = []
+    grads.arm_if_last(lambda: asked.append(len(grads.works)) or True, lambda: one_rank_group)
+    model(x).square().sum().backward()
+    assert asked == [0], "asked once, when backward completed the first bucket"
+    assert grads.armed and len(grads.works) == len(grads.buckets) == grads.launched_in_backward
+    grads.finish(one_rank_group)
+    assert grads.launched_in_backward == len(grads.buckets), "what the step's metrics report"
 
 
 @pytest.mark.parametrize("widths", [(8, 16, 4), (8, 16, 1 << 15), (600, 600, 600, 600), (3000, 3000, 1000, 10)])

@@ -10,7 +10,11 @@ one rule for bsp and tokens.
 Once :meth:`arm` is called (the worker knows the micro-batch it starts is its last of the
 iteration), a hook launches each bucket's asynchronous sum-allreduce the moment backward has
 accumulated every gradient of that bucket, so communication overlaps the rest of the backward
-(and, for an injected straggler, its sleep). :meth:`finish` launches whatever was not launched
+(and, for an injected straggler, its sleep). A worker that cannot tell yet (tokens: another
+worker may still leave it one) calls :meth:`arm_if_last` instead: the question is asked again when
+backward completes the first bucket, and a yes arms the buckets there. Without it the first of two
+workers with a token each summed only after its backward, and the other's sum waited for it: none
+of the overlap the planner prices happened (issue 15, the fragment testbed's 75 ms sum). :meth:`finish` launches whatever was not launched
 yet, always in bucket order, so every member of the group issues the same collectives in the same
 order whether it armed or not. The group is given per iteration (to :meth:`arm` and
 :meth:`finish`), since it may change (a tokens iteration that a stalled worker skipped is summed
@@ -84,6 +88,9 @@ class GradBuckets:
         self.armed = False
         self.pending: list[int] = []
         self.works: list = []
+        self._ask: tuple | None = None
+        self.launched_in_backward = 0
+        """Buckets of the last iteration whose sum began inside backward (the step's metrics)."""
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._accumulated)
 
@@ -95,24 +102,42 @@ class GradBuckets:
         for p in self.params:
             p.grad = self.views[id(p)]
         self.armed = False
-        self.pending = [len(b) for b in self.buckets]
+        self._ask = None
         self.works = []
+        self.launched_in_backward = 0
 
     def arm(self, group) -> None:
-        """From now on, sum each bucket over ``group`` as soon as it is complete."""
-        self.group = group
-        self.armed = True
+        """From the backward about to run on, sum each bucket over ``group`` as soon as it is complete."""
+        self._count_from_now()
+        self.group, self.armed = group, True
+
+    def arm_if_last(self, is_last, group_of) -> None:
+        """The backward about to run may be this iteration's last: when it completes the first
+        bucket, :meth:`arm` over ``group_of()`` if ``is_last()`` says so (asked once). The caller
+        reads :attr:`armed` after the backward: armed, it must run no more micro-batches."""
+        self._count_from_now()
+        self._ask = (is_last, group_of)
+
+    def _count_from_now(self) -> None:
+        self.pending = [len(b) for b in self.buckets]
 
     def _accumulated(self, p: torch.Tensor) -> None:
         view = self.views[id(p)]
         if p.grad.data_ptr() != view.data_ptr():  # autograd accumulates in place; just in case
             view.copy_(p.grad)
             p.grad = view
-        if not self.armed or self.group is None:
+        if not self.armed and self._ask is None:
             return
         self.pending[self.bucket_of[id(p)]] -= 1
+        if self._ask is not None and self.pending[0] <= 0:
+            (is_last, group_of), self._ask = self._ask, None
+            if is_last():
+                self.group, self.armed = group_of(), True
+        if not self.armed or self.group is None:
+            return
         while len(self.works) < len(self.buckets) and self.pending[len(self.works)] <= 0:
             self._launch(len(self.works))
+            self.launched_in_backward += 1
 
     def _launch(self, index: int) -> None:
         if self.over_trees:
@@ -132,7 +157,7 @@ class GradBuckets:
         for p in self.params:  # a parameter backward never reached keeps its zero view
             if p.grad is None:
                 p.grad = self.views[id(p)]
-        self.group = group
+        self.group, self._ask = group, None
         if self.group is None:
             self.armed = False
             return 0.0, 0.0

@@ -252,6 +252,18 @@ class StoreTokenBucket:
                 return self._took(theirs[len(theirs) - steals], self._last(len(theirs) - own - steals, skip=victim))
         return None
 
+    def nothing_left(self) -> bool:
+        """Whether every token of the iteration has been claimed (by anyone): then the token this
+        worker runs is its last. Asked while it runs one that :meth:`next_token` could not call
+        last yet, because another worker had not claimed its own."""
+        if not self.hf:
+            return self.store.add(self._key("all"), 0) >= self.num_tokens
+        for w in self.workers:
+            own, steals = self._split(self.store.add(self._key(keys.token_bucket(w)), 0))
+            if own + steals < len(self.ranges[w]):
+                return False
+        return True
+
     def _took(self, token: int, last: bool) -> tuple[int, bool]:
         self.claimed.append(token)
         return token, last
@@ -423,11 +435,13 @@ class Tokens(Lockstep):
             token, last = claim
             if last:
                 grads.arm(self._group_of(bucket.close()))
+            else:  # the others may not have claimed theirs yet: ask again once backward is under way
+                grads.arm_if_last(bucket.nothing_left, lambda: self._group_of(bucket.close()))
             offsets = token_samples(t.global_batch, self.num_tokens, token)
             result = t.compute(t.step_indices(work.step, offsets), weight_by=t.global_batch)
             loss_sum, samples, tokens = loss_sum + result.loss_sum, samples + result.samples, tokens + 1
             token_s += result.compute_s
-            if last:
+            if grads.armed:
                 break
         members = bucket.close()
         bucket.record_speed(token_s / tokens if tokens else 0.0)
@@ -444,5 +458,5 @@ class Tokens(Lockstep):
             token_s,
             comm_s,
             wait_s + lag_wait_s,
-            extra={"tokens": tokens, "over_trees": grads.over_trees},
+            extra={"tokens": tokens, "over_trees": grads.over_trees, "buckets_in_backward": grads.launched_in_backward},
         )
