@@ -33,8 +33,9 @@ def host():
         pytest.skip(str(exc))
 
 
-def _pair(host, cpus: tuple[float, float]):
-    """Two nodes on different cores with ``cpus`` of them, a 40 MB/s link one way and 10 MB/s back."""
+def _pair(host, cpus: tuple[float, float], *, one_core: bool = False):
+    """Two nodes on different cores (``one_core``: on the same) with ``cpus`` of them, a 40 MB/s
+    link one way and 10 MB/s back."""
     name = f"j{os.getpid() % 1000000}"[:8]
     spec = from_dict(
         TestbedSpec,
@@ -44,7 +45,7 @@ def _pair(host, cpus: tuple[float, float]):
             "name": "pair",
             "nodes": [
                 {"name": "na", "cpus": cpus[0], "cores": [host.cores[0]]},
-                {"name": "nb", "cpus": cpus[1], "cores": [host.cores[-1]]},
+                {"name": "nb", "cpus": cpus[1], "cores": [host.cores[0 if one_core else -1]]},
             ],
             "links": [
                 {"src": "na", "dst": "nb", "bandwidth_gbps": 0.04},
@@ -64,6 +65,12 @@ def _pair(host, cpus: tuple[float, float]):
 def slow_bed(host):
     """The pair at half a core and a quarter: what the profile must tell apart."""
     yield from _pair(host, (0.5, 0.25))
+
+
+@pytest.fixture
+def one_core_bed(host):
+    """The pair on one core, 45% of it each: the shipped testbeds' nodes come in such pairs."""
+    yield from _pair(host, (0.45, 0.45), one_core=True)
 
 
 @pytest.fixture
@@ -114,10 +121,8 @@ def _scale_onto_nb(runs: Path, run_id: str) -> subprocess.CompletedProcess:
     return subprocess.run([*command, "--timeout", "150"], env=ENV, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.multiprocess
-def test_profile_measures_each_direction_of_the_testbed(slow_bed, tmp_path) -> None:
-    bed = slow_bed
-    out = tmp_path / "cluster.yaml"
+def _profile(bed, out: Path) -> dict:
+    """``felactl profile --testbed`` of ``bed`` with small sizes; its JSON."""
     result = subprocess.run(
         [
             *FELACTL,
@@ -144,7 +149,13 @@ def test_profile_measures_each_direction_of_the_testbed(slow_bed, tmp_path) -> N
         timeout=90,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    data = json.loads(result.stdout)
+    return json.loads(result.stdout)
+
+
+@pytest.mark.multiprocess
+def test_profile_measures_each_direction_of_the_testbed(slow_bed, tmp_path) -> None:
+    bed = slow_bed
+    data = _profile(bed, tmp_path / "cluster.yaml")
     assert data["name"] == "pair" and [n["name"] for n in data["nodes"]] == ["na", "nb"]
     links = {(l["src"], l["dst"]): l["bandwidth_gbps"] for l in data["links"]}
     assert links[("na-cpu0", "nb-cpu0")] == pytest.approx(0.04, rel=0.15), links
@@ -158,6 +169,17 @@ def test_profile_measures_each_direction_of_the_testbed(slow_bed, tmp_path) -> N
     # measured on every shipped testbed by benchmarks/bench_testbed.py (BENCHMARKS.md).
     assert 0.2 <= speed["nb"] / speed["na"] <= 0.8, speed
     _no_process_in(bed)
+
+
+@pytest.mark.multiprocess
+def test_profile_reads_a_messages_latency_between_nodes_that_share_a_core(one_core_bed, tmp_path) -> None:
+    """Round trips back to back between two capped nodes of one core read the CPU period (4-5 ms
+    one way: each spends its quota waiting for the other), where a message takes well under a
+    millisecond and the planner prices every ring step and tree piece by that latency."""
+    data = _profile(one_core_bed, tmp_path / "cluster.yaml")
+    latency_us = {(l["src"], l["dst"]): l["latency_us"] for l in data["links"]}
+    assert len(latency_us) == 2 and max(latency_us.values()) < 1000, latency_us
+    _no_process_in(one_core_bed)
 
 
 @pytest.mark.multiprocess

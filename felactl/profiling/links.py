@@ -4,7 +4,12 @@ Called in every worker of one process group (gloo on CPU, NCCL on CUDA). The pai
 one at a time, in the same order on every rank, with a barrier between pairs, so no transfer
 competes with another. For the pair ``src -> dst``:
 
-- latency: ``src`` sends a small message and ``dst`` echoes it; half the median round trip.
+- latency: ``src`` sends a small message and ``dst`` echoes it; half the median round trip. On
+  CPU slots each round trip starts after a pause (:attr:`LinkProbe.latency_pause_s`): round trips
+  back to back between two slots that share a core under a CPU cap read the cap's period (each
+  end spends its quota waiting for the other, then both sit throttled), 4-5 ms one way on the
+  testbeds, where a message takes 0.07 ms and a ring's steps or a tree's pieces pay nothing like
+  it (BENCHMARKS.md, "Measured plan quality", tenth session).
 - bandwidth: ``src`` sends a large message and ``dst`` answers with a small ack once it has it;
   the message took the median time minus one small one-way trip.
 
@@ -31,6 +36,9 @@ class LinkProbe:
     """Timed large messages (median taken)."""
     latency_repetitions: int = 30
     """Timed small round trips: cheap, and scheduler noise on a busy host needs more of them."""
+    latency_pause_s: float = 0.01
+    """Idle time before each timed round trip on CPU slots: a testbed's CPU period (10 ms), after
+    which a capped slot has its quota back (module doc). 0.3 s per ordered pair of CPU slots."""
 
 
 def ordered_pairs(world_size: int) -> list[tuple[int, int]]:
@@ -53,13 +61,14 @@ def measure_links(
     device = torch.device(device or "cpu")
     barrier = barrier or dist.barrier
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    pause_s = probe.latency_pause_s if device.type == "cpu" else 0.0  # a GPU slot does not wait on a core
     small = torch.zeros(max(1, probe.small_message_bytes // 4), device=device)
     large = torch.zeros(max(1, probe.message_bytes // 4), device=device)
     results = []
     for src, dst in ordered_pairs(world_size):
         barrier()
         if rank == src:
-            results.append(_measure_as_source(dst, small, large, probe, sync))
+            results.append(_measure_as_source(dst, small, large, probe, sync, pause_s=pause_s))
             results[-1]["src_rank"] = src
             on_pair(src, dst)
         elif rank == dst:
@@ -68,11 +77,13 @@ def measure_links(
     return results
 
 
-def _timed(fn: Callable[[], None], sync: Callable[[], None], repetitions: int) -> float:
+def _timed(fn: Callable[[], None], sync: Callable[[], None], repetitions: int, pause_s: float = 0.0) -> float:
     fn()  # warm-up: connection set-up, NCCL communicator creation
     sync()
     times_s = []
     for _ in range(repetitions):
+        if pause_s:
+            time.sleep(pause_s)
         start = time.perf_counter()
         fn()
         sync()
@@ -80,7 +91,7 @@ def _timed(fn: Callable[[], None], sync: Callable[[], None], repetitions: int) -
     return statistics.median(times_s)
 
 
-def _measure_as_source(dst: int, small, large, probe: LinkProbe, sync) -> dict:
+def _measure_as_source(dst: int, small, large, probe: LinkProbe, sync, *, pause_s: float = 0.0) -> dict:
     import torch.distributed as dist
 
     def ping() -> None:
@@ -91,7 +102,7 @@ def _measure_as_source(dst: int, small, large, probe: LinkProbe, sync) -> dict:
         dist.send(large, dst)
         dist.recv(small, dst)
 
-    round_trip_s = _timed(ping, sync, probe.latency_repetitions)
+    round_trip_s = _timed(ping, sync, probe.latency_repetitions, pause_s)
     push_s = _timed(push, sync, probe.repetitions)
     one_way_s = round_trip_s / 2
     transfer_s = max(push_s - one_way_s, push_s * 0.01)
