@@ -289,6 +289,23 @@ def test_grad_buckets_armed_at_the_first_complete_bucket_when_the_token_turns_ou
     assert grads.launched_in_backward == len(grads.buckets), "what the step's metrics report"
 
 
+def test_grad_buckets_ask_at_a_later_bucket_when_backward_never_completes_the_first(one_rank_group):
+    """A parameter backward never reaches (an unused head) holds the first bucket open: the
+    question comes when another bucket completes, and the worker still arms (the first bucket
+    then sums at finish, in order)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1 << 15))
+    unused = torch.nn.Parameter(torch.zeros(4))
+    grads = GradBuckets([*model.parameters(), unused])  # last in the list: first in backward's order
+    assert grads.bucket_of[id(unused)] == 0 and len(grads.buckets) == 2
+    grads.begin()
+    asked = []
+    grads.arm_if_last(lambda: asked.append(True) or True, lambda: one_rank_group)
+    model(torch.randn(4, 8)).square().sum().backward()
+    assert asked == [True] and grads.armed and grads.works == [], "armed; the first bucket waits for finish"
+    grads.finish(one_rank_group)
+    assert len(grads.works) == 2
+
+
 @pytest.mark.parametrize("widths", [(8, 16, 4), (8, 16, 1 << 15), (600, 600, 600, 600), (3000, 3000, 1000, 10)])
 def test_grad_buckets_are_the_buckets_ddp_makes(widths):
     """One bucket rule for bsp (DDP) and tokens (GradBuckets), the one the planner prices the overlap

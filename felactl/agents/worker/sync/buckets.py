@@ -109,12 +109,15 @@ class GradBuckets:
     def arm(self, group) -> None:
         """From the backward about to run on, sum each bucket over ``group`` as soon as it is complete."""
         self._count_from_now()
-        self.group, self.armed = group, True
+        self.group, self.armed, self._ask = group, True, None
 
     def arm_if_last(self, is_last, group_of) -> None:
-        """The backward about to run may be this iteration's last: when it completes the first
-        bucket, :meth:`arm` over ``group_of()`` if ``is_last()`` says so (asked once). The caller
-        reads :attr:`armed` after the backward: armed, it must run no more micro-batches."""
+        """The backward about to run may be this iteration's last: when it completes a bucket (the
+        first to complete; the first one, unless backward never reaches one of its parameters),
+        :meth:`arm` over ``group_of()`` if ``is_last()`` says so (asked once). The caller reads
+        :attr:`armed` after the backward: armed, it must run no more micro-batches. Both run
+        inside backward and may wait on the store (closing the iteration's gate, forming a group
+        of some workers the first time), which only delays what they would delay after it."""
         self._count_from_now()
         self._ask = (is_last, group_of)
 
@@ -128,8 +131,9 @@ class GradBuckets:
             p.grad = view
         if not self.armed and self._ask is None:
             return
-        self.pending[self.bucket_of[id(p)]] -= 1
-        if self._ask is not None and self.pending[0] <= 0:
+        bucket = self.bucket_of[id(p)]
+        self.pending[bucket] -= 1
+        if self._ask is not None and self.pending[bucket] <= 0:
             (is_last, group_of), self._ask = self._ask, None
             if is_last():
                 self.group, self.armed = group_of(), True
