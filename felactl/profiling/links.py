@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from felactl.testbed.build import CPU_PERIOD_US
+
 GB = 1e9
 
 
@@ -36,7 +38,7 @@ class LinkProbe:
     """Timed large messages (median taken)."""
     latency_repetitions: int = 30
     """Timed small round trips: cheap, and scheduler noise on a busy host needs more of them."""
-    latency_pause_s: float = 0.01
+    latency_pause_s: float = CPU_PERIOD_US / 1e6
     """Idle time before each timed round trip on CPU slots: a testbed's CPU period (10 ms), after
     which a capped slot has its quota back (module doc). 0.3 s per ordered pair of CPU slots. (A
     testbed node under a tenth of a core has a longer period, ``testbed.build.cpu_period_us``.)"""

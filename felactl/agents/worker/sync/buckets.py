@@ -12,10 +12,10 @@ iteration), a hook launches each bucket's asynchronous sum-allreduce the moment 
 accumulated every gradient of that bucket, so communication overlaps the rest of the backward
 (and, for an injected straggler, its sleep). A worker that cannot tell yet (tokens: another
 worker may still leave it one) calls :meth:`arm_if_last` instead: the question is asked again when
-backward completes the first bucket, and a yes arms the buckets there. Without it the first of two
+backward completes a bucket, and a yes arms the buckets there. Without it the first of two
 workers with a token each summed only after its backward, and the other's sum waited for it: none
-of the overlap the planner prices happened (issue 15, the fragment testbed's 75 ms sum). :meth:`finish` launches whatever was not launched
-yet, always in bucket order, so every member of the group issues the same collectives in the same
+of the overlap the planner prices happened (issue 15, the fragment testbed's 75 ms sum).
+:meth:`finish` launches whatever was not launched yet, always in bucket order, so every member of the group issues the same collectives in the same
 order whether it armed or not. The group is given per iteration (to :meth:`arm` and
 :meth:`finish`), since it may change (a tokens iteration that a stalled worker skipped is summed
 by the others alone); ``None`` means this worker's gradients are already the sum: nothing is sent.
@@ -109,6 +109,9 @@ class GradBuckets:
     def arm(self, group) -> None:
         """From the backward about to run on, sum each bucket over ``group`` as soon as it is complete."""
         self._count_from_now()
+        self._armed_over(group)
+
+    def _armed_over(self, group) -> None:
         self.group, self.armed, self._ask = group, True, None
 
     def arm_if_last(self, is_last, group_of) -> None:
@@ -136,7 +139,7 @@ class GradBuckets:
         if self._ask is not None and self.pending[bucket] <= 0:
             (is_last, group_of), self._ask = self._ask, None
             if is_last():
-                self.group, self.armed = group_of(), True
+                self._armed_over(group_of())
         if not self.armed or self.group is None:
             return
         while len(self.works) < len(self.buckets) and self.pending[len(self.works)] <= 0:

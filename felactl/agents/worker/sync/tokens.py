@@ -16,7 +16,7 @@ until nothing is left, so fast workers simply pull more.
 Gradients are weighted by samples and summed in place (:class:`GradBuckets`): BSP semantics
 whoever did the work. When a worker knows the token it starts is its last, it arms the buckets
 and their allreduce overlaps that token's backward; when it cannot tell yet (another worker has
-not claimed its own), it asks again once backward completes the first bucket
+not claimed its own), it asks again once backward completes a bucket
 (:meth:`GradBuckets.arm_if_last`). It knows when no token is left, and it may
 *retire* early: when the others (all in, speeds known from the last iteration) would drain what
 is left before its own token ends. A store counter keeps at least one worker from retiring, so
