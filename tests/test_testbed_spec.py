@@ -193,6 +193,14 @@ def test_cpu_period_is_short_but_holds_a_quota_of_a_millisecond() -> None:
     assert cpu_period_us(0.05) == 20_000 and round(0.01 * cpu_period_us(0.01)) >= 1000
 
 
+def test_the_profiles_latency_pause_lasts_a_testbed_cpu_period() -> None:
+    """The pause lets a capped node have its quota back (felactl.profiling.links)."""
+    from felactl.profiling.links import LinkProbe
+    from felactl.testbed.build import CPU_PERIOD_US
+
+    assert LinkProbe().latency_pause_s * 1e6 >= CPU_PERIOD_US
+
+
 def test_felactl_check_reads_testbeds(tmp_path) -> None:
     result = runner.invoke(app, ["check", *map(str, SPECS)])
     assert result.exit_code == 0, result.stderr

@@ -23,8 +23,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from felactl.testbed.build import CPU_PERIOD_US
-
 GB = 1e9
 
 
@@ -38,8 +36,9 @@ class LinkProbe:
     """Timed large messages (median taken)."""
     latency_repetitions: int = 30
     """Timed small round trips: cheap, and scheduler noise on a busy host needs more of them."""
-    latency_pause_s: float = CPU_PERIOD_US / 1e6
-    """Idle time before each timed round trip on CPU slots: a testbed's CPU period (10 ms), after
+    latency_pause_s: float = 0.01
+    """Idle time before each timed round trip on CPU slots: a testbed's CPU period (10 ms,
+    ``testbed.build.CPU_PERIOD_US``, which profiling may not import; a test ties them), after
     which a capped slot has its quota back (module doc). 0.3 s per ordered pair of CPU slots. (A
     testbed node under a tenth of a core has a longer period, ``testbed.build.cpu_period_us``.)"""
 
