@@ -22,9 +22,13 @@ timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -p no:cacheprovider -rs -v --bas
 # the runs' logs and events, for a test that failed
 tar czf "$OUT/gpu_test_runs.tgz" -C /tmp/felactl-gpu-tests . 2>/dev/null || true
 
-if [ "${QUICK:-0}" = 1 ]; then  # the GPU tests, then the suite's single-process tests with CUDA visible
-    timeout ${SUITE_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -q -m "not multiprocess" -n 8 \
+suite() {  # the suite's single-process tests with CUDA visible (the whole suite outlasts a call)
+    echo "== the single-process suite with CUDA visible"
+    timeout ${SUITE_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -q -m "not multiprocess" -n ${SUITE_WORKERS:-12} \
         2>&1 | tail -25 | tee "$OUT/suite.log"
+}
+if [ "${QUICK:-0}" = 1 ]; then  # the GPU tests, then the suite
+    suite
     exit 0
 fi
 
@@ -64,5 +68,8 @@ print(f"iteration: measured {measured:.2f} ms, predicted {predicted:.2f} ms, rat
 EOF
 grep -h "backend\|nccl\|cuda" "$RUNS"/gpu/logs/* | head -5
 
-echo "== whole suite with CUDA visible"
-timeout ${SUITE_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -q 2>&1 | tail -40 >"$OUT/suite.log"; cat "$OUT/suite.log"
+echo "== what a token costs on the GPU's host (cost.TOKEN_OVERHEAD_S)"
+timeout ${TOKENS_TIMEOUT:-150} python3 benchmarks/bench_token_overhead.py "$OUT/plan.yaml" --micro-batches 4,16,64 \
+    --steps 60 | tee "$OUT/token_overhead.md" || echo "token overhead failed: $?"
+
+suite

@@ -336,7 +336,11 @@ def test_hard_inputs_through_a_real_process(tmp_path):
     by_command: dict[str, list[Case]] = {}
     for case in all_cases():
         by_command.setdefault(case.argv[0], []).append(case)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     for command in ("check", "plan", "profile", "launch", "scale", "status"):
         case = rng.choice(by_command[command])
         root = tmp_path / command

@@ -147,7 +147,7 @@ def test_down_after_up_is_killed_midway(host, name, tmp_path) -> None:
             }
         )
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "felactl", "testbed", "up", str(path), "--name", name, "--no-latency"],
         env=env,
@@ -245,7 +245,7 @@ def test_cpu_share_caps_a_busy_loop(host, name) -> None:
 def test_exec_runs_in_the_node(host, name) -> None:
     spec = _spec([{"name": "a", "cpus": 0.5}, {"name": "b"}], [], {"bandwidth_gbps": 0.01})
     state = up(spec, "test.yaml", name=name, host=host)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     felactl = [sys.executable, "-m", "felactl", "testbed"]
     script = (
         "echo $(ls /sys/class/net) $GLOO_SOCKET_IFNAME $FELACTL_TESTBED_NODE $FELACTL_TESTBED_ADDR; "
@@ -316,7 +316,7 @@ def test_two_testbeds_at_once_are_apart_and_reach_the_host(host, name) -> None:
 def test_a_link_is_cut_healed_and_reshaped_while_up(host, name) -> None:
     spec = _spec([{"name": "a"}, {"name": "b"}], [], {"bandwidth_gbps": 0.02})
     state = up(spec, "test.yaml", name=name, host=host)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def arrived(src: str, dst: str) -> float:
         receiver = _popen(state, dst, "udp-recv", state.node(dst).address, "5004")
@@ -359,7 +359,7 @@ def test_a_partition_keeps_the_sides_apart_and_the_host_reachable_and_heals(host
         {"bandwidth_gbps": 0.02},
     )
     state = up(spec, "test.yaml", name=name, host=host)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def felactl(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "felactl", "testbed", *args, "--name", name]
@@ -410,7 +410,7 @@ def test_a_partition_keeps_the_sides_apart_and_the_host_reachable_and_heals(host
 def test_cut_heal_and_crash_say_what_they_did_as_json(host, name) -> None:
     """The failure commands a chaos script drives, each with --json as every felactl command has."""
     state = up(_spec([{"name": "a"}, {"name": "b"}], [], {"bandwidth_gbps": 0.02}), "test.yaml", name=name, host=host)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def felactl(*args: str) -> dict:
         command = [sys.executable, "-m", "felactl", "testbed", *args, "--name", name, "--json"]

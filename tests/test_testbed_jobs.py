@@ -21,7 +21,11 @@ from felactl.testbed.build import set_link
 
 ROOT = Path(__file__).resolve().parent.parent
 FELACTL = [sys.executable, "-m", "felactl"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    "OMP_NUM_THREADS": "1",
+}
 MLP = {"name": "mlp", "source": "mlp", "config": {"input_dim": 256, "hidden": 512, "depth": 4, "num_classes": 10}}
 
 

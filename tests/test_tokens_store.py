@@ -306,21 +306,29 @@ def test_grad_buckets_ask_at_a_later_bucket_when_backward_never_completes_the_fi
     assert len(grads.works) == 2
 
 
+def test_bsp_wraps_replicas_with_the_planners_bucket_cap(one_rank_group):
+    """bsp's DDP closes its later buckets at felactl's cap, whatever torch's default: torch 2.11
+    (the GPU machines' image) has no ``_DEFAULT_BUCKET_CAP_MB`` to read it from."""
+    from felactl.agents.worker.ddp import wrap_replica
+    from felactl.spec.plan import BUCKET_BYTES
+
+    replica = wrap_replica(torch.nn.Linear(4, 4), one_rank_group)
+    assert replica.bucket_bytes_cap == BUCKET_BYTES
+
+
 @pytest.mark.parametrize("widths", [(8, 16, 4), (8, 16, 1 << 15), (600, 600, 600, 600), (3000, 3000, 1000, 10)])
 def test_grad_buckets_are_the_buckets_ddp_makes(widths):
     """One bucket rule for bsp (DDP) and tokens (GradBuckets), the one the planner prices the overlap
     of sync with backward by: DDP's own assignment, in backward order, is the reference."""
-    from torch.nn.parallel import distributed as ddp_module
-
     from felactl.spec.plan import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
-    # the rule's caps are DDP's defaults, as felactl's bsp wraps replicas with them
+    # DDP's first bucket is its own constant; the later buckets' cap felactl's bsp passes
+    # (test_bsp_wraps_replicas_with_the_planners_bucket_cap)
     assert FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
-    assert BUCKET_BYTES == ddp_module._DEFAULT_BUCKET_CAP_MB * 2**20
     layers = [torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
     params = [p for layer in layers for p in layer.parameters()]
     grads = GradBuckets(params)
     backward_order = list(reversed(params))
-    ddp, _ = dist._compute_bucket_assignment_by_size(backward_order, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 << 20])
+    ddp, _ = dist._compute_bucket_assignment_by_size(backward_order, [dist._DEFAULT_FIRST_BUCKET_BYTES, BUCKET_BYTES])
     position = {id(p): i for i, p in enumerate(backward_order)}
     assert [[position[id(p)] for p in bucket] for bucket in grads.buckets] == ddp

@@ -95,7 +95,10 @@ three-speeds testbed, felactl's data-parallel plan at micro-batches 16, 64 and 2
 difference of the workers' non-compute time over the difference of their token counts): 0.8-1.1
 ms on rank 0's node, 2.0 ms on the other, each in full-core seconds (BENCHMARKS.md, issue 15
 item 4, ninth session). A pipeline's token is priced the same, not measured apart. Unpriced, it
-made micro-batches of 64 look as good as 1024 and ran them at 0.51-0.58 of their prediction."""
+made micro-batches of 64 look as good as 1024 and ran them at 0.51-0.58 of their prediction.
+On an H200's host, one worker with the store in its own process, a token cost 0.29 ms
+(``benchmarks/bench_token_overhead.py``, BENCHMARKS.md, 2026-11-27): there the price is high,
+which tips the planner only towards larger micro-batches; not yet measured with remote workers."""
 
 
 @dataclass(frozen=True)
