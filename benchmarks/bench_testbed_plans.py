@@ -5,9 +5,13 @@ For each testbed (``plans/testbeds/<name>.yaml``): ``felactl testbed up --no-lat
 profile --testbed`` (the cluster as the nodes' namespaces and CPU shares give it), ``felactl plan``
 (felactl's plan) and ``felactl plan --baseline dp|hp`` (the baselines' own runnable plans, whose
 predictions are the ones ``--compare`` prints), ``felactl launch --testbed`` of each, ``down`` (always).
-The model is profiled on this machine's CPU (one thread) with ``--matmul-size`` as the cluster
-profile, so the planner scales its timings to each node's measured speed; once per testbed, just
-before its cluster profile, so both matmul references see the machine in the same minutes.
+The model is profiled in every node of the testbed at once (``felactl profile --model --testbed``,
+``--model-profile nodes``, the default), just after the cluster profile: each node's timings are
+keyed by its CPU share, as the cluster profile names its device. With ``--model-profile host`` it
+is profiled on this machine's CPU (one thread) instead, and the planner scales those timings by
+each node's matmul rate over the host's (``--matmul-size`` as the cluster profile), once per
+testbed, just before its cluster profile, so both matmul references see the machine in the same
+minutes: that scaling priced a tenth-of-a-core node 1.4x too fast (BENCHMARKS.md).
 
 Measured samples/s: the global batch times the steps after ``--warmup``, over the time from the
 end of the last warm-up step to the end of the last step (each step ends when its last worker
@@ -95,8 +99,9 @@ def parts(records: list[dict], warmup: int) -> dict:
     return out
 
 
-def profile_model(model_yaml: Path, args) -> Path:
-    """``felactl profile --model`` on this machine's CPU, just before the testbed's cluster profile.
+def profile_model(model_yaml: Path, args, testbed: str | None = None) -> Path:
+    """``felactl profile --model`` on this machine's CPU, just before the testbed's cluster profile;
+    with ``testbed`` (``--model-profile nodes``), in every node of it, just after.
 
     Every node's timings are the host's scaled by host matmul ÷ node matmul, so the two matmul
     rates must see the same machine: this shared VM's speed moves by up to a fifth between runs
@@ -114,9 +119,11 @@ def profile_model(model_yaml: Path, args) -> Path:
             args.batch_sizes,
             "--matmul-size",
             str(args.matmul_size),
+            *(["--testbed", testbed] if testbed else []),
             "-o",
             str(model_yaml),
             "--json",
+            timeout=1200,
         )
     return model_yaml
 
@@ -132,7 +139,8 @@ def run_testbed(name: str, args, work: Path) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     with held(args.lock):
         felactl("testbed", "down", "--name", bed, timeout=120)
-        model_yaml = profile_model(out / "model.yaml", args)
+        if args.model_profile == "host":
+            model_yaml = profile_model(out / "model.yaml", args)
         try:
             felactl("testbed", "up", str(spec), "--name", bed, "--no-latency", timeout=120)
             cluster = out / "cluster.yaml"
@@ -153,6 +161,8 @@ def run_testbed(name: str, args, work: Path) -> list[dict]:
                 "300",
                 timeout=400,
             )
+            if args.model_profile == "nodes":
+                model_yaml = profile_model(out / "model.yaml", args, bed)
             common = [
                 "--cluster",
                 str(cluster),
@@ -283,6 +293,12 @@ def main() -> None:
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--config", action="append", default=[], help="model config key=value (repeat)")
     parser.add_argument("--batch-sizes", default="16,64,256,1024")
+    parser.add_argument(
+        "--model-profile",
+        choices=("nodes", "host"),
+        default="nodes",
+        help="time the model in every testbed node (felactl profile --model --testbed), or on the host only",
+    )
     parser.add_argument("--global-batch", type=int, default=2048)
     parser.add_argument("--matmul-size", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=20.0, help="predicted seconds of steady steps per run")

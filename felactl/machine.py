@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from pathlib import Path
 
 import psutil
 
@@ -19,6 +20,80 @@ def available_cores() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:
         return list(range(psutil.cpu_count(logical=True) or 1))
+
+
+CPU_QUOTA_ENV = "FELACTL_CPU_QUOTA_CORES"
+"""Cores' worth of CPU time a process is held to, told by whoever put it in its cgroup, for where
+the cgroup file system is not mounted: ``ip netns exec`` (a testbed node) mounts a fresh /sys."""
+
+
+def cpu_quota_cores(proc: Path = Path("/proc/self")) -> float | None:
+    """Cores' worth of CPU time this process's cgroups allow it (their CFS quota over its period,
+    the smallest along the way to the root, and :data:`CPU_QUOTA_ENV`'s), where that is less than
+    the cores it may run on: a container's CPU limit, a testbed node's share. None where no quota
+    binds (or none is readable). cgroup v2 (``cpu.max``) and v1 (``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us``)."""
+    quotas = []
+    try:
+        told = float(os.environ.get(CPU_QUOTA_ENV, "nan"))
+    except ValueError:
+        told = float("nan")
+    if told > 0:
+        quotas.append(told)
+    try:
+        memberships = (proc / "cgroup").read_text().splitlines()
+        mounts = (proc / "mountinfo").read_text().splitlines()
+    except OSError:
+        memberships = mounts = []
+    for line in memberships:
+        hierarchy, controllers, path = line.split(":", 2)
+        v2 = hierarchy == "0" and controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        mount = _cgroup_mount(mounts, v2)
+        if mount is None:
+            continue
+        root, point = mount
+        relative = Path(path).relative_to(root) if Path(path).is_relative_to(root) else Path(path.lstrip("/"))
+        directory = point / relative
+        while directory.is_relative_to(point):
+            quota = _read_quota(directory, v2)
+            if quota is not None:
+                quotas.append(quota)
+            if directory == point:
+                break
+            directory = directory.parent
+    if not quotas or min(quotas) >= len(available_cores()):
+        return None
+    return min(quotas)
+
+
+def _cgroup_mount(mounts: list[str], v2: bool) -> tuple[str, Path] | None:
+    """(root inside the hierarchy, mount point) of the cgroup v2 tree, or of v1's cpu controller."""
+    for line in mounts:
+        before, _, after = line.partition(" - ")
+        fields, fstype = before.split(), after.split()
+        if len(fields) < 5 or not fstype:
+            continue
+        if v2 and fstype[0] == "cgroup2":
+            return fields[3], Path(fields[4])
+        if not v2 and fstype[0] == "cgroup" and len(fstype) > 2 and "cpu" in fstype[2].split(","):
+            return fields[3], Path(fields[4])
+    return None
+
+
+def _read_quota(directory: Path, v2: bool) -> float | None:
+    try:
+        if v2:
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+        else:
+            quota = (directory / "cpu.cfs_quota_us").read_text().strip()
+            period = (directory / "cpu.cfs_period_us").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    if quota in ("max", "-1") or int(period) <= 0:
+        return None
+    return int(quota) / int(period)
 
 
 def short_hostname() -> str:

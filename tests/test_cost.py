@@ -23,7 +23,7 @@ from felactl.optimizer.evaluate import (
     stage_tokens,
     token_samples,
 )
-from felactl.spec import Device, DeviceKind, Layer, LayerTiming, SyncTiming
+from felactl.spec import Device, DeviceKind, Layer, LayerTiming, SyncTiming, cpu_of_slot_model, cpu_slot_model
 from tests.planner_fixtures import cluster, model, one_way_pair
 
 GPU = Device(name="g", kind=DeviceKind.CUDA, model="G1", tflops=10.0, memory_gb=16.0)
@@ -273,6 +273,43 @@ def test_timings_of_a_device_model_are_scaled_to_each_device_s_measured_speed():
         )
         == 1.0
     )
+
+
+def test_a_cpu_slot_under_a_quota_is_priced_by_its_own_timings_else_by_its_cpus_scaled():
+    """Slots of CPU X under cgroup quotas (a testbed's nodes). The profile timed X at full speed
+    and, in the node at a tenth of a core, "X @ 0.1 cores": 3x slower than X's timings scaled by
+    the matmul rates (small nodes run a model's step slower than their matmul). That slot is
+    priced by its own timings and optimizer step; the half-core slot, never timed, by X's scaled
+    by X's matmul over its own, as every slot was before slots were keyed by their quota."""
+    tenth, half = cpu_slot_model("X", 0.1), cpu_slot_model("X", 0.5)
+    assert (tenth, cpu_of_slot_model(tenth), cpu_of_slot_model("X")) == ("X @ 0.1 cores", "X", "X")
+    base = model([(1000, 10, 1.0), (3000, 10, 1.0)])
+    full_timing = LayerTiming(device_model="X", micro_batch=4, fwd_ms=1.0, bwd_ms=2.0)
+    tenth_timing = LayerTiming(device_model=tenth, micro_batch=4, fwd_ms=30.0, bwd_ms=60.0)
+    net = dataclasses.replace(
+        base,
+        layers=tuple(dataclasses.replace(l, timings=(full_timing, tenth_timing)) for l in base.layers),
+        optimizer_step_ms=8.0,
+        optimizer_step_ms_by_device_model={tenth: 200.0},
+        timed_tflops={"X": 1.0, tenth: 0.1},
+    )
+    gpus = cluster([[("X", 1.0, 8.0), (tenth, 0.1, 8.0), (half, 0.5, 8.0)]])
+    spec = dataclasses.replace(
+        gpus,
+        nodes=tuple(
+            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
+            for n in gpus.nodes
+        ),
+    )
+    cost = CostModel(spec, net, use_trees=False)
+    assert [cost.timed_as(spec.device(d)) for d in spec.device_names] == ["X", tenth, "X"]
+    assert cost.stage_times_s(0, 2, "n0.d0", 4) == pytest.approx((0.002, 0.004))
+    assert cost.stage_times_s(0, 2, "n0.d1", 4) == pytest.approx((0.06, 0.12)), "its own, not X's x 10"
+    assert cost.stage_times_s(0, 2, "n0.d2", 4) == pytest.approx((0.004, 0.008)), "X's x 2"
+    assert cost.optimizer_step_s(0, 2, "n0.d1") == pytest.approx(0.2)
+    assert cost.optimizer_step_s(0, 2, "n0.d2") == pytest.approx(0.016)
+    # a GPU is never priced by another model's timings
+    assert CostModel(gpus, net, use_trees=False).timed_as(gpus.device("n0.d2")) is None
 
 
 def test_a_model_profile_refuses_a_timed_speed_that_is_no_speed():

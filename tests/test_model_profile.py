@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from felactl.errors import InputError
 from felactl.models import build
 from felactl.models.data import python_docs_text
 from felactl.profiling.model import (
+    Clock,
     count_flops,
     profile_model,
     this_device_model,
@@ -334,12 +336,14 @@ def test_a_burst_of_preemption_does_not_become_the_layers_time():
     spike; blocks of runs repeat until they agree, so the spike costs more runs, not the time."""
     normal, spike = (0.001, 0.002), (0.030, 0.060)
     timer = _fake_timer([normal] + [spike] * 3 + [normal] * 200)  # one warm-up run first
-    times = time_layer(nn.Linear(4, 4), torch.ones(2, 4), torch.ones(2, 4), repeats=9, input_grad=True, timer=timer)
+    times = time_layer(
+        nn.Linear(4, 4), torch.ones(2, 4), torch.ones(2, 4), repeats=9, input_grad=True, clock=Clock(timer=timer)
+    )
     assert times.fwd_ms == pytest.approx(1.0) and times.bwd_ms == pytest.approx(2.0)
     assert not times.noisy and times.spread == 0.0
     every_other_block_preempted = _fake_timer([normal] + [normal, normal, spike, spike] * 100)
     noisy = time_layer(
-        nn.Linear(4, 4), torch.ones(2, 4), torch.ones(2, 4), repeats=2, timer=every_other_block_preempted
+        nn.Linear(4, 4), torch.ones(2, 4), torch.ones(2, 4), repeats=2, clock=Clock(timer=every_other_block_preempted)
     )
     assert noisy.noisy and noisy.spread > 1.0  # the blocks never agree: recorded, not hidden
 
@@ -406,3 +410,26 @@ def test_timed_tflops_is_the_median_of_matmul_timings_beside_each_micro_batch(mo
     monkeypatch.setattr(model_profile, "matmul_tflops", lambda size, repetitions: next(rates))
     spec = profile_model("mlp", {"depth": 1, "hidden": 16, "input_dim": 8}, [1, 2], repeats=1, matmul_size=64)
     assert spec.timed_tflops == {this_device_model(): 0.06}
+
+
+def test_under_a_cpu_quota_a_run_costs_its_share_of_the_wall_time_not_its_burst():
+    """A slot at a tenth of a core computes 1 ms, then waits out 9 ms of the period wherever that
+    falls, often outside the timed run: wall-timed, the runs read the full core (1 ms); the quota's
+    clock times CPU seconds over blocks of many periods and stretches them by wall / CPU (~10 ms)."""
+    from felactl.profiling.model import WALL_CLOCK, _repeat_runs
+
+    def make_run(clock):
+        def run() -> tuple[float]:
+            start, cpu = clock.timer(), time.process_time()
+            while time.process_time() - cpu < 0.001:  # the burst: 1 ms of CPU
+                pass
+            elapsed = clock.timer() - start
+            time.sleep(0.009)  # throttled: the rest of the period, outside the timed part
+            return (elapsed,)
+
+        return run
+
+    quota = Clock(timer=time.process_time, min_block_s=0.05)
+    burst = statistics.median(r for (r,) in _repeat_runs(make_run(WALL_CLOCK), repeats=3, warmup=0)[0])
+    share = statistics.median(r for (r,) in _repeat_runs(make_run(quota), repeats=3, warmup=0, clock=quota)[0])
+    assert burst < 0.005 and share >= 0.008, (burst, share)

@@ -172,7 +172,35 @@ def test_profile_measures_each_direction_of_the_testbed(slow_bed, tmp_path) -> N
     # host idles (felactl.testbed.build.CPU_PERIOD_US); seen here: 0.32-0.58. The 15% target is
     # measured on every shipped testbed by benchmarks/bench_testbed.py (BENCHMARKS.md).
     assert 0.2 <= speed["nb"] / speed["na"] <= 0.8, speed
+    # each node's device is named by its share, as the model's timings in it are keyed
+    models = {node["name"]: node["devices"][0]["model"] for node in data["nodes"]}
+    assert models["na"].endswith(" @ 0.5 cores") and models["nb"].endswith(" @ 0.25 cores"), models
     _no_process_in(bed)
+
+
+@pytest.mark.multiprocess
+def test_the_model_is_timed_in_every_node_and_keyed_by_its_share(slow_bed, tmp_path) -> None:
+    """``felactl profile --model --testbed``: each node times the model in its namespace and
+    cgroup, at once; one profile holds both, under the device models the cluster profile names."""
+    out = tmp_path / "model.yaml"
+    command = [*FELACTL, "profile", "--model", "mlp", "--config", "hidden=64", "--config", "depth=1"]
+    command += ["--batch-sizes", "16,256", "--repetitions", "2", "--matmul-size", "128"]
+    command += ["--testbed", slow_bed.name, "-o", str(out), "--json"]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    spec = yaml.safe_load(out.read_text())
+    by_model = {}
+    for layer in spec["layers"]:
+        for t in layer["timings"]:
+            by_model.setdefault(t["device_model"], {}).setdefault(t["micro_batch"], 0.0)
+            by_model[t["device_model"]][t["micro_batch"]] += t["fwd_ms"] + t["bwd_ms"]
+    half, quarter = (next(m for m in by_model if m.endswith(share)) for share in (" @ 0.5 cores", " @ 0.25 cores"))
+    assert (
+        set(by_model) == {half, quarter} == set(spec["timed_tflops"]) == set(spec["optimizer_step_ms_by_device_model"])
+    )
+    # at a quarter of a core the model's step takes longer than at a half (about twice)
+    assert by_model[quarter][256] > 1.25 * by_model[half][256], by_model
+    _no_process_in(slow_bed)
 
 
 @pytest.mark.multiprocess

@@ -74,9 +74,18 @@ def run(
     node: str | None = None,
     worker_batch: int | None = None,
     matmul_size: int | None = None,
+    testbed: str | None = None,
 ) -> None:
     from felactl.profiling.model import profile_model
 
+    if testbed is not None:
+        if cluster is not None or worker_batch is not None:
+            raise InputError(
+                "--testbed times the model in each node of the testbed: not with --cluster or --worker-batch"
+            )
+        if device not in ("auto", "cpu"):
+            raise InputError(f"--testbed profiles the nodes' CPU slots; --device is {device} (use --device cpu)")
+        device = "cpu"
     if cluster is None and worker_batch is not None:
         raise InputError("--worker-batch is for --cluster (the batch of the data-parallel sync timing)")
     if cluster is not None and device == "auto":
@@ -95,7 +104,18 @@ def run(
         options = dict(
             repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress, matmul_size=matmul_size
         )
-        if in_cluster is None:
+        if testbed is not None:
+            from felactl.launcher.testbed_model import profile_model_on_testbed
+
+            parse_config(config)  # a malformed pair is said here, once, not by every node
+            flags = [f for pair in config or [] for f in ("--config", pair)]
+            flags += ["--batch-sizes", ",".join(map(str, batch_sizes)), "--repetitions", str(repeats)]
+            flags += ["--input-shape", input_shape] if input_shape else []
+            flags += ["--matmul-size", str(matmul_size)] if matmul_size else []
+            spec = profile_model_on_testbed(
+                testbed, model, flags, say=lambda line: bar.update(task, description=f"profiling {model}: {line}")
+            )
+        elif in_cluster is None:
             spec = profile_model(model, parse_config(config), batch_sizes, device=device, **options)
         else:
             from felactl.profiling.in_situ import profile_model_in_situ
@@ -124,10 +144,12 @@ def run(
 
 
 def layer_table(spec: ModelSpec) -> Table:
-    device_models = sorted({t.device_model for layer in spec.layers for t in layer.timings})
+    """Per layer, its sizes and its ms per sample on the first device model timed; then the whole
+    model's on each device model (a profile of a testbed's nodes holds one per CPU share)."""
+    device_models = sorted(spec.timed_device_models)
     batches = sorted({t.micro_batch for layer in spec.layers for t in layer.timings})
     table = Table(
-        title=f"{spec.name} on {', '.join(device_models) or '-'}",
+        title=f"{spec.name} on {device_models[0] if device_models else '-'}",
         box=box.SIMPLE_HEAD,
         caption="KB and MFLOP per sample (saved: kept for backward); b=N: ms per sample, forward + backward, "
         "at micro-batch N",
@@ -137,19 +159,16 @@ def layer_table(spec: ModelSpec) -> Table:
         table.add_column(column, justify="right", no_wrap=True)
     for batch in batches:
         table.add_column(f"b={batch}", justify="right", no_wrap=True)
-    totals = [0.0] * len(batches)
+
+    def per_sample(layer, device_model: str) -> dict[int, float]:
+        return {
+            t.micro_batch: (t.fwd_ms + t.bwd_ms) / t.micro_batch
+            for t in layer.timings
+            if t.device_model == device_model
+        }
+
     for layer in spec.layers:
-        per_sample = (
-            {
-                t.micro_batch: (t.fwd_ms + t.bwd_ms) / t.micro_batch
-                for t in layer.timings
-                if t.device_model == device_models[0]
-            }
-            if device_models
-            else {}
-        )
-        for i, batch in enumerate(batches):
-            totals[i] += per_sample.get(batch, 0.0)
+        times = per_sample(layer, device_models[0]) if device_models else {}
         saved_kb = "-" if layer.saved_bytes_per_sample is None else f"{layer.saved_bytes_per_sample / 1e3:,.1f}"
         table.add_row(
             layer.name,
@@ -157,15 +176,15 @@ def layer_table(spec: ModelSpec) -> Table:
             f"{layer.activation_bytes_per_sample / 1e3:,.1f}",
             saved_kb,
             f"{layer.fwd_flops_per_sample / 1e6:,.1f}",
-            *(f"{per_sample[b]:.3g}" if b in per_sample else "-" for b in batches),
+            *(f"{times[b]:.3g}" if b in times else "-" for b in batches),
         )
-    table.add_row(
-        "total",
-        f"{spec.total_params:,}",
-        "",
-        "",
-        f"{sum(l.fwd_flops_per_sample for l in spec.layers) / 1e6:,.1f}",
-        *(f"{t:.3g}" for t in totals),
-        style="bold",
-    )
+    flops = f"{sum(l.fwd_flops_per_sample for l in spec.layers) / 1e6:,.1f}"
+    for device_model in device_models or [None]:
+        totals = [0.0] * len(batches)
+        for layer in spec.layers:
+            times = per_sample(layer, device_model) if device_model else {}
+            for i, batch in enumerate(batches):
+                totals[i] += times.get(batch, 0.0)
+        label = "total" if len(device_models) <= 1 else f"total on {device_model}"
+        table.add_row(label, f"{spec.total_params:,}", "", "", flops, *(f"{t:.3g}" for t in totals), style="bold")
     return table

@@ -108,7 +108,8 @@ def profile(
         str | None,
         typer.Option(
             help="Profile the nodes of this testbed (felactl testbed up SPEC --name NAME): an agent in each node's "
-            "namespace and cgroup, --nproc-per-node slots each (default 1)."
+            "namespace and cgroup, --nproc-per-node slots each (default 1). With --model: time the model in "
+            "every node at once, each node's timings keyed by its CPU share."
         ),
     ] = None,
     secret_file: Annotated[Path | None, typer.Option(help="Job secret (created with mode 0600 if missing).")] = None,
@@ -171,6 +172,7 @@ def profile(
             node=node_name,
             worker_batch=worker_batch,
             matmul_size=matmul_size,
+            testbed=testbed,
         )
         return
     from felactl.launcher.profile import ProfileOptions, check_profile_flags, profile_cluster

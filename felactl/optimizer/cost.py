@@ -17,7 +17,12 @@ Formulas (times in seconds, sizes in bytes):
   step) are of the device the model was profiled on; where the profile recorded that device's
   matmul TFLOP/s (``ModelSpec.timed_tflops``) they are scaled by timed / ``d.tflops``: a device
   of the same model at another speed (a CPU slot held to a share of a core by a cgroup, a
-  throttled GPU) is that much slower or faster, which its cluster profile measured. ``b_half`` is derived per layer from its
+  throttled GPU) is that much slower or faster, which its cluster profile measured. A CPU slot a
+  cgroup quota holds is a device model of its own (``Intel Xeon @ 0.1 cores``,
+  :func:`felactl.spec.cpu_slot_model`): priced by its own timings where the profile has them
+  (``felactl profile --model --testbed`` times the model in every node), else by its CPU's,
+  scaled as above (:meth:`CostModel.timed_as`); the scaling priced a tenth of a core 1.4x too
+  fast. ``b_half`` is derived per layer from its
   arithmetic intensity rather than from a table of kinds: a layer reuses each weight byte
   ``i = fwd_flops_per_sample / param_bytes`` times per sample, and a device saturates once
   ``b * i`` reaches its ridge point (``RIDGE_FLOPS_PER_BYTE``), so ``b_half = RIDGE / i``,
@@ -76,7 +81,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 from felactl.errors import PlanInfeasible
-from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Layer, ModelSpec, SyncTiming
+from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Layer, ModelSpec, SyncTiming, cpu_of_slot_model
 from felactl.spec.plan import gradient_buckets
 
 RIDGE_FLOPS_PER_BYTE = 50.0
@@ -130,9 +135,11 @@ def efficiency(micro_batch: float, half: float) -> float:
     return micro_batch / (micro_batch + half)
 
 
-def layer_times_s(layer: Layer, device: Device, micro_batch: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch of ``layer`` on ``device``."""
-    measured = {t.micro_batch: t for t in layer.timings if t.device_model == device.model}
+def layer_times_s(layer: Layer, device: Device, micro_batch: int, timed_as: str | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch of ``layer`` on ``device``, from the
+    timings of device model ``timed_as`` (default: the device's own) where there are some."""
+    timed_as = device.model if timed_as is None else timed_as
+    measured = {t.micro_batch: t for t in layer.timings if t.device_model == timed_as}
     if micro_batch in measured:
         t = measured[micro_batch]
         return t.fwd_ms / 1e3, t.bwd_ms / 1e3
@@ -230,6 +237,7 @@ class CostModel:
     _sync: dict = field(default_factory=dict, init=False, repr=False)
     _sync_factors: list | None = field(default=None, init=False, repr=False)
     _links: dict = field(default_factory=dict, init=False, repr=False)
+    _timed_models: set | None = field(default=None, init=False, repr=False)
 
     def usable_memory_bytes(self, device_name: str) -> float:
         """Bytes of a device the plan may fill (module doc, **Headroom**)."""
@@ -241,20 +249,35 @@ class CostModel:
         if key not in self._prefix:
             fwd, bwd = [0.0], [0.0]
             slower = self.timed_slowdown(device)
+            timed_as = self.timed_as(device)
             for layer in self.model.layers:
-                f, b = layer_times_s(layer, device, micro_batch)
-                if any(t.device_model == device.model for t in layer.timings):
+                f, b = layer_times_s(layer, device, micro_batch, timed_as)
+                if any(t.device_model == timed_as for t in layer.timings):
                     f, b = f * slower, b * slower
                 fwd.append(fwd[-1] + f)
                 bwd.append(bwd[-1] + b)
             self._prefix[key] = (fwd, bwd)
         return self._prefix[key]
 
+    def timed_as(self, device: Device) -> str | None:
+        """The device model whose timings price ``device``: its own where the model profile has
+        them; else, for a CPU slot under a cgroup quota (``Intel Xeon @ 0.1 cores``), its CPU's
+        where the profile timed that (scaled by :meth:`timed_slowdown`, as before slots were keyed
+        by their quota); None where the profile timed neither."""
+        if self._timed_models is None:
+            self._timed_models = self.model.timed_device_models
+        timed = self._timed_models
+        if device.model in timed:
+            return device.model
+        if device.kind is DeviceKind.CPU and cpu_of_slot_model(device.model) in timed:
+            return cpu_of_slot_model(device.model)
+        return None
+
     def timed_slowdown(self, device: Device) -> float:
-        """How many times its model's profiled timings a device takes: the timed device's matmul
+        """How many times its timings (:meth:`timed_as`) a device takes: the timed device's matmul
         TFLOP/s over this one's (``ModelSpec.timed_tflops``; module doc, **Compute**), 1 where the
         profile did not record it."""
-        timed = self.model.timed_tflops.get(device.model)
+        timed = self.model.timed_tflops.get(self.timed_as(device) or device.model)
         return timed / device.tflops if timed and device.tflops > 0 else 1.0
 
     def stage_times_s(self, start: int, end: int, device_name: str, micro_batch: int) -> tuple[float, float]:
@@ -293,12 +316,12 @@ class CostModel:
         """Seconds of one optimizer step over layers [start, end) on a device (see module doc)."""
         model = self.model
         device = self.cluster.device(device_name)
-        if not model.optimizer_step_ms or model.total_params <= 0:
-            return 0.0
-        if not any(t.device_model == device.model for layer in model.layers for t in layer.timings):
+        timed_as = self.timed_as(device)
+        step_ms = model.optimizer_step_ms_of(timed_as) if timed_as is not None else None
+        if not step_ms or model.total_params <= 0:
             return 0.0
         share = sum(layer.params for layer in model.layers[start:end]) / model.total_params
-        return model.optimizer_step_ms / 1e3 * share * self.timed_slowdown(device)
+        return step_ms / 1e3 * share * self.timed_slowdown(device)
 
     # --- transfer ------------------------------------------------------------------------
     def _direct_or_relay(self, src: str, dst: str) -> tuple[float, float]:

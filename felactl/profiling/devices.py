@@ -16,6 +16,9 @@ import statistics
 import subprocess
 import time
 
+from felactl.machine import cpu_quota_cores
+from felactl.spec import cpu_slot_model
+
 GB = 1e9
 
 
@@ -28,6 +31,12 @@ def cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def cpu_slot_model_name() -> str:
+    """This process's CPU slot as a hardware model: the CPU's name, with the cgroup quota that holds
+    it below its cores where one does (:func:`felactl.spec.cpu_slot_model`)."""
+    return cpu_slot_model(cpu_model_name(), cpu_quota_cores())
 
 
 MIN_BLOCK_S = 0.1
@@ -85,7 +94,7 @@ def measure_cpu_slot(cores: list[int], *, matmul_size: int, repetitions: int, me
     pin_to_cores(cores)
     return {
         "kind": "cpu",
-        "model": cpu_model_name(),
+        "model": cpu_slot_model_name(),
         "cpu_cores": list(cores),
         "memory_gb": memory_gb,
         "tflops": matmul_tflops(matmul_size, repetitions),

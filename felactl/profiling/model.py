@@ -30,8 +30,9 @@ from torch import nn
 from torch.utils import flop_counter
 
 from felactl.errors import InputError, ProfilingError
+from felactl.machine import cpu_quota_cores
 from felactl.models import ModelBundle, build
-from felactl.profiling.devices import cpu_model_name, matmul_tflops
+from felactl.profiling.devices import MIN_BLOCK_S, cpu_slot_model_name, matmul_tflops
 from felactl.profiling.timing import MIN_BLOCKS, Timed, repeat_until_stable
 from felactl.spec import Layer, LayerTiming, ModelSpec
 
@@ -43,7 +44,6 @@ WARMUP_RUNS = 1
 MAX_BLOCKS = 8
 MAX_TIMING_S = 1.0
 """A timing stops adding blocks after this long (its minimum blocks always run)."""
-Timer = Callable[[], float]
 
 DEVICE_REPETITIONS = 5
 """Timed blocks of the matmul behind ``timed_tflops`` (``felactl profile``'s default repetitions)."""
@@ -68,6 +68,35 @@ Progress = Callable[[str, int, int], None]
 """``progress(phase, done, total)``, as the cluster profiler calls it: after each measured layer."""
 
 
+Timer = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Clock:
+    """How the runs of a timing are timed: wall seconds (``timer``), or, on a CPU slot a cgroup
+    quota holds below its cores (``min_block_s`` > 0), CPU seconds stretched by the quota.
+
+    Under a quota a run that fits in the quota's slice of a CFS period runs at the full core, and
+    one that spans the slice's end waits out the period: the median of short runs read a tenth of a
+    core as a full one (a layer of mlp at micro-batch 256 read 0.009 ms a sample there, the next
+    0.19). So there every block of runs lasts at least ``min_block_s`` of wall time (many periods),
+    each run is timed in the process's CPU seconds, and a block's runs are stretched by its wall
+    time over its CPU seconds: what the quota makes of a CPU second, waits included."""
+
+    timer: Timer = time.perf_counter
+    min_block_s: float = 0.0
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Clock:
+        """The quota's clock on a CPU slot a quota holds (``felactl.machine.cpu_quota_cores``)."""
+        if device.type == "cpu" and cpu_quota_cores() is not None:
+            return cls(timer=time.process_time, min_block_s=MIN_BLOCK_S)
+        return cls()
+
+
+WALL_CLOCK = Clock()
+
+
 def this_device_model(device: str = "cpu") -> str:
     """The hardware model a profile is keyed by (``Device.model`` in a cluster spec).
 
@@ -77,7 +106,7 @@ def this_device_model(device: str = "cpu") -> str:
     torch_device = torch.device(device)
     if torch_device.type == "cuda":
         return torch.cuda.get_device_properties(torch_device).name
-    return cpu_model_name()
+    return cpu_slot_model_name()
 
 
 def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -144,7 +173,7 @@ def time_layer(
     repeats: int,
     warmup: int = WARMUP_RUNS,
     input_grad: bool = True,
-    timer: Timer = time.perf_counter,
+    clock: Clock = WALL_CLOCK,
 ) -> LayerTimes:
     """Median forward and backward milliseconds of ``layer`` on this micro-batch, over blocks of
     ``repeats`` runs repeated until they agree (see module doc).
@@ -154,6 +183,7 @@ def time_layer(
     computing the input and weight gradients a real step computes.
     """
     device = inputs.device
+    timer = clock.timer
 
     def run() -> tuple[float, float]:
         inp = _leaf(inputs, input_grad)
@@ -169,7 +199,7 @@ def time_layer(
         _synchronize(device)
         return mid - start, timer() - mid
 
-    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup)
+    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup, clock=clock)
     _clear_grads(layer)
     return LayerTimes(
         statistics.median(f for f, _ in runs) * 1e3,
@@ -180,7 +210,7 @@ def time_layer(
 
 
 def _repeat_runs(
-    run: Callable[[], tuple[float, ...]], *, repeats: int, warmup: int
+    run: Callable[[], tuple[float, ...]], *, repeats: int, warmup: int, clock: Clock = WALL_CLOCK
 ) -> tuple[list[tuple[float, ...]], Timed]:
     """``warmup`` runs, then blocks of runs until the blocks' medians of each run's total agree
     or a cap is hit: every counted run's parts, and the blocks. The ``repeats`` runs are split
@@ -193,7 +223,14 @@ def _repeat_runs(
     per_block = max(1, -(-repeats // MIN_BLOCKS))
 
     def block() -> float:
+        wall, cpu = time.perf_counter(), time.process_time()
         block_runs = [run() for _ in range(per_block)]
+        while time.perf_counter() - wall < clock.min_block_s:
+            block_runs.append(run())
+        if clock.min_block_s > 0:  # CPU seconds, stretched as the quota stretched this block's
+            cpu = time.process_time() - cpu
+            stretch = (time.perf_counter() - wall) / cpu if cpu > 0 else 1.0
+            block_runs = [tuple(part * stretch for part in parts) for parts in block_runs]
         runs.extend(block_runs)
         return statistics.median(sum(parts) for parts in block_runs)
 
@@ -257,6 +294,7 @@ def profile_model(
         progress("flops", len(layers), total)
     timings: list[list[LayerTiming]] = [[] for _ in layers]
     device_model = this_device_model(device)
+    clock = Clock.for_device(torch_device)
     # The CPU's matmul rate is timed beside the layers, once before and once after each micro-batch
     # size's timings, and its median kept: a single timing moved +-13% between runs here (0.055 to
     # 0.071 TFLOP/s), and every device's predicted speed is scaled by it (CostModel.timed_slowdown).
@@ -275,7 +313,12 @@ def profile_model(
             try:
                 out = _forward(layer, hidden).detach()
                 times = time_layer(
-                    layer, hidden, _fixed_gradient(out, seed + i), repeats=repeats, input_grad=input_grads[i]
+                    layer,
+                    hidden,
+                    _fixed_gradient(out, seed + i),
+                    repeats=repeats,
+                    input_grad=input_grads[i],
+                    clock=clock,
                 )
             except torch.cuda.OutOfMemoryError:
                 raise ProfilingError(
@@ -295,7 +338,7 @@ def profile_model(
             hidden = out
             if progress is not None:
                 progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
-        whole = _scale_to_whole_model(bundle, layers, timings, torch_device, repeats)
+        whole = _scale_to_whole_model(bundle, layers, timings, torch_device, repeats, clock)
         if whole is not None:
             scales[str(batch)] = whole.ms
             _note_noisy(noisy, f"whole_model_scale[{batch}]", whole)
@@ -303,7 +346,11 @@ def profile_model(
     timed_tflops = {device_model: float(f"{statistics.median(matmul_rates):.4g}")} if matmul_rates else {}
     first_input = _example_input(bundle, 1, input_shape, torch_device, seed)
     step = time_optimizer_step(
-        layers, repeats=repeats, seed=seed, backward=_training_backward(bundle, layers, batch_sizes, torch_device)
+        layers,
+        repeats=repeats,
+        seed=seed,
+        backward=_training_backward(bundle, layers, batch_sizes, torch_device),
+        clock=clock,
     )
     _note_noisy(noisy, "optimizer_step_ms", step)
     if noisy:
@@ -333,7 +380,13 @@ def _note_noisy(noisy: list[str], key: str, measured: Measured | LayerTimes) -> 
 
 
 def time_whole_model(
-    bundle: ModelBundle, layers: nn.Sequential, batch: int, *, repeats: int, warmup: int = WARMUP_RUNS
+    bundle: ModelBundle,
+    layers: nn.Sequential,
+    batch: int,
+    *,
+    repeats: int,
+    warmup: int = WARMUP_RUNS,
+    clock: Clock = WALL_CLOCK,
 ) -> Measured:
     """Median milliseconds of one micro-batch through the whole model as a worker runs it: the
     job's ``batch`` of fresh indices (its dataset's samples and collate), to the device, forward,
@@ -348,22 +401,27 @@ def time_whole_model(
     def run() -> tuple[float]:
         _clear_grads(layers)
         _synchronize(device)
-        start = time.perf_counter()
+        start = clock.timer()
         start_index = next(starts)
         inputs, targets = bundle.data.batch(range(start_index, start_index + batch))
         loss = bundle.loss(layers(inputs.to(device)), targets.to(device))
         loss.backward()
         loss.item()
         _synchronize(device)
-        return (time.perf_counter() - start,)
+        return (clock.timer() - start,)
 
-    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup)
+    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup, clock=clock)
     _clear_grads(layers)
     return Measured(statistics.median(r for (r,) in runs) * 1e3, timed.spread, timed.noisy)
 
 
 def _scale_to_whole_model(
-    bundle: ModelBundle, layers: nn.Sequential, timings: list[list[LayerTiming]], device: torch.device, repeats: int
+    bundle: ModelBundle,
+    layers: nn.Sequential,
+    timings: list[list[LayerTiming]],
+    device: torch.device,
+    repeats: int,
+    clock: Clock = WALL_CLOCK,
 ) -> Measured | None:
     """Scale the last timing of every layer (one micro-batch) by (whole model) / (sum of the
     layers), timed right after the layers so both see the same machine, so a stage of all layers
@@ -375,7 +433,7 @@ def _scale_to_whole_model(
         return None
     batch = row[0].micro_batch
     try:
-        whole = time_whole_model(bundle, layers, batch, repeats=repeats)
+        whole = time_whole_model(bundle, layers, batch, repeats=repeats, clock=clock)
     except torch.cuda.OutOfMemoryError:
         raise ProfilingError(
             f"model {bundle.source!r}: the whole model runs out of memory on {device} "
@@ -395,6 +453,7 @@ def time_optimizer_step(
     seed: int = 0,
     warmup: int = WARMUP_RUNS,
     backward: Callable[[], None] | None = None,
+    clock: Clock = WALL_CLOCK,
 ) -> Measured:
     """Median milliseconds of one AdamW ``step()`` and ``zero_grad()`` over ``layers``' trainable
     parameters, as a worker's ``optimizer_step`` runs them. With ``backward`` (a forward and
@@ -416,13 +475,13 @@ def time_optimizer_step(
     def run() -> tuple[float]:
         prepare()
         _synchronize(params[0].device)
-        start = time.perf_counter()
+        start = clock.timer()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _synchronize(params[0].device)
-        return (time.perf_counter() - start,)
+        return (clock.timer() - start,)
 
-    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup)
+    runs, timed = _repeat_runs(run, repeats=repeats, warmup=warmup, clock=clock)
     _clear_grads(layers)
     return Measured(statistics.median(r for (r,) in runs) * 1e3, timed.spread, timed.noisy)
 
@@ -575,6 +634,7 @@ __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_REPEATS",
     "LayerTimes",
+    "Clock",
     "Measured",
     "count_flops",
     "middle_batch",

@@ -1,7 +1,17 @@
 """The three file formats of felactl (Cluster, Model, Plan) as frozen dataclasses, with YAML I/O."""
 
 from felactl.spec.checks import check_plan_against_cluster, check_plan_against_model, check_together
-from felactl.spec.cluster import ClusterSpec, Device, DeviceKind, Link, LinkDefault, LinkType, Node
+from felactl.spec.cluster import (
+    ClusterSpec,
+    Device,
+    DeviceKind,
+    Link,
+    LinkDefault,
+    LinkType,
+    Node,
+    cpu_of_slot_model,
+    cpu_slot_model,
+)
 from felactl.spec.executable import check_executable
 from felactl.spec.io import dump_yaml, from_dict, load, load_cluster, load_model, load_plan, save, to_dict
 from felactl.spec.model import Layer, LayerTiming, ModelSpec, SyncTiming
@@ -53,6 +63,8 @@ __all__ = [
     "check_plan_against_cluster",
     "check_plan_against_model",
     "check_together",
+    "cpu_of_slot_model",
+    "cpu_slot_model",
     "data_parallel_plan",
     "dump_yaml",
     "from_dict",

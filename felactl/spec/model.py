@@ -127,6 +127,10 @@ class ModelSpec:
     optimizer_step_ms: float | None = None
     """Optional: one AdamW ``optimizer.step()`` over all the model's parameters, measured on the
     device the timings came from; the cost model charges each stage its share by parameters."""
+    optimizer_step_ms_by_device_model: dict[str, float] = field(default_factory=dict)
+    """Optional, for a profile whose timings are of several device models (``felactl profile
+    --model --testbed`` times the model in every node): each model's optimizer step, as
+    ``optimizer_step_ms`` is the one device model's."""
     whole_model_scale: dict[str, float] = field(default_factory=dict)
     """Optional record, per micro-batch (as a string): the whole model's forward + loss + backward
     time divided by the sum of its layers' times, by which the layers' timings were scaled."""
@@ -156,6 +160,8 @@ class ModelSpec:
             raise FieldProblem("layers", "every layer has 0 FLOPs per sample: nothing to price a device by")
         for device_model, tflops in self.timed_tflops.items():
             positive(f"timed_tflops[{device_model!r}]", tflops, limits.TFLOPS)
+        for device_model, ms in self.optimizer_step_ms_by_device_model.items():
+            positive(f"optimizer_step_ms_by_device_model[{device_model!r}]", ms, limits.MILLISECONDS, allow_zero=True)
         groups = set()
         for i, timing in enumerate(self.data_parallel_sync):
             group = (timing.cluster, frozenset(timing.devices))
@@ -183,6 +189,18 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def timed_device_models(self) -> set[str]:
+        """The device models the layers' timings are of."""
+        return {t.device_model for layer in self.layers for t in layer.timings}
+
+    def optimizer_step_ms_of(self, device_model: str) -> float | None:
+        """The optimizer step on ``device_model``: its own entry, else ``optimizer_step_ms`` where
+        the layers were timed on that model; None where neither was measured."""
+        if device_model in self.optimizer_step_ms_by_device_model:
+            return self.optimizer_step_ms_by_device_model[device_model]
+        return self.optimizer_step_ms if device_model in self.timed_device_models else None
 
     @property
     def total_params(self) -> int:

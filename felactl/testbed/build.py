@@ -39,6 +39,7 @@ from typing import Any
 
 from felactl.errors import InputError, SpecError
 from felactl.fsutil import atomic_write_text
+from felactl.machine import CPU_QUOTA_ENV
 from felactl.spec.codec import FieldProblem, encode
 from felactl.spec.io import from_dict
 from felactl.testbed.host import CgroupLayout, Host, TestbedError, probe_host, require_root, run
@@ -936,6 +937,12 @@ def node_env(state: TestbedState, node: NodeInfo, base: dict[str, str] | None = 
         FELACTL_TESTBED_NODE=node.name,
         FELACTL_TESTBED_ADDR=node.address,
     )
+    if node.cpus is not None:
+        # its profiles name its devices by this share (felactl.spec.cpu_slot_model); inside the
+        # namespace the cgroup file system that holds it is not mounted
+        env[CPU_QUOTA_ENV] = f"{node.cpus:g}"
+    else:
+        env.pop(CPU_QUOTA_ENV, None)
     return env
 
 
