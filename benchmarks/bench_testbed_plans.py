@@ -103,7 +103,7 @@ def profile_model(model_yaml: Path, args, testbed: str | None = None) -> Path:
     """``felactl profile --model`` on this machine's CPU, just before the testbed's cluster profile;
     with ``testbed`` (``--model-profile nodes``), in every node of it, just after.
 
-    Every node's timings are the host's scaled by host matmul ÷ node matmul, so the two matmul
+    On the host, every node's timings are the host's scaled by host matmul ÷ node matmul, so the two matmul
     rates must see the same machine: this shared VM's speed moves by up to a fifth between runs
     (the host's matmul read 0.0599 TFLOP/s in one run, 0.0503 in the next), and a model profiled
     once at the start of a 20-minute run scaled the later testbeds by a reference taken minutes

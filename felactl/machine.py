@@ -29,10 +29,13 @@ the cgroup file system is not mounted: ``ip netns exec`` (a testbed node) mounts
 
 def cpu_quota_cores(proc: Path = Path("/proc/self")) -> float | None:
     """Cores' worth of CPU time this process's cgroups allow it (their CFS quota over its period,
-    the smallest along the way to the root, and :data:`CPU_QUOTA_ENV`'s), where that is less than
-    the cores it may run on: a container's CPU limit, a testbed node's share. None where no quota
-    binds (or none is readable). cgroup v2 (``cpu.max``) and v1 (``cpu.cfs_quota_us`` /
-    ``cpu.cfs_period_us``)."""
+    the smallest along the way to the root, and :data:`CPU_QUOTA_ENV`'s): a container's CPU
+    limit, a testbed node's share. None where no quota is set (or none is readable). cgroup v2
+    (``cpu.max``) and v1 (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``).
+
+    Whether or not it binds: a slot's name (``felactl.spec.cpu_slot_model``) must not depend on
+    the cores a process is pinned to, since the cluster profile names a slot pinned to its cores
+    and the model profile times it unpinned, and both must say the same."""
     quotas = []
     try:
         told = float(os.environ.get(CPU_QUOTA_ENV, "nan"))
@@ -46,6 +49,8 @@ def cpu_quota_cores(proc: Path = Path("/proc/self")) -> float | None:
     except OSError:
         memberships = mounts = []
     for line in memberships:
+        if line.count(":") < 2:
+            continue
         hierarchy, controllers, path = line.split(":", 2)
         v2 = hierarchy == "0" and controllers == ""
         if not v2 and "cpu" not in controllers.split(","):
@@ -63,9 +68,7 @@ def cpu_quota_cores(proc: Path = Path("/proc/self")) -> float | None:
             if directory == point:
                 break
             directory = directory.parent
-    if not quotas or min(quotas) >= len(available_cores()):
-        return None
-    return min(quotas)
+    return min(quotas) if quotas else None
 
 
 def _cgroup_mount(mounts: list[str], v2: bool) -> tuple[str, Path] | None:
@@ -89,11 +92,12 @@ def _read_quota(directory: Path, v2: bool) -> float | None:
         else:
             quota = (directory / "cpu.cfs_quota_us").read_text().strip()
             period = (directory / "cpu.cfs_period_us").read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        quota_us, period_us = int(quota), int(period)
     except (OSError, ValueError):
         return None
-    if quota in ("max", "-1") or int(period) <= 0:
-        return None
-    return int(quota) / int(period)
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
 def short_hostname() -> str:

@@ -310,6 +310,44 @@ def test_a_cpu_slot_under_a_quota_is_priced_by_its_own_timings_else_by_its_cpus_
     assert cost.optimizer_step_s(0, 2, "n0.d2") == pytest.approx(0.016)
     # a GPU is never priced by another model's timings
     assert CostModel(gpus, net, use_trees=False).timed_as(gpus.device("n0.d2")) is None
+    # the runtime's own work per token is one thread's: a tenth of a core pays it 10x, though its
+    # own timings make its timed_slowdown 1; a full core (no quota) pays it as profiled
+    assert cost.timed_slowdown(spec.device("n0.d1")) == pytest.approx(1.0)
+    assert cost.token_overhead_s("n0.d1") == pytest.approx(10 * cost.token_cpu_s)
+    assert cost.token_overhead_s("n0.d2") == pytest.approx(2 * cost.token_cpu_s)
+    assert cost.token_overhead_s("n0.d0") == pytest.approx(cost.token_cpu_s)
+
+
+def test_a_slot_takes_the_timings_of_its_cpu_under_the_nearest_quota_the_profile_has():
+    """A profile of a testbed's nodes holds only quota-named models: a slot under no quota (or a
+    cluster profiled before slots were named) and a share no node had take the nearest quota's
+    timings of the same CPU, scaled by the matmul rates; another CPU takes none."""
+    base = model([(1000, 10, 1.0)])
+    timings = tuple(
+        LayerTiming(device_model=cpu_slot_model("X", q), micro_batch=4, fwd_ms=1.0 / q, bwd_ms=2.0 / q)
+        for q in (0.1, 0.45)
+    )
+    net = dataclasses.replace(
+        base,
+        layers=(dataclasses.replace(base.layers[0], timings=timings),),
+        timed_tflops={cpu_slot_model("X", 0.1): 0.1, cpu_slot_model("X", 0.45): 0.45},
+    )
+    gpus = cluster([[("X", 1.0, 8.0), (cpu_slot_model("X", 0.2), 0.2, 8.0), ("Y", 1.0, 8.0)]])
+    spec = dataclasses.replace(
+        gpus,
+        nodes=tuple(
+            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
+            for n in gpus.nodes
+        ),
+    )
+    cost = CostModel(spec, net, use_trees=False)
+    assert [cost.timed_as(spec.device(d)) for d in spec.device_names] == [
+        cpu_slot_model("X", 0.45),
+        cpu_slot_model("X", 0.1),  # 0.2 is nearer 0.1 than 0.45 (in ratio)
+        None,
+    ]
+    assert cost.stage_times_s(0, 1, "n0.d0", 4) == pytest.approx((0.001, 0.002))  # 0.45's x 0.45
+    assert cost.stage_times_s(0, 1, "n0.d1", 4) == pytest.approx((0.005, 0.01))  # 0.1's x 0.5
 
 
 def test_a_model_profile_refuses_a_timed_speed_that_is_no_speed():

@@ -11,7 +11,7 @@ from felactl import machine
 
 def _proc(tmp_path: Path, cgroup: str, mountinfo: str) -> Path:
     proc = tmp_path / "proc"
-    proc.mkdir()
+    proc.mkdir(parents=True)
     (proc / "cgroup").write_text(cgroup)
     (proc / "mountinfo").write_text(mountinfo)
     return proc
@@ -25,7 +25,9 @@ def _write(path: Path, **files: str) -> None:
 
 @pytest.fixture
 def two_cores(monkeypatch):
+    """A process that may run on two cores, told no quota (a testbed node tells one)."""
     monkeypatch.setattr(machine, "available_cores", lambda: [0, 1])
+    monkeypatch.delenv(machine.CPU_QUOTA_ENV, raising=False)
 
 
 def test_a_v1_quota_and_the_smallest_along_the_way_to_the_root(tmp_path, two_cores):
@@ -42,20 +44,26 @@ def test_a_v1_quota_and_the_smallest_along_the_way_to_the_root(tmp_path, two_cor
     assert machine.cpu_quota_cores(proc) == pytest.approx(0.05)
 
 
-def test_a_v2_quota_binds_only_below_the_cores_the_process_may_use(tmp_path, two_cores):
+def test_a_v2_quota_is_read_whether_or_not_it_binds_on_the_cores_in_hand(tmp_path, two_cores, monkeypatch):
+    """A slot pinned to one of a 1.5-core container's two cores and the unpinned model profile
+    must name the slot alike: the quota does not depend on the process's affinity."""
     mount = tmp_path / "unified"
     _write(mount / "job", cpu_max="150000 100000\n")
     proc = _proc(tmp_path, "0::/job\n", f"40 23 0:40 / {mount} rw - cgroup2 cgroup2 rw\n")
     assert machine.cpu_quota_cores(proc) == pytest.approx(1.5)
-    (mount / "job" / "cpu.max").write_text("400000 100000\n")  # 4 cores' worth on 2 cores: no cap
-    assert machine.cpu_quota_cores(proc) is None
+    monkeypatch.setattr(machine, "available_cores", lambda: [0])
+    assert machine.cpu_quota_cores(proc) == pytest.approx(1.5)
     (mount / "job" / "cpu.max").write_text("max 100000\n")
     assert machine.cpu_quota_cores(proc) is None
 
 
 def test_no_readable_cgroup_is_no_quota(tmp_path, two_cores):
     assert machine.cpu_quota_cores(tmp_path / "missing") is None
-    proc = _proc(tmp_path, "1:cpu:/gone\n", "garbage\n")
+    proc = _proc(tmp_path, "1:cpu:/gone\nnot a cgroup line\n", "garbage\n")
+    assert machine.cpu_quota_cores(proc) is None
+    mount = tmp_path / "cgroup" / "cpu"
+    _write(mount / "x", cpu_cfs_quota_us="1000", cpu_cfs_period_us="ten")
+    proc = _proc(tmp_path / "b", "1:cpu:/x\n", f"32 31 0:29 / {mount} rw - cgroup cgroup rw,cpu\n")
     assert machine.cpu_quota_cores(proc) is None
 
 

@@ -415,7 +415,7 @@ def test_timed_tflops_is_the_median_of_matmul_timings_beside_each_micro_batch(mo
 def test_under_a_cpu_quota_a_run_costs_its_share_of_the_wall_time_not_its_burst():
     """A slot at a tenth of a core computes 1 ms, then waits out 9 ms of the period wherever that
     falls, often outside the timed run: wall-timed, the runs read the full core (1 ms); the quota's
-    clock times CPU seconds over blocks of many periods and stretches them by wall / CPU (~10 ms)."""
+    clock times CPU seconds over blocks of at least 0.1 s and stretches them by wall / CPU (~10 ms)."""
     from felactl.profiling.model import WALL_CLOCK, _repeat_runs
 
     def make_run(clock):

@@ -201,6 +201,33 @@ def test_a_plan_that_syncs_cpu_slots_without_a_measured_sync_says_how_to_measure
     assert result.exit_code == 0 and "measures it" not in result.stderr, result.output
 
 
+def test_a_device_no_timing_prices_is_named(runner, tmp_path):
+    """The slots are "cpu"; a profile timed only on a testbed's "cpu @ 0.1 cores"-like other CPU
+    prices them from FLOPs: the plan says which and what to profile. A profile of their CPU says
+    nothing."""
+    import dataclasses
+
+    from felactl.spec import LayerTiming
+    from tests.planner_fixtures import two_cpu_slot_cluster
+
+    cluster_path = two_cpu_slot_cluster(tmp_path)
+    base = model([(1_000_000, 1000, 1e9), (1_000_000, 1000, 1e9)])
+
+    def timed_on(device_model: str):
+        timing = (LayerTiming(device_model=device_model, micro_batch=32, fwd_ms=1.0, bwd_ms=2.0),)
+        return dataclasses.replace(base, layers=tuple(dataclasses.replace(l, timings=timing) for l in base.layers))
+
+    args = ["plan", "--cluster", str(cluster_path), "--global-batch", "64", "--sync", "bsp"]
+    other = save(timed_on("Other CPU @ 0.1 cores"), tmp_path / "other.yaml")
+    result = runner.invoke(app, [*args, "--model", str(other)])
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.stderr.split())
+    assert "cpu0, cpu1 are priced from FLOPs" in told and "timings of Other CPU @ 0.1 cores only" in told and "--testbed" in told, told
+    own = save(timed_on("cpu @ 0.5 cores"), tmp_path / "own.yaml")  # their CPU, under another quota
+    result = runner.invoke(app, [*args, "--model", str(own)])
+    assert result.exit_code == 0 and "priced from FLOPs" not in result.stderr, result.output
+
+
 @pytest.mark.parametrize("where, needle", [("dir", "is a directory"), ("file/plan.yaml", "is not a directory")])
 def test_an_output_path_that_cannot_be_a_file_exits_2(runner, tmp_path, where, needle):
     (tmp_path / "dir").mkdir()

@@ -97,6 +97,22 @@ def test_profile_port_in_use_exits_2(tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        ([], "no testbed 'nosuch' is up"),
+        (["--cluster", "c.yaml"], "--testbed times the model in each node of the testbed: not with --cluster"),
+        (["--device", "cuda"], "--testbed profiles the nodes' CPU slots; --device is cuda"),
+    ],
+)
+def test_a_model_profile_on_a_testbed_refuses_what_it_cannot_do(tmp_path, flags, said):
+    result = runner.invoke(
+        app, ["profile", "--model", "mlp", "--testbed", "nosuch", *flags, "-o", str(tmp_path / "m.yaml")]
+    )
+    assert result.exit_code == 2 and said in result.stderr, result.stderr
+    assert not (tmp_path / "m.yaml").exists()
+
+
 def test_hostfile_without_endpoint_exits_2(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("w1 slots=2\n")

@@ -75,6 +75,7 @@ def run(
     worker_batch: int | None = None,
     matmul_size: int | None = None,
     testbed: str | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     from felactl.profiling.model import profile_model
 
@@ -105,7 +106,7 @@ def run(
             repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress, matmul_size=matmul_size
         )
         if testbed is not None:
-            from felactl.launcher.testbed_model import profile_model_on_testbed
+            from felactl.launcher.testbed_model import DEFAULT_TIMEOUT_S, profile_model_on_testbed
 
             parse_config(config)  # a malformed pair is said here, once, not by every node
             flags = [f for pair in config or [] for f in ("--config", pair)]
@@ -113,7 +114,11 @@ def run(
             flags += ["--input-shape", input_shape] if input_shape else []
             flags += ["--matmul-size", str(matmul_size)] if matmul_size else []
             spec = profile_model_on_testbed(
-                testbed, model, flags, say=lambda line: bar.update(task, description=f"profiling {model}: {line}")
+                testbed,
+                model,
+                flags,
+                timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
+                say=lambda line: bar.update(task, description=f"profiling {model}: {line}"),
             )
         elif in_cluster is None:
             spec = profile_model(model, parse_config(config), batch_sizes, device=device, **options)
@@ -152,7 +157,8 @@ def layer_table(spec: ModelSpec) -> Table:
         title=f"{spec.name} on {device_models[0] if device_models else '-'}",
         box=box.SIMPLE_HEAD,
         caption="KB and MFLOP per sample (saved: kept for backward); b=N: ms per sample, forward + backward, "
-        "at micro-batch N",
+        "at micro-batch N"
+        + (f", per layer on {device_models[0]}, in total on each device model" if len(device_models) > 1 else ""),
     )
     table.add_column("layer", no_wrap=True)
     for column in ("params", "out KB", "saved KB", "MFLOP"):

@@ -27,7 +27,7 @@ from felactl.optimizer.planner import (
     plan_cost_model,
 )
 from felactl.optimizer.simulator import simulate
-from felactl.spec import Plan, SyncMode, load_cluster, load_model, save
+from felactl.spec import DeviceKind, Plan, SyncMode, load_cluster, load_model, save
 
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
@@ -259,6 +259,18 @@ def plan(
             f"note: this plan syncs gradients between CPU slots, which the link profile prices "
             f"several times too low; `felactl profile --model {model_spec.source} --cluster "
             f"{cluster}` measures it on this machine's slots",
+            soft_wrap=True,
+        )
+
+    untimed = [d for d in result.devices if cost.timed_as(cluster_spec.device(d)) is None]
+    if untimed and model_spec.timed_device_models:
+        timed = ", ".join(sorted(model_spec.timed_device_models))
+        cpus = all(cluster_spec.device(d).kind is DeviceKind.CPU for d in untimed)
+        output.stderr.print(
+            f"note: {', '.join(untimed)} {'is' if len(untimed) == 1 else 'are'} priced from FLOPs and "
+            f"TFLOP/s: {model} has timings of {timed} only (to price them by measurement, `felactl "
+            f"profile --model {model_spec.source}` on {'it' if len(untimed) == 1 else 'them'}"
+            f"{', or with --testbed NAME in a testbed' if cpus else ''})",
             soft_wrap=True,
         )
 

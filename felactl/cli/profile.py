@@ -173,6 +173,7 @@ def profile(
             worker_batch=worker_batch,
             matmul_size=matmul_size,
             testbed=testbed,
+            timeout_s=timeout,
         )
         return
     from felactl.launcher.profile import ProfileOptions, check_profile_flags, profile_cluster

@@ -53,15 +53,17 @@ Formulas (times in seconds, sizes in bytes):
   no measurement: its group keeps the link estimate, the floor sync never beats, and counts as
   uncalibrated (``uncalibrated_cpu_groups``), so the plan says its sync is priced too low.
 * **Per token**, the runtime's own work beyond compute (claiming the token, gathering its
-  inputs, publishing its output): :data:`TOKEN_OVERHEAD_S` of host CPU at the profiled speed,
-  times the device's slowdown on a CPU device (:meth:`CostModel.token_overhead_s`), for each
+  inputs, publishing its output): :data:`TOKEN_OVERHEAD_S` of a full core's CPU, times one over
+  the quota of a CPU slot a cgroup holds (one thread's work), or the slowdown of another CPU slot
+  (:meth:`CostModel.host_slowdown`, :meth:`CostModel.token_overhead_s`), for each
   token a worker claims (:meth:`CostModel.tokens_per_micro_batch`). It is what keeps the planner
   from micro-batches too small to pay for themselves.
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
-  ``step()`` over the whole model (``ModelSpec.optimizer_step_ms``) times the stage's share of
-  the parameters (the step is a few passes over each parameter: linear in their number). Charged
-  only on a device whose hardware model the profile timed; elsewhere (and for profiles without
-  the field) it is not known and costs 0.
+  ``step()`` over the whole model (``ModelSpec.optimizer_step_ms_of`` the device model that
+  prices the device, :meth:`CostModel.timed_as`) times the stage's share of the parameters (the
+  step is a few passes over each parameter: linear in their number), scaled as the timings are.
+  Where the profile timed no model that prices the device (and for profiles without the field)
+  it is not known and costs 0.
 * **Memory** per device holding a stage: parameters + gradients (``2 * param_bytes``) + AdamW's
   two fp32 moments (``8 * params``) + what autograd saves (``saved_bytes_per_sample``, else each
   layer's input + output) for ``in_flight`` micro-batches of the stage (the plan records that
@@ -81,7 +83,17 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 from felactl.errors import PlanInfeasible
-from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Layer, ModelSpec, SyncTiming, cpu_of_slot_model
+from felactl.spec import (
+    ClusterSpec,
+    Collective,
+    Device,
+    DeviceKind,
+    Layer,
+    ModelSpec,
+    SyncTiming,
+    cpu_of_slot_model,
+    cpu_slot_quota,
+)
 from felactl.spec.plan import gradient_buckets
 
 RIDGE_FLOPS_PER_BYTE = 50.0
@@ -91,6 +103,8 @@ B_HALF_MAX = 4096.0
 ADAMW_STATE_BYTES_PER_PARAM = 8
 """Two fp32 moments per parameter."""
 GB = 1e9
+FULL_CORE = 1.0
+"""The quota of a CPU slot no cgroup holds, in cores, as far as one thread's speed goes."""
 TOKEN_OVERHEAD_S = 1.5e-3
 """Host CPU seconds a tokens runtime spends on one token outside its compute, at the speed the
 model was profiled at: claiming it (a data-parallel stage under sync ``tokens``: store ``add``s
@@ -261,17 +275,28 @@ class CostModel:
 
     def timed_as(self, device: Device) -> str | None:
         """The device model whose timings price ``device``: its own where the model profile has
-        them; else, for a CPU slot under a cgroup quota (``Intel Xeon @ 0.1 cores``), its CPU's
-        where the profile timed that (scaled by :meth:`timed_slowdown`, as before slots were keyed
-        by their quota); None where the profile timed neither."""
+        them; else, for a CPU slot, those of the same CPU (under no quota where the profile timed
+        that, else under the quota nearest the slot's: ``Intel Xeon @ 0.1 cores`` is priced by
+        ``Intel Xeon``'s timings, an unprofiled ``@ 0.2 cores`` by ``@ 0.3 cores``'), scaled by
+        :meth:`timed_slowdown` as before slots were keyed by their quota; None where the profile
+        timed neither (its compute then comes from FLOPs)."""
         if self._timed_models is None:
             self._timed_models = self.model.timed_device_models
         timed = self._timed_models
         if device.model in timed:
             return device.model
-        if device.kind is DeviceKind.CPU and cpu_of_slot_model(device.model) in timed:
-            return cpu_of_slot_model(device.model)
-        return None
+        if device.kind is not DeviceKind.CPU:
+            return None
+        cpu = cpu_of_slot_model(device.model)
+        same_cpu = [m for m in timed if cpu_of_slot_model(m) == cpu]
+        if not same_cpu:
+            return None
+        quota = cpu_slot_quota(device.model) or FULL_CORE
+
+        def distance(timed_model: str) -> tuple[float, str]:
+            return abs(math.log((cpu_slot_quota(timed_model) or FULL_CORE) / quota)), timed_model
+
+        return min(same_cpu, key=distance)
 
     def timed_slowdown(self, device: Device) -> float:
         """How many times its timings (:meth:`timed_as`) a device takes: the timed device's matmul
@@ -279,6 +304,17 @@ class CostModel:
         profile did not record it."""
         timed = self.model.timed_tflops.get(self.timed_as(device) or device.model)
         return timed / device.tflops if timed and device.tflops > 0 else 1.0
+
+    def host_slowdown(self, device: Device) -> float:
+        """How many times a full core's seconds the host work of ``device`` takes (the runtime's
+        own per-token work, :data:`TOKEN_OVERHEAD_S`): on a CPU slot under a quota, one over the
+        quota (up to a core: the work is one thread); on another CPU slot, :meth:`timed_slowdown`;
+        a GPU's host runs at full speed. Not the slot's :meth:`timed_slowdown` where the slot has
+        timings of its own: those make it ~1, and a tenth of a core would pay a token as a core."""
+        if device.kind is not DeviceKind.CPU:
+            return 1.0
+        quota = cpu_slot_quota(device.model)
+        return 1.0 / min(FULL_CORE, quota) if quota is not None else self.timed_slowdown(device)
 
     def stage_times_s(self, start: int, end: int, device_name: str, micro_batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one micro-batch of layers [start, end) on a device."""
@@ -302,11 +338,8 @@ class CostModel:
     def token_overhead_s(self, device_name: str) -> float:
         """What one token costs ``device_name`` beyond its compute (:data:`TOKEN_OVERHEAD_S`, the
         CostModel's ``token_overhead_s``): host CPU work, so a CPU device held to part of a core
-        takes its profiled slowdown times as long; a GPU's host runs at the profiled speed."""
-        device = self.cluster.device(device_name)
-        if device.kind is DeviceKind.CPU:
-            return self.token_cpu_s * self.timed_slowdown(device)
-        return self.token_cpu_s
+        takes :meth:`host_slowdown` times as long."""
+        return self.token_cpu_s * self.host_slowdown(self.cluster.device(device_name))
 
     def per_sample_s(self, start: int, end: int, device_name: str, micro_batch: int) -> float:
         fwd, bwd = self.stage_times_s(start, end, device_name, micro_batch)

@@ -79,7 +79,7 @@ class Clock:
     Under a quota a run that fits in the quota's slice of a CFS period runs at the full core, and
     one that spans the slice's end waits out the period: the median of short runs read a tenth of a
     core as a full one (a layer of mlp at micro-batch 256 read 0.009 ms a sample there, the next
-    0.19). So there every block of runs lasts at least ``min_block_s`` of wall time (many periods),
+    0.19). So there every block of runs lasts at least ``min_block_s`` of wall time (0.1 s: a default CFS period, ten of a testbed's),
     each run is timed in the process's CPU seconds, and a block's runs are stretched by its wall
     time over its CPU seconds: what the quota makes of a CPU second, waits included."""
 

@@ -11,6 +11,7 @@ from felactl.spec.cluster import (
     Node,
     cpu_of_slot_model,
     cpu_slot_model,
+    cpu_slot_quota,
 )
 from felactl.spec.executable import check_executable
 from felactl.spec.io import dump_yaml, from_dict, load, load_cluster, load_model, load_plan, save, to_dict
@@ -65,6 +66,7 @@ __all__ = [
     "check_together",
     "cpu_of_slot_model",
     "cpu_slot_model",
+    "cpu_slot_quota",
     "data_parallel_plan",
     "dump_yaml",
     "from_dict",

@@ -1,0 +1,49 @@
+"""``felactl profile --model --testbed`` (felactl.launcher.testbed_model) when a node's profile
+fails or hangs: one line naming the node and what it said, and no process left behind. The nodes
+here are plain processes (the namespaces are tests/test_testbed_jobs.py's, as root)."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from felactl.errors import ProfilingError
+from felactl.launcher import testbed_model
+
+
+@pytest.fixture
+def nodes(monkeypatch):
+    """Two fake nodes whose 'profile' is the shell line each is given in ``scripts``."""
+    scripts: dict[str, str] = {}
+    state = SimpleNamespace(nodes={"na": SimpleNamespace(name="na"), "nb": SimpleNamespace(name="nb")})
+    monkeypatch.setattr(testbed_model, "read_state", lambda name: state)
+    monkeypatch.setattr(testbed_model, "node_command", lambda node, argv: ["sh", "-c", scripts[node.name]])
+    monkeypatch.setattr(testbed_model, "node_env", lambda state, node: dict(os.environ))
+    return scripts
+
+
+def _children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
+def test_a_node_whose_profile_fails_is_named_with_its_last_words_and_the_others_are_stopped(nodes):
+    nodes["na"] = "sleep 30"
+    nodes["nb"] = "echo 'Traceback (most recent call last):' >&2; echo 'ValueError: no such layer' >&2; exit 3"
+    started = time.monotonic()
+    with pytest.raises(ProfilingError, match=r"in node nb failed \(exit 3\): .*ValueError: no such layer"):
+        testbed_model.profile_model_on_testbed("tb", "mlp", [], timeout_s=20)
+    assert time.monotonic() - started < 15 and not _children()
+
+
+def test_a_node_that_outlasts_the_timeout_is_named_and_stopped(nodes):
+    nodes["na"] = "exit 0"  # wrote no profile, but the wait ends first
+    nodes["nb"] = "echo 'importing torch' >&2; sleep 30"
+    with pytest.raises(
+        ProfilingError, match=r"took over 1 s in node\(s\) nb \(--timeout\); nb last said: importing torch"
+    ):
+        testbed_model.profile_model_on_testbed("tb", "mlp", [], timeout_s=1)
+    assert not _children()
