@@ -433,3 +433,15 @@ def test_under_a_cpu_quota_a_run_costs_its_share_of_the_wall_time_not_its_burst(
     burst = statistics.median(r for (r,) in _repeat_runs(make_run(WALL_CLOCK), repeats=3, warmup=0)[0])
     share = statistics.median(r for (r,) in _repeat_runs(make_run(quota), repeats=3, warmup=0, clock=quota)[0])
     assert burst < 0.005 and share >= 0.008, (burst, share)
+
+
+@pytest.mark.parametrize(
+    "quota, threads, quota_clock", [(None, 1, False), (0.45, 1, True), (2.0, 1, False), (1.5, 2, True)]
+)
+def test_the_quota_clock_runs_where_this_process_alone_runs_into_its_quota(monkeypatch, quota, threads, quota_clock):
+    from felactl.profiling import model as profiler
+
+    monkeypatch.setattr(profiler, "cpu_quota_cores", lambda: quota)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    clock = Clock.for_device(torch.device("cpu"))
+    assert (clock.min_block_s > 0 and clock.timer is time.process_time) == quota_clock

@@ -222,7 +222,11 @@ def test_a_device_no_timing_prices_is_named(runner, tmp_path):
     result = runner.invoke(app, [*args, "--model", str(other)])
     assert result.exit_code == 0, result.output
     told = " ".join(result.stderr.split())
-    assert "cpu0, cpu1 are priced from FLOPs" in told and "timings of Other CPU @ 0.1 cores only" in told and "--testbed" in told, told
+    assert (
+        "cpu0, cpu1 are priced from FLOPs" in told
+        and "timings of Other CPU @ 0.1 cores only" in told
+        and "--testbed" in told
+    ), told
     own = save(timed_on("cpu @ 0.5 cores"), tmp_path / "own.yaml")  # their CPU, under another quota
     result = runner.invoke(app, [*args, "--model", str(own)])
     assert result.exit_code == 0 and "priced from FLOPs" not in result.stderr, result.output

@@ -21,7 +21,15 @@ def nodes(monkeypatch):
     scripts: dict[str, str] = {}
     state = SimpleNamespace(nodes={"na": SimpleNamespace(name="na"), "nb": SimpleNamespace(name="nb")})
     monkeypatch.setattr(testbed_model, "read_state", lambda name: state)
-    monkeypatch.setattr(testbed_model, "node_command", lambda node, argv: ["sh", "-c", scripts[node.name]])
+    started: list[tuple[str, list[str]]] = []
+
+    def node_command(node, argv):
+        started.append((node.name, argv))
+        companion = "felactl.profiling.in_situ" in argv
+        return ["sh", "-c", "sleep 30" if companion else scripts[node.name]]
+
+    scripts["started"] = started
+    monkeypatch.setattr(testbed_model, "node_command", node_command)
     monkeypatch.setattr(testbed_model, "node_env", lambda state, node: dict(os.environ))
     return scripts
 
@@ -46,4 +54,17 @@ def test_a_node_that_outlasts_the_timeout_is_named_and_stopped(nodes):
         ProfilingError, match=r"took over 1 s in node\(s\) nb \(--timeout\); nb last said: importing torch"
     ):
         testbed_model.profile_model_on_testbed("tb", "mlp", [], timeout_s=1)
+    assert not _children()
+
+
+def test_a_node_done_trains_the_model_until_all_are_and_is_stopped(nodes):
+    """na's profile ends first: na then trains the model (a companion: the job runs every node at
+    once) while nb's goes on; nb's failure stops both."""
+    nodes["na"] = "exit 0"
+    nodes["nb"] = "sleep 2; exit 4"
+    with pytest.raises(ProfilingError, match="in node nb failed"):
+        testbed_model.profile_model_on_testbed("tb", "mlp", [], config={"hidden": 64}, companion_batch=16, timeout_s=20)
+    companions = [(node, argv) for node, argv in nodes["started"] if "felactl.profiling.in_situ" in argv]
+    assert [node for node, _ in companions] == ["na"]
+    assert companions[0][1][-3:] == ["mlp", "16", '{"hidden": 64}']
     assert not _children()

@@ -107,8 +107,9 @@ def run(
         )
         if testbed is not None:
             from felactl.launcher.testbed_model import DEFAULT_TIMEOUT_S, profile_model_on_testbed
+            from felactl.profiling.model import middle_batch
 
-            parse_config(config)  # a malformed pair is said here, once, not by every node
+            parsed = parse_config(config)  # a malformed pair is said here, once, not by every node
             flags = [f for pair in config or [] for f in ("--config", pair)]
             flags += ["--batch-sizes", ",".join(map(str, batch_sizes)), "--repetitions", str(repeats)]
             flags += ["--input-shape", input_shape] if input_shape else []
@@ -117,6 +118,9 @@ def run(
                 testbed,
                 model,
                 flags,
+                config=parsed,
+                # only a model that brings its data can train beside the others (not --input-shape)
+                companion_batch=None if input_shape else middle_batch(batch_sizes),
                 timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
                 say=lambda line: bar.update(task, description=f"profiling {model}: {line}"),
             )

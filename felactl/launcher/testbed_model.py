@@ -7,16 +7,24 @@ DP plans of the testbeds with such a node measured 0.70 of their prediction. Her
 them), and the profiles become one (:func:`felactl.profiling.merge.merge_device_profiles`),
 each node's timings keyed by its device model: the CPU and the node's quota
 (``Intel Xeon @ 0.1 cores``), as its cluster profile names its devices.
+
+A node whose profile is done trains the model on (a companion,
+:func:`felactl.profiling.in_situ.keep_busy`) until every node's is: the fast nodes finish first,
+and the tenth-of-a-core node of three-speeds, profiled the rest of its minute alone on the core
+it shares with another node, priced its DP step 1.45x too fast (in the job both nodes compute at
+once, and each slice of the small node starts on caches the other used).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from felactl.errors import ProfilingError
 from felactl.machine import stop_processes
@@ -34,35 +42,55 @@ def profile_model_on_testbed(
     model: str,
     profile_args: Sequence[str],
     *,
+    config: dict[str, Any] | None = None,
+    companion_batch: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     say: Callable[[str], None] = lambda line: None,
 ) -> ModelSpec:
     """``felactl profile --model MODEL PROFILE_ARGS`` in every node of ``testbed`` at once; one
     profile of them all. ``profile_args``: the model profile's own flags (config, batch sizes,
-    matmul size, repetitions), passed on as given."""
+    matmul size, repetitions), passed on as given. With ``companion_batch`` (and the model's
+    ``config``), a node done trains the model on that batch until all are (module doc)."""
     state = read_state(testbed)
     with tempfile.TemporaryDirectory(prefix="felactl-testbed-model.") as tmp:
         work = Path(tmp)
         procs: dict[str, subprocess.Popen] = {}
+        companions: list[subprocess.Popen] = []
+
+        def start(name: str, argv: list[str], log_name: str) -> subprocess.Popen:
+            node = state.nodes[name]
+            with (work / log_name).open("w") as log:
+                return subprocess.Popen(
+                    node_command(node, argv),
+                    env=node_env(state, node),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
+
+        def keep_busy(name: str) -> None:
+            if companion_batch is not None:
+                argv = [sys.executable, "-m", "felactl.profiling.in_situ", model, str(companion_batch)]
+                companions.append(start(name, [*argv, json.dumps(config or {})], f"{name}.companion.log"))
+
         try:
-            for name, node in state.nodes.items():
+            for name in state.nodes:
                 argv = [sys.executable, "-m", "felactl", "profile", "--model", model, *profile_args]
-                argv += ["--device", "cpu", "-o", str(work / f"{name}.yaml")]
-                with (work / f"{name}.log").open("w") as log:
-                    procs[name] = subprocess.Popen(
-                        node_command(node, argv),
-                        env=node_env(state, node),
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.DEVNULL,
-                        stderr=log,
-                    )
-            _wait(procs, work, timeout_s, say)
+                procs[name] = start(name, [*argv, "--device", "cpu", "-o", str(work / f"{name}.yaml")], f"{name}.log")
+            _wait(procs, work, timeout_s, say, done=keep_busy)
         finally:
-            stop_processes(list(procs.values()))
+            stop_processes([*procs.values(), *companions])
         return merge_device_profiles({name: load_model(work / f"{name}.yaml") for name in procs})
 
 
-def _wait(procs: dict[str, subprocess.Popen], work: Path, timeout_s: float, say: Callable[[str], None]) -> None:
+def _wait(
+    procs: dict[str, subprocess.Popen],
+    work: Path,
+    timeout_s: float,
+    say: Callable[[str], None],
+    done: Callable[[str], None] = lambda node: None,
+) -> None:
+    """Until every node's profile has ended; ``done(node)`` for each that succeeded while others run."""
     deadline = time.monotonic() + timeout_s
     running = dict(procs)
     while running:
@@ -74,6 +102,8 @@ def _wait(procs: dict[str, subprocess.Popen], work: Path, timeout_s: float, say:
             if code != 0:
                 raise ProfilingError(f"profiling the model in node {name} failed (exit {code}): {_said(work, name)}")
             say(f"node {name}: profiled ({len(procs) - len(running)} of {len(procs)})")
+            if running:
+                done(name)
         if running and time.monotonic() > deadline:
             late = sorted(running)
             raise ProfilingError(

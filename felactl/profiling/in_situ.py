@@ -138,7 +138,7 @@ def _profile_beside_companions(
     stop = ctx.Event()
     started = [ctx.Event() for _ in cores[1:]]
     companions = [
-        ctx.Process(target=_keep_busy, args=(model, config, batch, slot_cores, stop, ready), daemon=True)
+        ctx.Process(target=keep_busy, args=(model, config, batch, slot_cores, stop, ready), daemon=True)
         for slot_cores, ready in zip(cores[1:], started)
     ]
     try:
@@ -162,14 +162,16 @@ def _profile_beside_companions(
             os.sched_setaffinity(0, affinity_before)
 
 
-def _keep_busy(model: str, config: dict[str, Any], batch: int, cores: list[int], stop, started) -> None:
-    """A stand-in for one other worker while the model is profiled: pinned to its slot's cores,
-    forward, loss, backward and AdamW steps of the whole model until ``stop`` is set."""
+def keep_busy(model: str, config: dict[str, Any], batch: int, cores: list[int] | None, stop, started) -> None:
+    """A stand-in for one other worker while the model is profiled: pinned to its slot's cores
+    (``None``: where it runs), forward, loss, backward and AdamW steps of the whole model until
+    ``stop`` is set (``started``: set after each step)."""
     import torch
 
     from felactl.models import build
 
-    pin_to_cores(cores)
+    if cores is not None:
+        pin_to_cores(cores)
     bundle = build(model, config, seed=0)
     optimizer = torch.optim.AdamW(bundle.layers.parameters(), lr=1e-6)
     inputs, targets = bundle.data.batch(range(batch))
@@ -182,4 +184,22 @@ def _keep_busy(model: str, config: dict[str, Any], batch: int, cores: list[int],
             return
 
 
-__all__ = ["local_cpu_slots", "profile_model_in_situ"]
+def main() -> None:
+    """``python -m felactl.profiling.in_situ MODEL BATCH CONFIG_JSON``: :func:`keep_busy` where it is
+    started (a testbed node whose model profile is done, while the others' go on), until SIGTERM."""
+    import json
+    import signal
+    import sys
+    import threading
+
+    model, batch, config = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    keep_busy(model, config, batch, None, stop, threading.Event())
+
+
+__all__ = ["keep_busy", "local_cpu_slots", "profile_model_in_situ"]
+
+
+if __name__ == "__main__":
+    main()
