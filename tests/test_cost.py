@@ -318,6 +318,33 @@ def test_a_cpu_slot_under_a_quota_is_priced_by_its_own_timings_else_by_its_cpus_
     assert cost.token_overhead_s("n0.d0") == pytest.approx(cost.token_cpu_s)
 
 
+def test_a_sum_costs_a_quota_held_slot_its_cpu_stretched_by_the_quota_and_nothing_hides_it():
+    """Three CPU slots summing 30 MB: each sends 2 (n - 1) / n of it (40 MB) at 1 ns of a full core
+    a byte; the tenth of a core stretches that to 0.4 s, added to the sum whatever the backward
+    hid; slots no quota holds add nothing (their links' profile saw that CPU)."""
+    from felactl.optimizer.cost import SYNC_CPU_S_PER_BYTE
+
+    assert SYNC_CPU_S_PER_BYTE == 1e-9
+    base = model([(1000, 10, 1.0)])
+    gpus = cluster([[("X", 1.0, 8.0), (cpu_slot_model("X", 0.5), 0.5, 8.0), (cpu_slot_model("X", 0.1), 0.1, 8.0)]])
+    spec = dataclasses.replace(
+        gpus,
+        nodes=tuple(
+            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
+            for n in gpus.nodes
+        ),
+    )
+    cost = CostModel(spec, base, use_trees=False)
+    all_three, full_and_half = ("n0.d0", "n0.d1", "n0.d2"), ("n0.d0", "n0.d1")
+    assert cost.quota_sync_cpu_s(all_three, 30e6) == pytest.approx(0.4)
+    assert cost.quota_sync_cpu_s(full_and_half, 30e6) == pytest.approx(0.06)  # 30 MB sent at half a core
+    assert cost.quota_sync_cpu_s(("n0.d0",), 30e6) == 0.0
+    links_only = CostModel(gpus, base, use_trees=False)  # the same as GPUs: no quota, no CPU term
+    assert cost.sync_time_s(all_three, 30e6) == pytest.approx(links_only.sync_time_s(all_three, 30e6) + 0.4)
+    exposed = cost.exposed_sync_s(all_three, 0, 1, "n0.d0", 4) - links_only.exposed_sync_s(all_three, 0, 1, "n0.d0", 4)
+    assert exposed == pytest.approx(2 * 2 / 3 * base.layers[0].param_bytes * 1e-9 * 10)
+
+
 def test_a_slot_takes_the_timings_of_its_cpu_under_the_nearest_quota_the_profile_has():
     """A profile of a testbed's nodes holds only quota-named models: a slot under no quota (or a
     cluster profiled before slots were named) and a share no node had take the nearest quota's

@@ -103,6 +103,12 @@ B_HALF_MAX = 4096.0
 ADAMW_STATE_BYTES_PER_PARAM = 8
 """Two fp32 moments per parameter."""
 GB = 1e9
+SYNC_CPU_S_PER_BYTE = 1.0e-9
+"""Full-core CPU seconds per byte a member of a gloo allreduce sends (with the receive and the
+add of as much): mlp's 3.7 MB summed over three testbed nodes cost each 4.4-5.6 ms of CPU, 4.9 MB
+sent (BENCHMARKS.md, issue 15 item 4, "What still misses"). On a tenth of a core that is ~50 ms a step
+nothing hides (:meth:`CostModel.quota_sync_cpu_s`); unpriced, three-speeds' DP plan measured
+0.75 of its prediction with every node's own timings (eleventh session)."""
 FULL_CORE = 1.0
 """The quota of a CPU slot no cgroup holds, in cores, as far as one thread's speed goes."""
 TOKEN_OVERHEAD_S = 1.5e-3
@@ -495,7 +501,9 @@ class CostModel:
             return 0.0
         key = (tuple(sorted(devices)), num_bytes)
         if key not in self._sync:
-            self._sync[key] = self._link_sync_s(key[0], num_bytes) * self.sync_factor(key[0])
+            group = key[0]
+            self._sync[key] = self._link_sync_s(group, num_bytes) * self.sync_factor(group)
+            self._sync[key] += self.quota_sync_cpu_s(group, num_bytes)
         return self._sync[key]
 
     def exposed_sync_s(self, devices: tuple[str, ...], start: int, end: int, device: str, micro_batch: int) -> float:
@@ -507,8 +515,23 @@ class CostModel:
         group = tuple(sorted(devices))
         key = ("exposed", group, start, end, device, micro_batch)
         if key not in self._sync:
-            self._sync[key] = self._exposed_link_s(group, start, end, device, micro_batch) * self.sync_factor(group)
+            exposed = self._exposed_link_s(group, start, end, device, micro_batch) * self.sync_factor(group)
+            nbytes = sum(layer.param_bytes for layer in self.model.layers[start:end])
+            self._sync[key] = exposed + self.quota_sync_cpu_s(group, nbytes)
         return self._sync[key]
+
+    def quota_sync_cpu_s(self, group: tuple[str, ...], num_bytes: float) -> float:
+        """What a sum of ``num_bytes`` costs the group's slowest quota-held CPU slot in CPU beyond
+        its links: a member sends and receives 2 (n - 1) / n of the buffer and adds what it
+        receives, :data:`SYNC_CPU_S_PER_BYTE` of a full core per byte sent, stretched by the slot's
+        :meth:`host_slowdown`. That CPU comes out of the quota the backward computes on, so nothing
+        hides it; the link profile saw it at a full core's speed, where it overlaps the transfer.
+        0 where no member is held by a quota."""
+        held = [self.cluster.device(d) for d in group]
+        held = [d for d in held if d.kind is DeviceKind.CPU and cpu_slot_quota(d.model)]
+        stretch = max((self.host_slowdown(d) for d in held), default=0.0)
+        n = len(group)
+        return 2 * (n - 1) / n * num_bytes * SYNC_CPU_S_PER_BYTE * stretch if n > 1 else 0.0
 
     def _exposed_link_s(self, group: tuple[str, ...], start: int, end: int, device: str, micro_batch: int) -> float:
         """The runtime sums gradients in buckets (:func:`~felactl.spec.plan.gradient_buckets`, DDP's
