@@ -275,6 +275,17 @@ def test_timings_of_a_device_model_are_scaled_to_each_device_s_measured_speed():
     )
 
 
+def _as_cpu_slots(spec):
+    """``spec`` with every device a CPU slot (the fixtures' clusters are of GPUs)."""
+    return dataclasses.replace(
+        spec,
+        nodes=tuple(
+            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
+            for n in spec.nodes
+        ),
+    )
+
+
 def test_a_cpu_slot_under_a_quota_is_priced_by_its_own_timings_else_by_its_cpus_scaled():
     """Slots of CPU X under cgroup quotas (a testbed's nodes). The profile timed X at full speed
     and, in the node at a tenth of a core, "X @ 0.1 cores": 3x slower than X's timings scaled by
@@ -294,13 +305,7 @@ def test_a_cpu_slot_under_a_quota_is_priced_by_its_own_timings_else_by_its_cpus_
         timed_tflops={"X": 1.0, tenth: 0.1},
     )
     gpus = cluster([[("X", 1.0, 8.0), (tenth, 0.1, 8.0), (half, 0.5, 8.0)]])
-    spec = dataclasses.replace(
-        gpus,
-        nodes=tuple(
-            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
-            for n in gpus.nodes
-        ),
-    )
+    spec = _as_cpu_slots(gpus)
     cost = CostModel(spec, net, use_trees=False)
     assert [cost.timed_as(spec.device(d)) for d in spec.device_names] == ["X", tenth, "X"]
     assert cost.stage_times_s(0, 2, "n0.d0", 4) == pytest.approx((0.002, 0.004))
@@ -327,13 +332,7 @@ def test_a_sum_costs_a_quota_held_slot_its_cpu_stretched_by_the_quota_and_nothin
     assert SYNC_CPU_S_PER_BYTE == 1e-9
     base = model([(1000, 10, 1.0)])
     gpus = cluster([[("X", 1.0, 8.0), (cpu_slot_model("X", 0.5), 0.5, 8.0), (cpu_slot_model("X", 0.1), 0.1, 8.0)]])
-    spec = dataclasses.replace(
-        gpus,
-        nodes=tuple(
-            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
-            for n in gpus.nodes
-        ),
-    )
+    spec = _as_cpu_slots(gpus)
     cost = CostModel(spec, base, use_trees=False)
     all_three, full_and_half = ("n0.d0", "n0.d1", "n0.d2"), ("n0.d0", "n0.d1")
     assert cost.quota_sync_cpu_s(all_three, 30e6) == pytest.approx(0.4)
@@ -360,13 +359,7 @@ def test_a_slot_takes_the_timings_of_its_cpu_under_the_nearest_quota_the_profile
         timed_tflops={cpu_slot_model("X", 0.1): 0.1, cpu_slot_model("X", 0.45): 0.45},
     )
     gpus = cluster([[("X", 1.0, 8.0), (cpu_slot_model("X", 0.2), 0.2, 8.0), ("Y", 1.0, 8.0)]])
-    spec = dataclasses.replace(
-        gpus,
-        nodes=tuple(
-            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
-            for n in gpus.nodes
-        ),
-    )
+    spec = _as_cpu_slots(gpus)
     cost = CostModel(spec, net, use_trees=False)
     assert [cost.timed_as(spec.device(d)) for d in spec.device_names] == [
         cpu_slot_model("X", 0.45),
