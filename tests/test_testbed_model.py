@@ -34,30 +34,33 @@ def nodes(monkeypatch):
     return scripts
 
 
-def _children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+@pytest.fixture
+def new_children():
+    """The processes this test started that are still running (the suite's others excluded)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    return lambda: [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()]
 
 
-def test_a_node_whose_profile_fails_is_named_with_its_last_words_and_the_others_are_stopped(nodes):
+def test_a_node_whose_profile_fails_is_named_with_its_last_words_and_the_others_are_stopped(nodes, new_children):
     nodes["na"] = "sleep 30"
     nodes["nb"] = "echo 'Traceback (most recent call last):' >&2; echo 'ValueError: no such layer' >&2; exit 3"
     started = time.monotonic()
     with pytest.raises(ProfilingError, match=r"in node nb failed \(exit 3\): .*ValueError: no such layer"):
         testbed_model.profile_model_on_testbed("tb", "mlp", [], timeout_s=20)
-    assert time.monotonic() - started < 15 and not _children()
+    assert time.monotonic() - started < 15 and not new_children()
 
 
-def test_a_node_that_outlasts_the_timeout_is_named_and_stopped(nodes):
+def test_a_node_that_outlasts_the_timeout_is_named_and_stopped(nodes, new_children):
     nodes["na"] = "exit 0"  # wrote no profile, but the wait ends first
     nodes["nb"] = "echo 'importing torch' >&2; sleep 30"
     with pytest.raises(
         ProfilingError, match=r"took over 1 s in node\(s\) nb \(--timeout\); nb last said: importing torch"
     ):
         testbed_model.profile_model_on_testbed("tb", "mlp", [], timeout_s=1)
-    assert not _children()
+    assert not new_children()
 
 
-def test_a_node_done_trains_the_model_until_all_are_and_is_stopped(nodes):
+def test_a_node_done_trains_the_model_until_all_are_and_is_stopped(nodes, new_children):
     """na's profile ends first: na then trains the model (a companion: the job runs every node at
     once) while nb's goes on; nb's failure stops both."""
     nodes["na"] = "exit 0"
@@ -67,4 +70,4 @@ def test_a_node_done_trains_the_model_until_all_are_and_is_stopped(nodes):
     companions = [(node, argv) for node, argv in nodes["started"] if "felactl.profiling.in_situ" in argv]
     assert [node for node, _ in companions] == ["na"]
     assert companions[0][1][-3:] == ["mlp", "16", '{"hidden": 64}']
-    assert not _children()
+    assert not new_children()
