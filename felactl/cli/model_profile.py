@@ -107,20 +107,15 @@ def run(
         )
         if testbed is not None:
             from felactl.launcher.testbed_model import DEFAULT_TIMEOUT_S, profile_model_on_testbed
-            from felactl.profiling.model import middle_batch
 
-            parsed = parse_config(config)  # a malformed pair is said here, once, not by every node
-            flags = [f for pair in config or [] for f in ("--config", pair)]
-            flags += ["--batch-sizes", ",".join(map(str, batch_sizes)), "--repetitions", str(repeats)]
-            flags += ["--input-shape", input_shape] if input_shape else []
-            flags += ["--matmul-size", str(matmul_size)] if matmul_size else []
             spec = profile_model_on_testbed(
                 testbed,
                 model,
-                flags,
-                config=parsed,
-                # only a model that brings its data can train beside the others (not --input-shape)
-                companion_batch=None if input_shape else middle_batch(batch_sizes),
+                parse_config(config),
+                batch_sizes,
+                repeats=repeats,
+                matmul_size=matmul_size,
+                input_shape=input_shape,
                 timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
                 say=lambda line: bar.update(task, description=f"profiling {model}: {line}"),
             )

@@ -262,8 +262,8 @@ def plan(
             soft_wrap=True,
         )
 
-    untimed = [d for d in result.devices if cost.timed_as(cluster_spec.device(d)) is None]
-    if untimed and model_spec.timed_device_models:
+    untimed = cost.priced_from_flops(result.devices)
+    if untimed:
         timed = ", ".join(sorted(model_spec.timed_device_models))
         cpus = all(cluster_spec.device(d).kind is DeviceKind.CPU for d in untimed)
         output.stderr.print(

@@ -29,6 +29,7 @@ from typing import Any
 from felactl.errors import ProfilingError
 from felactl.machine import stop_processes
 from felactl.profiling.merge import merge_device_profiles
+from felactl.profiling.model import middle_batch
 from felactl.spec import ModelSpec, load_model
 from felactl.testbed import node_command, node_env, read_state
 
@@ -40,17 +41,23 @@ profile mlp (the timings' blocks last at least 0.1 s of wall time each there).""
 def profile_model_on_testbed(
     testbed: str,
     model: str,
-    profile_args: Sequence[str],
+    config: dict[str, Any],
+    batch_sizes: Sequence[int],
     *,
-    config: dict[str, Any] | None = None,
-    companion_batch: int | None = None,
+    repeats: int,
+    matmul_size: int | None = None,
+    input_shape: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     say: Callable[[str], None] = lambda line: None,
 ) -> ModelSpec:
-    """``felactl profile --model MODEL PROFILE_ARGS`` in every node of ``testbed`` at once; one
-    profile of them all. ``profile_args``: the model profile's own flags (config, batch sizes,
-    matmul size, repetitions), passed on as given. With ``companion_batch`` (and the model's
-    ``config``), a node done trains the model on that batch until all are (module doc)."""
+    """``felactl profile --model MODEL`` with these options in every node of ``testbed`` at once;
+    one profile of them all. A model that brings its data (not ``input_shape``) trains on the
+    middle batch size in each node done until all are (module doc)."""
+    flags = [f for key, value in config.items() for f in ("--config", f"{key}={json.dumps(value)}")]
+    flags += ["--batch-sizes", ",".join(map(str, batch_sizes)), "--repetitions", str(repeats)]
+    flags += ["--input-shape", input_shape] if input_shape else []
+    flags += ["--matmul-size", str(matmul_size)] if matmul_size else []
+    companion_batch = None if input_shape else middle_batch(batch_sizes)
     state = read_state(testbed)
     with tempfile.TemporaryDirectory(prefix="felactl-testbed-model.") as tmp:
         work = Path(tmp)
@@ -71,11 +78,11 @@ def profile_model_on_testbed(
         def keep_busy(name: str) -> None:
             if companion_batch is not None:
                 argv = [sys.executable, "-m", "felactl.profiling.in_situ", model, str(companion_batch)]
-                companions.append(start(name, [*argv, json.dumps(config or {})], f"{name}.companion.log"))
+                companions.append(start(name, [*argv, json.dumps(config)], f"{name}.companion.log"))
 
         try:
             for name in state.nodes:
-                argv = [sys.executable, "-m", "felactl", "profile", "--model", model, *profile_args]
+                argv = [sys.executable, "-m", "felactl", "profile", "--model", model, *flags]
                 procs[name] = start(name, [*argv, "--device", "cpu", "-o", str(work / f"{name}.yaml")], f"{name}.log")
             _wait(procs, work, timeout_s, say, done=keep_busy)
         finally:

@@ -304,6 +304,13 @@ class CostModel:
 
         return min(same_cpu, key=distance)
 
+    def priced_from_flops(self, device_names) -> list[str]:
+        """Of ``device_names``, those no timing of the model profile prices (:meth:`timed_as`),
+        where it has timings: their compute comes from FLOPs and TFLOP/s, not from a measurement."""
+        if not self.model.timed_device_models:
+            return []
+        return [d for d in device_names if self.timed_as(self.cluster.device(d)) is None]
+
     def timed_slowdown(self, device: Device) -> float:
         """How many times its timings (:meth:`timed_as`) a device takes: the timed device's matmul
         TFLOP/s over this one's (``ModelSpec.timed_tflops``; module doc, **Compute**), 1 where the
