@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -45,9 +46,9 @@ def cpu_quota_cores(proc: Path = Path("/proc/self")) -> float | None:
         quotas.append(told)
     try:
         memberships = (proc / "cgroup").read_text().splitlines()
-        mounts = (proc / "mountinfo").read_text().splitlines()
     except OSError:
-        memberships = mounts = []
+        memberships = []
+    mounts = cgroup_mounts(proc)
     for line in memberships:
         if line.count(":") < 2:
             continue
@@ -55,10 +56,10 @@ def cpu_quota_cores(proc: Path = Path("/proc/self")) -> float | None:
         v2 = hierarchy == "0" and controllers == ""
         if not v2 and "cpu" not in controllers.split(","):
             continue
-        mount = _cgroup_mount(mounts, v2)
+        mount = _cpu_mount(mounts, v2)
         if mount is None:
             continue
-        root, point = mount
+        root, point = mount.root, mount.point
         relative = Path(path).relative_to(root) if Path(path).is_relative_to(root) else Path(path.lstrip("/"))
         directory = point / relative
         while directory.is_relative_to(point):
@@ -71,17 +72,37 @@ def cpu_quota_cores(proc: Path = Path("/proc/self")) -> float | None:
     return min(quotas) if quotas else None
 
 
-def _cgroup_mount(mounts: list[str], v2: bool) -> tuple[str, Path] | None:
-    """(root inside the hierarchy, mount point) of the cgroup v2 tree, or of v1's cpu controller."""
-    for line in mounts:
+class CgroupMount(NamedTuple):
+    fstype: str
+    """``cgroup2`` (the unified hierarchy) or ``cgroup`` (a v1 hierarchy)."""
+    root: str
+    """The cgroup path that is this mount's top (``/`` unless in a container)."""
+    point: Path
+    options: frozenset[str]
+    """The file system's own options: a v1 hierarchy's controllers (``cpu``, ``cpuset``) among them."""
+
+
+def cgroup_mounts(proc: Path = Path("/proc/self")) -> list[CgroupMount]:
+    """The cgroup file systems mounted where this process sees them (``/proc/self/mountinfo``)."""
+    try:
+        lines = (proc / "mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
         before, _, after = line.partition(" - ")
-        fields, fstype = before.split(), after.split()
-        if len(fields) < 5 or not fstype:
-            continue
-        if v2 and fstype[0] == "cgroup2":
-            return fields[3], Path(fields[4])
-        if not v2 and fstype[0] == "cgroup" and len(fstype) > 2 and "cpu" in fstype[2].split(","):
-            return fields[3], Path(fields[4])
+        fields, fs = before.split(), after.split()
+        if len(fields) >= 5 and len(fs) >= 3 and fs[0] in ("cgroup", "cgroup2"):
+            point = Path(fields[4].replace("\\040", " "))
+            found.append(CgroupMount(fs[0], fields[3], point, frozenset(fs[2].split(","))))
+    return found
+
+
+def _cpu_mount(mounts: list[CgroupMount], v2: bool) -> CgroupMount | None:
+    """The cgroup v2 tree, or v1's hierarchy with the cpu controller."""
+    for mount in mounts:
+        if (mount.fstype == "cgroup2") if v2 else (mount.fstype == "cgroup" and "cpu" in mount.options):
+            return mount
     return None
 
 

@@ -28,9 +28,10 @@ _SHARE_SUFFIX = re.compile(r" @ ([0-9.]+) cores$")
 
 def cpu_slot_model(cpu: str, quota_cores: float | None) -> str:
     """The hardware model of a CPU slot: the CPU's name, and where a cgroup quota holds the slot
-    (a container's CPU limit, a testbed node's share), that quota (``Intel Xeon @ 0.1 cores``). A slot at a tenth of a core is not a tenth of a full one: a
-    model's step ran 1.4x longer there than its full-core timings scaled by the matmul rates say
-    (BENCHMARKS.md, issue 15 item 4), so its timings are keyed apart, as another GPU's are."""
+    (a container's CPU limit, a testbed node's share), that quota (``Intel Xeon @ 0.1 cores``).
+    A slot at a tenth of a core is not a tenth of a full one: a model's step ran 1.4x longer
+    there than its full-core timings scaled by the matmul rates say (BENCHMARKS.md, issue 15
+    item 4), so its timings are keyed apart, as another GPU's are."""
     return cpu if quota_cores is None else f"{cpu} @ {quota_cores:.3g} cores"
 
 
@@ -43,10 +44,10 @@ def cpu_slot_quota(model: str) -> float | None:
     """The quota a :func:`cpu_slot_model` names, in cores (None where it names none)."""
     found = _SHARE_SUFFIX.search(model)
     try:
-        quota = float(found.group(1)) if found else None
-    except ValueError:
+        quota = float(found.group(1))
+    except (AttributeError, ValueError):  # no quota named, or not a number ("1.2.3")
         return None
-    return quota if quota is not None and quota > 0 else None
+    return quota if quota > 0 else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

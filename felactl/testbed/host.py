@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from felactl.errors import FelactlError, InputError
-from felactl.machine import available_cores
+from felactl.machine import available_cores, cgroup_mounts
 
 
 class TestbedUnavailable(InputError):
@@ -70,33 +70,19 @@ class Host:
     """The cores this process may run on (a node's pinned cores must be among them)."""
 
 
-def _mounts() -> list[tuple[str, str, set[str]]]:
-    out = []
-    try:
-        text = Path("/proc/self/mounts").read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 4:
-            out.append((parts[2], parts[1].replace("\\040", " "), set(parts[3].split(","))))
-    return out
-
-
 def find_cgroups() -> CgroupLayout:
     """The cgroup hierarchy a testbed's nodes go in, or :class:`TestbedUnavailable` saying why not."""
-    mounts = _mounts()
-    for fstype, point, _opts in mounts:
-        if fstype == "cgroup2":
-            controllers = Path(point, "cgroup.controllers")
+    mounts = cgroup_mounts()
+    for mount in mounts:
+        if mount.fstype == "cgroup2":
             try:
-                have = set(controllers.read_text().split())
+                have = set((mount.point / "cgroup.controllers").read_text().split())
             except OSError:
                 continue
             if {"cpu", "cpuset"} <= have:
-                return CgroupLayout(2, Path(point), Path(point))
-    cpu = next((Path(p) for t, p, o in mounts if t == "cgroup" and "cpu" in o), None)
-    cpuset = next((Path(p) for t, p, o in mounts if t == "cgroup" and "cpuset" in o), None)
+                return CgroupLayout(2, mount.point, mount.point)
+    cpu = next((m.point for m in mounts if m.fstype == "cgroup" and "cpu" in m.options), None)
+    cpuset = next((m.point for m in mounts if m.fstype == "cgroup" and "cpuset" in m.options), None)
     if cpu is not None and cpuset is not None and (cpu / "cpu.cfs_quota_us").exists():
         return CgroupLayout(1, cpu, cpuset)
     raise TestbedUnavailable(
