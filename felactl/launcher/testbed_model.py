@@ -11,8 +11,9 @@ each node's timings keyed by its device model: the CPU and the node's quota
 A node whose profile is done trains the model on (a companion,
 :func:`felactl.profiling.in_situ.keep_busy`) until every node's is: the fast nodes finish first,
 and the tenth-of-a-core node of three-speeds, profiled the rest of its minute alone on the core
-it shares with another node, priced its DP step 1.45x too fast (in the job both nodes compute at
-once, and each slice of the small node starts on caches the other used).
+it shares with another node, read faster than it runs in the job, where both nodes compute at
+once. With companions three-speeds' DP plan measured 0.75 of its prediction, without 0.68 (one
+run each; the rest was the sum's CPU, ``CostModel.quota_sync_cpu_s``; BENCHMARKS.md).
 """
 
 from __future__ import annotations
