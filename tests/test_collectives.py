@@ -21,6 +21,7 @@ from felactl.optimizer.collectives import (
     tree_allreduce_cost,
 )
 from felactl.optimizer.graph import allreduce_bound, best_ring, capacity_graph, min_cut_bound
+from felactl.optimizer.packing import pack_up_and_down
 from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, Tree, load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,15 +36,22 @@ def gpus(*indices: int) -> tuple[str, ...]:
 
 
 def assert_valid(cluster: ClusterSpec, collective: Collective) -> None:
-    """Every tree is a spanning arborescence from the root; no link carries more than it has."""
-    members, root = set(collective.devices), collective.root
+    """Every tree is a spanning arborescence from its root (the collective's, or, where links differ
+    by direction, any device's that has trees both ways); no link carries more than it has."""
+    members = set(collective.devices)
     load: dict[tuple[str, str], float] = {}
-    for tree in collective.trees:
+    if collective.reduce_trees:
+        assert {t.root for t in collective.reduce_trees} == {t.root for t in collective.trees}
+    else:
+        assert {t.root for t in collective.trees} == {collective.root}
+    for tree in collective.trees + collective.reduce_trees:
+        root = tree.root
         parent: dict[str, str] = {}
         for a, b in tree.edges:
             assert b not in parent, f"{b} has two parents"
             parent[b] = a
-            load[(a, b)] = load.get((a, b), 0.0) + tree.weight
+            if tree in collective.trees:
+                load[(a, b)] = load.get((a, b), 0.0) + tree.weight
         assert set(parent) == members - {root}, "a tree must give every non-root device one parent"
         for device in parent:
             hops, here = 0, device
@@ -349,12 +357,16 @@ def test_where_links_differ_by_direction_the_reduce_and_broadcast_trees_are_pack
         nodes=(Node(name="n", devices=devices),),
         links=tuple(Link(src=s, dst=d, bandwidth_gbps=g, latency_us=1.0, type=LinkType.PCIE) for s, d, g in links),
     )
+    graph = capacity_graph(ring, ["a", "b", "c"])
+    down, up, rates = pack_up_and_down(graph, ["a"])
+    assert sum(rates.values()) == pytest.approx(50.0)  # from one root: a's links in and out bound it
+    assert allreduce_bound(graph) == pytest.approx(67.5)
+    # A root per part of the sum, as a ring's reduce-scatter and all-gather: at the bound.
     collective = plan_collective(ring, ["a", "b", "c"], root="a")
     assert_valid(ring, collective)
-    assert allreduce_throughput_gbps(ring, collective) == pytest.approx(50.0)
-    assert allreduce_bound(capacity_graph(ring, ["a", "b", "c"])) == pytest.approx(
-        67.5
-    )  # trees from one root stay below
+    assert len({t.root for t in collective.trees}) == 3
+    assert allreduce_throughput_gbps(ring, collective) == pytest.approx(67.5)
+    assert len(collective.trees) <= 3 * 3 and len(collective.reduce_trees) <= 3 * 3
 
 
 def test_a_small_buffer_pays_the_pieces_fill_the_runtime_cuts_it_into():

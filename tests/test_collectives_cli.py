@@ -36,7 +36,9 @@ def test_json_for_three_gpus_by_index():
     assert set(data) == {
         "devices",
         "root",
+        "roots",
         "trees",
+        "reduce_trees",
         "rate_gbps",
         "bound_gbps",
         "ring_gbps",

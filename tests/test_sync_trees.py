@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from felactl.agents.worker.metrics import read_metrics
-from felactl.agents.worker.sync.trees import WINDOW, deal, stage_trees
+from felactl.agents.worker.sync.trees import WINDOW, stage_trees
 from felactl.profiling.data_parallel import reap
 from felactl.spec import Collective, Tree
-from felactl.spec.plan import TREE_PIECE_BYTES
+from felactl.spec.plan import TREE_PIECE_BYTES, deal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _worker_helpers import dp_plan, final_params, pipeline_plan, reference_params, run_plan  # noqa: E402
@@ -129,9 +129,30 @@ REDUCE_TREES = (
 )
 
 
-@pytest.mark.parametrize("reduce_trees", [(), REDUCE_TREES], ids=["reversed", "own-reduce-trees"])
-def test_tree_allreduce_sums_exactly_with_point_to_point_only(reduce_trees):
-    plan = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
+# A root per tree, as a ring's reduce-scatter and all-gather: each device sums a share of the pieces
+# (cpu0 two broadcast trees, a chain and a star; the rest one chain each, round the ring one way)
+# and the reduce comes up chains the other way round into each root.
+ROOTED_EVERYWHERE = [
+    ([("cpu0", "cpu1"), ("cpu1", "cpu2")], 1.0),
+    ([("cpu0", "cpu1"), ("cpu0", "cpu2")], 0.5),
+    ([("cpu1", "cpu2"), ("cpu2", "cpu0")], 2.0),
+    ([("cpu2", "cpu0"), ("cpu0", "cpu1")], 3.0),
+]
+REDUCE_INTO_EACH_ROOT = (
+    Tree(edges=(("cpu0", "cpu2"), ("cpu2", "cpu1")), weight=1.5),  # cpu1 -> cpu2 -> cpu0
+    Tree(edges=(("cpu1", "cpu0"), ("cpu0", "cpu2")), weight=1.0),  # cpu2 -> cpu0 -> cpu1
+    Tree(edges=(("cpu1", "cpu2"), ("cpu1", "cpu0")), weight=1.0),  # a star into cpu1
+    Tree(edges=(("cpu2", "cpu1"), ("cpu1", "cpu0")), weight=3.0),  # cpu0 -> cpu1 -> cpu2
+)
+
+
+@pytest.mark.parametrize(
+    "trees,reduce_trees",
+    [(THREE_WORKER_TREES, ()), (THREE_WORKER_TREES, REDUCE_TREES), (ROOTED_EVERYWHERE, REDUCE_INTO_EACH_ROOT)],
+    ids=["reversed", "own-reduce-trees", "a-root-per-tree"],
+)
+def test_tree_allreduce_sums_exactly_with_point_to_point_only(trees, reduce_trees):
+    plan = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], trees)
     plan = dataclasses.replace(plan, collectives=(dataclasses.replace(plan.collectives[0], reduce_trees=reduce_trees),))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -28,6 +28,7 @@ from felactl.optimizer.planner import (
 )
 from felactl.optimizer.simulator import simulate
 from felactl.spec import DeviceKind, Plan, SyncMode, load_cluster, load_model, save
+from felactl.spec.plan import root_rates
 
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
@@ -129,12 +130,17 @@ def _render_explain(console, plan: Plan, cost: CostModel) -> None:
     console.print(table)
     for c in plan.collectives:
         console.print(
-            f"{c.group}: root {c.root}, {len(c.trees)} tree(s), {c.rate_gbps:.2f} GB/s "
+            f"{c.group}: {_roots(c)}, {len(c.trees)} tree(s), {c.rate_gbps:.2f} GB/s "
             f"(bound {c.bound_gbps:.2f}, ring {c.ring_gbps:.2f})"
         )
         for tree in c.trees:
             console.print(f"  {tree.weight:.2f} GB/s: " + ", ".join(f"{a}->{b}" for a, b in tree.edges))
     console.print(gantt(plan, cost))
+
+
+def _roots(collective) -> str:
+    roots = [root for root, _ in root_rates(collective.trees)] or [collective.root]
+    return f"root {roots[0]}" if len(roots) == 1 else f"roots {', '.join(roots)}"
 
 
 def gantt(plan: Plan, cost: CostModel, width: int = 72) -> str:

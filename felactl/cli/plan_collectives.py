@@ -21,6 +21,7 @@ from felactl.limits import check_flag
 from felactl.optimizer.collectives import allreduce_rates, allreduce_time_s, plan_collective, ring_allreduce_time_s
 from felactl.optimizer.graph import abbreviate_names
 from felactl.spec import ClusterSpec, Collective, load_cluster
+from felactl.spec.plan import root_rates
 
 
 def resolve_device(cluster: ClusterSpec, token: str) -> str:
@@ -61,7 +62,11 @@ def collective_result(collective: Collective, solve_s: float, cluster: ClusterSp
     result = {
         "devices": list(collective.devices),
         "root": collective.root,
+        "roots": [root for root, _ in root_rates(collective.trees)] or [collective.root],
         "trees": [{"edges": [list(e) for e in tree.edges], "weight": tree.weight} for tree in collective.trees],
+        "reduce_trees": [
+            {"edges": [list(e) for e in tree.edges], "weight": tree.weight} for tree in collective.reduce_trees
+        ],
         "rate_gbps": collective.rate_gbps,
         "bound_gbps": collective.bound_gbps,
         "ring_gbps": collective.ring_gbps,
@@ -73,7 +78,9 @@ def collective_result(collective: Collective, solve_s: float, cluster: ClusterSp
 
 
 def _render(console, result: dict) -> None:
-    table = Table(title=f"allreduce trees of {len(result['devices'])} devices, root {result['root']}")
+    roots = result["roots"]
+    rooted = f"root {roots[0]}" if len(roots) == 1 else f"a part of the sum at each of {', '.join(roots)}"
+    table = Table(title=f"allreduce trees of {len(result['devices'])} devices, {rooted}")
     for column in ("tree", "GB/s", "share", "edges (parent -> child)"):
         table.add_column(column)
     rate = result["rate_gbps"] or 1.0

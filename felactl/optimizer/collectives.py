@@ -111,7 +111,7 @@ from felactl.optimizer.graph import (
 )
 from felactl.optimizer.packing import pack_arborescences, pack_up_and_down
 from felactl.spec.cluster import ClusterSpec
-from felactl.spec.plan import Collective, Tree, deal, tree_piece_bytes
+from felactl.spec.plan import Collective, Tree, deal_by_root, dealt_shares, root_rates, tree_piece_bytes, tree_root
 
 GBPS_TO_BYTES_PER_S = 1e9
 US_TO_S = 1e-6
@@ -342,7 +342,7 @@ def plan_collective(
         rate_gbps=rate,
         bound_gbps=bound,
         ring_gbps=best_ring(cluster, devices)[1],
-        trees=tuple(Tree(edges=_root_first(edges, root), weight=w) for edges, w in trees if w > 0),
+        trees=tuple(Tree(edges=_root_first(edges), weight=w) for edges, w in trees if w > 0),
     )
     collective = _with_reduce_trees(cluster, collective, lambda spec: pack(spec, root))
     if not for_allreduce or len(per_node) > 1:
@@ -364,7 +364,7 @@ def _with_two_way_trees(cluster: ClusterSpec, collective: Collective, min_share:
     if kept is None:  # some link has no way back: only the trees packed each way apply
         return collective
     named = [(tuple((collective.devices[a], collective.devices[b]) for a, b in edges), w) for edges, w in kept.items()]
-    trees = tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in named if w > 0)
+    trees = tuple(Tree(edges=_root_first(edges), weight=w) for edges, w in named if w > 0)
     candidate = dataclasses.replace(collective, trees=trees, reduce_trees=(), rate_gbps=sum(t.weight for t in trees))
     return _faster(cluster, candidate, collective)
 
@@ -423,38 +423,56 @@ def _with_reduce_trees(cluster: ClusterSpec, collective: Collective, pack) -> Co
         return collective
     candidate = dataclasses.replace(
         collective,
-        reduce_trees=tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in trees if w > 0),
+        reduce_trees=tuple(Tree(edges=_root_first(edges), weight=w) for edges, w in trees if w > 0),
     )
     return _faster(cluster, candidate, collective)
 
 
 def _with_trees_packed_up_and_down(cluster: ClusterSpec, collective: Collective) -> Collective:
     """Where links differ by direction: broadcast and reduce trees packed together for the
-    allreduce (``packing.pack_up_and_down``), where they beat the trees in hand; groups up to
-    ``ALLREDUCE_BOUND_MAX_DEVICES`` on one server, at most n trees of each kind (the heaviest)."""
+    allreduce, with a part of the sum at each device (``packing.pack_up_and_down``), where they
+    beat the trees in hand; groups up to ``ALLREDUCE_BOUND_MAX_DEVICES`` on one server, at most n
+    trees of each kind per root (the heaviest, scaled back to carry the root's rate)."""
     devices = collective.devices
     if len(devices) > ALLREDUCE_BOUND_MAX_DEVICES or not collective.trees:
         return collective
     try:
-        down, up, _ = pack_up_and_down(capacity_graph(cluster, devices), collective.root)
+        down, up, rates = pack_up_and_down(capacity_graph(cluster, devices), devices)
     except PlanInfeasible:
         return collective
-
-    def heaviest(trees: dict) -> tuple[Tree, ...]:
-        kept = sorted(trees.items(), key=lambda item: -item[1])[: len(devices)]
-        return tuple(Tree(edges=_root_first(edges, collective.root), weight=w) for edges, w in kept)
-
-    if not down or not up:
+    if not rates:
         return collective
-    trees = heaviest(down)
+    kept_down, kept_up = _heaviest_per_root(down, len(devices)), _heaviest_per_root(up, len(devices))
+    trees, reduce_trees = [], []
+    first = collective.root if collective.root in rates else max(rates, key=rates.get)
+    for root, rate in sorted(rates.items(), key=lambda item: (item[0] != first, -item[1])):
+        for family, out in ((kept_down, trees), (kept_up, reduce_trees)):
+            mine = family[root]
+            carried = sum(mine.values())
+            out += [Tree(edges=_root_first(edges), weight=w * rate / carried) for edges, w in mine.items()]
     candidate = dataclasses.replace(
-        collective, trees=trees, reduce_trees=heaviest(up), rate_gbps=sum(t.weight for t in trees)
+        collective,
+        root=first,
+        trees=tuple(trees),
+        reduce_trees=tuple(reduce_trees),
+        rate_gbps=sum(t.weight for t in trees),
     )
     return _faster(cluster, candidate, collective)
 
 
-def _root_first(edges: tuple, root: str) -> tuple[tuple[str, str], ...]:
-    """The tree's edges in breadth-first order from the root, so a reader sees it grow."""
+def _heaviest_per_root(trees: dict, count: int) -> dict[object, dict]:
+    """The ``count`` heaviest of each root's trees ({edges: weight}), by root."""
+    by_root: dict[object, dict] = {}
+    for edges, weight in sorted(trees.items(), key=lambda item: -item[1]):
+        mine = by_root.setdefault(tree_root(edges), {})
+        if len(mine) < count:
+            mine[edges] = weight
+    return by_root
+
+
+def _root_first(edges: tuple) -> tuple[tuple[str, str], ...]:
+    """The tree's edges in breadth-first order from its root, so a reader sees it grow."""
+    root = tree_root(edges)
     children: dict[str, list[str]] = {}
     for parent, child in edges:
         children.setdefault(parent, []).append(child)
@@ -476,11 +494,12 @@ def _link_loads(collective: Collective) -> dict[tuple[str, str], float]:
     """Share of the data each directed link carries: broadcast down every tree, reduce up the
     reduce trees (child -> parent)."""
     loads: dict[tuple[str, str], float] = {}
+    roots = root_rates(collective.trees)
     for trees, upward in ((collective.trees, False), (_reduce_trees(collective), True)):
-        for tree in trees:
+        for tree, share in zip(trees, _shares(trees, roots)):
             for parent, child in tree.edges:
                 link = (child, parent) if upward else (parent, child)
-                loads[link] = loads.get(link, 0.0) + _share(tree, trees)
+                loads[link] = loads.get(link, 0.0) + share
     return loads
 
 
@@ -530,10 +549,10 @@ def allreduce_throughput_gbps(cluster: ClusterSpec, collective: Collective) -> f
     return throughput
 
 
-def _reach(tree: Tree, root: str, hop) -> float:
-    """The largest sum of ``hop(parent, child)`` over a path from ``root`` down ``tree``."""
-    reach = {root: 0.0}
-    for parent, child in _root_first(tuple(tree.edges), root):
+def _reach(tree: Tree, hop) -> float:
+    """The largest sum of ``hop(parent, child)`` over a path from the root down ``tree``."""
+    reach = {tree.root: 0.0}
+    for parent, child in _root_first(tuple(tree.edges)):
         reach[child] = reach[parent] + hop(parent, child)
     return max(reach.values())
 
@@ -546,7 +565,7 @@ def _deepest_latency_us(cluster: ClusterSpec, collective: Collective, upward: bo
         return (cluster.link(child, parent) if upward else cluster.link(parent, child)).latency_us
 
     trees = _reduce_trees(collective) if upward else collective.trees
-    return max(_reach(tree, collective.root, latency_us) for tree in trees)
+    return max(_reach(tree, latency_us) for tree in trees)
 
 
 def allreduce_time_s(cluster: ClusterSpec, collective: Collective, num_bytes: float) -> float:
@@ -566,10 +585,12 @@ class TreeAllreduceCost:
 
     rate_gbps: float
     latency_s: float
-    up: tuple[tuple[float, float], ...]
-    """(weight, up_T - 1) of each reduce tree."""
-    down: tuple[tuple[float, float], ...]
-    """(weight, down_T) of each broadcast tree."""
+    up: tuple[tuple[str, float, float], ...]
+    """(root, weight, up_T - 1) of each reduce tree."""
+    down: tuple[tuple[str, float, float], ...]
+    """(root, weight, down_T) of each broadcast tree."""
+    roots: tuple[tuple[str, float], ...]
+    """Each root with its broadcast trees' rate: how the pieces are first dealt (``deal_by_root``)."""
 
     @property
     def num_trees(self) -> int:
@@ -580,40 +601,48 @@ class TreeAllreduceCost:
     def piece_hops(self) -> float:
         """max_T (up_T - 1) / f_T + max_T down_T / f_T: the fill in pieces' times at the rate when
         every tree is dealt pieces."""
-        return sum(_fill(trees, range(len(trees))) for trees in (self.up, self.down))
+        return sum(_fill(trees, self.roots, range(len(trees))) for trees in (self.up, self.down))
 
     def seconds(self, num_bytes: float) -> float:
         rate = self.rate_gbps * GBPS_TO_BYTES_PER_S
         piece = tree_piece_bytes(num_bytes, self.num_trees)
         count = math.ceil(num_bytes / piece)
-        transfer_up, fill_up = _dealt_family(self.up, count, piece, num_bytes)
-        transfer_down, fill_down = _dealt_family(self.down, count, piece, num_bytes)
+        transfer_up, fill_up = _dealt_family(self.up, self.roots, count, piece, num_bytes)
+        transfer_down, fill_down = _dealt_family(self.down, self.roots, count, piece, num_bytes)
         return self.latency_s + (max(transfer_up, transfer_down) + (fill_up + fill_down) * piece) / rate
 
 
-def _dealt_family(trees: tuple[tuple[float, float], ...], count: int, piece: int, num_bytes: float):
-    """For one family of trees ((weight, hops) each) and ``count`` pieces dealt to them as the
-    runtime deals (``spec.plan.deal``): the bytes the slowest tree moves over its share f_T (bytes
-    at the whole rate) and the deepest fill in pieces, over the trees dealt any."""
-    total = sum(weight for weight, _ in trees)
-    counts, last = _deal_counts(tuple(weight for weight, _ in trees), count)
+Family = tuple[tuple[str, float, float], ...]
+"""One family of trees, broadcast or reduce: (root, weight, hops) of each."""
+
+
+def _dealt_family(trees: Family, roots: tuple, count: int, piece: int, num_bytes: float) -> tuple[float, float]:
+    """For one family of trees and ``count`` pieces dealt to them as the runtime deals
+    (``spec.plan.deal_by_root``): the bytes the slowest tree moves over its share f_T (bytes at the
+    whole rate) and the deepest fill in pieces, over the trees dealt any."""
+    shares = _family_shares(trees, roots)
+    counts, last = _deal_counts(tuple((root, weight) for root, weight, _ in trees), roots, count)
     short = count * piece - num_bytes  # the last piece is the rest of the buffer
     dealt = [k for k, n in enumerate(counts) if n]
-    transfer = max((counts[k] * piece - (short if k == last else 0)) * total / trees[k][0] for k in dealt)
-    return transfer, _fill(trees, dealt)
+    transfer = max((counts[k] * piece - (short if k == last else 0)) / shares[k] for k in dealt)
+    return transfer, _fill(trees, roots, dealt)
 
 
-def _fill(trees: tuple[tuple[float, float], ...], which) -> float:
+def _fill(trees: Family, roots: tuple, which) -> float:
     """max over the trees ``which`` of hops / f_T: their fill in pieces' times at the whole rate."""
-    total = sum(weight for weight, _ in trees)
-    return max(trees[k][1] * total / trees[k][0] for k in which)
+    shares = _family_shares(trees, roots)
+    return max(trees[k][2] / shares[k] for k in which)
+
+
+def _family_shares(trees: Family, roots: tuple) -> list[float]:
+    return dealt_shares([(root, weight) for root, weight, _ in trees], roots)
 
 
 @functools.lru_cache(maxsize=4096)
-def _deal_counts(weights: tuple[float, ...], count: int) -> tuple[tuple[int, ...], int]:
-    """How many of ``count`` pieces each tree is dealt, and which tree the last goes to."""
-    order = deal(list(weights), count)
-    return tuple(order.count(k) for k in range(len(weights))), order[-1]
+def _deal_counts(trees: tuple, roots: tuple, count: int) -> tuple[tuple[int, ...], int]:
+    """How many of ``count`` pieces each tree ((root, weight)) is dealt, and which tree the last goes to."""
+    order = deal_by_root(trees, roots, count)
+    return tuple(order.count(k) for k in range(len(trees))), order[-1]
 
 
 def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAllreduceCost:
@@ -621,22 +650,22 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
     collective; :meth:`TreeAllreduceCost.seconds` prices N bytes."""
     throughput_gbps = allreduce_throughput_gbps(cluster, collective)  # raises where a link is missing
     fill_us = _deepest_latency_us(cluster, collective) + _deepest_latency_us(cluster, collective, upward=True)
-    up, down, root = _reduce_trees(collective), collective.trees, collective.root
 
     def hops(tree: Tree) -> float:
-        return _reach(tree, root, lambda parent, child: 1.0)
+        return _reach(tree, lambda parent, child: 1.0)
 
     return TreeAllreduceCost(
         throughput_gbps,
         fill_us * US_TO_S,
-        up=tuple((t.weight, hops(t) - 1) for t in up),
-        down=tuple((t.weight, hops(t)) for t in down),
+        up=tuple((t.root, t.weight, hops(t) - 1) for t in _reduce_trees(collective)),
+        down=tuple((t.root, t.weight, hops(t)) for t in collective.trees),
+        roots=tuple(root_rates(collective.trees)),
     )
 
 
-def _share(tree: Tree, trees: Sequence[Tree]) -> float:
-    """f_T: the share of the data ``tree`` carries among ``trees`` (the runtime deals pieces so)."""
-    return tree.weight / sum(t.weight for t in trees)
+def _shares(trees: Sequence[Tree], roots: list) -> list[float]:
+    """f_T of each of ``trees``: the share of the data it carries (the runtime deals pieces so)."""
+    return dealt_shares([(tree.root, tree.weight) for tree in trees], roots)
 
 
 def ring_allreduce_time_s(

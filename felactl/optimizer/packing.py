@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import networkx as nx
 import pulp
@@ -400,52 +401,82 @@ def most_rate_ilp(graph: nx.DiGraph, trees: list[Edges], max_trees: int, two_way
     return {tree: rate[tree].value() for tree in trees if (kept[tree].value() or 0) > 0.5 and rate[tree].value() > 0}
 
 
-def pack_up_and_down(graph: nx.DiGraph, root) -> tuple[dict[Edges, float], dict[Edges, float], float]:
-    """Broadcast trees and reduce trees packed together for an allreduce at the highest rate X,
-    where links differ by direction (two-way packing takes the narrower way for both).
+def pack_up_and_down(
+    graph: nx.DiGraph, roots: Sequence
+) -> tuple[dict[Edges, float], dict[Edges, float], dict[object, float]]:
+    """Broadcast trees and reduce trees packed together for an allreduce at the highest rate,
+    where links differ by direction (two-way packing takes the narrower way for both), with a part
+    of the data summed at each of ``roots``.
 
-    Sets: E the directed links (capacity c_e); D arborescences out of the root (broadcast, down);
-    U arborescences out of the root in the reversed graph (reduce: its edge (p, c) sends c -> p).
-    Variables: w_D, v_U >= 0 (rates), X >= 0. Objective: maximise X.
-    Constraints: (1) sum_D w_D >= X [alpha]; (2) sum_U v_U >= X [beta]; (3) for every link e = (a, b):
-    sum_{D contains e} w_D + sum_{U contains (b, a)} v_U <= c_e [y_e].
-    Column generation: a down tree improves X when its y-length is below alpha, an up tree when its
-    length in the reversed prices is below beta; both prices are minimum-cost arborescences.
-    Returns (down trees, up trees, X); their rates as the LP gives them (each family's shares are
-    its rates over their sum).
+    Sets: E the directed links (capacity c_e); R the roots; for each root r, D_r arborescences out
+    of r (broadcast, down) and U_r arborescences out of r in the reversed graph (reduce: its edge
+    (p, c) sends c -> p). Variables: w_D, v_U >= 0 (rates), X_r >= 0 (the rate summed at r).
+    Objective: maximise sum_r X_r. Constraints: (1) sum_{D_r} w_D >= X_r [alpha_r];
+    (2) sum_{U_r} v_U >= X_r [beta_r]; (3) for every link e = (a, b): sum_{D contains e} w_D +
+    sum_{U contains (b, a)} v_U <= c_e [y_e].
+    Column generation: a down tree from r improves the rate when its y-length is below alpha_r, an
+    up tree into r when its length in the reversed prices is below beta_r; both prices are
+    minimum-cost arborescences.
+
+    Why several roots: from one root every byte of the sum must arrive there and leave from there,
+    so the root's links in and out bound the allreduce (on three devices joined by a ring 8x faster
+    one way round, one root moves 50 where the bound of any allreduce is 67.5). A root per part,
+    as a ring's reduce-scatter and all-gather have, spreads that load over every device and
+    reaches 67.5 there.
+
+    Returns (down trees, up trees, {root: X_r}) with the roots of rate > 0; each root's trees of
+    each kind are scaled to carry exactly X_r (what the LP leaves over is load on no link's
+    behalf), so each tree's share of its family is its rate over their sum.
     """
     reverse = graph.reverse(copy=True)
-    down = warm_start_trees(graph, root)
-    up = warm_start_trees(reverse, root)
+    down = {r: warm_start_trees(graph, r) for r in roots}
+    up = {r: warm_start_trees(reverse, r) for r in roots}
     for _ in range(MAX_PRICING_ROUNDS):
         problem = pulp.LpProblem(f"up_and_down_{next(_names)}", pulp.LpMaximize)
-        x = _variable(problem, "x", lowBound=0)
-        w = {t: _variable(problem, f"w_{i}", lowBound=0) for i, t in enumerate(down)}
-        v = {t: _variable(problem, f"v_{i}", lowBound=0) for i, t in enumerate(up)}
-        problem += x
-        problem += (pulp.lpSum(w.values()) - x >= 0, "c1_down")
-        problem += (pulp.lpSum(v.values()) - x >= 0, "c2_up")
-        loads = {w[t]: frozenset(t) for t in down}  # an up tree's edge (p, c) sends c -> p
-        loads.update({v[t]: frozenset((c, p) for p, c in t) for t in up})
+        x = {r: _variable(problem, f"x_{i}", lowBound=0) for i, r in enumerate(roots)}
+        w = {
+            (r, t): _variable(problem, f"w_{i}_{j}", lowBound=0)
+            for i, r in enumerate(roots)
+            for j, t in enumerate(down[r])
+        }
+        v = {
+            (r, t): _variable(problem, f"v_{i}_{j}", lowBound=0)
+            for i, r in enumerate(roots)
+            for j, t in enumerate(up[r])
+        }
+        problem += pulp.lpSum(x.values())
+        for i, r in enumerate(roots):
+            problem += (pulp.lpSum(w[r, t] for t in down[r]) - x[r] >= 0, f"c1_down_{i}")
+            problem += (pulp.lpSum(v[r, t] for t in up[r]) - x[r] >= 0, f"c2_up_{i}")
+        loads = {var: frozenset(t) for (_, t), var in w.items()}  # an up tree's edge (p, c) sends c -> p
+        loads.update({var: frozenset((c, p) for p, c in t) for (_, t), var in v.items()})
         names = _capacity_rows(problem, graph, loads)
         _solve(problem, "up-and-down packing LP")
         y = {e: max(_dual_price(problem, names[e]), 0.0) if e in names else 0.0 for e in graph.edges}
-        alpha, beta = abs(_dual_price(problem, "c1_down")), abs(_dual_price(problem, "c2_up"))
-        added = False
-        tree = min_cost_arborescence(graph, root, y)
-        if sum(y[e] for e in tree) < alpha - REDUCED_COST_TOLERANCE and tree not in down:
-            down.append(tree)
-            added = True
         priced_up = {(b, a): price for (a, b), price in y.items()}
-        tree = min_cost_arborescence(reverse, root, priced_up)
-        if sum(priced_up[e] for e in tree) < beta - REDUCED_COST_TOLERANCE and tree not in up:
-            up.append(tree)
-            added = True
+        added = False
+        for i, r in enumerate(roots):
+            alpha, beta = abs(_dual_price(problem, f"c1_down_{i}")), abs(_dual_price(problem, f"c2_up_{i}"))
+            tree = min_cost_arborescence(graph, r, y)
+            if sum(y[e] for e in tree) < alpha - REDUCED_COST_TOLERANCE and tree not in down[r]:
+                down[r].append(tree)
+                added = True
+            tree = min_cost_arborescence(reverse, r, priced_up)
+            if sum(priced_up[e] for e in tree) < beta - REDUCED_COST_TOLERANCE and tree not in up[r]:
+                up[r].append(tree)
+                added = True
         if not added:
             break
-    rate = x.value() or 0.0
-    return (
-        {t: var.value() for t, var in w.items() if (var.value() or 0) > CAPACITY_EPS_GBPS},
-        {t: var.value() for t, var in v.items() if (var.value() or 0) > CAPACITY_EPS_GBPS},
-        rate,
-    )
+    rates = {r: x[r].value() or 0.0 for r in roots}
+    rates = {r: rate for r, rate in rates.items() if rate > CAPACITY_EPS_GBPS}
+
+    def scaled(variables: dict) -> dict[Edges, float]:
+        """Each root's trees of one kind scaled to carry X_r (the LP may give them more)."""
+        kept: dict[Edges, float] = {}
+        for r, rate in rates.items():
+            mine = {t: var.value() or 0.0 for (root, t), var in variables.items() if root == r}
+            total = sum(mine.values())
+            kept.update({t: w * rate / total for t, w in mine.items() if w * rate / total > CAPACITY_EPS_GBPS})
+        return kept
+
+    return scaled(w), scaled(v), rates

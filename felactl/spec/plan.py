@@ -201,6 +201,58 @@ def deal(weights: list[float], count: int) -> list[int]:
     return order
 
 
+def _names(roots) -> str:
+    return ", ".join(sorted(str(r) for r in roots))
+
+
+def tree_root(edges: Sequence[Sequence[str]]) -> str | None:
+    """The root of a tree given by its ``[parent, child]`` edges: the one parent that is no one's
+    child (None where there is not exactly one)."""
+    children = {child for _, child in edges}
+    roots = {parent for parent, _ in edges if parent not in children}
+    return next(iter(roots)) if len(roots) == 1 else None
+
+
+def root_rates(trees: Sequence[Tree]) -> list[tuple[str | None, float]]:
+    """Each root of ``trees`` (in order of first appearance) with the rate its trees carry: how the
+    pieces of an allreduce are shared among its roots."""
+    rates: dict[str | None, float] = {}
+    for tree in trees:
+        root = tree_root(tree.edges)
+        rates[root] = rates.get(root, 0.0) + tree.weight
+    return list(rates.items())
+
+
+def dealt_shares(trees: Sequence[tuple[object, float]], roots: Sequence[tuple[object, float]]) -> list[float]:
+    """The share of the data each of ``trees`` ((root, weight) each) carries when pieces are dealt
+    as :func:`deal_by_root` deals them: its root's share of the roots' rate, split among the
+    root's trees by weight."""
+    total = sum(rate for _, rate in roots)
+    rate_of = dict(roots)
+    family: dict[object, float] = {}
+    for root, weight in trees:
+        family[root] = family.get(root, 0.0) + weight
+    return [rate_of.get(root, 0.0) / total * weight / family[root] for root, weight in trees]
+
+
+def deal_by_root(trees: Sequence[tuple[object, float]], roots: Sequence[tuple[object, float]], count: int) -> list[int]:
+    """Which of ``trees`` ((root, weight) each) each of ``count`` pieces goes to, where the pieces
+    are first dealt to the ``roots`` ((root, rate) each, :func:`root_rates` of the broadcast trees),
+    then each root's pieces to that root's trees by weight (:func:`deal` at both levels). The
+    broadcast and the reduce trees are both dealt so, over the same roots, so that a piece goes up
+    and comes down trees of one root, which holds its whole sum in between. With one root this is
+    :func:`deal` over the trees."""
+    to_root = deal([rate for _, rate in roots], count)
+    dealt = []
+    for i, (root, _) in enumerate(roots):
+        members = [k for k, (tree_root_, _) in enumerate(trees) if tree_root_ == root]
+        share = to_root.count(i)
+        if share and not members:
+            raise ValueError(f"pieces are dealt to root {root!r}, which has no tree of this kind")
+        dealt.append(iter([members[j] for j in deal([trees[k][1] for k in members], share)]))
+    return [next(dealt[i]) for i in to_root]
+
+
 FIRST_BUCKET_BYTES = 1 << 20
 """The first gradient bucket closes at this many bytes (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``): the
 last layers' gradients start their sum while backward still runs through the others."""
@@ -227,7 +279,7 @@ def gradient_buckets(sizes: Sequence[int]) -> list[int]:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Tree:
     edges: tuple[tuple[str, ...], ...]
-    """Directed edges ``[parent, child]`` of a spanning arborescence rooted at the group's root."""
+    """Directed edges ``[parent, child]`` of a spanning arborescence of the group's devices."""
     weight: float
     """Rate this tree carries, GB/s."""
 
@@ -237,6 +289,11 @@ class Tree:
             if len(edge) != 2:
                 raise FieldProblem(f"edges[{i}]", f"an edge is [parent, child], got {list(edge)}")
 
+    @property
+    def root(self) -> str | None:
+        """The device the tree grows from (:func:`tree_root`)."""
+        return tree_root(self.edges)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Collective:
@@ -244,12 +301,16 @@ class Collective:
     """What the group synchronises, e.g. ``stage0``."""
     devices: tuple[str, ...]
     root: str
+    """The root of the (first) broadcast tree. Trees packed for an allreduce where links differ by
+    direction may grow from several roots, as a ring's reduce-scatter and all-gather give every
+    device a part of the sum: each root's pieces go up its reduce trees and down its broadcast
+    trees, shared among the roots by the rate of their broadcast trees (:func:`deal_by_root`)."""
     trees: tuple[Tree, ...] = ()
     reduce_trees: tuple[Tree, ...] = ()
     """Trees the reduce runs up, where the graph is asymmetric enough that trees packed for that
-    direction beat reversing ``trees``: arborescences rooted at ``root`` written ``[parent, child]``
-    as ``trees`` are, but the data flows child -> parent (over the link child -> parent). Empty:
-    the reduce runs up ``trees`` reversed."""
+    direction beat reversing ``trees``: arborescences written ``[parent, child]`` as ``trees`` are,
+    each rooted where some broadcast tree is, but the data flows child -> parent (over the link
+    child -> parent). Empty: the reduce runs up ``trees`` reversed."""
     rate_gbps: float
     """Broadcast rate of the packed trees, GB/s."""
     bound_gbps: float
@@ -269,6 +330,15 @@ class Collective:
                 for e, (a, b) in enumerate(tree.edges):
                     if a not in members or b not in members:
                         raise FieldProblem(f"{key}[{t}].edges[{e}]", f"edge {a} -> {b} leaves the group")
+        if self.reduce_trees:
+            down = {tree.root for tree in self.trees}
+            up = {tree.root for tree in self.reduce_trees}
+            if down != up:  # a piece dealt to a root must have a way up to it and a way down from it
+                raise FieldProblem(
+                    "reduce_trees",
+                    f"rooted at {_names(up)} where the broadcast trees are rooted at {_names(down)}: "
+                    "each root needs trees both ways",
+                )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,12 +1,13 @@
 """Allreduce along the plan's packed spanning trees (Blink), over torch.distributed point-to-point.
 
-The planner packs weighted broadcast trees rooted at one device of each stage group
-(``plan.collectives``; felactl.optimizer.collectives) and predicts the stage's sync time as a
-pipelined reduce + broadcast at the trees' rate. This module runs exactly that: the flat buffer is
-cut into pieces (:func:`felactl.spec.plan.tree_piece_bytes`), the pieces are dealt to the trees in proportion to their
-weights (each tree's share of the packed rate), and each piece is summed up its reduce tree to the
-root (children first, each parent adds what its children send) and sent back down its broadcast
-tree. The pieces stream: every tree and direction is a walk of its own (a thread, and a tag of its
+The planner packs weighted broadcast trees for each stage group, rooted at one device of it or,
+where links differ by direction, at several (``plan.collectives``; felactl.optimizer.collectives),
+and predicts the stage's sync time as a pipelined reduce + broadcast at the trees' rate. This
+module runs exactly that: the flat buffer is cut into pieces
+(:func:`felactl.spec.plan.tree_piece_bytes`), the pieces are dealt to the roots and each root's to
+its trees in proportion to their weights (:func:`felactl.spec.plan.deal_by_root`), and each piece
+is summed up a reduce tree to its root (children first, each parent adds what its children send)
+and sent back down a broadcast tree of that root. The pieces stream: every tree and direction is a walk of its own (a thread, and a tag of its
 own, since gloo matches a message by sender and tag), which posts its receives :data:`WINDOW`
 pieces ahead and never waits for a send; so while piece p climbs a tree, the pieces before it
 descend, every tree moves at its own pace and each link carries data both ways. (In one thread, a
@@ -17,7 +18,8 @@ direction over all trees, a piece late on one tree held up the other trees' piec
 Deadlock-free by construction: each walk takes its tree's pieces in one order on every rank and
 only ever blocks on a receive, whose matching send is issued by a rank further along the same walk
 (deeper in the reduce tree, nearer the root in the broadcast tree); the root's broadcast of a piece
-waits only for its own reduce of it. Messages between two ranks keep their order per tag.
+waits only for its own reduce of it (a piece's reduce and broadcast trees share their root).
+Messages between two ranks keep their order per tag.
 
 Why not the backend's allreduce: gloo's ring crosses every link of its rank order, thin ones
 included, and sends 2(n-1)/n of the data over each; the trees route around thin links
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.spec import Plan
-from felactl.spec.plan import TREE_PIECE_BYTES, deal, tree_piece_bytes
+from felactl.spec.plan import TREE_PIECE_BYTES, deal_by_root, tree_piece_bytes
 
 WINDOW = 8
 """How many pieces ahead each walk posts its receives (a reduce walk's buffers: WINDOW x children
@@ -55,6 +57,8 @@ class _Tree:
     parent: int | None
     """This rank's parent in the tree (None at the root)."""
     children: tuple[int, ...]
+    root: int = 0
+    """The tree's root (a rank): pieces dealt to a root go up and down trees of that root."""
 
 
 class TreeAllreduce:
@@ -73,6 +77,7 @@ class TreeAllreduce:
     ):
         self.trees, self.group, self.size = trees, group, size
         self.reduce_trees = reduce_trees or trees
+        self.roots = _root_rates(trees)
         self.piece_bytes = piece_bytes
         self._process_group = group if group is not None else dist.group.WORLD
         self._group_rank = _GroupRanks(group)
@@ -86,13 +91,13 @@ class TreeAllreduce:
         if flat.numel() == 0:
             return flat
         pieces = self._pieces(flat)
-        summed = [threading.Event() for _ in pieces]  # at the root: piece p's sum is complete
+        summed = [threading.Event() for _ in pieces]  # at its root: piece p's sum is complete
         walks = [
             functools.partial(self._reduce, pieces, order, tree, _tag(k, up=True), summed)
-            for k, (tree, order) in enumerate(_walks(self.reduce_trees, len(pieces)))
+            for k, (tree, order) in enumerate(_walks(self.reduce_trees, self.roots, len(pieces)))
         ] + [
             functools.partial(self._broadcast, pieces, order, tree, _tag(k, up=False), summed)
-            for k, (tree, order) in enumerate(_walks(self.trees, len(pieces)))
+            for k, (tree, order) in enumerate(_walks(self.trees, self.roots, len(pieces)))
         ]
         failure: list[BaseException] = []
 
@@ -187,10 +192,19 @@ class _GroupRanks:
         return self.ranks[rank]
 
 
-def _walks(trees: list[_Tree], count: int) -> list[tuple[_Tree, list[int]]]:
-    """Each tree with the pieces dealt to it (in order); trees dealt none are left out."""
+def _root_rates(trees: list[_Tree]) -> list[tuple[int, float]]:
+    """Each root of the broadcast trees with their rate (as ``spec.plan.root_rates``)."""
+    rates: dict[int, float] = {}
+    for tree in trees:
+        rates[tree.root] = rates.get(tree.root, 0.0) + tree.weight
+    return list(rates.items())
+
+
+def _walks(trees: list[_Tree], roots: list[tuple[int, float]], count: int) -> list[tuple[_Tree, list[int]]]:
+    """Each tree with the pieces dealt to it (in order; ``spec.plan.deal_by_root``, the same
+    roots for both directions); trees dealt none are left out."""
     orders: list[list[int]] = [[] for _ in trees]
-    for p, k in enumerate(deal([t.weight for t in trees], count)):
+    for p, k in enumerate(deal_by_root([(t.root, t.weight) for t in trees], roots, count)):
         orders[k].append(p)
     return [(tree, order) for tree, order in zip(trees, orders) if order]
 
@@ -231,11 +245,12 @@ def stage_trees(plan: Plan, stage: int, rank: int, group) -> TreeAllreduce | Non
     for packed in (collective.trees, collective.reduce_trees):
         trees = []
         for tree in packed:
-            if not _spans(tree.edges, collective.root, devices) or tree.weight <= 0:
+            if tree.root is None or not _spans(tree.edges, tree.root, devices) or tree.weight <= 0:
                 return None  # not a spanning arborescence of this group: a receive would never be matched
             parent = next((a for a, b in tree.edges if b == me), None)
             children = tuple(plan.rank_of(b) for a, b in tree.edges if a == me)
-            trees.append(_Tree(tree.weight, None if parent is None else plan.rank_of(parent), children))
+            parent_rank = None if parent is None else plan.rank_of(parent)
+            trees.append(_Tree(tree.weight, parent_rank, children, plan.rank_of(tree.root)))
         built.append(trees)
     return TreeAllreduce(built[0], group, len(devices), reduce_trees=built[1])
 
