@@ -49,15 +49,23 @@ is faster (then ``rate_gbps``, their broadcast rate, is below ``bound_gbps``, th
 Where links are as wide both ways, the two-way LP optimum is Nash-Williams' bound of spanning
 tree packing, which equals the bound of any allreduce (``graph.allreduce_bound``). Where links
 differ by direction, broadcast and reduce trees are packed together instead, in one LP whose
-objective is the allreduce's rate (``packing.pack_up_and_down``), kept where faster. Both are
-tried for one server's groups of up to ``ALLREDUCE_BOUND_MAX_DEVICES``; ``for_allreduce=False``
-keeps the broadcast's packing.
+objective is the allreduce's rate (``packing.pack_up_and_down``), kept where faster. There every
+device sums a part of the data, as a ring's reduce-scatter and all-gather do: from one root every
+byte arrives at and leaves from the root, whose links then bound the allreduce (three devices
+ringed 80 one way and 10 back: 50 from one root, 67.5 with a root per part, the bound), so each
+device roots trees of both kinds, with its own rate. That LP leaves out link directions much
+thinner than their way back (``_without_acknowledgement_links``): they carry the wide way's
+acknowledgements, which bulk data on them delays. Both are tried for one server's groups of up
+to ``ALLREDUCE_BOUND_MAX_DEVICES``; ``for_allreduce=False`` keeps the broadcast's packing.
 
 **Times** (bytes N; rates in GB/s = 1e9 bytes/s; latencies in microseconds):
 
 - Tree allreduce = reduce up the reduce trees (the broadcast trees reversed where there are none
   of its own), pipelined with the broadcast down the trees (chunks flow continuously, data split
-  across trees by w_T / R). Link (a, b) then carries the share f_T = w_T / R of every broadcast
+  across trees by w_T / R; with several roots, first across the roots by their broadcast trees'
+  rates, then each root's across its trees, ``spec.plan.deal_by_root``, whose long-run shares
+  f_T, ``spec.plan.dealt_shares``, are w_T / R for the broadcast trees). Link (a, b) then carries
+  the share f_T of every broadcast
   tree using (a, b) and the share of every reduce tree whose edge (b, a) sends child a to parent b:
   load(a, b) = sum_{T: (a,b) in T} f_T + sum_{T' reduce: (b,a) in T'} f_T'. The allreduce moves
   X = min( min_links c_ab / load(a, b), min_servers NIC / (cross-server load out or in) ) GB/s
@@ -437,7 +445,7 @@ def _with_trees_packed_up_and_down(cluster: ClusterSpec, collective: Collective)
     if len(devices) > ALLREDUCE_BOUND_MAX_DEVICES or not collective.trees:
         return collective
     try:
-        down, up, rates = pack_up_and_down(capacity_graph(cluster, devices), devices)
+        down, up, rates = pack_up_and_down(_without_acknowledgement_links(capacity_graph(cluster, devices)), devices)
     except PlanInfeasible:
         return collective
     if not rates:
@@ -458,6 +466,33 @@ def _with_trees_packed_up_and_down(cluster: ClusterSpec, collective: Collective)
         rate_gbps=sum(t.weight for t in trees),
     )
     return _faster(cluster, candidate, collective)
+
+
+ACKNOWLEDGEMENT_LINK_RATIO = 4.0
+"""A link direction this many times thinner than its way back is left to the acknowledgements of
+the data coming the other way (below)."""
+
+
+def _without_acknowledgement_links(graph: nx.DiGraph) -> nx.DiGraph:
+    """``graph`` without the link directions :data:`ACKNOWLEDGEMENT_LINK_RATIO` times thinner than
+    their reverse, where what is left still joins every device both ways.
+
+    Why: a transfer over a link is acknowledged over its reverse (TCP's acknowledgements, gloo's
+    ready-to-receive notes), behind whatever data that reverse has queued, and a thin link's queue
+    is long in time. On the asymmetric testbed (80 one way round the ring, 10 back) the trees
+    that also loaded the thin ways (67.5 priced, the bound) measured 0.59 of it; without them
+    (60 priced) 0.78-0.88, as priced (BENCHMARKS.md, "Trees at run time", twelfth session). The
+    classic lesson of asymmetric access links: a saturated uplink starves the downlink."""
+    thin = [
+        (a, b)
+        for a, b, data in graph.edges(data=True)
+        if graph.has_edge(b, a) and data["capacity"] * ACKNOWLEDGEMENT_LINK_RATIO < graph.edges[b, a]["capacity"]
+    ]
+    if not thin:
+        return graph
+    kept = graph.copy()
+    kept.remove_edges_from(thin)
+    return kept if nx.is_strongly_connected(kept) else graph
 
 
 def _heaviest_per_root(trees: dict, count: int) -> dict[object, dict]:
