@@ -218,3 +218,23 @@ def test_specs_built_in_code_are_checked_too(bad):
         LayerTiming(device_model="cpu", micro_batch=1, fwd_ms=bad, bwd_ms=0.1)
     with pytest.raises(FieldProblem, match="bandwidth_gbps"):
         Link(src="a", dst="b", bandwidth_gbps=bad, latency_us=1.0, type=LinkType.NET)
+
+
+def test_a_plan_whose_reduce_trees_grow_from_other_roots_than_its_broadcast_trees_is_refused(tmp_path):
+    """Pieces dealt to a root go up that root's reduce trees and down its broadcast trees: a root
+    with trees one way only would leave its pieces unsummed or never sent back."""
+    from felactl.spec.codec import FieldProblem
+
+    chain = Tree(edges=(("a", "b"), ("b", "c")), weight=1.0)
+    into_b = Tree(edges=(("b", "a"), ("a", "c")), weight=1.0)
+    with pytest.raises(FieldProblem, match="rooted at b where the broadcast trees are rooted at a"):
+        Collective(
+            group="g", devices=("a", "b", "c"), root="a", trees=(chain,), reduce_trees=(into_b,),
+            rate_gbps=1.0, bound_gbps=1.0, ring_gbps=1.0,
+        )  # fmt: skip
+    rooted = Collective(
+        group="g", devices=("a", "b", "c"), root="a", trees=(chain, Tree(edges=(("b", "c"), ("c", "a")), weight=2.0)),
+        reduce_trees=(into_b, Tree(edges=(("a", "c"), ("c", "b")), weight=2.0)),
+        rate_gbps=3.0, bound_gbps=3.0, ring_gbps=1.0,
+    )  # fmt: skip
+    assert [t.root for t in rooted.trees] == ["a", "b"]

@@ -18,7 +18,7 @@ from felactl.agents.worker.metrics import read_metrics
 from felactl.agents.worker.sync.trees import WINDOW, stage_trees
 from felactl.profiling.data_parallel import reap
 from felactl.spec import Collective, Tree
-from felactl.spec.plan import TREE_PIECE_BYTES, deal
+from felactl.spec.plan import TREE_PIECE_BYTES, deal, deal_by_root, dealt_shares, root_rates
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _worker_helpers import dp_plan, final_params, pipeline_plan, reference_params, run_plan  # noqa: E402
@@ -176,6 +176,23 @@ def test_pieces_are_dealt_to_the_trees_by_weight_in_every_prefix():
     for k in range(1, 10):  # every prefix within one piece of 2 : 1
         assert abs(order[:k].count(0) - 2 * k / 3) <= 1
     assert deal([1.0], 3) == [0, 0, 0] and deal([0.5, 0.5], 0) == []
+
+
+def test_pieces_go_up_and_down_trees_of_one_root_shared_by_the_roots_rates():
+    """With several roots each piece is summed at one of them: its reduce tree and its broadcast
+    tree must share that root, whatever the two families' weights within it."""
+    broadcast = [("a", 1.0), ("a", 0.5), ("b", 2.0), ("c", 3.0)]
+    reduce = [("a", 1.5), ("b", 1.0), ("b", 1.0), ("c", 3.0)]
+    roots = root_rates([Tree(edges=((r, "x"),), weight=w) for r, w in broadcast])
+    assert roots == [("a", 1.5), ("b", 2.0), ("c", 3.0)]
+    down, up = deal_by_root(broadcast, roots, 65), deal_by_root(reduce, roots, 65)
+    assert [broadcast[k][0] for k in down] == [reduce[k][0] for k in up]
+    assert [broadcast[k][0] for k in down].count("c") == 30  # 3 / 6.5 of 65
+    assert down.count(0) == 10 and down.count(1) == 5 and up.count(1) == up.count(2) == 10  # within a root, by weight
+    assert dealt_shares(reduce, roots) == pytest.approx([1.5 / 6.5, 1 / 6.5, 1 / 6.5, 3 / 6.5])
+    assert deal_by_root(broadcast[:1], [("a", 1.0)], 4) == deal([1.0], 4)  # one root: the plain deal
+    with pytest.raises(ValueError, match="root 'b'"):
+        deal_by_root([("a", 1.0)], [("a", 1.0), ("b", 1.0)], 2)
 
 
 def test_nccl_groups_keep_their_backend_s_allreduce(monkeypatch):
