@@ -451,3 +451,39 @@ def test_a_buffer_of_few_pieces_pays_only_for_the_trees_it_is_dealt_to():
     # every tree dealt its share: the whole rate, and the deep tree's fill (1 and 2 hops at 4x)
     big = 64 * 2**20
     assert cost.seconds(big) == pytest.approx((big + (1 * 4 + 2 * 4) * tree_piece_bytes(big, 2)) / rate)
+
+
+def test_each_root_s_reduce_trees_carry_its_share_of_the_pieces_whatever_their_weights_add_to():
+    """The runtime deals a root the pieces its broadcast trees' rate gives it, then sends them up
+    that root's reduce trees: a reduce tree's load is its root's share, not its weight over all
+    reduce trees' (which would price this collective at 80 / 1.5 instead of 80 / 1.75)."""
+    ring = _ring_of_three(80.0, 10.0)
+    collective = Collective(
+        group="g",
+        devices=("a", "b", "c"),
+        root="a",
+        trees=(Tree(edges=(("a", "b"), ("b", "c")), weight=3.0), Tree(edges=(("b", "c"), ("c", "a")), weight=1.0)),
+        reduce_trees=(  # data b -> c -> a into a, c -> a -> b into b: equal weights, unequal shares
+            Tree(edges=(("a", "c"), ("c", "b")), weight=10.0),
+            Tree(edges=(("b", "a"), ("a", "c")), weight=10.0),
+        ),
+        rate_gbps=4.0,
+        bound_gbps=4.0,
+        ring_gbps=80.0,
+    )
+    # b -> c carries a's broadcast (3/4), b's (1/4) and a's reduce (3/4)
+    assert allreduce_throughput_gbps(ring, collective) == pytest.approx(80.0 / 1.75)
+
+
+def test_a_thin_way_that_is_the_only_way_back_is_kept():
+    pair = ClusterSpec(
+        name="hand",
+        nodes=(Node(name="n", devices=FRAGMENT.nodes[0].devices[:2]),),
+        links=(
+            Link(src="g0", dst="g1", bandwidth_gbps=10.0, latency_us=1.0, type=LinkType.PCIE),
+            Link(src="g1", dst="g0", bandwidth_gbps=1.0, latency_us=1.0, type=LinkType.PCIE),
+        ),
+    )
+    collective = plan_collective(pair, ["g0", "g1"])
+    assert_valid(pair, collective)
+    assert allreduce_throughput_gbps(pair, collective) == pytest.approx(1.0)  # each byte crosses each way

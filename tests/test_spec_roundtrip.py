@@ -238,3 +238,12 @@ def test_a_plan_whose_reduce_trees_grow_from_other_roots_than_its_broadcast_tree
         rate_gbps=3.0, bound_gbps=3.0, ring_gbps=1.0,
     )  # fmt: skip
     assert [t.root for t in rooted.trees] == ["a", "b"]
+
+
+def test_a_tree_must_grow_from_one_root():
+    from felactl.spec.codec import FieldProblem
+
+    with pytest.raises(FieldProblem, match="one root"):
+        Tree(edges=(("a", "b"), ("b", "a")), weight=1.0)
+    with pytest.raises(FieldProblem, match="one root"):
+        Tree(edges=(("a", "b"), ("c", "d")), weight=1.0)

@@ -183,7 +183,7 @@ def test_pieces_go_up_and_down_trees_of_one_root_shared_by_the_roots_rates():
     tree must share that root, whatever the two families' weights within it."""
     broadcast = [("a", 1.0), ("a", 0.5), ("b", 2.0), ("c", 3.0)]
     reduce = [("a", 1.5), ("b", 1.0), ("b", 1.0), ("c", 3.0)]
-    roots = root_rates([Tree(edges=((r, "x"),), weight=w) for r, w in broadcast])
+    roots = root_rates(broadcast)
     assert roots == [("a", 1.5), ("b", 2.0), ("c", 3.0)]
     down, up = deal_by_root(broadcast, roots, 65), deal_by_root(reduce, roots, 65)
     assert [broadcast[k][0] for k in down] == [reduce[k][0] for k in up]

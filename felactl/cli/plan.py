@@ -28,7 +28,6 @@ from felactl.optimizer.planner import (
 )
 from felactl.optimizer.simulator import simulate
 from felactl.spec import DeviceKind, Plan, SyncMode, load_cluster, load_model, save
-from felactl.spec.plan import root_rates
 
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
@@ -139,7 +138,7 @@ def _render_explain(console, plan: Plan, cost: CostModel) -> None:
 
 
 def _roots(collective) -> str:
-    roots = [root for root, _ in root_rates(collective.trees)] or [collective.root]
+    roots = collective.roots
     return f"root {roots[0]}" if len(roots) == 1 else f"roots {', '.join(roots)}"
 
 

@@ -21,7 +21,6 @@ from felactl.limits import check_flag
 from felactl.optimizer.collectives import allreduce_rates, allreduce_time_s, plan_collective, ring_allreduce_time_s
 from felactl.optimizer.graph import abbreviate_names
 from felactl.spec import ClusterSpec, Collective, load_cluster
-from felactl.spec.plan import root_rates
 
 
 def resolve_device(cluster: ClusterSpec, token: str) -> str:
@@ -62,7 +61,7 @@ def collective_result(collective: Collective, solve_s: float, cluster: ClusterSp
     result = {
         "devices": list(collective.devices),
         "root": collective.root,
-        "roots": [root for root, _ in root_rates(collective.trees)] or [collective.root],
+        "roots": collective.roots,
         "trees": [{"edges": [list(e) for e in tree.edges], "weight": tree.weight} for tree in collective.trees],
         "reduce_trees": [
             {"edges": [list(e) for e in tree.edges], "weight": tree.weight} for tree in collective.reduce_trees
@@ -87,6 +86,9 @@ def _render(console, result: dict) -> None:
     for i, tree in enumerate(result["trees"]):
         edges = ", ".join(f"{a}->{b}" for a, b in tree["edges"])
         table.add_row(str(i), f"{tree['weight']:.2f}", f"{tree['weight'] / rate:.1%}", edges)
+    for i, tree in enumerate(result["reduce_trees"]):  # the data flows child -> parent
+        edges = ", ".join(f"{b}->{a}" for a, b in tree["edges"])
+        table.add_row(f"reduce {i}", f"{tree['weight']:.2f}", "", f"up: {edges}")
     console.print(table)
     ring, ring_allreduce, allreduce = result["ring_gbps"], result["ring_allreduce_gbps"], result["allreduce_gbps"]
     if allreduce is not None:
@@ -120,7 +122,12 @@ def collectives(
         ),
     ] = None,
     root: Annotated[
-        str | None, typer.Option("--root", help="Root device (name or index) [the one with the largest min-cut bound].")
+        str | None,
+        typer.Option(
+            "--root",
+            help="Root device (name or index) [the one with the largest min-cut bound]. Where links "
+            "differ by direction every device may root a part of the sum; this one comes first.",
+        ),
     ] = None,
     min_share: Annotated[
         float, typer.Option("--min-share", help="Keep the fewest trees holding this share of the packed rate.")

@@ -76,7 +76,7 @@ to ``ALLREDUCE_BOUND_MAX_DEVICES``; ``for_allreduce=False`` keeps the broadcast'
   depth in hops. A tree moves its pieces through its links at f_T X as a flow shop: the last piece
   reaches the root (up_T - 1) pieces' time after the reduce's last send from a deepest leaf, then
   takes down_T hops to the deepest leaf. The pieces are dealt to the trees as the runtime deals
-  them (``spec.plan.deal``), and both maxima, and N / X, run over the trees dealt any: a buffer of
+  them (``spec.plan.deal_by_root``), and both maxima, and N / X, run over the trees dealt any: a buffer of
   a few pieces leaves light trees none, and its time is then the slowest dealt tree's bytes at
   f_T X (``TreeAllreduceCost.seconds``). (Measured on the fragment testbed: 16 MiB over 2 trees in
   1 MiB pieces took 0.41 s where N / X alone priced 0.22.)
@@ -439,33 +439,77 @@ def _with_reduce_trees(cluster: ClusterSpec, collective: Collective, pack) -> Co
 def _with_trees_packed_up_and_down(cluster: ClusterSpec, collective: Collective) -> Collective:
     """Where links differ by direction: broadcast and reduce trees packed together for the
     allreduce, with a part of the sum at each device (``packing.pack_up_and_down``), where they
-    beat the trees in hand; groups up to ``ALLREDUCE_BOUND_MAX_DEVICES`` on one server, at most n
-    trees of each kind per root (the heaviest, scaled back to carry the root's rate)."""
+    beat the trees in hand, or where those load a link left to acknowledgements
+    (:func:`_without_acknowledgement_links`) and these do not, where they beat those at the rate
+    such trees measured (:data:`ACKNOWLEDGED_RATE_MEASURED` of their links' rate). Groups up to
+    ``ALLREDUCE_BOUND_MAX_DEVICES`` on one server."""
     devices = collective.devices
     if len(devices) > ALLREDUCE_BOUND_MAX_DEVICES or not collective.trees:
         return collective
+    graph = capacity_graph(cluster, devices)
+    packed_on = _without_acknowledgement_links(graph)
     try:
-        down, up, rates = pack_up_and_down(_without_acknowledgement_links(capacity_graph(cluster, devices)), devices)
+        down, up, rates = pack_up_and_down(packed_on, devices)
     except PlanInfeasible:
         return collective
-    if not rates:
+    trees, reduce_trees = _fewest_per_kind(down, up, rates, TREES_PER_DEVICE * len(devices))
+    if not trees:
         return collective
-    kept_down, kept_up = _heaviest_per_root(down, len(devices)), _heaviest_per_root(up, len(devices))
-    trees, reduce_trees = [], []
-    first = collective.root if collective.root in rates else max(rates, key=rates.get)
-    for root, rate in sorted(rates.items(), key=lambda item: (item[0] != first, -item[1])):
-        for family, out in ((kept_down, trees), (kept_up, reduce_trees)):
-            mine = family[root]
-            carried = sum(mine.values())
-            out += [Tree(edges=_root_first(edges), weight=w * rate / carried) for edges, w in mine.items()]
+    roots = [t.root for t in trees]
+    first = collective.root if collective.root in roots else roots[0]
     candidate = dataclasses.replace(
         collective,
         root=first,
-        trees=tuple(trees),
+        trees=tuple(sorted(trees, key=lambda t: t.root != first)),
         reduce_trees=tuple(reduce_trees),
         rate_gbps=sum(t.weight for t in trees),
     )
+    if packed_on is not graph and _loads_any(collective, set(graph.edges) - set(packed_on.edges)):
+        slowed = _x_or_zero(cluster, collective) * ACKNOWLEDGED_RATE_MEASURED
+        return candidate if _x_or_zero(cluster, candidate) > slowed else collective
     return _faster(cluster, candidate, collective)
+
+
+ACKNOWLEDGED_RATE_MEASURED = 0.6
+"""What trees that load a link left to acknowledgements measured of their priced rate: 0.57-0.59
+on the asymmetric testbed at 16-256 MiB (BENCHMARKS.md, "Trees at run time", twelfth session).
+One testbed's number, used only to choose between such trees and trees that avoid those links."""
+
+TREES_PER_DEVICE = 2
+"""At most this many trees of each kind per device of the group with several roots (one root: n)."""
+
+MIN_ROOT_SHARE = 1e-3
+"""Roots whose part of the packed rate is below this are left out (the LP's crumbs)."""
+
+
+def _fewest_per_kind(down: dict, up: dict, rates: dict, count: int) -> tuple[list[Tree], list[Tree]]:
+    """At most ``count`` trees of each kind (the heaviest: each is a walk and a thread at run
+    time, and more trees cut the pieces smaller), over the roots that keep trees of
+    both kinds; each root's trees of each kind scaled to carry the same rate, the least of the
+    two kinds' kept rates there (a root's pieces go up one kind and down the other)."""
+    total = sum(rates.values())
+    kept = {root for root, rate in rates.items() if rate >= MIN_ROOT_SHARE * total}
+
+    def heaviest(family: dict) -> dict[object, dict]:
+        by_root: dict[object, dict] = {}
+        for edges, weight in sorted(family.items(), key=lambda item: -item[1])[:count]:
+            if tree_root(edges) in kept:
+                by_root.setdefault(tree_root(edges), {})[edges] = weight
+        return by_root
+
+    kept_down, kept_up = heaviest(down), heaviest(up)
+    trees, reduce_trees = [], []
+    for root in sorted(set(kept_down) & set(kept_up), key=lambda r: -rates[r]):
+        rate = min(sum(kept_down[root].values()), sum(kept_up[root].values()))
+        for family, out in ((kept_down[root], trees), (kept_up[root], reduce_trees)):
+            carried = sum(family.values())
+            out += [Tree(edges=_root_first(edges), weight=w * rate / carried) for edges, w in family.items()]
+    return trees, reduce_trees
+
+
+def _loads_any(collective: Collective, links: set) -> bool:
+    """Whether the collective's broadcast or reduce sends data over any of ``links``."""
+    return any(link in links for link in _link_loads(collective))
 
 
 ACKNOWLEDGEMENT_LINK_RATIO = 4.0
@@ -495,19 +539,11 @@ def _without_acknowledgement_links(graph: nx.DiGraph) -> nx.DiGraph:
     return kept if nx.is_strongly_connected(kept) else graph
 
 
-def _heaviest_per_root(trees: dict, count: int) -> dict[object, dict]:
-    """The ``count`` heaviest of each root's trees ({edges: weight}), by root."""
-    by_root: dict[object, dict] = {}
-    for edges, weight in sorted(trees.items(), key=lambda item: -item[1]):
-        mine = by_root.setdefault(tree_root(edges), {})
-        if len(mine) < count:
-            mine[edges] = weight
-    return by_root
-
-
 def _root_first(edges: tuple) -> tuple[tuple[str, str], ...]:
     """The tree's edges in breadth-first order from its root, so a reader sees it grow."""
     root = tree_root(edges)
+    if root is None and edges:
+        raise PlanInfeasible(f"not a tree grown from one root: {list(edges)}")
     children: dict[str, list[str]] = {}
     for parent, child in edges:
         children.setdefault(parent, []).append(child)
@@ -529,7 +565,7 @@ def _link_loads(collective: Collective) -> dict[tuple[str, str], float]:
     """Share of the data each directed link carries: broadcast down every tree, reduce up the
     reduce trees (child -> parent)."""
     loads: dict[tuple[str, str], float] = {}
-    roots = root_rates(collective.trees)
+    roots = root_rates([(t.root, t.weight) for t in collective.trees])
     for trees, upward in ((collective.trees, False), (_reduce_trees(collective), True)):
         for tree, share in zip(trees, _shares(trees, roots)):
             for parent, child in tree.edges:
@@ -694,7 +730,7 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
         fill_us * US_TO_S,
         up=tuple((t.root, t.weight, hops(t) - 1) for t in _reduce_trees(collective)),
         down=tuple((t.root, t.weight, hops(t)) for t in collective.trees),
-        roots=tuple(root_rates(collective.trees)),
+        roots=tuple(root_rates([(t.root, t.weight) for t in collective.trees])),
     )
 
 

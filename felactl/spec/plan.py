@@ -213,13 +213,13 @@ def tree_root(edges: Sequence[Sequence[str]]) -> str | None:
     return next(iter(roots)) if len(roots) == 1 else None
 
 
-def root_rates(trees: Sequence[Tree]) -> list[tuple[str | None, float]]:
-    """Each root of ``trees`` (in order of first appearance) with the rate its trees carry: how the
-    pieces of an allreduce are shared among its roots."""
-    rates: dict[str | None, float] = {}
-    for tree in trees:
-        root = tree_root(tree.edges)
-        rates[root] = rates.get(root, 0.0) + tree.weight
+def root_rates(trees: Sequence[tuple[object, float]]) -> list[tuple[object, float]]:
+    """Each root of ``trees`` ((root, weight) each), in order of first appearance, with the rate
+    its trees carry: how the pieces of an allreduce are shared among its roots (the broadcast
+    trees'; :func:`deal_by_root`)."""
+    rates: dict[object, float] = {}
+    for root, weight in trees:
+        rates[root] = rates.get(root, 0.0) + weight
     return list(rates.items())
 
 
@@ -229,10 +229,11 @@ def dealt_shares(trees: Sequence[tuple[object, float]], roots: Sequence[tuple[ob
     root's trees by weight."""
     total = sum(rate for _, rate in roots)
     rate_of = dict(roots)
-    family: dict[object, float] = {}
-    for root, weight in trees:
-        family[root] = family.get(root, 0.0) + weight
-    return [rate_of.get(root, 0.0) / total * weight / family[root] for root, weight in trees]
+    family = dict(root_rates(trees))
+    missing = next((root for root, _ in trees if root not in rate_of), None)
+    if missing is not None:
+        raise ValueError(f"a tree is rooted at {missing!r}, to which no pieces are dealt")
+    return [rate_of[root] / total * weight / family[root] for root, weight in trees]
 
 
 def deal_by_root(trees: Sequence[tuple[object, float]], roots: Sequence[tuple[object, float]], count: int) -> list[int]:
@@ -288,6 +289,8 @@ class Tree:
         for i, edge in enumerate(self.edges):
             if len(edge) != 2:
                 raise FieldProblem(f"edges[{i}]", f"an edge is [parent, child], got {list(edge)}")
+        if self.edges and self.root is None:
+            raise FieldProblem("edges", "a tree grows from one root: exactly one parent must be no one's child")
 
     @property
     def root(self) -> str | None:
@@ -312,11 +315,16 @@ class Collective:
     each rooted where some broadcast tree is, but the data flows child -> parent (over the link
     child -> parent). Empty: the reduce runs up ``trees`` reversed."""
     rate_gbps: float
-    """Broadcast rate of the packed trees, GB/s."""
+    """Broadcast rate of the packed trees, GB/s (with several roots: the sum of their rates)."""
     bound_gbps: float
-    """Min-cut upper bound from the root (Edmonds), GB/s."""
+    """Min-cut upper bound of a broadcast from the root (Edmonds), GB/s."""
     ring_gbps: float
     """Rate of the best ring over the same devices, GB/s (0 where no ring exists)."""
+
+    @property
+    def roots(self) -> list[str]:
+        """The devices the broadcast trees grow from, in order (just ``root`` without trees)."""
+        return [root for root, _ in root_rates([(t.root, t.weight) for t in self.trees])] or [self.root]
 
     def __post_init__(self) -> None:
         if self.root not in self.devices:

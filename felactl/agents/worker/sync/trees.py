@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.spec import Plan
-from felactl.spec.plan import TREE_PIECE_BYTES, deal_by_root, tree_piece_bytes
+from felactl.spec.plan import TREE_PIECE_BYTES, deal_by_root, root_rates, tree_piece_bytes
 
 WINDOW = 8
 """How many pieces ahead each walk posts its receives (a reduce walk's buffers: WINDOW x children
@@ -57,7 +57,7 @@ class _Tree:
     parent: int | None
     """This rank's parent in the tree (None at the root)."""
     children: tuple[int, ...]
-    root: int = 0
+    root: int
     """The tree's root (a rank): pieces dealt to a root go up and down trees of that root."""
 
 
@@ -77,7 +77,7 @@ class TreeAllreduce:
     ):
         self.trees, self.group, self.size = trees, group, size
         self.reduce_trees = reduce_trees or trees
-        self.roots = _root_rates(trees)
+        self.roots = root_rates([(t.root, t.weight) for t in trees])
         self.piece_bytes = piece_bytes
         self._process_group = group if group is not None else dist.group.WORLD
         self._group_rank = _GroupRanks(group)
@@ -190,14 +190,6 @@ class _GroupRanks:
             world = self.group is None or self.group is dist.group.WORLD
             self.ranks[rank] = rank if world else dist.get_group_rank(self.group, rank)
         return self.ranks[rank]
-
-
-def _root_rates(trees: list[_Tree]) -> list[tuple[int, float]]:
-    """Each root of the broadcast trees with their rate (as ``spec.plan.root_rates``)."""
-    rates: dict[int, float] = {}
-    for tree in trees:
-        rates[tree.root] = rates.get(tree.root, 0.0) + tree.weight
-    return list(rates.items())
 
 
 def _walks(trees: list[_Tree], roots: list[tuple[int, float]], count: int) -> list[tuple[_Tree, list[int]]]:
