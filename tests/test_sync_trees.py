@@ -18,6 +18,7 @@ from felactl.agents.worker.metrics import read_metrics
 from felactl.agents.worker.sync.trees import WINDOW, stage_trees
 from felactl.profiling.data_parallel import reap
 from felactl.spec import Collective, Tree
+from felactl.spec.codec import FieldProblem
 from felactl.spec.plan import TREE_PIECE_BYTES, deal, deal_by_root, dealt_shares, root_rates
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -99,8 +100,8 @@ def test_trees_that_do_not_span_the_group_are_not_used():
         dp_plan(3), ["cpu0", "cpu1", "cpu2"], [([("cpu0", "cpu1"), ("cpu0", "cpu2"), ("cpu1", "cpu2")], 1.0)]
     )
     assert stage_trees(two_parents, 0, 0, None) is None  # cpu2 would wait for a second parent's send
-    into_root = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], [([("cpu0", "cpu1"), ("cpu1", "cpu0")], 1.0)])
-    assert stage_trees(into_root, 0, 0, None) is None
+    with pytest.raises(FieldProblem, match="one root"):  # no root at all: refused as the plan is read
+        with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], [([("cpu0", "cpu1"), ("cpu1", "cpu0")], 1.0)])
     good = with_trees(dp_plan(3), ["cpu0", "cpu1", "cpu2"], THREE_WORKER_TREES)
     assert [t.children for t in stage_trees(good, 0, 1, None).trees] == [(2,), ()]
 
