@@ -309,20 +309,25 @@ FRAGMENT = _pair_cluster(  # plans/testbeds/dgx1v-fragment.yaml: 100 out and 100
 )
 
 
+def _pair(there: float, back: float) -> ClusterSpec:
+    """Two of the fragment's GPUs joined by ``there`` GB/s g0 -> g1 and ``back`` g1 -> g0."""
+    return ClusterSpec(
+        name="hand",
+        nodes=(Node(name="n", devices=FRAGMENT.nodes[0].devices[:2]),),
+        links=(
+            Link(src="g0", dst="g1", bandwidth_gbps=there, latency_us=1.0, type=LinkType.PCIE),
+            Link(src="g1", dst="g0", bandwidth_gbps=back, latency_us=1.0, type=LinkType.PCIE),
+        ),
+    )
+
+
 def test_the_bound_of_any_allreduce_counts_every_transfer_not_the_broadcasts_cut():
     names = list(FRAGMENT.device_names)
     graph = capacity_graph(FRAGMENT, names)
     assert min_cut_bound(graph, "g0")[0] == pytest.approx(100.0)  # a broadcast from g0 reaches 100
     # four parties need six transfers per element over 2 x 225 GB/s of links: 75
     assert allreduce_bound(graph) == pytest.approx(75.0)
-    one_way_narrow = ClusterSpec(
-        name="hand",
-        nodes=(Node(name="n", devices=FRAGMENT.nodes[0].devices[:2]),),
-        links=(
-            Link(src="g0", dst="g1", bandwidth_gbps=10.0, latency_us=1.0, type=LinkType.PCIE),
-            Link(src="g1", dst="g0", bandwidth_gbps=4.0, latency_us=1.0, type=LinkType.PCIE),
-        ),
-    )
+    one_way_narrow = _pair(10.0, 4.0)
     assert allreduce_bound(capacity_graph(one_way_narrow, ["g0", "g1"])) == pytest.approx(4.0)  # each way
 
 
@@ -476,14 +481,7 @@ def test_each_root_s_reduce_trees_carry_its_share_of_the_pieces_whatever_their_w
 
 
 def test_a_thin_way_that_is_the_only_way_back_is_kept():
-    pair = ClusterSpec(
-        name="hand",
-        nodes=(Node(name="n", devices=FRAGMENT.nodes[0].devices[:2]),),
-        links=(
-            Link(src="g0", dst="g1", bandwidth_gbps=10.0, latency_us=1.0, type=LinkType.PCIE),
-            Link(src="g1", dst="g0", bandwidth_gbps=1.0, latency_us=1.0, type=LinkType.PCIE),
-        ),
-    )
+    pair = _pair(10.0, 1.0)
     collective = plan_collective(pair, ["g0", "g1"])
     assert_valid(pair, collective)
     assert allreduce_throughput_gbps(pair, collective) == pytest.approx(1.0)  # each byte crosses each way
