@@ -347,3 +347,34 @@ def test_forged_scale_requests_to_a_job_that_cannot_scale_do_not_fill_the_events
         coordinator.close()
     refused = [e for e in read_jsonl(run.events) if e["kind"] == "refused"]
     assert len(refused) == REFUSALS_PER_KEY + 1 and refused[0]["key"] == keys.SCALE_REQUESTS
+
+
+def test_a_worker_that_times_out_is_asked_where_it_was(tmp_path):
+    """A hang seen once in CI (an sdpipe pipeline test) left an empty worker log: now the error
+    carries the stuck worker's stacks, which workers dump on SIGUSR1."""
+    import subprocess
+    import sys
+    import time
+
+    from felactl.agents.worker import local
+    from felactl.errors import WorkerFailed
+
+    stuck = (
+        "import faulthandler, signal, sys, time\n"
+        "faulthandler.register(signal.SIGUSR1)\n"
+        "def waiting_for_a_peer():\n"
+        "    time.sleep(60)\n"
+        "print('ready', flush=True)\n"
+        "waiting_for_a_peer()\n"
+    )
+    log = open(tmp_path / "worker0.log", "w+b")
+    proc = subprocess.Popen([sys.executable, "-c", stuck], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while b"ready" not in (tmp_path / "worker0.log").read_bytes():
+            time.sleep(0.05)
+        with pytest.raises(WorkerFailed, match="worker 0 timed out; where it was: .*waiting_for_a_peer"):
+            local._wait_all([proc], [log], deadline=0.0)
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -92,17 +93,36 @@ def run_local(
         del store
 
 
+STACKS_GRACE_S = 1.0
+"""How long a worker that timed out is given to write its threads' stacks to its log."""
+
+
 def _wait_all(procs: list[subprocess.Popen], logs: list, deadline: float) -> None:
     while any(p.poll() is None for p in procs):
         failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-        if failed or time.perf_counter() > deadline:
-            rank = failed[0] if failed else next(r for r, p in enumerate(procs) if p.poll() is None)
-            why = f"exited with {procs[rank].returncode}" if failed else "timed out"
-            raise WorkerFailed(f"worker {rank} {why}: {_tail(logs[rank])}")
+        if failed:
+            raise WorkerFailed(
+                f"worker {failed[0]} exited with {procs[failed[0]].returncode}: {_tail(logs[failed[0]])}"
+            )
+        if time.perf_counter() > deadline:
+            rank = next(r for r, p in enumerate(procs) if p.poll() is None)
+            raise WorkerFailed(f"worker {rank} timed out; where it was: {_stacks(procs[rank], logs[rank])}")
         time.sleep(0.05)
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
         raise WorkerFailed(f"worker {failed[0]} exited with {procs[failed[0]].returncode}: {_tail(logs[failed[0]])}")
+
+
+def _stacks(proc: subprocess.Popen, log) -> str:
+    """A stuck worker's threads' stacks: workers dump them on SIGUSR1 (``faulthandler``, in
+    ``elastic.run_elastic``), which lands in the log; a hang seen once in CI left an empty log and
+    nothing to go on."""
+    try:
+        proc.send_signal(signal.SIGUSR1)
+    except ProcessLookupError:
+        return _tail(log)
+    time.sleep(STACKS_GRACE_S)
+    return _tail(log, num_lines=60)
 
 
 def _tail(log, num_lines: int = 8) -> str:
