@@ -672,7 +672,7 @@ class TreeAllreduceCost:
     def piece_hops(self) -> float:
         """max_T (up_T - 1) / f_T + max_T down_T / f_T: the fill in pieces' times at the rate when
         every tree is dealt pieces."""
-        return sum(_fill(trees, self.roots, range(len(trees))) for trees in (self.up, self.down))
+        return sum(_fill(trees, _family_shares(trees, self.roots), range(len(trees))) for trees in (self.up, self.down))
 
     def seconds(self, num_bytes: float) -> float:
         rate = self.rate_gbps * GBPS_TO_BYTES_PER_S
@@ -696,12 +696,11 @@ def _dealt_family(trees: Family, roots: tuple, count: int, piece: int, num_bytes
     short = count * piece - num_bytes  # the last piece is the rest of the buffer
     dealt = [k for k, n in enumerate(counts) if n]
     transfer = max((counts[k] * piece - (short if k == last else 0)) / shares[k] for k in dealt)
-    return transfer, _fill(trees, roots, dealt)
+    return transfer, _fill(trees, shares, dealt)
 
 
-def _fill(trees: Family, roots: tuple, which) -> float:
-    """max over the trees ``which`` of hops / f_T: their fill in pieces' times at the whole rate."""
-    shares = _family_shares(trees, roots)
+def _fill(trees: Family, shares: list[float], which) -> float:
+    """max over the trees ``which`` of hops / f_T (``shares``): their fill in pieces' times at the whole rate."""
     return max(trees[k][2] / shares[k] for k in which)
 
 
