@@ -26,7 +26,8 @@ done (a second barrier). Reported per size, medians of ``--repeat``:
 
 ``--end-to-end MODEL`` also trains MODEL (a built-in, e.g. gpt-mini) on every node of each testbed
 with a bsp data-parallel plan, once with the packed trees (``sync.use_trees``, the collective
-above) and once without (gloo's allreduce), through the real ``felactl launch --testbed``, and
+above) and twice without (gloo's allreduce, its ranks in node order and in its best ring's
+order, as felactl's planner ranks a plan), through the real ``felactl launch --testbed``, and
 reports steady samples/s of each (after ``--warmup`` steps; ``steady_rate`` of
 bench_testbed_plans.py) and the per-step comm seconds the workers record.
 
@@ -106,17 +107,22 @@ def min_cut_bound_gbps(cluster, collective) -> float:
     return min(collective.bound_gbps, reduce_bound)
 
 
-def testbed_plan(spec, model: str, global_batch: int, *, trees: bool = True):
+def testbed_plan(spec, model: str, global_batch: int, *, trees: bool = True, best_order: bool = False):
     """A bsp data-parallel plan of ``model`` with one worker on every node of the testbed, its
     placement naming each node, and (``trees``) the trees ``plan_collective`` packs for them as
-    the stage's collective; without, the plan syncs with the backend's allreduce."""
+    the stage's collective; without, the plan syncs with the backend's allreduce, over the ranks
+    in node order or (``best_order``) in the order that makes gloo's ring the best ring, as
+    felactl's planner ranks a plan's devices (``planner.rank_order``)."""
     import dataclasses
 
     from felactl.models import build
-    from felactl.optimizer.collectives import plan_collective
+    from felactl.optimizer.collectives import gloo_ring, plan_collective
+    from felactl.optimizer.graph import best_ring
     from felactl.spec import ModelRef, Placement, SyncMode, SyncSpec, data_parallel_plan
 
     devices = tuple(f"{n}-cpu0" for n in spec.node_names)
+    if best_order:
+        devices = tuple(gloo_ring(best_ring(testbed_cluster(spec), devices)[0]))
     collective = dataclasses.replace(plan_collective(testbed_cluster(spec), devices), group="stage0")
     plan = data_parallel_plan(
         model=ModelRef(name=model, source=model, config={}),
@@ -127,7 +133,7 @@ def testbed_plan(spec, model: str, global_batch: int, *, trees: bool = True):
         sync=SyncSpec(mode=SyncMode.BSP, use_trees=trees),
         cluster=spec.name,
     )
-    placement = tuple(Placement(device=d, node=n) for d, n in zip(devices, spec.node_names))
+    placement = tuple(Placement(device=d, node=d.removesuffix("-cpu0")) for d in devices)
     return dataclasses.replace(plan, placement=placement, collectives=(collective,) if trees else ())
 
 
@@ -269,10 +275,11 @@ def end_to_end(name: str, model: str, steps: int, warmup: int, global_batch: int
         bed = "tbe2e"
         up(spec, str(TESTBEDS / f"{name}.yaml"), name=bed, allow_no_latency=True)
         try:
-            for trees in (True, False):
-                plan = testbed_plan(spec, model, global_batch, trees=trees)
-                path = save(plan, Path(tmp) / f"plan-{trees}.yaml")
-                run_id = "trees" if trees else "gloo"
+            for run_id in ("trees", "gloo", "gloo_best"):
+                plan = testbed_plan(
+                    spec, model, global_batch, trees=run_id == "trees", best_order=run_id == "gloo_best"
+                )
+                path = save(plan, Path(tmp) / f"plan-{run_id}.yaml")
                 command = [sys.executable, "-m", "felactl", "launch", str(path), "--testbed", bed]
                 command += ["--steps", str(steps), "--json", "--runs-root", str(Path(tmp) / "runs"), "--run-id", run_id]
                 env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -286,7 +293,7 @@ def end_to_end(name: str, model: str, steps: int, warmup: int, global_batch: int
                     {
                         "testbed": name,
                         "model": model,
-                        "sync": "trees" if trees else "gloo",
+                        "sync": run_id,
                         "samples_per_s": rate["samples_per_s"],
                         "median_step_s": rate["median_step_s"],
                         "median_comm_s": statistics.median(comm),
