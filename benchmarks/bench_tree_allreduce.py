@@ -20,7 +20,9 @@ done (a second barrier). Reported per size, medians of ``--repeat``:
   min-cut from the root and the reduce's into it, which no allreduce can reach where the links
   out of the broadcast's cut also carry the reduce (the fragment: 100 MB/s, where 75 is the most);
   both are printed;
-- ``predicted s``: the planner's own time for the trees (``allreduce_time_s``);
+- ``predicted s``: the planner's own time for the trees (``allreduce_time_s``; since the
+  thirteenth session with each node's CPU for the trees' messages at its share of a core, the
+  links alone beside it);
 - ``busiest CPU``: the CPU seconds per second of the busiest node's process (all its threads), to
   compare with the node's share: a node at its share is what holds the collective back.
 
@@ -63,14 +65,17 @@ def testbed_cluster(spec):
     """The testbed as the device graph it emulates: one CPU device per node and the configured
     link between every pair. One server: a testbed shapes each pair's link on its own (an htb
     class per destination) and has no NIC that the links of a node share, as NVLinks inside a
-    server (the Cluster format's links between servers would be priced through a per-server NIC)."""
+    server (the Cluster format's links between servers would be priced through a per-server NIC).
+    Each device's model names its node's CPU share, as the profile's do, so the trees' CPU on a
+    slot held to a share of a core is priced (``collectives.TREE_MESSAGE_CPU_S``)."""
     from felactl.spec import ClusterSpec, from_dict
+    from felactl.spec.cluster import cpu_slot_model
 
     devices = [
         {
             "name": f"{node.name}-cpu0",
             "kind": "cpu",
-            "model": "testbed",
+            "model": cpu_slot_model("testbed", node.cpus),  # as `felactl profile --testbed` names it
             "tflops": 0.01 * (node.cpus or 1.0),
             "memory_gb": 1.0,
             "local_index": i,
@@ -90,6 +95,19 @@ def testbed_cluster(spec):
     cluster = {"kind": "Cluster", "schema_version": 1, "name": spec.name, "links": links}
     cluster["nodes"] = [{"name": "testbed", "devices": devices}]
     return from_dict(ClusterSpec, cluster, f"testbed {spec.name}")
+
+
+def as_gpus(cluster):
+    """``cluster`` with its devices as GPUs, whose tree allreduce the links alone price."""
+    import dataclasses
+
+    from felactl.spec import DeviceKind
+
+    def gpu(device):
+        return dataclasses.replace(device, kind=DeviceKind.CUDA, cpu_cores=None)
+
+    nodes = tuple(dataclasses.replace(n, devices=tuple(gpu(d) for d in n.devices)) for n in cluster.nodes)
+    return dataclasses.replace(cluster, nodes=nodes)
 
 
 def allreduce_bound_gbps(cluster, collective) -> float:
@@ -209,6 +227,7 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
     plan = testbed_plan(spec, "mlp", len(spec.nodes))
     collective = plan.collectives[0]
     bound = allreduce_bound_gbps(cluster, collective)
+    by_links = as_gpus(cluster)
     min_cut = min_cut_bound_gbps(cluster, collective)
     order = gloo_ring(best_ring(cluster, collective.devices)[0])  # ranks whose gloo ring is the best ring
     with held(Path(lock)), tempfile.TemporaryDirectory(prefix="felactl-trees-") as tmp:
@@ -258,6 +277,7 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
                 "bound_MBps": bound * 1e3,
                 "trees_over_min_cut": nbytes / row["trees"] / (min_cut * 1e9),
                 "predicted": allreduce_time_s(cluster, collective, nbytes),
+                "predicted_by_links": allreduce_time_s(by_links, collective, nbytes),
             }
         )
     return rows
@@ -349,7 +369,7 @@ def main() -> None:
         return
     print(
         "| testbed | MiB | gloo s | gloo, best order s | trees s | trees ÷ gloo (best order) | trees ÷ bound (MB/s) "
-        "| ÷ old min-cut | predicted s | busiest CPU gloo / trees |"
+        "| ÷ old min-cut | predicted s (links alone) | busiest CPU gloo / trees |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -358,7 +378,7 @@ def main() -> None:
             f"| {r['gloo']:.2f} | {r['gloo_best']:.2f} | {r['trees']:.2f} "
             f"| {r['trees_over_gloo']:.2f}× ({r['trees_over_gloo_best']:.2f}×) "
             f"| {r['trees_over_bound']:.2f} ({r['bound_MBps']:.1f}) | {r['trees_over_min_cut']:.2f} "
-            f"| {r['predicted']:.2f} | {r['gloo_cpu']:.2f} / {r['trees_cpu']:.2f} |"
+            f"| {r['predicted']:.2f} ({r['predicted_by_links']:.2f}) | {r['gloo_cpu']:.2f} / {r['trees_cpu']:.2f} |"
         )
 
 

@@ -199,9 +199,13 @@ def test_a_group_of_one_needs_no_collective():
     assert ring_allreduce_time_s(DGX, ["gpu3"], 1e9) == 0.0
 
 
-def _pair_cluster(*links: tuple[str, str, float, float]) -> ClusterSpec:
+def _pair_cluster(
+    *links: tuple[str, str, float, float], kind: DeviceKind = DeviceKind.CUDA, model: str = "x"
+) -> ClusterSpec:
+    """Devices joined by ``(a, b, GB/s, latency us)`` both ways: GPUs by default, whose links alone
+    price a tree allreduce (on CPU slots its messages' CPU may outlast them)."""
     names = sorted({x for link in links for x in link[:2]})
-    devices = tuple(Device(name=n, kind=DeviceKind.CPU, model="x", tflops=1.0, memory_gb=1.0) for n in names)
+    devices = tuple(Device(name=n, kind=kind, model=model, tflops=1.0, memory_gb=1.0) for n in names)
     return ClusterSpec(
         name="hand",
         nodes=(Node(name="n", devices=devices),),
@@ -485,3 +489,56 @@ def test_a_thin_way_that_is_the_only_way_back_is_kept():
     collective = plan_collective(pair, ["g0", "g1"])
     assert_valid(pair, collective)
     assert allreduce_throughput_gbps(pair, collective) == pytest.approx(1.0)  # each byte crosses each way
+
+
+def test_on_cpu_slots_a_tree_allreduce_takes_at_least_its_busiest_slot_s_messages_cpu():
+    """16 MiB over the chain a -> b -> c -> d goes in 128 pieces of 128 KiB; per piece b sends or
+    receives once over each of its 2 edges going up and again coming down (512 messages), a leaf 2
+    (256). On GPUs the links alone price it. On CPU slots each message costs
+    TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE of a core: a full core's b outlasts links of
+    1 GB/s, and a slot held to a tenth of a core pays ten times its messages. (Priced by the links
+    alone, 16 MiB over trees on the one-slow testbed measured 3x its price.)"""
+    from felactl.optimizer.collectives import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S
+
+    links = (("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("c", "d", 1.0, 0.0))
+    gpus, cores = _pair_cluster(*links), _pair_cluster(*links, kind=DeviceKind.CPU)
+    collective = plan_collective(gpus, ["a", "b", "c", "d"], root="a")
+    num_bytes, piece = 16 * 2**20, 128 * 2**10
+    per_message = TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE
+    assert allreduce_time_s(gpus, collective, num_bytes) == pytest.approx((num_bytes + 5 * piece) / 1e9)
+    assert allreduce_time_s(cores, collective, num_bytes) == pytest.approx(
+        max((num_bytes + 5 * piece) / 1e9, 512 * per_message)
+    )
+    tenth = _pair_cluster(*links, kind=DeviceKind.CPU, model="Xeon @ 0.1 cores")
+    assert allreduce_time_s(tenth, collective, num_bytes) == pytest.approx(10 * 512 * per_message)
+
+
+def test_trees_whose_messages_outlast_a_slow_slot_s_ring_give_way_to_the_ring():
+    """Four CPU slots joined evenly at 50 MB/s (the one-slow testbed), the last held to 0.12 of a
+    core: trees and the ring are priced with the slots' CPU, and the cost model sums 16 MiB over
+    the ring, as measured there (trees 0.54 s, gloo's ring 0.53 s; BENCHMARKS.md "Trees at run
+    time"). Priced by links alone the trees looked 1.5x faster than the ring. The same four at a
+    full core each keep the trees."""
+    from felactl.optimizer.cost import CostModel
+    from tests.planner_fixtures import model as model_profile
+
+    names = ("fast0", "fast1", "fast2", "slow")
+    links = tuple(
+        Link(src=a, dst=b, bandwidth_gbps=0.05, latency_us=50.0, type=LinkType.NET)
+        for a, b in itertools.permutations(names, 2)
+    )
+
+    def cluster(slow_model: str) -> ClusterSpec:
+        devices = tuple(
+            Device(name=n, kind=DeviceKind.CPU, model=slow_model if n == "slow" else "Xeon", tflops=0.1, memory_gb=1.0)
+            for n in names
+        )
+        return ClusterSpec(name="one-slow", nodes=(Node(name="n", devices=devices),), links=links)
+
+    model = model_profile([(4_000_000, 1000, 1e7)])
+    num_bytes = 16 * 2**20
+    even = CostModel(cluster("Xeon"), model)
+    assert even.tree_sync_s(names, num_bytes) < even.ring_sync_s(names, num_bytes) / 1.3
+    slow = CostModel(cluster("Xeon @ 0.12 cores"), model)
+    assert slow.tree_sync_s(names, num_bytes) > slow.ring_sync_s(names, num_bytes)
+    assert slow._link_sync_s(names, num_bytes) == pytest.approx(slow.ring_sync_s(names, num_bytes))

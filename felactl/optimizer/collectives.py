@@ -80,6 +80,15 @@ to ``ALLREDUCE_BOUND_MAX_DEVICES``; ``for_allreduce=False`` keeps the broadcast'
   a few pieces leaves light trees none, and its time is then the slowest dealt tree's bytes at
   f_T X (``TreeAllreduceCost.seconds``). (Measured on the fragment testbed: 16 MiB over 2 trees in
   1 MiB pieces took 0.41 s where N / X alone priced 0.22.)
+  On CPU slots (the runtime's trees run on gloo) the pieces also cost CPU: per piece a slot
+  sends or receives once over each of its edges in the trees the piece is dealt to, each message
+  :data:`TREE_MESSAGE_CPU_S` + p * :data:`TREE_CPU_S_PER_BYTE` of a full core, one over its quota
+  times that on a slot a cgroup holds to a share of a core (``cpu_slowdown``). The allreduce takes
+  at least its busiest slot's CPU, ``max_v slowdown_v * sum_T n_T deg_T(v) * (m + p b)`` over both
+  families (n_T the pieces dealt to tree T, deg_T(v) v's edges in it), and the time is the larger
+  of that and the links' time above (the two overlap: a slot's CPU works while its links carry).
+  Priced by the links alone, 16 MiB over trees on the one-slow testbed (a node at 0.12 of a core)
+  measured 3x its price, and no faster than gloo's ring.
   X <= min(R, R') where R' is the reduce trees' rate (each direction alone moves at most that).
   X >= min(R, R') / 2 where the reduce trees are packed (each family loads a link at most
   c_ab / R, resp. c_ab / R'), and X >= R / 2 for reversed trees on links equally wide both ways
@@ -118,12 +127,21 @@ from felactl.optimizer.graph import (
     signature_graph,
 )
 from felactl.optimizer.packing import pack_arborescences, pack_up_and_down
-from felactl.spec.cluster import ClusterSpec
+from felactl.spec.cluster import ClusterSpec, DeviceKind, cpu_slot_quota
 from felactl.spec.plan import Collective, Tree, deal_by_root, dealt_shares, root_rates, tree_piece_bytes, tree_root
 
 GBPS_TO_BYTES_PER_S = 1e9
 US_TO_S = 1e-6
 MAX_ROOTS_TRIED = 3
+TREE_MESSAGE_CPU_S = 70e-6
+"""A full core's CPU seconds for each message a CPU slot sends or receives in a tree allreduce
+(the walk's Python, gloo's work, the receive's buffer), beyond its bytes
+(:data:`TREE_CPU_S_PER_BYTE`). Measured with the runtime's own allreduce, three local processes
+over a chain, pieces of 64 KiB to 1 MiB (``benchmarks/bench_tree_cpu.py``, BENCHMARKS.md "Trees
+at run time", thirteenth session): 70 us + 0.26 ns per byte of the piece."""
+TREE_CPU_S_PER_BYTE = 0.26e-9
+"""A full core's CPU seconds per byte of each piece a CPU slot sends or receives in a tree
+allreduce, the reduce's add included (:data:`TREE_MESSAGE_CPU_S`)."""
 """Roots with the best bound packed (in device order) when the first needs more than n trees."""
 
 
@@ -662,6 +680,11 @@ class TreeAllreduceCost:
     """(root, weight, down_T) of each broadcast tree."""
     roots: tuple[tuple[str, float], ...]
     """Each root with its broadcast trees' rate: how the pieces are first dealt (``deal_by_root``)."""
+    cpu: tuple[tuple[float, tuple[int, ...], tuple[int, ...]], ...] = ()
+    """(slowdown, its edges in each reduce tree, in each broadcast tree) of each CPU slot: per
+    piece a slot sends or receives once over each of its edges in the tree the piece is dealt to,
+    at :data:`TREE_MESSAGE_CPU_S` + :data:`TREE_CPU_S_PER_BYTE` of a full core, ``slowdown``
+    times that on a slot held to a share of a core."""
 
     @property
     def num_trees(self) -> int:
@@ -678,25 +701,38 @@ class TreeAllreduceCost:
         rate = self.rate_gbps * GBPS_TO_BYTES_PER_S
         piece = tree_piece_bytes(num_bytes, self.num_trees)
         count = math.ceil(num_bytes / piece)
-        transfer_up, fill_up = _dealt_family(self.up, self.roots, count, piece, num_bytes)
-        transfer_down, fill_down = _dealt_family(self.down, self.roots, count, piece, num_bytes)
-        return self.latency_s + (max(transfer_up, transfer_down) + (fill_up + fill_down) * piece) / rate
+        transfer_up, fill_up, dealt_up = _dealt_family(self.up, self.roots, count, piece, num_bytes)
+        transfer_down, fill_down, dealt_down = _dealt_family(self.down, self.roots, count, piece, num_bytes)
+        links_s = (max(transfer_up, transfer_down) + (fill_up + fill_down) * piece) / rate
+        per_message_s = TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE
+        cpu_s = max(
+            (
+                slowdown * (_dot(dealt_up, up) + _dot(dealt_down, down)) * per_message_s
+                for slowdown, up, down in self.cpu
+            ),
+            default=0.0,
+        )
+        return self.latency_s + max(links_s, cpu_s)
+
+
+def _dot(counts: tuple[int, ...], edges: tuple[int, ...]) -> int:
+    return sum(n * e for n, e in zip(counts, edges))
 
 
 Family = tuple[tuple[str, float, float], ...]
 """One family of trees, broadcast or reduce: (root, weight, hops) of each."""
 
 
-def _dealt_family(trees: Family, roots: tuple, count: int, piece: int, num_bytes: float) -> tuple[float, float]:
+def _dealt_family(trees: Family, roots: tuple, count: int, piece: int, num_bytes: float) -> tuple[float, float, tuple]:
     """For one family of trees and ``count`` pieces dealt to them as the runtime deals
     (``spec.plan.deal_by_root``): the bytes the slowest tree moves over its share f_T (bytes at the
-    whole rate) and the deepest fill in pieces, over the trees dealt any."""
+    whole rate), the deepest fill in pieces, over the trees dealt any, and each tree's pieces."""
     shares = _family_shares(trees, roots)
     counts, last = _deal_counts(tuple((root, weight) for root, weight, _ in trees), roots, count)
     short = count * piece - num_bytes  # the last piece is the rest of the buffer
     dealt = [k for k, n in enumerate(counts) if n]
     transfer = max((counts[k] * piece - (short if k == last else 0)) / shares[k] for k in dealt)
-    return transfer, _fill(trees, shares, dealt)
+    return transfer, _fill(trees, shares, dealt), counts
 
 
 def _fill(trees: Family, shares: list[float], which) -> float:
@@ -724,13 +760,30 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
     def hops(tree: Tree) -> float:
         return _reach(tree, lambda parent, child: 1.0)
 
+    def edges_at(device: str, trees: Sequence[Tree]) -> tuple[int, ...]:
+        return tuple(sum(device in edge for edge in tree.edges) for tree in trees)
+
+    reduce_trees = _reduce_trees(collective)
     return TreeAllreduceCost(
         throughput_gbps,
         fill_us * US_TO_S,
-        up=tuple((t.root, t.weight, hops(t) - 1) for t in _reduce_trees(collective)),
+        up=tuple((t.root, t.weight, hops(t) - 1) for t in reduce_trees),
         down=tuple((t.root, t.weight, hops(t)) for t in collective.trees),
         roots=tuple(root_rates([(t.root, t.weight) for t in collective.trees])),
+        cpu=tuple(
+            (cpu_slowdown(cluster, d), edges_at(d, reduce_trees), edges_at(d, collective.trees))
+            for d in collective.devices
+            if cluster.device(d).kind is DeviceKind.CPU
+        ),
     )
+
+
+def cpu_slowdown(cluster: ClusterSpec, device: str) -> float:
+    """How many times a full core's seconds a CPU slot's own work takes: one over its quota where
+    a cgroup holds it to a share of a core (``spec.cluster.cpu_slot_quota``: the testbeds name
+    it), else 1 (the work is one thread)."""
+    quota = cpu_slot_quota(cluster.device(device).model)
+    return 1.0 / min(1.0, quota) if quota is not None else 1.0
 
 
 def _shares(trees: Sequence[Tree], roots: list) -> list[float]:
