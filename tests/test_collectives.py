@@ -45,13 +45,14 @@ def assert_valid(cluster: ClusterSpec, collective: Collective) -> None:
         assert {t.root for t in collective.reduce_trees} == {t.root for t in collective.trees}
     else:
         assert {t.root for t in collective.trees} == {collective.root}
-    for tree in collective.trees + collective.reduce_trees:
+    # (the broadcast's load only: a reduce tree may equal a broadcast tree, so not `tree in trees`)
+    for broadcast, tree in [(True, t) for t in collective.trees] + [(False, t) for t in collective.reduce_trees]:
         root = tree.root
         parent: dict[str, str] = {}
         for a, b in tree.edges:
             assert b not in parent, f"{b} has two parents"
             parent[b] = a
-            if tree in collective.trees:
+            if broadcast:
                 load[(a, b)] = load.get((a, b), 0.0) + tree.weight
         assert set(parent) == members - {root}, "a tree must give every non-root device one parent"
         for device in parent:
@@ -542,3 +543,42 @@ def test_trees_whose_messages_outlast_a_slow_slot_s_ring_give_way_to_the_ring():
     slow = CostModel(cluster("Xeon @ 0.12 cores"), model)
     assert slow.tree_sync_s(names, num_bytes) > slow.ring_sync_s(names, num_bytes)
     assert slow._link_sync_s(names, num_bytes) == pytest.approx(slow.ring_sync_s(names, num_bytes))
+
+
+def _triangle(links: dict) -> ClusterSpec:
+    devices = tuple(Device(name=n, kind=DeviceKind.CUDA, model="x", tflops=1.0, memory_gb=1.0) for n in "abc")
+    return ClusterSpec(
+        name="hand",
+        nodes=(Node(name="n", devices=devices),),
+        links=tuple(
+            Link(src=s, dst=d, bandwidth_gbps=g, latency_us=1.0, type=LinkType.PCIE) for (s, d), g in links.items()
+        ),
+    )
+
+
+def test_trees_over_a_link_left_to_acknowledgements_give_way_to_slower_trees_priced_above_what_such_trees_measured():
+    """c -> b is 10x thinner than b -> c, so it carries b -> c's acknowledgements and trees that
+    load it measured 0.6 of their price (ACKNOWLEDGED_RATE_MEASURED). Where trees avoiding it are
+    priced at 10 against 12 for trees over it, they are taken: 10 beats 0.6 * 12. Where avoiding it
+    leaves 3 against 13 (c's only other way out is 3 wide), the trees over it stay: 3 does not."""
+    from felactl.optimizer.collectives import ACKNOWLEDGED_RATE_MEASURED
+
+    def chosen(links: dict) -> tuple[float, bool]:
+        cluster = _triangle(links)
+        collective = plan_collective(cluster, ["a", "b", "c"])
+        assert_valid(cluster, collective)
+        loads_thin = any(("c", "b") in t.edges for t in collective.trees) or any(
+            ("b", "c") in t.edges
+            for t in collective.reduce_trees  # a reduce edge (b, c) sends c -> b
+        )
+        return allreduce_throughput_gbps(cluster, collective), loads_thin
+
+    assert ACKNOWLEDGED_RATE_MEASURED * 12 < 10
+    rate, loads_thin = chosen(
+        {("a", "b"): 10, ("b", "a"): 10, ("a", "c"): 80, ("c", "a"): 20, ("b", "c"): 20, ("c", "b"): 2}
+    )
+    assert rate == pytest.approx(10.0) and not loads_thin
+    rate, loads_thin = chosen(
+        {("a", "b"): 10, ("b", "a"): 10, ("a", "c"): 10, ("c", "a"): 3, ("b", "c"): 100, ("c", "b"): 20}
+    )
+    assert rate == pytest.approx(13.0) and loads_thin
