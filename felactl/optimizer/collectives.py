@@ -127,12 +127,13 @@ from felactl.optimizer.graph import (
     signature_graph,
 )
 from felactl.optimizer.packing import pack_arborescences, pack_up_and_down
-from felactl.spec.cluster import ClusterSpec, DeviceKind, cpu_slot_quota
+from felactl.spec.cluster import ClusterSpec, DeviceKind, quota_slowdown
 from felactl.spec.plan import Collective, Tree, deal_by_root, dealt_shares, root_rates, tree_piece_bytes, tree_root
 
 GBPS_TO_BYTES_PER_S = 1e9
 US_TO_S = 1e-6
 MAX_ROOTS_TRIED = 3
+"""Roots with the best bound packed (in device order) when the first needs more than n trees."""
 TREE_MESSAGE_CPU_S = 70e-6
 """A full core's CPU seconds for each message a CPU slot sends or receives in a tree allreduce
 (the walk's Python, gloo's work, the receive's buffer), beyond its bytes
@@ -142,7 +143,6 @@ at run time", thirteenth session): 70 us + 0.26 ns per byte of the piece."""
 TREE_CPU_S_PER_BYTE = 0.26e-9
 """A full core's CPU seconds per byte of each piece a CPU slot sends or receives in a tree
 allreduce, the reduce's add included (:data:`TREE_MESSAGE_CPU_S`)."""
-"""Roots with the best bound packed (in device order) when the first needs more than n trees."""
 
 
 def _pack_group(graph: nx.DiGraph, root, min_share: float) -> tuple[object, dict, float]:
@@ -780,10 +780,8 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
 
 def cpu_slowdown(cluster: ClusterSpec, device: str) -> float:
     """How many times a full core's seconds a CPU slot's own work takes: one over its quota where
-    a cgroup holds it to a share of a core (``spec.cluster.cpu_slot_quota``: the testbeds name
-    it), else 1 (the work is one thread)."""
-    quota = cpu_slot_quota(cluster.device(device).model)
-    return 1.0 / min(1.0, quota) if quota is not None else 1.0
+    a cgroup holds it to a share of a core (``spec.cluster.quota_slowdown``), else 1."""
+    return quota_slowdown(cluster.device(device).model) or 1.0
 
 
 def _shares(trees: Sequence[Tree], roots: list) -> list[float]:

@@ -93,6 +93,7 @@ from felactl.spec import (
     SyncTiming,
     cpu_of_slot_model,
     cpu_slot_quota,
+    quota_slowdown,
 )
 from felactl.spec.plan import gradient_buckets
 
@@ -326,8 +327,7 @@ class CostModel:
         timings of its own: those make it ~1, and a tenth of a core would pay a token as a core."""
         if device.kind is not DeviceKind.CPU:
             return 1.0
-        quota = cpu_slot_quota(device.model)
-        return 1.0 / min(FULL_CORE, quota) if quota is not None else self.timed_slowdown(device)
+        return quota_slowdown(device.model) or self.timed_slowdown(device)
 
     def stage_times_s(self, start: int, end: int, device_name: str, micro_batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one micro-batch of layers [start, end) on a device."""

@@ -12,6 +12,7 @@ from felactl.spec.cluster import (
     cpu_of_slot_model,
     cpu_slot_model,
     cpu_slot_quota,
+    quota_slowdown,
 )
 from felactl.spec.executable import check_executable
 from felactl.spec.io import dump_yaml, from_dict, load, load_cluster, load_model, load_plan, save, to_dict
@@ -67,6 +68,7 @@ __all__ = [
     "cpu_of_slot_model",
     "cpu_slot_model",
     "cpu_slot_quota",
+    "quota_slowdown",
     "data_parallel_plan",
     "dump_yaml",
     "from_dict",

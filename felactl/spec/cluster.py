@@ -50,6 +50,13 @@ def cpu_slot_quota(model: str) -> float | None:
     return quota if quota > 0 else None
 
 
+def quota_slowdown(model: str) -> float | None:
+    """How many times a full core's seconds one thread's work takes on a slot whose model names a
+    quota (:func:`cpu_slot_model`): one over the quota, up to a core (None where none is named)."""
+    quota = cpu_slot_quota(model)
+    return 1.0 / min(1.0, quota) if quota is not None else None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Device:
     name: str
