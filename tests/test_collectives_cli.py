@@ -89,3 +89,44 @@ def test_missing_cluster_file_exits_2(tmp_path):
     result = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(tmp_path / "none.yaml")])
     assert result.exit_code == 2
     assert "no such file" in result.stderr
+
+
+def test_trees_bound_by_a_slow_slot_s_cpu_say_so(tmp_path):
+    """Four CPU slots on an even 50 MB/s network, one held to 0.12 of a core (the one-slow
+    testbed as `felactl profile --testbed` describes it): 16 MB over the trees takes the slow
+    slot's messages, not the links, and the reader is told where the time goes."""
+    from felactl.spec import from_dict, save
+    from felactl.spec.cluster import ClusterSpec
+
+    names = ["fast0", "fast1", "fast2", "slow"]
+    cluster = {
+        "kind": "Cluster",
+        "schema_version": 1,
+        "name": "one-slow",
+        "nodes": [  # one "server": each pair's link its own, as a testbed shapes them
+            {
+                "name": "testbed",
+                "devices": [
+                    {
+                        "name": f"{n}-cpu0",
+                        "kind": "cpu",
+                        "model": "Xeon @ 0.12 cores" if n == "slow" else "Xeon @ 0.45 cores",
+                        "tflops": 0.01,
+                        "memory_gb": 1.0,
+                    }
+                    for n in names
+                ],
+            }
+        ],
+        "intra_node_default": {"bandwidth_gbps": 0.05, "latency_us": 50.0, "type": "net"},
+    }
+    path = save(from_dict(ClusterSpec, cluster), tmp_path / "one-slow.yaml")
+    result = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(path), "--size-mb", "16", "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["busiest_cpu"] == "slow-cpu0"
+    assert data["allreduce_cpu_s"] > data["allreduce_links_s"]
+    assert data["allreduce_s"] == pytest.approx(data["allreduce_cpu_s"], rel=0.05)
+    result = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(path), "--size-mb", "16"])
+    text = " ".join(result.stderr.split())
+    assert "the trees are bound by their pieces' CPU" in text and "at slow-cpu0" in text

@@ -18,7 +18,13 @@ from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError, PlanInfeasible
 from felactl.limits import check_flag
-from felactl.optimizer.collectives import allreduce_rates, allreduce_time_s, plan_collective, ring_allreduce_time_s
+from felactl.optimizer.collectives import (
+    allreduce_rates,
+    allreduce_time_s,
+    plan_collective,
+    ring_allreduce_time_s,
+    tree_allreduce_cost,
+)
 from felactl.optimizer.graph import abbreviate_names
 from felactl.spec import ClusterSpec, Collective, load_cluster
 
@@ -111,6 +117,11 @@ def _render(console, result: dict) -> None:
             "no allreduce over trees (no way back to the root)" if tree_s is None else f"trees {tree_s * 1e3:.3f} ms"
         )
         console.print(f"allreduce of {result['size_mb']:g} MB: {trees}, {ring}")
+        if result.get("busiest_cpu") and result["allreduce_cpu_s"] > result["allreduce_links_s"]:
+            console.print(
+                f"the trees are bound by their pieces' CPU: {result['allreduce_cpu_s'] * 1e3:.3f} ms of messages "
+                f"at {result['busiest_cpu']}, where the links take {result['allreduce_links_s'] * 1e3:.3f} ms"
+            )
 
 
 def collectives(
@@ -155,6 +166,10 @@ def collectives(
         except PlanInfeasible as why:  # broadcast trees, but no way back to the root: no reduce over trees
             tree_s, result["no_allreduce"] = None, str(why)
         result.update(size_mb=size_mb, allreduce_s=tree_s, ring_allreduce_s=ring_s)
+        if tree_s and len(names) > 1:  # what bounds the trees: the links, or the CPU slots' messages
+            cost = tree_allreduce_cost(spec, collective)
+            device, cpu_s = cost.busiest_cpu(num_bytes)
+            result.update(allreduce_links_s=cost.links_seconds(num_bytes), allreduce_cpu_s=cpu_s, busiest_cpu=device)
     output.emit(result, as_json, lambda console: _render(console, result))
 
 

@@ -680,10 +680,10 @@ class TreeAllreduceCost:
     """(root, weight, down_T) of each broadcast tree."""
     roots: tuple[tuple[str, float], ...]
     """Each root with its broadcast trees' rate: how the pieces are first dealt (``deal_by_root``)."""
-    cpu: tuple[tuple[float, tuple[int, ...], tuple[int, ...]], ...] = ()
-    """(slowdown, its edges in each reduce tree, in each broadcast tree) of each CPU slot: per
-    piece a slot sends or receives once over each of its edges in the tree the piece is dealt to,
-    at :data:`TREE_MESSAGE_CPU_S` + :data:`TREE_CPU_S_PER_BYTE` of a full core, ``slowdown``
+    cpu: tuple[tuple[str, float, tuple[int, ...], tuple[int, ...]], ...] = ()
+    """(device, slowdown, its edges in each reduce tree, in each broadcast tree) of each CPU slot:
+    per piece a slot sends or receives once over each of its edges in the tree the piece is dealt
+    to, at :data:`TREE_MESSAGE_CPU_S` + :data:`TREE_CPU_S_PER_BYTE` of a full core, ``slowdown``
     times that on a slot held to a share of a core."""
 
     @property
@@ -698,21 +698,35 @@ class TreeAllreduceCost:
         return sum(_fill(trees, _family_shares(trees, self.roots), range(len(trees))) for trees in (self.up, self.down))
 
     def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + max(self.links_seconds(num_bytes), self.busiest_cpu(num_bytes)[1])
+
+    def links_seconds(self, num_bytes: float) -> float:
+        """The transfer of the slowest dealt tree's pieces at its share of the rate and the
+        deepest fill (the latencies aside)."""
         rate = self.rate_gbps * GBPS_TO_BYTES_PER_S
-        piece = tree_piece_bytes(num_bytes, self.num_trees)
-        count = math.ceil(num_bytes / piece)
-        transfer_up, fill_up, dealt_up = _dealt_family(self.up, self.roots, count, piece, num_bytes)
-        transfer_down, fill_down, dealt_down = _dealt_family(self.down, self.roots, count, piece, num_bytes)
-        links_s = (max(transfer_up, transfer_down) + (fill_up + fill_down) * piece) / rate
+        piece, count = self._pieces(num_bytes)
+        transfer_up, fill_up = _dealt_family(self.up, self.roots, count, piece, num_bytes)
+        transfer_down, fill_down = _dealt_family(self.down, self.roots, count, piece, num_bytes)
+        return (max(transfer_up, transfer_down) + (fill_up + fill_down) * piece) / rate
+
+    def busiest_cpu(self, num_bytes: float) -> tuple[str | None, float]:
+        """The CPU slot whose messages take longest, and their seconds ((None, 0) without one)."""
+        piece, count = self._pieces(num_bytes)
+        dealt_up = _deal_counts(tuple((root, weight) for root, weight, _ in self.up), self.roots, count)[0]
+        dealt_down = _deal_counts(tuple((root, weight) for root, weight, _ in self.down), self.roots, count)[0]
         per_message_s = TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE
-        cpu_s = max(
+        return max(
             (
-                slowdown * (_dot(dealt_up, up) + _dot(dealt_down, down)) * per_message_s
-                for slowdown, up, down in self.cpu
+                (device, slowdown * (_dot(dealt_up, up) + _dot(dealt_down, down)) * per_message_s)
+                for device, slowdown, up, down in self.cpu
             ),
-            default=0.0,
+            key=lambda found: found[1],
+            default=(None, 0.0),
         )
-        return self.latency_s + max(links_s, cpu_s)
+
+    def _pieces(self, num_bytes: float) -> tuple[int, int]:
+        piece = tree_piece_bytes(num_bytes, self.num_trees)
+        return piece, math.ceil(num_bytes / piece)
 
 
 def _dot(counts: tuple[int, ...], edges: tuple[int, ...]) -> int:
@@ -723,16 +737,16 @@ Family = tuple[tuple[str, float, float], ...]
 """One family of trees, broadcast or reduce: (root, weight, hops) of each."""
 
 
-def _dealt_family(trees: Family, roots: tuple, count: int, piece: int, num_bytes: float) -> tuple[float, float, tuple]:
+def _dealt_family(trees: Family, roots: tuple, count: int, piece: int, num_bytes: float) -> tuple[float, float]:
     """For one family of trees and ``count`` pieces dealt to them as the runtime deals
     (``spec.plan.deal_by_root``): the bytes the slowest tree moves over its share f_T (bytes at the
-    whole rate), the deepest fill in pieces, over the trees dealt any, and each tree's pieces."""
+    whole rate) and the deepest fill in pieces, over the trees dealt any."""
     shares = _family_shares(trees, roots)
     counts, last = _deal_counts(tuple((root, weight) for root, weight, _ in trees), roots, count)
     short = count * piece - num_bytes  # the last piece is the rest of the buffer
     dealt = [k for k, n in enumerate(counts) if n]
     transfer = max((counts[k] * piece - (short if k == last else 0)) / shares[k] for k in dealt)
-    return transfer, _fill(trees, shares, dealt), counts
+    return transfer, _fill(trees, shares, dealt)
 
 
 def _fill(trees: Family, shares: list[float], which) -> float:
@@ -771,7 +785,7 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
         down=tuple((t.root, t.weight, hops(t)) for t in collective.trees),
         roots=tuple(root_rates([(t.root, t.weight) for t in collective.trees])),
         cpu=tuple(
-            (cpu_slowdown(cluster, d), edges_at(d, reduce_trees), edges_at(d, collective.trees))
+            (d, cpu_slowdown(cluster, d), edges_at(d, reduce_trees), edges_at(d, collective.trees))
             for d in collective.devices
             if cluster.device(d).kind is DeviceKind.CPU
         ),
