@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_testbed_plans import held, parts, steady_rate  # noqa: E402
+from processes import wait_all  # noqa: E402
 
 TESTBEDS = ROOT / "plans" / "testbeds"
 MIB = 1 << 20
@@ -251,11 +252,9 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
                 argv += ["--gloo-order", ",".join(str(spec.node_names.index(d.removesuffix("-cpu0"))) for d in order)]
                 env = node_env(state, info, {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
                 procs.append(subprocess.Popen(node_command(info, argv), env=env))
-            for proc in procs:
-                if proc.wait(timeout=3600) != 0:
-                    raise SystemExit(f"a node's process of {name} failed (exit {proc.returncode})")
+            wait_all(procs, 3600, f"a node's process of {name}")
         finally:
-            for proc in procs:
+            for proc in procs:  # where a start failed part way, wait_all never saw the ones started
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()

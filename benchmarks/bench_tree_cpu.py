@@ -28,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from processes import wait_all  # noqa: E402
+
 MIB = 1 << 20
 WORLD = 3
 EDGES = {0: 1, 1: 2, 2: 1}
@@ -98,16 +101,7 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         argv = [sys.executable, __file__, "--worker", "--store", str(Path(tmp) / "store"), "--out", str(out)]
         argv += ["--sizes-mib", ",".join(map(str, args.sizes_mib)), "--repeat", str(args.repeat)]
-        procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(WORLD)]
-        try:
-            for proc in procs:
-                if proc.wait(timeout=1800) != 0:
-                    raise SystemExit(f"a worker failed (exit {proc.returncode})")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        wait_all([subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(WORLD)], 1800, "a worker")
         rows = json.loads(out.read_text())
     fixed_s, per_byte_s = fit(rows)
     if args.json:
