@@ -96,6 +96,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    from felactl.spec.plan import tree_piece_bytes
+
+    if len({tree_piece_bytes(size * MIB, 1) for size in args.sizes_mib}) < 2:
+        parser.error("--sizes-mib: the fit needs buffers cut into two piece sizes at least (e.g. 1,256)")
     with tempfile.TemporaryDirectory(prefix="felactl-tree-cpu-") as tmp:
         out = Path(tmp) / "out.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
