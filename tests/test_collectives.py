@@ -582,3 +582,74 @@ def test_trees_over_a_link_left_to_acknowledgements_give_way_to_slower_trees_pri
         {("a", "b"): 10, ("b", "a"): 10, ("a", "c"): 10, ("c", "a"): 3, ("b", "c"): 100, ("c", "b"): 20}
     )
     assert rate == pytest.approx(13.0) and loads_thin
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 128])
+def test_the_messages_priced_per_slot_are_those_the_runtime_sends_and_receives(count):
+    """Two roots, reduce trees that differ from the broadcast trees and weights that leave a tree
+    no piece of a short buffer: each slot's priced messages (its edges in each tree times the pieces
+    dealt to that tree) equal what the runtime's walks (``agents.worker.sync.trees._walks``) send
+    and receive on that rank: per piece, one receive per child and one send to the parent."""
+    from felactl.agents.worker.sync.trees import _Tree, _walks
+    from felactl.optimizer.collectives import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S, tree_allreduce_cost
+    from felactl.spec.plan import root_rates, tree_piece_bytes
+
+    names = ("a", "b", "c", "d")
+    links = tuple((x, y, 1.0, 0.0) for x, y in itertools.combinations(names, 2))
+    collective = Collective(
+        group="g",
+        devices=names,
+        root="a",
+        trees=(
+            Tree(edges=(("a", "b"), ("b", "c"), ("c", "d")), weight=3.0),
+            Tree(edges=(("a", "c"), ("a", "d"), ("d", "b")), weight=1.0),
+            Tree(edges=(("b", "a"), ("a", "c"), ("a", "d")), weight=2.0),
+        ),
+        reduce_trees=(
+            Tree(edges=(("a", "d"), ("d", "c"), ("c", "b")), weight=4.0),
+            Tree(edges=(("b", "c"), ("c", "d"), ("d", "a")), weight=2.0),
+        ),
+        rate_gbps=6.0,
+        bound_gbps=6.0,
+        ring_gbps=0.0,
+    )
+    rank = {name: i for i, name in enumerate(names)}
+
+    def runtime_trees(trees, me):
+        return [
+            _Tree(
+                t.weight,
+                next((rank[p] for p, c in t.edges if c == me), None),
+                tuple(rank[c] for p, c in t.edges if p == me),
+                rank[t.root],
+            )
+            for t in trees
+        ]
+
+    roots = [(rank[root], rate) for root, rate in root_rates([(t.root, t.weight) for t in collective.trees])]
+    piece = 64 * 2**10
+    num_bytes = count * piece
+    assert tree_piece_bytes(num_bytes, 3) == piece
+    for me in names:  # each slot in turn held to a hundredth of a core, so that its messages are the busiest
+        sent_or_received = sum(
+            len(order) * (len(tree.children) + (tree.parent is not None))
+            for trees in (collective.reduce_trees, collective.trees)
+            for tree, order in _walks(runtime_trees(trees, me), roots, count)
+        )
+        assert sent_or_received > 0
+        slow = _pair_cluster(*links, kind=DeviceKind.CPU)
+        slow = dataclasses.replace(
+            slow,
+            nodes=tuple(
+                dataclasses.replace(
+                    node,
+                    devices=tuple(
+                        dataclasses.replace(d, model="x @ 0.01 cores") if d.name == me else d for d in node.devices
+                    ),
+                )
+                for node in slow.nodes
+            ),
+        )
+        device, seconds = tree_allreduce_cost(slow, collective).busiest_cpu(num_bytes)
+        assert device == me
+        assert seconds == pytest.approx(100 * sent_or_received * (TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE))

@@ -128,5 +128,6 @@ def test_trees_bound_by_a_slow_slot_s_cpu_say_so(tmp_path):
     assert data["allreduce_cpu_s"] > data["allreduce_links_s"]
     assert data["allreduce_s"] == pytest.approx(data["allreduce_cpu_s"], rel=0.05)
     result = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(path), "--size-mb", "16"])
+    assert result.exit_code == 0, result.stderr
     text = " ".join(result.stderr.split())
     assert "the trees are bound by their pieces' CPU" in text and "at slow-cpu0" in text

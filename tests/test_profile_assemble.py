@@ -165,3 +165,15 @@ def test_a_profiling_worker_times_its_device_after_every_worker_has_joined(monke
     assert calls[:7] == ["join", "barrier", "device", "links", "barrier", "device", "result"]
     # timed twice, the links between: each throughput at its faster reading (a stall only slows)
     assert results[0]["device"] == {"tflops": 2.0, "bf16_tflops": 3.0}
+
+
+def test_of_two_readings_each_throughput_is_its_faster_and_a_missing_one_stays_missing():
+    from felactl.profiling.worker import faster_reading
+
+    cpu = {"kind": "cpu", "model": "Xeon", "tflops": 0.05, "cpu_cores": [0]}
+    assert faster_reading(cpu, {**cpu, "tflops": 0.07}) == {**cpu, "tflops": 0.07}
+    assert faster_reading({**cpu, "tflops": 0.07}, cpu)["tflops"] == 0.07
+    assert "bf16_tflops" not in faster_reading(cpu, cpu)
+    gpu = {"kind": "cuda", "tflops": 50.0, "bf16_tflops": None}
+    assert faster_reading(gpu, {**gpu, "bf16_tflops": 400.0})["bf16_tflops"] == 400.0
+    assert faster_reading(gpu, gpu)["bf16_tflops"] is None

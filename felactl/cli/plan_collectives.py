@@ -166,7 +166,7 @@ def collectives(
         except PlanInfeasible as why:  # broadcast trees, but no way back to the root: no reduce over trees
             tree_s, result["no_allreduce"] = None, str(why)
         result.update(size_mb=size_mb, allreduce_s=tree_s, ring_allreduce_s=ring_s)
-        if tree_s and len(names) > 1:  # what bounds the trees: the links, or the CPU slots' messages
+        if tree_s:  # what bounds the trees: the links, or the CPU slots' messages (0 s: a group of one)
             cost = tree_allreduce_cost(spec, collective)
             device, cpu_s = cost.busiest_cpu(num_bytes)
             result.update(allreduce_links_s=cost.links_seconds(num_bytes), allreduce_cpu_s=cpu_s, busiest_cpu=device)

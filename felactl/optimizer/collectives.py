@@ -669,8 +669,9 @@ def allreduce_time_s(cluster: ClusterSpec, collective: Collective, num_bytes: fl
 @dataclasses.dataclass(frozen=True)
 class TreeAllreduceCost:
     """What a tree allreduce of N bytes costs (module docstring, "Times"): the links' latencies
-    once up and once down, plus, over the trees the runtime deals pieces to, the slowest tree's
-    transfer of its pieces at its share of the rate and the deepest fill in pieces' time."""
+    once up and once down, plus the larger of the links' time (over the trees the runtime deals
+    pieces to, the slowest tree's transfer of its pieces at its share of the rate and the deepest
+    fill in pieces' time) and the busiest CPU slot's messages."""
 
     rate_gbps: float
     latency_s: float
@@ -698,6 +699,7 @@ class TreeAllreduceCost:
         return sum(_fill(trees, _family_shares(trees, self.roots), range(len(trees))) for trees in (self.up, self.down))
 
     def seconds(self, num_bytes: float) -> float:
+        """An allreduce of ``num_bytes``: the latencies plus max(links, busiest CPU slot)."""
         return self.latency_s + max(self.links_seconds(num_bytes), self.busiest_cpu(num_bytes)[1])
 
     def links_seconds(self, num_bytes: float) -> float:
@@ -710,7 +712,8 @@ class TreeAllreduceCost:
         return (max(transfer_up, transfer_down) + (fill_up + fill_down) * piece) / rate
 
     def busiest_cpu(self, num_bytes: float) -> tuple[str | None, float]:
-        """The CPU slot whose messages take longest, and their seconds ((None, 0) without one)."""
+        """The CPU slot whose messages take longest, and their seconds ((None, 0) without one).
+        The short last piece is charged as a whole one (a message costs mostly its fixed part)."""
         piece, count = self._pieces(num_bytes)
         dealt_up = _deal_counts(tuple((root, weight) for root, weight, _ in self.up), self.roots, count)[0]
         dealt_down = _deal_counts(tuple((root, weight) for root, weight, _ in self.down), self.roots, count)[0]
@@ -794,7 +797,10 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
 
 def cpu_slowdown(cluster: ClusterSpec, device: str) -> float:
     """How many times a full core's seconds a CPU slot's own work takes: one over its quota where
-    a cgroup holds it to a share of a core (``spec.cluster.quota_slowdown``), else 1."""
+    a cgroup holds it to a share of a core (``spec.cluster.quota_slowdown``), else 1. (A slot
+    slowed otherwise, a busy VM's, is priced at a full core here; the cost model's
+    ``host_slowdown`` reads that from the model profile's timings, which this pure function has not.)
+    GPU ranks of a gloo group pay their host's messages too; they are not priced."""
     return quota_slowdown(cluster.device(device).model) or 1.0
 
 

@@ -533,7 +533,11 @@ class CostModel:
         receives, :data:`SYNC_CPU_S_PER_BYTE` of a full core per byte sent, stretched by the slot's
         :meth:`host_slowdown`. That CPU comes out of the quota the backward computes on, so nothing
         hides it; the link profile saw it at a full core's speed, where it overlaps the transfer.
-        0 where no member is held by a quota."""
+        0 where no member is held by a quota. Where the trees are the faster sum, their time
+        already holds their own CPU as a bound (``collectives.TreeAllreduceCost.busiest_cpu``) and
+        this adds the ring's CPU besides: a double count of part of it, left while the plans it
+        prices measure within 20% (BENCHMARKS.md, "Measured plan quality", thirteenth session).
+        Calibrated on data-parallel rings."""
         held = [self.cluster.device(d) for d in group]
         held = [d for d in held if d.kind is DeviceKind.CPU and cpu_slot_quota(d.model)]
         stretch = max((self.host_slowdown(d) for d in held), default=0.0)

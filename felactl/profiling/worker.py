@@ -4,7 +4,8 @@ It finds its place from the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, 
 MASTER_ADDR, MASTER_PORT) plus FELACTL_STORE_PREFIX (its job's keys on the coordinator's store) and
 FELACTL_PROFILE_CONFIG (sizes). It joins one process group with every slot of every node (on the
 coordinator's store, under the job prefix), measures its device once every worker has joined,
-then its links, and leaves its result on the store for the coordinator to assemble.
+then its links, then its device again (keeping the faster reading), and leaves its result on the
+store for the coordinator to assemble.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def main() -> None:
         # links' seconds is rarely there at both. One run's two-servers profile read every slot at
         # 0.037 TFLOP/s where the model profile's timings and every run before read 0.067, and
         # priced felactl's plan 1.5x slow (BENCHMARKS.md, "Measured plan quality", thirteenth session).
+        # (Without a stall, the faster of two readings is a few percent above one: the model
+        # profile's `timed_tflops`, a median, then prices slots that much faster. A stall is worse.)
         barrier()
         device = faster_reading(device, _device_result(config, local_rank, local_world_size))
         extras = _gpu_extras(config, local_world_size) if cuda and local_rank == 0 else {}
