@@ -206,3 +206,21 @@ def test_nccl_groups_keep_their_backend_s_allreduce(monkeypatch):
     assert stage_trees(plan, 0, 0, "a group") is None
     monkeypatch.setattr(trees_module.dist, "get_backend", lambda group=None: "gloo")
     assert stage_trees(plan, 0, 0, "a group") is not None
+
+
+@pytest.mark.parametrize("num_bytes", [160_000_004, 16 * 2**20 + 4, 1_000_004, 4 * 2**20 - 12])
+def test_the_runtime_cuts_a_buffer_into_as_many_pieces_as_the_planner_prices(num_bytes):
+    """The runtime cuts by whole elements, the planner counts bytes (``spec.plan.tree_piece_bytes``):
+    a piece size that is not a whole number of elements gave the runtime one piece more (160000004
+    bytes over 2 trees: 257 pieces where 256 were priced)."""
+    import math
+
+    import torch
+
+    from felactl.agents.worker.sync.trees import TreeAllreduce, _Tree
+    from felactl.spec.plan import tree_piece_bytes
+
+    trees = [_Tree(1.0, None, (1,), 0), _Tree(1.0, None, (1,), 0)]
+    allreduce = TreeAllreduce(trees, None, 2)
+    flat = torch.empty(num_bytes // 4)
+    assert len(allreduce._pieces(flat)) == math.ceil(num_bytes / tree_piece_bytes(num_bytes, 2))

@@ -183,7 +183,14 @@ def tree_piece_bytes(num_bytes: float, num_trees: int, largest: int = TREE_PIECE
     (``felactl.agents.worker.sync.trees``) and the planner prices the pipeline's fill by
     (``felactl.optimizer.collectives``), in one place so they cannot drift apart."""
     wanted = MIN_PIECES_PER_TREE * max(1, num_trees)
-    return int(max(min(largest, math.ceil(num_bytes / wanted)), min(MIN_TREE_PIECE_BYTES, largest)))
+    # a whole number of elements of any dtype (up to 8 bytes): the runtime cuts by elements, so an
+    # odd size would give it one piece more than the planner counts
+    even = PIECE_ALIGN_BYTES * math.ceil(num_bytes / wanted / PIECE_ALIGN_BYTES)
+    return int(max(min(largest, even), min(MIN_TREE_PIECE_BYTES, largest)))
+
+
+PIECE_ALIGN_BYTES = 8
+"""Pieces are a multiple of this many bytes (:func:`tree_piece_bytes`)."""
 
 
 def deal(weights: list[float], count: int) -> list[int]:
