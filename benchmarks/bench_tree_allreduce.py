@@ -98,19 +98,6 @@ def testbed_cluster(spec):
     return from_dict(ClusterSpec, cluster, f"testbed {spec.name}")
 
 
-def as_gpus(cluster):
-    """``cluster`` with its devices as GPUs, whose tree allreduce the links alone price."""
-    import dataclasses
-
-    from felactl.spec import DeviceKind
-
-    def gpu(device):
-        return dataclasses.replace(device, kind=DeviceKind.CUDA, cpu_cores=None)
-
-    nodes = tuple(dataclasses.replace(n, devices=tuple(gpu(d) for d in n.devices)) for n in cluster.nodes)
-    return dataclasses.replace(cluster, nodes=nodes)
-
-
 def allreduce_bound_gbps(cluster, collective) -> float:
     """The bound of any allreduce over the collective's devices (module docstring)."""
     from felactl.optimizer.graph import allreduce_bound, capacity_graph
@@ -218,7 +205,7 @@ def worker(args) -> None:
 
 
 def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> list[dict]:
-    from felactl.optimizer.collectives import allreduce_time_s, gloo_ring
+    from felactl.optimizer.collectives import allreduce_time_s, gloo_ring, tree_allreduce_cost
     from felactl.optimizer.graph import best_ring
     from felactl.spec import save
     from felactl.testbed import down, load_testbed, node_command, node_env, up
@@ -228,7 +215,7 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
     plan = testbed_plan(spec, "mlp", len(spec.nodes))
     collective = plan.collectives[0]
     bound = allreduce_bound_gbps(cluster, collective)
-    by_links = as_gpus(cluster)
+    cost = tree_allreduce_cost(cluster, collective)
     min_cut = min_cut_bound_gbps(cluster, collective)
     order = gloo_ring(best_ring(cluster, collective.devices)[0])  # ranks whose gloo ring is the best ring
     with held(Path(lock)), tempfile.TemporaryDirectory(prefix="felactl-trees-") as tmp:
@@ -276,7 +263,7 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
                 "bound_MBps": bound * 1e3,
                 "trees_over_min_cut": nbytes / row["trees"] / (min_cut * 1e9),
                 "predicted": allreduce_time_s(cluster, collective, nbytes),
-                "predicted_by_links": allreduce_time_s(by_links, collective, nbytes),
+                "predicted_by_links": cost.latency_s + cost.links_seconds(nbytes),
             }
         )
     return rows

@@ -201,12 +201,18 @@ def test_a_group_of_one_needs_no_collective():
 
 
 def _pair_cluster(
-    *links: tuple[str, str, float, float], kind: DeviceKind = DeviceKind.CUDA, model: str = "x"
+    *links: tuple[str, str, float, float],
+    kind: DeviceKind = DeviceKind.CUDA,
+    model: str = "x",
+    models: dict[str, str] | None = None,
 ) -> ClusterSpec:
     """Devices joined by ``(a, b, GB/s, latency us)`` both ways: GPUs by default, whose links alone
-    price a tree allreduce (on CPU slots its messages' CPU may outlast them)."""
+    price a tree allreduce (on CPU slots its messages' CPU may outlast them); each of ``model``,
+    or of its own in ``models``."""
     names = sorted({x for link in links for x in link[:2]})
-    devices = tuple(Device(name=n, kind=kind, model=model, tflops=1.0, memory_gb=1.0) for n in names)
+    devices = tuple(
+        Device(name=n, kind=kind, model=(models or {}).get(n, model), tflops=1.0, memory_gb=1.0) for n in names
+    )
     return ClusterSpec(
         name="hand",
         nodes=(Node(name="n", devices=devices),),
@@ -637,19 +643,28 @@ def test_the_messages_priced_per_slot_are_those_the_runtime_sends_and_receives(c
             for tree, order in _walks(runtime_trees(trees, me), roots, count)
         )
         assert sent_or_received > 0
-        slow = _pair_cluster(*links, kind=DeviceKind.CPU)
-        slow = dataclasses.replace(
-            slow,
-            nodes=tuple(
-                dataclasses.replace(
-                    node,
-                    devices=tuple(
-                        dataclasses.replace(d, model="x @ 0.01 cores") if d.name == me else d for d in node.devices
-                    ),
-                )
-                for node in slow.nodes
-            ),
-        )
+        slow = _pair_cluster(*links, kind=DeviceKind.CPU, models={me: "x @ 0.01 cores"})
         device, seconds = tree_allreduce_cost(slow, collective).busiest_cpu(num_bytes)
         assert device == me
         assert seconds == pytest.approx(100 * sent_or_received * (TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE))
+
+
+def test_the_cost_model_stretches_the_trees_cpu_on_a_slot_slowed_without_a_quota():
+    """A slot that timed its matmul at half the rate the model profile was timed at (a busy VM,
+    no cgroup naming a quota) does its host work at half speed (``CostModel.host_slowdown``), its
+    tree messages included: the cost model prices them so; the cluster alone cannot see it
+    (``collectives.cpu_slowdown``: 1)."""
+    from felactl.optimizer.collectives import tree_allreduce_cost
+    from felactl.optimizer.cost import CostModel
+    from tests.planner_fixtures import model as model_profile
+
+    links = (("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("c", "d", 1.0, 0.0))
+    cluster = _pair_cluster(*links, kind=DeviceKind.CPU)  # every slot timed at 1 TFLOP/s
+    group, num_bytes = ("a", "b", "c", "d"), 16 * 2**20
+    timed_at_two = dataclasses.replace(model_profile([(4_000_000, 1000, 1e7)]), timed_tflops={"x": 2.0})
+    cost = CostModel(cluster, timed_at_two)
+    alone = tree_allreduce_cost(cluster, cost.collective(group))
+    assert alone.busiest_cpu(num_bytes)[1] > alone.links_seconds(num_bytes)  # the CPU decides
+    assert cost.tree_sync_s(group, num_bytes) == pytest.approx(
+        alone.latency_s + 2 * alone.busiest_cpu(num_bytes)[1], rel=1e-6
+    )

@@ -107,7 +107,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import networkx as nx
 
@@ -768,9 +768,14 @@ def _deal_counts(trees: tuple, roots: tuple, count: int) -> tuple[tuple[int, ...
     return tuple(order.count(k) for k in range(len(trees))), order[-1]
 
 
-def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAllreduceCost:
+def tree_allreduce_cost(
+    cluster: ClusterSpec, collective: Collective, slowdown: Callable[[str], float] | None = None
+) -> TreeAllreduceCost:
     """The rate X of the collective's allreduce and its pipeline's fill, worked out once per
-    collective; :meth:`TreeAllreduceCost.seconds` prices N bytes."""
+    collective; :meth:`TreeAllreduceCost.seconds` prices N bytes. ``slowdown(device)``: how many
+    times a full core's seconds a CPU slot's own work takes (the cost model's
+    ``CostModel.host_slowdown``, which also reads a slot slowed without a quota from the model
+    profile); :func:`cpu_slowdown` where not given."""
     throughput_gbps = allreduce_throughput_gbps(cluster, collective)  # raises where a link is missing
     fill_us = _deepest_latency_us(cluster, collective) + _deepest_latency_us(cluster, collective, upward=True)
 
@@ -788,7 +793,12 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
         down=tuple((t.root, t.weight, hops(t)) for t in collective.trees),
         roots=tuple(root_rates([(t.root, t.weight) for t in collective.trees])),
         cpu=tuple(
-            (d, cpu_slowdown(cluster, d), edges_at(d, reduce_trees), edges_at(d, collective.trees))
+            (
+                d,
+                (slowdown or functools.partial(cpu_slowdown, cluster))(d),
+                edges_at(d, reduce_trees),
+                edges_at(d, collective.trees),
+            )
             for d in collective.devices
             if cluster.device(d).kind is DeviceKind.CPU
         ),
@@ -796,11 +806,9 @@ def tree_allreduce_cost(cluster: ClusterSpec, collective: Collective) -> TreeAll
 
 
 def cpu_slowdown(cluster: ClusterSpec, device: str) -> float:
-    """How many times a full core's seconds a CPU slot's own work takes: one over its quota where
-    a cgroup holds it to a share of a core (``spec.cluster.quota_slowdown``), else 1. (A slot
-    slowed otherwise, a busy VM's, is priced at a full core here; the cost model's
-    ``host_slowdown`` reads that from the model profile's timings, which this pure function has not.)
-    GPU ranks of a gloo group pay their host's messages too; they are not priced."""
+    """How many times a full core's seconds a CPU slot's own work takes, from the cluster alone:
+    one over its quota where a cgroup holds it to a share of a core (``spec.cluster.quota_slowdown``),
+    else 1. (GPU ranks of a gloo group pay their host's messages too; they are not priced.)"""
     return quota_slowdown(cluster.device(device).model) or 1.0
 
 

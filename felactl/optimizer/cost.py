@@ -586,7 +586,9 @@ class CostModel:
         key = ("trees", tuple(sorted(group)))
         if key not in self._sync:
             try:
-                self._sync[key] = tree_allreduce_cost(self.cluster, coll)
+                self._sync[key] = tree_allreduce_cost(
+                    self.cluster, coll, lambda d: self.host_slowdown(self.cluster.device(d))
+                )
             except PlanInfeasible:  # a link the trees need is missing: the ring (or routes) carries it
                 self._sync[key] = None
         if self._sync[key] is None:

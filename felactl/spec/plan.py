@@ -177,20 +177,19 @@ node held to a share of a core pays several times over; at 64 KiB that stays bel
 of the piece on the slowest links the trees are for."""
 
 
+PIECE_ALIGN_BYTES = 8
+"""Pieces are a whole number of elements of any dtype up to this size (:func:`tree_piece_bytes`)."""
+
+
 def tree_piece_bytes(num_bytes: float, num_trees: int, largest: int = TREE_PIECE_BYTES) -> int:
     """The bytes of each piece an allreduce of ``num_bytes`` over ``num_trees`` trees (the more of
     a collective's broadcast and reduce trees) streams in: the rule the runtime cuts by
     (``felactl.agents.worker.sync.trees``) and the planner prices the pipeline's fill by
     (``felactl.optimizer.collectives``), in one place so they cannot drift apart."""
     wanted = MIN_PIECES_PER_TREE * max(1, num_trees)
-    # a whole number of elements of any dtype (up to 8 bytes): the runtime cuts by elements, so an
-    # odd size would give it one piece more than the planner counts
+    # the runtime cuts by whole elements: a size that is not would give it one piece more than priced
     even = PIECE_ALIGN_BYTES * math.ceil(num_bytes / wanted / PIECE_ALIGN_BYTES)
     return int(max(min(largest, even), min(MIN_TREE_PIECE_BYTES, largest)))
-
-
-PIECE_ALIGN_BYTES = 8
-"""Pieces are a multiple of this many bytes (:func:`tree_piece_bytes`)."""
 
 
 def deal(weights: list[float], count: int) -> list[int]:
