@@ -213,3 +213,49 @@ def test_every_plan_for_cpu_slots_is_executable(seed, sync):
         for global_batch in (16, 32):
             plan = make_plan(cpu_cluster(seed), model, global_batch, sync=sync, time_limit_s=10)
             check_executable(plan, [layer.params for layer in model.layers], where=f"{name} x {global_batch}")
+
+
+def test_a_plan_placing_workers_on_gpus_and_cpu_slots_is_refused():
+    """One process group has one backend: the launcher runs such a plan on gloo, where every worker
+    trains on the CPU, the GPUs' included, at a core's speed where the plan priced a GPU's."""
+    from felactl.spec import Placement
+
+    plan = _plan([(0, 3, 8, [0, 1])], 2, sync=SyncMode.BSP)
+    mixed = replace(
+        plan,
+        placement=(
+            Placement(device="d0", node="box", kind=DeviceKind.CUDA, local_index=0),
+            Placement(device="d1", node="box", kind=DeviceKind.CPU, local_index=0),
+        ),
+    )
+    assert _keys(mixed) == ["placement"]
+    with pytest.raises(SpecError, match=r"plan.yaml: placement: .*GPUs and on CPU slots.*one backend"):
+        check_executable(mixed, where="plan.yaml")
+    one_kind = replace(
+        mixed, placement=tuple(replace(p, kind=DeviceKind.CUDA, local_index=i) for i, p in enumerate(mixed.placement))
+    )
+    assert _keys(one_kind) == []
+
+
+def test_the_planner_refuses_devices_of_both_kinds_and_plans_either_kind_alone():
+    from felactl.errors import InputError
+
+    both = ClusterSpec(
+        name="both",
+        nodes=(
+            Node(
+                name="box",
+                devices=(
+                    Device(name="gpu0", kind=DeviceKind.CUDA, model="G", tflops=10.0, memory_gb=8.0, local_index=0),
+                    Device(name="cpu0", kind=DeviceKind.CPU, model="C", tflops=0.1, memory_gb=8.0, local_index=0),
+                    Device(name="cpu1", kind=DeviceKind.CPU, model="C", tflops=0.1, memory_gb=8.0, local_index=1),
+                ),
+            ),
+        ),
+        intra_node_default=LinkDefault(bandwidth_gbps=10.0, latency_us=5.0, type=LinkType.PCIE),
+    )
+    net = made_up_model([(1000, 100, 1e6)] * 3)
+    with pytest.raises(InputError, match=r"GPUs \(gpu0\) and CPU slots \(cpu0, cpu1\).*one backend.*--devices"):
+        make_plan(both, net, 8, sync="bsp")
+    assert set(make_plan(both, net, 8, sync="bsp", devices=["cpu0", "cpu1"]).devices) <= {"cpu0", "cpu1"}
+    assert make_plan(both, net, 8, sync="bsp", devices=["gpu0"]).devices == ("gpu0",)

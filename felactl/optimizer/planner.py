@@ -21,11 +21,12 @@ from felactl.optimizer import baselines, ilp
 from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, in_flight, predict, token_samples
-from felactl.optimizer.graph import best_ring, ring_width
+from felactl.optimizer.graph import abbreviate_names, best_ring, ring_width
 from felactl.optimizer.simulator import simulate
 from felactl.optimizer.space import build_space
 from felactl.spec import (
     ClusterSpec,
+    DeviceKind,
     ModelRef,
     ModelSpec,
     Plan,
@@ -46,15 +47,26 @@ few seconds; where a larger one does not, the plan keeps the best found and reco
 
 
 def check_devices(cluster: ClusterSpec, devices: Sequence[str] | None) -> tuple[str, ...]:
-    """The devices to plan for, in rank order (all of the cluster's when ``devices`` is None)."""
-    if devices is None:
-        return cluster.device_names
-    unknown = [d for d in devices if not cluster.has_device(d)]
-    if unknown:
-        raise InputError(f"devices: no device named {unknown[0]!r} in cluster {cluster.name!r}")
-    if not devices:
-        raise PlanInfeasible("degree: no devices to plan for")
-    return tuple(d for d in cluster.device_names if d in set(devices))
+    """The devices to plan for, in rank order (all of the cluster's when ``devices`` is None).
+    Refused (InputError) where they are both GPUs and CPU slots: a job's process group has one
+    backend, NCCL on GPUs or gloo on CPU slots (the launcher's ``plan_backend``), and on gloo the
+    workers train on the CPU, so a GPU priced at its own speed would run at a core's."""
+    if devices is not None:
+        unknown = [d for d in devices if not cluster.has_device(d)]
+        if unknown:
+            raise InputError(f"devices: no device named {unknown[0]!r} in cluster {cluster.name!r}")
+        if not devices:
+            raise PlanInfeasible("degree: no devices to plan for")
+    names = cluster.device_names if devices is None else tuple(d for d in cluster.device_names if d in set(devices))
+    gpus = [d for d in names if cluster.device(d).kind is DeviceKind.CUDA]
+    if gpus and len(gpus) < len(names):
+        cpus = [d for d in names if d not in set(gpus)]
+        raise InputError(
+            f"cluster {cluster.name!r}: the devices to plan for are GPUs ({abbreviate_names(gpus)}) and CPU "
+            f"slots ({abbreviate_names(cpus)}); a job runs on one backend (NCCL on GPUs, gloo on CPU slots): "
+            f"plan for one kind with --devices"
+        )
+    return names
 
 
 def _same_stages(space, options: Sequence) -> tuple | None:

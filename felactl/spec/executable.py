@@ -20,6 +20,9 @@ pipelines (several stages, ``1f1b``/``gpipe``, :mod:`felactl.agents.worker.pipel
 5. **sync**: flexible synchronises each stage by allreduce (sync bsp or tokens); pipelines
    synchronise each stage's replicas with bsp (tokens runs as bsp) or sdpipe, not wbsp.
 6. **pipeline slots**: with static pipelines, every device holds exactly one pipeline slot.
+7. **one backend**: the placement puts every worker on a GPU (NCCL) or every one on a CPU slot
+   (gloo). A job's process group has one backend, and on gloo the workers train on the CPU: a
+   GPU in a mixed plan, priced at its own speed, would run at a core's.
 
 :func:`problems` lists every broken rule; :func:`check_executable` raises the first as a
 :class:`~felactl.errors.SpecError` (exit 2). Pure: stdlib only, so the optimizer imports it.
@@ -117,6 +120,15 @@ def problems(plan: Plan, layer_params: Sequence[int] | None = None) -> list[Prob
     """Every rule the plan breaks; ``layer_params``: the model's trainable parameters per layer
     (from its profile or the built model), without which rules 1 and 2 are not checked."""
     found = [] if layer_params is None else _model_problems(plan, layer_params)
+    if len({p.kind for p in plan.placement}) > 1:
+        found.append(
+            Problem(
+                "placement",
+                "the plan puts workers on GPUs and on CPU slots, but a job runs on one backend (NCCL on "
+                "GPUs, gloo on CPU slots, where its GPU workers would train on the CPU): plan for one "
+                "kind (felactl plan --devices)",
+            )
+        )
     how = execution(plan)
     if how is Execution.FLEXIBLE:
         found += _flexible_problems(plan)
