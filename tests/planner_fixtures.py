@@ -42,6 +42,18 @@ def cluster(
     )
 
 
+def as_cpu_slots(spec: ClusterSpec) -> ClusterSpec:
+    """``spec`` with every device a CPU slot (the fixtures' clusters are of GPUs): where the runtime
+    runs Blink trees (over gloo) and the cost model prices them; a group of GPUs syncs over NCCL."""
+    return dataclasses.replace(
+        spec,
+        nodes=tuple(
+            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
+            for n in spec.nodes
+        ),
+    )
+
+
 def one_way_pair() -> ClusterSpec:
     """Devices n0.d0 and n1.d0 on two nodes: n0 -> n1 at 1 GB/s and 100 us, n1 -> n0 at 100 GB/s
     and 10 us (a link that differs by direction)."""

@@ -46,6 +46,8 @@ def test_json_for_three_gpus_by_index():
         "allreduce_gbps",
         "allreduce_bound_gbps",
         "ring_allreduce_gbps",
+        "nccl_rings",  # GPUs: what a felactl job on them runs
+        "nccl_allreduce_gbps",
     }
     assert data["devices"] == ["gpu0", "gpu1", "gpu5"]
     assert data["rate_gbps"] == 35.0 and data["bound_gbps"] == 35.0 and data["ring_gbps"] == 10.0
@@ -131,3 +133,29 @@ def test_trees_bound_by_a_slow_slot_s_cpu_say_so(tmp_path):
     assert result.exit_code == 0, result.stderr
     text = " ".join(result.stderr.split())
     assert "the trees are bound by their pieces' CPU" in text and "at slow-cpu0" in text
+
+
+def test_on_gpus_the_reader_is_told_that_nccl_sums_not_the_trees():
+    """A felactl job on GPUs runs NCCL's allreduce (the trees stream over gloo only): the command
+    that shows a fragment's trees 4.7x the best ring also shows what the job will run, NCCL's two
+    rings over the fragment (each closed by a PCIe hop), 15 GB/s, and its time for the size asked."""
+    result = runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--devices", "0,1,5", "--size-mb", "100"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())  # (the console wraps long lines)
+    assert "NCCL's allreduce, not these trees" in said and "2 ring(s), 15.00 GB/s" in said
+    assert "NCCL 6.699 ms" in said
+    data = json.loads(
+        runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--devices", "0,1,5", "--json"]).stdout
+    )
+    assert data["nccl_allreduce_gbps"] == pytest.approx(15.0)
+    assert sorted(r["gbps"] for r in data["nccl_rings"]) == [10.0, 10.0]
+
+
+def test_cpu_slots_are_not_told_about_nccl(tmp_path):
+    from felactl.spec import load_cluster, save
+    from tests.planner_fixtures import as_cpu_slots
+
+    path = save(as_cpu_slots(load_cluster(DGX)), tmp_path / "slots.yaml")
+    result = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(path), "--devices", "0,1,5", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "nccl_rings" not in json.loads(result.stdout)

@@ -24,7 +24,7 @@ from felactl.optimizer.evaluate import (
     token_samples,
 )
 from felactl.spec import Device, DeviceKind, Layer, LayerTiming, SyncTiming, cpu_of_slot_model, cpu_slot_model
-from tests.planner_fixtures import cluster, model, one_way_pair
+from tests.planner_fixtures import as_cpu_slots, cluster, model, one_way_pair
 
 GPU = Device(name="g", kind=DeviceKind.CUDA, model="G1", tflops=10.0, memory_gb=16.0)
 
@@ -275,17 +275,6 @@ def test_timings_of_a_device_model_are_scaled_to_each_device_s_measured_speed():
     )
 
 
-def _as_cpu_slots(spec):
-    """``spec`` with every device a CPU slot (the fixtures' clusters are of GPUs)."""
-    return dataclasses.replace(
-        spec,
-        nodes=tuple(
-            dataclasses.replace(n, devices=tuple(dataclasses.replace(d, kind=DeviceKind.CPU) for d in n.devices))
-            for n in spec.nodes
-        ),
-    )
-
-
 def test_a_cpu_slot_under_a_quota_is_priced_by_its_own_timings_else_by_its_cpus_scaled():
     """Slots of CPU X under cgroup quotas (a testbed's nodes). The profile timed X at full speed
     and, in the node at a tenth of a core, "X @ 0.1 cores": 3x slower than X's timings scaled by
@@ -305,7 +294,7 @@ def test_a_cpu_slot_under_a_quota_is_priced_by_its_own_timings_else_by_its_cpus_
         timed_tflops={"X": 1.0, tenth: 0.1},
     )
     gpus = cluster([[("X", 1.0, 8.0), (tenth, 0.1, 8.0), (half, 0.5, 8.0)]])
-    spec = _as_cpu_slots(gpus)
+    spec = as_cpu_slots(gpus)
     cost = CostModel(spec, net, use_trees=False)
     assert [cost.timed_as(spec.device(d)) for d in spec.device_names] == ["X", tenth, "X"]
     assert cost.stage_times_s(0, 2, "n0.d0", 4) == pytest.approx((0.002, 0.004))
@@ -332,13 +321,14 @@ def test_a_sum_costs_a_quota_held_slot_its_cpu_stretched_by_the_quota_and_nothin
     assert SYNC_CPU_S_PER_BYTE == 1e-9
     base = model([(1000, 10, 1.0)])
     gpus = cluster([[("X", 1.0, 8.0), (cpu_slot_model("X", 0.5), 0.5, 8.0), (cpu_slot_model("X", 0.1), 0.1, 8.0)]])
-    spec = _as_cpu_slots(gpus)
+    spec = as_cpu_slots(gpus)
     cost = CostModel(spec, base, use_trees=False)
     all_three, full_and_half = ("n0.d0", "n0.d1", "n0.d2"), ("n0.d0", "n0.d1")
     assert cost.quota_sync_cpu_s(all_three, 30e6) == pytest.approx(0.4)
     assert cost.quota_sync_cpu_s(full_and_half, 30e6) == pytest.approx(0.06)  # 30 MB sent at half a core
     assert cost.quota_sync_cpu_s(("n0.d0",), 30e6) == 0.0
-    links_only = CostModel(gpus, base, use_trees=False)  # the same as GPUs: no quota, no CPU term
+    # the same links and the same n0.d0, no slot held by a quota: no CPU term
+    links_only = CostModel(as_cpu_slots(cluster([[("X", 1.0, 8.0)] * 3])), base, use_trees=False)
     assert cost.sync_time_s(all_three, 30e6) == pytest.approx(links_only.sync_time_s(all_three, 30e6) + 0.4)
     exposed = cost.exposed_sync_s(all_three, 0, 1, "n0.d0", 4) - links_only.exposed_sync_s(all_three, 0, 1, "n0.d0", 4)
     assert exposed == pytest.approx(2 * 2 / 3 * base.layers[0].param_bytes * 1e-9 * 10)
@@ -359,7 +349,7 @@ def test_a_slot_takes_the_timings_of_its_cpu_under_the_nearest_quota_the_profile
         timed_tflops={cpu_slot_model("X", 0.1): 0.1, cpu_slot_model("X", 0.45): 0.45},
     )
     gpus = cluster([[("X", 1.0, 8.0), (cpu_slot_model("X", 0.2), 0.2, 8.0), ("Y", 1.0, 8.0)]])
-    spec = _as_cpu_slots(gpus)
+    spec = as_cpu_slots(gpus)
     cost = CostModel(spec, net, use_trees=False)
     assert [cost.timed_as(spec.device(d)) for d in spec.device_names] == [
         cpu_slot_model("X", 0.45),
@@ -522,12 +512,55 @@ def test_the_best_ring_of_a_group_is_found_once_whatever_the_sizes_priced(monkey
     from felactl.optimizer import collectives
 
     found = []
-    real = collectives.best_ring
-    monkeypatch.setattr(collectives, "best_ring", lambda *a, **k: found.append(a[1]) or real(*a, **k))
+    for search in ("best_ring", "nccl_rings"):  # (GPUs: NCCL's rings)
+        real = getattr(collectives, search)
+        monkeypatch.setattr(collectives, search, lambda *a, real=real, **k: found.append(a[1]) or real(*a, **k))
     cost = CostModel(cluster([[("g", 10.0, 8.0)] * 3]), model([(1000, 10, 1.0)]), use_trees=False)
     group = ("n0.d0", "n0.d1", "n0.d2")
     times = [cost.ring_sync_s(group, n) for n in (1e6, 2e6, 4e6)]
     assert len(found) == 1
-    fixed_s, per_byte_s = collectives.ring_allreduce_line(cost.cluster, group)
+    fixed_s, per_byte_s = collectives.nccl_allreduce_line(cost.cluster, group)
     assert times == pytest.approx([fixed_s + n * per_byte_s for n in (1e6, 2e6, 4e6)])
-    assert times[2] == pytest.approx(collectives.ring_allreduce_time_s(cost.cluster, group, 4e6))
+
+
+def _dgx1v():
+    from pathlib import Path
+
+    from felactl.spec import load_cluster
+
+    return load_cluster(Path(__file__).parent.parent / "plans" / "clusters" / "dgx1v.yaml")
+
+
+def test_gpus_sync_over_the_rings_nccl_lays_not_over_blink_trees_the_runtime_never_runs():
+    """The runtime streams Blink trees over gloo only (``stage_trees`` returns None on NCCL), and a
+    plan of GPUs runs on NCCL; the cost model packed trees for every group, so a DGX-1V fragment with
+    no NVLink ring (gpu0, gpu1, gpu5) was priced at the trees' 3.0 ms for 100 MB where NCCL's rings
+    take 6.7: a faster plan promised than the one that runs, and collectives written that nothing reads."""
+    dgx = _dgx1v()
+    net = model([(25_000_000, 1000, 1e6)] * 2)  # 100 MB of gradients a layer
+    cost = CostModel(dgx, net)
+    fragment = ("gpu0", "gpu1", "gpu5")
+    assert cost.collective(fragment) is None and cost.tree_sync_s(fragment, 1e8) == float("inf")
+    # NCCL's rings over the fragment: gpu0 -> gpu1 -> gpu5 -> gpu0 and its reverse, each closed by
+    # a 10 GB/s PCIe hop: 20 GB/s of rings, 2 (n - 1) / n of the data over them, 4 steps of the
+    # slowest hop's latency (PCIe's 8 us).
+    assert cost.sync_time_s(fragment, 1e8) == pytest.approx(4 / 3 * 1e8 / 20e9 + 4 * 8e-6, rel=1e-6)
+    assert not cost.trees_ever_faster
+    # The whole server: NVLink closes rings, so NCCL keeps to NVLink and lays four (50 + 50 + 25 +
+    # 25 GB/s), three times one ring's 50 GB/s.
+    whole = dgx.device_names
+    assert cost.sync_time_s(whole, 1e8) == pytest.approx(14 / 8 * 1e8 / 150e9 + 14 * 3e-6, rel=1e-6)
+    # The same links between CPU slots run over gloo, where the trees do run and are priced (their
+    # CPU on a slot bounds them: whether they beat the ring there is test_collectives' matter).
+    on_gloo = CostModel(as_cpu_slots(dgx), net)
+    assert on_gloo.collective(fragment) is not None
+    assert on_gloo.tree_sync_s(fragment, 1e8) < float("inf")
+
+
+def test_a_plan_of_gpus_writes_no_trees_and_is_priced_as_nccl_runs_it():
+    from felactl.optimizer.planner import make_plan
+
+    net = model([(25_000_000, 1000, 1e9)] * 4)
+    plan = make_plan(_dgx1v(), net, 64, sync="bsp", devices=["gpu0", "gpu1", "gpu5"])
+    assert plan.collectives == ()
+    assert plan.predicted.baselines["no_trees"] == pytest.approx(plan.predicted.iteration_s)

@@ -12,7 +12,7 @@ from felactl.optimizer.cost import CostModel
 from felactl.optimizer.evaluate import predict
 from felactl.optimizer.search import best_by_enumeration
 from felactl.optimizer.space import build_space
-from tests.planner_fixtures import cluster, model, random_instance
+from tests.planner_fixtures import as_cpu_slots, cluster, model, random_instance
 
 
 def _both(cost: CostModel, batch: int, *, max_stages: int = 3, exclusive: bool = False):
@@ -118,7 +118,8 @@ def test_groups_of_one_shape_share_a_packing_renamed():
     # and they are as good as packing it afresh.
     from felactl.optimizer.collectives import allreduce_time_s, plan_collective
 
-    spec = cluster([[("g", 10.0, 16.0)] * 4, [("g", 10.0, 16.0)] * 4], intra_gbps=100.0, inter_gbps=10.0)
+    # (CPU slots: the runtime runs trees over gloo; a group of GPUs syncs over NCCL's allreduce)
+    spec = as_cpu_slots(cluster([[("g", 10.0, 16.0)] * 4, [("g", 10.0, 16.0)] * 4], intra_gbps=100.0, inter_gbps=10.0))
     cost = CostModel(spec, model([(1_000_000, 8000, 8e7)]), use_trees=True)
     first = cost.collective(("n0.d0", "n0.d1", "n0.d2", "n0.d3"))
     second = cost.collective(("n1.d0", "n1.d1", "n1.d2", "n1.d3"))

@@ -40,7 +40,7 @@ def test_json_has_the_promised_keys(runner):
     bsp = runner.invoke(app, [*VGG_ON_THREE, "--sync", "bsp", "--json"])
     assert bsp.exit_code == 0, bsp.output
     data = json.loads(bsp.stdout)
-    assert data["iteration_s"] <= data["baselines"]["dp"] * (1 + 1e-9)
+    assert data["iteration_s"] <= data["baselines"]["dp"] + 5e-10  # (baselines are rounded to 9 decimals)
     # vgg-mini's millisecond steps on three V100s: the tokens plan loses to DDP, and says what to do
     told = runner.invoke(app, VGG_ON_THREE)
     assert told.exit_code == 0, told.output

@@ -3,6 +3,7 @@ solved again); a server part's trees are packed once per process, whatever group
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,25 @@ from felactl.optimizer.cost import CostModel
 from felactl.optimizer.evaluate import predict
 from felactl.optimizer.planner import make_plan
 from felactl.spec import load_cluster, load_model
+from tests.planner_fixtures import as_cpu_slots
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_rings_only_baseline_takes_no_second_solve(monkeypatch):
-    cluster = load_cluster(ROOT / "plans" / "clusters" / "dgx1v.yaml")
-    net = load_model(ROOT / "plans" / "models" / "vgg-mini.yaml")
+    # Trees run over gloo, on CPU slots: the DGX-1V's graph as CPU slots at a hundredth of its links'
+    # speed, and vgg-mini's layers ten times as wide, where they beat the ring despite their CPU.
+    dgx = as_cpu_slots(load_cluster(ROOT / "plans" / "clusters" / "dgx1v.yaml"))
+    cluster = dataclasses.replace(
+        dgx,
+        links=tuple(dataclasses.replace(link, bandwidth_gbps=link.bandwidth_gbps / 100) for link in dgx.links),
+        intra_node_default=dataclasses.replace(dgx.intra_node_default, bandwidth_gbps=0.1),
+    )
+    vgg = load_model(ROOT / "plans" / "models" / "vgg-mini.yaml")
+    net = dataclasses.replace(
+        vgg,
+        layers=tuple(dataclasses.replace(x, params=10 * x.params, param_bytes=10 * x.param_bytes) for x in vgg.layers),
+    )
     calls = []
     real = ilp.solve
     monkeypatch.setattr(ilp, "solve", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -19,7 +19,7 @@ from felactl.optimizer.graph import allreduce_bound, capacity_graph
 from felactl.optimizer.planner import make_plan
 from felactl.spec import save
 from tests.graph_fixtures import graph_cluster, random_strong_graph
-from tests.planner_fixtures import model
+from tests.planner_fixtures import as_cpu_slots, model
 
 SEEDS = range(38)  # one-way, asymmetric, two servers over one link, switched (graph_fixtures)
 
@@ -121,8 +121,8 @@ def test_groups_of_one_shape_share_their_reduce_trees_renamed():
         names = [f"{s}{i}" for i in range(4)]
         links += [(names[i], names[(i + 1) % 4], 50.0) for i in range(4)]
         links += [(names[(i + 1) % 4], names[i], 5.0) for i in range(4)]
-    cluster = graph_cluster([[(f"{s}{i}", "H", 30.0) for i in range(4)] for s in "ab"], links)
-    cost = CostModel(cluster, model([(1_000_000, 4096, 2e6)]))
+    cluster = as_cpu_slots(graph_cluster([[(f"{s}{i}", "H", 30.0) for i in range(4)] for s in "ab"], links))
+    cost = CostModel(cluster, model([(1_000_000, 4096, 2e6)]))  # (CPU slots: where trees run)
     first, second = cost.collective(("a0", "a1", "a2", "a3")), cost.collective(("b0", "b1", "b2", "b3"))
     assert first.reduce_trees and second.reduce_trees
     assert {d for t in second.reduce_trees for e in t.edges for d in e} == {"b0", "b1", "b2", "b3"}

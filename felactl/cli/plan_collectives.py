@@ -21,12 +21,14 @@ from felactl.limits import check_flag
 from felactl.optimizer.collectives import (
     allreduce_rates,
     allreduce_time_s,
+    nccl_allreduce_line,
     plan_collective,
+    ring_allreduce_gbps,
     ring_allreduce_time_s,
     tree_allreduce_cost,
 )
-from felactl.optimizer.graph import abbreviate_names
-from felactl.spec import ClusterSpec, Collective, load_cluster
+from felactl.optimizer.graph import abbreviate_names, nccl_rings
+from felactl.spec import ClusterSpec, Collective, DeviceKind, load_cluster
 
 
 def resolve_device(cluster: ClusterSpec, token: str) -> str:
@@ -79,6 +81,12 @@ def collective_result(collective: Collective, solve_s: float, cluster: ClusterSp
     }
     if cluster is not None:
         result.update(allreduce_rates(cluster, collective))
+        if all(cluster.device(d).kind is DeviceKind.CUDA for d in collective.devices):
+            # What a felactl job on these GPUs runs: NCCL's allreduce (the trees stream over gloo only).
+            rings = nccl_rings(cluster, collective.devices) if len(collective.devices) > 1 else ()
+            result["nccl_rings"] = [{"order": list(order), "gbps": gbps} for order, gbps in rings]
+            rate = ring_allreduce_gbps(sum(gbps for _, gbps in rings), len(collective.devices))
+            result["nccl_allreduce_gbps"] = rate or None
     return result
 
 
@@ -106,6 +114,13 @@ def _render(console, result: dict) -> None:
             f"allreduce {allreduce:.2f} GB/s over the trees ({versus} {ring_allreduce:.2f})"
             + (f"; no allreduce can beat {bound:.2f} GB/s here" if bound is not None else "")
         )
+    if "nccl_rings" in result:
+        nccl = result["nccl_allreduce_gbps"]
+        console.print(
+            "on GPUs a felactl job sums over NCCL's allreduce, not these trees (they run over gloo, on "
+            "CPU slots): "
+            + (f"{len(result['nccl_rings'])} ring(s), {nccl:.2f} GB/s as modelled" if nccl else "no ring closes")
+        )
     console.print(
         f"the trees' broadcast: rate {result['rate_gbps']:.2f} GB/s, min-cut bound {result['bound_gbps']:.2f} GB/s; "
         f"best ring {ring:.2f} GB/s; solved in {result['solve_s']:.2f} s"
@@ -116,7 +131,8 @@ def _render(console, result: dict) -> None:
         trees = (
             "no allreduce over trees (no way back to the root)" if tree_s is None else f"trees {tree_s * 1e3:.3f} ms"
         )
-        console.print(f"allreduce of {result['size_mb']:g} MB: {trees}, {ring}")
+        nccl = f", NCCL {result['nccl_allreduce_s'] * 1e3:.3f} ms" if result.get("nccl_allreduce_s") else ""
+        console.print(f"allreduce of {result['size_mb']:g} MB: {trees}, {ring}{nccl}")
         if result.get("busiest_cpu") and result["allreduce_cpu_s"] > result["allreduce_links_s"]:
             console.print(
                 f"the trees are bound by their pieces' CPU: {result['allreduce_cpu_s'] * 1e3:.3f} ms of messages "
@@ -166,6 +182,9 @@ def collectives(
         except PlanInfeasible as why:  # broadcast trees, but no way back to the root: no reduce over trees
             tree_s, result["no_allreduce"] = None, str(why)
         result.update(size_mb=size_mb, allreduce_s=tree_s, ring_allreduce_s=ring_s)
+        if result.get("nccl_allreduce_gbps"):
+            fixed_s, per_byte_s = nccl_allreduce_line(spec, names)
+            result["nccl_allreduce_s"] = fixed_s + num_bytes * per_byte_s
         if tree_s:  # what bounds the trees: the links, or the CPU slots' messages (0 s: a group of one)
             cost = tree_allreduce_cost(spec, collective)
             device, cpu_s = cost.busiest_cpu(num_bytes)

@@ -121,6 +121,7 @@ from felactl.optimizer.graph import (
     devices_by_node,
     local_signature,
     min_cut_bound,
+    nccl_rings,
     ring_hops,
     ring_width,
     roots_by_bound,
@@ -837,18 +838,33 @@ def ring_allreduce_line(
     for any size): finding the best ring is the costly part, so a caller pricing many sizes over
     one group (the cost model, a bucket at a time) finds it once."""
     devices = check_devices(cluster, devices)
-    count = len(devices)
     if order is None:
         order, bottleneck_gbps = best_ring(cluster, devices)
     else:
         bottleneck_gbps = ring_width(cluster, order)
-    if bottleneck_gbps <= 0:
+    return _rings_line(cluster, devices, ((order, bottleneck_gbps),) if bottleneck_gbps > 0 else ())
+
+
+def nccl_allreduce_line(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[float, float]:
+    """NCCL's allreduce over a group of GPUs as ``fixed_s + bytes * per_byte_s``: the data split
+    over the rings it lays (:func:`~felactl.optimizer.graph.nccl_rings`) by their bandwidth, each a
+    ring allreduce of its share, all at once. What the runtime runs on GPUs: Blink trees need
+    gloo (:func:`felactl.agents.worker.sync.trees.stage_trees`)."""
+    devices = check_devices(cluster, devices)
+    return _rings_line(cluster, devices, nccl_rings(cluster, devices))
+
+
+def _rings_line(cluster: ClusterSpec, devices: Sequence[str], rings) -> tuple[float, float]:
+    """Ring allreduce over ``rings`` (``((order, GB/s), ...)``) at once, the data split by their
+    bandwidth: 2 (n - 1) steps of the slowest hop's latency, and the data at the rings' summed rate."""
+    if not rings:
         raise PlanInfeasible(
             f"no ring over {', '.join(devices)}: some device has no direct link in or out that closes a cycle"
         )
-    slowest_us = max(cluster.link(a, b).latency_us for a, b in ring_hops(order))
-    steps = 2 * (count - 1)
-    return steps * slowest_us * US_TO_S, 1.0 / (ring_allreduce_gbps(bottleneck_gbps, count) * GBPS_TO_BYTES_PER_S)
+    slowest_us = max(cluster.link(a, b).latency_us for order, _ in rings for a, b in ring_hops(order))
+    count = len(devices)
+    rate_gbps = ring_allreduce_gbps(sum(gbps for _, gbps in rings), count)
+    return 2 * (count - 1) * slowest_us * US_TO_S, 1.0 / (rate_gbps * GBPS_TO_BYTES_PER_S)
 
 
 def gloo_ring(ranked: Sequence[str]) -> tuple[str, ...]:

@@ -461,8 +461,10 @@ class CostModel:
 
     # --- sync ----------------------------------------------------------------------------
     def collective(self, devices: tuple[str, ...]) -> Collective | None:
-        """The packed trees of a group (cached), or None where trees are off or not worth it."""
-        if not self.use_trees or len(devices) < 2 or len(devices) > self.max_tree_devices:
+        """The packed trees of a group (cached), or None where trees are off, not worth it, or
+        would not run: a group of GPUs syncs over NCCL's own allreduce (:meth:`on_nccl`), since
+        the runtime streams Blink trees over gloo only."""
+        if not self.use_trees or len(devices) < 2 or len(devices) > self.max_tree_devices or self.on_nccl(devices):
             return None
         key = tuple(sorted(devices))
         if key not in self._collectives:
@@ -597,7 +599,7 @@ class CostModel:
 
     def ring_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
         """Ring allreduce over the best ring of direct links (over the backend's ring in the rank
-        order, where :attr:`ring_order` fixes it); where the group's direct links close no
+        order, where :attr:`ring_order` fixes it; on GPUs over the rings NCCL lays, :meth:`on_nccl`); where the group's direct links close no
         ring (two devices linked only through a third, one-way links), over the best ring of routes
         (:meth:`link_time_s`'s paths, which may pass devices outside the group; the traffic they
         relay for the ring is not charged to them); inf where some device reaches no other."""
@@ -611,11 +613,13 @@ class CostModel:
 
     def _ring_line(self, group: tuple[str, ...]) -> tuple[float, float]:
         """:meth:`ring_sync_s` as ``fixed_s + bytes * per_byte_s`` ((inf, inf) where no ring is)."""
-        from felactl.optimizer.collectives import ring_allreduce_line
+        from felactl.optimizer.collectives import nccl_allreduce_line, ring_allreduce_line
         from felactl.optimizer.graph import best_ring_in_graph, ring_hops
 
         order = self._backend_ring(group)
         try:
+            if self.on_nccl(group):
+                return nccl_allreduce_line(self.cluster, list(group))
             return ring_allreduce_line(self.cluster, list(group), order=order)
         except PlanInfeasible:
             pass
@@ -644,6 +648,12 @@ class CostModel:
         gloo's on CPU devices does (:func:`~felactl.optimizer.collectives.gloo_ring`); NCCL builds
         its own rings on GPUs, whatever the ranks."""
         return all(self.cluster.device(d).kind == DeviceKind.CPU for d in group)
+
+    def on_nccl(self, group: Sequence[str]) -> bool:
+        """Whether ``group`` syncs over NCCL: a group of GPUs (a plan runs on GPUs with NCCL or on
+        CPU slots with gloo, never both: :func:`~felactl.optimizer.planner.check_devices`). NCCL's
+        allreduce runs over the rings it lays itself (:func:`~felactl.optimizer.graph.nccl_rings`)."""
+        return all(self.cluster.device(d).kind == DeviceKind.CUDA for d in group)
 
     def _backend_ring(self, group: tuple[str, ...]) -> tuple[str, ...] | None:
         """The ring the backend's allreduce follows over ``group`` where the rank order fixes it

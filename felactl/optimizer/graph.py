@@ -289,6 +289,43 @@ def best_ring(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[str, 
     return (tuple(order), bottleneck) if bottleneck > 0 else ((), 0.0)
 
 
+NCCL_MAX_RINGS = 16
+"""The most rings (channels) :func:`nccl_rings` lays: NCCL's own default cap on one server."""
+
+
+def nccl_rings(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[tuple[str, ...], float], ...]:
+    """The rings NCCL's allreduce runs over a group of GPUs, as ``((order, GB/s), ...)``; () where
+    no ring closes.
+
+    NCCL lays several rings (channels) at once and splits the data over them. On one server without
+    a switch (NVLink meshes such as the DGX-1V's), modelled as it searches: the widest ring, its
+    bandwidth taken from every link it sends over, then the widest ring of what is left, and so on,
+    over the link types of the first ring only (where NVLink closes a ring NCCL keeps off PCIe);
+    at most :data:`NCCL_MAX_RINGS`. Behind a switch (each GPU one port) or across servers (the
+    network the bottleneck) one ring: :func:`best_ring`. A model of NCCL's search, not a
+    measurement of it: the lent machines here have one GPU."""
+    if len(devices_by_node(cluster, devices)) > 1 or cluster.node_of(devices[0]).switch_gbps:
+        order, gbps = best_ring(cluster, devices)
+        return ((order, gbps),) if gbps > 0 else ()
+    residual = capacity_graph(cluster, devices, trees=False)
+    rings: list[tuple[tuple[str, ...], float]] = []
+    kinds: set | None = None
+    while len(rings) < NCCL_MAX_RINGS:
+        order, gbps = best_ring_in_graph(residual)
+        if gbps <= 1e-9:
+            break
+        hops = ring_hops(order)
+        if kinds is None:  # the first ring's link types are the ones the rest may use
+            kinds = {cluster.link(a, b).type for a, b in hops}
+            residual.remove_edges_from([e for e in list(residual.edges) if cluster.link(*e).type not in kinds])
+        rings.append((order, gbps))
+        for hop in hops:
+            residual.edges[hop]["capacity"] -= gbps
+            if residual.edges[hop]["capacity"] <= 1e-9:
+                residual.remove_edge(*hop)
+    return tuple(rings)
+
+
 def ring_hops(order: Sequence[str]) -> list[tuple[str, str]]:
     """The links a ring along ``order`` sends over: each device to the next, the last to the first."""
     return list(zip(order, [*order[1:], *order[:1]]))
