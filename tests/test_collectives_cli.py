@@ -137,18 +137,17 @@ def test_trees_bound_by_a_slow_slot_s_cpu_say_so(tmp_path):
 
 def test_on_gpus_the_reader_is_told_that_nccl_sums_not_the_trees():
     """A felactl job on GPUs runs NCCL's allreduce (the trees stream over gloo only): the command
-    that shows a fragment's trees 4.7x the best ring also shows what the job will run, NCCL's two
-    rings over the fragment (each closed by a PCIe hop), 15 GB/s, and its time for the size asked."""
+    that shows a fragment's trees 4.7x the best ring also shows what the job will run, NCCL's one
+    ring over the fragment (closed by a PCIe hop), 7.5 GB/s of allreduce, and its time for the size
+    asked; over the whole server, NVLink's four rings."""
     result = runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--devices", "0,1,5", "--size-mb", "100"])
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())  # (the console wraps long lines)
-    assert "NCCL's allreduce, not these trees" in said and "2 ring(s), 15.00 GB/s" in said
-    assert "NCCL 6.699 ms" in said
-    data = json.loads(
-        runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--devices", "0,1,5", "--json"]).stdout
-    )
-    assert data["nccl_allreduce_gbps"] == pytest.approx(15.0)
-    assert sorted(r["gbps"] for r in data["nccl_rings"]) == [10.0, 10.0]
+    assert "NCCL's allreduce, not these trees" in said and "1 ring(s), 7.50 GB/s" in said
+    assert "NCCL 13.365 ms" in said
+    data = json.loads(runner.invoke(_app(), ["plan", "collectives", "--cluster", DGX, "--json"]).stdout)
+    assert sorted(r["gbps"] for r in data["nccl_rings"]) == [25.0, 25.0, 50.0, 50.0]
+    assert data["nccl_allreduce_gbps"] == pytest.approx(150 * 8 / 14)
 
 
 def test_cpu_slots_are_not_told_about_nccl(tmp_path):

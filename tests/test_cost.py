@@ -23,7 +23,7 @@ from felactl.optimizer.evaluate import (
     stage_tokens,
     token_samples,
 )
-from felactl.spec import Device, DeviceKind, Layer, LayerTiming, SyncTiming, cpu_of_slot_model, cpu_slot_model
+from felactl.spec import Device, DeviceKind, Layer, LayerTiming, LinkType, SyncTiming, cpu_of_slot_model, cpu_slot_model
 from tests.planner_fixtures import as_cpu_slots, cluster, model, one_way_pair
 
 GPU = Device(name="g", kind=DeviceKind.CUDA, model="G1", tflops=10.0, memory_gb=16.0)
@@ -534,17 +534,17 @@ def _dgx1v():
 def test_gpus_sync_over_the_rings_nccl_lays_not_over_blink_trees_the_runtime_never_runs():
     """The runtime streams Blink trees over gloo only (``stage_trees`` returns None on NCCL), and a
     plan of GPUs runs on NCCL; the cost model packed trees for every group, so a DGX-1V fragment with
-    no NVLink ring (gpu0, gpu1, gpu5) was priced at the trees' 3.0 ms for 100 MB where NCCL's rings
-    take 6.7: a faster plan promised than the one that runs, and collectives written that nothing reads."""
+    no NVLink ring (gpu0, gpu1, gpu5) was priced at the trees' 3.0 ms for 100 MB where NCCL's ring
+    takes 13.4: a faster plan promised than the one that runs, and collectives written that nothing reads."""
     dgx = _dgx1v()
     net = model([(25_000_000, 1000, 1e6)] * 2)  # 100 MB of gradients a layer
     cost = CostModel(dgx, net)
     fragment = ("gpu0", "gpu1", "gpu5")
     assert cost.collective(fragment) is None and cost.tree_sync_s(fragment, 1e8) == float("inf")
-    # NCCL's rings over the fragment: gpu0 -> gpu1 -> gpu5 -> gpu0 and its reverse, each closed by
-    # a 10 GB/s PCIe hop: 20 GB/s of rings, 2 (n - 1) / n of the data over them, 4 steps of the
+    # NCCL's ring over the fragment: gpu0 -> gpu1 -> gpu5 -> gpu0, closed by a 10 GB/s PCIe hop
+    # (one ring: PCIe's pairs share the lanes), 2 (n - 1) / n of the data over it, 4 steps of the
     # slowest hop's latency (PCIe's 8 us).
-    assert cost.sync_time_s(fragment, 1e8) == pytest.approx(4 / 3 * 1e8 / 20e9 + 4 * 8e-6, rel=1e-6)
+    assert cost.sync_time_s(fragment, 1e8) == pytest.approx(4 / 3 * 1e8 / 10e9 + 4 * 8e-6, rel=1e-6)
     assert not cost.trees_ever_faster
     # The whole server: NVLink closes rings, so NCCL keeps to NVLink and lays four (50 + 50 + 25 +
     # 25 GB/s), three times one ring's 50 GB/s.
@@ -564,3 +564,22 @@ def test_a_plan_of_gpus_writes_no_trees_and_is_priced_as_nccl_runs_it():
     plan = make_plan(_dgx1v(), net, 64, sync="bsp", devices=["gpu0", "gpu1", "gpu5"])
     assert plan.collectives == ()
     assert plan.predicted.baselines["no_trees"] == pytest.approx(plan.predicted.iteration_s)
+
+
+def test_nccl_lays_several_rings_over_nvlink_only():
+    """NVLink's rings add up (each its own wires); PCIe's do not (the cluster gives PCIe per pair,
+    but the pairs share the GPUs' lanes): four GPUs joined by PCIe alone get one ring, as do GPUs
+    behind a switch (one port each) and a group across servers (the network its bottleneck)."""
+    from felactl.optimizer.graph import nccl_rings
+
+    nvlink = cluster([[("g", 10.0, 8.0)] * 4], intra_gbps=50.0)  # a full NVLink mesh
+    # a ring and its reverse; the four links left (0-2, 1-3 both ways) close no ring of all four
+    assert [gbps for _, gbps in nccl_rings(nvlink, nvlink.device_names)] == [50.0, 50.0]
+    pcie = dataclasses.replace(
+        nvlink, intra_node_default=dataclasses.replace(nvlink.intra_node_default, type=LinkType.PCIE)
+    )
+    assert [gbps for _, gbps in nccl_rings(pcie, pcie.device_names)] == [50.0]
+    switched = dataclasses.replace(nvlink, nodes=tuple(dataclasses.replace(n, switch_gbps=50.0) for n in nvlink.nodes))
+    assert [gbps for _, gbps in nccl_rings(switched, switched.device_names)] == [50.0]
+    two = cluster([[("g", 10.0, 8.0)] * 2] * 2, intra_gbps=50.0, inter_gbps=5.0)
+    assert [gbps for _, gbps in nccl_rings(two, two.device_names)] == [5.0]

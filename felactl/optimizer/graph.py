@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 import networkx as nx
 
 from felactl.errors import InputError, PlanInfeasible
-from felactl.spec.cluster import ClusterSpec
+from felactl.spec.cluster import ClusterSpec, LinkType
 
 RING_SEARCH_BUDGET = 200_000
 """Partial rings the search may extend before it settles for the best ring found so far."""
@@ -297,32 +297,32 @@ def nccl_rings(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[tupl
     """The rings NCCL's allreduce runs over a group of GPUs, as ``((order, GB/s), ...)``; () where
     no ring closes.
 
-    NCCL lays several rings (channels) at once and splits the data over them. On one server without
-    a switch (NVLink meshes such as the DGX-1V's), modelled as it searches: the widest ring, its
-    bandwidth taken from every link it sends over, then the widest ring of what is left, and so on,
-    over the link types of the first ring only (where NVLink closes a ring NCCL keeps off PCIe);
-    at most :data:`NCCL_MAX_RINGS`. Behind a switch (each GPU one port) or across servers (the
-    network the bottleneck) one ring: :func:`best_ring`. A model of NCCL's search, not a
-    measurement of it: the lent machines here have one GPU."""
+    NCCL lays several rings (channels) at once and splits the data over them. Where NVLink alone
+    closes the widest ring on one server (NVLink meshes such as the DGX-1V's), modelled as NCCL
+    searches: that ring, its bandwidth taken from every link it sends over, then the widest NVLink
+    ring of what is left, and so on, at most :data:`NCCL_MAX_RINGS`. Elsewhere one ring
+    (:func:`best_ring`): a ring with a PCIe hop (the cluster gives PCIe per pair, but the pairs
+    share the GPUs' lanes and the switch, so more rings over them would not add up), behind a
+    switch (each GPU one port), across servers (the network the bottleneck). A model of NCCL's
+    search, not a measurement of it: the lent machines here have one GPU."""
+    first = best_ring(cluster, devices)
+    if first[1] <= 0:
+        return ()
     if len(devices_by_node(cluster, devices)) > 1 or cluster.node_of(devices[0]).switch_gbps:
-        order, gbps = best_ring(cluster, devices)
-        return ((order, gbps),) if gbps > 0 else ()
+        return (first,)
+    if any(cluster.link(a, b).type is not LinkType.NVLINK for a, b in ring_hops(first[0])):
+        return (first,)
     residual = capacity_graph(cluster, devices, trees=False)
+    residual.remove_edges_from([e for e in list(residual.edges) if cluster.link(*e).type is not LinkType.NVLINK])
     rings: list[tuple[tuple[str, ...], float]] = []
-    kinds: set | None = None
-    while len(rings) < NCCL_MAX_RINGS:
-        order, gbps = best_ring_in_graph(residual)
-        if gbps <= 1e-9:
-            break
-        hops = ring_hops(order)
-        if kinds is None:  # the first ring's link types are the ones the rest may use
-            kinds = {cluster.link(a, b).type for a, b in hops}
-            residual.remove_edges_from([e for e in list(residual.edges) if cluster.link(*e).type not in kinds])
+    order, gbps = first
+    while gbps > 1e-9 and len(rings) < NCCL_MAX_RINGS:
         rings.append((order, gbps))
-        for hop in hops:
+        for hop in ring_hops(order):
             residual.edges[hop]["capacity"] -= gbps
             if residual.edges[hop]["capacity"] <= 1e-9:
                 residual.remove_edge(*hop)
+        order, gbps = best_ring_in_graph(residual)
     return tuple(rings)
 
 
