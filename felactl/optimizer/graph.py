@@ -290,7 +290,8 @@ def best_ring(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[str, 
 
 
 NCCL_MAX_RINGS = 16
-"""The most rings (channels) :func:`nccl_rings` lays: NCCL's own default cap on one server."""
+"""The most rings :func:`nccl_rings` lays (NCCL caps its channels too): far past what an NVLink
+mesh closes (the DGX-1V's eight GPUs: four)."""
 
 
 def nccl_rings(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[tuple[tuple[str, ...], float], ...]:
