@@ -15,14 +15,18 @@ minutes: that scaling priced a tenth-of-a-core node 1.4x too fast (BENCHMARKS.md
 
 Measured samples/s: the global batch times the steps after ``--warmup``, over the time from the
 end of the last warm-up step to the end of the last step (each step ends when its last worker
-records it). Each testbed holds ``--lock`` (flock, the same lock as ``flock /tmp/felactl-testbed.lock
+records it). With ``--repeat N`` the three plans are launched in turn N times (rounds) on the one
+profile; a row reports its median round, the rounds' spread, and "vs DP" as the median of the
+ratios within each round: this VM's speed moves between minutes (one-slow's DP measured 0.90,
+0.78 and 0.92 of one price in three single runs). Each testbed holds ``--lock`` (flock, the same lock as ``flock /tmp/felactl-testbed.lock
 CMD``) from ``up`` to ``down``, so no two testbeds measure at once on a shared machine.
 
 Its agents import felactl from the tree this script sits in: run it from a worktree (``git worktree
 add /tmp/benchtree HEAD``) while editing, or an edit reaches a run half made.
 
     sudo python benchmarks/bench_testbed_plans.py [--testbeds one-slow,three-speeds,two-servers]
-        [--model mlp] [--config hidden=512] [--global-batch 2048] [--seconds 20] [--warmup 3] [--json]
+        [--model mlp] [--config hidden=512] [--global-batch 2048] [--seconds 20] [--warmup 3] [--repeat 3]
+        [--json]
 """
 
 from __future__ import annotations
@@ -172,48 +176,64 @@ def run_testbed(name: str, args, work: Path) -> list[dict]:
                 str(args.global_batch),
                 "--json",
             ]
+            plans = {}
             for plan_name in PLANS:
                 path = out / f"{plan_name}.yaml"
                 extra = [] if plan_name == "felactl" else ["--baseline", plan_name]
                 felactl("plan", *common, *extra, "-o", str(path), timeout=300)
-                plan = load_plan(path)
-                predicted = plan.predicted.samples_per_s
-                steps = args.warmup + max(args.min_steps, math.ceil(args.seconds * predicted / args.global_batch))
-                steps = min(steps, args.max_steps)
-                began = time.time()
-                # A node at a tenth of a core takes ~10 s to import torch: the first broadcast may wait
-                # that long for it (the elastic default of 10 s failed one start in three-speeds).
-                summary = json.loads(
-                    felactl(
-                        "launch",
-                        str(path),
-                        "--testbed",
-                        bed,
-                        "--steps",
-                        str(steps),
-                        "--json",
-                        "--runs-root",
-                        str(out / "runs"),
-                        "--run-id",
-                        plan_name,
-                        "--collective-timeout",
-                        "120",
-                        timeout=900,
+                plans[plan_name] = (path, load_plan(path))
+            runs: dict[str, list[tuple[dict, list[dict], float]]] = {name: [] for name in PLANS}
+            for round_ in range(args.repeat):  # the plans in turn, round after round: a slow minute hits all
+                for plan_name, (path, plan) in plans.items():
+                    predicted = plan.predicted.samples_per_s
+                    steps = args.warmup + max(args.min_steps, math.ceil(args.seconds * predicted / args.global_batch))
+                    steps = min(steps, args.max_steps)
+                    began = time.time()
+                    # A node at a tenth of a core takes ~10 s to import torch: the first broadcast may wait
+                    # that long for it (the elastic default of 10 s failed one start in three-speeds).
+                    summary = json.loads(
+                        felactl(
+                            "launch",
+                            str(path),
+                            "--testbed",
+                            bed,
+                            "--steps",
+                            str(steps),
+                            "--json",
+                            "--runs-root",
+                            str(out / "runs"),
+                            "--run-id",
+                            plan_name if args.repeat == 1 else f"{plan_name}-{round_}",
+                            "--collective-timeout",
+                            "120",
+                            timeout=900,
+                        )
                     )
-                )
-                records = read_metrics(Path(summary["run_dir"]))
-                measured = steady_rate(records, args.global_batch, args.warmup)
+                    records = read_metrics(Path(summary["run_dir"]))
+                    measured = steady_rate(records, args.global_batch, args.warmup)
+                    runs[plan_name].append((measured, records, round(time.time() - began, 1)))
+                    print(
+                        f"{name} {plan_name} (round {round_ + 1} of {args.repeat}): predicted {predicted:.1f} "
+                        f"measured {measured['samples_per_s']:.1f} samples/s ({measured['steps']} steps)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            for plan_name, (_, plan) in plans.items():
+                rates = [m["samples_per_s"] for m, _, _ in runs[plan_name]]
+                middle = sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]
+                measured, records, wall_s = runs[plan_name][middle]
                 rows.append(
                     {
                         "testbed": name,
                         "plan": plan_name,
-                        "predicted_samples_per_s": predicted,
+                        "predicted_samples_per_s": plan.predicted.samples_per_s,
                         "predicted_iteration_s": plan.predicted.iteration_s,
                         "simulated_iteration_s": plan.predicted.simulated_iteration_s,
-                        "measured_samples_per_s": measured["samples_per_s"],
+                        "measured_samples_per_s": measured["samples_per_s"],  # the median round's
+                        "measured_runs": rates,  # round by round
                         "measured_median_step_s": measured["median_step_s"],
                         "steps": measured["steps"],
-                        "wall_s": round(time.time() - began, 1),
+                        "wall_s": wall_s,
                         "stages": [
                             {
                                 "layers": [s.layer_start, s.layer_end],
@@ -227,12 +247,6 @@ def run_testbed(name: str, args, work: Path) -> list[dict]:
                         "devices": {d.name: d.tflops for n in load_cluster_nodes(cluster) for d in n.devices},
                     }
                 )
-                print(
-                    f"{name} {plan_name}: predicted {predicted:.1f} measured {measured['samples_per_s']:.1f} "
-                    f"samples/s ({measured['steps']} steps)",
-                    file=sys.stderr,
-                    flush=True,
-                )
         finally:
             felactl("testbed", "down", "--name", bed, timeout=120)
     return rows
@@ -244,21 +258,30 @@ def load_cluster_nodes(path: Path):
     return load_cluster(path).nodes
 
 
+def versus_dp(row: dict, base: dict) -> float:
+    """Measured samples/s over DP's: the median over rounds of the ratio within each round (a round
+    runs the plans one after the other, so a slow minute of the machine touches both)."""
+    ratios = sorted(a / b for a, b in zip(row["measured_runs"], base["measured_runs"]))
+    return ratios[len(ratios) // 2]
+
+
 def table(rows: list[dict]) -> str:
     dp = {r["testbed"]: r for r in rows if r["plan"] == "dp"}
     lines = [
-        "| testbed | plan | predicted samples/s | measured samples/s | measured ÷ predicted | measured vs DP "
-        "| predicted vs DP |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| testbed | plan | predicted samples/s | measured samples/s | measured ÷ predicted | rounds (min–max) "
+        "| measured vs DP | predicted vs DP |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = dp.get(r["testbed"])
         ratio = r["measured_samples_per_s"] / r["predicted_samples_per_s"]
-        vs_m = f"{r['measured_samples_per_s'] / base['measured_samples_per_s']:.2f}x" if base else "-"
+        runs = r["measured_runs"]
+        spread = f"{len(runs)} ({min(runs):.0f}–{max(runs):.0f})"
+        vs_m = f"{versus_dp(r, base):.2f}x" if base else "-"
         vs_p = f"{r['predicted_samples_per_s'] / base['predicted_samples_per_s']:.2f}x" if base else "-"
         lines.append(
             f"| {r['testbed']} | {r['plan']} | {r['predicted_samples_per_s']:.0f} | "
-            f"{r['measured_samples_per_s']:.0f} | {ratio:.2f} | {vs_m} | {vs_p} |"
+            f"{r['measured_samples_per_s']:.0f} | {ratio:.2f} | {spread} | {vs_m} | {vs_p} |"
         )
     return "\n".join(lines)
 
@@ -275,7 +298,7 @@ def verdicts(rows: list[dict]) -> list[str]:
         base = dp.get(r["testbed"])
         if r["plan"] == "felactl" and base:
             p = r["predicted_samples_per_s"] / base["predicted_samples_per_s"]
-            m = r["measured_samples_per_s"] / base["measured_samples_per_s"]
+            m = versus_dp(r, base)
             if p >= 1.5:
                 out.append(
                     f"{r['testbed']}: predicts {p:.2f}x DP, measures {m:.2f}x ({'>=' if m >= 1.3 else 'BELOW'} 1.3x)"
@@ -305,6 +328,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--min-steps", type=int, default=8)
     parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds: each plan launched this many times in turn; medians reported"
+    )
     parser.add_argument("--lock", type=Path, default=Path("/tmp/felactl-testbed.lock"))
     parser.add_argument("--out", type=Path, default=None, help="keep the profiles, plans and runs here")
     parser.add_argument("--json", action="store_true")
