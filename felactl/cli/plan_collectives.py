@@ -23,12 +23,11 @@ from felactl.optimizer.collectives import (
     allreduce_time_s,
     nccl_allreduce_line,
     plan_collective,
-    ring_allreduce_gbps,
     ring_allreduce_time_s,
     tree_allreduce_cost,
 )
-from felactl.optimizer.graph import abbreviate_names, nccl_rings
-from felactl.spec import ClusterSpec, Collective, DeviceKind, load_cluster
+from felactl.optimizer.graph import abbreviate_names
+from felactl.spec import ClusterSpec, Collective, load_cluster
 
 
 def resolve_device(cluster: ClusterSpec, token: str) -> str:
@@ -81,12 +80,6 @@ def collective_result(collective: Collective, solve_s: float, cluster: ClusterSp
     }
     if cluster is not None:
         result.update(allreduce_rates(cluster, collective))
-        if all(cluster.device(d).kind is DeviceKind.CUDA for d in collective.devices):
-            # What a felactl job on these GPUs runs: NCCL's allreduce (the trees stream over gloo only).
-            rings = nccl_rings(cluster, collective.devices) if len(collective.devices) > 1 else ()
-            result["nccl_rings"] = [{"order": list(order), "gbps": gbps} for order, gbps in rings]
-            rate = ring_allreduce_gbps(sum(gbps for _, gbps in rings), len(collective.devices))
-            result["nccl_allreduce_gbps"] = rate or None
     return result
 
 

@@ -885,13 +885,28 @@ def ring_allreduce_gbps(bottleneck_gbps: float, count: int) -> float:
 def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, float | None]:
     """What a reader weighs the trees by: their allreduce rate (None without trees, or where a
     reduce link is missing), the bound of any allreduce over the group (None where too large to
-    compute), and the best ring's allreduce rate."""
+    compute), and the best ring's allreduce rate; on GPUs also NCCL's rings and their allreduce
+    rate (what a job there runs, :func:`on_nccl`)."""
     try:
         allreduce = allreduce_throughput_gbps(cluster, collective) if collective.trees else None
     except PlanInfeasible:
         allreduce = None
-    return {
+    rates = {
         "allreduce_gbps": allreduce,
         "allreduce_bound_gbps": allreduce_bound(capacity_graph(cluster, collective.devices)),
         "ring_allreduce_gbps": ring_allreduce_gbps(collective.ring_gbps, len(collective.devices)),
     }
+    if on_nccl(cluster, collective.devices):  # what a felactl job on these GPUs runs instead of the trees
+        rings = nccl_rings(cluster, collective.devices) if len(collective.devices) > 1 else ()
+        rates["nccl_rings"] = [{"order": list(order), "gbps": gbps} for order, gbps in rings]
+        rates["nccl_allreduce_gbps"] = (
+            ring_allreduce_gbps(sum(gbps for _, gbps in rings), len(collective.devices)) or None
+        )
+    return rates
+
+
+def on_nccl(cluster: ClusterSpec, devices: Sequence[str]) -> bool:
+    """Whether a group syncs over NCCL's allreduce: a group of GPUs (a plan runs on GPUs with NCCL or
+    on CPU slots with gloo, never both: :func:`~felactl.optimizer.planner.check_devices`). The
+    runtime streams Blink trees over gloo only, so NCCL's own rings sum there (:func:`nccl_rings`)."""
+    return all(cluster.device(d).kind is DeviceKind.CUDA for d in devices)

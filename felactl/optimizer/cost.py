@@ -651,10 +651,10 @@ class CostModel:
         return all(self.cluster.device(d).kind == DeviceKind.CPU for d in group)
 
     def on_nccl(self, group: Sequence[str]) -> bool:
-        """Whether ``group`` syncs over NCCL: a group of GPUs (a plan runs on GPUs with NCCL or on
-        CPU slots with gloo, never both: :func:`~felactl.optimizer.planner.check_devices`). NCCL's
-        allreduce runs over the rings it lays itself (:func:`~felactl.optimizer.graph.nccl_rings`)."""
-        return all(self.cluster.device(d).kind == DeviceKind.CUDA for d in group)
+        """Whether ``group`` syncs over NCCL's own rings, not trees (:func:`collectives.on_nccl`)."""
+        from felactl.optimizer.collectives import on_nccl
+
+        return on_nccl(self.cluster, group)
 
     def _backend_ring(self, group: tuple[str, ...]) -> tuple[str, ...] | None:
         """The ring the backend's allreduce follows over ``group`` where the rank order fixes it
