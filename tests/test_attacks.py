@@ -28,12 +28,15 @@ ATTACK_AT = 30
 HEARTBEAT_TIMEOUT_S = 5.0
 # A fixed sleep per step (one worker per step, in turn) keeps the job running ~7 s on any machine
 # without changing what it computes.
-ARGS = ("--steps", str(STEPS), "--straggler", "roundrobin:0.03", "--max-nproc-per-node", "2")
+ARGS = ("--steps", str(STEPS), "--max-nproc-per-node", "2")
+STRAGGLER_S = 0.03
 
 
-def _launch(tmp_path: Path, run: str) -> Job:
+def _launch(tmp_path: Path, run: str, straggler_s: float = STRAGGLER_S) -> Job:
+    """The job attacked; a longer ``straggler_s`` makes it outlive a longer attack, computing
+    the same (the sleep changes no number)."""
     plan = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
-    return Job(tmp_path, str(plan), "--run-id", run, *ARGS)
+    return Job(tmp_path, str(plan), "--run-id", run, *ARGS, "--straggler", f"roundrobin:{straggler_s}")
 
 
 def _outcome(job: Job, run: str, summary: dict) -> tuple:
@@ -81,8 +84,8 @@ def _refused(job: Job, run: str) -> list[dict]:
     return [e for e in _events(job, run) if e["kind"] == "refused"]
 
 
-def _attack(tmp_path: Path, run: str, attack) -> tuple[Job, dict, float]:
-    job = _launch(tmp_path, run)
+def _attack(tmp_path: Path, run: str, attack, straggler_s: float = STRAGGLER_S) -> tuple[Job, dict, float]:
+    job = _launch(tmp_path, run, straggler_s)
     try:
         job.wait_step(run, ATTACK_AT)
         attacked_at = time.time()
@@ -178,26 +181,7 @@ def test_7_no_key_locks_a_rightful_agent_out(tmp_path, no_leftovers, unattacked)
             a.prefix + keys.JOIN_REQUESTS,
             json.dumps({"agent_id": "evil-1", "client_nonce": "n1", "payload": "{}", "proof": "00" * 32}),
         )
-        agent = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "felactl",
-                "agent",
-                "--rdzv-endpoint",
-                a.endpoint,
-                "--secret-file",
-                str(job.root / "a7" / "secret"),
-                "--node-name",
-                "other",
-                "--nproc-per-node",
-                "1",
-                "--log-dir",
-                str(tmp_path / "other-logs"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        agent = _start_agent(a, job, "a7", tmp_path, "other")
         deadline = time.monotonic() + 20
         while not any(e["kind"] == "node-joined" for e in _events(job, "a7")):
             assert time.monotonic() < deadline and agent.poll() is None, agent.stderr.read().decode()[-2000:]
@@ -216,6 +200,82 @@ def test_7_no_key_locks_a_rightful_agent_out(tmp_path, no_leftovers, unattacked)
     joined = [e for e in _events(job, "a7") if e["kind"] == "node-joined"]
     assert [e["node"] for e in joined] == ["other"]
     assert any(e["key"] == keys.JOIN_REQUESTS for e in _refused(job, "a7"))
+
+
+def _start_agent(a: Attacker, job: Job, run: str, tmp_path: Path, node: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "felactl",
+            "agent",
+            "--rdzv-endpoint",
+            a.endpoint,
+            "--secret-file",
+            str(job.root / run / "secret"),
+            "--node-name",
+            node,
+            "--nproc-per-node",
+            "1",
+            "--log-dir",
+            str(tmp_path / f"{node}-logs"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _pose_as_the_coordinator(a: Attacker, refusals: int, timeout_s: float = 30) -> int:
+    """Take every join request off the queue before the coordinator (a blocking pop is served
+    first), answer each hello with a challenge of the thief's and each join with an unsigned
+    ``{"admitted": false}``, until ``refusals`` are forged; then let the coordinator serve.
+    Returns the refusals forged."""
+    queue = a.prefix + keys.JOIN_REQUESTS
+    deadline, forged = time.monotonic() + timeout_s, 0
+    host, port = a.endpoint.rsplit(":", 1)
+    thief = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    thief.set_timeout(timedelta(seconds=0.2))
+    while forged < refusals and time.monotonic() < deadline:
+        try:
+            request = json.loads(thief.queue_pop(queue, block=True))
+        except (RuntimeError, dist.DistStoreError):  # nothing came within the timeout
+            continue
+        agent, nonce = request["agent_id"], request["client_nonce"]
+        if request.get("op") == "hello":
+            a.set(keys.join_challenge(agent, nonce), json.dumps({"nonce": "thief"}))
+        else:
+            a.set(keys.join_reply(agent, nonce), json.dumps({"admitted": False}))
+            forged += 1
+    return forged
+
+
+def test_9_an_unsigned_refusal_locks_no_rightful_agent_out(tmp_path, no_leftovers, unattacked):
+    """Issue 30 item 2: a store client without the secret takes a joining node's requests and
+    answers them with unsigned refusals; the agent, which has the right secret, ignores them (it
+    used to exit 2 "wrong job secret") and joins the running job once the thief stops."""
+    agent, forged = None, 0
+
+    def attack(a: Attacker, job: Job) -> None:
+        nonlocal agent, forged
+        agent = _start_agent(a, job, "a9", tmp_path, "other")
+        forged = _pose_as_the_coordinator(a, refusals=3)
+        deadline = time.monotonic() + 20
+        while not any(e["kind"] == "node-joined" for e in _events(job, "a9")):
+            assert time.monotonic() < deadline and agent.poll() is None, agent.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+
+    try:
+        job, summary, _ = _attack(tmp_path, "a9", attack, straggler_s=0.12)  # ~20 s of steps
+    finally:
+        if agent is not None:
+            try:
+                agent.wait(timeout=20)
+            finally:
+                agent.kill()
+                agent.wait()
+    assert forged >= 3  # as many as used to make the agent give up
+    assert _outcome(job, "a9", summary) == unattacked
+    assert [e["node"] for e in _events(job, "a9") if e["kind"] == "node-joined"] == ["other"]
 
 
 def test_8_felactl_scale_reports_no_result_the_coordinator_did_not_produce(tmp_path, no_leftovers, unattacked):

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import stat
 import threading
 import time
+from datetime import timedelta
 
 import psutil
 import pytest
+import torch.distributed as dist
 
 from felactl.agents.session import AgentSession, StopOrder
+from felactl.control import keys
 from felactl.control.documents import Assignment
-from felactl.control.join import JOIN_REFUSALS, sign, verify
+from felactl.control.join import sign, verify
 from felactl.control.store import parse_endpoint
 from felactl.errors import AuthError, ControlPlaneError, InputError
 from felactl.launcher.controlplane import Coordinator, new_secret, read_secret_file, write_secret_file
@@ -128,13 +132,13 @@ def test_an_agent_without_a_job_name_joins_the_job_its_coordinator_runs():
 
 
 def _join_in_thread(
-    endpoint: str, secret: str, node: str, slots: int, job: str | None = "job"
+    endpoint: str, secret: str, node: str, slots: int, job: str | None = "job", timeout_s: float = 10
 ) -> tuple[threading.Thread, dict]:
     outcome: dict = {}
 
     def run() -> None:
         try:
-            session = AgentSession(endpoint, secret, timeout_s=10, job=job)
+            session = AgentSession(endpoint, secret, timeout_s=timeout_s, job=job)
             outcome["agent_id"] = session.join(node, slots, {"num_cpu_cores": 2})
             outcome["session"] = session
         except Exception as exc:  # handed to the test
@@ -145,9 +149,12 @@ def _join_in_thread(
     return thread, outcome
 
 
-def _serve_until(coordinator: Coordinator, thread: threading.Thread, timeout_s: float = 15) -> None:
+def _serve_until(
+    coordinator: Coordinator, thread: threading.Thread, timeout_s: float = 15, before_each_poll=lambda: None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while thread.is_alive() and time.monotonic() < deadline:
+        before_each_poll()
         coordinator.poll_joins()
         time.sleep(0.02)
     thread.join(timeout=1)
@@ -159,14 +166,17 @@ def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins(cap
     secret = new_secret()
     coordinator = Coordinator(secret)
     try:
-        thread, outcome = _join_in_thread(coordinator.endpoint, new_secret(), "intruder", 8)
+        thread, outcome = _join_in_thread(coordinator.endpoint, new_secret(), "intruder", 8, timeout_s=3)
         _serve_until(coordinator, thread)
         assert isinstance(outcome.get("error"), AuthError)
-        assert "wrong job secret" in str(outcome["error"])
-        assert coordinator.members == {} and len(coordinator.refused) == JOIN_REFUSALS  # a fresh hello each time
-        assert [r.getMessage() for r in caplog.records if r.name == "felactl.launcher.controlplane"] == [
-            f"control plane: refused agent {coordinator.refused[0]!r}: wrong job secret or duplicate id"
-        ] * JOIN_REFUSALS
+        assert "wrong job secret (check --secret-file)" in str(outcome["error"])
+        # The coordinator's refusals are signed with the job's secret, which this agent lacks:
+        # it can only tell, at its --join-timeout, that no reply was signed with its own.
+        assert "signed with this agent's secret" in str(outcome["error"])
+        assert coordinator.members == {} and len(coordinator.refused) >= 1  # a fresh hello each time
+        assert {r.getMessage() for r in caplog.records if r.name == "felactl.launcher.controlplane"} == {
+            f"control plane: refused agent {coordinator.refused[0]!r}: wrong job secret"
+        }
 
         thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 3)
         _serve_until(coordinator, thread)
@@ -179,6 +189,97 @@ def test_wrong_secret_is_refused_and_changes_nothing_then_right_secret_joins(cap
         )
         assignment = outcome["session"].wait_assignment(5)
         assert (assignment.world_size, assignment.module, assignment.env) == (3, "m", {"A": "1"})
+    finally:
+        coordinator.close()
+
+
+class JoinThief:
+    """A store client without the secret that takes every join request off the coordinator's
+    queue before it polls, answers each join (not hello) with an unsigned refusal, and gives the
+    request back ``hold_s`` later (or never, with ``hold_s`` None: the requests vanish)."""
+
+    def __init__(self, coordinator: Coordinator, hold_s: float | None):
+        host, port = parse_endpoint(coordinator.endpoint)
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+        self.queue = coordinator.prefix + keys.JOIN_REQUESTS
+        self.prefix = coordinator.prefix
+        self.hold_s = hold_s
+        self.held: list[tuple[float, bytes]] = []
+        self.forged = 0
+
+    def __call__(self) -> None:
+        while self.store.queue_len(self.queue) > 0:
+            raw = self.store.queue_pop(self.queue, block=False)
+            request = json.loads(raw)
+            if "proof" in request:
+                reply = keys.join_reply(request["agent_id"], request["client_nonce"])
+                self.store.set(self.prefix + reply, json.dumps({"admitted": False}))
+                self.forged += 1
+            if self.hold_s is not None:
+                self.held.append((time.monotonic() + (self.hold_s if "proof" in request else 0), raw))
+        due = [raw for at, raw in self.held if at <= time.monotonic()]
+        self.held = [(at, raw) for at, raw in self.held if at > time.monotonic()]
+        for raw in due:
+            self.store.queue_push(self.queue, raw)
+
+
+def test_an_unsigned_refusal_locks_no_rightful_agent_out():
+    """Issue 30 item 2: a thief answers every join with ``{"admitted": false}`` before the
+    coordinator sees it; the agent ignores the unsigned refusal and the coordinator's real,
+    signed admission (which overwrites it) lets it in."""
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    try:
+        thief = JoinThief(coordinator, hold_s=0.5)
+        thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 2)
+        _serve_until(coordinator, thread, before_each_poll=thief)
+        assert "error" not in outcome, outcome.get("error")
+        assert thief.forged >= 1
+        assert [m.node_name for m in coordinator.members.values()] == ["nodeA"]
+    finally:
+        coordinator.close()
+
+
+def test_an_agent_whose_join_requests_vanish_says_so_and_is_not_told_its_secret_is_wrong(capfd):
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    try:
+        thief = JoinThief(coordinator, hold_s=None)
+        thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 2, timeout_s=3)
+        _serve_until(coordinator, thread, before_each_poll=thief)
+        error = outcome.get("error")
+        assert isinstance(error, ControlPlaneError) and not isinstance(error, AuthError), error
+        assert "no answer from the coordinator" in str(error) and "--join-timeout" in str(error)
+        assert "join request" in capfd.readouterr().err  # said while it retries, not only at the end
+        assert coordinator.members == {}
+    finally:
+        coordinator.close()
+
+
+def test_a_signed_refusal_of_an_altered_request_is_one_attempt_not_a_wrong_secret():
+    """A thief that alters the agent's join request on its way makes the coordinator refuse it,
+    signed: the agent (whose secret verifies the refusal, so it is the job's) says hello again."""
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    host, port = parse_endpoint(coordinator.endpoint)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+    queue = coordinator.prefix + keys.JOIN_REQUESTS
+    altered = []
+
+    def alter_first_join() -> None:
+        requests = [json.loads(store.queue_pop(queue, block=False)) for _ in range(store.queue_len(queue))]
+        for request in requests:
+            if "proof" in request and not altered:
+                request["payload"] = request["payload"].replace('"num_slots": 2', '"num_slots": 64')
+                altered.append(request)
+            store.queue_push(queue, json.dumps(request))
+
+    try:
+        thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nodeA", 2)
+        _serve_until(coordinator, thread, before_each_poll=alter_first_join)
+        assert "error" not in outcome, outcome.get("error")
+        assert altered and [m.num_slots for m in coordinator.members.values()] == [2]
+        assert len(coordinator.refused) == 1
     finally:
         coordinator.close()
 

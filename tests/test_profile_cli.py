@@ -11,7 +11,6 @@ import pytest
 from typer.testing import CliRunner
 
 from felactl.cli.main import app
-from felactl.control.join import JOIN_REFUSALS
 from felactl.launcher.controlplane import Coordinator, new_secret, write_secret_file
 from felactl.spec import load_cluster
 
@@ -156,20 +155,21 @@ def test_agent_with_wrong_secret_exits_2_and_the_coordinator_is_unaffected(tmp_p
             "--nproc-per-node",
             "1",
             "--join-timeout",
-            "10",
+            "3",
             "--job",
             "job",
         ],
     )
     assert result.exit_code == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("felactl:")]
-    assert errors == [
+    assert len(errors) == 1 and errors[0].startswith(
         f"felactl: error: the coordinator at {coordinator.endpoint} refused this agent: "
-        "wrong job secret (check --secret-file)"
-    ]
+        "wrong job secret (check --secret-file): none of "
+    )
     assert "Traceback" not in result.stderr
-    # Refused after each of its fresh hellos (a forged challenge in its place gets it refused once)
-    assert coordinator.members == {} and len(coordinator.refused) == JOIN_REFUSALS
+    # Refused after each of its fresh hellos; it cannot verify the refusals, so it tries until
+    # its --join-timeout (someone without the secret could have forged them)
+    assert coordinator.members == {} and len(coordinator.refused) >= 1
 
 
 def test_agent_unreachable_coordinator_exits_1(tmp_path):
@@ -273,11 +273,11 @@ def test_agent_reads_the_secret_from_stdin(serving_coordinator):
             "--secret-file",
             "-",
             "--join-timeout",
-            "10",
+            "3",
             "--job",
             "job",
         ],
         input=new_secret() + "\n",
     )
     assert result.exit_code == 2 and "refused this agent" in result.stderr
-    assert len(coordinator.refused) == JOIN_REFUSALS
+    assert len(coordinator.refused) >= 1

@@ -18,7 +18,7 @@ from typing import Any
 
 from felactl.control import Reader, Seal, job_binding, keys
 from felactl.control.documents import AgentStateDoc, Assignment, JobDoc, StopDoc
-from felactl.control.join import HELLO_AGAIN_S, JOIN_REFUSALS, admit_message, join_message, sign, verify
+from felactl.control.join import HELLO_AGAIN_S, admit_message, join_message, refuse_message, sign, verify
 from felactl.control.store import (
     DEFAULT_CONNECT_TIMEOUT_S,
     POLL_INTERVAL_S,
@@ -66,38 +66,30 @@ class AgentSession:
         self.reader: Reader | None = None
 
     def join(self, node_name: str, num_slots: int, info: dict | None = None) -> str:
-        """Prove the secret and join; AuthError when the coordinator refuses."""
+        """Prove the secret and join. Only a reply signed with the secret counts: an unsigned or
+        forged refusal is ignored, so nobody without the secret can lock this agent out. Until
+        ``timeout_s`` a spoiled attempt (no answer, a signed refusal) is followed by a fresh hello;
+        then AuthError when no reply could be verified (the secret), else ControlPlaneError."""
         deadline = time.monotonic() + self.timeout_s
         agent_id = f"{node_name}-{uuid.uuid4().hex[:8]}"
         payload = json.dumps(
             {"node_name": node_name, "num_slots": num_slots, "hostname": socket.gethostname(), "info": info or {}},
             sort_keys=True,
         )
-        refusals = 0
-        while True:
-            try:
-                reply = self._try_join(agent_id, payload, min(deadline, time.monotonic() + HELLO_AGAIN_S))
-            except _Refused:
-                # Refused: the secret is wrong, or someone put a forged challenge in this agent's
-                # place (then a fresh hello gets a fresh one). Refused every time: the secret.
-                refusals += 1
-                if refusals >= JOIN_REFUSALS:
-                    raise AuthError(
-                        f"the coordinator at {self.host}:{self.port} refused this agent: wrong job "
-                        "secret (check --secret-file)"
-                    ) from None
-                continue
-            if reply is not None:
+        tally = _JoinTally(f"{self.host}:{self.port}")
+        while time.monotonic() < deadline:
+            session = self._try_join(agent_id, payload, min(deadline, time.monotonic() + HELLO_AGAIN_S), tally)
+            if session is not None:
                 break
-            if time.monotonic() > deadline:
-                raise ControlPlaneError("timed out waiting for the coordinator to admit this agent")
-        self.agent_id, self.session = agent_id, reply
+        else:
+            raise tally.failure(self.timeout_s)
+        self.agent_id, self.session = agent_id, session
         self.reader = Reader(
             Seal(self.secret, job_binding(self.job, self.session)), self.store, self.prefix, on_refused=_say_refused
         )
         return agent_id
 
-    def _try_join(self, agent_id: str, payload: str, until: float) -> str | None:
+    def _try_join(self, agent_id: str, payload: str, until: float, tally: _JoinTally) -> str | None:
         """One hello, challenge and join; the launch's session once admitted, None to try again."""
         client_nonce = secrets.token_hex(8)
         queue = self.prefix + keys.JOIN_REQUESTS
@@ -109,6 +101,7 @@ class AgentSession:
             # coordinator's from a forgery. A forged one only gets this attempt refused.
             raw = self._poll(challenge_name, until)
             if raw is None:
+                tally.unanswered()
                 return None
             try:
                 nonce = str(json.loads(raw)["nonce"])
@@ -119,31 +112,35 @@ class AgentSession:
             queue, json.dumps({"agent_id": agent_id, "client_nonce": client_nonce, "payload": payload, "proof": proof})
         )
         reply_name = keys.join_reply(agent_id, client_nonce)
-        while True:
-            raw = self._poll(reply_name, until + HELLO_AGAIN_S)
-            if raw is None:
-                return None
+        last = None
+        while (raw := self._poll(reply_name, until + HELLO_AGAIN_S, unlike=last)) is not None:
+            last = raw
             try:
                 reply = json.loads(raw)
-                admitted, session = reply.get("admitted"), str(reply.get("session", ""))
+                admitted, proof = reply.get("admitted"), str(reply.get("proof", ""))
+                session, reason = str(reply.get("session", "")), str(reply.get("reason", ""))
             except (ValueError, AttributeError):
+                tally.unverified(reply_name)
                 continue
-            if admitted is False:
-                raise _Refused
-            if verify(
-                self.secret,
-                admit_message(self.job, agent_id, client_nonce, nonce, session),
-                str(reply.get("proof", "")),
+            if admitted is True and verify(
+                self.secret, admit_message(self.job, agent_id, client_nonce, nonce, session), proof
             ):
                 return session
-            time.sleep(POLL_INTERVAL_S)  # a forged admission: not from the coordinator
+            if admitted is False and verify(
+                self.secret, refuse_message(self.job, agent_id, client_nonce, reason), proof
+            ):
+                tally.refused(reason)
+                return None
+            tally.unverified(reply_name)  # not from the coordinator, or this agent's secret is not the job's
+        return None
 
-    def _poll(self, name: str, until: float) -> bytes | None:
+    def _poll(self, name: str, until: float, unlike: bytes | None = None) -> bytes | None:
+        """The value of ``name`` once set (and other than ``unlike``), None at ``until``."""
         key = self.prefix + name
         while time.monotonic() < until:
             try:
-                if self.store.check([key]):
-                    return self.store.get(key)
+                if self.store.check([key]) and (value := self.store.get(key)) != unlike:
+                    return value
             except RuntimeError as exc:
                 raise ControlPlaneError(f"lost the coordinator while joining: {first_line(exc)}") from exc
             time.sleep(POLL_INTERVAL_S)
@@ -227,8 +224,51 @@ class AgentSession:
         return {"FELACTL_SECRET": self.secret, "FELACTL_SESSION": self.session, "FELACTL_JOB": self.job}
 
 
-class _Refused(Exception):
-    pass
+class _JoinTally:
+    """What a joining agent saw, to say at its join timeout why it was not admitted."""
+
+    def __init__(self, coordinator: str):
+        self.coordinator = coordinator
+        self.num_unanswered = 0
+        self.num_unverified = 0
+        self.refusals: list[str] = []
+
+    def unanswered(self) -> None:
+        self.num_unanswered += 1
+        if self.num_unanswered == 1:
+            print(
+                f"felactl agent: no answer from the coordinator at {self.coordinator} to this agent's join "
+                "request (the coordinator is busy, or someone on the store takes requests off its queue); "
+                "trying again until --join-timeout",
+                file=sys.stderr,
+            )
+
+    def unverified(self, key: str) -> None:
+        self.num_unverified += 1
+        if self.num_unverified == 1:
+            _say_refused(key, "a reply not signed with this agent's secret")
+
+    def refused(self, reason: str) -> None:
+        self.refusals.append(reason)
+        print(f"felactl agent: the coordinator refused this attempt ({reason}); trying again", file=sys.stderr)
+
+    def failure(self, timeout_s: float) -> ControlPlaneError:
+        within = f"within {timeout_s:g} s (--join-timeout)"
+        if self.refusals:
+            return ControlPlaneError(
+                f"the coordinator at {self.coordinator} did not admit this agent {within}: it refused "
+                f"{len(self.refusals)} attempt(s) ({self.refusals[-1]}): someone on the store may be altering "
+                "join requests"
+            )
+        if self.num_unverified:
+            return AuthError(
+                f"the coordinator at {self.coordinator} refused this agent: wrong job secret (check --secret-file): "
+                f"none of {self.num_unverified} replies {within} was signed with this agent's secret"
+            )
+        return ControlPlaneError(
+            f"no answer from the coordinator at {self.coordinator} to {self.num_unanswered} join request(s) "
+            f"{within}: it is busy or gone, or someone on the store takes its requests"
+        )
 
 
 def _say_refused(key: str, reason: str) -> None:

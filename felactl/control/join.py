@@ -10,8 +10,6 @@ from felactl.control.seal import mac
 
 HELLO_AGAIN_S = 2.0
 """A joining agent that has seen no valid challenge or reply this long says hello again."""
-JOIN_REFUSALS = 3
-"""Refusals in a row (each after a fresh hello) that tell an agent its secret is wrong."""
 
 
 def sign(secret: str, message: str | bytes) -> str:
@@ -30,6 +28,23 @@ def join_message(job: str, agent_id: str, client_nonce: str, nonce: str, payload
 
 def admit_message(job: str, agent_id: str, client_nonce: str, nonce: str, session: str) -> str:
     return f"admit|{job}|{agent_id}|{client_nonce}|{nonce}|{session}"
+
+
+def refuse_message(job: str, agent_id: str, client_nonce: str, reason: str) -> str:
+    return f"refuse|{job}|{agent_id}|{client_nonce}|{reason}"
+
+
+def refuse_reply(secret: str, job: str, agent_id: str, client_nonce: str, reason: str) -> str:
+    """A refusal of one join attempt, signed: only the coordinator can refuse. An agent that
+    verifies it holds the job's secret, so the attempt was spoiled (replayed, or altered on the
+    store), never "wrong secret"; an agent that cannot verify it cannot tell it from a forgery."""
+    return json.dumps(
+        {
+            "admitted": False,
+            "reason": reason,
+            "proof": sign(secret, refuse_message(job, agent_id, client_nonce, reason)),
+        }
+    )
 
 
 def admit_reply(secret: str, job: str, agent_id: str, client_nonce: str, nonce: str, session: str) -> str:

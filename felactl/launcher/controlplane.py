@@ -12,11 +12,14 @@ Joining is an HMAC-SHA256 challenge-response with a challenge per agent: an agen
 ``{agent_id, client_nonce, payload, proof=hmac(secret, join|job|agent_id|client_nonce|nonce|payload)}``;
 the coordinator verifies the proof with ``hmac.compare_digest`` against the challenge it gave
 that agent (once: a challenge is used up) and answers under ``join/reply/<agent_id>/<client_nonce>``
-with a signed reply that carries the launch's session, so the agent knows the coordinator holds the
-secret too. No key is shared by the agents that join, so nobody can lock every agent out by writing
-one; an agent that gets no answer in a while says hello again, and one refused (a forged challenge
-in its place is refused) tries again with a fresh hello: refused :data:`~felactl.control.join.JOIN_REFUSALS` times, its
-secret is wrong. Refused attempts are logged and change nothing. Every document afterwards is
+with a signed reply: an admission that carries the launch's session (so the agent knows the
+coordinator holds the secret too), or a refusal with its reason. No key is shared by the agents
+that join, so nobody can lock every agent out by writing one. An unsigned or forged reply is
+ignored: an agent with the right secret is never told its secret is wrong by someone without it.
+An agent says hello again when an attempt gets no answer in a while, or a signed refusal (its
+request was replayed or altered on the store), until its join timeout; it then says whether no
+reply came at all (its requests vanished) or none it could verify (most likely a wrong secret).
+Refused attempts are logged and change nothing. Every document afterwards is
 sealed with :mod:`felactl.control.seal` (bound to the job, the launch's session, the key, the
 generation and a sequence number) and verified by its reader: a forgery is ignored and recorded. The
 store itself is plain TCP: the secret keeps strangers out of the membership and stops forged
@@ -38,7 +41,7 @@ from pathlib import Path
 from felactl.control import EventKind, Reader, Seal, job_binding, keys
 from felactl.control.documents import AgentStateDoc, Assignment, JobDoc, StopDoc
 from felactl.control.events import RefusalLog, record
-from felactl.control.join import admit_reply, join_message, verify
+from felactl.control.join import admit_reply, join_message, refuse_reply, verify
 from felactl.control.store import DEFAULT_HOST, POLL_INTERVAL_S, parse_endpoint, serve_store
 from felactl.errors import ControlPlaneError, InputError
 from felactl.fsutil import atomic_write_text
@@ -180,21 +183,21 @@ class Coordinator:
         nonce = self.challenges.pop((agent_id, client_nonce), None)
         reply_name = keys.join_reply(agent_id, client_nonce)
         message = join_message(self.job, agent_id, client_nonce, nonce or "", payload)
-        if nonce is None or not verify(self.secret, message, proof) or agent_id in self.members:
-            log.warning("control plane: refused agent %r: wrong job secret or duplicate id", agent_id)
+        if nonce is None:
+            reason = "no challenge was given to it (replayed or stale)"
+        elif agent_id in self.members:
+            reason = "duplicate id"
+        elif not verify(self.secret, message, proof):
+            reason = "wrong job secret"
+        else:
+            reason = ""
+        if reason:
+            log.warning("control plane: refused agent %r: %s", agent_id, reason)
             self.refused.append(agent_id)
-            self.refuse(
-                keys.JOIN_REQUESTS,
-                f"agent {agent_id!r}: "
-                + (
-                    "no challenge was given to it (replayed or stale)"
-                    if nonce is None
-                    else "wrong job secret"
-                    if agent_id not in self.members
-                    else "duplicate id"
-                ),
+            self.refuse(keys.JOIN_REQUESTS, f"agent {agent_id!r}: {reason}")
+            self.store.set(
+                self.prefix + reply_name, refuse_reply(self.secret, self.job, agent_id, client_nonce, reason)
             )
-            self.store.set(self.prefix + reply_name, json.dumps({"admitted": False}))
             return None
         try:
             data = json.loads(payload)
