@@ -43,6 +43,20 @@ class SpecError(InputError):
         super().__init__(f"{location}: {problem}")
 
 
+class StorageError(InputError, OSError):
+    """A file felactl was asked to write could not be written (a read-only or full filesystem,
+    ``/proc``, no permission). Exit 2 from a command given that path; also an OSError, so the
+    runtime's handling of storage trouble (a checkpoint that cannot be written) catches it."""
+
+    def __init__(self, path, cause: OSError):
+        self.path = path
+        self.cause = cause
+        super().__init__(f"cannot write {path}: {cause.strerror or cause}")
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class PlanInfeasible(InputError):
     """No plan meets the constraints (memory, batch split, devices). Names the constraint class."""
 

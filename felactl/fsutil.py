@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from felactl.errors import InputError
+from felactl.errors import InputError, StorageError
 
 
 def check_directory(what: str, path: str | os.PathLike) -> None:
@@ -25,33 +26,95 @@ def check_directory(what: str, path: str | os.PathLike) -> None:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mode: int | None = None) -> Path:
-    """Call ``write(f)`` on a temp file beside ``path``, fsync it, then rename it over ``path``."""
+    """Call ``write(f)`` on a temp file beside ``path``, fsync it, then rename it over ``path``.
+
+    A ``path`` that exists as anything but a regular file (a device, a FIFO, a socket, a
+    directory) is refused, never replaced: ``-o /dev/full`` must not turn a device node into a
+    file. A write the filesystem refuses (read-only, full, ``/proc``, no permission) is a
+    :class:`StorageError` naming ``path``; nothing is left behind."""
     target = Path(path)
-    if target.is_dir():
-        raise InputError(f"{target}: is a directory; give a file name to write")
+    check_output_file(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise InputError(f"{target}: {target.parent} is not a directory") from None
-    except PermissionError:
-        raise InputError(f"{target}: no permission to create {target.parent}") from None
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise StorageError(target, exc) from None
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise StorageError(target, exc) from None
+    recording = _RecordingFile(os.fdopen(fd, "wb"))
     try:
         if mode is not None:
             os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        with recording.file:
+            write(recording)
+            recording.file.flush()
+            os.fsync(recording.file.fileno())
         os.replace(tmp_name, target)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp_name)
         except FileNotFoundError:
             pass
+        # torch.save reports a failed write as a RuntimeError of its own: the OSError under it says why
+        error = exc if isinstance(exc, OSError) else recording.error
+        if error is not None and not isinstance(exc, KeyboardInterrupt):
+            raise StorageError(target, error) from None
         raise
     _fsync_dir(target.parent)
     return target
+
+
+NODE_KINDS = {
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFDIR: "directory",
+}
+
+
+def check_output_file(target: Path) -> None:
+    """Refuse (InputError) a path to write that exists as anything but a regular file; call it
+    before long work whose result goes there, so the user learns at once."""
+    try:
+        mode = target.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        raise StorageError(target, exc) from None
+    if not stat.S_ISREG(mode):
+        kind = NODE_KINDS.get(stat.S_IFMT(mode), "special file")
+        hint = "give a file name to write" if kind == "directory" else "felactl writes only regular files"
+        raise InputError(f"{target}: is a {kind}, not a regular file; {hint}")
+
+
+class _RecordingFile:
+    """A file whose ``write`` keeps the OSError it raised (a full disk), for when the caller's
+    writer (``torch.save``) turns it into an error of its own."""
+
+    def __init__(self, file: IO[bytes]):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import stat
 import subprocess
 import sys
 import time
@@ -29,11 +30,15 @@ SECONDS_PER_CASE = 10.0
 runner = CliRunner()
 
 
+FIFO = object()
+"""A file of a case that is a named pipe (made with ``mkfifo``): output must never replace one."""
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
     argv: tuple[str, ...]
-    files: dict[str, str | bytes] = field(default_factory=dict)
+    files: dict[str, str | bytes | object] = field(default_factory=dict)
     """Written into the case's empty working directory before the command runs."""
 
 
@@ -179,6 +184,22 @@ PATH_CASES = [
         {**VALID_FILES, "afile": ""},
     ),
     Case(
+        "plan-output-onto-a-fifo",
+        ("plan", "--cluster", "c.yaml", "--model", "m.yaml", "--global-batch", "8", "-o", "pipe"),
+        {**VALID_FILES, "pipe": FIFO},
+    ),
+    Case(
+        "plan-output-under-proc",
+        ("plan", "--cluster", "c.yaml", "--model", "m.yaml", "--global-batch", "8", "-o", "/proc/felactl-plan.yaml"),
+        VALID_FILES,
+    ),
+    Case("export-output-onto-a-fifo", ("export", "r", "-o", "pipe"), {"pipe": FIFO}),
+    Case(
+        "export-corrupt-checkpoint",
+        ("export", "r"),
+        {"runs/r/plan.yaml": yaml.safe_dump(PLAN), "runs/r/checkpoints/step000002/stage0.pt": b"PK\x03\x04garbage"},
+    ),
+    Case(
         "plan-devices-twice",
         ("plan", "--cluster", "c.yaml", "--model", "m.yaml", "--global-batch", "8", "--devices", "0,0"),
         VALID_FILES,
@@ -283,15 +304,19 @@ def all_cases() -> list[Case]:
     return file_cases(rng, 45) + structure_cases() + PATH_CASES + flag_cases(rng, 40) + STATUS_CASES
 
 
-def _tree(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
+def _tree(root: Path) -> set[tuple[str, int]]:
+    """Every path under ``root`` with its file type: a FIFO replaced by a file is a change."""
+    return {(str(p.relative_to(root)), stat.S_IFMT(p.lstat().st_mode)) for p in root.rglob("*")}
 
 
-def _write(root: Path, files: dict[str, str | bytes]) -> None:
+def _write(root: Path, files: dict[str, str | bytes | object]) -> None:
     for name, content in files.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        if content is FIFO:
+            os.mkfifo(path)
+        else:
+            path.write_bytes(content if isinstance(content, bytes) else content.encode())
 
 
 def _assert_refused(case: Case, code: int, stderr: str, seconds: float, root: Path, before: set[str]) -> None:

@@ -16,6 +16,7 @@ from felactl import limits
 from felactl.cli import output
 from felactl.cli.plan_collectives import collective_result, register_collectives, resolve_devices
 from felactl.errors import InputError
+from felactl.fsutil import check_output_file
 from felactl.limits import check_flag
 from felactl.optimizer.cost import CostModel, MemoryHeadroom
 from felactl.optimizer.planner import (
@@ -234,6 +235,8 @@ def plan(
         raise InputError(f"--baseline: expected one of {', '.join(BASELINE_NAMES)}, got {baseline!r}")
     if baseline is not None and sync not in (None, "bsp"):
         raise InputError(f"--baseline plans sync bsp, as the baselines' systems do; got --sync {sync}")
+    if out is not None:
+        check_output_file(out)
     cluster_spec, model_spec = load_cluster(cluster), load_model(model)
     names = resolve_devices(cluster_spec, devices) if devices is not None else None
     debug = output.debug_enabled(ctx)

@@ -16,7 +16,7 @@ import torch
 
 from felactl import models
 from felactl.errors import InputError
-from felactl.fsutil import atomic_write
+from felactl.fsutil import atomic_write, check_output_file
 from felactl.launcher.resume import load_stage, pick_checkpoint
 from felactl.launcher.rundir import RunDir
 from felactl.spec import Plan
@@ -45,6 +45,8 @@ class ExportResult:
 def export_model(run: str, runs_root: Path, output: Path | None = None, step: int | None = None) -> ExportResult:
     """Merge the stages of the run's newest complete checkpoint (or of ``step``) and write the
     whole model's ``state_dict`` to ``output`` (default ``runs/<id>/model.pt``) atomically."""
+    if output is not None:
+        check_output_file(output)  # before reading checkpoints that may take long
     rundir = RunDir.find(run, root=runs_root)
     chosen = pick_checkpoint(rundir, step)
     state = merge_stages(chosen.directory, chosen.plan, chosen.stage0)

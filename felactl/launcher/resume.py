@@ -88,13 +88,25 @@ def pick_checkpoint(rundir: RunDir, step: int | None = None) -> Checkpoint:
     )
 
 
+OLDER_CHECKPOINT = (
+    "export an older step with --step K, or move this step's directory away to resume from the one before"
+)
+
+
 def load_stage(path: Path) -> dict:
     """A stage's checkpoint file (``model``, ``optimizer``, ``step``, ``data_position``, and
     ``generation`` where the job rescaled), its tensors on the CPU."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise InputError(f"{path}: deleted while it was read (the run pruned it); try again") from None
+    except Exception as exc:  # torch.load fails in many ways on a damaged file (zip, pickle, EOF)
+        raise InputError(
+            f"{path}: not a readable checkpoint, truncated or corrupt ({type(exc).__name__}); {OLDER_CHECKPOINT}"
+        ) from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise InputError(f"{path}: not a felactl checkpoint (no model state); {OLDER_CHECKPOINT}")
+    return state
 
 
 def checkpoint_plan(rundir: RunDir, stage0: dict) -> tuple[Path, int]:
