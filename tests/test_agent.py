@@ -5,6 +5,7 @@ Workers are real subprocesses (``python -m <module>``) of small modules written 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import textwrap
@@ -97,6 +98,66 @@ def test_workers_get_the_torchrun_environment_and_logs(tmp_path):
         "affinity": [0],
     }
     assert "hello from 3" in (tmp_path / "logs" / "worker-3.log").read_text()
+
+
+def _placement(tmp_path: Path, worker_id: int, timeout_s: float = 20) -> dict:
+    deadline = time.monotonic() + timeout_s
+    path = tmp_path / f"placed-{worker_id}.json"
+    while not path.exists():
+        assert time.monotonic() < deadline, f"worker {worker_id} did not say where it runs"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell the slots apart")
+def test_a_worker_added_live_is_placed_on_a_slot_as_the_ones_started_at_launch(tmp_path):
+    """Issue 30 item 7: a newcomer (``scale --add``) ran with the agent's whole mask while the
+    workers started at launch had a core each, and trained ~10x slower. It takes a free slot's
+    cores (the one a dead worker left), else shares the least-held slot's; a node that joined
+    with no workers places its newcomers on its slots too."""
+    env = _module(
+        tmp_path,
+        "placed",
+        """
+        import json, os, time
+        out = os.path.join(os.environ["OUT_DIR"], "placed-" + os.environ["FELACTL_WORKER_ID"] + ".json")
+        json.dump({"cores": os.environ.get("FELACTL_CPU_CORES"), "affinity": sorted(os.sched_getaffinity(0))},
+                  open(out + ".tmp", "w"))
+        os.replace(out + ".tmp", out)
+        time.sleep(60)
+    """,
+    )
+    core_a, core_b = sorted(os.sched_getaffinity(0))[:2]
+    slots = ((core_a,), (core_b,))
+    spec = WorkerSpec(
+        module="placed",
+        nproc=2,
+        world_size=2,
+        log_dir=tmp_path / "logs",
+        env={**env, "OUT_DIR": str(tmp_path)},
+        cpu_affinity=slots,
+    )
+    agent = LocalWorkerAgent(spec)
+    try:
+        agent.start()
+        assert [_placement(tmp_path, w)["affinity"] for w in (0, 1)] == [[core_a], [core_b]]
+        agent.kill_worker(1)
+        agent.workers[1].process.wait(timeout=10)
+        agent.monitor()
+        agent.add_worker(7, {})
+        assert _placement(tmp_path, 7) == {"cores": str(core_b), "affinity": [core_b]}  # the slot worker 1 left
+        agent.add_worker(8, {})  # no slot free: it shares one, never takes both
+        assert _placement(tmp_path, 8)["affinity"] in ([core_a], [core_b])
+    finally:
+        agent.stop()
+
+    joining = LocalWorkerAgent(dataclasses.replace(spec, nproc=0, log_dir=tmp_path / "logs2"))
+    try:
+        joining.start()
+        joining.add_worker(9, {})
+        assert _placement(tmp_path, 9)["affinity"] == [core_a]
+    finally:
+        joining.stop()
 
 
 def test_local_rank_is_the_devices_index_on_the_node(tmp_path):

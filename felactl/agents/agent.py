@@ -68,7 +68,9 @@ class WorkerSpec:
     log_dir: Path = Path(".")
     """Worker ``i`` writes stdout and stderr to ``log_dir/worker-<rank>.log``."""
     cpu_affinity: tuple[tuple[int, ...], ...] | None = None
-    """Cores per local worker; each process is pinned to its share with ``sched_setaffinity``."""
+    """The cores of each of the node's worker slots (:func:`split_cores`); a worker is pinned to
+    its slot's with ``sched_setaffinity``. A worker started with the job holds the slot of its
+    local rank; one added later (a rescale's newcomer) a free slot, else the least held."""
     local_ranks: tuple[int, ...] = ()
     """Each worker's LOCAL_RANK (its device's index on the node: a plan may use GPUs 0 and 2);
     empty: 0, 1, ..."""
@@ -94,8 +96,8 @@ class WorkerSpec:
                 f"ranks {self.rank_offset}..{self.rank_offset + self.nproc - 1} do not fit in a world "
                 f"of {self.world_size}"
             )
-        if self.cpu_affinity is not None and len(self.cpu_affinity) != self.nproc:
-            raise InputError(f"cpu_affinity lists {len(self.cpu_affinity)} workers, expected {self.nproc}")
+        if self.cpu_affinity is not None and not all(self.cpu_affinity):
+            raise InputError("cpu_affinity: every worker slot needs at least one core")
 
 
 @dataclass(kw_only=True)
@@ -108,6 +110,8 @@ class Worker:
     exit_code: int | None = None
     ended_at: float | None = None
     """Wall-clock time its end was seen (which of several failures came first)."""
+    slot: int = 0
+    """The node's worker slot it holds (its cores: ``WorkerSpec.cpu_affinity[slot]``)."""
 
     @property
     def pid(self) -> int | None:
@@ -190,8 +194,6 @@ class LocalWorkerAgent:
             FELACTL_WORKER_ID=str(s.rank_offset + local_rank),
             FELACTL_PARENT_PID=str(os.getpid()),
         )
-        if s.cpu_affinity is not None:
-            env["FELACTL_CPU_CORES"] = ",".join(map(str, s.cpu_affinity[local_rank]))
         return env
 
     def start(self) -> list[Worker]:
@@ -209,29 +211,61 @@ class LocalWorkerAgent:
     def _spawn(self, local_rank: int) -> Worker:
         s = self.spec
         rank = s.rank_offset + local_rank
-        worker = Worker(local_rank=local_rank, global_rank=rank, log_path=s.log_dir / f"worker-{rank}.log")
-        worker.process = self._popen(worker.log_path, self.worker_env(local_rank))
-        if s.cpu_affinity is not None:
-            try:
-                os.sched_setaffinity(worker.process.pid, s.cpu_affinity[local_rank])
-            except (OSError, AttributeError):
-                pass  # it already exited (monitor will see it) or the platform cannot pin
-        worker.state = WorkerState.HEALTHY
+        slot = s.local_ranks[local_rank] if s.local_ranks else local_rank
+        worker = Worker(local_rank=local_rank, global_rank=rank, log_path=s.log_dir / f"worker-{rank}.log", slot=slot)
+        self._start_on_slot(worker, self.worker_env(local_rank))
         return worker
 
     def add_worker(self, worker_id: int, env: dict[str, str]) -> Worker:
         """Start one more worker beside the running ones (a rescale's newcomer): ``env`` overrides
-        the spec's torchrun variables (a newcomer learns its rank when it is admitted)."""
-        local_rank = len(self.workers)
+        the spec's torchrun variables (a newcomer learns its rank when it is admitted). It is placed
+        as the workers started with the job are: on a slot (the device's own, ``LOCAL_RANK``, where
+        the coordinator gives it and no live worker holds it; else a free one, else the least held)."""
+        wanted = int(env["LOCAL_RANK"]) if str(env.get("LOCAL_RANK", "")).isdigit() else None
+        slot = self._slot_for_newcomer(wanted)
         worker = Worker(
-            local_rank=local_rank, global_rank=worker_id, log_path=self.spec.log_dir / f"worker-{worker_id}.log"
+            local_rank=len(self.workers),
+            global_rank=worker_id,
+            log_path=self.spec.log_dir / f"worker-{worker_id}.log",
+            slot=slot,
         )
-        full_env = {**self.worker_env(0), "LOCAL_RANK": str(local_rank), **{k: str(v) for k, v in env.items()}}
-        full_env.pop("FELACTL_CPU_CORES", None)
-        worker.process = self._popen(worker.log_path, full_env)
-        worker.state = WorkerState.HEALTHY
+        full_env = {
+            **self.worker_env(0),
+            "LOCAL_RANK": str(slot),
+            "FELACTL_WORKER_ID": str(worker_id),
+            **{k: str(v) for k, v in env.items()},
+        }
+        self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        self._start_on_slot(worker, full_env)
         self.workers.append(worker)
         return worker
+
+    def _slot_for_newcomer(self, wanted: int | None) -> int:
+        held = [w.slot for w in self.workers if w.process is not None and w.process.poll() is None]
+        num_slots = len(self.spec.cpu_affinity) if self.spec.cpu_affinity else max([*held, -1]) + 1
+        if wanted is not None and wanted not in held:
+            return wanted
+        free = [i for i in range(num_slots) if i not in held]
+        if free:
+            return free[0]
+        return min(range(max(num_slots, 1)), key=lambda i: (held.count(i), i))
+
+    def _start_on_slot(self, worker: Worker, env: dict[str, str]) -> None:
+        """Start ``worker``'s process pinned to its slot's cores (where the node pins its slots)."""
+        cores = self._slot_cores(worker.slot)
+        if cores is not None:
+            env = {**env, "FELACTL_CPU_CORES": ",".join(map(str, cores))}
+        worker.process = self._popen(worker.log_path, env)
+        if cores is not None:
+            try:
+                os.sched_setaffinity(worker.process.pid, cores)
+            except (OSError, AttributeError):
+                pass  # it already exited (monitor will see it) or the platform cannot pin
+        worker.state = WorkerState.HEALTHY
+
+    def _slot_cores(self, slot: int) -> tuple[int, ...] | None:
+        table = self.spec.cpu_affinity
+        return None if not table else table[slot % len(table)]
 
     def _popen(self, log_path: Path, env: dict[str, str]) -> subprocess.Popen:
         """The one way a worker process starts: its own session, its output to its log."""
@@ -473,8 +507,8 @@ def _worker_spec(config: NodeAgentConfig, session, assignment) -> WorkerSpec:
             # felactl's workers verify and sign documents; a user's script gets no secret
             **(session.worker_env() if assignment.module else {}),
         },
-        cpu_affinity=config.cpu_affinity if nproc == config.nproc else None,
-        local_ranks=tuple(assignment.local_indices) if nproc == config.nproc else (),
+        cpu_affinity=config.cpu_affinity,
+        local_ranks=tuple(assignment.local_indices) if len(assignment.local_indices) == nproc else (),
     )
 
 
