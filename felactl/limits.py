@@ -82,3 +82,15 @@ def check_flag(flag: str, value: float | int | None, bound: Bound, *, above: flo
     problem = bound.problem(value, above=above)
     if problem is not None:
         raise InputError(f"{flag} {problem}")
+
+
+def split_items(flag: str, text: str, expected: str) -> list[str]:
+    """The comma-separated items of a flag's value, stripped. An empty item (``1,,2``, a
+    trailing comma) is refused naming the flag: dropping it quietly ran something else than
+    what was typed. ``expected`` says what the flag takes, for the message."""
+    if not text.strip():
+        raise InputError(f"{flag}: expected {expected}, got {text!r}")
+    items = [part.strip() for part in text.split(",")]
+    if not all(items):
+        raise InputError(f"{flag}: an empty item in {text!r}; expected {expected}")
+    return items

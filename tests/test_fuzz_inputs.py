@@ -236,6 +236,9 @@ STRING_FLAGS = [
     ("scale", "r", "--remove", "1,x"),
     ("profile", "--model", "mlp", "--input-shape", "3,-1"),
     ("profile", "--model", "mlp", "--batch-sizes", "4,,x"),
+    ("profile", "--model", "mlp", "--batch-sizes", "1,,2"),  # issue 30: an empty item was dropped
+    ("profile", "--model", "mlp", "--input-shape", "3,,32"),
+    ("scale", "r", "--remove", "1,,2"),
     ("profile", "--device", "tpu"),
 ]
 
