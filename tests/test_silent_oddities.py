@@ -33,3 +33,35 @@ def test_an_empty_item_in_a_list_flag_is_refused(argv, flag, tmp_path, monkeypat
         result.stderr
     )
     assert not list(tmp_path.iterdir())
+
+
+def _cluster_with_cores(tmp_path, cores) -> str:
+    import yaml
+    from test_cli_errors import CLUSTER
+
+    cluster = {**CLUSTER, "nodes": [dict(n, devices=list(n["devices"])) for n in CLUSTER["nodes"]]}
+    cluster["nodes"][0]["devices"][0] = {**cluster["nodes"][0]["devices"][0], "kind": "cpu", "cpu_cores": cores}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("cores", "problem"),
+    [
+        ([10**12], "cpu_cores[0]: must be at most 8191"),
+        ([0, 3, 3], "cpu_cores[2]: core 3 is listed twice"),
+        ([-1], "cpu_cores[0]: must be >= 0"),
+        ([], "cpu_cores: names no core"),
+    ],
+)
+def test_check_refuses_cores_no_machine_has(tmp_path, cores, problem):
+    """``cpu_cores: [10**12]`` passed ``felactl check``; a slot pinned there cannot start."""
+    result = runner.invoke(app, ["check", _cluster_with_cores(tmp_path, cores)])
+    assert result.exit_code == 2, result.output
+    assert f"nodes[0].devices[0].{problem}" in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_check_accepts_real_cores(tmp_path):
+    result = runner.invoke(app, ["check", _cluster_with_cores(tmp_path, [0, 1, 8191])])
+    assert result.exit_code == 0, result.output
