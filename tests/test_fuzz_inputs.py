@@ -297,6 +297,10 @@ ODDITY_CASES = [  # issue 30, item 6: what passed in silence
         )
         for cores in ([10**12], [-1], [0, 0], [], [8192])
     ),
+    Case(
+        "launch-job-micro-batch-over-share",
+        ("launch", "--job", "mlp", "--nproc-per-node", "2", "--global-batch", "8", "--micro-batch", "5"),
+    ),
 ]
 
 

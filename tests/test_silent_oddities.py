@@ -65,3 +65,24 @@ def test_check_refuses_cores_no_machine_has(tmp_path, cores, problem):
 def test_check_accepts_real_cores(tmp_path):
     result = runner.invoke(app, ["check", _cluster_with_cores(tmp_path, [0, 1, 8191])])
     assert result.exit_code == 0, result.output
+
+
+def test_a_micro_batch_larger_than_a_workers_share_is_refused(tmp_path, monkeypatch):
+    """``--micro-batch 16`` with 4 or 5 samples per worker ran forwards of 4 or 5 and never said so:
+    a worker never holds more than its share of a step. Refused before anything starts."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["launch", "--job", "mlp", "--nproc-per-node", "2", "--global-batch", "9", "--micro-batch", "16"]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "felactl: error: --micro-batch 16 is larger than a worker's share of --global-batch 9 over 2 "
+        "workers (at most 5 samples): use --micro-batch 5 or less, or leave it out"
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_micro_batch_up_to_the_largest_share_is_taken():
+    from felactl.launcher.launch import job_plan
+
+    assert job_plan("mlp", {}, 2, 9, 5).stages[0].micro_batch == 5
+    assert job_plan("mlp", {}, 2, 9, None).stages[0].micro_batch == 5
