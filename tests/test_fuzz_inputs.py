@@ -301,6 +301,9 @@ ODDITY_CASES = [  # issue 30, item 6: what passed in silence
         "launch-job-micro-batch-over-share",
         ("launch", "--job", "mlp", "--nproc-per-node", "2", "--global-batch", "8", "--micro-batch", "5"),
     ),
+    Case(
+        "launch-job-batch-over-dataset", ("launch", "--job", "mlp", "--nproc-per-node", "2", "--global-batch", "9000")
+    ),
 ]
 
 

@@ -7,12 +7,18 @@ than the global batch, a built-in model too large for this machine, a run withou
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
 from felactl.cli.main import app
 
 runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -86,3 +92,54 @@ def test_a_micro_batch_up_to_the_largest_share_is_taken():
 
     assert job_plan("mlp", {}, 2, 9, 5).stages[0].micro_batch == 5
     assert job_plan("mlp", {}, 2, 9, None).stages[0].micro_batch == 5
+
+
+SHORT_DATA = (
+    "model '_user_models:few_samples': its dataset has 10 sample(s), fewer than the global batch of 64: "
+    "every step would see each sample about 6.4 times; use a global batch of at most 10, or more data"
+)
+
+
+def test_a_dataset_shorter_than_the_global_batch_is_refused_at_launch(tmp_path, monkeypatch):
+    """10 samples and a global batch of 64 trained in silence, each sample ~6 times a step.
+    ``--job`` builds the job before any worker starts: exit 2, both numbers, nothing left."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["launch", "--job", "_user_models:few_samples", "--nproc-per-node", "2", "--global-batch", "64"]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"felactl: error: {SHORT_DATA}"
+    assert not list(tmp_path.iterdir())
+    from felactl.launcher.launch import job_plan  # as many samples as the batch: each seen once a step
+
+    assert job_plan("_user_models:few_samples", {}, 2, 10, None).global_batch == 10
+
+
+def test_a_worker_refuses_a_plan_whose_batch_its_dataset_cannot_fill(tmp_path):
+    """A plan's launch builds the job in the workers: each refuses (exit 2, the same line) before
+    it connects to anyone, so the launch ends with the reason instead of training on repeats."""
+    from felactl.spec import ModelRef, data_parallel_plan, save
+
+    source = "_user_models:few_samples"
+    plan = data_parallel_plan(
+        model=ModelRef(name=source, source=source),
+        num_layers=1,
+        devices=["cpu0", "cpu1"],
+        global_batch=64,
+        micro_batch=32,
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+        "OMP_NUM_THREADS": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml")),
+        "FELACTL_RUN_DIR": str(tmp_path / "run"),
+        "FELACTL_STORE": "127.0.0.1:1",  # never reached: the refusal comes first
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "felactl.agents.worker"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"felactl worker: {SHORT_DATA}"

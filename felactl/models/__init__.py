@@ -69,6 +69,20 @@ class ModelBundle:
         the whole model's child names), or the unsplittable model itself."""
         return self.layers[layer_start:layer_end] if self.splittable else self.model
 
+    def check_global_batch(self, global_batch: int) -> None:
+        """Refuse (InputError) a global batch larger than the job's dataset: a step's sample
+        indices wrap around the data (:meth:`TrainJob.batch`), so every step would see each sample
+        several times over, and train on the repeats without a word."""
+        if self.job is None:
+            return
+        size = len(self.job.dataset)
+        if global_batch > size:
+            raise InputError(
+                f"model {self.source!r}: its dataset has {size} sample(s), fewer than the global batch of "
+                f"{global_batch}: every step would see each sample about {global_batch / size:.3g} times; "
+                f"use a global batch of at most {size}, or more data"
+            )
+
     def layer_params(self) -> tuple[int, ...]:
         """Trainable parameters of each layer, as its profile counts them: what
         :func:`felactl.spec.executable.check_executable` checks a plan's stages against."""
@@ -291,9 +305,11 @@ def local_data_parallel_plan(
     and benchmarks train without profiling and planning."""
     from felactl.spec import ModelRef, data_parallel_plan
 
+    bundle = build(source, config)
+    bundle.check_global_batch(global_batch)
     return data_parallel_plan(
         model=ModelRef(name=source, source=source, config=config),
-        num_layers=len(build(source, config).layers),
+        num_layers=len(bundle.layers),
         devices=[f"cpu{i}" for i in range(num_workers)],
         global_batch=global_batch,
         micro_batch=micro_batch,
