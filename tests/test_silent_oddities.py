@@ -8,6 +8,7 @@ than the global batch, a built-in model too large for this machine, a run withou
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,60 @@ def test_a_worker_refuses_a_plan_whose_batch_its_dataset_cannot_fill(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == f"felactl worker: {SHORT_DATA}"
+
+
+def _felactl(cwd: Path, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "felactl", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_a_model_deeper_than_any_is_refused_in_seconds(tmp_path):
+    """``--config depth=100000000`` built blocks for minutes (7 GB after 90 s). A real process,
+    so that the old behaviour fails this test by its timeout instead of hanging the suite."""
+    proc = _felactl(tmp_path, "profile", "--model", "gpt-mini", "--config", "depth=100000000")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "felactl: error: model 'gpt-mini': config depth=100000000: must be at most 4096 "
+        "(four times the deepest transformer trained, DeepNet's 1,000 layers)"
+    )
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("model", "config", "said"),
+    [  # hundreds of terabytes or more: no machine has that
+        ("gpt-mini", "width=10000000", r"has 4,800,003,240,000,103 parameters: .* need 3.84e\+07 GB"),
+        ("mlp", "input_dim=10000000000", r"has 5,120,000,793,610 parameters: .* need 3.71e\+05 GB"),
+        ("vgg-mini", "image_size=100000", r"has 20,480,001,347,882 parameters: .* need 3.11e\+06 GB"),
+    ],
+)
+def test_a_built_in_model_no_machine_can_hold_is_refused_naming_its_size(tmp_path, monkeypatch, model, config, said):
+    """A width, an input or an image no machine holds used to allocate until the allocator
+    gave up (or, smaller, until the machine swapped); now its size is said before anything is."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["profile", "--model", model, "--config", config])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert re.fullmatch(
+        rf"felactl: error: model '{model}' with {config} {said}, more than this machine's [0-9.]+ GB of memory", line
+    ), line
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_size_a_built_in_is_refused_at_is_this_machines_memory(monkeypatch):
+    """The estimate counts parameters on the meta device (exactly what the build makes) and the
+    data the built-in generates; a model that needs more than the machine has is refused."""
+    from felactl import machine, models
+
+    config = {"depth": 6, "width": 64}
+    params = sum(p.numel() for p in models.build("gpt-mini", config).model.parameters())
+    assert models.builtin_params("gpt-mini", config) == params  # (its vocabulary is the corpus's 103 characters)
+    need = models.builtin_bytes("gpt-mini", config)
+    assert need > 2 * 4 * params  # weights, their gradients, and the corpus
+    monkeypatch.setattr(machine, "memory_bytes", lambda: need - 1)
+    with pytest.raises(models.InputError, match=rf"model 'gpt-mini' with depth=6, width=64 has {params:,} parameters"):
+        models.build("gpt-mini", config)
+    monkeypatch.setattr(machine, "memory_bytes", lambda: need)
+    models.build("gpt-mini", config)
