@@ -9,6 +9,7 @@ Piped to a log, ``felactl launch`` and ``felactl demo`` said nothing for minutes
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -18,11 +19,14 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
 from felactl.agents.worker.metrics import progress, recent_step_rate, summarize
+from felactl.cli.main import app
 from felactl.cli.runview import duration, live_run
 from felactl.launcher.launch import LaunchState
-from felactl.launcher.rundir import RunDir
+from felactl.launcher.liveness import LaunchIdentity
+from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"step \d+/\d+   loss \d+\.\d{4}   \d+\.\d samples/s(   ETA \d+:\d\d:\d\d)?")
@@ -109,9 +113,45 @@ def test_on_a_terminal_the_live_table_is_drawn_instead(tmp_path):
     assert "step 10/300" not in text and "loss 1.7900" in text
 
 
+def _running_run(tmp_path: Path, event_steps: int | None, launched_steps: int | None = None) -> None:
+    run = RunDir.create("r", root=tmp_path)
+    launched = {"steps": launched_steps} if launched_steps is not None else {}
+    (run.path / "launch.json").write_text(json.dumps(launched))  # what makes it a run: a --script's has no plan
+    event = {"time": 99.0, "kind": "launch", "launcher": LaunchIdentity.of_this_process().to_dict()}
+    append_jsonl(run.events, {**event, **({"steps": event_steps} if event_steps is not None else {})})
+    run.heartbeat.touch()
+    for record in _records(range(20)):
+        append_jsonl(run.metrics, record)
+
+
+@pytest.mark.parametrize(
+    ("event_steps", "launched_steps", "total", "eta"),
+    [
+        (300, 100, 300, "ETA 0:02:20"),  # the newest launch's (a resume may give more --steps)
+        (None, 300, 300, "ETA 0:02:20"),  # a run launched before launches recorded their steps
+        (10**30, None, 10**30, "ETA 1.58e+22 years"),  # allowed, and said
+    ],
+)
+def test_status_of_a_running_run_says_its_eta(tmp_path, event_steps, launched_steps, total, eta):
+    _running_run(tmp_path, event_steps, launched_steps)
+    result = CliRunner().invoke(app, ["status", "r", "--runs-root", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    reply = json.loads(result.stdout)
+    assert reply["state"] == "running"
+    assert reply["progress"] == {
+        "steps": 20,
+        "steps_total": total,
+        "steps_per_s": pytest.approx(2.0),
+        "eta_s": pytest.approx((total - 20) / 2.0),
+    }
+    shown = CliRunner().invoke(app, ["status", "r", "--runs-root", str(tmp_path)])
+    assert f"step 20 of {total} at 2.00 steps/s: {eta}" in shown.stderr, shown.stderr
+
+
 @pytest.mark.multiprocess
 def test_a_launch_piped_to_a_log_prints_progress_lines(tmp_path, no_leftovers):
-    """A real launch with stderr a pipe: its progress lines carry the step, loss, samples/s and ETA."""
+    """A real launch with stderr a pipe: its progress lines carry the step, loss, samples/s and ETA;
+    the launch event records the steps asked for (what status's ETA counts to)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     argv = ["launch", "--job", "mlp", "--nproc-per-node", "2", "--global-batch", "16", "--steps", "30"]
     argv += ["--straggler", "roundrobin:0.1", "--run-id", "p", "--runs-root", str(tmp_path / "runs")]
@@ -132,3 +172,4 @@ def test_a_launch_piped_to_a_log_prints_progress_lines(tmp_path, no_leftovers):
     assert proc.returncode == 0, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("step ") and "/30" in line]
     assert lines and all(LINE.fullmatch(line) for line in lines), err[-3000:]
+    assert read_jsonl(tmp_path / "runs" / "p" / "events.jsonl")[0]["steps"] == 30

@@ -385,6 +385,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         run.events,
         EventKind.RESUME if resume else EventKind.LAUNCH,
         run=run.run_id,
+        steps=options.steps,  # what felactl status counts an ETA to
         endpoint=coordinator.endpoint,
         session=coordinator.session,
         devices=list(plan.devices),
