@@ -18,6 +18,7 @@ from torch.nn import functional as F
 NUM_SAMPLES = 8192
 """Samples of each synthetic set (the teacher's, the images')."""
 FLOAT_BYTES = 4
+"""An fp32 number: what the synthetic sets are made of."""
 
 
 @functools.lru_cache(maxsize=1)
