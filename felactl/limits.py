@@ -68,6 +68,8 @@ FLOPS = Bound(0.0, 1e21, "a zettaflop per sample")
 BATCH = Bound(1, MAX_GLOBAL_BATCH, "the most samples an iteration may hold")
 COUNT = Bound(1, MAX_COUNT, "more than any cluster has")
 INDEX = Bound(0, MAX_COUNT - 1, "more than any cluster has")
+LAYERS = Bound(1, 4096, "four times the deepest transformer trained, DeepNet's 1,000 layers")
+CPU_CORE = Bound(0, 8191, "Linux numbers at most 8192 CPUs in a machine: NR_CPUS")
 SEED = Bound(0, 2**63 - 1, "torch's largest seed")
 MATMUL_SIZE = Bound(1, 2**15, "a 4 GiB matrix")
 MESSAGE_BYTES = Bound(4, 2**32, "4 GiB")
@@ -82,3 +84,15 @@ def check_flag(flag: str, value: float | int | None, bound: Bound, *, above: flo
     problem = bound.problem(value, above=above)
     if problem is not None:
         raise InputError(f"{flag} {problem}")
+
+
+def split_items(flag: str, text: str, expected: str) -> list[str]:
+    """The comma-separated items of a flag's value, stripped. An empty item (``1,,2``, a
+    trailing comma) is refused naming the flag: dropping it quietly ran something else than
+    what was typed. ``expected`` says what the flag takes, for the message."""
+    if not text.strip():
+        raise InputError(f"{flag}: expected {expected}, got {text!r}")
+    items = [part.strip() for part in text.split(",")]
+    if not all(items):
+        raise InputError(f"{flag}: an empty item in {text!r}; expected {expected}")
+    return items

@@ -133,12 +133,17 @@ def num_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def memory_bytes() -> int:
+    """This machine's memory (RAM), bytes."""
+    return psutil.virtual_memory().total
+
+
 def node_info() -> dict:
     """What an agent tells the coordinator about its machine."""
     return {
         "hostname": socket.gethostname(),
         "num_cpu_cores": len(available_cores()),
-        "memory_gb": round(psutil.virtual_memory().total / GB, 3),
+        "memory_gb": round(memory_bytes() / GB, 3),
         "num_gpus": num_gpus(),
     }
 

@@ -49,3 +49,17 @@ def slow_first_step(delay_s: float = 3.0):
         loss_fn=F.cross_entropy,
         optimizer=functools.partial(torch.optim.SGD, lr=0.1),
     )
+
+
+def few_samples(num_samples: int = 10):
+    """A TrainJob of a linear model on ``num_samples`` random samples: fewer than most batches."""
+    import torch
+    from torch.nn import functional as F
+
+    from felactl import TrainJob
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(num_samples, 8, generator=g), torch.randint(2, (num_samples,), generator=g)
+    )
+    return TrainJob(model=nn.Linear(8, 2), dataset=data, loss_fn=F.cross_entropy)

@@ -257,6 +257,9 @@ STRING_FLAGS = [
     ("scale", "r", "--remove", "1,x"),
     ("profile", "--model", "mlp", "--input-shape", "3,-1"),
     ("profile", "--model", "mlp", "--batch-sizes", "4,,x"),
+    ("profile", "--model", "mlp", "--batch-sizes", "1,,2"),  # issue 30: an empty item was dropped
+    ("profile", "--model", "mlp", "--input-shape", "3,,32"),
+    ("scale", "r", "--remove", "1,,2"),
     ("profile", "--device", "tpu"),
 ]
 
@@ -299,9 +302,35 @@ STATUS_CASES = [  # a corrupted run directory joins here as ("name", argv, {path
 ]
 
 
+def _with(name: str, path: tuple, value) -> dict[str, str]:
+    """The valid files with ``name``'s value at ``path`` set to ``value``."""
+    data = copy.deepcopy(yaml.safe_load(VALID_FILES[name]))
+    _set(data, path, value)
+    return {**VALID_FILES, name: yaml.safe_dump(data)}
+
+
+ODDITY_CASES = [  # issue 30, item 6: what passed in silence
+    *(
+        Case(
+            f"check-cpu-cores={cores!r}",
+            ("check", "c.yaml"),
+            _with("c.yaml", ("nodes", 0, "devices", 0, "cpu_cores"), cores),
+        )
+        for cores in ([10**12], [-1], [0, 0], [], [8192])
+    ),
+    Case(
+        "launch-job-micro-batch-over-share",
+        ("launch", "--job", "mlp", "--nproc-per-node", "2", "--global-batch", "8", "--micro-batch", "5"),
+    ),
+    Case(
+        "launch-job-batch-over-dataset", ("launch", "--job", "mlp", "--nproc-per-node", "2", "--global-batch", "9000")
+    ),
+]
+
+
 def all_cases() -> list[Case]:
     rng = random.Random(SEED)
-    return file_cases(rng, 45) + structure_cases() + PATH_CASES + flag_cases(rng, 40) + STATUS_CASES
+    return file_cases(rng, 45) + structure_cases() + PATH_CASES + flag_cases(rng, 40) + STATUS_CASES + ODDITY_CASES
 
 
 def _tree(root: Path) -> set[tuple[str, int]]:

@@ -37,7 +37,7 @@ def demo(
         run_id=run_id,
     )
     console = output.stderr
-    with live_run(console, lambda run_id: f"training run {run_id} ({steps} steps)") as update:
+    with live_run(console, lambda run_id: f"training run {run_id} ({steps} steps)", steps) as update:
 
         def say(message: str) -> None:
             console.rule(message, align="left")

@@ -239,7 +239,10 @@ def launch(
         cluster_path=cluster,
         model_path=model,
     )
-    with scratch, live_run(output.stderr, lambda run_id: f"run {run_id} (of {options.steps} steps)") as update:
+    with (
+        scratch,
+        live_run(output.stderr, lambda run_id: f"run {run_id} (of {options.steps} steps)", options.steps) as update,
+    ):
         summary = run_launch(options, on_update=update)
     output.emit(
         summary,

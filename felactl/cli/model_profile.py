@@ -21,6 +21,7 @@ from rich.table import Table
 
 from felactl.cli import output
 from felactl.errors import InputError
+from felactl.limits import split_items
 from felactl.spec import ModelSpec, load_cluster, save, to_dict
 
 
@@ -43,11 +44,12 @@ def parse_shape(text: str | None) -> list[int] | None:
     """``"3,32,32"`` -> ``[3, 32, 32]``: the shape of one input sample, without the batch axis."""
     if text is None:
         return None
+    expected = "comma-separated integers"
     try:
-        shape = [int(part) for part in text.replace("x", ",").split(",") if part.strip()]
+        shape = [int(part) for part in split_items("--input-shape", text.replace("x", ","), expected)]
     except ValueError:
-        raise InputError(f"--input-shape: expected comma-separated integers, got {text!r}") from None
-    if not shape or any(d < 1 for d in shape):
+        raise InputError(f"--input-shape: expected {expected}, got {text!r}") from None
+    if any(d < 1 for d in shape):
         raise InputError(f"--input-shape: every dimension must be >= 1, got {text!r}")
     return shape
 

@@ -17,7 +17,7 @@ from rich.table import Table
 from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError, PlanInfeasible
-from felactl.limits import check_flag
+from felactl.limits import check_flag, split_items
 from felactl.optimizer.collectives import (
     allreduce_rates,
     allreduce_time_s,
@@ -50,9 +50,7 @@ def resolve_devices(cluster: ClusterSpec, text: str | None) -> list[str]:
     """``--devices``: comma-separated names or indices; every device of the cluster when absent."""
     if text is None:
         return list(cluster.device_names)
-    tokens = [t for t in text.split(",") if t.strip()]
-    if not tokens:
-        raise InputError("--devices: expected comma-separated device names or indices, got nothing")
+    tokens = split_items("--devices", text, "comma-separated device names or indices")
     names = [resolve_device(cluster, t) for t in tokens]
     twice = next((t for t, name in zip(tokens, names) if names.count(name) > 1), None)
     if twice is not None:

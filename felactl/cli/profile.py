@@ -14,16 +14,15 @@ from rich.table import Table
 from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError
-from felactl.limits import check_flag
+from felactl.limits import check_flag, split_items
 
 
 def _parse_batch_sizes(text: str) -> list[int]:
+    expected = "comma-separated integers"
     try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
+        sizes = [int(part) for part in split_items("--batch-sizes", text, expected)]
     except ValueError:
-        raise InputError(f"--batch-sizes: expected comma-separated integers, got {text!r}") from None
-    if not sizes:
-        raise InputError(f"--batch-sizes: expected comma-separated integers, got {text!r}")
+        raise InputError(f"--batch-sizes: expected {expected}, got {text!r}") from None
     for size in sizes:
         check_flag("--batch-sizes", size, limits.BATCH)
     return sizes

@@ -14,11 +14,18 @@ from rich.text import Text
 
 
 @contextlib.contextmanager
-def live_run(console: Console, title: Callable[[str], str]) -> Iterator[Callable[[Any], None]]:
+def live_run(
+    console: Console,
+    title: Callable[[str], str],
+    steps: int | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> Iterator[Callable[[Any], None]]:
     """The ``on_update`` of a training run (it takes the launcher's ``LaunchState``): the run's
-    table, titled ``title(run_id)``, redrawn in place on a terminal. Elsewhere (a log, a pipe) the
-    last table is printed once when the run ends, on lines of its own: rich's Live writes it there
-    without a final newline, and the next line (the launch's result) was glued to it."""
+    table, titled ``title(run_id)``, redrawn in place on a terminal. Elsewhere (a log, a pipe) a
+    plain progress line every few seconds (:class:`ProgressLines`, of ``steps``), and the last
+    table once when the run ends, on lines of its own: rich's Live writes it there without a
+    final newline, and the next line (the launch's result) was glued to it."""
 
     def view(state) -> Table | None:
         summary = state.summary_so_far()
@@ -35,12 +42,63 @@ def live_run(console: Console, title: Callable[[str], str]) -> Iterator[Callable
             yield redraw
         return
     last: dict[str, Any] = {}
+    lines = ProgressLines(console, steps, clock=clock)
+
+    def remember(state) -> None:
+        last.update(state=state)
+        lines(state)
+
     try:
-        yield lambda state: last.update(state=state)
+        yield remember
     finally:
         table = view(last["state"]) if last else None
         if table is not None:
             console.print(table)
+
+
+class ProgressLines:
+    """Where there is no terminal to redraw a table on (stderr piped to a log), a plain line
+    every :data:`every_s` seconds, the first :data:`first_s` after the start, as pip and
+    torchrun print theirs: a log that said nothing for minutes after "training 300 steps" looked
+    hung. Each says the step, the loss, samples/s and, given the run's ``steps``, the ETA."""
+
+    first_s = 3.0
+    every_s = 10.0
+
+    def __init__(self, console: Console, steps: int | None, *, clock: Callable[[], float] = time.monotonic):
+        self.console, self.steps, self.clock = console, steps, clock
+        self.next_at = clock() + self.first_s
+
+    def __call__(self, state) -> None:
+        now = self.clock()
+        if now < self.next_at:
+            return
+        summary = state.summary_so_far()
+        if summary is None:  # no step yet: the first line comes with the first step
+            return
+        self.console.print(progress_line(summary, state.records, self.steps), markup=False, highlight=False)
+        self.next_at = now + self.every_s
+
+
+def progress_line(summary: dict[str, Any], records: list[dict[str, Any]], steps: int | None) -> str:
+    """``step 40/300   loss 2.1234   512.0 samples/s   ETA 0:01:04`` (the ETA at the recent step rate)."""
+    from felactl.agents.worker.metrics import progress
+
+    loss = summary.get("final_loss")
+    line = f"step {summary['steps']}" + (f"/{steps}" if steps else "")
+    line += (f"   loss {loss:.4f}" if loss is not None else "") + f"   {summary['samples_per_s']:.1f} samples/s"
+    eta = progress(summary, records, steps)["eta_s"] if steps else None
+    return line + (f"   ETA {duration(eta)}" if eta is not None else "")
+
+
+def duration(seconds: float) -> str:
+    """``0:02:15`` as tqdm writes it, up to 99 hours; then days, then years (a run's --steps may
+    not finish within the age of the universe: it is allowed, and this says so)."""
+    if seconds < 100 * 3600:
+        whole = round(seconds)
+        return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+    days = seconds / 86400
+    return f"{days:.3g} days" if days < 1000 else f"{days / 365.25:.3g} years"
 
 
 def run_table(summary: dict[str, Any], title: str) -> Table:

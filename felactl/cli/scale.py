@@ -11,7 +11,7 @@ import typer
 from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError
-from felactl.limits import check_flag
+from felactl.limits import check_flag, split_items
 
 
 def scale(
@@ -42,7 +42,7 @@ def scale(
         command = {"op": "to", "count": to, "node": node}
     else:
         try:
-            ranks = [int(r) for r in remove.split(",") if r.strip()]
+            ranks = [int(r) for r in split_items("--remove", remove, "RANK[,RANK...] (integers)")]
         except ValueError:
             raise InputError(f"--remove {remove!r}: expected RANK[,RANK...] (integers)") from None
         command = {"op": "remove", "ranks": ranks}

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from felactl.cli import output
-from felactl.cli.runview import events_table, run_table
+from felactl.cli.runview import duration, events_table, run_table
 
 
 def status(
@@ -29,6 +29,8 @@ def status(
         if result["state_reason"]:
             hint = f"; {RESUME_HINT.format(run=result['run'])}" if result["state"] == "lost" else ""
             console.print(f"  {result['state']}: {result['state_reason']}{hint}")
+        if result.get("progress"):
+            console.print(f"  {eta_line(result['progress'])}")
         summary = result.get("summary")
         if summary and "script" in summary:  # felactl launch --script: no metrics, only how it ended
             console.print(
@@ -43,6 +45,14 @@ def status(
             console.print(events_table(result["events"]))
 
     output.emit(result, as_json, render)
+
+
+def eta_line(progress: dict) -> str:
+    """``step 20 of 300 at 2.00 steps/s: ETA 0:02:20`` (no rate yet: no ETA)."""
+    line = f"step {progress['steps']} of {progress['steps_total']}"
+    if progress["eta_s"] is None:
+        return line
+    return line + f" at {progress['steps_per_s']:.2f} steps/s: ETA {duration(progress['eta_s'])}"
 
 
 def history_table(history: list[dict]) -> Table:

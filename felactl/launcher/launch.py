@@ -335,9 +335,16 @@ def job_plan(source: str, config: dict, nproc: int | None, global_batch: int | N
     check_flag("--global-batch", global_batch, limits.BATCH)
     if global_batch < nproc:
         raise InputError(f"--global-batch ({global_batch}) must be >= --nproc-per-node ({nproc})")
+    largest_share = -(-global_batch // nproc)
     if micro_batch is not None:
         check_flag("--micro-batch", micro_batch, limits.BATCH)
-    micro = micro_batch or -(-global_batch // nproc)
+        if micro_batch > largest_share:  # never used: a worker runs at most its share at once
+            raise InputError(
+                f"--micro-batch {micro_batch} is larger than a worker's share of --global-batch {global_batch} "
+                f"over {nproc} workers (at most {largest_share} samples): use --micro-batch {largest_share} or "
+                "less, or leave it out"
+            )
+    micro = micro_batch or largest_share
     return models.local_data_parallel_plan(source, config, nproc, global_batch=global_batch, micro_batch=micro)
 
 
@@ -378,6 +385,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         run.events,
         EventKind.RESUME if resume else EventKind.LAUNCH,
         run=run.run_id,
+        steps=options.steps,  # what felactl status counts an ETA to
         endpoint=coordinator.endpoint,
         session=coordinator.session,
         devices=list(plan.devices),

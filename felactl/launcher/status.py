@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from felactl.agents.worker.metrics import check_records, summarize
+from felactl.agents.worker.metrics import check_records, progress, summarize
 from felactl.control import EventKind
+from felactl.launcher.resume import previous_launch
 from felactl.launcher.rundir import RunDir, read_jsonl
 
 HISTORY_KINDS = tuple(
@@ -27,15 +28,18 @@ its control plane (forgeries refused, keys written back)."""
 
 
 def run_status(run: str, runs_root: Path) -> dict[str, Any]:
-    """The run's state (see :meth:`RunDir.run_state`) and why, its summary so far and its events."""
+    """The run's state (see :meth:`RunDir.run_state`) and why, its summary so far and its events;
+    for a running run, its progress towards its ``--steps`` (:func:`progress`: the ETA)."""
     rundir = RunDir.find(run, root=runs_root)
     events = read_jsonl(rundir.events)
     summary = rundir.read_summary()
+    records: list[dict[str, Any]] = []
     if not summary:
         records = check_records(read_jsonl(rundir.metrics), rundir.metrics)
         summary = summarize(records, events) if records else None
     state = rundir.run_state()
     history = [e for e in events if e.get("kind") in HISTORY_KINDS]
+    steps_total = _steps_total(rundir, runs_root) if state.name == "running" and records else None
     return {
         "run": rundir.run_id,
         "run_dir": str(rundir.path),
@@ -44,4 +48,15 @@ def run_status(run: str, runs_root: Path) -> dict[str, Any]:
         "summary": summary,
         "events": events,
         "history": history,
+        "progress": progress(summary, records, steps_total) if steps_total else None,
     }
+
+
+def _steps_total(rundir: RunDir, runs_root: Path) -> int | None:
+    """The steps the running launch was asked for: its ``launch``/``resume`` event's, else (a run
+    launched before events recorded them) its ``launch.json``'s."""
+    started = rundir.last_start_or_end() or {}
+    if "steps" not in started:
+        started = previous_launch(str(rundir.path), runs_root)
+    steps = started.get("steps") if isinstance(started, dict) else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None

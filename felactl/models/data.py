@@ -9,10 +9,16 @@ compare distributed training with single-process.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as F
+
+NUM_SAMPLES = 8192
+"""Samples of each synthetic set (the teacher's, the images')."""
+FLOAT_BYTES = 4
+"""An fp32 number: what the synthetic sets are made of."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,6 +40,11 @@ class CharCorpus:
         self.seq_len = seq_len
         self.num_windows = len(self.tokens) - seq_len - 1
 
+    @staticmethod
+    def nbytes() -> int:
+        """Bytes the corpus holds (a token id, int64, per character), without building it."""
+        return 8 * len(python_docs_text())
+
     def __len__(self) -> int:
         return self.num_windows
 
@@ -52,13 +63,21 @@ class TeacherDataset:
     """A learnable synthetic classification set: inputs are seeded noise, labels come from a
     fixed random teacher network, so a student can drive the loss well below chance."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, num_samples: int = 8192, seed: int = 1234):
+    TEACHER_WIDTH = 64
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, num_samples: int = NUM_SAMPLES, seed: int = 1234):
         gen = torch.Generator().manual_seed(seed)
         self.inputs = torch.randn((num_samples, *input_shape), generator=gen)
         flat = self.inputs.reshape(num_samples, -1)
-        hidden = torch.tanh(flat @ torch.randn(flat.shape[1], 64, generator=gen) / flat.shape[1] ** 0.5)
-        logits = hidden @ torch.randn(64, num_classes, generator=gen)
+        teacher = torch.randn(flat.shape[1], self.TEACHER_WIDTH, generator=gen)
+        hidden = torch.tanh(flat @ teacher / flat.shape[1] ** 0.5)
+        logits = hidden @ torch.randn(self.TEACHER_WIDTH, num_classes, generator=gen)
         self.labels = logits.argmax(dim=1)
+
+    @classmethod
+    def nbytes(cls, input_shape: Sequence[int], num_samples: int = NUM_SAMPLES) -> int:
+        """Bytes its inputs and its teacher's first layer take, without building them."""
+        return FLOAT_BYTES * math.prod(input_shape) * (num_samples + cls.TEACHER_WIDTH)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -80,7 +99,7 @@ class PrototypeImages:
         self,
         input_shape: Sequence[int],
         num_classes: int,
-        num_samples: int = 8192,
+        num_samples: int = NUM_SAMPLES,
         seed: int = 1234,
         noise_std: float = 3.0,
     ):
@@ -91,6 +110,12 @@ class PrototypeImages:
         self.labels = torch.randint(num_classes, (num_samples,), generator=gen)
         noise = torch.randn((num_samples, channels, height, width), generator=gen)
         self.inputs = self.prototypes[self.labels] + noise_std * noise
+
+    @staticmethod
+    def nbytes(input_shape: Sequence[int], num_classes: int, num_samples: int = NUM_SAMPLES) -> int:
+        """Bytes it takes while it is built, without building it: the noise, each sample's class
+        pattern and their sum are held at once, beside the class patterns."""
+        return FLOAT_BYTES * math.prod(input_shape) * (3 * num_samples + num_classes)
 
     def __len__(self) -> int:
         return len(self.labels)

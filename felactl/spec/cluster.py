@@ -84,6 +84,19 @@ class Device:
             positive("bf16_tflops", self.bf16_tflops, limits.TFLOPS)
         if self.local_index is not None:
             positive("local_index", self.local_index, limits.INDEX, allow_zero=True)
+        if self.cpu_cores is not None:
+            _check_cores(self.cpu_cores)
+
+
+def _check_cores(cores: tuple[int, ...]) -> None:
+    """A slot's cores are CPU numbers of one machine, each once: a slot pinned to a core no
+    machine has (``[10**12]``) cannot start, and one listed twice is not two cores."""
+    if not cores:
+        raise FieldProblem("cpu_cores", "names no core (leave it out for a slot that is not pinned)")
+    for i, core in enumerate(cores):
+        positive(f"cpu_cores[{i}]", core, limits.CPU_CORE, allow_zero=True)
+        if core in cores[:i]:
+            raise FieldProblem(f"cpu_cores[{i}]", f"core {core} is listed twice")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

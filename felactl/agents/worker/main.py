@@ -22,6 +22,7 @@ def load_checked(cfg: WorkerConfig) -> tuple[Plan, models.ModelBundle]:
     this worker connects to anyone unless the runtime can execute the one on the other."""
     plan = cfg.load_plan()
     bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
+    bundle.check_global_batch(plan.global_batch)
     check_executable(plan, bundle.layer_params(), where=str(cfg.plan_path))
     return plan, bundle
 

@@ -179,6 +179,36 @@ def summarize(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]
     }
 
 
+RECENT_STEPS = 20
+"""The newest steps a run's step rate (and so its ETA) is measured over: recent enough to follow
+a rescale or a straggler, long enough not to jump with every step."""
+
+
+def recent_step_rate(records: Iterable[dict[str, Any]]) -> float | None:
+    """Steps a second over the newest :data:`RECENT_STEPS` steps, each ending with its last
+    record; None until two steps have ended (or when they ended at the same instant)."""
+    ends: dict[int, float] = {}
+    for r in records:
+        ends[r["step"]] = max(ends.get(r["step"], -math.inf), r["time"])
+    newest = sorted(ends.items())[-RECENT_STEPS:]
+    span = newest[-1][1] - newest[0][1] if len(newest) > 1 else 0.0
+    return (len(newest) - 1) / span if span > 0 else None
+
+
+def progress(summary: dict[str, Any], records: Iterable[dict[str, Any]], steps_total: int) -> dict[str, Any]:
+    """Where a run stands against the ``steps_total`` it was launched for: the steps done (the
+    summary's), the recent step rate and the seconds left at that rate (None while no rate is
+    known). A run whose --steps cannot finish in a lifetime still runs; this says how long."""
+    rate = recent_step_rate(records)
+    left = max(steps_total - summary["steps"], 0)
+    return {
+        "steps": summary["steps"],
+        "steps_total": steps_total,
+        "steps_per_s": rate,
+        "eta_s": left / rate if rate else None,
+    }
+
+
 def write_summary(run_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Summarize ``run_dir/metrics.jsonl`` into ``run_dir/summary.json`` (atomically); returns it."""
     from felactl.fsutil import atomic_write_text
