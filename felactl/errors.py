@@ -61,5 +61,10 @@ class AuthError(ControlPlaneError):
     exit_code = EXIT_BAD_INPUT
 
 
+class StorageError(FelactlError):
+    """The run directory cannot take what the job cannot go on without (a re-formed job's plan).
+    Exit 1; the message names the checkpoint to resume from."""
+
+
 class WorkerFailed(FelactlError):
     """A worker process died or hung and the job could not go on."""

@@ -12,6 +12,10 @@ from typing import IO, Any
 
 from felactl.errors import InputError
 
+STORAGE_ERRORS = (OSError, InputError)
+"""What writing a file raises when the storage fails: OSError (a read-only or full filesystem, no
+permission), or :func:`atomic_write`'s InputError where it cannot make the file's directory."""
+
 
 def check_directory(what: str, path: str | os.PathLike) -> None:
     """Refuse a directory to write in that exists as something else, or lies under a file (where
@@ -111,3 +115,22 @@ def read_jsonl(path: Path, *, tail_bytes: int | None = None) -> list[dict[str, A
             raise InputError(f"{path}: line {number} is not a JSON object: the file is damaged")
         records.append(record)
     return records
+
+
+class JsonlTail:
+    """Reads the records appended to a JSON-lines file since the last call (whole lines only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]

@@ -31,7 +31,7 @@ from felactl.control.documents import Assignment
 from felactl.control.events import record
 from felactl.control.store import parse_endpoint
 from felactl.errors import ControlPlaneError, InputError, Stopped, WorkerFailed
-from felactl.fsutil import atomic_write_text, check_directory
+from felactl.fsutil import JsonlTail, atomic_write_text, check_directory
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
 from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_requests
@@ -657,11 +657,12 @@ def _watch(
 ) -> None:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
     (an elastic job instead re-forms without the failed worker; its controller says when it is done)."""
-    reader = _MetricsTail(state.run.metrics)
+    reader, events = JsonlTail(state.run.metrics), JsonlTail(state.run.events)
     pruned_at = 0.0
     while True:
         agents.check(node_loss_is_fatal=controller is None)
         state.records.extend(reader.read_new())
+        _say_storage_trouble(events)
         on_update(state)
         if keep_checkpoints and time.monotonic() - pruned_at > PRUNE_EVERY_S:
             prune_checkpoints(state.run.checkpoints, len(state.plan.stages), keep_checkpoints)
@@ -669,6 +670,7 @@ def _watch(
         if controller is not None:
             if controller.poll():
                 state.records.extend(reader.read_new())
+                _say_storage_trouble(events)
                 on_update(state)
                 return
             time.sleep(POLL_S)
@@ -681,6 +683,7 @@ def _watch(
             raise WorkerFailed(_failure_line(failed, state))
         if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
             state.records.extend(reader.read_new())
+            _say_storage_trouble(events)
             on_update(state)
             return
         time.sleep(POLL_S)
@@ -694,23 +697,17 @@ def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
     return f"worker failed ({'; '.join(parts) or 'no message'}); logs in {state.run.logs}"
 
 
-class _MetricsTail:
-    """Reads the records appended to metrics.jsonl since the last call (whole lines only)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-
-    def read_new(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+def _say_storage_trouble(events: JsonlTail) -> None:
+    """What the workers could not write (events.jsonl says it where it can be written; else each
+    worker's log does): a warning on the console, the job goes on."""
+    for e in events.read_new():
+        if e.get("kind") == EventKind.CHECKPOINT_FAILED.value:
+            log.warning(
+                "worker %s: the checkpoint of step %s was not written (%s); training goes on",
+                e.get("worker"),
+                e.get("step"),
+                e.get("reason"),
+            )
 
 
 def _summary(state: LaunchState) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import os
 import time
@@ -19,6 +20,7 @@ from typing import Any
 from felactl.errors import InputError
 from felactl.fsutil import read_jsonl
 
+log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 RECORD_KEYS = ("time", "rank", "stage", "step", "samples", "loss", "compute_s", "comm_s", "wait_s", "duration_s")
 REQUIRED_NUMBERS = ("time", "rank", "step", "samples", "compute_s", "comm_s", "wait_s", "duration_s")
@@ -32,6 +34,8 @@ class MetricsWriter:
         self.rank = rank
         self.stage = stage
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.failed = False
+        """Whether a record could not be written (said once, in the worker's log)."""
 
     def write(
         self,
@@ -58,7 +62,14 @@ class MetricsWriter:
             "duration_s": round(duration_s, 6),
             **extra,
         }
-        os.write(self._fd, (json.dumps(record) + "\n").encode("utf-8"))
+        try:
+            os.write(self._fd, (json.dumps(record) + "\n").encode("utf-8"))
+        except OSError as exc:  # a full or failing disk ends the record, not the training
+            if not self.failed:
+                log.warning(
+                    "worker %d: metrics from step %d on are not recorded in %s (%s)", self.rank, step, self.path, exc
+                )
+            self.failed = True
         return record
 
     def close(self) -> None:
