@@ -716,14 +716,11 @@ def _summary(state: LaunchState) -> dict[str, Any]:
         raise WorkerFailed(f"the workers ended without recording a step; logs in {state.run.logs}")
     predicted = state.plan.predicted
     measured_iteration_s = summary["wall_s"] / max(summary["steps"], 1)
-    first_step = min(r["step"] for r in state.records)
-    first = [r["loss"] for r in state.records if r["step"] == first_step and r.get("loss") is not None]
     summary.update(
         run=state.run.run_id,
         run_dir=str(state.run.path),
         iteration_s=measured_iteration_s,
         sync=state.sync.value,
-        first_loss=sum(first) / len(first) if first else None,
     )
     if predicted is not None:
         summary["predicted_iteration_s"] = predicted.iteration_s
