@@ -170,10 +170,20 @@ class LaunchState:
     started: float = field(default_factory=time.monotonic)
     not_elastic: str = ""
     """Why ``felactl scale`` is refused (a job that is not elastic)."""
+    _metrics: JsonlTail | None = field(default=None, repr=False)
+
+    def read_new(self) -> None:
+        """Take in the records the workers appended to metrics.jsonl since the last look."""
+        if self._metrics is None:
+            self._metrics = JsonlTail(self.run.metrics)
+        self.records.extend(self._metrics.read_new())
 
     def summary_so_far(self) -> dict[str, Any] | None:
-        """The summary of the steps recorded so far, None before the first; with the run's events,
-        so a resumed run counts neither its redone steps nor the time it lay stopped."""
+        """The summary of every step recorded by now (what felactl status would read: a view
+        drawn after a graceful stop's drain shows the steps it trained), None before the first;
+        with the run's events, so a resumed run counts neither its redone steps nor the time it
+        lay stopped."""
+        self.read_new()
         return summarize(self.records, read_jsonl(self.run.events)) if self.records else None
 
 
@@ -657,11 +667,10 @@ def _watch(
 ) -> None:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
     (an elastic job instead re-forms without the failed worker; its controller says when it is done)."""
-    reader, events = JsonlTail(state.run.metrics), JsonlTail(state.run.events)
+    events = JsonlTail(state.run.events)
     pruned_at = 0.0
     while True:
         agents.check(node_loss_is_fatal=controller is None)
-        state.records.extend(reader.read_new())
         _say_storage_trouble(events)
         on_update(state)
         if keep_checkpoints and time.monotonic() - pruned_at > PRUNE_EVERY_S:
@@ -669,7 +678,6 @@ def _watch(
             pruned_at = time.monotonic()
         if controller is not None:
             if controller.poll():
-                state.records.extend(reader.read_new())
                 _say_storage_trouble(events)
                 on_update(state)
                 return
@@ -682,7 +690,6 @@ def _watch(
         if failed:
             raise WorkerFailed(_failure_line(failed, state))
         if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
-            state.records.extend(reader.read_new())
             _say_storage_trouble(events)
             on_update(state)
             return
