@@ -43,7 +43,7 @@ class SpecError(InputError):
         super().__init__(f"{location}: {problem}")
 
 
-class StorageError(InputError, OSError):
+class WriteError(InputError, OSError):
     """A file felactl was asked to write could not be written (a read-only or full filesystem,
     ``/proc``, no permission). Exit 2 from a command given that path; also an OSError, so the
     runtime's handling of storage trouble (a checkpoint that cannot be written) catches it."""
@@ -73,6 +73,11 @@ class AuthError(ControlPlaneError):
     """A wrong or missing job secret. Bad input: exit 2."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class StorageError(FelactlError):
+    """The run directory cannot take what the job cannot go on without (a re-formed job's plan).
+    Exit 1; the message names the checkpoint to resume from."""
 
 
 class WorkerFailed(FelactlError):

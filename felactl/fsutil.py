@@ -11,7 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from felactl.errors import InputError, StorageError
+from felactl.errors import InputError, WriteError
+
+STORAGE_ERRORS = (OSError, InputError)
+"""What writing a file raises when the storage fails: OSError (a read-only or full filesystem, no
+permission: :func:`atomic_write`'s WriteError is one), or :func:`atomic_write`'s InputError where
+it cannot make the file's directory or the path is not a regular file."""
 
 
 def check_directory(what: str, path: str | os.PathLike) -> None:
@@ -31,7 +36,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mo
     A ``path`` that exists as anything but a regular file (a device, a FIFO, a socket, a
     directory) is refused, never replaced: ``-o /dev/full`` must not turn a device node into a
     file. A write the filesystem refuses (read-only, full, ``/proc``, no permission) is a
-    :class:`StorageError` naming ``path``; nothing is left behind."""
+    :class:`WriteError` naming ``path``; nothing is left behind."""
     target = Path(path)
     check_output_file(target)
     try:
@@ -39,11 +44,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mo
     except (FileExistsError, NotADirectoryError):
         raise InputError(f"{target}: {target.parent} is not a directory") from None
     except OSError as exc:
-        raise StorageError(target, exc) from None
+        raise WriteError(target, exc) from None
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
-        raise StorageError(target, exc) from None
+        raise WriteError(target, exc) from None
     recording = _RecordingFile(os.fdopen(fd, "wb"))
     try:
         if mode is not None:
@@ -61,7 +66,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mo
         # torch.save reports a failed write as a RuntimeError of its own: the OSError under it says why
         error = exc if isinstance(exc, OSError) else recording.error
         if error is not None and not isinstance(exc, KeyboardInterrupt):
-            raise StorageError(target, error) from None
+            raise WriteError(target, error) from None
         raise
     _fsync_dir(target.parent)
     return target
@@ -84,7 +89,7 @@ def check_output_file(target: Path) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return
     except OSError as exc:
-        raise StorageError(target, exc) from None
+        raise WriteError(target, exc) from None
     if not stat.S_ISREG(mode):
         kind = NODE_KINDS.get(stat.S_IFMT(mode), "special file")
         hint = "give a file name to write" if kind == "directory" else "felactl writes only regular files"
@@ -174,3 +179,22 @@ def read_jsonl(path: Path, *, tail_bytes: int | None = None) -> list[dict[str, A
             raise InputError(f"{path}: line {number} is not a JSON object: the file is damaged")
         records.append(record)
     return records
+
+
+class JsonlTail:
+    """Reads the records appended to a JSON-lines file since the last call (whole lines only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]

@@ -63,3 +63,23 @@ def few_samples(num_samples: int = 10):
         torch.randn(num_samples, 8, generator=g), torch.randint(2, (num_samples,), generator=g)
     )
     return TrainJob(model=nn.Linear(8, 2), dataset=data, loss_fn=F.cross_entropy)
+
+
+def short_data(num_samples: int = 64):
+    """A TrainJob whose dataset is short (``num_samples``): a run of a few dozen steps goes
+    around it many times, as a small user dataset does."""
+    import functools
+
+    import torch
+    from torch.nn import functional as F
+
+    from felactl import TrainJob
+
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.randn(num_samples, 16, generator=g)
+    data = torch.utils.data.TensorDataset(inputs, (inputs[:, 0] + inputs[:, 1] > 0).long())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2))
+    return TrainJob(
+        model=model, dataset=data, loss_fn=F.cross_entropy, optimizer=functools.partial(torch.optim.SGD, lr=0.1)
+    )

@@ -111,7 +111,7 @@ def test_a_job_that_ends_without_recording_a_step_is_recorded_as_failed(tmp_path
     leaving the run 'running' in its directory forever."""
     from felactl.launcher import launch as launch_mod
 
-    monkeypatch.setattr(launch_mod._MetricsTail, "read_new", lambda self: [])
+    monkeypatch.setattr(launch_mod.JsonlTail, "read_new", lambda self: [])
     result = _launch(tmp_path, str(save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")), "--steps", "2", "--run-id", "q")
     assert result.exit_code == 1 and "without recording a step" in result.stderr, result.output
     events = read_jsonl(tmp_path / "runs" / "q" / "events.jsonl")

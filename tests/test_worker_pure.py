@@ -154,6 +154,26 @@ def test_summarize_counts_training_steps_when_ranks_come_and_go():
     assert summarize(records)["steps"] == 5
 
 
+def test_the_final_loss_is_the_last_steps_not_a_dead_workers_stale_one():
+    """Worker 2 died after step 3 (its last loss 1.27); workers 0 and 1 trained on to step 9:
+    the run's final loss is step 9's, weighted by the samples each computed it on."""
+    records = [_record(w, s, 8, 1.27, 10.0 + s, 1.0, 0.8) for w in range(3) for s in range(4)]
+    records += [_record(0, s, 16, 1.0, 10.0 + s, 1.0, 0.8) for s in range(4, 10)]
+    records += [_record(1, s, 8, 0.994, 10.0 + s, 1.0, 0.8) for s in range(4, 10)]
+    records[-1]["loss"] = 0.991
+    assert summarize(records)["final_loss"] == pytest.approx((1.0 * 16 + 0.991 * 8) / 24)
+
+
+def test_a_step_redone_after_a_failure_has_the_loss_of_its_redo():
+    """Worker 1 finished step 5 and died before worker 0 could (gloo: the peer that receives the
+    last piece of the allreduce first); worker 0 then redid step 5 alone in the next generation,
+    on all of its samples. The step's loss is the redo's, not a mean with the dead worker's half."""
+    records = [_record(w, s, 8, 2.0, 10.0 + s, 1.0, 0.8) for w in range(2) for s in range(5)]
+    records += [_record(1, 5, 8, 1.5, 15.0, 1.0, 0.8)]
+    records += [{**_record(0, 5, 16, 1.8, 17.0, 1.0, 0.8), "generation": 1}]
+    assert summarize(records)["final_loss"] == pytest.approx(1.8)
+
+
 def test_summarize_counts_samples_at_the_first_stage_only():
     records = [_record(0, 0, 32, None, 0.0, 1.0, 0.5, stage=0), _record(1, 0, 32, 2.5, 0.0, 1.0, 0.5, stage=1)]
     s = summarize(records)

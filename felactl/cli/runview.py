@@ -25,23 +25,31 @@ def live_run(
     table, titled ``title(run_id)``, redrawn in place on a terminal. Elsewhere (a log, a pipe) a
     plain progress line every few seconds (:class:`ProgressLines`, of ``steps``), and the last
     table once when the run ends, on lines of its own: rich's Live writes it there without a
-    final newline, and the next line (the launch's result) was glued to it."""
+    final newline, and the next line (the launch's result) was glued to it. Either way the table
+    left on screen is drawn when the run has ended (finished, failed or stopped), from every step
+    recorded by then: what the stop line and felactl status say."""
 
     def view(state) -> Table | None:
         summary = state.summary_so_far()
         return None if summary is None else run_table(summary, title(state.run.run_id))
 
+    last: dict[str, Any] = {}
     if console.is_terminal:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
 
             def redraw(state) -> None:
+                last.update(state=state)
                 table = view(state)
                 if table is not None:
                     live.update(table)
 
-            yield redraw
+            try:
+                yield redraw
+            finally:  # the steps since the last redraw (a graceful stop's drain trains a few)
+                table = view(last["state"]) if last else None
+                if table is not None:
+                    live.update(table, refresh=True)
         return
-    last: dict[str, Any] = {}
     lines = ProgressLines(console, steps, clock=clock)
 
     def remember(state) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 from felactl.fsutil import append_jsonl
 
 log = logging.getLogger(__name__)
+EVENTS_FILE = "events.jsonl"
+"""A run's events, in its directory."""
 
 
 class EventKind(str, enum.Enum):
@@ -29,6 +31,8 @@ class EventKind(str, enum.Enum):
     STOPPED = "stopped"
     FINISHED = "finished"
     FAILED = "failed"
+    CHECKPOINT_FAILED = "checkpoint-failed"
+    """A worker could not write a checkpoint (the storage failed); training went on."""
 
     def __str__(self) -> str:
         return self.value
@@ -40,10 +44,17 @@ def record(events: Path | None, kind: EventKind, **fields) -> None:
     if kind in (EventKind.REFUSED, EventKind.REPAIRED):
         log.warning("control plane: %s %s: %s", kind.value, fields.get("key", ""), fields.get("reason", ""))
     if events is not None:
-        try:
-            append_jsonl(Path(events), event)
-        except OSError as exc:  # a worker on a node without the run directory: the log line stays
-            log.warning("could not record %s in %s: %s", kind.value, events, exc)
+        write_event(Path(events), event)
+
+
+def write_event(events: Path, event: dict) -> None:
+    """Append ``event`` (with its ``time`` and ``kind``) to ``events``; where it cannot be written
+    (a worker on a node without the run directory, a read-only or full disk) a log line says so
+    and the job goes on."""
+    try:
+        append_jsonl(events, event)
+    except OSError as exc:
+        log.warning("could not record %s in %s: %s", event.get("kind"), events, exc)
 
 
 REFUSALS_PER_KEY = 20

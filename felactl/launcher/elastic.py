@@ -45,8 +45,9 @@ from felactl.control.documents import (
     StuckDoc,
     SwitchedDoc,
 )
-from felactl.control.events import record
-from felactl.errors import InputError, WorkerFailed
+from felactl.control.events import record, write_event
+from felactl.errors import InputError, StorageError, WorkerFailed
+from felactl.fsutil import STORAGE_ERRORS
 from felactl.launcher.controlplane import Coordinator, Member
 from felactl.launcher.membership import (
     AdmitAgent,
@@ -72,7 +73,8 @@ from felactl.launcher.membership import (
     Worker,
     decide,
 )
-from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
+from felactl.launcher.resume import resume_hint
+from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.launcher.scale_plan import REPLAN_TIME_LIMIT_S, ScalingPolicy, place_devices, replan, replan_with_planner
 from felactl.spec import DeviceKind, Plan, load_cluster, load_model, save
 from felactl.spec.executable import check_scaled_batch
@@ -398,10 +400,23 @@ class ElasticController:
                 f"internal: the plan for generation {action.generation} does not list the members' "
                 "devices in rank order"
             )
-        plan_path = save(plan, self._plan_path(action.generation))
+        try:
+            plan_path = save(plan, self._plan_path(action.generation))
+        except STORAGE_ERRORS as exc:
+            self._unrecorded(action, exc)
+            return
         self._publish_generation(action.generation, list(action.members), plan_path, action.kind)
         self.under_way = _Published(action, plan, how, previous=self.plan)
         self.plan = plan
+
+    def _unrecorded(self, action: Switch, exc: Exception) -> None:
+        """The run directory cannot take the new generation's plan, which its members load and a
+        resume needs. A requested change is refused: the job goes on as it is. A re-form after a
+        failure cannot happen without it: the job stops, naming the checkpoint to resume from."""
+        why = f"{self._plan_path(action.generation)} cannot be written ({getattr(exc, 'strerror', None) or exc})"
+        if action.kind in (EventKind.FAILURE, EventKind.RE_FORM):
+            raise StorageError(f"the job stopped: it must re-form, and its new plan {why}; {resume_hint(self.run)}")
+        self._apply(Seen(now=time.monotonic(), planning_failed=f"the run directory is not writable: {why}"))
 
     def _plan_switch(self, action: Switch) -> tuple[Plan, dict]:
         """The plan of the switch: unchanged for a re-form; for a failure, never none (a failure
@@ -438,7 +453,7 @@ class ElasticController:
             ),
             **published.how,
         }
-        append_jsonl(self.run.events, event)
+        write_event(self.run.events, event)
         if action.request_id is not None:
             self.answers[action.request_id] = {"ok": True, "result": event}
             answer(self.coordinator, action.request_id, self.answers[action.request_id])

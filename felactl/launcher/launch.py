@@ -31,7 +31,7 @@ from felactl.control.documents import Assignment
 from felactl.control.events import record
 from felactl.control.store import parse_endpoint
 from felactl.errors import ControlPlaneError, InputError, Stopped, WorkerFailed
-from felactl.fsutil import atomic_write_text, check_directory
+from felactl.fsutil import JsonlTail, atomic_write_text, check_directory
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
 from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_requests
@@ -170,10 +170,20 @@ class LaunchState:
     started: float = field(default_factory=time.monotonic)
     not_elastic: str = ""
     """Why ``felactl scale`` is refused (a job that is not elastic)."""
+    _metrics: JsonlTail | None = field(default=None, repr=False)
+
+    def read_new(self) -> None:
+        """Take in the records the workers appended to metrics.jsonl since the last look."""
+        if self._metrics is None:
+            self._metrics = JsonlTail(self.run.metrics)
+        self.records.extend(self._metrics.read_new())
 
     def summary_so_far(self) -> dict[str, Any] | None:
-        """The summary of the steps recorded so far, None before the first; with the run's events,
-        so a resumed run counts neither its redone steps nor the time it lay stopped."""
+        """The summary of every step recorded by now (what felactl status would read: a view
+        drawn after a graceful stop's drain shows the steps it trained), None before the first;
+        with the run's events, so a resumed run counts neither its redone steps nor the time it
+        lay stopped."""
+        self.read_new()
         return summarize(self.records, read_jsonl(self.run.events)) if self.records else None
 
 
@@ -665,18 +675,18 @@ def _watch(
 ) -> None:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
     (an elastic job instead re-forms without the failed worker; its controller says when it is done)."""
-    reader = _MetricsTail(state.run.metrics)
+    events = JsonlTail(state.run.events)
     pruned_at = 0.0
     while True:
         agents.check(node_loss_is_fatal=controller is None)
-        state.records.extend(reader.read_new())
+        _say_storage_trouble(events)
         on_update(state)
         if keep_checkpoints and time.monotonic() - pruned_at > PRUNE_EVERY_S:
             prune_checkpoints(state.run.checkpoints, len(state.plan.stages), keep_checkpoints)
             pruned_at = time.monotonic()
         if controller is not None:
             if controller.poll():
-                state.records.extend(reader.read_new())
+                _say_storage_trouble(events)
                 on_update(state)
                 return
             time.sleep(POLL_S)
@@ -688,7 +698,7 @@ def _watch(
         if failed:
             raise WorkerFailed(_failure_line(failed, state))
         if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
-            state.records.extend(reader.read_new())
+            _say_storage_trouble(events)
             on_update(state)
             return
         time.sleep(POLL_S)
@@ -702,23 +712,17 @@ def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
     return f"worker failed ({'; '.join(parts) or 'no message'}); logs in {state.run.logs}"
 
 
-class _MetricsTail:
-    """Reads the records appended to metrics.jsonl since the last call (whole lines only)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-
-    def read_new(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+def _say_storage_trouble(events: JsonlTail) -> None:
+    """What the workers could not write (events.jsonl says it where it can be written; else each
+    worker's log does): a warning on the console, the job goes on."""
+    for e in events.read_new():
+        if e.get("kind") == EventKind.CHECKPOINT_FAILED.value:
+            log.warning(
+                "worker %s: the checkpoint of step %s was not written (%s); training goes on",
+                e.get("worker"),
+                e.get("step"),
+                e.get("reason"),
+            )
 
 
 def _summary(state: LaunchState) -> dict[str, Any]:
@@ -727,14 +731,11 @@ def _summary(state: LaunchState) -> dict[str, Any]:
         raise WorkerFailed(f"the workers ended without recording a step; logs in {state.run.logs}")
     predicted = state.plan.predicted
     measured_iteration_s = summary["wall_s"] / max(summary["steps"], 1)
-    first_step = min(r["step"] for r in state.records)
-    first = [r["loss"] for r in state.records if r["step"] == first_step and r.get("loss") is not None]
     summary.update(
         run=state.run.run_id,
         run_dir=str(state.run.path),
         iteration_s=measured_iteration_s,
         sync=state.sync.value,
-        first_loss=sum(first) / len(first) if first else None,
     )
     if predicted is not None:
         summary["predicted_iteration_s"] = predicted.iteration_s

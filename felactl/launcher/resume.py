@@ -93,6 +93,16 @@ OLDER_CHECKPOINT = (
 )
 
 
+def resume_hint(rundir: RunDir) -> str:
+    """Where a run that stopped stands, for its user: its newest complete checkpoint and how to
+    continue from it."""
+    try:
+        step = pick_checkpoint(rundir).step
+    except InputError:
+        return f"run {rundir.run_id} has no complete checkpoint to resume from"
+    return f"its newest complete checkpoint is step {step}: continue with `felactl launch --resume {rundir.run_id}`"
+
+
 def load_stage(path: Path) -> dict:
     """A stage's checkpoint file (``model``, ``optimizer``, ``step``, ``data_position``, and
     ``generation`` where the job rescaled), its tensors on the CPU."""

@@ -19,6 +19,7 @@ Layout::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -26,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from felactl.control.events import EVENTS_FILE
 from felactl.errors import InputError
-from felactl.fsutil import append_jsonl, atomic_write_text, read_jsonl  # noqa: F401 (re-exported)
+from felactl.fsutil import STORAGE_ERRORS, append_jsonl, atomic_write_text, read_jsonl  # noqa: F401 (re-exported)
 from felactl.launcher.liveness import LaunchIdentity, check
 
+log = logging.getLogger(__name__)
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEFAULT_RUNS_ROOT = Path("runs")
 RESUME_HINT = "continue it from its newest checkpoint with `felactl launch --resume {run}`"
@@ -110,7 +113,7 @@ class RunDir:
 
     @property
     def events(self) -> Path:
-        return self.path / "events.jsonl"
+        return self.path / EVENTS_FILE
 
     @property
     def summary(self) -> Path:
@@ -129,7 +132,12 @@ class RunDir:
         return self.path / "heartbeat"
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        atomic_write_text(self.summary, json.dumps(summary, indent=2) + "\n")
+        """Write ``summary.json``; a run directory that cannot take it (read-only, full) does not
+        fail a job that ran: a warning says so (the launch prints its summary anyway)."""
+        try:
+            atomic_write_text(self.summary, json.dumps(summary, indent=2) + "\n")
+        except STORAGE_ERRORS as exc:
+            log.warning("run %s: its %s was not written (%s)", self.run_id, self.summary, exc)
 
     def read_summary(self) -> dict[str, Any] | None:
         try:

@@ -2,11 +2,14 @@
 
 A checkpoint holds the stage's parameters, the optimizer state, the step and the data position;
 ``step{K:06d}/stage{S}.pt`` is written by the first worker of each stage through
-:func:`felactl.fsutil.atomic_write`, so a crash never leaves half a file.
+:func:`felactl.fsutil.atomic_write`, so a crash never leaves half a file. A checkpoint the
+storage cannot take (a read-only or full filesystem) is said (:func:`checkpoint_not_written`)
+and the job goes on: a healthy job is not ended by its disk.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from felactl.control import EventKind
+from felactl.control.events import record
 from felactl.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int, stage: int) -> Path:
@@ -38,6 +45,18 @@ def save_checkpoint(
         **(extra or {}),
     }
     return atomic_write(path, lambda f: torch.save(state, f))
+
+
+def checkpoint_not_written(events: Path, *, worker: int, step: int, path: Path, exc: Exception) -> None:
+    """The checkpoint of ``step`` could not be written (``exc``, a storage error): a warning in
+    this worker's log, and a ``checkpoint-failed`` event where events.jsonl can still be written."""
+    log.warning(
+        "worker %d: the checkpoint of step %d was not written (%s); training goes on, the next checkpoint will be tried",
+        worker,
+        step,
+        exc,
+    )
+    record(events, EventKind.CHECKPOINT_FAILED, worker=worker, step=step, path=str(path), reason=str(exc))
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from felactl.agents.worker.stragglers import Pattern, parse_pattern, parse_slowdown
 from felactl.control import Reader, Seal, job_binding
-from felactl.control.events import RefusalLog
+from felactl.control.events import EVENTS_FILE, RefusalLog
 from felactl.errors import InputError
 from felactl.spec import Plan, SyncMode, load_plan
 
@@ -89,8 +89,13 @@ class WorkerConfig:
             self.seal(),
             store,
             self.store_prefix if prefix is None else prefix,
-            on_refused=_refusals(self.run_dir / "events.jsonl", self.worker_id),
+            on_refused=_refusals(self.events, self.worker_id),
         )
+
+    @property
+    def events(self) -> Path:
+        """The run's events.jsonl (where this node has the run directory)."""
+        return self.run_dir / EVENTS_FILE
 
     def load_plan(self) -> Plan:
         """The plan with the environment's overrides applied."""

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import time
 import warnings
@@ -29,17 +30,23 @@ import torch.distributed as dist
 from torch import nn
 
 from felactl import models
-from felactl.agents.worker.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from felactl.agents.worker.checkpoint import (
+    checkpoint_not_written,
+    checkpoint_path,
+    load_checkpoint,
+    save_checkpoint,
+)
 from felactl.agents.worker.drain import Drain
 from felactl.agents.worker.metrics import MetricsWriter
 from felactl.agents.worker.runtime import Runtime
 from felactl.agents.worker.stages import Placement, held_stages, micro_batches, place
 from felactl.agents.worker.stragglers import Straggler
 from felactl.errors import InputError, WorkerFailed
-from felactl.fsutil import atomic_write_text
+from felactl.fsutil import STORAGE_ERRORS, atomic_write_text
 from felactl.job import TrainJob
 from felactl.spec import Plan
 
+log = logging.getLogger(__name__)
 WAIT_SLICE_S = 0.25
 """How often a wait on the others looks up whether the job's members changed under it."""
 
@@ -418,19 +425,33 @@ class Trainer:
             self.checkpoint()
 
     def checkpoint(self) -> None:
-        """Write the stages this worker is the first replica of, at ``steps_done``."""
+        """Write the stages this worker is the first replica of, at ``steps_done``. One the
+        storage cannot take is a warning and an event, never the worker's failure: it is not
+        counted as taken, so the next one (or the run's last) is tried."""
+        written = True
         for part in self.parts:
             if self.runtime.rank == part.ranks[0]:
-                scheduler = {} if part.scheduler is None else {"lr_scheduler": part.scheduler.state_dict()}
-                save_checkpoint(
-                    checkpoint_path(self.runtime.cfg.run_dir, self.steps_done, part.stage),
-                    model=part.module,
-                    optimizer=part.optimizer,
-                    step=self.steps_done,
-                    data_position=self.data_position,
-                    extra={**self.checkpoint_extra, **scheduler},
-                )
-        self.checkpointed_at = self.steps_done
+                written = self._write_checkpoint(part) and written
+        if written:
+            self.checkpointed_at = self.steps_done
+
+    def _write_checkpoint(self, part: Part) -> bool:
+        cfg = self.runtime.cfg
+        path = checkpoint_path(cfg.run_dir, self.steps_done, part.stage)
+        scheduler = {} if part.scheduler is None else {"lr_scheduler": part.scheduler.state_dict()}
+        try:
+            save_checkpoint(
+                path,
+                model=part.module,
+                optimizer=part.optimizer,
+                step=self.steps_done,
+                data_position=self.data_position,
+                extra={**self.checkpoint_extra, **scheduler},
+            )
+        except STORAGE_ERRORS as exc:
+            checkpoint_not_written(cfg.events, worker=self.worker_id, step=self.steps_done, path=path, exc=exc)
+            return False
+        return True
 
     def final_checkpoint(self) -> None:
         """The run's last completed step (its end, or where a graceful stop ended it), whatever
@@ -450,9 +471,11 @@ class Trainer:
             "buffer_checksum": sum(float(b.double().sum()) for part in self.parts for b in part.module.buffers()),
             **self.totals,
         }
-        atomic_write_text(
-            self.runtime.cfg.run_dir / "workers" / f"rank{self.worker_id}.json", json.dumps(summary, indent=2) + "\n"
-        )
+        path = self.runtime.cfg.run_dir / "workers" / f"rank{self.worker_id}.json"
+        try:
+            atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
+        except STORAGE_ERRORS as exc:  # the run's results are its metrics and checkpoints: say it, end well
+            log.warning("worker %d: its summary %s was not written (%s)", self.worker_id, path, exc)
         self.metrics.close()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import os
 import time
@@ -19,6 +20,7 @@ from typing import Any
 from felactl.errors import InputError
 from felactl.fsutil import read_jsonl
 
+log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 RECORD_KEYS = ("time", "rank", "stage", "step", "samples", "loss", "compute_s", "comm_s", "wait_s", "duration_s")
 REQUIRED_NUMBERS = ("time", "rank", "step", "samples", "compute_s", "comm_s", "wait_s", "duration_s")
@@ -32,6 +34,8 @@ class MetricsWriter:
         self.rank = rank
         self.stage = stage
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.failed = False
+        """Whether a record could not be written (said once, in the worker's log)."""
 
     def write(
         self,
@@ -58,7 +62,14 @@ class MetricsWriter:
             "duration_s": round(duration_s, 6),
             **extra,
         }
-        os.write(self._fd, (json.dumps(record) + "\n").encode("utf-8"))
+        try:
+            os.write(self._fd, (json.dumps(record) + "\n").encode("utf-8"))
+        except OSError as exc:  # a full or failing disk ends the record, not the training
+            if not self.failed:
+                log.warning(
+                    "worker %d: metrics from step %d on are not recorded in %s (%s)", self.rank, step, self.path, exc
+                )
+            self.failed = True
         return record
 
     def close(self) -> None:
@@ -105,6 +116,25 @@ def without_redone(records: Iterable[dict[str, Any]], events: Iterable[dict[str,
     return [r for r in records if not any(r["time"] < t and r["step"] >= step for t, step in resumes)]
 
 
+def step_losses(records: Iterable[dict[str, Any]]) -> dict[int, float]:
+    """Each step's loss: the sample-weighted mean of the losses its records carry. A step recorded
+    in several generations was redone: a member finished it and died before the others could,
+    and they did it again in the next generation; its loss is the redo's (the newest generation's
+    records), never a mean with the dead member's share. (Nor is a worker's last loss the run's:
+    a worker that died stopped recording long before the run's last step.)"""
+    records = [r for r in records if r.get("loss") is not None]
+    newest: dict[int, int] = {}
+    for r in records:
+        newest[r["step"]] = max(newest.get(r["step"], 0), r.get("generation", 0))
+    sums: dict[int, tuple[float, int]] = {}
+    for r in records:
+        if r.get("generation", 0) == newest[r["step"]]:
+            loss_sum, samples = sums.get(r["step"], (0.0, 0))
+            weight = max(r["samples"], 1)
+            sums[r["step"]] = (loss_sum + r["loss"] * weight, samples + weight)
+    return {step: loss_sum / samples for step, (loss_sum, samples) in sorted(sums.items())}
+
+
 def _running_s(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> float:
     """Seconds the run trained: per launch (the records between two ``resume`` events), from its
     first step's start to its last step's end, summed."""
@@ -125,15 +155,14 @@ def summarize(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]
     ``wall_s`` runs from the earliest step start to the last step end of each launch (a resume
     starts another: the time a run lay stopped is not training time); ``compute_fraction`` is
     the share of the workers' step time spent computing (injected straggler sleeps count as
-    compute: they emulate a slower device). ``final_loss`` is the sample-weighted mean of each
-    worker's last recorded loss.
+    compute: they emulate a slower device). ``first_loss`` and ``final_loss`` are the first and
+    the last step's losses (:func:`step_losses`).
     """
     events = list(events)
     records = without_redone(records, events)
     if not records:
         raise InputError("no metrics records to summarize")
     workers: dict[int, dict[str, Any]] = {}
-    last: dict[int, dict[str, Any]] = {}
     for r in records:
         w = workers.setdefault(
             r["rank"],
@@ -155,21 +184,19 @@ def summarize(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]
         for key in ("compute_s", "comm_s", "wait_s"):
             w[key] += r[key]
         w["busy_s"] += r["duration_s"]
-        if r["rank"] not in last or r["step"] >= last[r["rank"]]["step"]:
-            last[r["rank"]] = r
     wall_s = _running_s(records, events)
     first_stage = min(w["stage"] for w in workers.values())
     samples = sum(w["samples"] for w in workers.values() if w["stage"] == first_stage)
     busy = sum(w["busy_s"] for w in workers.values())
-    losses = [(r["loss"], max(r["samples"], 1)) for r in last.values() if r.get("loss") is not None]
-    final_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses) if losses else None
+    losses = step_losses(records)
     return {
         "samples": samples,
         "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
         # Training steps, not records: after a rescale or a failure ranks come and go, and after
         # a resume the steps since the last checkpoint are in the file twice.
         "steps": len({r["step"] for r in records}),
-        "final_loss": final_loss,
+        "first_loss": losses[min(losses)] if losses else None,
+        "final_loss": losses[max(losses)] if losses else None,
         "compute_fraction": sum(w["compute_s"] for w in workers.values()) / busy if busy > 0 else 0.0,
         "wall_s": wall_s,
         "workers": [
