@@ -29,6 +29,7 @@ from felactl.launcher.membership import (
     StartNewcomers,
     State,
     StopNewcomers,
+    Stuck,
     Switch,
     SwitchAbandoned,
     SwitchDone,
@@ -114,6 +115,12 @@ PARTITIONED_2, PARTITIONED_3 = (
 NO_WORKER_LEFT = (
     "worker failed: no worker is left (worker 0 exited with code 1; worker 1 exited with code 1); "
     "logs in runs/r/logs; a run with checkpoints continues with `felactl launch --resume r`"
+)
+SLIP = "RuntimeError: The size of tensor a (2) must match the size of tensor b (16) at non-singleton dimension 1"
+CLOSED = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:41234"
+SLIP_AGAIN = (
+    f"worker 0: step 3 failed again after the job re-formed, the same way: {SLIP} (a failure that repeats on "
+    "the same step is the job's own code or data, not a worker's)"
 )
 SLOTS_FULL = (
     "node 'n' has 2 worker slot(s) and 2 in use: cannot add 1 (a CPU node offers one slot per core; launch "
@@ -241,44 +248,72 @@ TABLE = [
     ),
     pytest.param(
         job(stuck_since=4.0),
-        seen(stuck={0: frozenset()}),
+        seen(stuck={0: Stuck(frozenset())}),
         [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
         (0, 1),
         id="a collective failed with everyone alive: re-form",
     ),
     pytest.param(
-        job(stuck_since=6.0), seen(stuck={0: frozenset()}), [], (0, 1), id="a collective failed just now: wait"
+        job(stuck_since=6.0), seen(stuck={0: Stuck(frozenset())}), [], (0, 1), id="a collective failed just now: wait"
     ),
     pytest.param(
         job(stuck_since=9.5),
-        seen(stuck={0: frozenset(), 1: frozenset()}),
+        seen(stuck={0: Stuck(frozenset()), 1: Stuck(frozenset())}),
         [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
         (0, 1),
         id="every member reported its failed step: none is dead, re-form at once",
     ),
     pytest.param(
         job((0, 1, 2), stuck_since=9.5),
-        seen(stuck={0: frozenset({1, 2}), 1: frozenset({0}), 2: frozenset({0})}),
+        seen(stuck={0: Stuck(frozenset({1, 2})), 1: Stuck(frozenset({0})), 2: Stuck(frozenset({0}))}),
         [Drop({0: PARTITIONED_0}), Switch(1, (1, 2), (0, 1, 2), "failure", PARTITIONED_0)],
         (1, 2),
         id="a partition, everyone alive: the larger side goes on, the other is dropped",
     ),
     pytest.param(
         job((0, 1, 2), stuck_since=4.0),
-        seen(stuck={1: frozenset({0}), 2: frozenset({0})}),
+        seen(stuck={1: Stuck(frozenset({0})), 2: Stuck(frozenset({0}))}),
         [Drop({0: PARTITIONED_0}), Switch(1, (1, 2), (0, 1, 2), "failure", PARTITIONED_0)],
         (1, 2),
         id="a partition, one side silent past the heartbeat timeout: what the others reported decides",
     ),
     pytest.param(
         job((0, 1, 2, 3), stuck_since=9.5),
-        seen(stuck={0: frozenset({2, 3}), 1: frozenset({2, 3}), 2: frozenset({0, 1}), 3: frozenset({0, 1})}),
+        seen(
+            stuck={
+                0: Stuck(frozenset({2, 3})),
+                1: Stuck(frozenset({2, 3})),
+                2: Stuck(frozenset({0, 1})),
+                3: Stuck(frozenset({0, 1})),
+            }
+        ),
         [
             Drop({2: PARTITIONED_2, 3: PARTITIONED_3}),
             Switch(1, (0, 1), (0, 1, 2, 3), "failure", f"{PARTITIONED_2}; {PARTITIONED_3}"),
         ],
         (0, 1),
         id="two halves as large: the one of the lowest worker ids goes on",
+    ),
+    pytest.param(
+        job(generation=1, reformed_after=frozenset({(3, SLIP), (3, CLOSED)})),
+        seen(stuck={0: Stuck(frozenset(), 3, SLIP)}),
+        [Fail(SLIP_AGAIN, worker=0)],
+        (0, 1),
+        id="the step a re-form was made after fails again the same way: the job fails at once",
+    ),
+    pytest.param(
+        job(generation=1, reformed_after=frozenset({(3, SLIP)}), stuck_since=4.0),
+        seen(stuck={0: Stuck(frozenset(), 4, SLIP)}),
+        [Switch(2, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
+        (0, 1),
+        id="the same failure on a later step: a worker's, re-form again",
+    ),
+    pytest.param(
+        job(generation=1, reformed_after=frozenset({(3, SLIP)}), stuck_since=4.0),
+        seen(stuck={0: Stuck(frozenset(), 3, CLOSED)}),
+        [Switch(2, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
+        (0, 1),
+        id="another failure on the same step: a worker's, re-form again",
     ),
     pytest.param(
         job(),
@@ -654,3 +689,26 @@ def test_a_newcomer_without_a_heartbeat_gets_the_start_up_time():
     state = job()
     state = dataclasses.replace(state, workers={**state.workers, 1: Worker("n", "cpu1", "agent-n", since=9.0)})
     assert decide(state, Seen(now=30.0, heartbeats={0: "2"}, agent_beats={"agent-n": "2"}))[1] == []
+
+
+def test_a_failure_that_repeats_on_the_same_step_after_a_re_form_ends_the_job():
+    """A loss with a shape slip raises torch's RuntimeError on every try, as a collective whose peer
+    died does: the first time the members re-form (it may have been a worker's); when the re-formed
+    generation fails on the same step the same way, the job fails, not re-forms again (it re-formed
+    forever, 335 times in a user's run)."""
+    first = seen(stuck={0: Stuck(frozenset(), 0, SLIP), 1: Stuck(frozenset(), 0, CLOSED)})
+    state, actions = decide(job(), first)
+    assert actions == [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")]
+    state, actions = decide(state, seen(switched=frozenset({0, 1})))
+    assert actions == [SwitchDone(1, None)]
+    again = seen(stuck={0: Stuck(frozenset(), 0, SLIP)})  # worker 1 has not reported yet: no need to wait
+    _, actions = decide(state, again)
+    assert actions == [Fail(SLIP_AGAIN.replace("step 3", "step 0"), worker=0)]
+
+
+def test_a_re_form_after_a_lost_worker_does_not_carry_the_failure_over():
+    """Only the generation a re-form made is judged by it: after the next change (a worker dies and
+    the survivors switch), a failure on that step is a worker's again."""
+    state = job((0, 1, 2), generation=1, reformed_after=frozenset({(0, SLIP)}))
+    state, actions = decide(state, seen(exits={2: Exit(-9)}))
+    assert [type(a) for a in actions] == [Drop, Switch] and state.reformed_after == frozenset()

@@ -66,6 +66,7 @@ from felactl.launcher.membership import (
     StartNewcomers,
     State,
     StopNewcomers,
+    Stuck,
     Switch,
     SwitchAbandoned,
     SwitchDone,
@@ -260,13 +261,14 @@ class ElasticController:
         """Whether worker ``wid`` finished its last step: a valid signed ``done`` (a forged one is refused)."""
         return self.reader.read(keys.done(wid), DoneDoc.KIND.value) is not None
 
-    def _stuck_reports(self) -> dict[int, frozenset[int]]:
-        """The members whose step failed in this generation, each with the members it could not reach."""
+    def _stuck_reports(self) -> dict[int, Stuck]:
+        """The members whose step failed in this generation, each with its report."""
         generation, members, reports = self.state.generation, self.state.members, {}
         for w in members:
             doc = self.reader.read_doc(keys.stuck(generation, w), StuckDoc, generation=generation)
             if doc is not None:
-                reports[w] = frozenset(v for v in doc.unreachable if isinstance(v, int) and v in members)
+                unreachable = frozenset(v for v in doc.unreachable if isinstance(v, int) and v in members)
+                reports[w] = Stuck(unreachable, doc.step, doc.why)
         return reports
 
     def _read_reports(self, switching) -> frozenset[int]:
@@ -316,7 +318,9 @@ class ElasticController:
             self._command(wid, {"op": "kill", "worker_id": wid})
 
     def _fail(self, action: Fail) -> None:
-        raise WorkerFailed(action.reason)
+        log_path = None if action.worker is None else self._tables().get(str(action.worker), {}).get("log")
+        node = None if action.worker is None else self.state.workers[action.worker].node
+        raise WorkerFailed(action.reason + (f"; its log: {log_path} (on node {node!r})" if log_path else ""))
 
     def _command(self, wid: int, command: dict) -> None:
         agent_id = self.state.workers[wid].agent_id

@@ -135,6 +135,9 @@ class State:
     deferred: tuple[Request, ...] = ()
     """Requests that came while a change was under way, served in order once it is done."""
     answered: frozenset[str] = frozenset()
+    reformed_after: frozenset[tuple[int, str]] = frozenset()
+    """The failed steps the newest generation was re-formed after, as (step, the failure's line):
+    the same failure on the same step again is the job's, not a worker's."""
 
     @property
     def busy(self) -> bool:
@@ -146,6 +149,16 @@ class State:
 class Exit:
     code: int
     failure: str | None = None
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A member's report that its step failed: which step, why (one line), and the members it
+    then could not reach."""
+
+    unreachable: frozenset[int] = frozenset()
+    step: int = -1
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -168,9 +181,8 @@ class Seen:
     forged or unreadable beat neither revives a silent worker nor silences a live one)."""
     exits: Mapping[int, Exit] = field(default_factory=dict)
     done: frozenset[int] = frozenset()
-    stuck: Mapping[int, frozenset[int]] = field(default_factory=dict)
-    """The members that said their step failed in the current generation, each with the members
-    it then could not reach."""
+    stuck: Mapping[int, Stuck] = field(default_factory=dict)
+    """The members that said their step failed in the current generation, each with its report."""
     ready: frozenset[int] = frozenset()
     switched: frozenset[int] = frozenset()
     """Members that reported the generation being switched to."""
@@ -276,6 +288,8 @@ class Finish:
 @dataclass(frozen=True)
 class Fail:
     reason: str
+    worker: int | None = None
+    """The worker whose log tells more (the executor adds where that log is)."""
 
 
 Action = (
@@ -409,6 +423,9 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
         return _switch_without(state, dead, seen.now, actions)
     if not seen.stuck:
         return dataclasses.replace(state, stuck_since=None)
+    repeated = next((w for w in sorted(seen.stuck) if _report(seen.stuck[w]) in state.reformed_after), None)
+    if repeated is not None:
+        return _fail_repeated(state, repeated, seen.stuck[repeated], actions)
     stuck_since = state.stuck_since if state.stuck_since is not None else seen.now
     state = dataclasses.replace(state, stuck_since=stuck_since)
     # Once every member has reported, nobody is dead (the dead report nothing); until then a silent
@@ -416,9 +433,10 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
     everyone = set(seen.stuck) >= set(state.members)
     if not everyone and seen.now - stuck_since <= state.rules.heartbeat_timeout_s:
         return state
-    group = reachable_group(state.members, seen.stuck)
+    unreachable = {w: report.unreachable for w, report in seen.stuck.items()}
+    group = reachable_group(state.members, unreachable)
     if len(group) < len(state.members):
-        cut_off = {w: _partition_reason(w, group, seen.stuck) for w in state.members if w not in group}
+        cut_off = {w: _partition_reason(w, group, unreachable) for w in state.members if w not in group}
         actions.append(Drop(cut_off))
         return _switch_without(state, cut_off, seen.now, actions)
     return _switch(
@@ -428,6 +446,25 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
         seen.now,
         actions,
         reason="a collective failed with every member alive",
+        reformed_after=frozenset(_report(report) for report in seen.stuck.values() if report.why and report.step >= 0),
+    )
+
+
+def _report(stuck: Stuck) -> tuple[int, str]:
+    return stuck.step, stuck.why
+
+
+def _fail_repeated(state: State, wid: int, stuck: Stuck, actions: list[Action]) -> State:
+    """The job re-formed after a failed step and the same step failed the same way again: the
+    failure is the job's (its model, data, loss or optimizer raised), and re-forming would only
+    repeat it. An exception of the user's code is seen here whatever its type (a shape slip is
+    torch's RuntimeError, as a collective's failure is)."""
+    return _fail(
+        state,
+        f"worker {wid}: step {stuck.step} failed again after the job re-formed, the same way: {stuck.why} "
+        "(a failure that repeats on the same step is the job's own code or data, not a worker's)",
+        actions,
+        worker=wid,
     )
 
 
@@ -497,6 +534,7 @@ def _switch(
     policy: ScalingPolicy | None = None,
     request_id: str | None = None,
     if_finished: tuple[int, ...] | None = None,
+    reformed_after: frozenset[tuple[int, str]] = frozenset(),
 ) -> State:
     generation = state.generation + 1
     switching = Switching(
@@ -509,7 +547,9 @@ def _switch(
         if_finished=state.members if if_finished is None else if_finished,
     )
     actions.append(Switch(generation, members, state.members, kind, reason, policy))
-    return dataclasses.replace(state, generation=generation, members=members, switching=switching)
+    return dataclasses.replace(
+        state, generation=generation, members=members, switching=switching, reformed_after=reformed_after
+    )
 
 
 def _follow_newcomers(state: State, seen: Seen, actions: list[Action]) -> State:
@@ -566,7 +606,7 @@ def _undo_change(state: State, reason: str) -> tuple[State, list[Action]]:
     raise ValueError(f"internal: a planning failure with no requested change under way ({reason})")
 
 
-def _fail(state: State, reason: str, actions: list[Action]) -> State:
+def _fail(state: State, reason: str, actions: list[Action], worker: int | None = None) -> State:
     """Fail the job; the requests it will not serve are refused first."""
     waiting = [r for r in state.deferred if r.id not in state.answered]
     if state.starting is not None:
@@ -575,7 +615,7 @@ def _fail(state: State, reason: str, actions: list[Action]) -> State:
         actions.append(Refuse(request.id, FAILED_FIRST, request.command))
     if state.switching is not None and state.switching.request_id is not None:
         actions.append(Refuse(state.switching.request_id, FAILED_FIRST))
-    actions.append(Fail(reason))
+    actions.append(Fail(reason, worker))
     return dataclasses.replace(state, deferred=())
 
 

@@ -465,7 +465,7 @@ class ElasticWorker(Membership):
         self.reader.write(
             keys.stuck(self.generation, self.wid),
             StuckDoc.KIND.value,
-            StuckDoc(why, [] if decided else unreachable(self._peer_probes())).to_body(),
+            StuckDoc(why, [] if decided else unreachable(self._peer_probes()), step=self.step).to_body(),
             generation=self.generation,
         )
 
