@@ -712,3 +712,59 @@ def test_a_re_form_after_a_lost_worker_does_not_carry_the_failure_over():
     state = job((0, 1, 2), generation=1, reformed_after=frozenset({(0, SLIP)}))
     state, actions = decide(state, seen(exits={2: Exit(-9)}))
     assert [type(a) for a in actions] == [Drop, Switch] and state.reformed_after == frozenset()
+
+
+IMPORT_FAILED = "worker 1 exited with code 2: felactl worker: model 'job:make': cannot import: No module named 'job'"
+
+
+def launching(**rules) -> State:
+    """A job just launched on nodes ``n`` (worker 0) and ``m`` (worker 1), none started yet."""
+    state = job(other_nodes=("m",), launching=True, rules=dataclasses.replace(RULES, **rules))
+    workers = {**state.workers, 1: Worker("m", "cpu1", "agent-m", beat="1", since=9.0)}
+    return dataclasses.replace(state, workers=workers)
+
+
+def test_a_node_that_cannot_start_fails_the_job_at_once_naming_it():
+    """One node's worker cannot import the job's module: the job fails at once with the node and
+    its worker's line (it failed after 85 s with "generation 1: workers [0] did not switch")."""
+    _, actions = decide(launching(min_nodes=2), seen(exits={1: Exit(2, IMPORT_FAILED.split(": ", 1)[1])}))
+    assert actions == [
+        Fail(
+            f"node 'm' could not start: {IMPORT_FAILED}; the job needs 2 of its 2 nodes and 1 is left (with "
+            "--nnodes 1:2 it goes on without a node that cannot start)",
+            worker=1,
+        )
+    ]
+
+
+def test_with_fewer_nodes_allowed_the_job_goes_on_without_the_node_that_cannot_start():
+    """--nnodes 1:2: the node is left out whole (its other workers too) and the others start without it."""
+    state = launching(min_nodes=1)
+    state = dataclasses.replace(
+        state, members=(0, 1, 2), workers={**state.workers, 2: Worker("m", "cpu2", "agent-m", beat="1", since=9.0)}
+    )
+    state, actions = decide(state, seen(exits={1: Exit(2, IMPORT_FAILED.split(": ", 1)[1])}))
+    left_out = "worker 2: left out with node 'm', which could not start"
+    assert actions == [
+        Drop({1: IMPORT_FAILED, 2: left_out}),
+        Switch(1, (0,), (0, 1, 2), "failure", f"{IMPORT_FAILED}; {left_out}"),
+    ]
+    assert state.launching  # until worker 0 says it started
+
+
+def test_a_worker_lost_once_the_job_started_is_a_workers_failure_again():
+    """Once a member has started (its heartbeat counts steps), a loss is survived as ever."""
+    state, actions = decide(launching(min_nodes=2), seen(started=frozenset({0})))
+    assert actions == [] and not state.launching
+    _, actions = decide(state, seen(exits={1: Exit(-9)}))
+    assert actions == [
+        Drop({1: "worker 1 exited with code -9"}),
+        Switch(1, (0,), (0, 1), "failure", "worker 1 exited with code -9"),
+    ]
+
+
+def test_on_one_node_a_worker_that_cannot_start_fails_the_job_at_once():
+    """The user's optimizer factory raises while the workers start: nothing can go on."""
+    state = job(launching=True)
+    _, actions = decide(state, seen(exits={0: Exit(1, SLIP)}))
+    assert actions == [Fail(f"node 'n' could not start: worker 0 exited with code 1: {SLIP}", worker=0)]

@@ -46,6 +46,7 @@ from felactl.control.documents import (
     SwitchedDoc,
 )
 from felactl.control.events import record
+from felactl.control.seal import Opened
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator, Member
 from felactl.launcher.membership import (
@@ -98,6 +99,8 @@ class ElasticSettings:
     """Worker slots per node; default: GPUs, or for a CPU node its cores."""
     ready_timeout_s: float = 60.0
     switch_timeout_s: float = 60.0
+    min_nodes: int | None = None
+    """Nodes the job needs to start on (the rest may fail to start); None: every node."""
 
 
 class ElasticController:
@@ -143,6 +146,7 @@ class ElasticController:
             ready_timeout_s=settings.ready_timeout_s,
             switch_timeout_s=settings.switch_timeout_s,
             agent_gone_s=AGENT_GONE_S,
+            min_nodes=len(nodes) if settings.min_nodes is None else settings.min_nodes,
             max_nproc_per_node=settings.max_nproc_per_node,
             profile=profile,
             logs=str(run.logs),
@@ -156,6 +160,7 @@ class ElasticController:
             workers=workers,
             agents=agents,
             next_id=len(workers),
+            launching=True,
         )
         self.base = (plan.global_batch, plan.training.lr, len(workers))
         self.answers: dict[str, dict] = {}
@@ -212,7 +217,9 @@ class ElasticController:
             for w in watched
             if table.get(str(w), {}).get("exit_code") is not None
         }
-        heartbeats = {w: beat for w in watched if (beat := self._beat(w)) is not None}
+        beats = {w: opened for w in watched if (opened := self._beat(w)) is not None}
+        heartbeats = {w: str(opened.seq) for w, opened in beats.items()}
+        started = frozenset(w for w, opened in beats.items() if _started(opened.body))
         # Every member's done mark is read (not just until one is missing): every forgery is noticed.
         done = frozenset([w for w in watched if w not in state.done and self._is_done(w)])
         stuck = {} if state.switching is not None else self._stuck_reports()
@@ -233,6 +240,7 @@ class ElasticController:
             agent_beats=agent_beats,
             heartbeats=heartbeats,
             exits=exits,
+            started=started,
             done=done,
             stuck=stuck,
             ready=ready,
@@ -251,11 +259,10 @@ class ElasticController:
         raw = self.reader.raw(keys.agent_beat(agent_id))
         return None if raw is None else raw.decode("utf-8", "replace")
 
-    def _beat(self, wid: int) -> str | None:
-        """The newest valid heartbeat of ``wid`` (its sequence number), else None: a forged or
-        replayed beat does not keep a silent worker alive, and garbage does not make a live one silent."""
-        opened = self.reader.read(keys.heartbeat(wid), HeartbeatDoc.KIND.value)
-        return str(opened.seq) if opened is not None else None
+    def _beat(self, wid: int) -> Opened | None:
+        """The newest valid heartbeat of ``wid``, else None: a forged or replayed beat does not
+        keep a silent worker alive, and garbage does not make a live one silent."""
+        return self.reader.read(keys.heartbeat(wid), HeartbeatDoc.KIND.value)
 
     def _is_done(self, wid: int) -> bool:
         """Whether worker ``wid`` finished its last step: a valid signed ``done`` (a forged one is refused)."""
@@ -555,6 +562,13 @@ def _planning_failure(exc: Exception) -> str:
     if isinstance(exc, InputError):
         return str(exc)
     return f"re-planning for the new membership failed ({type(exc).__name__}: {exc}); nothing changed"
+
+
+def _started(heartbeat: dict) -> bool:
+    """Whether a heartbeat says its worker has started: it counts its steps done from 0 once its
+    model is built and its group formed (-1 before)."""
+    step = heartbeat.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
 
 
 def _offered_slots(member: Member) -> int:

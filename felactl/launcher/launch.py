@@ -687,10 +687,11 @@ def _watch(
 
 
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
+    node_of = {m.agent_id: m.node_name for m in state.members}
     parts = []
-    for s in failed.values():
+    for agent_id, s in failed.items():
         for rank, line in sorted(s.get("failures", {}).items()):
-            parts.append(f"rank {rank}: {line}")
+            parts.append(f"node {node_of.get(agent_id, agent_id)!r} rank {rank}: {line}")
     return f"worker failed ({'; '.join(parts) or 'no message'}); logs in {state.run.logs}"
 
 

@@ -43,6 +43,9 @@ class Rules:
     agent_gone_s: float = 1.25
     """An agent this long silent when its worker goes silent is taken for gone with it (two
     missed agent beats, and a half for a busy machine)."""
+    min_nodes: int = 1
+    """Nodes the job needs to start on (torchrun's ``--nnodes MIN:MAX``): a node whose workers
+    cannot start fails the job unless this many others are left, which go on without it."""
     max_nproc_per_node: int | None = None
     profile: Mapping[str, tuple[str, ...]] | None = None
     """Node -> its devices in the run's cluster profile; None when the run has no profile (the
@@ -138,6 +141,9 @@ class State:
     reformed_after: frozenset[tuple[int, str]] = frozenset()
     """The failed steps the newest generation was re-formed after, as (step, the failure's line):
     the same failure on the same step again is the job's, not a worker's."""
+    launching: bool = False
+    """No member has started yet (built its model and formed its group): a member lost now is a
+    node that could not start."""
 
     @property
     def busy(self) -> bool:
@@ -180,6 +186,8 @@ class Seen:
     """Worker -> its newest valid heartbeat; a worker missing here keeps the beat it had (a
     forged or unreadable beat neither revives a silent worker nor silences a live one)."""
     exits: Mapping[int, Exit] = field(default_factory=dict)
+    started: frozenset[int] = frozenset()
+    """Workers whose heartbeat says they have started (their model built, their group formed)."""
     done: frozenset[int] = frozenset()
     stuck: Mapping[int, Stuck] = field(default_factory=dict)
     """The members that said their step failed in the current generation, each with its report."""
@@ -350,7 +358,8 @@ def _follow_signs_of_life(state: State, seen: Seen) -> State:
         beat = seen.agent_beats[a.agent_id] if a.agent_id in seen.agent_beats else a.beat
         agents[node] = a if beat == a.beat else dataclasses.replace(a, beat=beat, since=seen.now)
     done = state.done | (seen.done & set(workers))
-    return dataclasses.replace(state, workers=workers, agents=agents, done=done)
+    launching = state.launching and not seen.started & set(state.members)
+    return dataclasses.replace(state, workers=workers, agents=agents, done=done, launching=launching)
 
 
 def _admit_agents(state: State, seen: Seen, actions: list[Action]) -> State:
@@ -383,6 +392,9 @@ def _follow_switch(state: State, seen: Seen, actions: list[Action]) -> State:
     if dead:
         # The switch ends as it stands (recorded with the reports that came) and the survivors
         # switch again without the dead.
+        state, dead = _lost(state, dead, actions)
+        if dead is None:
+            return state
         actions.append(Drop(dead))
         actions.append(SwitchDone(switching.generation, switching.request_id))
         state = _answered(dataclasses.replace(state, switching=None), switching.request_id)
@@ -419,6 +431,9 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
     """Drop the dead; re-form a generation whose collective failed with everyone alive."""
     dead = dead_workers(state, state.members, seen)
     if dead:
+        state, dead = _lost(state, dead, actions)
+        if dead is None:
+            return state
         actions.append(Drop(dead))
         return _switch_without(state, dead, seen.now, actions)
     if not seen.stuck:
@@ -508,6 +523,35 @@ def _partition_reason(wid: int, group: tuple[int, ...], unreachable: Mapping[int
         f"worker {wid}: cut off from worker(s) {', '.join(map(str, apart))} by a network partition "
         f"(the largest group that reaches itself goes on: {', '.join(map(str, group))})"
     )
+
+
+def _lost(state: State, dead: Mapping[int, str], actions: list[Action]) -> tuple[State, Mapping[int, str] | None]:
+    """The workers to drop for the ``dead``: themselves, once the job has started. Before, a
+    worker that failed is a node that could not start (a module it cannot import, a device it
+    lacks): its node is left out whole when ``min_nodes`` others are left, else the job fails at
+    once, naming the node and why (None: it failed)."""
+    if not state.launching:
+        return state, dead
+    failed = [node for node in state.agents if any(state.workers[w].node == node for w in dead)]
+    left = {state.workers[w].node for w in state.members} - set(failed)
+    names = ", ".join(repr(node) for node in failed)
+    why = f"node {names} could not start" if len(failed) == 1 else f"nodes {names} could not start"
+    if len(left) < state.rules.min_nodes:
+        needs = ""
+        if left:
+            total = len(state.agents)
+            needs = (
+                f"; the job needs {state.rules.min_nodes} of its {total} nodes and {len(left)} "
+                f"{'is' if len(left) == 1 else 'are'} left (with --nnodes {len(left)}:{total} it goes on "
+                "without a node that cannot start)"
+            )
+        return _fail(state, f"{why}: {'; '.join(dead.values())}{needs}", actions, worker=min(dead)), None
+    node_of = {w: state.workers[w].node for w in state.members}
+    return state, {
+        w: dead.get(w, f"worker {w}: left out with node {node_of[w]!r}, which could not start")
+        for w in state.members
+        if node_of[w] in failed
+    }
 
 
 def _switch_without(state: State, dead: Mapping[int, str], now: float, actions: list[Action]) -> State:
