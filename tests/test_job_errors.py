@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from felactl import models
+from felactl.launcher.rundir import read_jsonl
 from felactl.spec import Placement, save
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -126,3 +127,17 @@ def test_a_node_that_cannot_start_fails_the_launch_at_once_naming_the_node_and_w
     assert job.proc.returncode == 1 and len(errors) == 1, err[-3000:]
     assert errors[0].startswith("felactl: error: node 'nb' could not start: worker 1 exited with code 2"), errors[0]
     assert IMPORT_ERROR in errors[0] and "nb-logs/worker-1.log" in errors[0], errors[0]
+
+
+def test_with_nnodes_min_max_the_job_goes_on_without_the_node_that_cannot_start(tmp_path, no_leftovers):
+    """--nnodes 1:2 (torchrun's MIN:MAX): node nb is left out, worker 0 starts alone and trains every step."""
+    job, agent = _two_nodes(tmp_path, "1:2")
+    try:
+        summary = job.finish()
+    finally:
+        _stop(job, agent)
+    assert summary["steps"] == 20
+    events = read_jsonl(tmp_path / "runs" / "a" / "events.jsonl")
+    failure = next(e for e in events if e["kind"] == "failure")
+    assert failure["members_after"] == [0] and IMPORT_ERROR in failure["reason"], failure
+    assert {r["rank"] for r in job.records("a")} == {0}

@@ -182,6 +182,21 @@ def test_bad_flags(tmp_path):
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
+def test_nnodes_min_max_needs_a_job_that_goes_on_without_a_node(tmp_path):
+    """--nnodes MIN:MAX lets an elastic job start without a node that cannot; a job of fixed
+    membership cannot, and is refused before anything starts."""
+    plan = dp_plan(2, "bsp")
+    two_nodes = dataclasses.replace(
+        plan, placement=tuple(Placement(device=d, node=f"n{i}", local_index=0) for i, d in enumerate(plan.devices))
+    )
+    plan_path = save(two_nodes, tmp_path / "plan.yaml")
+    args = ("--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:0", "--node-name", "n0", "--no-elastic")
+    result = _launch(tmp_path, str(plan_path), *args)
+    assert result.exit_code == 2 and "--nnodes 1:2: going on without a node needs live rescaling" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
 def test_a_plan_for_gpus_this_machine_lacks_is_refused_before_anything_starts(tmp_path, no_leftovers):
     plan = dp_plan(2, "bsp")
     on_gpus = dataclasses.replace(
