@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -97,7 +98,8 @@ def test_a_worker_that_dies_at_start_fails_the_launch_and_leaves_nothing(tmp_pat
     plan_path = save(broken, tmp_path / "plan.yaml")
     result = _launch(tmp_path, str(plan_path), "--steps", "3")
     assert result.exit_code == 1, result.output
-    assert "worker failed" in result.stderr and "model 'os:getcwd'" in result.stderr
+    assert re.search(r"node '.+' could not start: worker \d exited with code 2", result.stderr), result.stderr
+    assert "model 'os:getcwd'" in result.stderr
     assert [
         e["kind"]
         for e in read_jsonl(
