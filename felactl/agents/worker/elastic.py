@@ -197,14 +197,12 @@ class ElasticWorker(Membership):
         """Wait (up to the store timeout) until every member of ``generation`` is here, so the group
         itself can run with a short collective timeout even when a first start-up is slow. Each
         member says so in a signed document of its own, again while it waits (a counter anyone could
-        move; a deleted document comes back). Raises :class:`Superseded` once a newer generation is
-        published: a member failed before it came (a node that could not start), and the
-        coordinator formed the job without it."""
+        move; a deleted document comes back). Raises :class:`Superseded` when a newer generation is
+        published while some are missing: a member failed before it came (a node that could not
+        start), and the coordinator formed the job without it."""
         deadline = time.monotonic() + self.cfg.timeout_s
         said = 0.0
         while True:
-            if self.heartbeat.generation > generation:
-                raise Superseded(self.heartbeat.generation)
             if time.monotonic() - said > ARRIVAL_REPEAT_S:
                 self.reader.write(
                     keys.arrived(generation, rank),
@@ -220,6 +218,8 @@ class ElasticWorker(Membership):
             ]
             if not missing:
                 return
+            if self.heartbeat.generation > generation:
+                raise Superseded(self.heartbeat.generation)
             if time.monotonic() > deadline:
                 raise WorkerFailed(
                     f"worker {self.wid}: only {world_size - len(missing)} of {world_size} members of "
