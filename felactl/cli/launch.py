@@ -94,8 +94,9 @@ def launch(
     nnodes: Annotated[
         str,
         typer.Option(
+            metavar="N|MIN:MAX",
             help="Nodes (agents) to wait for: N, or MIN:MAX as torchrun's (an elastic job goes on without "
-            "nodes whose workers cannot start while MIN are left; the plan's nodes are MAX)."
+            "nodes whose workers cannot start while MIN are left; the plan's nodes are MAX).",
         ),
     ] = "1",
     hostfile: Annotated[
