@@ -96,3 +96,19 @@ def split_items(flag: str, text: str, expected: str) -> list[str]:
     if not all(items):
         raise InputError(f"{flag}: an empty item in {text!r}; expected {expected}")
     return items
+
+
+def parse_count_range(flag: str, text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (torchrun's ``--nnodes``) as (MIN, MAX), each a count (N: N, N).
+
+    Raises :class:`InputError` naming the flag."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise InputError(f"{flag} must be a count N or a range MIN:MAX (e.g. 1:4), got {text!r}")
+    counts = [int(p) for p in parts]
+    for count in counts:
+        check_flag(flag, count, COUNT)
+    least, most = counts[0], counts[-1]
+    if least > most:
+        raise InputError(f"{flag} {text}: MIN must be <= MAX")
+    return least, most

@@ -83,3 +83,52 @@ def short_data(num_samples: int = 64):
     return TrainJob(
         model=model, dataset=data, loss_fn=F.cross_entropy, optimizer=functools.partial(torch.optim.SGD, lr=0.1)
     )
+
+
+class LabelError(Exception):
+    """An exception type of the user's own."""
+
+
+def shape_slip(where: str = "loss_fn", error: str = "shape"):
+    """A linear TrainJob with a slip in its ``loss_fn`` (or its ``forward``, ``collate_fn``, or
+    optimizer factory) that raises on every call: ``error`` "shape", torch's own ``RuntimeError:
+    The size of tensor a (2) must match the size of tensor b (16) ...``, as a user's first try at
+    a loss may; "label", a :class:`LabelError`."""
+    import torch
+    from torch.nn import functional as F
+    from torch.utils.data import default_collate
+
+    from felactl import TrainJob
+
+    def slip(x: torch.Tensor) -> torch.Tensor:
+        if error == "label":
+            raise LabelError("label 7 is not one of the 2 classes")
+        return x + torch.zeros(x.shape[0], 16)  # x is (batch, 2)
+
+    class Model(torch.nn.Linear):
+        def forward(self, x):
+            out = super().forward(x)
+            return slip(out) if where == "forward" else out
+
+    def loss_fn(output, targets):
+        return F.cross_entropy(slip(output) if where == "loss_fn" else output, targets)
+
+    def collate_fn(samples):
+        inputs, targets = default_collate(samples)
+        return (slip(inputs[:, :2]) if where == "collate_fn" else inputs), targets
+
+    def optimizer(params):
+        params = list(params)
+        if where == "optimizer":
+            slip(torch.zeros(1, 2))
+        return torch.optim.SGD(params, lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randint(2, (64,), generator=g))
+    return TrainJob(
+        model=Model(8, 2),
+        dataset=data,
+        loss_fn=loss_fn,
+        collate_fn=collate_fn,
+        optimizer=optimizer,
+    )

@@ -304,6 +304,7 @@ def test_the_arrival_barrier_counts_signed_arrivals_only_and_names_the_missing_o
         wid=0,
         cfg=SimpleNamespace(timeout_s=0.5),
         probe=SimpleNamespace(address="127.0.0.1:1"),
+        heartbeat=SimpleNamespace(generation=4),
     )
     store.set("p/" + keys.arrived(4, 1), json.dumps({"worker_id": 1}))  # forged: member 1 is not here
     with pytest.raises(WorkerFailed, match=r"only 1 of 2 members of generation 4 .*elastic/arrived/4/1"):
@@ -314,6 +315,26 @@ def test_the_arrival_barrier_counts_signed_arrivals_only_and_names_the_missing_o
     started = time.monotonic()
     ElasticWorker._arrive(member, 4, 0, 2)
     assert 0.15 < time.monotonic() - started < 2
+
+
+def test_the_arrival_gives_up_once_a_newer_generation_is_published():
+    """A member that never comes (a node that could not start) is dropped by the coordinator,
+    which publishes a generation without it: the others stop waiting for it (they waited out the
+    store timeout, and the job failed after 85 s with "did not switch")."""
+    from types import SimpleNamespace
+
+    from felactl.agents.worker.elastic import ElasticWorker, Superseded
+
+    member = SimpleNamespace(
+        reader=Reader(Seal(SECRET, JOB), _Store(), "p/"),
+        wid=0,
+        cfg=SimpleNamespace(timeout_s=30),
+        probe=SimpleNamespace(address="127.0.0.1:1"),
+        heartbeat=SimpleNamespace(generation=1),  # the heartbeat thread saw generation 1's document
+    )
+    with pytest.raises(Superseded) as raised:
+        ElasticWorker._arrive(member, 0, 0, 2)
+    assert raised.value.generation == 1
 
 
 def test_an_agreement_someone_keeps_spoiling_fails_with_one_line_naming_the_key():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -97,7 +98,8 @@ def test_a_worker_that_dies_at_start_fails_the_launch_and_leaves_nothing(tmp_pat
     plan_path = save(broken, tmp_path / "plan.yaml")
     result = _launch(tmp_path, str(plan_path), "--steps", "3")
     assert result.exit_code == 1, result.output
-    assert "worker failed" in result.stderr and "model 'os:getcwd'" in result.stderr
+    assert re.search(r"node '.+' could not start: worker \d exited with code 2", result.stderr), result.stderr
+    assert "model 'os:getcwd'" in result.stderr
     assert [
         e["kind"]
         for e in read_jsonl(
@@ -179,6 +181,21 @@ def test_bad_flags(tmp_path):
         assert result.exit_code == 2, (args, result.output)
         assert needle.lower() in result.stderr.lower(), (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_nnodes_min_max_needs_a_job_that_goes_on_without_a_node(tmp_path):
+    """--nnodes MIN:MAX lets an elastic job start without a node that cannot; a job of fixed
+    membership cannot, and is refused before anything starts."""
+    plan = dp_plan(2, "bsp")
+    two_nodes = dataclasses.replace(
+        plan, placement=tuple(Placement(device=d, node=f"n{i}", local_index=0) for i, d in enumerate(plan.devices))
+    )
+    plan_path = save(two_nodes, tmp_path / "plan.yaml")
+    args = ("--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:0", "--node-name", "n0", "--no-elastic")
+    result = _launch(tmp_path, str(plan_path), *args)
+    assert result.exit_code == 2 and "--nnodes 1:2: going on without a node needs live rescaling" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 

@@ -29,6 +29,7 @@ from felactl.launcher.membership import (
     StartNewcomers,
     State,
     StopNewcomers,
+    Stuck,
     Switch,
     SwitchAbandoned,
     SwitchDone,
@@ -114,6 +115,12 @@ PARTITIONED_2, PARTITIONED_3 = (
 NO_WORKER_LEFT = (
     "worker failed: no worker is left (worker 0 exited with code 1; worker 1 exited with code 1); "
     "logs in runs/r/logs; a run with checkpoints continues with `felactl launch --resume r`"
+)
+SLIP = "RuntimeError: The size of tensor a (2) must match the size of tensor b (16) at non-singleton dimension 1"
+CLOSED = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:41234"
+SLIP_AGAIN = (
+    f"worker 0: step 3 failed again after the job re-formed, the same way: {SLIP} (a failure that repeats on "
+    "the same step is the job's own code or data, not a worker's)"
 )
 SLOTS_FULL = (
     "node 'n' has 2 worker slot(s) and 2 in use: cannot add 1 (a CPU node offers one slot per core; launch "
@@ -241,44 +248,72 @@ TABLE = [
     ),
     pytest.param(
         job(stuck_since=4.0),
-        seen(stuck={0: frozenset()}),
+        seen(stuck={0: Stuck(frozenset())}),
         [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
         (0, 1),
         id="a collective failed with everyone alive: re-form",
     ),
     pytest.param(
-        job(stuck_since=6.0), seen(stuck={0: frozenset()}), [], (0, 1), id="a collective failed just now: wait"
+        job(stuck_since=6.0), seen(stuck={0: Stuck(frozenset())}), [], (0, 1), id="a collective failed just now: wait"
     ),
     pytest.param(
         job(stuck_since=9.5),
-        seen(stuck={0: frozenset(), 1: frozenset()}),
+        seen(stuck={0: Stuck(frozenset()), 1: Stuck(frozenset())}),
         [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
         (0, 1),
         id="every member reported its failed step: none is dead, re-form at once",
     ),
     pytest.param(
         job((0, 1, 2), stuck_since=9.5),
-        seen(stuck={0: frozenset({1, 2}), 1: frozenset({0}), 2: frozenset({0})}),
+        seen(stuck={0: Stuck(frozenset({1, 2})), 1: Stuck(frozenset({0})), 2: Stuck(frozenset({0}))}),
         [Drop({0: PARTITIONED_0}), Switch(1, (1, 2), (0, 1, 2), "failure", PARTITIONED_0)],
         (1, 2),
         id="a partition, everyone alive: the larger side goes on, the other is dropped",
     ),
     pytest.param(
         job((0, 1, 2), stuck_since=4.0),
-        seen(stuck={1: frozenset({0}), 2: frozenset({0})}),
+        seen(stuck={1: Stuck(frozenset({0})), 2: Stuck(frozenset({0}))}),
         [Drop({0: PARTITIONED_0}), Switch(1, (1, 2), (0, 1, 2), "failure", PARTITIONED_0)],
         (1, 2),
         id="a partition, one side silent past the heartbeat timeout: what the others reported decides",
     ),
     pytest.param(
         job((0, 1, 2, 3), stuck_since=9.5),
-        seen(stuck={0: frozenset({2, 3}), 1: frozenset({2, 3}), 2: frozenset({0, 1}), 3: frozenset({0, 1})}),
+        seen(
+            stuck={
+                0: Stuck(frozenset({2, 3})),
+                1: Stuck(frozenset({2, 3})),
+                2: Stuck(frozenset({0, 1})),
+                3: Stuck(frozenset({0, 1})),
+            }
+        ),
         [
             Drop({2: PARTITIONED_2, 3: PARTITIONED_3}),
             Switch(1, (0, 1), (0, 1, 2, 3), "failure", f"{PARTITIONED_2}; {PARTITIONED_3}"),
         ],
         (0, 1),
         id="two halves as large: the one of the lowest worker ids goes on",
+    ),
+    pytest.param(
+        job(generation=1, reformed_after=frozenset({(3, SLIP), (3, CLOSED)})),
+        seen(stuck={0: Stuck(frozenset(), 3, SLIP)}),
+        [Fail(SLIP_AGAIN, worker=0)],
+        (0, 1),
+        id="the step a re-form was made after fails again the same way: the job fails at once",
+    ),
+    pytest.param(
+        job(generation=1, reformed_after=frozenset({(3, SLIP)}), stuck_since=4.0),
+        seen(stuck={0: Stuck(frozenset(), 4, SLIP)}),
+        [Switch(2, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
+        (0, 1),
+        id="the same failure on a later step: a worker's, re-form again",
+    ),
+    pytest.param(
+        job(generation=1, reformed_after=frozenset({(3, SLIP)}), stuck_since=4.0),
+        seen(stuck={0: Stuck(frozenset(), 3, CLOSED)}),
+        [Switch(2, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")],
+        (0, 1),
+        id="another failure on the same step: a worker's, re-form again",
     ),
     pytest.param(
         job(),
@@ -654,3 +689,82 @@ def test_a_newcomer_without_a_heartbeat_gets_the_start_up_time():
     state = job()
     state = dataclasses.replace(state, workers={**state.workers, 1: Worker("n", "cpu1", "agent-n", since=9.0)})
     assert decide(state, Seen(now=30.0, heartbeats={0: "2"}, agent_beats={"agent-n": "2"}))[1] == []
+
+
+def test_a_failure_that_repeats_on_the_same_step_after_a_re_form_ends_the_job():
+    """A loss with a shape slip raises torch's RuntimeError on every try, as a collective whose peer
+    died does: the first time the members re-form (it may have been a worker's); when the re-formed
+    generation fails on the same step the same way, the job fails, not re-forms again (it re-formed
+    forever, 335 times in a user's run)."""
+    first = seen(stuck={0: Stuck(frozenset(), 0, SLIP), 1: Stuck(frozenset(), 0, CLOSED)})
+    state, actions = decide(job(), first)
+    assert actions == [Switch(1, (0, 1), (0, 1), "re-form", "a collective failed with every member alive")]
+    state, actions = decide(state, seen(switched=frozenset({0, 1})))
+    assert actions == [SwitchDone(1, None)]
+    again = seen(stuck={0: Stuck(frozenset(), 0, SLIP)})  # worker 1 has not reported yet: no need to wait
+    _, actions = decide(state, again)
+    assert actions == [Fail(SLIP_AGAIN.replace("step 3", "step 0"), worker=0)]
+
+
+def test_a_re_form_after_a_lost_worker_does_not_carry_the_failure_over():
+    """Only the generation a re-form made is judged by it: after the next change (a worker dies and
+    the survivors switch), a failure on that step is a worker's again."""
+    state = job((0, 1, 2), generation=1, reformed_after=frozenset({(0, SLIP)}))
+    state, actions = decide(state, seen(exits={2: Exit(-9)}))
+    assert [type(a) for a in actions] == [Drop, Switch] and state.reformed_after == frozenset()
+
+
+IMPORT_FAILED = "worker 1 exited with code 2: felactl worker: model 'job:make': cannot import: No module named 'job'"
+
+
+def launching(**rules) -> State:
+    """A job just launched on nodes ``n`` (worker 0) and ``m`` (worker 1), none started yet."""
+    state = job(other_nodes=("m",), launching=True, rules=dataclasses.replace(RULES, **rules))
+    workers = {**state.workers, 1: Worker("m", "cpu1", "agent-m", beat="1", since=9.0)}
+    return dataclasses.replace(state, workers=workers)
+
+
+def test_a_node_that_cannot_start_fails_the_job_at_once_naming_it():
+    """One node's worker cannot import the job's module: the job fails at once with the node and
+    its worker's line (it failed after 85 s with "generation 1: workers [0] did not switch")."""
+    _, actions = decide(launching(min_nodes=2), seen(exits={1: Exit(2, IMPORT_FAILED.split(": ", 1)[1])}))
+    assert actions == [
+        Fail(
+            f"node 'm' could not start: {IMPORT_FAILED}; the job needs 2 of its 2 nodes and 1 is left (with "
+            "--nnodes 1:2 it goes on without a node that cannot start)",
+            worker=1,
+        )
+    ]
+
+
+def test_with_fewer_nodes_allowed_the_job_goes_on_without_the_node_that_cannot_start():
+    """--nnodes 1:2: the node is left out whole (its other workers too) and the others start without it."""
+    state = launching(min_nodes=1)
+    state = dataclasses.replace(
+        state, members=(0, 1, 2), workers={**state.workers, 2: Worker("m", "cpu2", "agent-m", beat="1", since=9.0)}
+    )
+    state, actions = decide(state, seen(exits={1: Exit(2, IMPORT_FAILED.split(": ", 1)[1])}))
+    left_out = "worker 2: left out with node 'm', which could not start"
+    assert actions == [
+        Drop({1: IMPORT_FAILED, 2: left_out}),
+        Switch(1, (0,), (0, 1, 2), "failure", f"{IMPORT_FAILED}; {left_out}"),
+    ]
+    assert state.launching  # until worker 0 says it started
+
+
+def test_a_worker_lost_once_the_job_started_is_a_workers_failure_again():
+    """Once a member has started (its heartbeat counts steps), a loss is survived as ever."""
+    state, actions = decide(launching(min_nodes=2), seen(started=frozenset({0})))
+    assert actions == [] and not state.launching
+    _, actions = decide(state, seen(exits={1: Exit(-9)}))
+    assert actions == [
+        Drop({1: "worker 1 exited with code -9"}),
+        Switch(1, (0,), (0, 1), "failure", "worker 1 exited with code -9"),
+    ]
+
+
+def test_on_one_node_a_worker_that_cannot_start_fails_the_job_at_once():
+    """The user's optimizer factory raises while the workers start: nothing can go on."""
+    state = job(launching=True)
+    _, actions = decide(state, seen(exits={0: Exit(1, SLIP)}))
+    assert actions == [Fail(f"node 'n' could not start: worker 0 exited with code 1: {SLIP}", worker=0)]

@@ -291,12 +291,13 @@ class LocalWorkerAgent:
         return False
 
     def worker_table(self) -> dict[str, dict]:
-        """Each worker's pid, state and exit code, by its global rank (an elastic worker's id)."""
+        """Each worker's pid, state, exit code and log, by its global rank (an elastic worker's id)."""
         return {
             str(w.global_rank): {
                 "pid": w.pid,
                 "state": w.state.value,
                 "exit_code": w.exit_code,
+                "log": str(w.log_path),
                 **({"failure": last_line(w.log_path)} if w.state is WorkerState.FAILED else {}),
             }
             for w in self.workers

@@ -91,7 +91,14 @@ def launch(
     rdzv_endpoint: Annotated[
         str | None, typer.Option(help="HOST:PORT the control plane listens on (default: loopback, a free port).")
     ] = None,
-    nnodes: Annotated[int, typer.Option(min=1, help="Nodes (agents) to wait for.")] = 1,
+    nnodes: Annotated[
+        str,
+        typer.Option(
+            metavar="N|MIN:MAX",
+            help="Nodes (agents) to wait for: N, or MIN:MAX as torchrun's (an elastic job goes on without "
+            "nodes whose workers cannot start while MIN are left; the plan's nodes are MAX).",
+        ),
+    ] = "1",
     hostfile: Annotated[
         Path | None, typer.Option(help="DeepSpeed-style 'host slots=N' file: start agents over ssh.")
     ] = None,
@@ -151,9 +158,11 @@ def launch(
     from felactl.launcher.launch import LaunchOptions, job_plan
     from felactl.launcher.launch import launch as run_launch
     from felactl.launcher.resume import run_counts
+    from felactl.limits import parse_count_range
     from felactl.spec import save
 
     script_args = ctx.meta.get(SCRIPT_ARGS)
+    min_nodes, max_nodes = parse_count_range("--nnodes", nnodes)
     if script is not None:
         if testbed is not None:
             raise InputError("--testbed: runs a plan's training for now, not --script")
@@ -173,6 +182,7 @@ def launch(
             "--global-batch": global_batch,
             "--micro-batch": micro_batch,
             "--config": config,
+            "--nnodes MIN:MAX": None if min_nodes == max_nodes else nnodes,
         }
         given = [name for name, value in plan_only.items() if value is not None]
         if given:
@@ -186,7 +196,7 @@ def launch(
             run_id=run_id,
             runs_root=runs_root,
             rdzv_endpoint=rdzv_endpoint,
-            nnodes=nnodes,
+            nnodes=max_nodes,
             hostfile=hostfile,
             node_name=node_name,
             as_json=as_json,
@@ -224,7 +234,8 @@ def launch(
         sync=sync,
         **counts,
         rdzv_endpoint=rdzv_endpoint,
-        nnodes=nnodes,
+        nnodes=max_nodes,
+        min_nodes=min_nodes,
         hostfile=hostfile,
         node_name=node_name,
         testbed=testbed,

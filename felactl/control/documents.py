@@ -194,7 +194,10 @@ class StuckDoc(Document):
 
     KIND: ClassVar[DocKind] = DocKind.STUCK
     why: str
+    """The failure in one line, ``Type: message`` (the user's own exception, or a collective's)."""
     unreachable: list[int] = field(default_factory=list)
+    step: int = -1
+    """The step that failed (its 0-based index: the steps done before it); -1: not said."""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from felactl.control.documents import (
     SwitchedDoc,
 )
 from felactl.control.events import record, write_event
+from felactl.control.seal import Opened
 from felactl.errors import InputError, StorageError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS
 from felactl.launcher.controlplane import Coordinator, Member
@@ -67,6 +68,7 @@ from felactl.launcher.membership import (
     StartNewcomers,
     State,
     StopNewcomers,
+    Stuck,
     Switch,
     SwitchAbandoned,
     SwitchDone,
@@ -99,6 +101,8 @@ class ElasticSettings:
     """Worker slots per node; default: GPUs, or for a CPU node its cores."""
     ready_timeout_s: float = 60.0
     switch_timeout_s: float = 60.0
+    min_nodes: int | None = None
+    """Nodes the job needs to start on (the rest may fail to start); None: every node."""
 
 
 class ElasticController:
@@ -144,6 +148,7 @@ class ElasticController:
             ready_timeout_s=settings.ready_timeout_s,
             switch_timeout_s=settings.switch_timeout_s,
             agent_gone_s=AGENT_GONE_S,
+            min_nodes=len(nodes) if settings.min_nodes is None else settings.min_nodes,
             max_nproc_per_node=settings.max_nproc_per_node,
             profile=profile,
             logs=str(run.logs),
@@ -157,6 +162,7 @@ class ElasticController:
             workers=workers,
             agents=agents,
             next_id=len(workers),
+            launching=True,
         )
         self.base = (plan.global_batch, plan.training.lr, len(workers))
         self.answers: dict[str, dict] = {}
@@ -213,7 +219,9 @@ class ElasticController:
             for w in watched
             if table.get(str(w), {}).get("exit_code") is not None
         }
-        heartbeats = {w: beat for w in watched if (beat := self._beat(w)) is not None}
+        beats = {w: opened for w in watched if (opened := self._beat(w)) is not None}
+        heartbeats = {w: str(opened.seq) for w, opened in beats.items()}
+        started = frozenset(w for w, opened in beats.items() if _started(opened.body))
         # Every member's done mark is read (not just until one is missing): every forgery is noticed.
         done = frozenset([w for w in watched if w not in state.done and self._is_done(w)])
         stuck = {} if state.switching is not None else self._stuck_reports()
@@ -234,6 +242,7 @@ class ElasticController:
             agent_beats=agent_beats,
             heartbeats=heartbeats,
             exits=exits,
+            started=started,
             done=done,
             stuck=stuck,
             ready=ready,
@@ -252,23 +261,23 @@ class ElasticController:
         raw = self.reader.raw(keys.agent_beat(agent_id))
         return None if raw is None else raw.decode("utf-8", "replace")
 
-    def _beat(self, wid: int) -> str | None:
-        """The newest valid heartbeat of ``wid`` (its sequence number), else None: a forged or
-        replayed beat does not keep a silent worker alive, and garbage does not make a live one silent."""
-        opened = self.reader.read(keys.heartbeat(wid), HeartbeatDoc.KIND.value)
-        return str(opened.seq) if opened is not None else None
+    def _beat(self, wid: int) -> Opened | None:
+        """The newest valid heartbeat of ``wid``, else None: a forged or replayed beat does not
+        keep a silent worker alive, and garbage does not make a live one silent."""
+        return self.reader.read(keys.heartbeat(wid), HeartbeatDoc.KIND.value)
 
     def _is_done(self, wid: int) -> bool:
         """Whether worker ``wid`` finished its last step: a valid signed ``done`` (a forged one is refused)."""
         return self.reader.read(keys.done(wid), DoneDoc.KIND.value) is not None
 
-    def _stuck_reports(self) -> dict[int, frozenset[int]]:
-        """The members whose step failed in this generation, each with the members it could not reach."""
+    def _stuck_reports(self) -> dict[int, Stuck]:
+        """The members whose step failed in this generation, each with its report."""
         generation, members, reports = self.state.generation, self.state.members, {}
         for w in members:
             doc = self.reader.read_doc(keys.stuck(generation, w), StuckDoc, generation=generation)
             if doc is not None:
-                reports[w] = frozenset(v for v in doc.unreachable if isinstance(v, int) and v in members)
+                unreachable = frozenset(v for v in doc.unreachable if isinstance(v, int) and v in members)
+                reports[w] = Stuck(unreachable, doc.step, doc.why)
         return reports
 
     def _read_reports(self, switching) -> frozenset[int]:
@@ -318,7 +327,9 @@ class ElasticController:
             self._command(wid, {"op": "kill", "worker_id": wid})
 
     def _fail(self, action: Fail) -> None:
-        raise WorkerFailed(action.reason)
+        log_path = None if action.worker is None else self._tables().get(str(action.worker), {}).get("log")
+        node = None if action.worker is None else self.state.workers[action.worker].node
+        raise WorkerFailed(action.reason + (f"; its log: {log_path} (on node {node!r})" if log_path else ""))
 
     def _command(self, wid: int, command: dict) -> None:
         agent_id = self.state.workers[wid].agent_id
@@ -566,6 +577,13 @@ def _planning_failure(exc: Exception) -> str:
     if isinstance(exc, InputError):
         return str(exc)
     return f"re-planning for the new membership failed ({type(exc).__name__}: {exc}); nothing changed"
+
+
+def _started(heartbeat: dict) -> bool:
+    """Whether a heartbeat says its worker has started: it counts its steps done from 0 once its
+    model is built and its group formed (-1 before)."""
+    step = heartbeat.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
 
 
 def _offered_slots(member: Member) -> int:

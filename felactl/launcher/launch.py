@@ -76,6 +76,9 @@ class LaunchOptions:
     checkpoint_every: int = 0
     rdzv_endpoint: str | None = None
     nnodes: int = 1
+    min_nodes: int | None = None
+    """``--nnodes MIN:MAX``'s MIN: the nodes the job needs to start on; an elastic job goes on
+    without nodes whose workers cannot start while this many are left. None: all ``nnodes``."""
     hostfile: Path | None = None
     testbed: str | None = None
     """A testbed that is up (``felactl testbed up``): the plan's nodes are its nodes, each agent runs
@@ -112,6 +115,7 @@ class LaunchOptions:
         if self.keep_checkpoints < 0:
             raise InputError(f"--keep-checkpoints must be >= 0, got {self.keep_checkpoints}")
         check_flag("--nnodes", self.nnodes, limits.COUNT)
+        check_flag("--nnodes", self.min_nodes, limits.Bound(1, self.nnodes, "MIN is at most MAX"))
         if self.testbed is not None:
             given = [
                 flag
@@ -155,6 +159,7 @@ class LaunchOptions:
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             max_nproc_per_node=self.max_nproc_per_node,
             ready_timeout_s=self.join_timeout_s,
+            min_nodes=self.min_nodes,
         )
 
 
@@ -377,12 +382,13 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     else:
         check_nodes(options, nodes, local_node)
         _check_this_machine(options, plan, local_node)
+    elastic = options.elastic and rescalable(plan, sync)
+    _check_min_nodes(options, plan, sync, elastic)
     run, secret = prepare_run(options, plan, resume)
     if (warning := idle_gpus_warning(plan, local_node)) is not None:
         log.warning(warning)
     # Live rescaling covers data-parallel plans of the rescalable sync modes, on CPUs (gloo) and GPUs (NCCL): a
     # newcomer builds its model on its own device before it joins (felactl.agents.worker.elastic).
-    elastic = options.elastic and rescalable(plan, sync)
     state = LaunchState(run=run, plan=plan, sync=sync)
     try:
         coordinator = Coordinator(secret, endpoint=endpoint, job=run.run_id, events=run.events)
@@ -550,6 +556,17 @@ def testbed_for(name: str, nodes: dict[str, tuple[str, ...]], plan_path: Path):
     return bed
 
 
+def _check_min_nodes(options: LaunchOptions, plan: Plan, sync: SyncMode, elastic: bool) -> None:
+    """``--nnodes MIN:MAX`` with MIN < MAX: only a job that survives losing workers goes on without a node."""
+    if options.min_nodes is None or options.min_nodes == options.nnodes or elastic:
+        return
+    raise InputError(
+        f"--nnodes {options.min_nodes}:{options.nnodes}: going on without a node needs live rescaling (a "
+        f"data-parallel plan with sync {' or '.join(m.value for m in RESCALABLE_SYNC)}, not --no-elastic); this "
+        f"job runs {len(plan.stages)} stage(s) with sync {sync.value}"
+    )
+
+
 def check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local_node: str) -> None:
     if options.nnodes > 1 and options.nnodes != len(nodes):
         raise InputError(
@@ -705,10 +722,11 @@ def _watch(
 
 
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
+    node_of = {m.agent_id: m.node_name for m in state.members}
     parts = []
-    for s in failed.values():
+    for agent_id, s in failed.items():
         for rank, line in sorted(s.get("failures", {}).items()):
-            parts.append(f"rank {rank}: {line}")
+            parts.append(f"node {node_of.get(agent_id, agent_id)!r} rank {rank}: {line}")
     return f"worker failed ({'; '.join(parts) or 'no message'}); logs in {state.run.logs}"
 
 

@@ -43,6 +43,9 @@ class Rules:
     agent_gone_s: float = 1.25
     """An agent this long silent when its worker goes silent is taken for gone with it (two
     missed agent beats, and a half for a busy machine)."""
+    min_nodes: int = 1
+    """Nodes the job needs to start on (torchrun's ``--nnodes MIN:MAX``): a node whose workers
+    cannot start fails the job unless this many others are left, which go on without it."""
     max_nproc_per_node: int | None = None
     profile: Mapping[str, tuple[str, ...]] | None = None
     """Node -> its devices in the run's cluster profile; None when the run has no profile (the
@@ -135,6 +138,12 @@ class State:
     deferred: tuple[Request, ...] = ()
     """Requests that came while a change was under way, served in order once it is done."""
     answered: frozenset[str] = frozenset()
+    reformed_after: frozenset[tuple[int, str]] = frozenset()
+    """The failed steps the newest generation was re-formed after, as (step, the failure's line):
+    the same failure on the same step again is the job's, not a worker's."""
+    launching: bool = False
+    """No member has started yet (built its model and formed its group): a member lost now is a
+    node that could not start."""
 
     @property
     def busy(self) -> bool:
@@ -146,6 +155,16 @@ class State:
 class Exit:
     code: int
     failure: str | None = None
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A member's report that its step failed: which step, why (one line), and the members it
+    then could not reach."""
+
+    unreachable: frozenset[int] = frozenset()
+    step: int = -1
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -167,10 +186,11 @@ class Seen:
     """Worker -> its newest valid heartbeat; a worker missing here keeps the beat it had (a
     forged or unreadable beat neither revives a silent worker nor silences a live one)."""
     exits: Mapping[int, Exit] = field(default_factory=dict)
+    started: frozenset[int] = frozenset()
+    """Workers whose heartbeat says they have started (their model built, their group formed)."""
     done: frozenset[int] = frozenset()
-    stuck: Mapping[int, frozenset[int]] = field(default_factory=dict)
-    """The members that said their step failed in the current generation, each with the members
-    it then could not reach."""
+    stuck: Mapping[int, Stuck] = field(default_factory=dict)
+    """The members that said their step failed in the current generation, each with its report."""
     ready: frozenset[int] = frozenset()
     switched: frozenset[int] = frozenset()
     """Members that reported the generation being switched to."""
@@ -276,6 +296,8 @@ class Finish:
 @dataclass(frozen=True)
 class Fail:
     reason: str
+    worker: int | None = None
+    """The worker whose log tells more (the executor adds where that log is)."""
 
 
 Action = (
@@ -336,7 +358,8 @@ def _follow_signs_of_life(state: State, seen: Seen) -> State:
         beat = seen.agent_beats[a.agent_id] if a.agent_id in seen.agent_beats else a.beat
         agents[node] = a if beat == a.beat else dataclasses.replace(a, beat=beat, since=seen.now)
     done = state.done | (seen.done & set(workers))
-    return dataclasses.replace(state, workers=workers, agents=agents, done=done)
+    launching = state.launching and not seen.started & set(state.members)
+    return dataclasses.replace(state, workers=workers, agents=agents, done=done, launching=launching)
 
 
 def _admit_agents(state: State, seen: Seen, actions: list[Action]) -> State:
@@ -369,6 +392,9 @@ def _follow_switch(state: State, seen: Seen, actions: list[Action]) -> State:
     if dead:
         # The switch ends as it stands (recorded with the reports that came) and the survivors
         # switch again without the dead.
+        state, dead = _lost(state, dead, actions)
+        if dead is None:
+            return state
         actions.append(Drop(dead))
         actions.append(SwitchDone(switching.generation, switching.request_id))
         state = _answered(dataclasses.replace(state, switching=None), switching.request_id)
@@ -405,10 +431,16 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
     """Drop the dead; re-form a generation whose collective failed with everyone alive."""
     dead = dead_workers(state, state.members, seen)
     if dead:
+        state, dead = _lost(state, dead, actions)
+        if dead is None:
+            return state
         actions.append(Drop(dead))
         return _switch_without(state, dead, seen.now, actions)
     if not seen.stuck:
         return dataclasses.replace(state, stuck_since=None)
+    repeated = next((w for w in sorted(seen.stuck) if _report(seen.stuck[w]) in state.reformed_after), None)
+    if repeated is not None:
+        return _fail_repeated(state, repeated, seen.stuck[repeated], actions)
     stuck_since = state.stuck_since if state.stuck_since is not None else seen.now
     state = dataclasses.replace(state, stuck_since=stuck_since)
     # Once every member has reported, nobody is dead (the dead report nothing); until then a silent
@@ -416,9 +448,10 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
     everyone = set(seen.stuck) >= set(state.members)
     if not everyone and seen.now - stuck_since <= state.rules.heartbeat_timeout_s:
         return state
-    group = reachable_group(state.members, seen.stuck)
+    unreachable = {w: report.unreachable for w, report in seen.stuck.items()}
+    group = reachable_group(state.members, unreachable)
     if len(group) < len(state.members):
-        cut_off = {w: _partition_reason(w, group, seen.stuck) for w in state.members if w not in group}
+        cut_off = {w: _partition_reason(w, group, unreachable) for w in state.members if w not in group}
         actions.append(Drop(cut_off))
         return _switch_without(state, cut_off, seen.now, actions)
     return _switch(
@@ -428,6 +461,25 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
         seen.now,
         actions,
         reason="a collective failed with every member alive",
+        reformed_after=frozenset(_report(report) for report in seen.stuck.values() if report.why and report.step >= 0),
+    )
+
+
+def _report(stuck: Stuck) -> tuple[int, str]:
+    return stuck.step, stuck.why
+
+
+def _fail_repeated(state: State, wid: int, stuck: Stuck, actions: list[Action]) -> State:
+    """The job re-formed after a failed step and the same step failed the same way again: the
+    failure is the job's (its model, data, loss or optimizer raised), and re-forming would only
+    repeat it. An exception of the user's code is seen here whatever its type (a shape slip is
+    torch's RuntimeError, as a collective's failure is)."""
+    return _fail(
+        state,
+        f"worker {wid}: step {stuck.step} failed again after the job re-formed, the same way: {stuck.why} "
+        "(a failure that repeats on the same step is the job's own code or data, not a worker's)",
+        actions,
+        worker=wid,
     )
 
 
@@ -473,6 +525,35 @@ def _partition_reason(wid: int, group: tuple[int, ...], unreachable: Mapping[int
     )
 
 
+def _lost(state: State, dead: Mapping[int, str], actions: list[Action]) -> tuple[State, Mapping[int, str] | None]:
+    """The workers to drop for the ``dead``: themselves, once the job has started. Before, a
+    worker that failed is a node that could not start (a module it cannot import, a device it
+    lacks): its node is left out whole when ``min_nodes`` others are left, else the job fails at
+    once, naming the node and why (None: it failed)."""
+    if not state.launching:
+        return state, dead
+    failed = [node for node in state.agents if any(state.workers[w].node == node for w in dead)]
+    left = {state.workers[w].node for w in state.members} - set(failed)
+    names = ", ".join(repr(node) for node in failed)
+    why = f"node {names} could not start" if len(failed) == 1 else f"nodes {names} could not start"
+    if len(left) < state.rules.min_nodes:
+        needs = ""
+        if left:
+            total = len(state.agents)
+            needs = (
+                f"; the job needs {state.rules.min_nodes} of its {total} nodes and {len(left)} "
+                f"{'is' if len(left) == 1 else 'are'} left (with --nnodes {len(left)}:{total} it goes on "
+                "without a node that cannot start)"
+            )
+        return _fail(state, f"{why}: {'; '.join(dead.values())}{needs}", actions, worker=min(dead)), None
+    node_of = {w: state.workers[w].node for w in state.members}
+    return state, {
+        w: dead.get(w, f"worker {w}: left out with node {node_of[w]!r}, which could not start")
+        for w in state.members
+        if node_of[w] in failed
+    }
+
+
 def _switch_without(state: State, dead: Mapping[int, str], now: float, actions: list[Action]) -> State:
     survivors = tuple(w for w in state.members if w not in dead)
     reasons = "; ".join(dead.values())
@@ -497,6 +578,7 @@ def _switch(
     policy: ScalingPolicy | None = None,
     request_id: str | None = None,
     if_finished: tuple[int, ...] | None = None,
+    reformed_after: frozenset[tuple[int, str]] = frozenset(),
 ) -> State:
     generation = state.generation + 1
     switching = Switching(
@@ -509,7 +591,9 @@ def _switch(
         if_finished=state.members if if_finished is None else if_finished,
     )
     actions.append(Switch(generation, members, state.members, kind, reason, policy))
-    return dataclasses.replace(state, generation=generation, members=members, switching=switching)
+    return dataclasses.replace(
+        state, generation=generation, members=members, switching=switching, reformed_after=reformed_after
+    )
 
 
 def _follow_newcomers(state: State, seen: Seen, actions: list[Action]) -> State:
@@ -566,7 +650,7 @@ def _undo_change(state: State, reason: str) -> tuple[State, list[Action]]:
     raise ValueError(f"internal: a planning failure with no requested change under way ({reason})")
 
 
-def _fail(state: State, reason: str, actions: list[Action]) -> State:
+def _fail(state: State, reason: str, actions: list[Action], worker: int | None = None) -> State:
     """Fail the job; the requests it will not serve are refused first."""
     waiting = [r for r in state.deferred if r.id not in state.answered]
     if state.starting is not None:
@@ -575,7 +659,7 @@ def _fail(state: State, reason: str, actions: list[Action]) -> State:
         actions.append(Refuse(request.id, FAILED_FIRST, request.command))
     if state.switching is not None and state.switching.request_id is not None:
         actions.append(Refuse(state.switching.request_id, FAILED_FIRST))
-    actions.append(Fail(reason))
+    actions.append(Fail(reason, worker))
     return dataclasses.replace(state, deferred=())
 
 

@@ -64,7 +64,7 @@ from felactl.control.documents import (
 )
 from felactl.control.seal import parse_int
 from felactl.errors import InputError, WorkerFailed
-from felactl.spec import load_plan
+from felactl.spec import Plan, load_plan
 from felactl.spec.executable import RESCALABLE_SYNC, rescalable
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class Heartbeat(threading.Thread):
         self.reader = cfg.reader(raw)
         self.key, self.interval_s = keys.heartbeat(cfg.worker_id), cfg.heartbeat_s
         self.step = -1
+        """This worker's steps done, said in each beat; -1 until it has started (:meth:`ElasticWorker.start`)."""
         self.generation = cfg.generation
         self.docs: dict[int, dict] = {}
         """Generation -> its verified document (what the training thread switches to)."""
@@ -196,7 +197,9 @@ class ElasticWorker(Membership):
         """Wait (up to the store timeout) until every member of ``generation`` is here, so the group
         itself can run with a short collective timeout even when a first start-up is slow. Each
         member says so in a signed document of its own, again while it waits (a counter anyone could
-        move; a deleted document comes back)."""
+        move; a deleted document comes back). Raises :class:`Superseded` when a newer generation is
+        published while some are missing: a member failed before it came (a node that could not
+        start), and the coordinator formed the job without it."""
         deadline = time.monotonic() + self.cfg.timeout_s
         said = 0.0
         while True:
@@ -215,6 +218,8 @@ class ElasticWorker(Membership):
             ]
             if not missing:
                 return
+            if self.heartbeat.generation > generation:
+                raise Superseded(self.heartbeat.generation)
             if time.monotonic() > deadline:
                 raise WorkerFailed(
                     f"worker {self.wid}: only {world_size - len(missing)} of {world_size} members of "
@@ -238,21 +243,63 @@ class ElasticWorker(Membership):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def _form_newest(self, doc: dict) -> tuple[dict, Runtime | None]:
+        """Form the group of ``doc``'s generation, or of the newest one should others come while
+        its members gather; with that generation's document. None: this worker is not in it."""
+        while True:
+            members = [int(m) for m in doc["members"]]
+            if self.wid not in members:
+                return doc, None
+            t = time.perf_counter()
+            try:
+                runtime = self.form(members.index(self.wid), len(members), int(doc["generation"]))
+            except Superseded as newer:
+                doc = self._doc(newer.generation)
+                continue
+            self.form_s = time.perf_counter() - t
+            self.members = members
+            return doc, runtime
+
     # --- start ----------------------------------------------------------------------------------
     def start(self):
-        """Join the job (an original member, or a newcomer) and return the strategy to train with."""
+        """Join the job (an original member, or a newcomer) and return the strategy to train with.
+        The model, its optimizer and a resume's state are ready before the members gather, so
+        what fails in the user's code fails before any peer waits on this worker."""
         self.heartbeat.start()
         if self.cfg.join:
-            return self._start_as_newcomer()
+            strategy = self._start_as_newcomer()
+        else:
+            strategy = self._start_as_member()
+        self.heartbeat.step = self.step  # said in the next beat: this worker has started
+        return strategy
+
+    def _start_as_member(self):
         plan, bundle = load_checked(self.cfg)
         _check_plan(plan)
-        self.members = list(range(self.cfg.world_size))
-        runtime = self.form(self.cfg.rank, self.cfg.world_size, self.generation)
-        self.trainer = Trainer(runtime, plan, bundle, metrics_rank=self.wid)
+        self.trainer = Trainer(self._placeholder_runtime(plan), plan, bundle, metrics_rank=self.wid)
+        self.trainer.restore()
+        launch = {"generation": self.generation, "members": list(range(self.cfg.world_size)), "kind": "launch"}
+        doc, runtime = self._form_newest(launch)
+        if runtime is None:
+            raise WorkerFailed(
+                f"worker {self.wid}: the job went on without this worker (generation {doc['generation']})"
+            )
+        if doc is not launch:  # a node could not start: the others start in the generation without it
+            plan = load_plan(doc["plan"])
+        self.trainer.rebind(runtime, plan)
+        self.trainer.sync_replicas()
+        if doc is not launch:
+            return self._replicate_and_wrap(plan, doc, self.last_step_end, stayed=True)
         self._join_loop()
-        self.trainer.begin()
         self.strategy = strategy_for(plan)(self.trainer)
         return self.strategy
+
+    def _placeholder_runtime(self, plan: Plan) -> Runtime:
+        """Where the trainer is built for ``plan`` before its group exists: on its device, at this
+        worker's rank in the plan (a newcomer's, which learns its own later: 0)."""
+        cfg = self.cfg if not self.cfg.join else dataclasses.replace(self.cfg, rank=0, world_size=len(plan.devices))
+        backend, device = choose_device(cfg)
+        return Runtime(cfg, self.kv, backend, device, self.raw)
 
     def _join_loop(self) -> None:
         self.trainer.agreement = self
@@ -277,22 +324,17 @@ class ElasticWorker(Membership):
         """Everything slow happens here, while the others train: import, build the model and its
         optimizer, open the data, run one warm-up forward and backward; then say ready and wait."""
         template = load_plan(self.cfg.plan_path)
-        backend, device = choose_device(self.cfg)  # the model is built where it will train, before the join
-        placeholder = Runtime(
-            dataclasses.replace(self.cfg, rank=0, world_size=len(template.devices)), self.kv, backend, device, self.raw
-        )
-        self.trainer = Trainer(placeholder, template, metrics_rank=self.wid)
+        self.trainer = Trainer(self._placeholder_runtime(template), template, metrics_rank=self.wid)
         _warm_up(self.trainer)
         self.reader.write(
             keys.ready(self.wid), ReadyDoc.KIND.value, ReadyDoc(pid=os.getpid(), time=time.time()).to_body()
         )
-        doc = self._wait_generation(after=-1, timeout_s=self.cfg.timeout_s, must_include=True)
-        members = [int(m) for m in doc["members"]]
-        t = time.perf_counter()
-        runtime = self.form(members.index(self.wid), len(members), int(doc["generation"]))
-        self.form_s = time.perf_counter() - t
+        doc, runtime = None, None
+        while runtime is None:  # a generation that lists it, formed (a newer one may come while it gathers)
+            after = -1 if doc is None else int(doc["generation"])
+            doc = self._wait_generation(after=after, timeout_s=self.cfg.timeout_s, must_include=True)
+            doc, runtime = self._form_newest(doc)
         plan = load_plan(doc["plan"])
-        self.members = members
         self.trainer.rebind(runtime, plan)
         self.trainer.steps_done = -1  # behind everyone: replication hands it the state
         return self._replicate_and_wrap(plan, doc, time.perf_counter(), stayed=False)
@@ -324,20 +366,17 @@ class ElasticWorker(Membership):
         raise WorkerFailed(f"worker {self.wid}: no new membership generation within {timeout_s:g} s")
 
     def switch(self, doc: dict):
-        """Move to ``doc``'s generation; None when this worker is not in it (it leaves)."""
+        """Move to ``doc``'s generation (or a newer one, should a member fail to come); None when
+        this worker is not in it (it leaves)."""
         self._drop_group()
-        members = [int(m) for m in doc["members"]]
-        generation = int(doc["generation"])
-        if self.wid not in members:
+        doc, runtime = self._form_newest(doc)
+        if runtime is None:
+            generation = int(doc["generation"])
             self.reader.write(
                 keys.left(generation, self.wid), LeftDoc.KIND.value, LeftDoc(self.step).to_body(), generation=generation
             )
             return None
-        t = time.perf_counter()
-        runtime = self.form(members.index(self.wid), len(members), generation)
-        self.form_s = time.perf_counter() - t
         plan = load_plan(doc["plan"])
-        self.members = members
         self.trainer.rebind(runtime, plan)
         return self._replicate_and_wrap(plan, doc, self.last_step_end, stayed=True)
 
@@ -465,7 +504,7 @@ class ElasticWorker(Membership):
         self.reader.write(
             keys.stuck(self.generation, self.wid),
             StuckDoc.KIND.value,
-            StuckDoc(why, [] if decided else unreachable(self._peer_probes())).to_body(),
+            StuckDoc(why, [] if decided else unreachable(self._peer_probes()), step=self.step).to_body(),
             generation=self.generation,
         )
 
@@ -501,6 +540,14 @@ class ElasticWorker(Membership):
         self.heartbeat.stopped.set()
         self.probe.close()
         self._drop_group()
+
+
+class Superseded(Exception):
+    """A newer generation was published while the members of one gathered."""
+
+    def __init__(self, generation: int):
+        super().__init__(f"generation {generation} was published")
+        self.generation = generation
 
 
 def _sever_peer_connections(store_port: int) -> None:

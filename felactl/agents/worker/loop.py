@@ -17,13 +17,17 @@ Two kinds of strategy:
 
 from __future__ import annotations
 
+import sys
+import textwrap
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from felactl.agents.worker.engine import Trainer
 from felactl.control import keys
+from felactl.errors import FelactlError
 
 DATA_KEY = keys.DATA_NEXT
 """The store counter modes at their own pace claim samples from (counted from the start position)."""
@@ -189,7 +193,8 @@ class Membership:
     """Whether a failed step (a peer died or hung) is recovered from; a fixed job fails with it."""
 
     def after_failure(self, why: str) -> Any:
-        """A step failed (a peer died or hung, ``why``): the change to recover with."""
+        """A step failed (a peer died or hung, or the user's code raised; ``why``: the exception
+        in one line): the change to recover with."""
         raise NotImplementedError
 
     def switch(self, change: Any) -> Strategy | None:
@@ -200,16 +205,23 @@ class Membership:
 
 def train(trainer: Trainer, strategy: Strategy, membership: Membership | None = None) -> bool:
     """The loop: every sync mode, every plan shape, joins, leaves and failures. Returns False
-    when this worker left the job on the way (a scale-in removed it)."""
+    when this worker left the job on the way (a scale-in removed it).
+
+    A membership that survives failures is told of any exception a step raises but felactl's
+    own (which end the worker): a collective's RuntimeError (a peer died or hung) looks like the
+    user's own ``RuntimeError`` (a shape slip in ``loss_fn``), and which it was is not told here
+    but by whether it repeats (the coordinator's decision)."""
     membership = membership or Membership()
     while True:
         failed = None
         try:
             change = _steps(trainer, strategy, membership)
-        except RuntimeError as exc:  # a peer died or hung: this step did not complete here
-            if not membership.survives_failures:
+        except Exception as exc:  # this step did not complete here
+            if not membership.survives_failures or isinstance(exc, FelactlError):
                 raise
-            failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            failed = failure_line(exc)
+            # Indented, so that the log's last traceback stays the one the worker may end with.
+            print(textwrap.indent(traceback.format_exc(), "  "), file=sys.stderr, end="", flush=True)
         if failed is not None:
             # Outside the ``except`` and with the strategy dropped, so that neither the traceback
             # nor this frame keeps the failed group's DDP alive while the job re-forms.
@@ -221,6 +233,11 @@ def train(trainer: Trainer, strategy: Strategy, membership: Membership | None = 
         strategy = membership.switch(change)
         if strategy is None:
             return False
+
+
+def failure_line(exc: BaseException) -> str:
+    """An exception in one line, as Python's traceback ends: ``RuntimeError: The size of ...``."""
+    return "".join(traceback.format_exception_only(exc)).strip().splitlines()[0]
 
 
 def _steps(trainer: Trainer, strategy: Strategy, membership: Membership) -> Any | None:
