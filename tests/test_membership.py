@@ -733,6 +733,7 @@ def test_a_node_that_cannot_start_fails_the_job_at_once_naming_it():
             f"node 'm' could not start: {IMPORT_FAILED}; the job needs 2 of its 2 nodes and 1 is left (with "
             "--nnodes 1:2 it goes on without a node that cannot start)",
             worker=1,
+            bad_input=True,  # the job's module is not importable there: the user's to fix
         )
     ]
 
@@ -768,3 +769,20 @@ def test_on_one_node_a_worker_that_cannot_start_fails_the_job_at_once():
     state = job(launching=True)
     _, actions = decide(state, seen(exits={0: Exit(1, SLIP)}))
     assert actions == [Fail(f"node 'n' could not start: worker 0 exited with code 1: {SLIP}", worker=0)]
+
+
+SHORT = "felactl worker: model 'job:make': its dataset has 10 sample(s), fewer than the global batch of 64"
+
+
+def test_workers_that_all_refuse_their_input_at_start_fail_the_job_as_bad_input_said_once():
+    """Issue 30 item 6a: a plan whose global batch its dataset cannot fill is refused by every
+    worker (exit 2) before it starts: the launch says so once, as bad input (exit 2), not as
+    "worker 0 exited ...: X; worker 1 exited ...: X", exit 1."""
+    state = dataclasses.replace(job(launching=True), members=(0, 1))
+    state = dataclasses.replace(
+        state, workers={**state.workers, 1: Worker("n", "cpu1", "agent-n", beat="1", since=9.0)}
+    )
+    _, actions = decide(state, seen(exits={0: Exit(2, SHORT), 1: Exit(2, SHORT)}))
+    assert actions == [Fail(f"node 'n' could not start: workers 0, 1 exited with code 2: {SHORT}", 0, bad_input=True)]
+    _, actions = decide(state, seen(exits={0: Exit(2, SHORT), 1: Exit(1, SLIP)}))
+    assert [a.bad_input for a in actions] == [False]  # one of them failed otherwise

@@ -201,3 +201,41 @@ def test_the_size_a_built_in_is_refused_at_is_this_machines_memory(monkeypatch):
         models.build("gpt-mini", config)
     monkeypatch.setattr(machine, "memory_bytes", lambda: need)
     models.build("gpt-mini", config)
+
+
+@pytest.mark.multiprocess
+def test_a_plans_launch_whose_dataset_is_shorter_than_its_batch_exits_2_saying_it_once(tmp_path, no_leftovers):
+    """Each worker refuses the plan before it starts (exit 2, above); the launch says so once, as
+    bad input: it ended with exit 1 and the line once per worker."""
+    from felactl.spec import ModelRef, data_parallel_plan, save
+
+    source = "_user_models:few_samples"
+    plan = data_parallel_plan(
+        model=ModelRef(name=source, source=source),
+        num_layers=1,
+        devices=["cpu0", "cpu1"],
+        global_batch=64,
+        micro_batch=32,
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "felactl",
+            "launch",
+            str(save(plan, tmp_path / "plan.yaml")),
+            "--steps",
+            "3",
+            "--runs-root",
+            str(tmp_path / "runs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("felactl: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].count(SHORT_DATA) == 1, errors[0]

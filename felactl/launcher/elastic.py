@@ -329,7 +329,8 @@ class ElasticController:
     def _fail(self, action: Fail) -> None:
         log_path = None if action.worker is None else self._tables().get(str(action.worker), {}).get("log")
         node = None if action.worker is None else self.state.workers[action.worker].node
-        raise WorkerFailed(action.reason + (f"; its log: {log_path} (on node {node!r})" if log_path else ""))
+        reason = action.reason + (f"; its log: {log_path} (on node {node!r})" if log_path else "")
+        raise InputError(reason) if action.bad_input else WorkerFailed(reason)
 
     def _command(self, wid: int, command: dict) -> None:
         agent_id = self.state.workers[wid].agent_id

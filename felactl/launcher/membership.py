@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from felactl.control import EventKind
-from felactl.errors import InputError
+from felactl.errors import EXIT_BAD_INPUT, InputError
 from felactl.launcher.scale_plan import ScalingPolicy
 
 
@@ -298,6 +298,9 @@ class Fail:
     reason: str
     worker: int | None = None
     """The worker whose log tells more (the executor adds where that log is)."""
+    bad_input: bool = False
+    """Every worker that failed refused its input (exit 2) before it started (a global batch its
+    dataset cannot fill): the launch ends as bad input, exit 2."""
 
 
 Action = (
@@ -392,7 +395,7 @@ def _follow_switch(state: State, seen: Seen, actions: list[Action]) -> State:
     if dead:
         # The switch ends as it stands (recorded with the reports that came) and the survivors
         # switch again without the dead.
-        state, dead = _lost(state, dead, actions)
+        state, dead = _lost(state, dead, seen, actions)
         if dead is None:
             return state
         actions.append(Drop(dead))
@@ -431,7 +434,7 @@ def _follow_members(state: State, seen: Seen, actions: list[Action]) -> State:
     """Drop the dead; re-form a generation whose collective failed with everyone alive."""
     dead = dead_workers(state, state.members, seen)
     if dead:
-        state, dead = _lost(state, dead, actions)
+        state, dead = _lost(state, dead, seen, actions)
         if dead is None:
             return state
         actions.append(Drop(dead))
@@ -525,7 +528,9 @@ def _partition_reason(wid: int, group: tuple[int, ...], unreachable: Mapping[int
     )
 
 
-def _lost(state: State, dead: Mapping[int, str], actions: list[Action]) -> tuple[State, Mapping[int, str] | None]:
+def _lost(
+    state: State, dead: Mapping[int, str], seen: Seen, actions: list[Action]
+) -> tuple[State, Mapping[int, str] | None]:
     """The workers to drop for the ``dead``: themselves, once the job has started. Before, a
     worker that failed is a node that could not start (a module it cannot import, a device it
     lacks): its node is left out whole when ``min_nodes`` others are left, else the job fails at
@@ -545,13 +550,27 @@ def _lost(state: State, dead: Mapping[int, str], actions: list[Action]) -> tuple
                 f"{'is' if len(left) == 1 else 'are'} left (with --nnodes {len(left)}:{total} it goes on "
                 "without a node that cannot start)"
             )
-        return _fail(state, f"{why}: {'; '.join(dead.values())}{needs}", actions, worker=min(dead)), None
+        refused = all(w in seen.exits and seen.exits[w].code == EXIT_BAD_INPUT for w in dead)
+        failed_state = _fail(state, f"{why}: {_said_once(dead)}{needs}", actions, worker=min(dead), bad_input=refused)
+        return failed_state, None
     node_of = {w: state.workers[w].node for w in state.members}
     return state, {
         w: dead.get(w, f"worker {w}: left out with node {node_of[w]!r}, which could not start")
         for w in state.members
         if node_of[w] in failed
     }
+
+
+def _said_once(dead: Mapping[int, str]) -> str:
+    """The workers' reasons, each said once: ``workers 0, 1 exited with code 2: <line>`` where
+    several workers failed alike (every worker of a job refuses the same input)."""
+    alike: dict[str, list[int]] = {}
+    for wid, reason in sorted(dead.items()):
+        alike.setdefault(reason.removeprefix(f"worker {wid} "), []).append(wid)
+    return "; ".join(
+        f"worker {wids[0]} {rest}" if len(wids) == 1 else f"workers {', '.join(map(str, wids))} {rest}"
+        for rest, wids in alike.items()
+    )
 
 
 def _switch_without(state: State, dead: Mapping[int, str], now: float, actions: list[Action]) -> State:
@@ -650,7 +669,9 @@ def _undo_change(state: State, reason: str) -> tuple[State, list[Action]]:
     raise ValueError(f"internal: a planning failure with no requested change under way ({reason})")
 
 
-def _fail(state: State, reason: str, actions: list[Action], worker: int | None = None) -> State:
+def _fail(
+    state: State, reason: str, actions: list[Action], worker: int | None = None, bad_input: bool = False
+) -> State:
     """Fail the job; the requests it will not serve are refused first."""
     waiting = [r for r in state.deferred if r.id not in state.answered]
     if state.starting is not None:
@@ -659,7 +680,7 @@ def _fail(state: State, reason: str, actions: list[Action], worker: int | None =
         actions.append(Refuse(request.id, FAILED_FIRST, request.command))
     if state.switching is not None and state.switching.request_id is not None:
         actions.append(Refuse(state.switching.request_id, FAILED_FIRST))
-    actions.append(Fail(reason, worker))
+    actions.append(Fail(reason, worker, bad_input))
     return dataclasses.replace(state, deferred=())
 
 
