@@ -64,20 +64,24 @@ def _env(tmp_path, **extra):
     return env
 
 
-def test_from_env_reads_overrides(tmp_path):
-    cfg = from_env(
-        _env(tmp_path, FELACTL_SYNC="wbsp", FELACTL_OVERLAP="1", FELACTL_SLOWDOWN="1=3,0=2", FELACTL_STEPS="7")
-    )
+def test_from_env_reads_the_workers_settings(tmp_path):
+    cfg = from_env(_env(tmp_path, FELACTL_SLOWDOWN="1=3,0=2", FELACTL_STEPS="7"))
     assert (cfg.rank, cfg.local_rank, cfg.steps, cfg.slowdown, cfg.host_store) == (1, 1, 7, 3.0, False)
+
+
+def test_the_plan_is_the_one_source_of_the_sync_mode(tmp_path):
+    """``--sync`` travels once, in the run's copy of the plan: an old environment variable that
+    named another mode changes nothing."""
+    cfg = from_env(_env(tmp_path, FELACTL_SYNC="wbsp", FELACTL_OVERLAP="1"))
     plan = cfg.load_plan()
-    assert plan.sync.mode.value == "wbsp" and plan.sync.overlap is True
+    assert plan.sync.mode.value == "bsp" and plan.sync.overlap is False
 
 
 @pytest.mark.parametrize(
     "extra,fragment",
     [
         ({"RANK": "2"}, "< WORLD_SIZE"),
-        ({"FELACTL_SYNC": "ssp"}, "FELACTL_SYNC"),
+        ({"FELACTL_BACKEND": "mpi"}, "FELACTL_BACKEND"),
         ({"FELACTL_STEPS": "0"}, ">= 1"),
         ({"FELACTL_STORE": "nohost"}, "host:port"),
         ({"FELACTL_PLAN": ""}, "FELACTL_PLAN"),

@@ -251,8 +251,6 @@ def worker_env(
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
     env["FELACTL_BACKEND"] = plan_backend(plan)
-    if options.sync is not None:
-        env["FELACTL_SYNC"] = options.sync.value
     if options.slowdown:
         env["FELACTL_SLOWDOWN"] = options.slowdown
     if options.straggler:

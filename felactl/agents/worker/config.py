@@ -13,9 +13,6 @@
 | ``FELACTL_CHECKPOINT_EVERY`` | checkpoint every K steps (0: never) | 0 |
 | ``FELACTL_SLOWDOWN`` | ``RANK=FACTOR[,RANK=FACTOR]`` | none |
 | ``FELACTL_STRAGGLER`` | ``roundrobin:SECONDS`` or ``prob:P:SECONDS`` | none |
-| ``FELACTL_SYNC`` | overrides ``plan.sync.mode`` (bsp, tokens, wbsp, sdpipe) | plan |
-| ``FELACTL_OVERLAP`` | overrides ``plan.sync.overlap`` (WBSP), 0 or 1 | plan |
-| ``FELACTL_TOKEN_POLICY`` | overrides ``plan.sync.token_policy`` | plan |
 | ``FELACTL_BACKEND`` | ``gloo`` or ``nccl`` (the launcher sets it from the plan's placement) | gloo |
 | ``FELACTL_TIMEOUT_S`` | collective and store timeout | 120 |
 | ``FELACTL_ELASTIC`` | 1: train data parallel under live rescaling (felactl.agents.worker.elastic) | 0 |
@@ -33,14 +30,14 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from felactl.agents.worker.stragglers import Pattern, parse_pattern, parse_slowdown
 from felactl.control import Reader, Seal, job_binding
 from felactl.control.events import EVENTS_FILE, RefusalLog
 from felactl.errors import InputError
-from felactl.spec import Plan, SyncMode, load_plan
+from felactl.spec import Plan, load_plan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,9 +57,6 @@ class WorkerConfig:
     checkpoint_every: int = 0
     slowdown: float = 1.0
     pattern: Pattern | None = None
-    sync: SyncMode | None = None
-    overlap: bool | None = None
-    token_policy: str | None = None
     backend: str | None = None
     timeout_s: float = 120.0
     elastic: bool = False
@@ -98,20 +92,14 @@ class WorkerConfig:
         return self.run_dir / EVENTS_FILE
 
     def load_plan(self) -> Plan:
-        """The plan with the environment's overrides applied."""
+        """The plan, this worker's one source for the sync mode, the batch and the stages (the
+        launcher writes ``--sync`` into the run's copy), checked against ``WORLD_SIZE``."""
         plan = load_plan(self.plan_path)
         if len(plan.devices) != self.world_size:
             raise InputError(
                 f"{self.plan_path}: plan has {len(plan.devices)} devices but WORLD_SIZE is {self.world_size}"
             )
-        sync = plan.sync
-        if self.sync is not None:
-            sync = replace(sync, mode=self.sync)
-        if self.overlap is not None:
-            sync = replace(sync, overlap=self.overlap)
-        if self.token_policy is not None:
-            sync = replace(sync, token_policy=self.token_policy)
-        return replace(plan, sync=sync)
+        return plan
 
 
 _REFUSAL_LOGS: dict[tuple[Path, int], RefusalLog] = {}
@@ -165,8 +153,6 @@ def from_env(env: Mapping[str, str] | None = None) -> WorkerConfig:
         if not env.get(name):
             raise InputError(f"{name} is not set")
     host, port, host_store = _address(env, rank)
-    sync = _choice(env, "FELACTL_SYNC", tuple(m.value for m in SyncMode))
-    overlap = _choice(env, "FELACTL_OVERLAP", ("0", "1"))
     return WorkerConfig(
         rank=rank,
         local_rank=_int(env, "LOCAL_RANK", default=rank),
@@ -182,9 +168,6 @@ def from_env(env: Mapping[str, str] | None = None) -> WorkerConfig:
         checkpoint_every=_int(env, "FELACTL_CHECKPOINT_EVERY", default=0),
         slowdown=parse_slowdown(env.get("FELACTL_SLOWDOWN")).get(rank, 1.0),
         pattern=parse_pattern(env.get("FELACTL_STRAGGLER")),
-        sync=SyncMode(sync) if sync else None,
-        overlap=None if overlap is None else overlap == "1",
-        token_policy=_choice(env, "FELACTL_TOKEN_POLICY", ("ads", "hf", "ads+hf")),
         backend=_choice(env, "FELACTL_BACKEND", ("gloo", "nccl")),
         timeout_s=float(_int(env, "FELACTL_TIMEOUT_S", default=120, minimum=1)),
         elastic=env.get("FELACTL_ELASTIC") == "1",
