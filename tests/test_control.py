@@ -295,7 +295,7 @@ def test_the_arrival_barrier_counts_signed_arrivals_only_and_names_the_missing_o
     import time
     from types import SimpleNamespace
 
-    from felactl.agents.worker.elastic import ElasticWorker
+    from felactl.agents.worker.elastic import ElasticMembership
     from felactl.errors import WorkerFailed
 
     store = _Store()
@@ -308,12 +308,12 @@ def test_the_arrival_barrier_counts_signed_arrivals_only_and_names_the_missing_o
     )
     store.set("p/" + keys.arrived(4, 1), json.dumps({"worker_id": 1}))  # forged: member 1 is not here
     with pytest.raises(WorkerFailed, match=r"only 1 of 2 members of generation 4 .*elastic/arrived/4/1"):
-        ElasticWorker._arrive(member, 4, 0, 2)
+        ElasticMembership._arrive(member, 4, 0, 2)
     other = Reader(Seal(SECRET, JOB), store, "p/")
     threading.Timer(0.2, lambda: other.write(keys.arrived(4, 1), "arrived", {"worker_id": 1}, generation=4)).start()
     member.cfg.timeout_s = 5
     started = time.monotonic()
-    ElasticWorker._arrive(member, 4, 0, 2)
+    ElasticMembership._arrive(member, 4, 0, 2)
     assert 0.15 < time.monotonic() - started < 2
 
 
@@ -323,7 +323,7 @@ def test_the_arrival_gives_up_once_a_newer_generation_is_published():
     store timeout, and the job failed after 85 s with "did not switch")."""
     from types import SimpleNamespace
 
-    from felactl.agents.worker.elastic import ElasticWorker, Superseded
+    from felactl.agents.worker.elastic import ElasticMembership, Superseded
 
     member = SimpleNamespace(
         reader=Reader(Seal(SECRET, JOB), _Store(), "p/"),
@@ -333,7 +333,7 @@ def test_the_arrival_gives_up_once_a_newer_generation_is_published():
         heartbeat=SimpleNamespace(generation=1),  # the heartbeat thread saw generation 1's document
     )
     with pytest.raises(Superseded) as raised:
-        ElasticWorker._arrive(member, 0, 0, 2)
+        ElasticMembership._arrive(member, 0, 0, 2)
     assert raised.value.generation == 1
 
 

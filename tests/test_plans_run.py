@@ -14,7 +14,7 @@ from test_executable import BUILTIN_SPECS, cpu_cluster
 from typer.testing import CliRunner
 
 from felactl.agents.worker.config import from_env
-from felactl.agents.worker.main import load_checked
+from felactl.agents.worker.membership import load_checked
 from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.optimizer.planner import make_plan

@@ -22,6 +22,7 @@ from felactl.agents.worker import engine
 from felactl.agents.worker.checkpoint import checkpoint_path
 from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.fixed import FixedMembership
 from felactl.agents.worker.runtime import Runtime
 from felactl.launcher.resume import pick_checkpoint
 from felactl.launcher.rundir import RunDir, read_jsonl
@@ -49,7 +50,7 @@ def one_worker(tmp_path):
     sigint = signal.getsignal(signal.SIGINT)  # the trainer's drain takes SIGINT; pytest keeps its own
     try:
         runtime = Runtime(cfg, dist.HashStore(), "gloo", torch.device("cpu"), dist.HashStore())
-        yield Trainer(runtime, cfg.load_plan())
+        yield Trainer(runtime, cfg.load_plan(), membership=FixedMembership(cfg))
     finally:
         signal.signal(signal.SIGINT, sigint)
 

@@ -8,7 +8,8 @@ replica the single-process gradient: BSP semantics.
 
 The user's :class:`felactl.TrainJob` sits behind these methods: :meth:`Trainer.batch` is its
 ``collate_fn`` over its ``dataset``, :meth:`Trainer.compute` its ``loss_fn`` (under its autocast),
-:meth:`Trainer.optimizer_step` its clipping, optimizer and LR scheduler.
+:meth:`Trainer.optimizer_step` its clipping, optimizer and LR scheduler. What a step needs to know
+about who is in the job, the trainer asks its worker's membership (:mod:`.membership_view`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from felactl.agents.worker.checkpoint import (
     save_checkpoint,
 )
 from felactl.agents.worker.drain import Drain
+from felactl.agents.worker.membership_view import MembershipView
 from felactl.agents.worker.metrics import MetricsWriter
 from felactl.agents.worker.runtime import Runtime
 from felactl.agents.worker.stages import Placement, held_stages, micro_batches, place
@@ -94,12 +96,20 @@ class ComputeResult:
 
 class Trainer:
     def __init__(
-        self, runtime: Runtime, plan: Plan, bundle: models.ModelBundle | None = None, metrics_rank: int | None = None
+        self,
+        runtime: Runtime,
+        plan: Plan,
+        *,
+        membership: MembershipView,
+        bundle: models.ModelBundle | None = None,
+        metrics_rank: int | None = None,
     ):
-        """``bundle``: the model already built (a newcomer builds it before it knows its rank);
+        """``membership``: the worker's (what the trainer and its strategy ask about who is in the
+        job); ``bundle``: the model already built (a newcomer builds it before it knows its rank);
         ``metrics_rank``: the id its metrics carry (an elastic worker's stable id), default the rank."""
         self.runtime = runtime
         self.plan = plan
+        self.membership = membership
         self.placement: Placement = place(plan, runtime.rank)
         stage = plan.stages[self.placement.stage]
         self.micro_batch = stage.micro_batch
@@ -120,18 +130,6 @@ class Trainer:
         self.steps_done, self.data_position = 0, 0
         """The last completed step (steps done) and the data position after it."""
         self.checkpointed_at: int | None = None
-        self.checkpoint_extra: dict[str, Any] = {}
-        """What every checkpoint records besides the state (an elastic job: its membership)."""
-        self.interrupted: Callable[[], bool] = lambda: False
-        """Whether a strategy waiting on the others through the store should give up (raise
-        RuntimeError, as a collective with a dead peer does): an elastic job re-forms without a
-        member that died."""
-        self.in_lockstep = True
-        """Whether every rank does every step together (its strategy says: not WBSP, SDPipe)."""
-        self.agreement = None
-        """Values the members agree on at each step's arrival (their maximum): an object with
-        ``proposals() -> list[float]`` and ``agreed(values)``, or None. BSP carries them in the
-        all-reduce it does anyway (an elastic job's newest generation)."""
         # The job's store, not a generation's: a drain asked before a rescale reaches every member
         self.drain = Drain(runtime.cfg.reader(runtime._raw))
         cfg = runtime.cfg
@@ -180,14 +178,25 @@ class Trainer:
         for part, state in zip(self.parts, states):
             if part.scheduler is not None and "lr_scheduler" in state:
                 part.scheduler.load_state_dict(state["lr_scheduler"])
-        self.start_step, self.start_position = int(states[0]["step"]), int(states[0]["data_position"])
-        self.steps_done, self.data_position = self.start_step, self.start_position
+        self.start_at(int(states[0]["step"]), int(states[0]["data_position"]))
         self.checkpointed_at = self.start_step
+
+    def start_at(self, step: int, data_position: int) -> None:
+        """Go on from ``step`` (steps done) at ``data_position``: a resume's checkpoint, or the
+        state a new generation's members agreed on (a newcomer holds none yet: step -1)."""
+        self.start_step = self.steps_done = step
+        self.start_position = self.data_position = data_position
+
+    def adopt_position(self, data_position: int) -> None:
+        """The run reached ``data_position`` (a mode at its own pace: its claimed samples are
+        trained); such modes keep a fixed global batch, so a step is ``position // batch``."""
+        self.data_position = data_position
+        self.steps_done = data_position // self.global_batch
 
     def wait_for_key(self, store: dist.Store, key: str) -> None:
         """Block until another worker sets ``key``. A writer that died never sets it: give up as a
-        collective with a dead peer does (RuntimeError) once the members changed under the wait,
-        and fail after the store timeout."""
+        collective with a dead peer does (RuntimeError) once the members changed under the wait
+        (an elastic job re-forms without a member that died), and fail after the store timeout."""
         deadline = time.monotonic() + self.runtime.cfg.timeout_s
         while True:
             try:
@@ -206,7 +215,7 @@ class Trainer:
                 self._give_up_if_stuck(deadline, what)
 
     def _give_up_if_stuck(self, deadline: float, what: str) -> None:
-        if self.interrupted():
+        if self.membership.members_changed():
             raise RuntimeError(f"worker {self.worker_id}: {what}, and the job's members changed")
         if time.monotonic() > deadline:
             raise WorkerFailed(f"worker {self.worker_id}: {what} within {self.runtime.cfg.timeout_s:g} s")
@@ -329,7 +338,7 @@ class Trainer:
         samples are in (``at_step``): a worker makes as many local steps as its speed allows, so
         its scheduler is brought to that step before the update instead of stepped after it."""
         if self.job.max_grad_norm is not None:
-            self.clip_gradients(self.job.max_grad_norm)
+            self.clip_gradients(self.job.max_grad_norm, across_stages=at_step is None)
         for part in self.parts:
             if at_step is not None and part.scheduler is not None:
                 _advance_scheduler(part.scheduler, at_step)
@@ -338,7 +347,7 @@ class Trainer:
                 part.scheduler.step()
             part.optimizer.zero_grad(set_to_none=True)
 
-    def clip_gradients(self, max_norm: float) -> float:
+    def clip_gradients(self, max_norm: float, across_stages: bool = True) -> float:
         """Scale the gradients so that the whole model's L2 norm is at most ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does; returns the norm before clipping.
 
@@ -346,10 +355,10 @@ class Trainer:
         ``tokens`` (every rank steps together, its stages' gradients already summed, so each
         replica of a stage holds the same): every rank adds its stages' squared norms, each
         divided by the stage's replicas, in one allreduce over all ranks: the global norm.
-        Under ``wbsp`` and ``sdpipe`` pipelines, whose stages step at their own pace, each stage
-        clips its own norm."""
+        Under ``wbsp`` and ``sdpipe`` pipelines, whose stages step at their own pace
+        (``across_stages=False``), each stage clips its own norm."""
         params = [p for part in self.parts for p in part.module.parameters()]
-        global_norm = len(self.plan.stages) > 1 and self.in_lockstep
+        global_norm = len(self.plan.stages) > 1 and across_stages
         if global_norm:
             sq = sum(
                 (grad_sq_norm(part.module.parameters()) / len(part.ranks) for part in self.parts), torch.zeros(())
@@ -446,7 +455,7 @@ class Trainer:
                 optimizer=part.optimizer,
                 step=self.steps_done,
                 data_position=self.data_position,
-                extra={**self.checkpoint_extra, **scheduler},
+                extra={**self.membership.checkpoint_extra(), **scheduler},
             )
         except STORAGE_ERRORS as exc:
             checkpoint_not_written(cfg.events, worker=self.worker_id, step=self.steps_done, path=path, exc=exc)
@@ -459,8 +468,9 @@ class Trainer:
         if self.steps_done > 0 and self.checkpointed_at != self.steps_done:
             self.checkpoint()
 
-    def finish(self, wall_s: float) -> None:
-        """Write this worker's summary (``workers/rank<R>.json``) and close the metrics file."""
+    def finish(self, wall_s: float, extra: dict[str, Any] | None = None) -> None:
+        """Write this worker's summary (``workers/rank<R>.json``, with ``extra``) and close the
+        metrics file."""
         summary = {
             "rank": self.worker_id,
             "stage": self.placement.stage,
@@ -470,6 +480,7 @@ class Trainer:
             "param_checksum": float(self.flat_params().double().sum()),
             "buffer_checksum": sum(float(b.double().sum()) for part in self.parts for b in part.module.buffers()),
             **self.totals,
+            **(extra or {}),
         }
         path = self.runtime.cfg.run_dir / "workers" / f"rank{self.worker_id}.json"
         try:

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.loop import Lockstep, StepResult, Work
 from felactl.agents.worker.pipeline import MAX_DIMS
+from felactl.agents.worker.strategy import Lockstep, StepResult, Work
 from felactl.agents.worker.sync.token_policy import Token, TokenDAG, TokenServer, token_samples
 from felactl.control import keys
 from felactl.spec import Plan

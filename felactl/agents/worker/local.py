@@ -114,8 +114,8 @@ def _wait_all(procs: list[subprocess.Popen], logs: list, deadline: float) -> Non
 
 
 def _stacks(proc: subprocess.Popen, log) -> str:
-    """A stuck worker's threads' stacks: workers dump them on SIGUSR1 (``faulthandler``, in
-    ``elastic.run_elastic``), which lands in the log; a hang seen once in CI left an empty log and
+    """A stuck worker's threads' stacks: every worker dumps them on SIGUSR1 (``faulthandler``, in
+    ``main.run_worker``), which lands in the log; a hang seen once in CI left an empty log and
     nothing to go on."""
     try:
         proc.send_signal(signal.SIGUSR1)

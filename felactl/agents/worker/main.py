@@ -1,50 +1,38 @@
-"""One worker's life: connect, build, train with the plan's sync mode, write its summary."""
+"""One worker's life: ``membership.start() -> train(trainer, strategy, membership) -> membership.finish()``.
+
+Every worker runs this one sequence; what differs between a job of fixed members and an elastic
+one is the :class:`~felactl.agents.worker.membership.Membership` it runs it with, chosen here
+from its settings (``FELACTL_ELASTIC``, which the agent sets from its assignment).
+"""
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import time
+from typing import Any
 
-import torch.distributed as dist
-
-from felactl import models
-from felactl.agents.worker import runtime as runtime_mod
 from felactl.agents.worker.config import WorkerConfig
-from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.elastic import ElasticMembership
+from felactl.agents.worker.fixed import FixedMembership
 from felactl.agents.worker.loop import train
-from felactl.agents.worker.stages import stage_rank_sets
-from felactl.agents.worker.strategies import strategy_for
-from felactl.spec import Plan
-from felactl.spec.executable import check_executable
+from felactl.agents.worker.membership import Membership
 
 
-def load_checked(cfg: WorkerConfig) -> tuple[Plan, models.ModelBundle]:
-    """The plan (with the environment's overrides) and its model, refused (InputError) before
-    this worker connects to anyone unless the runtime can execute the one on the other."""
-    plan = cfg.load_plan()
-    bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
-    bundle.check_global_batch(plan.global_batch)
-    check_executable(plan, bundle.layer_params(), where=str(cfg.plan_path))
-    return plan, bundle
+def membership_for(cfg: WorkerConfig) -> Membership:
+    """The membership this worker runs: elastic when its agent says the job is elastic."""
+    return ElasticMembership(cfg) if cfg.elastic else FixedMembership(cfg)
 
 
-def run_worker(cfg: WorkerConfig) -> dict:
-    if cfg.elastic:
-        from felactl.agents.worker.elastic import run_elastic
-
-        return run_elastic(cfg)
-    plan, bundle = load_checked(cfg)
-    runtime = runtime_mod.start(cfg)
+def run_worker(cfg: WorkerConfig) -> dict[str, Any]:
+    """Join the job, train to the end (or until this worker leaves it), write the summary; returns
+    this worker's totals."""
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: where is a stuck worker?
+    membership = membership_for(cfg)
     try:
-        runtime.make_groups(stage_rank_sets(plan))
-        trainer = Trainer(runtime, plan, bundle)
-        trainer.begin()
-        dist.barrier()
+        trainer, strategy = membership.start()
         start = time.perf_counter()
-        train(trainer, strategy_for(plan)(trainer))
-        wall_s = time.perf_counter() - start
-        trainer.final_checkpoint()
-        trainer.finish(wall_s)
-        dist.barrier()
-        return dict(trainer.totals, wall_s=wall_s)
+        finished = train(trainer, strategy, membership)
+        return membership.finish(finished, time.perf_counter() - start)
     finally:
-        runtime.close()
+        membership.close()

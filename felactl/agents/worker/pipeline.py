@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.loop import AtOwnPace, Lockstep, StepResult, Work
 from felactl.agents.worker.stages import micro_batches, stage_rank_sets
+from felactl.agents.worker.strategy import AtOwnPace, Lockstep, StepResult, Work
 from felactl.agents.worker.sync.bsp import allreduce_grads, arrive
 from felactl.agents.worker.sync.sdpipe import SDPipeSync
 from felactl.agents.worker.sync.trees import stage_trees
@@ -169,7 +169,7 @@ class Pipeline(Lockstep):
         t = self.trainer
         it = PipelineStep(t, self.prev, self.next)
         it.run(list(work.indices), t.global_batch)
-        wait_s = it.wait_s + (arrive(self.group, t.runtime.device) if self.replicated else 0.0)
+        wait_s = it.wait_s + (arrive(self.group, t.runtime.device)[0] if self.replicated else 0.0)
         comm_s = allreduce_grads(t, self.group, self.trees) if self.replicated else 0.0
         t.optimizer_step()
         return StepResult(

@@ -9,6 +9,9 @@ group of members that all reach one another (:func:`felactl.launcher.membership.
 
 A probe is a plain TCP handshake, which the kernel completes from the listen backlog: it needs no
 CPU time of the peer's Python, so a busy peer is not mistaken for a lost one.
+
+The other way round, a worker whose step failed closes its own connections to its peers at once
+(:func:`sever_peer_connections`), so that those still blocked on it fail now, not at a timeout.
 """
 
 from __future__ import annotations
@@ -90,3 +93,25 @@ def unreachable(peers: Mapping[int, str], timeout_s: float = PROBE_TIMEOUT_S) ->
         answers = list(pool.map(lambda wa: (wa[0], reaches(wa[1], timeout_s)), attempts))
     reached = {w for w, ok in answers if ok}
     return sorted(set(peers) - reached)
+
+
+def sever_peer_connections(store_port: int) -> None:
+    """Shut down this process's TCP connections to its peers (all but the store's): a survivor
+    blocked in a collective waiting on *this* worker then fails at once instead of after the
+    collective timeout. Destroying the group alone does not do it while gloo still holds the
+    pairs of the failed operation."""
+    import psutil
+
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.raddr.port == store_port:
+            continue
+        if conn.laddr and conn.laddr.port == store_port:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(conn.fd))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+        except OSError:
+            pass

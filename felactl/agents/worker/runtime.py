@@ -1,9 +1,10 @@
 """The worker's connection to the job: the control-plane store and the process groups.
 
 Everything lives under a store prefix per membership generation (``<prefix>/gen<G>/``): the
-default process group rendezvous there, and so do the token buckets, the WBSP data position and
-the SDPipe scheduler. Live rescaling (next issue) bumps the generation and re-forms everything
-under a fresh prefix; nothing here assumes the world size stays fixed across generations.
+default process group rendezvous there (:func:`form_group`, the one place a worker's groups are
+formed), and so do the token buckets, the WBSP data position and the SDPipe scheduler. Live
+rescaling bumps the generation and re-forms everything under a fresh prefix; nothing here
+assumes the world size stays fixed across generations.
 """
 
 from __future__ import annotations
@@ -133,17 +134,23 @@ def choose_device(cfg: WorkerConfig) -> tuple[str, torch.device]:
     return "nccl", device
 
 
-def start(cfg: WorkerConfig) -> Runtime:
-    """Connect to the store and rendezvous the default process group of this generation."""
-    raw = connect_store(cfg.store_host, cfg.store_port, is_master=cfg.host_store, timeout_s=cfg.timeout_s)
-    prefix = keys.generation_namespace(cfg.store_prefix, cfg.generation)
-    store = dist.PrefixStore(prefix, raw)
+def form_group(cfg: WorkerConfig, raw: dist.TCPStore, *, timeout_s: float) -> Runtime:
+    """Rendezvous the default process group of ``cfg``'s generation (its rank and world size) on
+    the job's store ``raw``, its collectives timing out after ``timeout_s``: every worker's groups
+    are formed here, a fixed job's once and an elastic job's at each generation."""
+    store = dist.PrefixStore(keys.generation_namespace(cfg.store_prefix, cfg.generation), raw)
     backend, device = choose_device(cfg)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("pg", store),
         rank=cfg.rank,
         world_size=cfg.world_size,
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     return Runtime(cfg, store, backend, device, raw)
+
+
+def start(cfg: WorkerConfig) -> Runtime:
+    """Connect to the store and rendezvous the default process group of this generation."""
+    raw = connect_store(cfg.store_host, cfg.store_port, is_master=cfg.host_store, timeout_s=cfg.timeout_s)
+    return form_group(cfg, raw, timeout_s=cfg.timeout_s)

@@ -1,7 +1,7 @@
 """Which strategy trains a plan: the one table of the runtime's sync modes.
 
 A plan's shape (:func:`felactl.spec.executable.execution`) and its sync mode pick a
-:class:`~felactl.agents.worker.loop.Strategy`; :func:`felactl.agents.worker.loop.train` runs it.
+:class:`~felactl.agents.worker.strategy.Strategy`; :func:`felactl.agents.worker.loop.train` runs it.
 Adding a mode is one class and one row here (and, for the planner, a ``SyncMode`` value). The
 table holds only what :func:`felactl.spec.executable.check_executable` lets through.
 """
@@ -9,8 +9,8 @@ table holds only what :func:`felactl.spec.executable.check_executable` lets thro
 from __future__ import annotations
 
 from felactl.agents.worker.flexible import Flexible
-from felactl.agents.worker.loop import Strategy
 from felactl.agents.worker.pipeline import Pipeline, PipelineSDPipe
+from felactl.agents.worker.strategy import Strategy
 from felactl.agents.worker.sync.bsp import BSP
 from felactl.agents.worker.sync.sdpipe import SDPipe
 from felactl.agents.worker.sync.tokens import Tokens

@@ -20,21 +20,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from felactl.agents.worker.ddp import wrap_replica
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.loop import Lockstep, StepResult, Work
+from felactl.agents.worker.membership_view import MembershipView
 from felactl.agents.worker.stages import split_by_shares
+from felactl.agents.worker.strategy import Lockstep, StepResult, Work
 from felactl.agents.worker.sync.trees import TreeAllreduce, ddp_hook, stage_trees
 
 
-def arrive(group, device: torch.device, agreement=None) -> float:
-    """Block until every member of ``group`` arrived; returns the seconds waited. With an
-    ``agreement`` (values each member proposes, see :class:`felactl.agents.worker.engine.Trainer`),
-    the one-element all-reduce carries them and every member learns their maximum, at no extra cost."""
+def arrive(group, device: torch.device, proposal: float = 0.0) -> tuple[float, float]:
+    """Block until every member of ``group`` arrived; returns the seconds waited and the largest
+    ``proposal`` of any member: the one-element all-reduce carries it at no extra cost."""
     start = time.perf_counter()
-    values = torch.tensor(agreement.proposals() if agreement else [0.0], device=device)
+    values = torch.tensor([proposal], device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    if agreement:
-        agreement.agreed(values.tolist())
-    return time.perf_counter() - start
+    return time.perf_counter() - start, float(values.item())
 
 
 def allreduce_grads(trainer: Trainer, group, trees: TreeAllreduce | None = None) -> float:
@@ -78,30 +76,40 @@ def settle_buckets(ddp: DistributedDataParallel | None) -> None:
 
 class BSP(Lockstep):
     """Every replica computes its share of each step; the stage's gradients are summed (inside
-    DDP's backward where it fits, else in one flat allreduce) before the optimizer step."""
+    DDP's backward where it fits, else in one flat allreduce) before the optimizer step.
 
-    agrees_at_arrival = True
+    In an elastic job, each step's arrival also carries the newest generation each member has
+    seen, so the members agree to switch after the same step at no extra cost."""
 
     def __init__(self, trainer: Trainer):
         super().__init__(trainer)
         self.group = trainer.runtime.group(trainer.placement.stage_ranks)
         self.ddp = data_parallel(trainer, self.group, init_sync=False)  # begin() or replication made them agree
         self.trees = stage_trees(trainer.plan, trainer.placement.stage, trainer.runtime.rank, self.group)
+        self.seen_generation = trainer.membership.generation
+        """The newest generation any member had seen at the last step's arrival."""
 
     def step(self, work: Work) -> StepResult:
-        t, device = self.trainer, self.trainer.runtime.device
+        t = self.trainer
         if self.ddp is not None:
-            result = t.compute(
-                work.indices,
-                weight_by=t.global_batch,
-                ddp=self.ddp,
-                before_last=lambda: arrive(self.group, device, t.agreement),
-            )
+            result = t.compute(work.indices, weight_by=t.global_batch, ddp=self.ddp, before_last=self._arrive)
             wait_s, comm_s = result.waited_s, 0.0
         else:
             result = t.compute(work.indices, weight_by=t.global_batch)
-            wait_s = arrive(self.group, device, t.agreement)
+            wait_s = self._arrive()
             comm_s = allreduce_grads(t, self.group, self.trees)
         t.optimizer_step()
         settle_buckets(self.ddp)
         return StepResult(result.samples, result.loss_sum, result.compute_s, comm_s, wait_s)
+
+    def _arrive(self) -> float:
+        """The arrival before the step's gradients are summed, proposing the newest generation
+        this member has seen; returns the seconds waited."""
+        membership = self.trainer.membership
+        wait_s, seen = arrive(self.group, self.trainer.runtime.device, float(membership.newest_generation()))
+        self.seen_generation = int(seen)
+        return wait_s
+
+    def generation_to_switch_to(self, membership: MembershipView) -> int | None:
+        """The newest generation any member had seen at this step's arrival, if newer."""
+        return self.seen_generation if self.seen_generation > membership.generation else None

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.loop import AtOwnPace, StepResult, Work
+from felactl.agents.worker.strategy import AtOwnPace, StepResult, Work
 from felactl.agents.worker.sync.groups import GroupScheduler
 from felactl.control import keys
 

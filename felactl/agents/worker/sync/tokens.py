@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.loop import Lockstep, StepResult, Work
 from felactl.agents.worker.stages import split_by_shares
+from felactl.agents.worker.strategy import Lockstep, StepResult, Work
 from felactl.agents.worker.sync.buckets import GradBuckets
 from felactl.agents.worker.sync.token_policy import SubBucketView, choose_victim, token_samples
 from felactl.agents.worker.sync.trees import stage_trees
@@ -112,7 +112,7 @@ class StoreTokenBucket:
         interrupted: Callable[[], bool] = lambda: False,
     ):
         """``interrupted()``: whether to give up a wait on the others (a member died: an elastic
-        job re-forms without it, see :attr:`Trainer.interrupted`)."""
+        job re-forms without it, see :meth:`MembershipView.members_changed`)."""
         if num_tokens >= STEAL:
             raise ValueError(f"{num_tokens} tokens per iteration is too many (at most {STEAL - 1})")
         self.store = store
@@ -406,7 +406,7 @@ class Tokens(Lockstep):
             plan.sync.token_policy,
             max_lag=skip_ahead_limit(grad_bytes, len(placement.stage_ranks), runtime.forms_member_groups),
             timeout_s=runtime.cfg.timeout_s,
-            interrupted=trainer.interrupted,
+            interrupted=trainer.membership.members_changed,
         )
         trainer.drain.margin = self.bucket.max_lag + 2  # members may be max_lag iterations ahead
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.loop import AtOwnPace, StepResult, Work
+from felactl.agents.worker.strategy import AtOwnPace, StepResult, Work
 
 PUSH, DONE = 1, 2
 TAG_HEADER, TAG_DELTA, TAG_REPLY, TAG_MODEL = 11, 12, 13, 14
