@@ -439,6 +439,32 @@ def test_felactls_workers_get_the_secret_in_their_environment_a_users_script_doe
     assert secret not in repr(ours)
 
 
+def test_which_membership_a_worker_runs_comes_from_its_assignment(tmp_path):
+    """An elastic job and a fixed one are started with the same environment; the launcher says
+    which in one typed field of the assignment, and the agent tells its workers (as it tells them
+    their RANK), never by reading an environment string the launcher wrote."""
+    from types import SimpleNamespace
+
+    from _worker_helpers import dp_plan
+
+    from felactl.agents.agent import NodeAgentConfig, _worker_spec
+    from felactl.control.documents import Assignment
+    from felactl.launcher.controlplane import Member
+    from felactl.launcher.launch import assign_ranks
+
+    session = SimpleNamespace(host="127.0.0.1", port=1, prefix="felactl/r/0/", worker_env=lambda: {})
+    config = NodeAgentConfig(endpoint="127.0.0.1:1", secret="s", node_name="n", nproc=1, log_dir=tmp_path)
+    elastic = Assignment(rank_offset=0, world_size=1, module="felactl.agents.worker", elastic=True)
+    fixed = Assignment(rank_offset=0, world_size=1, module="felactl.agents.worker")
+    assert _worker_spec(config, session, elastic).env["FELACTL_ELASTIC"] == "1"
+    assert "FELACTL_ELASTIC" not in _worker_spec(config, session, fixed).env
+    plan = dp_plan(2)
+    member = Member(agent_id="a1", node_name="box", num_slots=2, hostname="box")
+    nodes = {"box": tuple(plan.devices)}
+    assert assign_ranks(plan, [member], nodes, {}, elastic=True)["a1"].elastic
+    assert not assign_ranks(plan, [member], nodes, {})["a1"].elastic
+
+
 def test_an_agent_started_in_a_testbed_node_takes_the_node_s_name(tmp_path, monkeypatch):
     """README's recipe, `felactl testbed exec NODE -- felactl agent ...` without --node-name: the
     agent is NODE (the testbed's exec sets FELACTL_TESTBED_NODE), not the host's name, so that

@@ -467,7 +467,7 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
         spec = _worker_spec(config, session, assignment)
         session.report(WorkerState.HEALTHY.value, attempt=assignment.attempt)
         agent = LocalWorkerAgent(spec)
-        if assignment.env.get("FELACTL_ELASTIC") == "1":
+        if assignment.elastic:
             result = _run_elastic(agent, session, config)
         else:
             result = agent.run(should_stop=lambda a=assignment: session.stop_requested() or _superseded(session, a))
@@ -507,6 +507,7 @@ def _worker_spec(config: NodeAgentConfig, session, assignment) -> WorkerSpec:
             "FELACTL_NODE_NAME": config.node_name,
             # felactl's workers verify and sign documents; a user's script gets no secret
             **(session.worker_env() if assignment.module else {}),
+            **({"FELACTL_ELASTIC": "1"} if assignment.elastic else {}),
         },
         cpu_affinity=config.cpu_affinity,
         local_ranks=tuple(assignment.local_indices) if len(assignment.local_indices) == nproc else (),

@@ -95,6 +95,11 @@ class Assignment:
     max_restarts: int = 0
     """Attempts after the first the coordinator may start: until then an agent whose workers ended
     waits for the next attempt (or the stop)."""
+    elastic: bool = False
+    """The coordinator changes this job's members while it trains (the one place a job says so):
+    the agent takes its ``add`` and ``kill`` commands and runs until the stop order, a worker that
+    ends does not end the group, and its workers run the elastic membership (the agent tells them
+    ``FELACTL_ELASTIC=1``)."""
 
 
 @dataclass(frozen=True)

@@ -300,7 +300,12 @@ class ElasticController:
     # --- doing ------------------------------------------------------------------------------------
     def _admit_agent(self, action: AdmitAgent) -> None:
         self.joined[action.agent_id] = Assignment(
-            rank_offset=0, world_size=1, module=self.worker_module, env=dict(self.worker_env), num_workers=0
+            rank_offset=0,
+            world_size=1,
+            module=self.worker_module,
+            env=dict(self.worker_env),
+            num_workers=0,
+            elastic=True,
         )
         self.coordinator.publish_assignments(self.joined)
         record(

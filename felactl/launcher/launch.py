@@ -199,9 +199,10 @@ def node_devices(plan: Plan, local_node: str) -> dict[str, tuple[str, ...]]:
 
 
 def assign_ranks(
-    plan: Plan, members: list[Member], nodes: dict[str, tuple[str, ...]], env: dict[str, str]
+    plan: Plan, members: list[Member], nodes: dict[str, tuple[str, ...]], env: dict[str, str], *, elastic: bool = False
 ) -> dict[str, Assignment]:
-    """Give each member the ranks of its node's devices (pure; every mismatch is an InputError)."""
+    """Give each member the ranks of its node's devices (pure; every mismatch is an InputError);
+    ``elastic``: the coordinator rescales the job (:attr:`Assignment.elastic`)."""
     by_node = {m.node_name: m for m in members}
     missing = [n for n in nodes if n not in by_node]
     if missing:
@@ -225,6 +226,7 @@ def assign_ranks(
             module=WORKER_MODULE,
             env=dict(env),
             local_indices=local_indices,
+            elastic=elastic,
         )
     return assignments
 
@@ -235,10 +237,10 @@ def worker_env(
     plan: Plan,
     store_endpoint: str,
     *,
-    elastic: bool = False,
     resume: ResumePoint | None = None,
 ) -> dict[str, str]:
-    """The FELACTL_* variables every worker reads (see felactl.agents.worker.config)."""
+    """The FELACTL_* variables every worker reads (see felactl.agents.worker.config), the same for
+    a job of fixed members and an elastic one (which its assignments say, :func:`assign_ranks`)."""
     env = {
         "FELACTL_PLAN": str(run.plan.resolve()),
         "FELACTL_RUN_DIR": str(run.path.resolve()),
@@ -246,6 +248,8 @@ def worker_env(
         "FELACTL_STEPS": str(options.steps),
         "FELACTL_CHECKPOINT_EVERY": str(options.checkpoint_every),
         "FELACTL_TIMEOUT_S": str(int(options.timeout_s)),
+        "FELACTL_COLLECTIVE_TIMEOUT_S": str(options.collective_timeout_s),
+        "FELACTL_HEARTBEAT_S": str(min(0.5, options.heartbeat_timeout_s / 4)),
         # A user's own script calling init_process_group("env://") connects to our store as a
         # client instead of trying to host one on MASTER_PORT (torchrun's agent does the same).
         "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -260,12 +264,6 @@ def worker_env(
             FELACTL_PLAN=str(resume.plan_path.resolve()),
             FELACTL_RESUME_FROM=str(resume.checkpoint.resolve()),
             FELACTL_GENERATION=str(resume.generation),
-        )
-    if elastic:
-        env.update(
-            FELACTL_ELASTIC="1",
-            FELACTL_COLLECTIVE_TIMEOUT_S=str(options.collective_timeout_s),
-            FELACTL_HEARTBEAT_S=str(min(0.5, options.heartbeat_timeout_s / 4)),
         )
     return env
 
@@ -421,7 +419,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     with supervised(coordinator, agents, run, heartbeat, drain_s=options.drain_s):
         agents.start()
         state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
-        env = worker_env(options, run, plan, coordinator.endpoint, elastic=elastic, resume=resume)
+        env = worker_env(options, run, plan, coordinator.endpoint, resume=resume)
         controller = None
         if elastic:
             controller = ElasticController(
@@ -435,7 +433,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
                 plan_path=resume.plan_path if resume else run.plan,
                 worker=(WORKER_MODULE, env),
             )
-        coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env))
+        coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env, elastic=elastic))
         record(
             run.events,
             EventKind.START,

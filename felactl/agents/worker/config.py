@@ -15,7 +15,7 @@
 | ``FELACTL_STRAGGLER`` | ``roundrobin:SECONDS`` or ``prob:P:SECONDS`` | none |
 | ``FELACTL_BACKEND`` | ``gloo`` or ``nccl`` (the launcher sets it from the plan's placement) | gloo |
 | ``FELACTL_TIMEOUT_S`` | collective and store timeout | 120 |
-| ``FELACTL_ELASTIC`` | 1: train data parallel under live rescaling (felactl.agents.worker.elastic) | 0 |
+| ``FELACTL_ELASTIC`` | 1: the elastic membership (felactl.agents.worker.elastic); the agent sets it from its assignment's ``elastic`` | 0 |
 | ``FELACTL_WORKER_ID`` | elastic: this worker's id, stable across generations (metrics' ``rank``) | RANK |
 | ``FELACTL_JOIN`` | elastic: 1 for a newcomer (RANK/WORLD_SIZE are placeholders until it is admitted) | 0 |
 | ``FELACTL_RESUME_FROM`` | a checkpoint file to start from (``felactl launch --resume``) | none |
