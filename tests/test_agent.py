@@ -420,7 +420,7 @@ def test_felactls_workers_get_the_secret_in_their_environment_a_users_script_doe
     write) from their agent's memory, never through the store; a user's ``--script`` gets none."""
     from types import SimpleNamespace
 
-    from felactl.agents.agent import NodeAgentConfig, _worker_spec
+    from felactl.agents.node import NodeAgentConfig, _worker_spec
     from felactl.control.documents import Assignment
     from felactl.launcher.controlplane import new_secret
 
@@ -447,7 +447,7 @@ def test_which_membership_a_worker_runs_comes_from_its_assignment(tmp_path):
 
     from _worker_helpers import dp_plan
 
-    from felactl.agents.agent import NodeAgentConfig, _worker_spec
+    from felactl.agents.node import NodeAgentConfig, _worker_spec
     from felactl.control.documents import Assignment
     from felactl.launcher.controlplane import Member
     from felactl.launcher.launch import assign_ranks

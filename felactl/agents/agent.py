@@ -11,12 +11,14 @@ Workers are ``python -m <module> [args]`` (felactl's own workers) or ``python <s
 runs under the agent the same way it runs under torchrun. Each worker gets its own session
 (process group): stopping kills the whole group, grandchildren included, and nothing the agent
 started outlives it, even when a worker dies during start-up or ``start`` itself fails half-way.
+
+The agent that joins a job on the control plane and runs this one for it is
+:mod:`felactl.agents.node`; starting an agent elsewhere (ssh, a testbed node) is at the end here.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 import os
 import signal
 import subprocess
@@ -30,8 +32,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from felactl.control import keys
-from felactl.control.documents import CommandDoc
-from felactl.errors import ControlPlaneError, InputError
+from felactl.errors import InputError
 
 if TYPE_CHECKING:
     from felactl.agents.session import StopOrder
@@ -423,193 +424,14 @@ def _existing(pids: set[int]) -> list[psutil.Process]:
     return procs
 
 
-# --- an agent that takes its work from the control plane -----------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class NodeAgentConfig:
-    """How a node joins a job: where the coordinator is, the secret, and what this node offers."""
-
-    endpoint: str
-    secret: str
-    node_name: str
-    nproc: int
-    log_dir: Path
-    node_info: dict = field(default_factory=dict)
-    cpu_affinity: tuple[tuple[int, ...], ...] | None = None
-    job: str | None = "job"
-    """The job's name on the control plane; None: the one the coordinator runs."""
-    generation: int = 0
-    join_timeout_s: float = 60.0
-
-
-def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = lambda agent_id: None) -> RunResult:
-    """Join the coordinator (proving the secret), run the assigned workers, report how they ended.
-
-    A job with restarts (``felactl launch --script --max-restarts N``) runs in attempts: when the
-    coordinator publishes the next attempt, this node's workers are stopped (a failure elsewhere)
-    or have ended, and the next attempt's are started. Raises AuthError when the secret is refused,
-    ControlPlaneError when the coordinator cannot be reached; the workers are stopped when the
-    coordinator says so or disappears.
-    """
-    from felactl.agents.session import AgentSession
-
-    session = AgentSession(
-        config.endpoint, config.secret, job=config.job, generation=config.generation, timeout_s=config.join_timeout_s
-    )
-    agent_id = session.join(config.node_name, config.nproc, config.node_info)
-    session.reader.on_refused = _refusal_log(config.log_dir, session.reader.on_refused)
-    on_joined(agent_id)
-    try:
-        assignment = session.wait_assignment(config.join_timeout_s, alive=lambda: _raise_if_stopped(session))
-    except ControlPlaneError as exc:
-        _report_quietly(session, WorkerState.STOPPED.value, message=str(exc))
-        raise
-    while True:
-        spec = _worker_spec(config, session, assignment)
-        session.report(WorkerState.HEALTHY.value, attempt=assignment.attempt)
-        agent = LocalWorkerAgent(spec)
-        if assignment.elastic:
-            result = _run_elastic(agent, session, config)
-        else:
-            result = agent.run(should_stop=lambda a=assignment: session.stop_requested() or _superseded(session, a))
-        _report_quietly(
-            session,
-            result.state.value,
-            failures={str(k): v for k, v in result.failures.items()},
-            exit_codes={str(k): v for k, v in result.exit_codes.items()},
-            failed_at={str(k): v for k, v in result.failed_at.items()},
-            attempt=assignment.attempt,
-            log_dir=str(config.log_dir),
-        )
-        if assignment.attempt >= assignment.max_restarts:
-            return result
-        # No deadline: another node's workers may train on for long; the stop order (or the
-        # coordinator's loss) ends the wait. (join_timeout_s here failed healthy multi-node jobs.)
-        assignment = session.wait_attempt(assignment.attempt + 1, math.inf)
-        if assignment is None:  # the coordinator stopped the job
-            return result
-
-
-def _worker_spec(config: NodeAgentConfig, session, assignment) -> WorkerSpec:
-    nproc = config.nproc if assignment.num_workers is None else assignment.num_workers
-    return WorkerSpec(
-        module=assignment.module,
-        script=assignment.script,
-        args=tuple(assignment.args),
-        nproc=nproc,
-        world_size=assignment.world_size,
-        rank_offset=assignment.rank_offset,
-        master_addr=session.host,
-        master_port=assignment.rendezvous_port or session.port,
-        log_dir=config.log_dir,
-        env={
-            **assignment.env,
-            "FELACTL_STORE_PREFIX": session.prefix,
-            "FELACTL_NODE_NAME": config.node_name,
-            # felactl's workers verify and sign documents; a user's script gets no secret
-            **(session.worker_env() if assignment.module else {}),
-            **({"FELACTL_ELASTIC": "1"} if assignment.elastic else {}),
-        },
-        cpu_affinity=config.cpu_affinity,
-        local_ranks=tuple(assignment.local_indices) if len(assignment.local_indices) == nproc else (),
-    )
-
-
-def _superseded(session, assignment) -> StopOrder | None:
-    """A stop order when the coordinator has published the next attempt (a worker failed somewhere)."""
-    from felactl.agents.session import StopOrder
-
-    if assignment.attempt >= assignment.max_restarts:
-        return None
-    if session.attempt_published(assignment.attempt + 1):
-        return StopOrder("restart")
-    return None
-
-
-def _refusal_log(log_dir: Path, say: Callable[[str, str], None]) -> Callable[[str, str], None]:
-    """Forgeries this agent ignores are said on stderr, and recorded as ``refused`` events too
-    where the run's events.jsonl is beside its log directory (the launch's own agent; a node
-    that shares the runs directory)."""
-    from felactl.control.events import RefusalLog
-
-    events = Path(log_dir).parent / "events.jsonl"
-    if not events.is_file():
-        return say
-    record = RefusalLog(events, by="agent")
-
-    def both(key: str, reason: str) -> None:
-        say(key, reason)
-        record(key, reason)
-
-    return both
-
-
-def _report_quietly(session, state: str, **details) -> None:
-    try:
-        session.report(state, **details)
-    except RuntimeError:
-        pass  # the coordinator is gone; nobody to tell
-
-
-def _raise_if_stopped(session) -> None:
-    order = session.stop_requested()
-    if order is not None:
-        raise ControlPlaneError(f"the coordinator stopped the job before it started: {order.reason}")
-
-
-# --- elastic jobs: the coordinator adds and kills workers while the group runs --------------------
+# --- the agent's side of its protocol with the coordinator ----------------------------------------
 AGENT_BEAT_S = 0.5
-
-
-def _run_elastic(agent: LocalWorkerAgent, session, config: NodeAgentConfig) -> RunResult:
-    """Start the assigned workers, then follow the coordinator's signed commands (``add``, ``kill``)
-    and report every worker's state; a worker that ends does not end the group — the coordinator
-    re-forms the job without it — and the agent runs until the coordinator says stop."""
-    try:
-        agent.start()
-        reported, last_beat = None, 0.0
-        while True:
-            if time.monotonic() - last_beat >= AGENT_BEAT_S:
-                session.beat()
-                last_beat = time.monotonic()
-            for command in _pop_commands(session):
-                if command.get("op") == "add":
-                    agent.add_worker(int(command["worker_id"]), dict(command.get("env", {})))
-                elif command.get("op") == "kill":
-                    agent.kill_worker(int(command["worker_id"]))
-            agent.monitor()
-            table = agent.worker_table()
-            if table != reported:
-                session.report(WorkerState.HEALTHY.value, workers=table)
-                reported = table
-            order = session.stop_requested()
-            if order is not None:
-                agent.stop(drain_s=order.drain_s)
-                result = agent._result()
-                state = WorkerState.SUCCEEDED if order.reason == "finished" else result.state
-                return RunResult(state=state, exit_codes=result.exit_codes, failures=result.failures)
-            time.sleep(agent.spec.monitor_interval_s)
-    finally:
-        agent.stop()
+"""How often an agent of an elastic job says it is alive (the coordinator judges silence by it)."""
 
 
 def command_queue(prefix: str, agent_id: str) -> str:
+    """The store queue where the coordinator puts its signed commands to agent ``agent_id``."""
     return prefix + keys.agent_commands(agent_id)
-
-
-def _pop_commands(session) -> list[dict]:
-    """The coordinator's pending commands to this agent; forged or replayed ones are dropped (and said so)."""
-    name = keys.agent_commands(session.agent_id)
-    queue = session.prefix + name
-    commands = []
-    while session.store.queue_len(queue) > 0:
-        raw = session.store.queue_pop(queue, block=False)
-        opened = session.reader.open(name, raw, CommandDoc.KIND.value)
-        if opened is not None:
-            try:
-                commands.append(CommandDoc.from_body(opened.body).to_body())
-            except ValueError as exc:
-                print(f"felactl agent: dropped a malformed command: {exc}", file=sys.stderr)
-    return commands
 
 
 # --- starting an agent elsewhere (ssh, a testbed node) -----------------------------------

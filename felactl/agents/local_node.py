@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from felactl.agents.agent import NodeAgentConfig, RunResult, WorkerState, run_node_agent, split_cores
+from felactl.agents.agent import RunResult, WorkerState, split_cores
+from felactl.agents.node import NodeAgentConfig, run_node_agent
 from felactl.machine import available_cores, node_info, short_hostname
 
 
