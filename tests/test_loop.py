@@ -130,7 +130,7 @@ class FakeMembership(Membership):
     def members_changed(self):
         return False
 
-    def switch_at_agreed_step(self):
+    def switch_at_agreed_step(self, lead_steps):
         return None
 
     def checkpoint_extra(self):
@@ -293,7 +293,7 @@ def test_the_membership_is_closed_when_the_run_fails(monkeypatch):
 
 
 def test_a_lockstep_mode_switches_where_the_members_agreed_on_the_store():
-    agreed = SimpleNamespace(switch_at_agreed_step=lambda: 4)
+    agreed = SimpleNamespace(switch_at_agreed_step=lambda lead_steps: 4 if lead_steps == Strategy.lead_steps else None)
     assert Strategy(trainer=None).generation_to_switch_to(agreed) == 4
 
 

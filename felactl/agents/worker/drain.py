@@ -2,8 +2,8 @@
 
 ``felactl launch`` interrupted (Ctrl-C, SIGTERM) tells its agents to *drain*: each sends its
 workers SIGINT and waits a while before it kills them. A worker that got the signal proposes a
-last step a few steps past its own (``margin``: more than any replica can be ahead of another,
-so nobody has passed it yet); the first proposal in the store wins and every worker reads the
+last step a few steps past its own (``margin``, its strategy's ``lead_steps``: more than any
+replica can be ahead of another, so nobody has passed it yet); the first proposal in the store wins and every worker reads the
 same one, so they all leave the loop after the same completed step, which then is checkpointed.
 Workers that run at their own pace (WBSP, SDPipe) need no agreement: they stop claiming samples.
 The proposal is a signed document (:class:`LastStepDoc`): a forged one in its place is ignored,
@@ -30,9 +30,9 @@ def listen() -> None:
 
 
 class Drain:
-    def __init__(self, reader: Reader, margin: int = 2):
+    def __init__(self, reader: Reader):
         """``reader``: the job's store (shared by every worker of the job, whatever its generation)."""
-        self.reader, self.margin = reader, margin
+        self.reader = reader
         self.last_step: int | None = None
         listen()
 
@@ -40,13 +40,14 @@ class Drain:
     def signalled(self) -> bool:
         return _asked.is_set()
 
-    def last(self, steps_done: int) -> int | None:
+    def last(self, steps_done: int, margin: int = 2) -> int | None:
         """The agreed last step (steps done), once anyone asked for a stop; else None. One store
-        look-up per call: a worker whose agent has not signalled it yet still learns the step."""
+        look-up per call: a worker whose agent has not signalled it yet still learns the step.
+        A signalled worker proposes ``steps_done + margin``."""
         if self.last_step is None:
             if self.signalled:
                 agreed = self.reader.agree(
-                    LAST_STEP_KEY, LastStepDoc.KIND.value, LastStepDoc(steps_done + self.margin).to_body()
+                    LAST_STEP_KEY, LastStepDoc.KIND.value, LastStepDoc(steps_done + margin).to_body()
                 )
                 self.last_step = LastStepDoc.from_body(agreed).step
             else:
@@ -55,8 +56,8 @@ class Drain:
                     self.last_step = LastStepDoc.from_body(opened.body).step
         return self.last_step
 
-    def stop_after(self, steps_done: int) -> bool:
-        last = self.last(steps_done)
+    def stop_after(self, steps_done: int, margin: int = 2) -> bool:
+        last = self.last(steps_done, margin)
         return last is not None and steps_done >= last
 
     def requested(self) -> bool:

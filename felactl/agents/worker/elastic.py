@@ -27,7 +27,9 @@ drops a member whose process ended or whose heartbeat stopped, killing it if it 
 which makes its peers' gloo collectives fail at once (connection closed) rather than after a
 timeout. A survivor whose step failed discards that step's gradients, says which members it
 could not reach (:mod:`felactl.agents.worker.reach`: a partition leaves everyone alive), waits
-for the next generation and re-forms; :func:`replicate` aligns anyone who missed a completed step.
+for the next generation and re-forms; the strategy merges what the failure left apart (WBSP,
+SDPipe: :meth:`Strategy.merge_after_failure`) and :func:`replicate` aligns anyone who missed a
+completed step.
 """
 
 from __future__ import annotations
@@ -380,11 +382,11 @@ class ElasticMembership(Membership):
         newest = self.heartbeat.generation
         return newest > self.generation and not self.is_planned(newest)
 
-    def switch_at_agreed_step(self) -> int | None:
+    def switch_at_agreed_step(self, lead_steps: int) -> int | None:
         if self.switch_plan is None and self.heartbeat.generation > self.generation:
             # The first member to see a new generation proposes to switch a few steps ahead (more
             # than any member runs ahead of another); the store keeps the first proposal for all.
-            proposal = SwitchAtDoc(at=self.step + self.trainer.drain.margin, to=self.heartbeat.generation)
+            proposal = SwitchAtDoc(at=self.step + lead_steps, to=self.heartbeat.generation)
             self.switch_plan = self.reader.agree(
                 keys.switch_agreement(self.generation),
                 SwitchAtDoc.KIND.value,

@@ -412,15 +412,16 @@ class Trainer:
         t["last_loss"] = loss
 
     # --- checkpoints and the end of a step --------------------------------------------------
-    def end_step(self, step: int) -> bool:
+    def end_step(self, step: int, lead_steps: int = 2) -> bool:
         """Step ``step`` (0-based) of a synchronous mode completed: checkpoint every
-        ``--checkpoint-every`` steps; True when a graceful stop ends the run here."""
+        ``--checkpoint-every`` steps; True when a graceful stop ends the run here (a stop asked
+        now ends ``lead_steps`` steps on: more than any member can be ahead of another)."""
         self.steps_done, self.data_position = step + 1, self.position_of(step + 1)
         self.sync_replicas(buffers_only=True)
         every = self.runtime.cfg.checkpoint_every
         if every and self.steps_done % every == 0:
             self.checkpoint()
-        return self.drain.stop_after(self.steps_done)
+        return self.drain.stop_after(self.steps_done, lead_steps)
 
     def end_local_step(self, indices: Sequence[int]) -> None:
         """A local step of a mode at its own pace (WBSP, SDPipe) trained ``indices``: checkpoint

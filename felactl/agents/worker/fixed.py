@@ -62,7 +62,7 @@ class FixedMembership(Membership):
     def members_changed(self) -> bool:
         return False
 
-    def switch_at_agreed_step(self) -> None:
+    def switch_at_agreed_step(self, lead_steps: int) -> None:
         return None
 
     def checkpoint_extra(self) -> dict[str, Any]:

@@ -38,9 +38,10 @@ class MembershipView(Protocol):
         ...
 
     @abc.abstractmethod
-    def switch_at_agreed_step(self) -> int | None:
+    def switch_at_agreed_step(self, lead_steps: int) -> int | None:
         """After a completed step: the generation the members agreed, through the store, to switch
-        to once every member has done this step; None while there is none (or not yet)."""
+        to once every member has done this step (the first to see it proposes a step
+        ``lead_steps`` past its own); None while there is none (or not yet)."""
         ...
 
     @abc.abstractmethod

@@ -72,6 +72,9 @@ class Strategy:
 
     records_local_step = False
     """Whether a record also carries the worker's own iteration count (when it is not the step)."""
+    lead_steps = 2
+    """How many steps past its own a member proposes to stop or switch at: more than any member
+    can be ahead of another (tokens let a member run ahead of the others)."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
@@ -92,8 +95,8 @@ class Strategy:
     def generation_to_switch_to(self, membership: MembershipView) -> int | None:
         """After a completed step of an elastic job: the newer generation every member agreed to
         switch to now, or None. Members that train in lockstep switch after the same step: the
-        first to see a new generation proposes, through the store, one a few steps ahead."""
-        return membership.switch_at_agreed_step()
+        first to see a new generation proposes, through the store, one :attr:`lead_steps` ahead."""
+        return membership.switch_at_agreed_step(self.lead_steps)
 
     @classmethod
     def merge_after_failure(cls, trainer: Trainer, failed_store: dist.Store | None) -> None:
@@ -111,7 +114,7 @@ class Lockstep(Strategy):
             yield Work(step, t.step_indices(step, t.placement.offsets), step)
 
     def end(self, work: Work) -> bool:
-        if self.trainer.end_step(work.step):
+        if self.trainer.end_step(work.step, self.lead_steps):
             self.stopped_before(work.step + 1)
             return True
         return False
