@@ -14,10 +14,15 @@ Data
                     compute + boundary exchange, plus the group's gradient allreduce)
     ``mem[o, u]``   bytes a device of slot u holds for option o; ``M[u]`` its capacity
     ``fill[o]``     pipeline fill of o (0 for a first stage)
+    ``lat[o]``      one micro-batch through o (:func:`felactl.optimizer.evaluate.stage_latency_s`)
+    ``rounds[o, p, m]``, ``base[o, p, m]``  the terms of o's in-flight limit on profile p, where it
+                    binds, followed by a stage of micro-batch m (:func:`felactl.optimizer.evaluate.held_terms`)
     ``K``           most stages
 
 Variables
-    ``x[o]`` in {0, 1}: option o is a stage of the plan;  ``T >= 0``: iteration time
+    ``x[o]`` in {0, 1}: option o is a stage of the plan;  ``T >= 0``: iteration time;
+    ``A[c] >= 0`` for cut points c: the latency of the stages from c on (``A[0]``: all of them);
+    ``Y[c, m] >= 0``: a stage of micro-batch m starts at cut c
 
 Objective
     minimise ``T``
@@ -44,6 +49,16 @@ Constraints
                    for every micro-batch m of a last stage (tokens only): the first stage's tokens,
                    rounded up to whole last-stage tokens, each get a sample
                    (:func:`felactl.spec.executable.tokens_hold_samples`)
+    (11) after:    A[c] = sum_{o: i_o >= c} lat[o] x[o]               for every cut point c (12) names
+    (12) held:     base[o, p, m] + rounds[o, p, m] A[j_o] + A[0] - A[i_o] - T
+                       <= H[o, p, m] (2 - x[o] - Y[j_o, m])
+                   for every option o, profile p where o's in-flight limit binds and micro-batch m
+                   of a stage that may follow o, ``H`` the left-hand side's largest value (``A`` at
+                   most the K largest latencies): a stage's worker held back by its in-flight limit
+                   (:func:`felactl.optimizer.evaluate.predict`'s ``held``: its rounds each wait for
+                   the later stages' latency, ``A[j_o]``; the earlier ones', ``A[0] - A[i_o]``,
+                   bring its first input)
+    (13) next:     Y[c, m] = sum_{o: i_o = c, b_o = m} x[o]            for every (c, m) (12) names
 
 (1)-(2) make the chosen options a path from layer 0 to layer L, so the last layer is covered too;
 on it exactly one stage ends at each cut where one starts, and one starts at 0, which is why (9)
@@ -150,7 +165,37 @@ def _build(space: SearchSpace, exclusive: bool) -> tuple[pulp.LpProblem, list, p
         terms += [(var, -coef) for p in right for var, coef in busy.get(p, [])]
         prob += _expr(terms) >= 0, f"c8_twins_{k}"
     _add_executable(prob, space, x, exclusive)
+    _add_held(prob, space, x, t)
     return prob, x, t
+
+
+def _add_held(prob: pulp.LpProblem, space: SearchSpace, x: list, t: pulp.LpVariable) -> None:
+    """Constraints (11)-(13): the pace of a worker its in-flight limit holds back."""
+    options = space.options
+    held = [(var, o) for var, o in zip(x, options) if o.held]
+    if not held:
+        return
+    after, starting = {}, {}
+    for c in sorted({0} | {o.choice.start for _, o in held} | {o.choice.end for _, o in held}):
+        after[c] = prob.add_variable(f"A_{c}", lowBound=0)
+        latencies = [(var, -o.latency_s * MS) for var, o in zip(x, options) if o.choice.start >= c]
+        prob += _expr(latencies + [(after[c], 1)]) == 0, f"c11_after_{c}"
+    for c, m in sorted({(o.choice.end, m) for _, o in held for by_next in o.held.values() for m in by_next}):
+        chosen = [(var, -1) for var, o in zip(x, options) if o.choice.start == c and o.choice.micro_batch == m]
+        if chosen:
+            starting[c, m] = prob.add_variable(f"Y_{c}_{m}", lowBound=0)
+            prob += _expr(chosen + [(starting[c, m], 1)]) == 0, f"c13_next_{c}_{m}"
+    most = sum(sorted((o.latency_s * MS for o in options), reverse=True)[: space.max_stages])
+    for k, (var, o) in enumerate(held):
+        for p, by_next in o.held.items():
+            for m, (rounds, base_s) in by_next.items():
+                if (o.choice.end, m) not in starting:
+                    continue  # no stage of micro-batch m can follow
+                base_ms = base_s * MS
+                big = base_ms + (rounds + 1) * most
+                terms = [(after[o.choice.end], rounds), (after[0], 1), (after[o.choice.start], -1), (t, -1)]
+                terms += [(var, big), (starting[o.choice.end, m], big)]
+                prob += _expr(terms) <= 2 * big - base_ms, f"c12_held_{k}_{p}_{m}"
 
 
 def _add_executable(prob: pulp.LpProblem, space: SearchSpace, x: list, exclusive: bool) -> None:

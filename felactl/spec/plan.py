@@ -106,8 +106,9 @@ class Stage:
     predicted_compute_s: float | None = None
     max_in_flight: int | None = None
     """Most micro-batches of this stage whose activations one worker holds at once (forward run,
-    backward not yet): what the planner's memory model assumed. The simulator holds every worker
-    to it. None (plans written before it): no limit."""
+    backward not yet): as many as the planner's memory model finds room for. The simulator holds
+    every worker to it. None: no limit (memory holds every micro-batch of the stage, or a plan
+    written before it)."""
 
     def __post_init__(self) -> None:
         positive("layer_start", self.layer_start, allow_zero=True)
@@ -355,6 +356,17 @@ class Collective:
                 )
 
 
+SIMULATION_TOLERANCE = 0.10
+"""How far (relative to the prediction) a plan's simulated iteration may be before the plan says
+that the two disagree."""
+
+
+def simulation_agrees(predicted_s: float, simulated_s: float | None) -> bool:
+    """Whether a simulated iteration is within :data:`SIMULATION_TOLERANCE` of the predicted one
+    (True where nothing was simulated)."""
+    return simulated_s is None or abs(simulated_s - predicted_s) <= SIMULATION_TOLERANCE * predicted_s
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prediction:
     iteration_s: float
@@ -372,6 +384,11 @@ class Prediction:
     def __post_init__(self) -> None:
         positive("iteration_s", self.iteration_s)
         positive("samples_per_s", self.samples_per_s)
+
+    @property
+    def simulation_agrees(self) -> bool:
+        """Whether the simulator's iteration is within :data:`SIMULATION_TOLERANCE` of the prediction."""
+        return simulation_agrees(self.iteration_s, self.simulated_iteration_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
