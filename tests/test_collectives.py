@@ -14,6 +14,7 @@ import pytest
 
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer.collectives import (
+    allreduce_rates,
     allreduce_throughput_gbps,
     allreduce_time_s,
     plan_collective,
@@ -668,3 +669,40 @@ def test_the_cost_model_stretches_the_trees_cpu_on_a_slot_slowed_without_a_quota
     assert cost.tree_sync_s(group, num_bytes) == pytest.approx(
         alone.latency_s + 2 * alone.busiest_cpu(num_bytes)[1], rel=1e-6
     )
+
+
+def test_the_recorded_bound_is_that_of_the_trees_own_root():
+    # One-way links of several widths: the trees packed for the allreduce grow from g2, whose
+    # broadcast reaches at most 12.5 GB/s; the bound recorded was the first packing root's, 25.
+    from tests.graph_fixtures import random_strong_graph
+
+    cluster = random_strong_graph(30)
+    devices = list(cluster.device_names)
+    collective = plan_collective(cluster, devices)
+    graph = capacity_graph(cluster, devices)
+    assert collective.bound_gbps == pytest.approx(min_cut_bound(graph, collective.root)[0])
+    assert collective.rate_gbps <= collective.bound_gbps * (1 + EPS)
+
+
+def _two_servers_behind_nics(nic_gbps: float) -> ClusterSpec:
+    """Two servers of two devices, every device linked to every device of the other server at
+    10 GB/s, each server behind one network interface of ``nic_gbps``."""
+    from tests.planner_fixtures import cluster
+
+    spec = cluster([[("g", 10.0, 16.0)] * 2] * 2, intra_gbps=50.0, inter_gbps=10.0)
+    return dataclasses.replace(spec, nodes=tuple(dataclasses.replace(n, nic_gbps=nic_gbps) for n in spec.nodes))
+
+
+def test_no_allreduce_beats_what_the_servers_network_interfaces_carry():
+    # Four 10 GB/s links each way between the servers, but each server sends and receives 10
+    # through its one NIC: across the two servers an allreduce moves 2 x 10 / 2 = 10, not 40.
+    spec = _two_servers_behind_nics(10.0)
+    devices = list(spec.device_names)
+    bound = allreduce_bound(capacity_graph(spec, devices))
+    assert bound == pytest.approx(10.0)
+    rates = allreduce_rates(spec, plan_collective(spec, devices))
+    assert rates["allreduce_bound_gbps"] == pytest.approx(10.0)
+    assert rates["allreduce_gbps"] <= rates["allreduce_bound_gbps"] * (1 + EPS)
+    # without interfaces the four links each way do carry 40
+    free = dataclasses.replace(spec, nodes=tuple(dataclasses.replace(n, nic_gbps=None) for n in spec.nodes))
+    assert allreduce_bound(capacity_graph(free, devices)) == pytest.approx(40.0)
