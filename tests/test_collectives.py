@@ -706,3 +706,29 @@ def test_no_allreduce_beats_what_the_servers_network_interfaces_carry():
     # without interfaces the four links each way do carry 40
     free = dataclasses.replace(spec, nodes=tuple(dataclasses.replace(n, nic_gbps=None) for n in spec.nodes))
     assert allreduce_bound(capacity_graph(free, devices)) == pytest.approx(40.0)
+
+
+def test_the_pricing_arborescence_is_the_cheapest():
+    """The column generation's own Chu-Liu/Edmonds gives arborescences as cheap as networkx's."""
+    import networkx as nx
+
+    from felactl.optimizer.packing import min_cost_arborescence
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(2, 9)
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(n))
+        for v in range(1, n):
+            graph.add_edge(rng.randrange(v), v)  # every node reachable from 0
+        for _ in range(rng.randint(0, n * n)):
+            a, b = rng.sample(range(n), 2)
+            graph.add_edge(a, b)
+        cost = {e: rng.choice([0.0, 0.5, 1.0, rng.random() * 10]) for e in graph.edges}
+        tree = min_cost_arborescence(graph, 0, cost)
+        assert len(tree) == n - 1 and {v for _, v in tree} == set(range(1, n))
+        assert all(graph.has_edge(*e) for e in tree) and nx.is_arborescence(nx.DiGraph(list(tree)))
+        weighted = nx.DiGraph()
+        weighted.add_weighted_edges_from((u, v, cost[(u, v)]) for u, v in graph.edges if v != 0)
+        best = nx.minimum_spanning_arborescence(weighted)
+        assert sum(cost[e] for e in tree) == pytest.approx(sum(d["weight"] for _, _, d in best.edges(data=True)))

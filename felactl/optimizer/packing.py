@@ -59,24 +59,58 @@ _names = itertools.count()
 
 
 def min_cost_arborescence(graph: nx.DiGraph, root, cost: dict) -> Edges:
-    """The spanning arborescence from ``root`` of least total ``cost[edge]`` (Edmonds)."""
+    """The spanning arborescence from ``root`` of least total ``cost[edge]`` (Chu-Liu/Edmonds:
+    :func:`_cheapest_arborescence`)."""
     if len(nx.descendants(graph, root)) < graph.number_of_nodes() - 1:
         raise PlanInfeasible(f"no spanning tree from {root} over the group's links (is the group connected?)")
-    # A maximum branching with weight BIG - cost, BIG > n * (cost range), has as many edges as it
-    # can (n - 1: without in-edges of the root, a spanning arborescence from the root) and among
-    # those the least cost. (networkx's minimum_spanning_arborescence gave up on some graphs
-    # that have one.)
-    lowest = min(cost[e] for e in graph.edges)
-    big = graph.number_of_nodes() * (max(cost[e] for e in graph.edges) - lowest + 1.0)
-    pricing = nx.DiGraph()
-    pricing.add_nodes_from(graph.nodes)
-    pricing.add_weighted_edges_from(
-        ((u, v, big - (cost[(u, v)] - lowest)) for u, v in graph.edges if v != root), weight="gain"
-    )
-    tree = nx.maximum_branching(pricing, attr="gain", preserve_attrs=False)
-    if tree.number_of_edges() != graph.number_of_nodes() - 1:
-        raise PlanInfeasible(f"Edmonds' algorithm found no spanning tree from {root} although one exists")
-    return tuple(sorted(tree.edges))
+    tree = _cheapest_arborescence(list(graph.nodes), root, {e: cost[e] for e in graph.edges if e[1] != root})
+    return tuple(sorted(tree))
+
+
+def _cheapest_arborescence(nodes: list, root, cost: dict) -> list[tuple]:
+    """Chu-Liu/Edmonds over ``cost`` ((u, v) -> cost, no edge into ``root``; every node reachable):
+    each other node takes its cheapest in-edge; a cycle among those is contracted to one node,
+    an edge into it costing what it saves over the cycle's own edge into its head, and solved
+    again; the contracted solution's edge into the cycle replaces that one cycle edge.
+
+    Written here rather than networkx's ``maximum_branching``: it is the column generation's
+    pricing step, called hundreds of times per packing, where networkx's took 7 ms a call on 8
+    GPUs (1.7 s of the 4 s that packing 8 DGX-1V GPUs took) and this takes a small fraction."""
+    best: dict = {}
+    for (u, v), c in cost.items():
+        if u != v and (v not in best or c < cost[best[v]]):
+            best[v] = (u, v)
+    cycle = _a_cycle(nodes, root, {v: e[0] for v, e in best.items()})
+    if cycle is None:
+        return list(best.values())
+    merged = ("contracted", len(nodes), id(cycle))
+    inside = set(cycle)
+    origin, contracted = {}, {}
+    for (u, v), c in cost.items():
+        if u in inside and v in inside:
+            continue
+        key = (merged if u in inside else u, merged if v in inside else v)
+        value = c - cost[best[v]] if v in inside else c
+        if key not in contracted or value < contracted[key]:
+            contracted[key], origin[key] = value, (u, v)
+    outer = [n for n in nodes if n not in inside] + [merged]
+    chosen = [origin[e] for e in _cheapest_arborescence(outer, root, contracted)]
+    entering = next(v for _, v in chosen if v in inside)
+    return chosen + [best[v] for v in cycle if v != entering]
+
+
+def _a_cycle(nodes: list, root, parent: dict) -> list | None:
+    """A cycle of the parent pointers (its nodes), or None."""
+    done: set = {root}
+    for start in nodes:
+        path, node = [], start
+        while node not in done and node not in path:
+            path.append(node)
+            node = parent[node]
+        if node in path:
+            return path[path.index(node) :]
+        done.update(path)
+    return None
 
 
 def warm_start_trees(graph: nx.DiGraph, root) -> list[Edges]:
