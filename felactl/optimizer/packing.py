@@ -141,9 +141,13 @@ def _dual_price(problem: pulp.LpProblem, name: str) -> float:
 
 
 def _solve(
-    problem: pulp.LpProblem, what: str, time_limit_s: float = SOLVER_TIME_LIMIT_S, warm_start: bool = False
+    problem: pulp.LpProblem,
+    what: str,
+    time_limit_s: float = SOLVER_TIME_LIMIT_S,
+    warm_start: bool = False,
+    cuts: bool | None = None,
 ) -> None:
-    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm_start))
+    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm_start, cuts=cuts))
     status = pulp.LpStatus[problem.status]
     found = pulp.LpSolution.get(problem.sol_status, "")
     if status != "Optimal" and found != "Optimal Solution Found":
@@ -243,7 +247,8 @@ def fewest_trees_ilp(
     the second term < 1 only breaks ties towards the fastest of the smallest sets).
     Constraints: (1) for every link e: sum over T loading e of w_T <= c_e;
     (2) for every tree T: w_T <= u_T z_T; (3) sum_T w_T >= min_share * R.
-    ``start`` (tree -> rate), a feasible solution, warm-starts CBC.
+    ``start`` (tree -> rate), a feasible solution, warm-starts CBC, which then runs without its
+    cut generators (on 8 DGX-1V GPUs: 0.03 s of CPU where they took 0.47 s, to the same trees).
     """
     problem = pulp.LpProblem(f"fewest_trees_{next(_names)}", pulp.LpMinimize)
     kept = {tree: _variable(problem, f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
@@ -255,7 +260,13 @@ def fewest_trees_ilp(
     for tree in trees:
         kept[tree].setInitialValue(1 if start and tree in start else 0)
         rate[tree].setInitialValue(start.get(tree, 0.0) if start else 0.0)
-    _solve(problem, "fewest-trees ILP", FEWEST_TREES_TIME_LIMIT_S, warm_start=start is not None)
+    _solve(
+        problem,
+        "fewest-trees ILP",
+        FEWEST_TREES_TIME_LIMIT_S,
+        warm_start=start is not None,
+        cuts=False if start is not None else None,
+    )
     return {tree: rate[tree].value() for tree in trees if (kept[tree].value() or 0) > 0.5 and rate[tree].value() > 0}
 
 
@@ -400,7 +411,8 @@ def pack_arborescences(
 
 def _pack_two_way(graph: nx.DiGraph, root, bound_gbps: float, min_share: float) -> tuple[dict[Edges, float], float]:
     """Two-way packing: the LP over every arborescence (small groups) or by column generation,
-    then the fewest trees that carry ``min_share`` of it, started from the LP's own trees."""
+    then the fewest trees that carry ``min_share`` of it where n trees can, else the most rate n
+    trees carry, each ILP started from a solution in hand (the LP's heaviest n trees)."""
     if len(nx.descendants(graph, root)) < graph.number_of_nodes() - 1:
         raise PlanInfeasible(f"no spanning tree from {root} over links that go both ways")
     trees = all_arborescences(graph, root)
@@ -412,17 +424,31 @@ def _pack_two_way(graph: nx.DiGraph, root, bound_gbps: float, min_share: float) 
     if packed <= CAPACITY_EPS_GBPS:
         raise PlanInfeasible(f"no positive-rate spanning tree from {root} over links that go both ways")
     start = {t: w for t, w in weights.items() if w > CAPACITY_EPS_GBPS}
-    kept = fewest_trees_ilp(graph, list(start), packed, min_share, start=start, two_way=True)
-    if len(kept) > graph.number_of_nodes():  # many slim trees: the most rate n trees can carry instead
-        kept = most_rate_ilp(graph, list(start), graph.number_of_nodes(), two_way=True)
+    # The fewest trees that carry min_share, where n trees can; else the most rate n trees carry.
+    # The most rate of n trees says which, so the fewest-trees ILP runs only where its answer is
+    # kept (on 8 DGX-1V GPUs it needed 21 trees and took longer than all the rest of the packing).
+    heaviest = sorted(start, key=lambda t: -start[t])[: graph.number_of_nodes()]
+    first, _ = solve_packing_lp(graph, heaviest, two_way=True)
+    kept = most_rate_ilp(graph, list(start), graph.number_of_nodes(), two_way=True, start=first)
+    if sum(kept.values()) >= min_share * packed * (1 - BOUND_TOLERANCE):
+        kept = fewest_trees_ilp(graph, list(start), packed, min_share, start=kept, two_way=True)
     return kept, packed
 
 
-def most_rate_ilp(graph: nx.DiGraph, trees: list[Edges], max_trees: int, two_way: bool = False) -> dict[Edges, float]:
+def most_rate_ilp(
+    graph: nx.DiGraph,
+    trees: list[Edges],
+    max_trees: int,
+    two_way: bool = False,
+    start: dict[Edges, float] | None = None,
+) -> dict[Edges, float]:
     """The most rate at most ``max_trees`` of ``trees`` carry; returns the kept trees' rates.
 
     Variables z_T in {0, 1}, w_T >= 0. Objective: maximise sum_T w_T. Constraints: (1) for every
     link e: sum over T loading e of w_T <= c_e; (2) w_T <= u_T z_T; (3) sum_T z_T <= max_trees.
+    ``start`` (tree -> rate), a feasible solution, warm-starts CBC, which then runs without its
+    cut generators: on 8 DGX-1V GPUs (28 trees) they took 0.8 s of CPU and the search with the
+    start alone 0.2 s, to the same optimum.
     """
     problem = pulp.LpProblem(f"most_rate_{next(_names)}", pulp.LpMaximize)
     kept = {tree: _variable(problem, f"z_{t}", cat="Binary") for t, tree in enumerate(trees)}
@@ -431,7 +457,11 @@ def most_rate_ilp(graph: nx.DiGraph, trees: list[Edges], max_trees: int, two_way
     _capacity_rows(problem, graph, {rate[t]: loaded_links(t, two_way) for t in trees})
     _kept_rows(problem, graph, trees, kept, rate, two_way)
     problem += (pulp.lpSum(kept.values()) <= max_trees, "c3_count")
-    _solve(problem, "most-rate ILP", FEWEST_TREES_TIME_LIMIT_S)
+    for tree in trees:
+        kept[tree].setInitialValue(1 if start and tree in start else 0)
+        rate[tree].setInitialValue(start.get(tree, 0.0) if start else 0.0)
+    warm = start is not None
+    _solve(problem, "most-rate ILP", FEWEST_TREES_TIME_LIMIT_S, warm_start=warm, cuts=False if warm else None)
     return {tree: rate[tree].value() for tree in trees if (kept[tree].value() or 0) > 0.5 and rate[tree].value() > 0}
 
 
