@@ -18,22 +18,22 @@ serves, so over one iteration of global batch ``B``:
   forward + backward of each later stage on its slowest member and the first stage's backward,
   and each cut's first activation and last gradient on their way (nothing else is in flight
   then to hide them);
-* ``held(s, d) = rounds * (r * fwd + k * bwd + after_s) + before_s + sync_s(d) + step_s(d)`` for a
-  stage ``s`` whose in-flight limit ``k_s`` is below the ``n`` tokens worker ``d`` runs of it and
-  which a stage of ``r`` times its micro-batch follows (:func:`held_terms`), ``fwd`` and ``bwd``
-  its forward and backward token on ``d`` (compute, the tensor it fetches, the runtime's work):
-  a next-stage token takes ``r`` of its micro-batches at once, so ``k = r * (k_s // r)`` of them
-  are out at a time. In a round, ``d`` runs ``k`` forwards; the first group of ``r`` goes through
-  the later stages and back (``after_s``, the sum of their :func:`stage_latency_s`) and its
-  gradients come back together with the rest (the later stage's workers run them side by side),
-  so ``d`` then runs the ``k`` backwards, deeper in the token DAG, before a forward: ``rounds =
-  ceil(n / k)`` rounds of ``r * fwd + after_s + k * bwd`` where the later stages take longer than
-  ``d``'s other forwards. ``before_s`` (the earlier stages' latencies) brings the first input and
-  takes the last gradient away. Where the limit binds, the plan runs at this pace, not ``load``'s:
-  a 36-GPU plan whose limit held each worker to 4 micro-batches was priced 6.99 s without it and
-  simulated 9.89 s. Where one worker of a later stage runs the group's micro-batches one after
-  the other, their gradients come back apart and ``d`` overlaps more than this counts (a 2-device
-  pipeline held to 2 in flight: 23% above the simulator);
+* ``held(s, d) = rounds * (r * fwd + after_s) + n * bwd + before_s + sync_s(d) + step_s(d)`` for
+  a stage ``s`` whose in-flight limit ``k_s`` is below the ``n`` tokens worker ``d`` runs of it
+  and which a stage of ``r`` times its micro-batch follows (:func:`held_terms`), ``fwd`` and
+  ``bwd`` its forward and backward token on ``d`` (compute, the tensor it fetches, the runtime's
+  work): a next-stage token takes ``r`` of its micro-batches at once, so ``k = r * (k_s // r)``
+  of them are out at a time. In each of ``rounds = ceil(n / k)`` rounds, ``d`` runs a group of
+  ``r`` forwards, which then go through the later stages and back (``after_s``, the sum of their
+  :func:`stage_latency_s`) while ``d`` runs its other forwards; the later stage's workers run the
+  round's micro-batches side by side, so their gradients come back together and ``d`` runs the
+  backwards, deeper in the token DAG, before its next forward. ``before_s`` (the earlier stages'
+  latencies) brings the first input and takes the last gradient away. Where the limit binds, the
+  plan runs at this pace, not ``load``'s: a 36-GPU plan whose limit held each worker to 4
+  micro-batches was priced 6.99 s without it and simulated 9.89 s. Where one worker of a later
+  stage runs a round's micro-batches one after the other, their gradients come back apart and
+  ``d`` overlaps more than this counts (a 2-device pipeline held to 2 in flight: 23% above the
+  simulator);
 * ``iteration = max(max_d (load(d) + sync(d)) + fill, max_{s, d} held(s, d))``.
 
 The ILP minimises exactly this expression (its coefficients come from :func:`stage_device_cost`
@@ -175,7 +175,7 @@ def held_terms(
     backward_s = bwd_s + _boundary_fetch_s(cost, stage.end, stage.micro_batch, device) + overhead_s
     rounds = math.ceil(tokens / slots)
     after_work_s = stage_sync_s(cost, stage, device) + cost.optimizer_step_s(stage.start, stage.end, device)
-    return rounds, rounds * (group * forward_s + slots * backward_s) + after_work_s
+    return rounds, rounds * group * forward_s + tokens * backward_s + after_work_s
 
 
 def stage_tokens(cost: CostModel, stage: StageChoice, samples: int) -> int:
