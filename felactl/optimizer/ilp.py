@@ -307,7 +307,8 @@ def solve(
     the 24-GPU search 5x slower, and few bind. Each round solves with the rows so far; where the
     chosen stages break one of theirs, every row of those stages joins and the program is solved
     again, from the best plan so far. A round's optimum is a lower bound of the program's (it
-    has fewer rows), and the one that breaks none is the program's optimum."""
+    has fewer rows), and the one that breaks none is the program's optimum; the best plan within
+    :data:`HELD_GAP` of a round's optimum is kept as ``near optimal``."""
     if not space.options:
         raise PlanInfeasible(_infeasible_reason(space, exclusive))
     space = _without_hopeless(space)
@@ -321,34 +322,32 @@ def solve(
             best = (chosen, value_ms)
         broken = {row[0] for row, v in held.items() if v > objective_ms * (1 + HELD_TOLERANCE)}
         spent = time.perf_counter() - began
-        if not broken and optimal:
-            return _solution(space, chosen, objective_ms, "Optimal", spent, bound_ms)
+        if optimal and best[1] <= objective_ms * (1 + HELD_GAP):
+            status = "Optimal" if best[1] <= objective_ms * (1 + GAP_REL) else "near optimal"
+            return _solution(space, best[0], best[1], status, spent, objective_ms)
         if not broken or time_limit_s is not None and spent >= time_limit_s:
             break  # the best plan so far, with the last round's lower bound
-        rows |= _rows_like(space, chosen, objective_ms)
+        rows |= _rows_like(space, broken)
         warm = tuple(space.options[k] for k in best[0])
     return _solution(space, best[0], best[1], "time limit", time.perf_counter() - began, bound_ms)
 
 
-def _rows_like(space: SearchSpace, chosen: list[int], objective_ms: float) -> frozenset:
-    """The rows (12) a plan like the chosen one would break: of every option, those whose value,
-    with the latency the chosen stages put before and after its cut points, is above the
-    objective. (The broken option's rows alone took a round per neighbour: next came its twin,
-    the mirror image of its group, then the same stage one block longer.)"""
-    stages = [space.options[k] for k in chosen]
+def _rows_like(space: SearchSpace, broken: set[int]) -> frozenset:
+    """Every row (12) of the ``broken`` options and of their mirror images: options of the same
+    layer range and micro-batch on as many devices whose rows are the same (twin slots cost the
+    same, so with the broken option's own rows alone the next round chose its twin)."""
 
-    def after(c: int) -> float:
-        return sum(o.latency_s for o in stages if o.choice.start >= c) * MS
+    def shape(o: StageOption) -> tuple:
+        terms = sorted((m, r, round(b, 9)) for held in o.held.values() for m, (r, b) in held.items())
+        return o.choice.start, o.choice.end, o.choice.micro_batch, len(o.choice.devices), tuple(terms)
 
-    def before(c: int) -> float:
-        return sum(o.latency_s for o in stages if o.choice.end <= c) * MS
-
+    shapes = {shape(space.options[k]) for k in broken}
     return frozenset(
         (k, p, m)
         for k, o in enumerate(space.options)
+        if o.held and shape(o) in shapes
         for p, by_next in o.held.items()
-        for m, (rounds, base_s) in by_next.items()
-        if base_s * MS + rounds * after(o.choice.end) + before(o.choice.start) > objective_ms * (1 + HELD_TOLERANCE)
+        for m in by_next
     )
 
 
@@ -356,6 +355,10 @@ MAX_ROW_ROUNDS = 20
 """Rounds of row generation at most (each adds the rows of the stages that broke one)."""
 MIN_ROUND_S = 1.0
 """Seconds a round gets where the time limit is all but spent."""
+HELD_GAP = 1e-3
+"""Row generation stops once the best plan is within this fraction of a round's optimum (a lower
+bound of the program's), as ``near optimal`` with that gap: another round of rows took the
+Llama-7B-like plan on 36 GPUs from 2.6 s of CPU to 10 s for a plan 0.09% faster."""
 HELD_TOLERANCE = 1e-7
 """A row (12) broken by less than this fraction of the objective is CBC's rounding."""
 

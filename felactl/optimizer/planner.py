@@ -41,7 +41,7 @@ from felactl.spec import (
     SyncSpec,
     placements_from,
 )
-from felactl.spec.plan import simulation_agrees
+from felactl.spec.plan import SIMULATION_TOLERANCE, simulation_agrees
 
 SYNC_MODES = tuple(m.value for m in SyncMode)
 DEFAULT_TIME_LIMIT_S = 30.0
@@ -340,7 +340,7 @@ def make_plan(
 
 def _as_simulated(solve: Callable[..., ilp.Solution], candidate: Callable, progress: Callable[[str], None]):
     """The ILP's solution as a :class:`_Candidate`, re-ranked by the simulator where an in-flight
-    limit may hold a worker back and the simulator disagrees with the prediction: the cost model
+    limit may hold a worker back and the simulator runs it slower than priced: the cost model
     prices the limit's pace (:func:`evaluate.held_terms`), not the queues at later stages nor how
     workers then take each other's tokens, which the simulator runs. The other candidate is then
     the best plan no limit holds back (solved over the options without one); the one simulated
@@ -348,7 +348,7 @@ def _as_simulated(solve: Callable[..., ilp.Solution], candidate: Callable, progr
     each other (a 36-GPU plan predicted 6.99 s simulated 8.52 s, data parallel over its H100s
     8.56 s both ways)."""
     chosen = candidate(solve())
-    if not chosen.held or chosen.agrees:
+    if not chosen.held or chosen.simulation.iteration_s <= chosen.iteration_s * (1 + SIMULATION_TOLERANCE):
         return chosen
     progress(f"simulated {chosen.simulation.iteration_s:.4g} s: solving with no in-flight limit binding")
     try:
