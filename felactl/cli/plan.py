@@ -29,6 +29,7 @@ from felactl.optimizer.planner import (
 )
 from felactl.optimizer.simulator import simulate
 from felactl.spec import DeviceKind, Plan, SyncMode, load_cluster, load_model, save
+from felactl.spec.plan import SIMULATION_TOLERANCE
 
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
@@ -44,6 +45,7 @@ def plan_result(plan: Plan) -> dict:
         "iteration_s": predicted.iteration_s,
         "samples_per_s": predicted.samples_per_s,
         "simulated_iteration_s": predicted.simulated_iteration_s,
+        "simulation_agrees": predicted.simulation_agrees,
         "simulated_peak_memory_gb": dict(predicted.simulated_peak_memory_gb),
         "solve_s": solver.solve_s,
         "status": solver.status,
@@ -78,6 +80,13 @@ def render_summary(console, plan: Plan, out: Path | None) -> None:
         f"predicted iteration {p.iteration_s:.4g} s ({p.samples_per_s:.4g} samples/s); simulated "
         f"{p.simulated_iteration_s:.4g} s; solver {plan.solver.status} in {plan.solver.solve_s:.2f} s"
     )
+    if not p.simulation_agrees:
+        off = p.simulated_iteration_s / p.iteration_s - 1
+        console.print(
+            f"warning: the simulated iteration is {abs(off):.0%} {'above' if off > 0 else 'below'} the "
+            f"predicted one (more than {SIMULATION_TOLERANCE:.0%}): the simulator runs this plan's tokens as "
+            f"the runtime takes them, which the cost model prices only roughly here"
+        )
     if p.simulated_peak_memory_gb:
         device, peak = max(p.simulated_peak_memory_gb.items(), key=lambda item: item[1])
         console.print(

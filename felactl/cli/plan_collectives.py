@@ -112,8 +112,13 @@ def _render(console, result: dict) -> None:
             "CPU slots): "
             + (f"{len(result['nccl_rings'])} ring(s), {nccl:.2f} GB/s as modelled" if nccl else "no ring closes")
         )
+    bounds = result.get("root_bounds_gbps") or {result["root"]: result["bound_gbps"]}
+    if len(bounds) == 1:
+        bound = f"min-cut bound {next(iter(bounds.values())):.2f} GB/s"
+    else:
+        bound = "min-cut bound of each root's part " + ", ".join(f"{r} {b:.2f}" for r, b in bounds.items()) + " GB/s"
     console.print(
-        f"the trees' broadcast: rate {result['rate_gbps']:.2f} GB/s, min-cut bound {result['bound_gbps']:.2f} GB/s; "
+        f"the trees' broadcast: rate {result['rate_gbps']:.2f} GB/s, {bound}; "
         f"best ring {ring:.2f} GB/s; solved in {result['solve_s']:.2f} s"
     )
     if "allreduce_s" in result:

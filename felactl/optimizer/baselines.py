@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from felactl.optimizer.cost import CostModel, b_half, micro_batch_options
-from felactl.optimizer.evaluate import StageChoice, memory_fits, predict, token_samples
+from felactl.optimizer.evaluate import StageChoice, memory_fits, memory_limits, predict, token_samples
 
 FC_B_HALF = 16.0
 """Layers that need this many samples to reach half speed count as fully connected for ``hp``."""
@@ -50,6 +50,7 @@ def _best(cost: CostModel, global_batch: int, build) -> Baseline:
         stages = build(b)
         if stages is None:
             continue
+        stages = memory_limits(cost, stages, global_batch, max_stages=len(stages))
         tried += 1
         prediction = predict(cost, stages, global_batch, max_stages=len(stages))
         device = memory_fits(cost, prediction)

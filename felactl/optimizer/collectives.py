@@ -375,8 +375,13 @@ def plan_collective(
     if not for_allreduce or len(per_node) > 1:
         return collective
     if _symmetric(cluster, devices):
-        return _with_two_way_trees(cluster, collective, min_share)
-    return _with_trees_packed_up_and_down(cluster, collective)
+        found = _with_two_way_trees(cluster, collective, min_share)
+    else:
+        found = _with_trees_packed_up_and_down(cluster, collective)
+    if found.root == collective.root:
+        return found
+    # Trees packed for the allreduce may grow from another root: the bound is of that root's broadcast.
+    return dataclasses.replace(found, bound_gbps=min_cut_bound(capacity_graph(cluster, devices), found.root)[0])
 
 
 def _with_two_way_trees(cluster: ClusterSpec, collective: Collective, min_share: float) -> Collective:
@@ -882,6 +887,17 @@ def ring_allreduce_gbps(bottleneck_gbps: float, count: int) -> float:
     return bottleneck_gbps * count / (2 * (count - 1)) if count > 1 else 0.0
 
 
+def root_bounds_gbps(cluster: ClusterSpec, collective: Collective) -> dict[str, float]:
+    """The min-cut bound of a broadcast from each of the trees' roots (``Collective.roots``), which
+    bounds the part of the data that root sends: ``bound_gbps`` for the one root of a collective
+    (the three-phase scheme's bound across servers), each root's own where there are several."""
+    roots = collective.roots
+    if len(roots) == 1:
+        return {roots[0]: collective.bound_gbps}
+    graph = capacity_graph(cluster, collective.devices)
+    return {root: min_cut_bound(graph, root)[0] for root in roots}
+
+
 def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, float | None]:
     """What a reader weighs the trees by: their allreduce rate (None without trees, or where a
     reduce link is missing), the bound of any allreduce over the group (None where too large to
@@ -895,6 +911,7 @@ def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, f
         "allreduce_gbps": allreduce,
         "allreduce_bound_gbps": allreduce_bound(capacity_graph(cluster, collective.devices)),
         "ring_allreduce_gbps": ring_allreduce_gbps(collective.ring_gbps, len(collective.devices)),
+        "root_bounds_gbps": root_bounds_gbps(cluster, collective),
     }
     if on_nccl(cluster, collective.devices):  # what a felactl job on these GPUs runs instead of the trees
         rings = nccl_rings(cluster, collective.devices) if len(collective.devices) > 1 else ()

@@ -67,7 +67,8 @@ Formulas (times in seconds, sizes in bytes):
 * **Memory** per device holding a stage: parameters + gradients (``2 * param_bytes``) + AdamW's
   two fp32 moments (``8 * params``) + what autograd saves (``saved_bytes_per_sample``, else each
   layer's input + output) for ``in_flight`` micro-batches of the stage (the plan records that
-  number per stage, ``Stage.max_in_flight``, and the simulator holds every device to it).
+  number per stage, ``Stage.max_in_flight``: as many as memory holds, :func:`evaluate.memory_limits`;
+  the simulator holds every device to it, and the cost model prices the wait it imposes).
 * **Headroom**: a plan may fill only a device's *usable* memory (:func:`usable_memory_bytes`):
   its ``memory_gb`` less ``MemoryHeadroom.fraction`` of it (the caching allocator's
   fragmentation, default 10%) and, on CUDA devices, less ``MemoryHeadroom.reserved_gb`` (the

@@ -271,6 +271,17 @@ class Collective:
                 )
 
 
+SIMULATION_TOLERANCE = 0.10
+"""How far (relative to the prediction) a plan's simulated iteration may be before the plan says
+that the two disagree."""
+
+
+def simulation_agrees(predicted_s: float, simulated_s: float | None) -> bool:
+    """Whether a simulated iteration is within :data:`SIMULATION_TOLERANCE` of the predicted one
+    (True where nothing was simulated)."""
+    return simulated_s is None or abs(simulated_s - predicted_s) <= SIMULATION_TOLERANCE * predicted_s
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prediction:
     iteration_s: float
@@ -288,6 +299,11 @@ class Prediction:
     def __post_init__(self) -> None:
         positive("iteration_s", self.iteration_s)
         positive("samples_per_s", self.samples_per_s)
+
+    @property
+    def simulation_agrees(self) -> bool:
+        """Whether the simulator's iteration is within :data:`SIMULATION_TOLERANCE` of the prediction."""
+        return simulation_agrees(self.iteration_s, self.simulated_iteration_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

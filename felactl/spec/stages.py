@@ -70,8 +70,9 @@ class Stage:
     predicted_compute_s: float | None = None
     max_in_flight: int | None = None
     """Most micro-batches of this stage whose activations one worker holds at once (forward run,
-    backward not yet): what the planner's memory model assumed. The simulator holds every worker
-    to it. None (plans written before it): no limit."""
+    backward not yet): as many as the planner's memory model finds room for. The simulator holds
+    every worker to it. None: no limit (memory holds every micro-batch of the stage, or a plan
+    written before it)."""
 
     def __post_init__(self) -> None:
         positive("layer_start", self.layer_start, allow_zero=True)
