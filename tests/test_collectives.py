@@ -734,7 +734,7 @@ def test_the_pricing_arborescence_is_the_cheapest():
     """The column generation's own Chu-Liu/Edmonds gives arborescences as cheap as networkx's."""
     import networkx as nx
 
-    from felactl.optimizer.packing import min_cost_arborescence
+    from felactl.optimizer.arborescences import min_cost_arborescence
 
     rng = random.Random(7)
     for _ in range(200):

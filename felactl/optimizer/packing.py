@@ -1,11 +1,13 @@
 """Packing spanning arborescences (Blink, SEEDS.md section 4): the LP and the fewest-trees ILP.
 
 Pure (stdlib + networkx + pulp). Works on a directed capacity graph (``felactl.optimizer.graph``)
-and a root; knows nothing of clusters.
+and a root; knows nothing of clusters. The arborescences themselves (the cheapest, every one of a
+small graph) are found in :mod:`felactl.optimizer.arborescences`.
 
 1. **Columns.** A few rounds of multiplicative weights (Garg-Koenemann): take the minimum-length
-   spanning arborescence from the root (Edmonds' algorithm: :func:`min_cost_arborescence`), then
-   lengthen its edges by ``1 + eps * bottleneck / capacity``. This yields diverse, good trees.
+   spanning arborescence from the root (Edmonds' algorithm:
+   :func:`arborescences.min_cost_arborescence`), then lengthen its edges by
+   ``1 + eps * bottleneck / capacity``. This yields diverse, good trees.
 2. **Packing LP with column generation** (:func:`solve_packing_lp`, :func:`pack_trees`) over
    those trees; the pricing problem is again a minimum-cost arborescence, with the LP's dual
    prices as edge costs. It stops when no tree has a negative reduced cost (the LP optimum over
@@ -16,7 +18,7 @@ and a root; knows nothing of clusters.
    while the rest still packs (checked with min-cuts, :func:`max_safe_weight`).
 4. **Fewest-trees ILP** (:func:`fewest_trees_ilp`), warm-started from the peeled trees, over
    every tree steps 2-3 produced, or, where the group is small enough to list every
-   arborescence (``ENUMERATION_LIMIT``), over all of them, which makes the count the true
+   arborescence (``arborescences.ENUMERATION_LIMIT``), over all of them, which makes the count the true
    minimum: keep as few trees as possible that still carry ``min_share`` of the packed rate.
 
 **Two-way packing** (``two_way=True``), for an allreduce that reduces up each tree and broadcasts
@@ -32,16 +34,13 @@ allreduce can reach there (:func:`felactl.optimizer.graph.allreduce_bound`).
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 
 import networkx as nx
 import pulp
 
 from felactl.errors import PlanInfeasible
-
-Edges = tuple[tuple[str, str], ...]
-"""A spanning arborescence: its directed edges (parent, child)."""
+from felactl.optimizer.arborescences import Edges, all_arborescences, min_cost_arborescence
 
 SOLVER_TIME_LIMIT_S = 20
 FEWEST_TREES_TIME_LIMIT_S = 3
@@ -52,65 +51,8 @@ MAX_PRICING_ROUNDS = 200
 REDUCED_COST_TOLERANCE = 1e-7
 BOUND_TOLERANCE = 1e-6
 CAPACITY_EPS_GBPS = 1e-7
-ENUMERATION_LIMIT = 256
-"""Groups with at most this many candidate arborescences give the ILP every one of them (exact)."""
 
 _names = itertools.count()
-
-
-def min_cost_arborescence(graph: nx.DiGraph, root, cost: dict) -> Edges:
-    """The spanning arborescence from ``root`` of least total ``cost[edge]`` (Chu-Liu/Edmonds:
-    :func:`_cheapest_arborescence`)."""
-    if len(nx.descendants(graph, root)) < graph.number_of_nodes() - 1:
-        raise PlanInfeasible(f"no spanning tree from {root} over the group's links (is the group connected?)")
-    tree = _cheapest_arborescence(list(graph.nodes), root, {e: cost[e] for e in graph.edges if e[1] != root})
-    return tuple(sorted(tree))
-
-
-def _cheapest_arborescence(nodes: list, root, cost: dict) -> list[tuple]:
-    """Chu-Liu/Edmonds over ``cost`` ((u, v) -> cost, no edge into ``root``; every node reachable):
-    each other node takes its cheapest in-edge; a cycle among those is contracted to one node,
-    an edge into it costing what it saves over the cycle's own edge into its head, and solved
-    again; the contracted solution's edge into the cycle replaces that one cycle edge.
-
-    Written here rather than networkx's ``maximum_branching``: it is the column generation's
-    pricing step, called hundreds of times per packing, where networkx's took 7 ms a call on 8
-    GPUs (1.7 s of the 4 s that packing 8 DGX-1V GPUs took) and this takes a small fraction."""
-    best: dict = {}
-    for (u, v), c in cost.items():
-        if u != v and (v not in best or c < cost[best[v]]):
-            best[v] = (u, v)
-    cycle = _a_cycle(nodes, root, {v: e[0] for v, e in best.items()})
-    if cycle is None:
-        return list(best.values())
-    merged = ("contracted", len(nodes), id(cycle))
-    inside = set(cycle)
-    origin, contracted = {}, {}
-    for (u, v), c in cost.items():
-        if u in inside and v in inside:
-            continue
-        key = (merged if u in inside else u, merged if v in inside else v)
-        value = c - cost[best[v]] if v in inside else c
-        if key not in contracted or value < contracted[key]:
-            contracted[key], origin[key] = value, (u, v)
-    outer = [n for n in nodes if n not in inside] + [merged]
-    chosen = [origin[e] for e in _cheapest_arborescence(outer, root, contracted)]
-    entering = next(v for _, v in chosen if v in inside)
-    return chosen + [best[v] for v in cycle if v != entering]
-
-
-def _a_cycle(nodes: list, root, parent: dict) -> list | None:
-    """A cycle of the parent pointers (its nodes), or None."""
-    done: set = {root}
-    for start in nodes:
-        path, node = [], start
-        while node not in done and node not in path:
-            path.append(node)
-            node = parent[node]
-        if node in path:
-            return path[path.index(node) :]
-        done.update(path)
-    return None
 
 
 def warm_start_trees(graph: nx.DiGraph, root) -> list[Edges]:
@@ -364,32 +306,6 @@ def peel_trees(
         need -= weight
         peeled[tree] = peeled.get(tree, 0.0) + weight
     return candidates, peeled, packed or 0.0
-
-
-def all_arborescences(graph: nx.DiGraph, root, limit: int = ENUMERATION_LIMIT) -> list[Edges] | None:
-    """Every spanning arborescence from ``root``, or None when there could be more than ``limit``.
-
-    Each non-root device picks one parent among its in-links; the picks that leave no cycle are
-    the arborescences. The product of the in-degrees bounds their number.
-    """
-    others = [v for v in graph.nodes if v != root]
-    choices = [[u for u in graph.predecessors(v)] for v in others]
-    if math.prod(len(c) for c in choices) > limit:
-        return None
-    trees = []
-    for parents in itertools.product(*choices):
-        parent_of = dict(zip(others, parents))
-        if all(_reaches_root(v, parent_of, root) for v in others):
-            trees.append(tuple(sorted(zip(parents, others))))
-    return trees
-
-
-def _reaches_root(node, parent_of: dict, root) -> bool:
-    for _ in range(len(parent_of) + 1):
-        if node == root:
-            return True
-        node = parent_of[node]
-    return False
 
 
 def pack_arborescences(
