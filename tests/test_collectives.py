@@ -713,14 +713,14 @@ def test_eight_dgx1v_gpus_pack_for_the_allreduce_with_one_ilp_each_way(monkeypat
     two-way packing ran the fewest-trees ILP (21 trees, thrown away: more than 8) and then the
     most-rate ILP. Now the most rate of 8 trees says first whether 8 can carry the share, and the
     trees are as good as before: 95 GB/s of allreduce over 8 trees."""
-    from felactl.optimizer import collectives, packing
+    from felactl.optimizer import broadcast_trees, collectives, packing
 
     solved = []
     real = packing._solve
     monkeypatch.setattr(
         packing, "_solve", lambda problem, what, *a, **k: solved.append(what) or real(problem, what, *a, **k)
     )
-    collectives._pack_signature.cache_clear()
+    broadcast_trees._pack_signature.cache_clear()
     collectives._pack_two_way_signature.cache_clear()
     collective = plan_collective(DGX, DGX.device_names)
     assert_valid(DGX, collective)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from felactl.optimizer import collectives, ilp
+from felactl.optimizer import broadcast_trees, collectives, ilp
 from felactl.optimizer.cost import CostModel
 from felactl.optimizer.evaluate import predict
 from felactl.optimizer.planner import make_plan
@@ -53,8 +53,8 @@ def plan_stage_choices(plan):
 def test_a_server_part_is_packed_once_per_process():
     mixed = load_cluster(ROOT / "plans" / "clusters" / "mixed.yaml")
     collectives.plan_collective(mixed, [d for d in mixed.device_names if d.startswith(("a100-0", "v100-0"))])
-    before = collectives._pack_signature.cache_info()
+    before = broadcast_trees._pack_signature.cache_info()
     # Another group of the same server shapes (the other A100 and V100 servers): nothing packed again.
     collectives.plan_collective(mixed, [d for d in mixed.device_names if d.startswith(("a100-1", "v100-1"))])
-    after = collectives._pack_signature.cache_info()
+    after = broadcast_trees._pack_signature.cache_info()
     assert after.misses == before.misses and after.hits > before.hits

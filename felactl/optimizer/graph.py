@@ -3,7 +3,8 @@
 Pure (stdlib + networkx). Capacities are GB/s in the edge attribute ``capacity``; latencies are
 microseconds in ``latency_us``. A group's graph holds only the direct links among its devices
 (``ClusterSpec.links_among``): a collective that routes through a device outside the group would
-steal that device's links from whoever runs on it.
+steal that device's links from whoever runs on it. Every link between servers leaves through its
+server's one network interface (:func:`nic_gbps`).
 
 The best ring is a directed Hamiltonian cycle whose narrowest link is as wide as possible (its
 "bottleneck", the rate of a ring collective). Finding it is NP-hard in general; a depth-first
@@ -379,3 +380,18 @@ def ring_width(cluster: ClusterSpec, order: Sequence[str]) -> float:
         )
 
     return min(width(a, b) for a, b in ring_hops(order))
+
+
+def nic_gbps(cluster: ClusterSpec, server: str) -> float:
+    """A server's network interface: the spec's ``nic_gbps``, else the widest link between it and
+    another server."""
+    nic = next(node.nic_gbps for node in cluster.nodes if node.name == server)
+    if nic:
+        return nic
+    widths = [cluster.inter_node_default.bandwidth_gbps] if cluster.inter_node_default else []
+    widths += [
+        l.bandwidth_gbps
+        for l in cluster.links
+        if (cluster.node_of(l.src).name == server) != (cluster.node_of(l.dst).name == server)
+    ]
+    return max(widths, default=math.inf)
