@@ -13,16 +13,10 @@ import pulp
 import pytest
 
 from felactl.errors import InputError, PlanInfeasible
-from felactl.optimizer.collectives import (
-    allreduce_rates,
-    allreduce_throughput_gbps,
-    allreduce_time_s,
-    plan_collective,
-    ring_allreduce_time_s,
-    tree_allreduce_cost,
-)
+from felactl.optimizer.collectives import allreduce_rates, plan_collective, ring_allreduce_time_s
 from felactl.optimizer.graph import allreduce_bound, best_ring, capacity_graph, min_cut_bound
 from felactl.optimizer.packing import pack_up_and_down
+from felactl.optimizer.tree_cost import allreduce_throughput_gbps, allreduce_time_s, tree_allreduce_cost
 from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, Tree, load_cluster
 from felactl.spec.plan import tree_root
 
@@ -506,7 +500,7 @@ def test_on_cpu_slots_a_tree_allreduce_takes_at_least_its_busiest_slot_s_message
     TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE of a core: a full core's b outlasts links of
     1 GB/s, and a slot held to a tenth of a core pays ten times its messages. (Priced by the links
     alone, 16 MiB over trees on the one-slow testbed measured 3x its price.)"""
-    from felactl.optimizer.collectives import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S
+    from felactl.optimizer.tree_cost import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S
 
     links = (("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("c", "d", 1.0, 0.0))
     gpus, cores = _pair_cluster(*links), _pair_cluster(*links, kind=DeviceKind.CPU)
@@ -598,7 +592,7 @@ def test_the_messages_priced_per_slot_are_those_the_runtime_sends_and_receives(c
     dealt to that tree) equal what the runtime's walks (``agents.worker.sync.trees._walks``) send
     and receive on that rank: per piece, one receive per child and one send to the parent."""
     from felactl.agents.worker.sync.trees import _Tree, _walks
-    from felactl.optimizer.collectives import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S, tree_allreduce_cost
+    from felactl.optimizer.tree_cost import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S, tree_allreduce_cost
     from felactl.spec.plan import root_rates, tree_piece_bytes
 
     names = ("a", "b", "c", "d")
@@ -654,9 +648,9 @@ def test_the_cost_model_stretches_the_trees_cpu_on_a_slot_slowed_without_a_quota
     """A slot that timed its matmul at half the rate the model profile was timed at (a busy VM,
     no cgroup naming a quota) does its host work at half speed (``CostModel.host_slowdown``), its
     tree messages included: the cost model prices them so; the cluster alone cannot see it
-    (``collectives.cpu_slowdown``: 1)."""
-    from felactl.optimizer.collectives import tree_allreduce_cost
+    (``tree_cost.cpu_slowdown``: 1)."""
     from felactl.optimizer.cost import CostModel
+    from felactl.optimizer.tree_cost import tree_allreduce_cost
     from tests.planner_fixtures import model as model_profile
 
     links = (("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("c", "d", 1.0, 0.0))

@@ -537,7 +537,7 @@ class CostModel:
         :meth:`host_slowdown`. That CPU comes out of the quota the backward computes on, so nothing
         hides it; the link profile saw it at a full core's speed, where it overlaps the transfer.
         0 where no member is held by a quota. Where the trees are the faster sum, their time
-        already holds their own CPU as a bound (``collectives.TreeAllreduceCost.busiest_cpu``) and
+        already holds their own CPU as a bound (``tree_cost.TreeAllreduceCost.busiest_cpu``) and
         this adds the ring's CPU besides: a double count of part of it, left while the plans it
         prices measure within 20% (BENCHMARKS.md, "Measured plan quality", thirteenth session).
         Calibrated on data-parallel rings."""
@@ -578,8 +578,8 @@ class CostModel:
 
     def tree_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
         """Allreduce over the group's packed trees; inf where trees are off or cannot be packed.
-        (:func:`collectives.allreduce_time_s`, whose rate and fill are worked out once per group.)"""
-        from felactl.optimizer.collectives import tree_allreduce_cost
+        (:func:`tree_cost.allreduce_time_s`, whose rate and fill are worked out once per group.)"""
+        from felactl.optimizer.tree_cost import tree_allreduce_cost
 
         if len(group) < 2 or num_bytes <= 0:
             return 0.0

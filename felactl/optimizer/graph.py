@@ -24,6 +24,10 @@ import networkx as nx
 from felactl.errors import InputError, PlanInfeasible
 from felactl.spec.cluster import ClusterSpec, LinkType
 
+GBPS_TO_BYTES_PER_S = 1e9
+"""Bytes per second of one GB/s, the unit of every capacity here."""
+US_TO_S = 1e-6
+"""Seconds of one microsecond, the unit of every latency here."""
 RING_SEARCH_BUDGET = 200_000
 """Partial rings the search may extend before it settles for the best ring found so far."""
 

@@ -101,7 +101,7 @@ def tree_piece_bytes(num_bytes: float, num_trees: int, largest: int = TREE_PIECE
     """The bytes of each piece an allreduce of ``num_bytes`` over ``num_trees`` trees (the more of
     a collective's broadcast and reduce trees) streams in: the rule the runtime cuts by
     (``felactl.agents.worker.sync.trees``) and the planner prices the pipeline's fill by
-    (``felactl.optimizer.collectives``), in one place so they cannot drift apart."""
+    (``felactl.optimizer.tree_cost``), in one place so they cannot drift apart."""
     wanted = MIN_PIECES_PER_TREE * max(1, num_trees)
     # the runtime cuts by whole elements: a size that is not would give it one piece more than priced
     even = PIECE_ALIGN_BYTES * math.ceil(num_bytes / wanted / PIECE_ALIGN_BYTES)
