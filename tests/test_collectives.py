@@ -13,9 +13,10 @@ import pulp
 import pytest
 
 from felactl.errors import InputError, PlanInfeasible
-from felactl.optimizer.collectives import allreduce_rates, plan_collective, ring_allreduce_time_s
+from felactl.optimizer.collectives import allreduce_rates, plan_collective
 from felactl.optimizer.graph import allreduce_bound, best_ring, capacity_graph, min_cut_bound
 from felactl.optimizer.packing import pack_up_and_down
+from felactl.optimizer.ring_cost import ring_allreduce_time_s
 from felactl.optimizer.tree_cost import allreduce_throughput_gbps, allreduce_time_s, tree_allreduce_cost
 from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, Tree, load_cluster
 from felactl.spec.plan import tree_root

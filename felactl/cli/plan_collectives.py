@@ -18,8 +18,9 @@ from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError, PlanInfeasible
 from felactl.limits import check_flag, split_items
-from felactl.optimizer.collectives import allreduce_rates, nccl_allreduce_line, plan_collective, ring_allreduce_time_s
+from felactl.optimizer.collectives import allreduce_rates, plan_collective
 from felactl.optimizer.graph import abbreviate_names
+from felactl.optimizer.ring_cost import nccl_allreduce_line, ring_allreduce_time_s
 from felactl.optimizer.tree_cost import allreduce_time_s, tree_allreduce_cost
 from felactl.spec import ClusterSpec, Collective, load_cluster
 

@@ -1,4 +1,6 @@
-"""Collectives over packed spanning trees (Blink, SEEDS.md section 4), and the ring they replace.
+"""The collective trees of a group of devices (Blink, SEEDS.md section 4): :func:`plan_collective`
+packs its broadcast, reduce and allreduce trees; :func:`allreduce_rates` weighs them against rings
+and the bound of any allreduce.
 
 Pure: stdlib + networkx + pulp (via :mod:`felactl.optimizer.packing`), never torch.
 
@@ -31,14 +33,10 @@ thinner than their way back (``_without_acknowledgement_links``): they carry the
 acknowledgements, which bulk data on them delays. Both are tried for one server's groups of up
 to ``ALLREDUCE_BOUND_MAX_DEVICES``; ``for_allreduce=False`` keeps the broadcast's packing.
 
-**Times** (bytes N; rates in GB/s = 1e9 bytes/s; latencies in microseconds): a tree allreduce's in
-:mod:`felactl.optimizer.tree_cost`.
-
-- Ring allreduce (the baseline, as NCCL): ``2 (n - 1) / n * N / b + 2 (n - 1) * l``, with b the best
-  ring's bottleneck bandwidth and l its slowest link's latency (each of the 2 (n - 1) steps waits
-  for its slowest hop).
-- A group of one device moves nothing: ``plan_collective`` returns it with no trees and rates 0,
-  and both times are 0.
+**Times**: a tree allreduce's in :mod:`felactl.optimizer.tree_cost`, a ring allreduce's (the
+baseline, as NCCL) in :mod:`felactl.optimizer.ring_cost`; :func:`allreduce_rates` sets their rates
+side by side with the bound of any allreduce. A group of one device moves nothing:
+``plan_collective`` returns it with no trees and rates 0, and both times are 0.
 """
 
 from __future__ import annotations
@@ -54,8 +52,6 @@ from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer.broadcast_trees import one_server_trees, three_phase_trees
 from felactl.optimizer.graph import (
     ALLREDUCE_BOUND_MAX_DEVICES,
-    GBPS_TO_BYTES_PER_S,
-    US_TO_S,
     allreduce_bound,
     best_ring,
     capacity_graph,
@@ -64,13 +60,12 @@ from felactl.optimizer.graph import (
     local_signature,
     min_cut_bound,
     nccl_rings,
-    ring_hops,
-    ring_width,
     signature_graph,
 )
 from felactl.optimizer.packing import pack_arborescences, pack_up_and_down
+from felactl.optimizer.ring_cost import on_nccl, ring_allreduce_gbps
 from felactl.optimizer.tree_cost import allreduce_throughput_gbps, link_loads, root_first
-from felactl.spec.cluster import ClusterSpec, DeviceKind
+from felactl.spec.cluster import ClusterSpec
 from felactl.spec.plan import Collective, Tree, tree_root
 
 
@@ -302,55 +297,7 @@ def _without_acknowledgement_links(graph: nx.DiGraph) -> nx.DiGraph:
     return kept if nx.is_strongly_connected(kept) else graph
 
 
-def ring_allreduce_time_s(
-    cluster: ClusterSpec, devices: Sequence[str], num_bytes: float, *, order: Sequence[str] | None = None
-) -> float:
-    """Seconds for a ring allreduce of ``num_bytes`` over the best ring (module docstring), or over
-    the ring that sends along ``order`` (each device to the next) where the runtime fixes it
-    (:func:`gloo_ring`)."""
-    if len(devices) == 1 or num_bytes <= 0:
-        check_devices(cluster, devices)
-        return 0.0
-    fixed_s, per_byte_s = ring_allreduce_line(cluster, devices, order=order)
-    return fixed_s + num_bytes * per_byte_s
-
-
-def ring_allreduce_line(
-    cluster: ClusterSpec, devices: Sequence[str], *, order: Sequence[str] | None = None
-) -> tuple[float, float]:
-    """A ring allreduce's time as ``fixed_s + bytes * per_byte_s`` (:func:`ring_allreduce_time_s`
-    for any size): finding the best ring is the costly part, so a caller pricing many sizes over
-    one group (the cost model, a bucket at a time) finds it once."""
-    devices = check_devices(cluster, devices)
-    if order is None:
-        order, bottleneck_gbps = best_ring(cluster, devices)
-    else:
-        bottleneck_gbps = ring_width(cluster, order)
-    return _rings_line(cluster, devices, ((order, bottleneck_gbps),) if bottleneck_gbps > 0 else ())
-
-
-def nccl_allreduce_line(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[float, float]:
-    """NCCL's allreduce over a group of GPUs as ``fixed_s + bytes * per_byte_s``: the data split
-    over the rings it lays (:func:`~felactl.optimizer.graph.nccl_rings`) by their bandwidth, each a
-    ring allreduce of its share, all at once. What the runtime runs on GPUs: Blink trees need
-    gloo (:func:`felactl.agents.worker.sync.trees.stage_trees`)."""
-    devices = check_devices(cluster, devices)
-    return _rings_line(cluster, devices, nccl_rings(cluster, devices))
-
-
-def _rings_line(cluster: ClusterSpec, devices: Sequence[str], rings) -> tuple[float, float]:
-    """Ring allreduce over ``rings`` (``((order, GB/s), ...)``) at once, the data split by their
-    bandwidth: 2 (n - 1) steps of the slowest hop's latency, and the data at the rings' summed rate."""
-    if not rings:
-        raise PlanInfeasible(
-            f"no ring over {', '.join(devices)}: some device has no direct link in or out that closes a cycle"
-        )
-    slowest_us = max(cluster.link(a, b).latency_us for order, _ in rings for a, b in ring_hops(order))
-    count = len(devices)
-    rate_gbps = ring_allreduce_gbps(sum(gbps for _, gbps in rings), count)
-    return 2 * (count - 1) * slowest_us * US_TO_S, 1.0 / (rate_gbps * GBPS_TO_BYTES_PER_S)
-
-
+# A ring fact (ring_cost's room), kept here while planner.py imports it from this module.
 def gloo_ring(ranked: Sequence[str]) -> tuple[str, ...]:
     """The ring gloo's allreduce sends along over a group whose devices are ``ranked`` (ascending
     rank): each rank sends to the rank before it, so the data goes round the ranks backwards.
@@ -359,11 +306,6 @@ def gloo_ring(ranked: Sequence[str]) -> tuple[str, ...]:
     one's (BENCHMARKS.md, "Measured plan quality"). Rank order is felactl's to choose
     (:func:`felactl.optimizer.planner.rank_order`)."""
     return tuple(reversed(ranked))
-
-
-def ring_allreduce_gbps(bottleneck_gbps: float, count: int) -> float:
-    """The rate a ring allreduce over ``count`` devices moves the data at: each sends 2 (n - 1) / n of it."""
-    return bottleneck_gbps * count / (2 * (count - 1)) if count > 1 else 0.0
 
 
 def root_bounds_gbps(cluster: ClusterSpec, collective: Collective) -> dict[str, float]:
@@ -381,7 +323,7 @@ def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, f
     """What a reader weighs the trees by: their allreduce rate (None without trees, or where a
     reduce link is missing), the bound of any allreduce over the group (None where too large to
     compute), and the best ring's allreduce rate; on GPUs also NCCL's rings and their allreduce
-    rate (what a job there runs, :func:`on_nccl`)."""
+    rate (what a job there runs, :func:`~felactl.optimizer.ring_cost.on_nccl`)."""
     try:
         allreduce = allreduce_throughput_gbps(cluster, collective) if collective.trees else None
     except PlanInfeasible:
@@ -399,10 +341,3 @@ def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, f
             ring_allreduce_gbps(sum(gbps for _, gbps in rings), len(collective.devices)) or None
         )
     return rates
-
-
-def on_nccl(cluster: ClusterSpec, devices: Sequence[str]) -> bool:
-    """Whether a group syncs over NCCL's allreduce: a group of GPUs (a plan runs on GPUs with NCCL or
-    on CPU slots with gloo, never both: :func:`~felactl.optimizer.planner.check_devices`). The
-    runtime streams Blink trees over gloo only, so NCCL's own rings sum there (:func:`nccl_rings`)."""
-    return all(cluster.device(d).kind is DeviceKind.CUDA for d in devices)

@@ -615,8 +615,8 @@ class CostModel:
 
     def _ring_line(self, group: tuple[str, ...]) -> tuple[float, float]:
         """:meth:`ring_sync_s` as ``fixed_s + bytes * per_byte_s`` ((inf, inf) where no ring is)."""
-        from felactl.optimizer.collectives import nccl_allreduce_line, ring_allreduce_line
         from felactl.optimizer.graph import best_ring_in_graph, ring_hops
+        from felactl.optimizer.ring_cost import nccl_allreduce_line, ring_allreduce_line
 
         order = self._backend_ring(group)
         try:
@@ -652,8 +652,8 @@ class CostModel:
         return all(self.cluster.device(d).kind == DeviceKind.CPU for d in group)
 
     def on_nccl(self, group: Sequence[str]) -> bool:
-        """Whether ``group`` syncs over NCCL's own rings, not trees (:func:`collectives.on_nccl`)."""
-        from felactl.optimizer.collectives import on_nccl
+        """Whether ``group`` syncs over NCCL's own rings, not trees (:func:`ring_cost.on_nccl`)."""
+        from felactl.optimizer.ring_cost import on_nccl
 
         return on_nccl(self.cluster, group)
 
