@@ -316,7 +316,7 @@ def test_a_sum_costs_a_quota_held_slot_its_cpu_stretched_by_the_quota_and_nothin
     """Three CPU slots summing 30 MB: each sends 2 (n - 1) / n of it (40 MB) at 1 ns of a full core
     a byte; the tenth of a core stretches that to 0.4 s, added to the sum whatever the backward
     hid; slots no quota holds add nothing (their links' profile saw that CPU)."""
-    from felactl.optimizer.cost import SYNC_CPU_S_PER_BYTE
+    from felactl.optimizer.sync_cost import SYNC_CPU_S_PER_BYTE
 
     assert SYNC_CPU_S_PER_BYTE == 1e-9
     base = model([(1000, 10, 1.0)])
