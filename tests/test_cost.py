@@ -6,15 +6,8 @@ import dataclasses
 
 import pytest
 
-from felactl.optimizer.cost import (
-    TOKEN_OVERHEAD_S,
-    CostModel,
-    b_half,
-    efficiency,
-    layer_times_s,
-    micro_batch_options,
-    stage_memory_bytes,
-)
+from felactl.optimizer.compute_cost import b_half, efficiency, layer_times_s
+from felactl.optimizer.cost import TOKEN_OVERHEAD_S, CostModel, micro_batch_options, stage_memory_bytes
 from felactl.optimizer.evaluate import (
     StageChoice,
     exchange_per_sample_s,
