@@ -11,8 +11,9 @@ R and min-cut bound B are packed in :mod:`felactl.optimizer.broadcast_trees`.
 wide both ways (then X >= R / 2: :mod:`felactl.optimizer.tree_cost`). Elsewhere (one-way or
 asymmetric links) trees are packed for the reduce too, as arborescences out of the root on the
 reversed graph (``reduce_trees``), and kept where they make the allreduce faster than the
-reversed trees (or where those need a link that does not exist). A group whose devices cannot all reach the root has no reduce over
-trees: its allreduce over trees is refused and the planner prices a ring.
+reversed trees (or where those need a link that does not exist). A group whose devices cannot
+all reach the root has no reduce over trees: its allreduce over trees is refused and the planner
+prices a ring.
 
 **Trees for the allreduce itself.** Trees packed for a broadcast reach its bound R, but an
 allreduce sends every byte up as well as down, so where a broadcast tree uses a link one way and

@@ -189,9 +189,9 @@ class SyncCosts:
         """Ring allreduce over the best ring of direct links (over the backend's ring in the rank
         order, where :attr:`ring_order` fixes it; on GPUs over the rings NCCL lays, :meth:`on_nccl`);
         where the group's direct links close no ring (two devices linked only through a third,
-        one-way links), over the best ring of routes (:meth:`link_time_s`'s paths, which may pass
-        devices outside the group; the traffic they relay for the ring is not charged to them); inf
-        where some device reaches no other."""
+        one-way links), over the best ring of routes (:meth:`CostModel.link_time_s`'s paths, which
+        may pass devices outside the group; the traffic they relay for the ring is not charged to
+        them); inf where some device reaches no other."""
         if len(group) < 2 or num_bytes <= 0:
             return 0.0
         key = ("ring", group)
