@@ -3,11 +3,12 @@ mode added in one place and not the others fails here, whichever place it was.
 
 Checked against the table: the ``SyncMode`` enum, the worker's strategy classes (a class for
 exactly the executions a row allows, at its own pace exactly where the row says so), ``felactl
-check``'s rules, the shapes the planner plans and the CLI's ``--sync`` help."""
+check``'s rules, the shapes the planner plans, the CLI's ``--sync`` help and README's table."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
@@ -22,6 +23,8 @@ from felactl.optimizer.planner import make_plan
 from felactl.spec import DeviceKind, Placement, Schedule, SyncMode, check_executable, sync_modes
 from felactl.spec.executable import execution, problems
 from felactl.spec.sync_modes import SYNC_MODE_SUPPORT, Execution, SyncModeSupport, sync_support
+
+README = Path(__file__).parent.parent / "README.md"
 
 
 def test_every_sync_mode_has_one_row():
@@ -106,6 +109,33 @@ def test_the_sync_help_names_every_mode(command):
     text = " ".join(result.output.replace("│", " ").split())  # the words, without rich's box and wrapping
     for mode, row in SYNC_MODE_SUPPORT.items():
         assert f"{mode.value}: {row.summary}" in text, mode
+
+
+EXECUTION_WORDS = {
+    Execution.DATA_PARALLEL: "data parallel",
+    Execution.FLEXIBLE: "flexible hybrid",
+    Execution.PIPELINE: "static pipelines",
+}
+
+
+def _readme_tables() -> list[list[list[str]]]:
+    """The tables of README's "Sync modes" section: each a list of rows of cells, after its header."""
+    section = README.read_text().split("## Sync modes", 1)[1].split("\n## ", 1)[0]
+    tables = [block for block in section.split("\n\n") if block.lstrip().startswith("|")]
+    return [
+        [[c.strip() for c in line.strip().strip("|").split("|")] for line in t.strip().splitlines()[2:]] for t in tables
+    ]
+
+
+def test_readme_describes_every_mode_as_its_row_does():
+    what, support = _readme_tables()
+    assert [r[0] for r in what] == [f"`{m.value}`" for m in SyncMode]
+    assert [r[0] for r in support] == [f"`{m.value}`" for m in SyncMode]
+    for (_, runs, planned, trees, rescaling, gpus), row in zip(support, SYNC_MODE_SUPPORT.values(), strict=True):
+        assert {e for e, words in EXECUTION_WORDS.items() if words in runs} == row.executions, row.mode
+        assert EXECUTION_WORDS[row.planned_as] in planned, row.mode
+        assert (trees, gpus) == ("yes" if row.sums_over_trees else "no", "yes" if row.runs_on_gpus else "no")
+        assert ("settle" in rescaling) is row.at_own_pace and (rescaling != "no") is row.rescales_live
 
 
 def test_rows_are_frozen():
