@@ -164,18 +164,27 @@ def _model_problems(plan: Plan, layer_params: Sequence[int]) -> list[Problem]:
     ]
 
 
+_SHAPES = {
+    Execution.DATA_PARALLEL: "data-parallel plans (one stage)",
+    Execution.FLEXIBLE: "flexible plans (schedule tokens, several stages)",
+    Execution.PIPELINE: "static pipelines (schedule 1f1b or gpipe, several stages)",
+}
+
+
 def _mode_problems(plan: Plan, how: Execution) -> list[Problem]:
     """Rule 5: the plan's sync mode runs its execution."""
-    if how in sync_support(plan.sync.mode).executions:
+    mode = plan.sync.mode
+    runs = sync_support(mode).executions
+    if how in runs:
         return []
-    shape = {
-        Execution.DATA_PARALLEL: "a data-parallel plan (one stage)",
-        Execution.FLEXIBLE: "a flexible plan (schedule tokens, several stages)",
-        Execution.PIPELINE: f"static pipelines (schedule {plan.schedule.value}, several stages)",
-    }[how]
     others = mode_names(modes_where(lambda row: how in row.executions))
+    its_own = " and ".join(shape for e, shape in _SHAPES.items() if e in runs)
     return [
-        Problem("sync.mode", f"sync {plan.sync.mode.value} cannot run {shape}: that synchronises with sync {others}")
+        Problem(
+            "sync.mode",
+            f"sync {mode.value} cannot run {_SHAPES[how]}, which synchronise with sync {others}; "
+            f"sync {mode.value} runs {its_own}",
+        )
     ]
 
 
