@@ -14,6 +14,7 @@ import typer.core
 from felactl.cli import output
 from felactl.cli.runview import live_run
 from felactl.spec import SyncMode
+from felactl.spec.sync_modes import mode_names, modes_where, sync_help
 
 SCRIPT_ARGS = "felactl.script_args"
 
@@ -72,7 +73,7 @@ def launch(
     steps: Annotated[
         int | None, typer.Option(min=1, help="Iterations (global batches) to train (default 100; --resume: the run's).")
     ] = None,
-    sync: Annotated[SyncMode | None, typer.Option(help="Override the plan's sync mode.")] = None,
+    sync: Annotated[SyncMode | None, typer.Option(help=f"Override the plan's sync mode. {sync_help()}.")] = None,
     slowdown: Annotated[
         str | None,
         typer.Option(help="RANK=FACTOR[,RANK=FACTOR]: slow workers on purpose (sleep (factor-1) x compute)."),
@@ -142,7 +143,13 @@ def launch(
             "be ready (import torch, build the model): raise it for slow nodes."
         ),
     ] = 60.0,
-    elastic: Annotated[bool, typer.Option(help="Run data-parallel bsp plans under live rescaling.")] = True,
+    elastic: Annotated[
+        bool,
+        typer.Option(
+            help="Run data-parallel plans under live rescaling (sync "
+            f"{mode_names(modes_where(lambda row: row.rescales_live))})."
+        ),
+    ] = True,
     cluster: Annotated[
         Path | None,
         typer.Option(help="The cluster profile the plan was made from: felactl scale then re-plans with the planner."),

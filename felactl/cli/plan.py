@@ -22,14 +22,14 @@ from felactl.optimizer.cost import CostModel, MemoryHeadroom
 from felactl.optimizer.planner import (
     BASELINE_NAMES,
     DEFAULT_TIME_LIMIT_S,
-    SYNC_MODES,
     make_baseline_plan,
     make_plan,
     plan_cost_model,
 )
 from felactl.optimizer.simulator import simulate
-from felactl.spec import DeviceKind, Plan, SyncMode, load_cluster, load_model, save
+from felactl.spec import DeviceKind, Plan, load_cluster, load_model, save
 from felactl.spec.plan import SIMULATION_TOLERANCE
+from felactl.spec.sync_modes import sync_help, sync_support
 
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
@@ -93,9 +93,10 @@ def render_summary(console, plan: Plan, out: Path | None) -> None:
             f"simulated peak memory {peak:.3g} GB on {device} (weights, optimizer state and the activations it holds)"
         )
     dp_s = p.baselines.get("dp")
-    if plan_label(plan) == "felactl" and plan.sync.mode is SyncMode.TOKENS and dp_s and dp_s < p.iteration_s:
+    claims = sync_support(plan.sync.mode).data_parallel_tokens
+    if plan_label(plan) == "felactl" and claims and dp_s and dp_s < p.iteration_s:
         console.print(
-            f"note: data parallel as DDP runs it is predicted faster ({dp_s:.4g} s): under sync tokens "
+            f"note: data parallel as DDP runs it is predicted faster ({dp_s:.4g} s): under sync {plan.sync.mode.value} "
             f"each micro-batch is a token claimed through the store; `--sync bsp` plans without them"
         )
     if out is not None:
@@ -188,7 +189,7 @@ def plan(
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="Samples per iteration.")] = None,
     sync: Annotated[
         str | None,
-        typer.Option("--sync", help=f"Sync mode: {'|'.join(SYNC_MODES)} (default tokens; bsp with --baseline)."),
+        typer.Option("--sync", help=f"Sync mode (default tokens; bsp with --baseline). {sync_help()}."),
     ] = None,
     baseline: Annotated[
         str | None,

@@ -42,8 +42,9 @@ from felactl.spec import (
     placements_from,
 )
 from felactl.spec.plan import SIMULATION_TOLERANCE, simulation_agrees
+from felactl.spec.sync_modes import SYNC_MODE_SUPPORT, Execution, sync_support
 
-SYNC_MODES = tuple(m.value for m in SyncMode)
+SYNC_MODES = tuple(m.value for m in SYNC_MODE_SUPPORT)
 DEFAULT_TIME_LIMIT_S = 30.0
 """Seconds each CBC solve may take by default: the issue's 512-GPU case proves its optimum in a
 few seconds; where a larger one does not, the plan keeps the best found and records the gap."""
@@ -96,10 +97,12 @@ def _solve_best(
     warm: Sequence = (),
     unheld: bool = False,
 ) -> ilp.Solution:
-    """Tokens/BSP: one solve. WBSP: one stage. SDPipe: one solve per pipeline degree R. ``warm``:
-    stages of an earlier solution (of another cost model) to start CBC from where they exist.
-    ``unheld``: over the options whose in-flight limit binds no worker only."""
-    if mode is SyncMode.WBSP:
+    """As the mode's row plans it (:attr:`~felactl.spec.sync_modes.SyncModeSupport.planned_as`): the flexible hybrid (tokens,
+    BSP), one solve; data parallel (WBSP), one stage; static pipelines (SDPipe), one solve per
+    pipeline degree R. ``warm``: stages of an earlier solution (of another cost model) to start
+    CBC from where they exist. ``unheld``: over the options whose in-flight limit binds no worker only."""
+    planned_as = sync_support(mode).planned_as
+    if planned_as is Execution.DATA_PARALLEL:
         max_stages = 1
     space = build_space(cost, global_batch, max_stages=max_stages, extra_micro_batches=extra_micro_batches)
     if unheld:
@@ -108,7 +111,7 @@ def _solve_best(
         f"search space: {len(space.options)} stage options, {len(space.slots)} slots, "
         f"{len(space.boundaries) - 1} blocks"
     )
-    if mode is not SyncMode.SDPIPE:
+    if planned_as is not Execution.PIPELINE:
         return ilp.solve(space, time_limit_s=time_limit_s, lp_path=lp_path, warm=_same_stages(space, warm))
     best, last_error = None, None
     for degree in sorted({len(cost_devices(space, g)) for g in range(len(space.groups))}):
@@ -171,7 +174,7 @@ def _plan_from(
     used = {d for c in choices for d in c.devices}
     devices = tuple(d for d in cost.cluster.device_names if d in used)
     schedule, pipelines = Schedule.TOKENS, ()
-    if mode is SyncMode.SDPIPE:
+    if sync_support(mode).planned_as is Execution.PIPELINE:
         schedule = Schedule.ONE_F_ONE_B
         pipelines = tuple(zip(*(st.devices for st in stages)))
     collectives = []
@@ -261,12 +264,6 @@ def _checked(cluster: ClusterSpec, model: ModelSpec, global_batch: int, sync: st
     return SyncMode(sync)
 
 
-def _claims_tokens(mode: SyncMode) -> bool:
-    """Whether a data-parallel stage under ``mode`` claims its micro-batches as tokens (sync tokens:
-    through the store); bsp, wbsp and sdpipe workers loop over their own share."""
-    return mode is SyncMode.TOKENS
-
-
 def plan_cost_model(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, use_trees: bool) -> CostModel:
     """The cost model ``plan`` is priced by, for a reader to explain or simulate it: its devices,
     the rings its rank order makes, and the tokens its sync mode claims."""
@@ -276,7 +273,7 @@ def plan_cost_model(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, use_t
         use_trees=use_trees,
         sync_reference=cluster,
         ring_order=tuple(plan.devices),
-        data_parallel_tokens=_claims_tokens(plan.sync.mode),
+        data_parallel_tokens=sync_support(plan.sync.mode).data_parallel_tokens,
     )
 
 
@@ -311,7 +308,7 @@ def make_plan(
         sync_reference=cluster,
         headroom=headroom or MemoryHeadroom(),
         ring_order=tuple(ranks) if ranks is not None else None,
-        data_parallel_tokens=_claims_tokens(mode),
+        data_parallel_tokens=sync_support(mode).data_parallel_tokens,
     )
     found, missing = baselines.baselines_and_missing(cost, global_batch)
     # The baselines' micro-batches join the searched ones, so DP itself is in the space: never worse
@@ -382,7 +379,7 @@ class _Candidate:
     @classmethod
     def of(cls, cost, model, global_batch, mode, use_trees, max_stages, solution: ilp.Solution) -> _Candidate:
         stages = tuple(o.choice for o in solution.options)
-        if mode is not SyncMode.SDPIPE:  # a static pipeline's 1F1B holds its own count in flight
+        if sync_support(mode).planned_as is not Execution.PIPELINE:  # 1F1B holds its own count in flight
             stages = memory_limits(cost, stages, global_batch, max_stages)
         plan = _plan_from(stages, cost, model, global_batch, mode, use_trees, max_stages)
         ranked = replace(cost, ring_order=plan.devices)  # priced as it will run: its rings in its rank order
