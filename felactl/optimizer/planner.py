@@ -298,6 +298,7 @@ def make_plan(
     makes; else the planner numbers the ranks (:func:`rank_order`)."""
     progress = progress or (lambda _msg: None)
     mode = _checked(cluster, model, global_batch, sync)
+    use_trees = use_trees and sync_support(mode).sums_over_trees  # wbsp, sdpipe: a server, groups
     if not model.splittable:
         max_stages = 1  # no cut between its layers: data-parallel plans only
     sub = cluster.subset(check_devices(cluster, devices))
