@@ -8,10 +8,10 @@ import pytest
 from _worker_helpers import dp_plan, pipeline_plan
 
 from felactl.agents.worker.config import from_env
-from felactl.agents.worker.metrics import summarize
 from felactl.agents.worker.stages import micro_batches, place, split_by_shares
 from felactl.agents.worker.stragglers import Pattern, Straggler, parse_pattern, parse_slowdown
 from felactl.agents.worker.sync.groups import MAX_WAIT_S, MIN_WAIT_S, GroupScheduler, adapt_wait
+from felactl.control.metrics import summarize
 from felactl.errors import InputError
 from felactl.spec import save
 
