@@ -9,9 +9,10 @@ from _worker_helpers import dp_plan, pipeline_plan
 
 from felactl.agents.worker.config import from_env
 from felactl.agents.worker.stages import micro_batches, place, split_by_shares
-from felactl.agents.worker.stragglers import Pattern, Straggler, parse_pattern, parse_slowdown
+from felactl.agents.worker.stragglers import Straggler
 from felactl.agents.worker.sync.groups import MAX_WAIT_S, MIN_WAIT_S, GroupScheduler, adapt_wait
 from felactl.control.metrics import summarize
+from felactl.control.stragglers import Pattern, parse_pattern, parse_slowdown
 from felactl.errors import InputError
 from felactl.spec import save
 

@@ -24,12 +24,12 @@ from typing import Any
 from felactl import limits, models
 from felactl.agents.agent import WorkerState
 from felactl.agents.local_node import AgentThread, local_agent_config
-from felactl.agents.worker.stragglers import parse_pattern, parse_slowdown
 from felactl.control import EventKind
 from felactl.control.documents import Assignment
 from felactl.control.events import record
 from felactl.control.metrics import summarize
 from felactl.control.store import parse_endpoint
+from felactl.control.stragglers import parse_pattern, parse_slowdown
 from felactl.errors import ControlPlaneError, InputError, Stopped, WorkerFailed
 from felactl.fsutil import JsonlTail, atomic_write_text, check_directory
 from felactl.launcher import hosts as hostfile
