@@ -1,7 +1,7 @@
 """The coordinator's side of live rescaling: signed scale commands, failures, new generations.
 
 The launch process polls :meth:`ElasticController.poll` between its other chores. What to do
-is decided apart, by the pure :func:`felactl.launcher.membership.decide` (its docstring tells the
+is decided apart, by the pure :func:`felactl.launcher.membership.decide.decide` (its docstring tells the
 split); the controller looks (store keys, agents' reports, the request queue) and does. It
 
 * pops ``felactl scale`` requests from the store queue ``<job>elastic/scale/requests``; each is
@@ -50,7 +50,8 @@ from felactl.control.seal import Opened
 from felactl.errors import InputError, StorageError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS
 from felactl.launcher.controlplane import Coordinator, Member
-from felactl.launcher.membership import (
+from felactl.launcher.membership.decide import decide
+from felactl.launcher.membership.state import (
     AdmitAgent,
     Agent,
     Answer,
@@ -73,7 +74,6 @@ from felactl.launcher.membership import (
     SwitchAbandoned,
     SwitchDone,
     Worker,
-    decide,
 )
 from felactl.launcher.resume import resume_hint
 from felactl.launcher.rundir import RunDir, read_jsonl
@@ -107,7 +107,7 @@ class ElasticSettings:
 
 class ElasticController:
     """The executor of membership: each :meth:`poll` gathers what the store and the agents' reports
-    show (:meth:`_observe`), asks :func:`felactl.launcher.membership.decide` what to do, and does
+    show (:meth:`_observe`), asks :func:`felactl.launcher.membership.decide.decide` what to do, and does
     it (:meth:`_apply`): signed commands to agents, plans, generation documents, events, answers."""
 
     def __init__(
