@@ -34,11 +34,12 @@ from felactl.errors import ControlPlaneError, InputError, Stopped, WorkerFailed
 from felactl.fsutil import JsonlTail, atomic_write_text, check_directory
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
-from felactl.launcher.elastic import ElasticController, ElasticSettings, refuse_requests
+from felactl.launcher.elastic import ElasticController, ElasticSettings
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
 from felactl.launcher.resume import ResumePoint, find_resume_point, pick_checkpoint, prune_checkpoints
 from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy
+from felactl.launcher.scale_requests import refuse_requests
 from felactl.limits import check_flag
 from felactl.machine import num_gpus, short_hostname, stop_processes
 from felactl.spec import (

@@ -38,7 +38,6 @@ from felactl.errors import InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
-from felactl.launcher.elastic import refuse_requests
 from felactl.launcher.launch import (
     POLL_S,
     Agents,
@@ -49,6 +48,7 @@ from felactl.launcher.launch import (
 )
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
 from felactl.launcher.rundir import RunDir
+from felactl.launcher.scale_requests import refuse_requests
 from felactl.machine import short_hostname
 from felactl.spec import Plan, load_plan, save
 
