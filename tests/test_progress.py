@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from felactl.cli.main import app
 from felactl.cli.runview import duration, live_run
 from felactl.control.metrics import progress, recent_step_rate, summarize
-from felactl.launcher.launch import LaunchState
+from felactl.launcher.follow import LaunchState
 from felactl.launcher.liveness import LaunchIdentity
 from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
 

@@ -254,7 +254,7 @@ def test_the_live_run_view_ends_on_a_line_of_its_own(terminal, tmp_path):
     from rich.console import Console
 
     from felactl.cli.runview import live_run
-    from felactl.launcher.launch import LaunchState
+    from felactl.launcher.follow import LaunchState
     from felactl.launcher.rundir import RunDir
 
     out = io.StringIO()
@@ -281,7 +281,7 @@ def test_the_live_view_of_a_resumed_run_counts_the_time_it_ran(tmp_path):
     from rich.console import Console
 
     from felactl.cli.runview import live_run
-    from felactl.launcher.launch import LaunchState
+    from felactl.launcher.follow import LaunchState
     from felactl.launcher.rundir import RunDir, append_jsonl
 
     run = RunDir.create("r", root=tmp_path)

@@ -155,8 +155,8 @@ def launch(
     """Train: start the coordinator and this machine's agent, run the plan (or --script), write runs/<id>/."""
     from felactl.cli.model_profile import parse_config
     from felactl.errors import InputError
-    from felactl.launcher.launch import LaunchOptions, job_plan
     from felactl.launcher.launch import launch as run_launch
+    from felactl.launcher.prepare import LaunchOptions, job_plan
     from felactl.launcher.resume import run_counts
     from felactl.limits import parse_count_range
     from felactl.spec import save

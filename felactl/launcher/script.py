@@ -38,15 +38,10 @@ from felactl.errors import InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
-from felactl.launcher.launch import (
-    POLL_S,
-    Agents,
-    assign_ranks,
-    check_nodes,
-    node_devices,
-    supervised,
-)
+from felactl.launcher.follow import POLL_S
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
+from felactl.launcher.node_agents import Agents, assign_ranks, supervised
+from felactl.launcher.prepare import check_nodes, node_devices
 from felactl.launcher.rundir import RunDir
 from felactl.launcher.scale_requests import refuse_requests
 from felactl.machine import short_hostname
