@@ -16,7 +16,6 @@ run to its end and its summary).
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from felactl.launcher.controlplane import Coordinator
 from felactl.launcher.elastic import ElasticController
 from felactl.launcher.follow import LaunchState, follow
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
-from felactl.launcher.node_agents import WORKER_MODULE, Agents, assign_ranks, supervised
+from felactl.launcher.node_agents import WORKER_MODULE, Agents, assign_ranks, start_coordinator, supervised
 from felactl.launcher.prepare import (
     LaunchOptions,
     check_min_nodes,
@@ -113,7 +112,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     # Live rescaling covers data-parallel plans of the rescalable sync modes, on CPUs (gloo) and GPUs (NCCL): a
     # newcomer builds its model on its own device before it joins (felactl.agents.worker.elastic).
     state = LaunchState(run=run, plan=plan, sync=sync)
-    coordinator = _start_coordinator(secret, endpoint, run, resume)
+    coordinator = start_coordinator(secret, endpoint, run, new_run=resume is None)
     heartbeat = Heartbeat(run.heartbeat)  # with the identity below, how felactl status tells a lost launch
     _record_launch(options, run, plan, coordinator, resume)
     agents = Agents(
@@ -133,16 +132,6 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     run.write_summary(summary)
     record(run.events, EventKind.FINISHED, steps=summary["steps"])
     return summary
-
-
-def _start_coordinator(secret: str, endpoint: str | None, run: RunDir, resume: ResumePoint | None) -> Coordinator:
-    """The job's control plane; a new run directory is removed again when it cannot start."""
-    try:
-        return Coordinator(secret, endpoint=endpoint, job=run.run_id, events=run.events)
-    except BaseException:
-        if resume is None:  # nothing ran: leave no run directory behind for `felactl status` to list
-            shutil.rmtree(run.path, ignore_errors=True)
-        raise
 
 
 def _record_launch(

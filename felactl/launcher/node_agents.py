@@ -1,4 +1,5 @@
-"""Starting a job's agents and handing them their work: this machine's agent in a thread, the
+"""Starting a job (a plan's or a script's): its control plane (:func:`start_coordinator`) and its
+agents, and handing them their work: this machine's agent in a thread, the
 other nodes' over ssh or in a testbed's nodes (:class:`Agents`), each node's ranks
 (:func:`assign_ranks`), and the life of a started job around them (:func:`supervised`: a graceful
 drain on Ctrl-C, a stop on failure, late ``felactl scale`` requests answered, every process ended)."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,6 +31,17 @@ from felactl.spec import Plan
 log = logging.getLogger(__name__)
 WORKER_MODULE = "felactl.agents.worker"
 """What an agent runs for each of a plan's workers."""
+
+
+def start_coordinator(secret: str, endpoint: str | None, run: RunDir, *, new_run: bool = True) -> Coordinator:
+    """The job's control plane, listening on ``endpoint``; a ``new_run``'s directory is removed
+    again when it cannot start."""
+    try:
+        return Coordinator(secret, endpoint=endpoint, job=run.run_id, events=run.events)
+    except BaseException:
+        if new_run:  # nothing ran: leave no run directory behind for `felactl status` to list
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
 
 
 def assign_ranks(
