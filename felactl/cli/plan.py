@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -29,7 +29,10 @@ from felactl.optimizer.planner import (
     plan_cost_model,
 )
 from felactl.optimizer.simulator import simulate
-from felactl.spec import ClusterSpec, DeviceKind, ModelSpec, Plan, SyncMode, load_cluster, load_model, save
+from felactl.spec import DeviceKind, Plan, SyncMode, load_cluster, load_model, save
+
+if TYPE_CHECKING:
+    from felactl.spec import ClusterSpec, ModelSpec
 
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
