@@ -272,7 +272,7 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
 
 def end_to_end(name: str, model: str, steps: int, warmup: int, global_batch: int, lock: str) -> list[dict]:
     """MODEL trained with trees on and off in testbed ``name`` (module docstring)."""
-    from felactl.agents.worker.metrics import read_metrics
+    from felactl.control.metrics import read_metrics
     from felactl.spec import save
     from felactl.testbed import down, load_testbed, up
 

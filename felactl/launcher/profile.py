@@ -27,7 +27,7 @@ from felactl.control.store import parse_endpoint
 from felactl.errors import InputError, ProfilingError
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
-from felactl.launcher.launch import Agents
+from felactl.launcher.node_agents import Agents
 from felactl.limits import check_flag
 from felactl.machine import available_cores, num_gpus, short_hostname
 from felactl.profiling.cluster import assemble_cluster, peer_copies
