@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 
 from felactl.errors import PlanInfeasible
-from felactl.optimizer.collectives import allreduce_time_s, plan_collective, ring_allreduce_time_s
+from felactl.optimizer.collectives import plan_collective
+from felactl.optimizer.ring_cost import ring_allreduce_time_s
+from felactl.optimizer.tree_cost import allreduce_time_s
 from felactl.spec import ClusterSpec, load_cluster
 
 ALLREDUCE_BYTES = 256e6

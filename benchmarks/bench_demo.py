@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from felactl.agents.worker.metrics import read_metrics
+    from felactl.control.metrics import read_metrics
     from felactl.quickstart import QuickstartOptions, quickstart, too_noisy
 
     with tempfile.TemporaryDirectory(prefix="bench_demo.") as tmp:

@@ -4,7 +4,7 @@ CFS bandwidth control gives a cgroup ``quota`` of CPU time per ``period`` (100 m
 fits in what is left of the quota runs at a full core, and only work that outlasts it waits for
 the next period. So a node held to a tenth of a core runs a few milliseconds of work at full speed
 after idling, and at a tenth of its speed back to back. felactl's profiler times a slot back to
-back (``profiling.model.Clock`` stretches by wall / CPU), which is the price of a slot kept busy;
+back (``profiling.model_timing.Clock`` stretches by wall / CPU), which is the price of a slot kept busy;
 a pipeline stage that mostly waits runs its bursts faster (issue 15, item 4: hp measured 1.05-1.21x
 its price on the quota testbeds).
 

@@ -129,7 +129,7 @@ def make_hybrid_plan(model: str, workers: int, micro_batch: int):
 def analyse(records: list[dict]) -> dict:
     """samples/s, compute fraction, capacity bound, the loss over the last 10% of samples and
     the loss curve (seconds since start, smoothed loss) of one run's metrics records."""
-    from felactl.agents.worker.metrics import summarize
+    from felactl.control.metrics import summarize
 
     summary = summarize(records)
     capacity = sum(w["samples"] / w["compute_s"] for w in summary["workers"] if w["compute_s"] > 0)
@@ -159,7 +159,7 @@ def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | Non
 
 def run_felactl(workdir: Path, name: str, plan, steps: int, env: dict[str, str]) -> dict:
     from felactl.agents.worker.local import run_local
-    from felactl.agents.worker.metrics import read_metrics
+    from felactl.control.metrics import read_metrics
     from felactl.spec import save
 
     plan_path = save(plan, workdir / f"{name}.yaml")

@@ -33,7 +33,7 @@ import yaml
 
 from felactl.spec.io import from_dict
 from felactl.testbed import TestbedSpec, TestbedUnavailable, down, probe_host, up
-from felactl.testbed.build import crash_node, cut_node, partition_nodes
+from felactl.testbed.faults import crash_node, cut_node, partition_nodes
 
 ROOT = Path(__file__).resolve().parent.parent
 FELACTL = [sys.executable, "-m", "felactl"]

@@ -133,7 +133,7 @@ def profile_model(model_yaml: Path, args, testbed: str | None = None) -> Path:
 
 
 def run_testbed(name: str, args, work: Path) -> list[dict]:
-    from felactl.agents.worker.metrics import read_metrics
+    from felactl.control.metrics import read_metrics
     from felactl.spec import load_plan
 
     spec = ROOT / "plans" / "testbeds" / f"{name}.yaml"

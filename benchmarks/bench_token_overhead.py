@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from felactl.agents.worker.metrics import read_metrics
+    from felactl.control.metrics import read_metrics
     from felactl.optimizer.cost import TOKEN_OVERHEAD_S
 
     plan = yaml.safe_load(args.plan.read_text())

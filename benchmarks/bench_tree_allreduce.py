@@ -68,7 +68,7 @@ def testbed_cluster(spec):
     class per destination) and has no NIC that the links of a node share, as NVLinks inside a
     server (the Cluster format's links between servers would be priced through a per-server NIC).
     Each device's model names its node's CPU share, as the profile's do, so the trees' CPU on a
-    slot held to a share of a core is priced (``collectives.TREE_MESSAGE_CPU_S``)."""
+    slot held to a share of a core is priced (``tree_cost.TREE_MESSAGE_CPU_S``)."""
     from felactl.spec import ClusterSpec, from_dict
     from felactl.spec.cluster import cpu_slot_model
 
@@ -205,8 +205,9 @@ def worker(args) -> None:
 
 
 def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> list[dict]:
-    from felactl.optimizer.collectives import allreduce_time_s, gloo_ring, tree_allreduce_cost
+    from felactl.optimizer.collectives import gloo_ring
     from felactl.optimizer.graph import best_ring
+    from felactl.optimizer.tree_cost import allreduce_time_s, tree_allreduce_cost
     from felactl.spec import save
     from felactl.testbed import down, load_testbed, node_command, node_env, up
 
@@ -271,7 +272,7 @@ def measure_testbed(name: str, sizes_mib: list[int], repeat: int, lock: str) -> 
 
 def end_to_end(name: str, model: str, steps: int, warmup: int, global_batch: int, lock: str) -> list[dict]:
     """MODEL trained with trees on and off in testbed ``name`` (module docstring)."""
-    from felactl.agents.worker.metrics import read_metrics
+    from felactl.control.metrics import read_metrics
     from felactl.spec import save
     from felactl.testbed import down, load_testbed, up
 

@@ -1,5 +1,5 @@
 """What a tree allreduce costs a worker's CPU per message: the figures the planner prices a slot
-held to a share of a core by (``felactl.optimizer.collectives.TREE_MESSAGE_CPU_S`` and
+held to a share of a core by (``felactl.optimizer.tree_cost.TREE_MESSAGE_CPU_S`` and
 ``TREE_CPU_S_PER_BYTE``).
 
 Three local gloo processes (one core's thread each, ``OMP_NUM_THREADS=1``) run the real tree

@@ -46,7 +46,8 @@ def quickstart(
 
     ``say`` announces each step; ``show("cluster" | "model" | "plan", result)`` hands over each
     step's result as soon as it exists; ``on_update`` follows the training (see launch)."""
-    from felactl.launcher.launch import LaunchOptions, launch
+    from felactl.launcher.launch import launch
+    from felactl.launcher.prepare import LaunchOptions
     from felactl.launcher.profile import profile_cluster
     from felactl.optimizer.planner import make_plan
     from felactl.profiling.in_situ import profile_model_in_situ

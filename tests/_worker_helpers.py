@@ -18,8 +18,8 @@ from felactl import models
 from felactl.agents.worker.checkpoint import checkpoint_path
 from felactl.agents.worker.engine import make_optimizer
 from felactl.agents.worker.local import run_local
-from felactl.agents.worker.metrics import read_metrics
 from felactl.cli.main import app
+from felactl.control.metrics import read_metrics
 from felactl.launcher.rundir import read_jsonl
 from felactl.spec import ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec, Training, save
 

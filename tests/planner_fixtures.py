@@ -169,3 +169,62 @@ def calibrated_exposed_sync_s(cost, sync) -> tuple[float, float]:
     charged = cost.exposed_sync_s(tuple(sync.devices), 0, cost.model.num_layers, device, sync.micro_batch)
     estimate_s = cost.measured_sync_estimate_s(sync)
     return charged, max(estimate_s, sync.sync_ms / 1e3) if sync.measured else estimate_s
+
+
+def fast_feeds_slow(layer_activation_bytes: int, slow_tflops: float = 2.5) -> tuple[ClusterSpec, ModelSpec]:
+    """A fast 16 GB device and four slow 8 GB ones, and a 4-layer model whose first layer's 9.6 GB
+    of weights, gradients and AdamW state fit the fast device only, beside little else: plans are
+    pipelines from the fast device into the slow ones, whose later stage takes far longer per
+    micro-batch than the fast one, so the fast one's in-flight limit can set the pace. Its
+    activations (``layer_activation_bytes`` per sample and layer) decide how many micro-batches
+    the fast device has room to hold."""
+    spec = cluster([[("fast", 40.0, 16.0)], [("slow", slow_tflops, 8.0)] * 4], intra_gbps=50.0, inter_gbps=10.0)
+    act = layer_activation_bytes
+    net = model([(600_000_000, act, 2e9), (90_000_000, act, 2e10), (90_000_000, act, 2e10), (90_000_000, 4096, 2e10)])
+    return spec, net
+
+
+def gpt2xl_like() -> ModelSpec:
+    """A GPT-2-XL-like model (embedding, 48 blocks of width 1600 with 25 heads, head; sequence
+    1024; fp32), each block saving what autograd keeps of a GPT block without recomputation
+    (2 x (34 s h + 5 a s^2) bytes per sample): with the H100 / A10G / L4 cluster of
+    ``plans/clusters/h100-a10g-l4.yaml`` and a global batch of 512, memory holds few micro-batches
+    in flight."""
+    seq, width, heads, vocab = 1024, 1600, 25, 50257
+    block = 12 * width * width
+    block_flops = 2 * block * seq + 4 * seq * seq * width
+    act = seq * width * 4
+    saved = 2 * (34 * seq * width + 5 * heads * seq * seq)
+    layers = [
+        Layer(
+            name="embed",
+            params=vocab * width,
+            param_bytes=4 * vocab * width,
+            activation_bytes_per_sample=act,
+            fwd_flops_per_sample=seq * width,
+            bwd_flops_per_sample=seq * width,
+        )
+    ]
+    layers += [
+        Layer(
+            name=f"block{i}",
+            params=block,
+            param_bytes=4 * block,
+            activation_bytes_per_sample=act,
+            saved_bytes_per_sample=saved,
+            fwd_flops_per_sample=block_flops,
+            bwd_flops_per_sample=2 * block_flops,
+        )
+        for i in range(48)
+    ]
+    layers.append(
+        Layer(
+            name="head",
+            params=vocab * width,
+            param_bytes=4 * vocab * width,
+            activation_bytes_per_sample=seq * vocab * 4,
+            fwd_flops_per_sample=2 * vocab * width * seq,
+            bwd_flops_per_sample=4 * vocab * width * seq,
+        )
+    )
+    return ModelSpec(name="gpt2xl-like", source="synthetic", input_bytes_per_sample=seq * 8, layers=tuple(layers))

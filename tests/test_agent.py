@@ -166,7 +166,7 @@ def test_local_rank_is_the_devices_index_on_the_node(tmp_path):
     import dataclasses
 
     from felactl.launcher.controlplane import Member
-    from felactl.launcher.launch import assign_ranks
+    from felactl.launcher.node_agents import assign_ranks
     from felactl.spec import Placement
 
     env = _module(

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from felactl.optimizer.collectives import allreduce_throughput_gbps, plan_collective, ring_allreduce_time_s
+from felactl.optimizer.collectives import plan_collective
 from felactl.optimizer.cost import CostModel
+from felactl.optimizer.ring_cost import ring_allreduce_time_s
+from felactl.optimizer.tree_cost import allreduce_throughput_gbps
 from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node, load_cluster, save
 from tests.planner_fixtures import model
 

@@ -13,15 +13,11 @@ import pulp
 import pytest
 
 from felactl.errors import InputError, PlanInfeasible
-from felactl.optimizer.collectives import (
-    allreduce_throughput_gbps,
-    allreduce_time_s,
-    plan_collective,
-    ring_allreduce_time_s,
-    tree_allreduce_cost,
-)
+from felactl.optimizer.collectives import allreduce_rates, plan_collective
 from felactl.optimizer.graph import allreduce_bound, best_ring, capacity_graph, min_cut_bound
 from felactl.optimizer.packing import pack_up_and_down
+from felactl.optimizer.ring_cost import ring_allreduce_time_s
+from felactl.optimizer.tree_cost import allreduce_throughput_gbps, allreduce_time_s, tree_allreduce_cost
 from felactl.spec import ClusterSpec, Collective, Device, DeviceKind, Link, LinkType, Node, Tree, load_cluster
 from felactl.spec.plan import tree_root
 
@@ -505,7 +501,7 @@ def test_on_cpu_slots_a_tree_allreduce_takes_at_least_its_busiest_slot_s_message
     TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE of a core: a full core's b outlasts links of
     1 GB/s, and a slot held to a tenth of a core pays ten times its messages. (Priced by the links
     alone, 16 MiB over trees on the one-slow testbed measured 3x its price.)"""
-    from felactl.optimizer.collectives import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S
+    from felactl.optimizer.tree_cost import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S
 
     links = (("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("c", "d", 1.0, 0.0))
     gpus, cores = _pair_cluster(*links), _pair_cluster(*links, kind=DeviceKind.CPU)
@@ -597,7 +593,7 @@ def test_the_messages_priced_per_slot_are_those_the_runtime_sends_and_receives(c
     dealt to that tree) equal what the runtime's walks (``agents.worker.sync.trees._walks``) send
     and receive on that rank: per piece, one receive per child and one send to the parent."""
     from felactl.agents.worker.sync.trees import _Tree, _walks
-    from felactl.optimizer.collectives import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S, tree_allreduce_cost
+    from felactl.optimizer.tree_cost import TREE_CPU_S_PER_BYTE, TREE_MESSAGE_CPU_S, tree_allreduce_cost
     from felactl.spec.plan import root_rates, tree_piece_bytes
 
     names = ("a", "b", "c", "d")
@@ -653,9 +649,9 @@ def test_the_cost_model_stretches_the_trees_cpu_on_a_slot_slowed_without_a_quota
     """A slot that timed its matmul at half the rate the model profile was timed at (a busy VM,
     no cgroup naming a quota) does its host work at half speed (``CostModel.host_slowdown``), its
     tree messages included: the cost model prices them so; the cluster alone cannot see it
-    (``collectives.cpu_slowdown``: 1)."""
-    from felactl.optimizer.collectives import tree_allreduce_cost
+    (``tree_cost.cpu_slowdown``: 1)."""
     from felactl.optimizer.cost import CostModel
+    from felactl.optimizer.tree_cost import tree_allreduce_cost
     from tests.planner_fixtures import model as model_profile
 
     links = (("a", "b", 1.0, 0.0), ("b", "c", 1.0, 0.0), ("c", "d", 1.0, 0.0))
@@ -668,3 +664,88 @@ def test_the_cost_model_stretches_the_trees_cpu_on_a_slot_slowed_without_a_quota
     assert cost.tree_sync_s(group, num_bytes) == pytest.approx(
         alone.latency_s + 2 * alone.busiest_cpu(num_bytes)[1], rel=1e-6
     )
+
+
+def test_the_recorded_bound_is_that_of_the_trees_own_root():
+    # One-way links of several widths: the trees packed for the allreduce grow from g2, whose
+    # broadcast reaches at most 12.5 GB/s; the bound recorded was the first packing root's, 25.
+    from tests.graph_fixtures import random_strong_graph
+
+    cluster = random_strong_graph(30)
+    devices = list(cluster.device_names)
+    collective = plan_collective(cluster, devices)
+    graph = capacity_graph(cluster, devices)
+    assert collective.bound_gbps == pytest.approx(min_cut_bound(graph, collective.root)[0])
+    assert collective.rate_gbps <= collective.bound_gbps * (1 + EPS)
+
+
+def _two_servers_behind_nics(nic_gbps: float) -> ClusterSpec:
+    """Two servers of two devices, every device linked to every device of the other server at
+    10 GB/s, each server behind one network interface of ``nic_gbps``."""
+    from tests.planner_fixtures import cluster
+
+    spec = cluster([[("g", 10.0, 16.0)] * 2] * 2, intra_gbps=50.0, inter_gbps=10.0)
+    return dataclasses.replace(spec, nodes=tuple(dataclasses.replace(n, nic_gbps=nic_gbps) for n in spec.nodes))
+
+
+def test_no_allreduce_beats_what_the_servers_network_interfaces_carry():
+    # Four 10 GB/s links each way between the servers, but each server sends and receives 10
+    # through its one NIC: across the two servers an allreduce moves 2 x 10 / 2 = 10, not 40.
+    spec = _two_servers_behind_nics(10.0)
+    devices = list(spec.device_names)
+    bound = allreduce_bound(capacity_graph(spec, devices))
+    assert bound == pytest.approx(10.0)
+    rates = allreduce_rates(spec, plan_collective(spec, devices))
+    assert rates["allreduce_bound_gbps"] == pytest.approx(10.0)
+    assert rates["allreduce_gbps"] <= rates["allreduce_bound_gbps"] * (1 + EPS)
+    # without interfaces the four links each way do carry 40
+    free = dataclasses.replace(spec, nodes=tuple(dataclasses.replace(n, nic_gbps=None) for n in spec.nodes))
+    assert allreduce_bound(capacity_graph(free, devices)) == pytest.approx(40.0)
+
+
+def test_eight_dgx1v_gpus_pack_for_the_allreduce_with_one_ilp_each_way(monkeypatch):
+    """Packing all 8 DGX-1V GPUs took 14 s once the two-way trees were added (2 s before): the
+    two-way packing ran the fewest-trees ILP (21 trees, thrown away: more than 8) and then the
+    most-rate ILP. Now the most rate of 8 trees says first whether 8 can carry the share, and the
+    trees are as good as before: 95 GB/s of allreduce over 8 trees."""
+    from felactl.optimizer import broadcast_trees, collectives, packing
+
+    solved = []
+    real = packing._solve
+    monkeypatch.setattr(
+        packing, "_solve", lambda problem, what, *a, **k: solved.append(what) or real(problem, what, *a, **k)
+    )
+    broadcast_trees._pack_signature.cache_clear()
+    collectives._pack_two_way_signature.cache_clear()
+    collective = plan_collective(DGX, DGX.device_names)
+    assert_valid(DGX, collective)
+    assert len(collective.trees) <= 8
+    assert allreduce_throughput_gbps(DGX, collective) == pytest.approx(95.0)
+    ilps = [what for what in solved if "ILP" in what]
+    assert ilps == ["fewest-trees ILP", "most-rate ILP"]  # the broadcast's, the allreduce's
+
+
+def test_the_pricing_arborescence_is_the_cheapest():
+    """The column generation's own Chu-Liu/Edmonds gives arborescences as cheap as networkx's."""
+    import networkx as nx
+
+    from felactl.optimizer.arborescences import min_cost_arborescence
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(2, 9)
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(n))
+        for v in range(1, n):
+            graph.add_edge(rng.randrange(v), v)  # every node reachable from 0
+        for _ in range(rng.randint(0, n * n)):
+            a, b = rng.sample(range(n), 2)
+            graph.add_edge(a, b)
+        cost = {e: rng.choice([0.0, 0.5, 1.0, rng.random() * 10]) for e in graph.edges}
+        tree = min_cost_arborescence(graph, 0, cost)
+        assert len(tree) == n - 1 and {v for _, v in tree} == set(range(1, n))
+        assert all(graph.has_edge(*e) for e in tree) and nx.is_arborescence(nx.DiGraph(list(tree)))
+        weighted = nx.DiGraph()
+        weighted.add_weighted_edges_from((u, v, cost[(u, v)]) for u, v in graph.edges if v != 0)
+        best = nx.minimum_spanning_arborescence(weighted)
+        assert sum(cost[e] for e in tree) == pytest.approx(sum(d["weight"] for _, _, d in best.edges(data=True)))

@@ -46,6 +46,7 @@ def test_json_for_three_gpus_by_index():
         "allreduce_gbps",
         "allreduce_bound_gbps",
         "ring_allreduce_gbps",
+        "root_bounds_gbps",
         "nccl_rings",  # GPUs: what a felactl job on them runs
         "nccl_allreduce_gbps",
     }
@@ -158,3 +159,36 @@ def test_cpu_slots_are_not_told_about_nccl(tmp_path):
     result = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(path), "--devices", "0,1,5", "--json"])
     assert result.exit_code == 0, result.output
     assert "nccl_rings" not in json.loads(result.stdout)
+
+
+def test_the_printed_bound_is_the_trees_own_roots(tmp_path):
+    from felactl.optimizer.graph import capacity_graph, min_cut_bound
+    from felactl.spec import save
+    from tests.graph_fixtures import random_strong_graph
+
+    cluster = random_strong_graph(30)  # the trees packed for the allreduce grow from g2 (12.5), not g0 (25)
+    path = save(cluster, tmp_path / "c.yaml")
+    result = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    graph = capacity_graph(cluster, cluster.device_names)
+    own = {root: min_cut_bound(graph, root)[0] for root in data["roots"]}
+    assert data["root_bounds_gbps"] == pytest.approx(own)
+    assert data["bound_gbps"] == pytest.approx(own[data["root"]])
+    shown = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(path)])
+    assert f"min-cut bound {own[data['root']]:.2f} GB/s" in " ".join(shown.stderr.split())
+
+
+def test_no_allreduce_can_beat_what_the_servers_nics_carry(tmp_path):
+    import dataclasses
+
+    from felactl.spec import save
+    from tests.planner_fixtures import cluster
+
+    spec = cluster([[("g", 10.0, 16.0)] * 2] * 2, intra_gbps=50.0, inter_gbps=10.0)
+    spec = dataclasses.replace(spec, nodes=tuple(dataclasses.replace(n, nic_gbps=10.0) for n in spec.nodes))
+    path = save(spec, tmp_path / "c.yaml")
+    shown = runner.invoke(_app(), ["plan", "collectives", "--cluster", str(path)])
+    assert shown.exit_code == 0, shown.stderr
+    # each server sends and receives 10 GB/s through its NIC: 40 GB/s of links between them count 10
+    assert "no allreduce can beat 10.00 GB/s here" in " ".join(shown.stderr.split())

@@ -355,8 +355,8 @@ def test_forged_scale_requests_to_a_job_that_cannot_scale_do_not_fill_the_events
     a forged request as any forgery: at most REFUSALS_PER_KEY of them."""
     from felactl.control.events import REFUSALS_PER_KEY
     from felactl.launcher.controlplane import Coordinator
-    from felactl.launcher.elastic import refuse_requests
     from felactl.launcher.rundir import read_jsonl
+    from felactl.launcher.scale_requests import refuse_requests
 
     run = RunDir.create("r", tmp_path)
     coordinator = Coordinator(new_secret(), job="r", events=run.events)

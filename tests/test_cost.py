@@ -6,15 +6,8 @@ import dataclasses
 
 import pytest
 
-from felactl.optimizer.cost import (
-    TOKEN_OVERHEAD_S,
-    CostModel,
-    b_half,
-    efficiency,
-    layer_times_s,
-    micro_batch_options,
-    stage_memory_bytes,
-)
+from felactl.optimizer.compute_cost import b_half, efficiency, layer_times_s
+from felactl.optimizer.cost import TOKEN_OVERHEAD_S, CostModel, micro_batch_options, stage_memory_bytes
 from felactl.optimizer.evaluate import (
     StageChoice,
     exchange_per_sample_s,
@@ -135,7 +128,7 @@ def test_prediction_of_data_parallel_by_hand():
     stage = StageChoice(0, 1, 4, (("n0.d0", 0.5), ("n0.d1", 0.5)))
     got = predict(cost, (stage,), 8, max_stages=1)
     compute = 4 * 3e9 / 10e12  # 4 samples x (fwd + bwd) FLOPs at full speed (conv-like layer)
-    from felactl.optimizer.collectives import ring_allreduce_time_s
+    from felactl.optimizer.ring_cost import ring_allreduce_time_s
 
     ring = ring_allreduce_time_s(spec, ["n0.d0", "n0.d1"], 4e6)
     assert got.fill_s == 0.0
@@ -316,7 +309,7 @@ def test_a_sum_costs_a_quota_held_slot_its_cpu_stretched_by_the_quota_and_nothin
     """Three CPU slots summing 30 MB: each sends 2 (n - 1) / n of it (40 MB) at 1 ns of a full core
     a byte; the tenth of a core stretches that to 0.4 s, added to the sum whatever the backward
     hid; slots no quota holds add nothing (their links' profile saw that CPU)."""
-    from felactl.optimizer.cost import SYNC_CPU_S_PER_BYTE
+    from felactl.optimizer.sync_cost import SYNC_CPU_S_PER_BYTE
 
     assert SYNC_CPU_S_PER_BYTE == 1e-9
     base = model([(1000, 10, 1.0)])
@@ -509,17 +502,17 @@ def test_the_best_ring_of_a_group_is_found_once_whatever_the_sizes_priced(monkey
     """The exposed-sum pricing asks a ring's time per DDP bucket, for every stage option: finding
     the ring each time made `felactl plan` on mixed.yaml's 48-layer transformer spend 35 s
     building its options (2.7 s with the ring found once per group)."""
-    from felactl.optimizer import collectives
+    from felactl.optimizer import ring_cost
 
     found = []
     for search in ("best_ring", "nccl_rings"):  # (GPUs: NCCL's rings)
-        real = getattr(collectives, search)
-        monkeypatch.setattr(collectives, search, lambda *a, real=real, **k: found.append(a[1]) or real(*a, **k))
+        real = getattr(ring_cost, search)
+        monkeypatch.setattr(ring_cost, search, lambda *a, real=real, **k: found.append(a[1]) or real(*a, **k))
     cost = CostModel(cluster([[("g", 10.0, 8.0)] * 3]), model([(1000, 10, 1.0)]), use_trees=False)
     group = ("n0.d0", "n0.d1", "n0.d2")
     times = [cost.ring_sync_s(group, n) for n in (1e6, 2e6, 4e6)]
     assert len(found) == 1
-    fixed_s, per_byte_s = collectives.nccl_allreduce_line(cost.cluster, group)
+    fixed_s, per_byte_s = ring_cost.nccl_allreduce_line(cost.cluster, group)
     assert times == pytest.approx([fixed_s + n * per_byte_s for n in (1e6, 2e6, 4e6)])
 
 

@@ -116,7 +116,8 @@ def test_prefix_groups_of_two_classes_tell_slots_apart():
 def test_groups_of_one_shape_share_a_packing_renamed():
     # Two identical servers: the second server's group reuses the first's trees under its own names,
     # and they are as good as packing it afresh.
-    from felactl.optimizer.collectives import allreduce_time_s, plan_collective
+    from felactl.optimizer.collectives import plan_collective
+    from felactl.optimizer.tree_cost import allreduce_time_s
 
     # (CPU slots: the runtime runs trees over gloo; a group of GPUs syncs over NCCL's allreduce)
     spec = as_cpu_slots(cluster([[("g", 10.0, 16.0)] * 4, [("g", 10.0, 16.0)] * 4], intra_gbps=100.0, inter_gbps=10.0))

@@ -2,7 +2,11 @@
 
 Every ``import`` in felactl/ counts, also those inside functions and under TYPE_CHECKING: a lazy
 import is still a dependency, and hiding a cycle inside a function is how the old
-{launcher, agents, worker, profiling} cycle lived on."""
+{launcher, agents, worker, profiling} cycle lived on.
+
+A room is a top-level folder of felactl/, except that the worker runtime (``agents/worker/``) is
+a room of its own below the per-node agent (``agents/``): counting them as one let the launcher
+and profiling import the worker's internals."""
 
 import ast
 from pathlib import Path
@@ -21,23 +25,32 @@ LEVEL = {
     "__init__": 2,
     "spec": 2,
     # peers: none of them imports another
-    "control": 3,
+    "control": 3,  # the vocabulary launcher, agents and workers share: store protocol, run files
     "optimizer": 3,
     "models": 3,
-    "agents": 4,  # the per-node agent and the worker runtime
-    "profiling": 5,  # measures with the runtime's own parts (its DDP wrapper); started by the launcher
-    "testbed": 5,
-    "launcher": 6,
-    "quickstart": 7,
-    "cli": 8,
-    "__main__": 9,
+    "parallel": 3,  # parallelism applied to a plain nn.Module (how felactl wraps a replica in DDP)
+    "agents.worker": 4,  # the worker runtime
+    "profiling": 4,  # measures with the models and the parallel wrappers; started by the launcher
+    "agents": 5,  # the per-node agent: starts, watches and replaces workers
+    "testbed": 6,
+    "launcher": 7,
+    "quickstart": 8,
+    "cli": 9,
+    "__main__": 10,
 }
 """A room may import its own modules and those of rooms at a lower level, nothing else."""
 
+ONLY_FROM = {"agents.worker": {"agents"}}
+"""Rooms that only the named rooms may import, however high the importer stands: the agent starts
+the workers; the launcher, profiling and the CLI reach them through ``control/`` and the plan."""
+
 
 def _room(module: str) -> str:
-    """``felactl.agents.worker.loop`` -> ``agents``; ``felactl.__version__`` -> ``__init__``."""
+    """``felactl.agents.worker.loop`` -> ``agents.worker``; ``felactl.agents.agent`` -> ``agents``;
+    ``felactl.__version__`` -> ``__init__``."""
     parts = module.split(".")
+    if parts[1:3] == ["agents", "worker"]:
+        return "agents.worker"
     return parts[1] if len(parts) > 1 and parts[1] in LEVEL else "__init__"
 
 
@@ -53,8 +66,8 @@ def _imports(path: Path) -> list[tuple[int, str]]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            if name == "felactl":  # from felactl import models, limits
-                found += [(node.lineno, f"felactl.{alias.name}") for alias in node.names]
+            if name in ("felactl", "felactl.agents"):  # from felactl import models; from felactl.agents import worker
+                found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
             else:
                 found.append((node.lineno, name))
     return [(line, name) for line, name in found if name == "felactl" or name.startswith("felactl.")]
@@ -64,7 +77,7 @@ def _violations() -> list[str]:
     wrong = []
     for path in sorted(FELACTL.rglob("*.py")):
         rel = path.relative_to(FELACTL)
-        room = rel.parts[0].removesuffix(".py")
+        room = "agents.worker" if rel.parts[:2] == ("agents", "worker") else rel.parts[0].removesuffix(".py")
         assert room in LEVEL, f"{rel}: a room DESIGN.md does not name (add it to LEVEL here and to DESIGN)"
         for line, name in _imports(path):
             target = _room(name)
@@ -72,6 +85,8 @@ def _violations() -> list[str]:
                 continue
             if LEVEL[target] >= LEVEL[room]:
                 wrong.append(f"{rel}:{line} ({room}) imports {name} ({target}), a room at its level or above")
+            elif room not in ONLY_FROM.get(target, {room}):
+                wrong.append(f"{rel}:{line} ({room}) imports {name} ({target}), which only {ONLY_FROM[target]} may")
     return wrong
 
 
@@ -80,13 +95,36 @@ def test_no_room_imports_a_room_at_its_level_or_above():
 
 
 @pytest.mark.parametrize(
-    "room, target", [("agents", "launcher"), ("profiling", "launcher"), ("control", "agents"), ("optimizer", "models")]
+    "room, target",
+    [
+        ("agents", "launcher"),
+        ("profiling", "launcher"),
+        ("control", "agents.agent"),
+        ("optimizer", "models"),
+        ("agents/worker", "agents.agent"),
+        ("profiling", "agents.worker.ddp"),
+        ("spec", "agents.worker"),
+        ("control", "agents.worker.metrics"),
+    ],
 )
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch, room, target):
     fake = tmp_path / "felactl"
     (fake / room).mkdir(parents=True)
     (fake / room / "bad.py").write_text(f"def f():\n    from felactl.{target} import x\n")
     monkeypatch.setattr(f"{__name__}.FELACTL", fake)
+    importer, imported = room.replace("/", "."), _room(f"felactl.{target}")
     assert _violations() == [
-        f"{room}/bad.py:2 ({room}) imports felactl.{target} ({target}), a room at its level or above"
+        f"{room}/bad.py:2 ({importer}) imports felactl.{target} ({imported}), a room at its level or above"
+    ]
+
+
+@pytest.mark.parametrize("room", ["launcher", "testbed", "cli", "quickstart"])
+def test_only_the_agent_imports_the_worker(tmp_path, monkeypatch, room):
+    fake = tmp_path / "felactl"
+    for where in (room, "agents"):
+        (fake / where).mkdir(parents=True)
+        (fake / where / "uses.py").write_text("from felactl.agents.worker.metrics import summarize\n")
+    monkeypatch.setattr(f"{__name__}.FELACTL", fake)
+    assert _violations() == [
+        f"{room}/uses.py:1 ({room}) imports felactl.agents.worker.metrics (agents.worker), which only {{'agents'}} may"
     ]

@@ -64,20 +64,23 @@ def test_a_run_keeps_only_its_newest_checkpoints(tmp_path, no_leftovers):
 
 def test_old_checkpoints_are_pruned_while_the_run_goes_on(tmp_path, monkeypatch, no_leftovers):
     """Not only once it ends: a long run must not fill the disk first."""
-    from felactl.launcher import launch as launch_mod
+    from felactl.launcher import follow
+    from felactl.launcher.launch import launch
+    from felactl.launcher.prepare import LaunchOptions
+    from felactl.launcher.rundir import RunDir
 
     calls = []
 
     def recording_prune(checkpoints, num_stages, keep):
         doomed = launch_mod_prune(checkpoints, num_stages, keep)
-        calls.append((launch_mod.RunDir(checkpoints.parent).read_summary() is None, len(doomed)))
+        calls.append((RunDir(checkpoints.parent).read_summary() is None, len(doomed)))
         return doomed
 
-    launch_mod_prune = launch_mod.prune_checkpoints
-    monkeypatch.setattr(launch_mod, "prune_checkpoints", recording_prune)
-    monkeypatch.setattr(launch_mod, "PRUNE_EVERY_S", 0.0)
+    launch_mod_prune = follow.prune_checkpoints
+    monkeypatch.setattr(follow, "prune_checkpoints", recording_prune)
+    monkeypatch.setattr(follow, "PRUNE_EVERY_S", 0.0)
     plan_path = save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")
-    options = launch_mod.LaunchOptions(
+    options = LaunchOptions(
         plan_path=plan_path,
         run_id="p",
         runs_root=tmp_path / "runs",
@@ -86,7 +89,7 @@ def test_old_checkpoints_are_pruned_while_the_run_goes_on(tmp_path, monkeypatch,
         keep_checkpoints=2,
         straggler="roundrobin:0.05",
     )
-    launch_mod.launch(options)
+    launch(options)
     assert sorted(p.name for p in (tmp_path / "runs" / "p" / "checkpoints").iterdir()) == ["step000029", "step000030"]
     during = [removed for running, removed in calls[:-1] if running]
     assert sum(during) > 0, f"nothing was pruned while the run went on: {calls}"
@@ -111,9 +114,9 @@ def test_a_worker_that_dies_at_start_fails_the_launch_and_leaves_nothing(tmp_pat
 def test_a_job_that_ends_without_recording_a_step_is_recorded_as_failed(tmp_path, monkeypatch, no_leftovers):
     """(A user's script may write no metrics.) The launch used to raise after its last event,
     leaving the run 'running' in its directory forever."""
-    from felactl.launcher import launch as launch_mod
+    from felactl.fsutil import JsonlTail
 
-    monkeypatch.setattr(launch_mod.JsonlTail, "read_new", lambda self: [])
+    monkeypatch.setattr(JsonlTail, "read_new", lambda self: [])
     result = _launch(tmp_path, str(save(dp_plan(2, "bsp"), tmp_path / "plan.yaml")), "--steps", "2", "--run-id", "q")
     assert result.exit_code == 1 and "without recording a step" in result.stderr, result.output
     events = read_jsonl(tmp_path / "runs" / "q" / "events.jsonl")
@@ -219,7 +222,7 @@ def test_the_backend_follows_the_plans_devices_not_the_machine():
     put worker 1 on a GPU that does not exist); an all-GPU plan gets NCCL."""
     from felactl.agents.worker.config import WorkerConfig
     from felactl.agents.worker.runtime import choose_device
-    from felactl.launcher.launch import plan_backend
+    from felactl.launcher.prepare import plan_backend
 
     def placed(kind):
         plan = dp_plan(2)
@@ -249,7 +252,7 @@ def test_the_backend_follows_the_plans_devices_not_the_machine():
 def test_a_cpu_plan_on_a_machine_with_gpus_says_they_stay_idle(monkeypatch):
     import torch
 
-    from felactl.launcher.launch import idle_gpus_warning
+    from felactl.launcher.prepare import idle_gpus_warning
 
     def placed(kind, node="box"):
         plan = dp_plan(2)

@@ -8,7 +8,9 @@ import dataclasses
 
 import pytest
 
-from felactl.launcher.membership import (
+from felactl.launcher.membership.decide import decide
+from felactl.launcher.membership.liveness import reachable_group
+from felactl.launcher.membership.state import (
     FAILED_FIRST,
     FINISHED_FIRST,
     AdmitAgent,
@@ -35,8 +37,6 @@ from felactl.launcher.membership import (
     SwitchDone,
     Switching,
     Worker,
-    decide,
-    reachable_group,
 )
 from felactl.launcher.scale_plan import ScalingPolicy
 

@@ -15,15 +15,9 @@ from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.models import build
 from felactl.models.data import python_docs_text
-from felactl.profiling.model import (
-    Clock,
-    count_flops,
-    profile_model,
-    this_device_model,
-    time_layer,
-    time_optimizer_step,
-    time_whole_model,
-)
+from felactl.profiling.layers import count_flops
+from felactl.profiling.model import profile_model, this_device_model
+from felactl.profiling.model_timing import Clock, time_layer, time_optimizer_step, time_whole_model
 from felactl.spec import ModelSpec, from_dict, load_model, save
 
 FP32 = 4
@@ -425,7 +419,7 @@ def test_under_a_cpu_quota_a_run_costs_its_share_of_the_wall_time_not_its_burst(
     """A slot at a tenth of a core computes 1 ms, then waits out 9 ms of the period wherever that
     falls, often outside the timed run: wall-timed, the runs read the full core (1 ms); the quota's
     clock times CPU seconds over blocks of at least 0.1 s and stretches them by wall / CPU (~10 ms)."""
-    from felactl.profiling.model import WALL_CLOCK, _repeat_runs
+    from felactl.profiling.model_timing import WALL_CLOCK, _repeat_runs
 
     def make_run(clock):
         def run() -> tuple[float]:
@@ -448,7 +442,7 @@ def test_under_a_cpu_quota_a_run_costs_its_share_of_the_wall_time_not_its_burst(
     "quota, threads, quota_clock", [(None, 1, False), (0.45, 1, True), (2.0, 1, False), (1.5, 2, True)]
 )
 def test_the_quota_clock_runs_where_this_process_alone_runs_into_its_quota(monkeypatch, quota, threads, quota_clock):
-    from felactl.profiling import model as profiler
+    from felactl.profiling import model_timing as profiler
 
     monkeypatch.setattr(profiler, "cpu_quota_cores", lambda: quota)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from felactl.optimizer import collectives, ilp
+from felactl.optimizer import broadcast_trees, collectives, ilp
 from felactl.optimizer.cost import CostModel
 from felactl.optimizer.evaluate import predict
 from felactl.optimizer.planner import make_plan
@@ -53,8 +53,28 @@ def plan_stage_choices(plan):
 def test_a_server_part_is_packed_once_per_process():
     mixed = load_cluster(ROOT / "plans" / "clusters" / "mixed.yaml")
     collectives.plan_collective(mixed, [d for d in mixed.device_names if d.startswith(("a100-0", "v100-0"))])
-    before = collectives._pack_signature.cache_info()
+    before = broadcast_trees._pack_signature.cache_info()
     # Another group of the same server shapes (the other A100 and V100 servers): nothing packed again.
     collectives.plan_collective(mixed, [d for d in mixed.device_names if d.startswith(("a100-1", "v100-1"))])
-    after = collectives._pack_signature.cache_info()
+    after = broadcast_trees._pack_signature.cache_info()
     assert after.misses == before.misses and after.hits > before.hits
+
+
+@pytest.mark.parametrize("sync", ["wbsp", "sdpipe"])
+def test_modes_that_run_no_trees_are_planned_without_them(sync):
+    """WBSP and SDPipe merge through a parameter server or their groups, never along the plan's
+    trees (spec.sync_modes: sums_over_trees): the cluster above, where trees beat the rings under
+    BSP, gets none under them, and is priced with the rings they run."""
+    dgx = as_cpu_slots(load_cluster(ROOT / "plans" / "clusters" / "dgx1v.yaml"))
+    cluster = dataclasses.replace(
+        dgx,
+        links=tuple(dataclasses.replace(link, bandwidth_gbps=link.bandwidth_gbps / 100) for link in dgx.links),
+        intra_node_default=dataclasses.replace(dgx.intra_node_default, bandwidth_gbps=0.1),
+    )
+    vgg = load_model(ROOT / "plans" / "models" / "vgg-mini.yaml")
+    net = dataclasses.replace(
+        vgg,
+        layers=tuple(dataclasses.replace(x, params=10 * x.params, param_bytes=10 * x.param_bytes) for x in vgg.layers),
+    )
+    plan = make_plan(cluster, net, 256, sync=sync)
+    assert plan.collectives == () and not plan.sync.use_trees

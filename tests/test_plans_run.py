@@ -19,7 +19,8 @@ from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.optimizer.planner import make_plan
 from felactl.spec import ModelRef, Schedule, Stage, StageWorker, load_plan, save
-from felactl.spec.executable import Execution, execution
+from felactl.spec.executable import execution
+from felactl.spec.sync_modes import Execution
 
 
 def _launch(tmp_path: Path, *args: str):

@@ -21,10 +21,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from felactl.agents.worker.metrics import progress, recent_step_rate, summarize
 from felactl.cli.main import app
 from felactl.cli.runview import duration, live_run
-from felactl.launcher.launch import LaunchState
+from felactl.control.metrics import progress, recent_step_rate, summarize
+from felactl.launcher.follow import LaunchState
 from felactl.launcher.liveness import LaunchIdentity
 from felactl.launcher.rundir import RunDir, append_jsonl, read_jsonl
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from felactl.optimizer.collectives import gloo_ring, ring_allreduce_time_s
+from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel
 from felactl.optimizer.graph import ring_width
 from felactl.optimizer.planner import make_baseline_plan, make_plan
+from felactl.optimizer.ring_cost import ring_allreduce_time_s
 from felactl.spec import ClusterSpec, Device, DeviceKind, Link, LinkType, Node
 from tests.planner_fixtures import model
 

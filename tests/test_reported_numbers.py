@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from felactl.agents.worker.metrics import step_losses
 from felactl.cli.main import app
+from felactl.control.metrics import step_losses
 from felactl.launcher.rundir import read_jsonl
 from felactl.spec import save
 

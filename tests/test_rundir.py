@@ -116,7 +116,7 @@ def test_a_resume_takes_what_it_does_not_restate_from_the_run_it_continues(tmp_p
 def test_the_runs_plan_records_the_sync_mode_it_runs_with(tmp_path):
     """launch --sync X over a plan of another mode: the run's own plan says X, so a resume (which
     runs the run's plan) keeps X. (A user trial's --sync bsp run resumed as tokens, silently.)"""
-    from felactl.launcher.launch import LaunchOptions, prepare_run, runnable_plan
+    from felactl.launcher.prepare import LaunchOptions, prepare_run, runnable_plan
     from felactl.models import local_data_parallel_plan
     from felactl.spec import SyncMode, SyncSpec, load_plan, save
 

@@ -423,7 +423,7 @@ def test_a_gpu_jobs_newcomer_is_started_on_a_free_gpu_without_a_profile(tmp_path
     import dataclasses as dc
 
     from felactl.launcher.controlplane import Coordinator, write_secret_file
-    from felactl.launcher.membership import Request, Seen
+    from felactl.launcher.membership.state import Request, Seen
     from felactl.launcher.rundir import RunDir
     from felactl.spec import DeviceKind, Placement
 

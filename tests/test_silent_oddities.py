@@ -89,7 +89,7 @@ def test_a_micro_batch_larger_than_a_workers_share_is_refused(tmp_path, monkeypa
 
 
 def test_a_micro_batch_up_to_the_largest_share_is_taken():
-    from felactl.launcher.launch import job_plan
+    from felactl.launcher.prepare import job_plan
 
     assert job_plan("mlp", {}, 2, 9, 5).stages[0].micro_batch == 5
     assert job_plan("mlp", {}, 2, 9, None).stages[0].micro_batch == 5
@@ -110,7 +110,7 @@ def test_a_dataset_shorter_than_the_global_batch_is_refused_at_launch(tmp_path, 
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == f"felactl: error: {SHORT_DATA}"
     assert not list(tmp_path.iterdir())
-    from felactl.launcher.launch import job_plan  # as many samples as the batch: each seen once a step
+    from felactl.launcher.prepare import job_plan  # as many samples as the batch: each seen once a step
 
     assert job_plan("_user_models:few_samples", {}, 2, 10, None).global_batch == 10
 

@@ -186,7 +186,7 @@ def test_a_requested_rescale_whose_plan_cannot_be_written_is_refused_and_nothing
 
     from felactl.launcher import elastic
     from felactl.launcher.controlplane import Coordinator, write_secret_file
-    from felactl.launcher.membership import Request, Seen
+    from felactl.launcher.membership.state import Request, Seen
 
     run = RunDir.create("scale", root=tmp_path)
     plan = dp_plan(2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _worker_helpers import dp_plan, final_params, metrics, reference_params, run_plan
 
-from felactl.agents.worker.metrics import write_summary
+from felactl.control.metrics import write_summary
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 5

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from felactl.agents.worker.metrics import read_metrics
 from felactl.agents.worker.sync.trees import WINDOW, stage_trees
+from felactl.control.metrics import read_metrics
 from felactl.profiling.data_parallel import reap
 from felactl.spec import Collective, Tree
 from felactl.spec.codec import FieldProblem

@@ -29,7 +29,7 @@ from felactl.testbed import (
     read_state,
     up,
 )
-from felactl.testbed.build import state_path
+from felactl.testbed.state import state_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = str(ROOT / "tests" / "_testbed_probe.py")

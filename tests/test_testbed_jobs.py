@@ -17,7 +17,7 @@ import yaml
 
 from felactl.spec.io import from_dict
 from felactl.testbed import TestbedSpec, TestbedUnavailable, down, probe_host, up
-from felactl.testbed.build import set_link
+from felactl.testbed.shaping import set_link
 
 ROOT = Path(__file__).resolve().parent.parent
 FELACTL = [sys.executable, "-m", "felactl"]
@@ -169,7 +169,7 @@ def test_profile_measures_each_direction_of_the_testbed(slow_bed, tmp_path) -> N
     # would measure as fast. Not the issue's 15%: on this project's virtual machine a core's own
     # speed drifts by up to 30% from one minute to the next (0.049-0.075 TFLOP/s seen within ten
     # minutes), nodes on two cores drift apart, and a quarter core's quota under-delivers while the
-    # host idles (felactl.testbed.build.CPU_PERIOD_US); seen here: 0.32-0.58. The 15% target is
+    # host idles (felactl.testbed.cgroups.CPU_PERIOD_US); seen here: 0.32-0.58. The 15% target is
     # measured on every shipped testbed by benchmarks/bench_testbed.py (BENCHMARKS.md).
     assert 0.2 <= speed["nb"] / speed["na"] <= 0.8, speed
     # each node's device is named by its share, as the model's timings in it are keyed
@@ -378,7 +378,7 @@ def test_a_node_that_fails_is_dropped_and_the_job_finishes_on_the_rest(bed, tmp_
     coordinator (the two halves as large: the one of the lowest worker id goes on). The coordinator
     notices within the heartbeat timeout (a partition: when the collective times out), na goes on
     alone, and every step is done once, none lost."""
-    from felactl.testbed.build import crash_node, cut_node, partition_nodes, partitioned
+    from felactl.testbed.faults import crash_node, cut_node, partition_nodes, partitioned
 
     inject = {
         "cut": lambda: cut_node(bed.name, "nb"),
@@ -417,7 +417,7 @@ def test_a_node_that_fails_is_dropped_and_the_job_finishes_on_the_rest(bed, tmp_
 def test_a_node_cut_off_and_connected_again_rejoins_with_its_agent_and_scale(bed, tmp_path) -> None:
     """Item 6, the way back: after nb was cut off and dropped, its link comes back; nb's agent is heard
     again and `scale --add 1 --node nb` puts a worker there. Then Ctrl-C: the stop is checkpointed."""
-    from felactl.testbed.build import cut_node
+    from felactl.testbed.faults import cut_node
 
     runs, run = tmp_path / "runs", tmp_path / "runs" / "back"
     launch = _start_elastic_pair(bed, tmp_path, "back", 100000)

@@ -14,7 +14,7 @@ from felactl.cli.main import app
 from felactl.errors import SpecError
 from felactl.spec.io import from_dict
 from felactl.testbed import TestbedSpec, load_testbed
-from felactl.testbed.build import _loss_bytecode
+from felactl.testbed.shaping import _loss_bytecode
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,7 +187,7 @@ def test_profile_and_launch_refuse_testbed_with_other_node_flags(tmp_path, monke
 
 
 def test_cpu_period_is_short_but_holds_a_quota_of_a_millisecond() -> None:
-    from felactl.testbed.build import cpu_period_us
+    from felactl.testbed.cgroups import cpu_period_us
 
     assert cpu_period_us(0.25) == 10_000 and cpu_period_us(2.0) == 10_000
     assert cpu_period_us(0.05) == 20_000 and round(0.01 * cpu_period_us(0.01)) >= 1000
@@ -196,7 +196,7 @@ def test_cpu_period_is_short_but_holds_a_quota_of_a_millisecond() -> None:
 def test_the_profiles_latency_pause_lasts_a_testbed_cpu_period() -> None:
     """The pause lets a capped node have its quota back (felactl.profiling.links)."""
     from felactl.profiling.links import LinkProbe
-    from felactl.testbed.build import CPU_PERIOD_US
+    from felactl.testbed.cgroups import CPU_PERIOD_US
 
     assert LinkProbe().latency_pause_s * 1e6 >= CPU_PERIOD_US
 

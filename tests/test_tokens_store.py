@@ -309,7 +309,7 @@ def test_grad_buckets_ask_at_a_later_bucket_when_backward_never_completes_the_fi
 def test_bsp_wraps_replicas_with_the_planners_bucket_cap(one_rank_group):
     """bsp's DDP closes its later buckets at felactl's cap, whatever torch's default: torch 2.11
     (the GPU machines' image) has no ``_DEFAULT_BUCKET_CAP_MB`` to read it from."""
-    from felactl.agents.worker.ddp import wrap_replica
+    from felactl.parallel.ddp import wrap_replica
     from felactl.spec.plan import BUCKET_BYTES
 
     replica = wrap_replica(torch.nn.Linear(4, 4), one_rank_group)

@@ -13,10 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from felactl.cli.main import app
-from felactl.optimizer.collectives import allreduce_throughput_gbps, allreduce_time_s, plan_collective, reversed_cluster
+from felactl.optimizer.collectives import plan_collective, reversed_cluster
 from felactl.optimizer.cost import CostModel
 from felactl.optimizer.graph import allreduce_bound, capacity_graph
 from felactl.optimizer.planner import make_plan
+from felactl.optimizer.tree_cost import allreduce_throughput_gbps, allreduce_time_s
 from felactl.spec import save
 from tests.graph_fixtures import graph_cluster, random_strong_graph
 from tests.planner_fixtures import as_cpu_slots, model

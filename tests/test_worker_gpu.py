@@ -6,7 +6,7 @@ import pytest
 import torch
 from _worker_helpers import dp_plan, final_params, reference_params, run_plan
 
-from felactl.agents.worker.metrics import write_summary
+from felactl.control.metrics import write_summary
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")]
 

@@ -8,10 +8,11 @@ import pytest
 from _worker_helpers import dp_plan, pipeline_plan
 
 from felactl.agents.worker.config import from_env
-from felactl.agents.worker.metrics import summarize
 from felactl.agents.worker.stages import micro_batches, place, split_by_shares
-from felactl.agents.worker.stragglers import Pattern, Straggler, parse_pattern, parse_slowdown
+from felactl.agents.worker.stragglers import Straggler
 from felactl.agents.worker.sync.groups import MAX_WAIT_S, MIN_WAIT_S, GroupScheduler, adapt_wait
+from felactl.control.metrics import summarize
+from felactl.control.stragglers import Pattern, parse_pattern, parse_slowdown
 from felactl.errors import InputError
 from felactl.spec import save
 
@@ -257,7 +258,7 @@ def test_the_live_run_view_ends_on_a_line_of_its_own(terminal, tmp_path):
     from rich.console import Console
 
     from felactl.cli.runview import live_run
-    from felactl.launcher.launch import LaunchState
+    from felactl.launcher.follow import LaunchState
     from felactl.launcher.rundir import RunDir
 
     out = io.StringIO()
@@ -284,7 +285,7 @@ def test_the_live_view_of_a_resumed_run_counts_the_time_it_ran(tmp_path):
     from rich.console import Console
 
     from felactl.cli.runview import live_run
-    from felactl.launcher.launch import LaunchState
+    from felactl.launcher.follow import LaunchState
     from felactl.launcher.rundir import RunDir, append_jsonl
 
     run = RunDir.create("r", root=tmp_path)

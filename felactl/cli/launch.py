@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 import typer.core
@@ -14,6 +14,10 @@ import typer.core
 from felactl.cli import output
 from felactl.cli.runview import live_run
 from felactl.spec import SyncMode
+from felactl.spec.sync_modes import mode_names, modes_where, sync_help
+
+if TYPE_CHECKING:
+    from felactl.launcher.launch_flags import LaunchFlags
 
 SCRIPT_ARGS = "felactl.script_args"
 
@@ -72,7 +76,7 @@ def launch(
     steps: Annotated[
         int | None, typer.Option(min=1, help="Iterations (global batches) to train (default 100; --resume: the run's).")
     ] = None,
-    sync: Annotated[SyncMode | None, typer.Option(help="Override the plan's sync mode.")] = None,
+    sync: Annotated[SyncMode | None, typer.Option(help=f"Override the plan's sync mode. {sync_help()}.")] = None,
     slowdown: Annotated[
         str | None,
         typer.Option(help="RANK=FACTOR[,RANK=FACTOR]: slow workers on purpose (sleep (factor-1) x compute)."),
@@ -142,7 +146,13 @@ def launch(
             "be ready (import torch, build the model): raise it for slow nodes."
         ),
     ] = 60.0,
-    elastic: Annotated[bool, typer.Option(help="Run data-parallel bsp plans under live rescaling.")] = True,
+    elastic: Annotated[
+        bool,
+        typer.Option(
+            help="Run data-parallel plans under live rescaling (sync "
+            f"{mode_names(modes_where(lambda row: row.rescales_live))})."
+        ),
+    ] = True,
     cluster: Annotated[
         Path | None,
         typer.Option(help="The cluster profile the plan was made from: felactl scale then re-plans with the planner."),
@@ -153,108 +163,71 @@ def launch(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")] = False,
 ) -> None:
     """Train: start the coordinator and this machine's agent, run the plan (or --script), write runs/<id>/."""
-    from felactl.cli.model_profile import parse_config
-    from felactl.errors import InputError
-    from felactl.launcher.launch import LaunchOptions, job_plan
-    from felactl.launcher.launch import launch as run_launch
-    from felactl.launcher.resume import run_counts
-    from felactl.limits import parse_count_range
-    from felactl.spec import save
+    from felactl.launcher.launch_flags import LaunchFlags
 
-    script_args = ctx.meta.get(SCRIPT_ARGS)
-    min_nodes, max_nodes = parse_count_range("--nnodes", nnodes)
-    if script is not None:
-        if testbed is not None:
-            raise InputError("--testbed: runs a plan's training for now, not --script")
-        plan_only = {
-            "--steps": steps,
-            "--sync": sync,
-            "--slowdown": slowdown,
-            "--straggler": straggler,
-            "--keep-checkpoints": keep_checkpoints,
-            "--checkpoint-every": checkpoint_every,
-            "--resume": resume,
-            "--max-nproc-per-node": max_nproc_per_node,
-            "--cluster": cluster,
-            "--model": model,
-            "--max-batch": max_batch,
-            "--job": job,
-            "--global-batch": global_batch,
-            "--micro-batch": micro_batch,
-            "--config": config,
-            "--nnodes MIN:MAX": None if min_nodes == max_nodes else nnodes,
-        }
-        given = [name for name, value in plan_only.items() if value is not None]
-        if given:
-            raise InputError(f"{given[0]} applies to a plan's training, not to --script (your script trains)")
-        return _launch_script(
-            script,
-            script_args or (),
-            plan,
-            nproc_per_node,
-            max_restarts,
-            run_id=run_id,
-            runs_root=runs_root,
-            rdzv_endpoint=rdzv_endpoint,
-            nnodes=max_nodes,
-            hostfile=hostfile,
-            node_name=node_name,
-            as_json=as_json,
-        )
-    for name, value in {"--max-restarts": max_restarts, "arguments after --": script_args}.items():
-        if value is not None:
-            raise InputError(f"{name}: only with --script (a plan says its own workers)")
-    if nproc_per_node is not None and job is None:
-        raise InputError("--nproc-per-node: only with --job or --script (a plan says its own workers)")
-    for name, value in {"--global-batch": global_batch, "--micro-batch": micro_batch, "--config": config}.items():
-        if value is not None and job is None:
-            raise InputError(f"{name}: only with --job (a plan says its own model and batch)")
-    if sum(x is not None for x in (plan, resume, job)) != 1:
-        raise InputError(
-            "give a PLAN to launch, --job SOURCE to train on local workers, or --resume RUN "
-            "to continue a run (one of them)"
-        )
-    scratch = contextlib.ExitStack()
-    if job is not None:  # the run keeps its own copy of the plan: this one only has to outlive the start
-        made = job_plan(job, parse_config(config), nproc_per_node, global_batch, micro_batch)
-        plan = save(made, Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="felactl-job-"))) / "plan.yaml")
-    counts = run_counts(
-        resume,
-        runs_root,
+    flags = LaunchFlags(
+        plan=plan,
+        script=script,
+        script_args=ctx.meta.get(SCRIPT_ARGS),
+        job=job,
+        nproc_per_node=nproc_per_node,
+        max_restarts=max_restarts,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        config=config,
+        run_id=run_id,
         steps=steps,
-        checkpoint_every=checkpoint_every,
-        keep_checkpoints=keep_checkpoints,
+        sync=sync,
         slowdown=slowdown,
         straggler=straggler,
-    )
-    options = LaunchOptions(
-        plan_path=plan or Path(),
-        run_id=run_id,
-        runs_root=runs_root,
-        sync=sync,
-        **counts,
+        keep_checkpoints=keep_checkpoints,
+        checkpoint_every=checkpoint_every,
         rdzv_endpoint=rdzv_endpoint,
-        nnodes=max_nodes,
-        min_nodes=min_nodes,
+        nnodes=nnodes,
         hostfile=hostfile,
         node_name=node_name,
         testbed=testbed,
+        runs_root=runs_root,
         resume=resume,
         max_nproc_per_node=max_nproc_per_node,
         scaling_policy=scaling_policy,
         max_batch=max_batch,
         heartbeat_timeout_s=heartbeat_timeout,
-        elastic=elastic,
         collective_timeout_s=collective_timeout,
         join_timeout_s=join_timeout,
-        cluster_path=cluster,
-        model_path=model,
+        elastic=elastic,
+        cluster=cluster,
+        model=model,
     )
-    with (
-        scratch,
-        live_run(output.stderr, lambda run_id: f"run {run_id} (of {options.steps} steps)", options.steps) as update,
-    ):
-        summary = run_launch(options, on_update=update)
+    if script is not None:
+        _launch_script(flags, as_json)
+    else:
+        _launch_plan(flags, as_json)
+
+
+def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:
+    """A plan's launch (a ``--job``'s plan made first), followed in the live view, then its summary."""
+    from felactl.cli.model_profile import parse_config
+    from felactl.launcher.launch import launch as run_launch
+    from felactl.launcher.launch_flags import check_plan_flags, plan_options
+    from felactl.launcher.prepare import job_plan
+    from felactl.spec import save
+
+    check_plan_flags(flags)
+    with contextlib.ExitStack() as scratch:
+        plan = flags.plan
+        if flags.job is not None:  # the run keeps its own copy of the plan: this one only has to outlive the start
+            made = job_plan(
+                flags.job, parse_config(flags.config), flags.nproc_per_node, flags.global_batch, flags.micro_batch
+            )
+            plan = save(
+                made, Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="felactl-job-"))) / "plan.yaml"
+            )
+        options = plan_options(flags, plan)
+        with live_run(
+            output.stderr, lambda run_id: f"run {run_id} (of {options.steps} steps)", options.steps
+        ) as update:
+            summary = run_launch(options, on_update=update)
     output.emit(
         summary,
         as_json,
@@ -265,27 +238,13 @@ def launch(
     )
 
 
-def _launch_script(
-    script: Path,
-    args: tuple[str, ...],
-    plan: Path | None,
-    nproc_per_node: int | None,
-    max_restarts: int | None,
-    *,
-    as_json: bool,
-    **common,
-) -> None:
-    from felactl.launcher.script import ScriptOptions, launch_script
+def _launch_script(flags: LaunchFlags, as_json: bool) -> None:
+    """A ``--script`` launch, then its summary."""
+    from felactl.launcher.launch_flags import script_options
+    from felactl.launcher.script import launch_script
 
-    options = ScriptOptions(
-        script=script,
-        args=args,
-        plan_path=plan,
-        nproc_per_node=nproc_per_node,
-        max_restarts=0 if max_restarts is None else max_restarts,
-        **common,
-    )
-    output.stderr.print(f"running {script} under felactl's agents")
+    options = script_options(flags)
+    output.stderr.print(f"running {options.script} under felactl's agents")
     summary = launch_script(options)
     output.emit(
         summary,

@@ -11,6 +11,8 @@ backward) at each micro-batch size: the saturation curve the planner chooses mic
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from rich.table import Table
 from felactl.cli import output
 from felactl.errors import InputError
 from felactl.limits import split_items
-from felactl.spec import ModelSpec, load_cluster, save, to_dict
+from felactl.spec import ClusterSpec, ModelSpec, load_cluster, save, to_dict
 
 
 def parse_config(pairs: list[str] | None) -> dict[str, Any]:
@@ -62,41 +64,34 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run(
-    model: str,
-    batch_sizes: list[int],
-    out: Path | None,
-    as_json: bool,
-    *,
-    config: list[str] | None,
-    input_shape: str | None,
-    device: str,
-    repeats: int,
-    cluster: Path | None = None,
-    node: str | None = None,
-    worker_batch: int | None = None,
-    matmul_size: int | None = None,
-    testbed: str | None = None,
-    timeout_s: float | None = None,
-) -> None:
-    from felactl.profiling.model import profile_model
+@dataclass(frozen=True, kw_only=True)
+class ModelProfileFlags:
+    """``felactl profile --model``'s flags, as given: what :func:`run` profiles, writes and shows."""
 
-    if testbed is not None:
-        if cluster is not None or worker_batch is not None:
-            raise InputError(
-                "--testbed times the model in each node of the testbed: not with --cluster or --worker-batch"
-            )
-        if device not in ("auto", "cpu"):
-            raise InputError(f"--testbed profiles the nodes' CPU slots; --device is {device} (use --device cpu)")
-        device = "cpu"
-    if cluster is None and worker_batch is not None:
-        raise InputError("--worker-batch is for --cluster (the batch of the data-parallel sync timing)")
-    if cluster is not None and device == "auto":
-        device = "cpu"  # in situ means this machine's CPU slots
-    device = _resolve_device(device)
-    if cluster is not None and device != "cpu":
-        raise InputError(f"--cluster profiles on this machine's CPU slots; --device is {device} (use --device cpu)")
-    in_cluster = load_cluster(cluster) if cluster is not None else None
+    model: str
+    batch_sizes: list[int]
+    out: Path | None
+    as_json: bool
+    config: list[str] | None
+    """``key=value`` pairs (:func:`parse_config`)."""
+    input_shape: str | None
+    """``3,32,32`` (:func:`parse_shape`)."""
+    device: str
+    repeats: int
+    cluster: Path | None = None
+    node: str | None = None
+    worker_batch: int | None = None
+    matmul_size: int | None = None
+    testbed: str | None = None
+    timeout_s: float | None = None
+
+
+def run(flags: ModelProfileFlags) -> None:
+    import felactl.profiling.model  # noqa: F401 (torch loads here, not on the profile's clock)
+
+    device = _device_for(flags)
+    in_cluster = load_cluster(flags.cluster) if flags.cluster is not None else None
+    model = flags.model
     started = time.perf_counter()
     with output.progress() as bar:
         task = bar.add_task(f"profiling {model}", total=None)
@@ -104,40 +99,12 @@ def run(
         def on_progress(phase: str, done: int, total: int) -> None:
             bar.update(task, description=f"profiling {model}: {phase}", completed=done, total=total)
 
-        options = dict(
-            repeats=repeats, input_shape=parse_shape(input_shape), progress=on_progress, matmul_size=matmul_size
-        )
-        if testbed is not None:
-            from felactl.launcher.testbed_model import DEFAULT_TIMEOUT_S, profile_model_on_testbed
+        def say_on_bar(line: str) -> None:
+            bar.update(task, description=f"profiling {model}: {line}")
 
-            spec = profile_model_on_testbed(
-                testbed,
-                model,
-                parse_config(config),
-                batch_sizes,
-                repeats=repeats,
-                matmul_size=matmul_size,
-                input_shape=input_shape,
-                timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
-                say=lambda line: bar.update(task, description=f"profiling {model}: {line}"),
-            )
-        elif in_cluster is None:
-            spec = profile_model(model, parse_config(config), batch_sizes, device=device, **options)
-        else:
-            from felactl.profiling.in_situ import profile_model_in_situ
-
-            spec = profile_model_in_situ(
-                model,
-                parse_config(config),
-                batch_sizes,
-                in_cluster,
-                node_name=node,
-                worker_batch=worker_batch,
-                say=lambda line: output.stderr.print(line),
-                **options,
-            )
+        spec = _profile(flags, device, in_cluster, on_progress, say_on_bar)
     profile_s = time.perf_counter() - started
-    path = save(spec, out or Path("model.yaml"))
+    path = save(spec, flags.out or Path("model.yaml"))
 
     def render(console: Console) -> None:
         output.wide(console).print(layer_table(spec))
@@ -146,7 +113,76 @@ def run(
             soft_wrap=True,
         )
 
-    output.emit({**to_dict(spec), "path": str(path), "profile_s": round(profile_s, 3)}, as_json, render)
+    output.emit({**to_dict(spec), "path": str(path), "profile_s": round(profile_s, 3)}, flags.as_json, render)
+
+
+def _device_for(flags: ModelProfileFlags) -> str:
+    """The device to profile on, or :class:`InputError` where the flags do not go together."""
+    device = flags.device
+    if flags.testbed is not None:
+        if flags.cluster is not None or flags.worker_batch is not None:
+            raise InputError(
+                "--testbed times the model in each node of the testbed: not with --cluster or --worker-batch"
+            )
+        if device not in ("auto", "cpu"):
+            raise InputError(f"--testbed profiles the nodes' CPU slots; --device is {device} (use --device cpu)")
+        device = "cpu"
+    if flags.cluster is None and flags.worker_batch is not None:
+        raise InputError("--worker-batch is for --cluster (the batch of the data-parallel sync timing)")
+    if flags.cluster is not None and device == "auto":
+        device = "cpu"  # in situ means this machine's CPU slots
+    device = _resolve_device(device)
+    if flags.cluster is not None and device != "cpu":
+        raise InputError(f"--cluster profiles on this machine's CPU slots; --device is {device} (use --device cpu)")
+    return device
+
+
+def _profile(
+    flags: ModelProfileFlags,
+    device: str,
+    in_cluster: ClusterSpec | None,
+    on_progress,
+    say_on_bar: Callable[[str], None],
+) -> ModelSpec:
+    """Profile the model in each node of a testbed, in situ on this machine's slots of a cluster,
+    or alone on ``device``."""
+    from felactl.profiling.model import profile_model
+
+    model, batch_sizes = flags.model, flags.batch_sizes
+    options = dict(
+        repeats=flags.repeats,
+        input_shape=parse_shape(flags.input_shape),
+        progress=on_progress,
+        matmul_size=flags.matmul_size,
+    )
+    if flags.testbed is not None:
+        from felactl.launcher.testbed_model import DEFAULT_TIMEOUT_S, profile_model_on_testbed
+
+        return profile_model_on_testbed(
+            flags.testbed,
+            model,
+            parse_config(flags.config),
+            batch_sizes,
+            repeats=flags.repeats,
+            matmul_size=flags.matmul_size,
+            input_shape=flags.input_shape,
+            timeout_s=flags.timeout_s or DEFAULT_TIMEOUT_S,
+            say=say_on_bar,
+        )
+    if in_cluster is None:
+        return profile_model(model, parse_config(flags.config), batch_sizes, device=device, **options)
+    from felactl.profiling.in_situ import profile_model_in_situ
+
+    return profile_model_in_situ(
+        model,
+        parse_config(flags.config),
+        batch_sizes,
+        in_cluster,
+        node_name=flags.node,
+        worker_batch=flags.worker_batch,
+        say=lambda line: output.stderr.print(line),
+        **options,
+    )
 
 
 def layer_table(spec: ModelSpec) -> Table:

@@ -6,8 +6,9 @@ Blink trees of one group) is a sub-command of the same group.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -22,13 +23,17 @@ from felactl.optimizer.cost import CostModel, MemoryHeadroom
 from felactl.optimizer.planner import (
     BASELINE_NAMES,
     DEFAULT_TIME_LIMIT_S,
-    SYNC_MODES,
     make_baseline_plan,
     make_plan,
     plan_cost_model,
 )
 from felactl.optimizer.simulator import simulate
-from felactl.spec import DeviceKind, Plan, SyncMode, load_cluster, load_model, save
+from felactl.spec import DeviceKind, Plan, load_cluster, load_model, save
+from felactl.spec.plan import SIMULATION_TOLERANCE
+from felactl.spec.sync_modes import sync_help, sync_support
+
+if TYPE_CHECKING:
+    from felactl.spec import ClusterSpec, ModelSpec
 
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
@@ -44,6 +49,7 @@ def plan_result(plan: Plan) -> dict:
         "iteration_s": predicted.iteration_s,
         "samples_per_s": predicted.samples_per_s,
         "simulated_iteration_s": predicted.simulated_iteration_s,
+        "simulation_agrees": predicted.simulation_agrees,
         "simulated_peak_memory_gb": dict(predicted.simulated_peak_memory_gb),
         "solve_s": solver.solve_s,
         "status": solver.status,
@@ -78,15 +84,23 @@ def render_summary(console, plan: Plan, out: Path | None) -> None:
         f"predicted iteration {p.iteration_s:.4g} s ({p.samples_per_s:.4g} samples/s); simulated "
         f"{p.simulated_iteration_s:.4g} s; solver {plan.solver.status} in {plan.solver.solve_s:.2f} s"
     )
+    if not p.simulation_agrees:
+        off = p.simulated_iteration_s / p.iteration_s - 1
+        console.print(
+            f"warning: the simulated iteration is {abs(off):.0%} {'above' if off > 0 else 'below'} the "
+            f"predicted one (more than {SIMULATION_TOLERANCE:.0%}): the simulator runs this plan's tokens as "
+            f"the runtime takes them, which the cost model prices only roughly here"
+        )
     if p.simulated_peak_memory_gb:
         device, peak = max(p.simulated_peak_memory_gb.items(), key=lambda item: item[1])
         console.print(
             f"simulated peak memory {peak:.3g} GB on {device} (weights, optimizer state and the activations it holds)"
         )
     dp_s = p.baselines.get("dp")
-    if plan_label(plan) == "felactl" and plan.sync.mode is SyncMode.TOKENS and dp_s and dp_s < p.iteration_s:
+    claims = sync_support(plan.sync.mode).data_parallel_tokens
+    if plan_label(plan) == "felactl" and claims and dp_s and dp_s < p.iteration_s:
         console.print(
-            f"note: data parallel as DDP runs it is predicted faster ({dp_s:.4g} s): under sync tokens "
+            f"note: data parallel as DDP runs it is predicted faster ({dp_s:.4g} s): under sync {plan.sync.mode.value} "
             f"each micro-batch is a token claimed through the store; `--sync bsp` plans without them"
         )
     if out is not None:
@@ -179,7 +193,7 @@ def plan(
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="Samples per iteration.")] = None,
     sync: Annotated[
         str | None,
-        typer.Option("--sync", help=f"Sync mode: {'|'.join(SYNC_MODES)} (default tokens; bsp with --baseline)."),
+        typer.Option("--sync", help=f"Sync mode (default tokens; bsp with --baseline). {sync_help()}."),
     ] = None,
     baseline: Annotated[
         str | None,
@@ -218,50 +232,119 @@ def plan(
     """Plan a model on a cluster: the ILP over stages, degrees, micro-batches, with Blink trees."""
     if ctx.invoked_subcommand is not None:
         return
-    missing = [
-        flag
-        for flag, value in (("--cluster", cluster), ("--model", model), ("--global-batch", global_batch))
-        if value is None
-    ]
-    if missing:
-        raise InputError(f"felactl plan needs {', '.join(missing)}")
-    check_flag("--global-batch", global_batch, limits.BATCH)
-    check_flag("--time-limit", time_limit, limits.SECONDS, above=0)
-    check_flag("--reserve-gb", reserve_gb, limits.MEMORY_GB)
-    check_flag("--fragmentation", fragmentation, limits.SHARE)
-    if fragmentation >= 1:
-        raise InputError(f"--fragmentation must be below 1 (a share of each device's memory), got {fragmentation:g}")
-    if baseline is not None and baseline not in BASELINE_NAMES:
-        raise InputError(f"--baseline: expected one of {', '.join(BASELINE_NAMES)}, got {baseline!r}")
-    if baseline is not None and sync not in (None, "bsp"):
-        raise InputError(f"--baseline plans sync bsp, as the baselines' systems do; got --sync {sync}")
-    if out is not None:
-        check_output_file(out)
-    cluster_spec, model_spec = load_cluster(cluster), load_model(model)
-    names = resolve_devices(cluster_spec, devices) if devices is not None else None
+    flags = PlanFlags(
+        cluster=cluster,
+        model=model,
+        global_batch=global_batch,
+        sync=sync,
+        baseline=baseline,
+        devices=devices,
+        out=out,
+        time_limit_s=time_limit,
+        no_trees=no_trees,
+        reserve_gb=reserve_gb,
+        fragmentation=fragmentation,
+    )
+    cluster_spec, model_spec = load_cluster(flags.cluster), load_model(flags.model)
     debug = output.debug_enabled(ctx)
-    lp_path = str((out or Path("plan.yaml")).with_suffix(".lp")) if debug and baseline is None else None
-    headroom = MemoryHeadroom(reserved_gb=reserve_gb, fraction=fragmentation)
-    if baseline is not None:
-        no_trees = True
-        result = make_baseline_plan(cluster_spec, model_spec, global_batch, baseline, devices=names, headroom=headroom)
-    else:
-        with output.stderr.status("solving the plan ...") as status:
-            result = make_plan(
-                cluster_spec,
-                model_spec,
-                global_batch,
-                sync=sync or "tokens",
-                devices=names,
-                time_limit_s=time_limit,
-                use_trees=not no_trees,
-                debug_lp_path=lp_path,
-                progress=lambda msg: status.update(msg),
-                headroom=headroom,
+    lp_path = str((flags.out or Path("plan.yaml")).with_suffix(".lp")) if debug and flags.baseline is None else None
+    result = _solve(flags, cluster_spec, model_spec, lp_path)
+    if flags.out is not None:
+        save(result, flags.out)
+    cost = plan_cost_model(result, cluster_spec, model_spec, use_trees=flags.use_trees)
+    _say_rough_prices(cost, result, cluster_spec, model_spec, flags.cluster, flags.model)
+
+    def render(console) -> None:
+        render_summary(console, result, flags.out)
+        if compare:
+            render_compare(console, result)
+        if explain:
+            _render_explain(console, result, cost)
+        if lp_path:
+            console.print(f"wrote the ILP to {lp_path}")
+
+    output.emit(plan_result(result), as_json, render)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanFlags:
+    """What ``felactl plan`` solves for, as given; checked before anything is read, each problem
+    one line that names its flag."""
+
+    cluster: Path | None
+    model: Path | None
+    global_batch: int | None
+    sync: str | None
+    baseline: str | None
+    devices: str | None
+    """Comma-separated device names or indices (:func:`resolve_devices`); None: all."""
+    out: Path | None
+    time_limit_s: float | None
+    no_trees: bool
+    reserve_gb: float
+    fragmentation: float
+
+    def __post_init__(self) -> None:
+        missing = [
+            flag
+            for flag, value in (
+                ("--cluster", self.cluster),
+                ("--model", self.model),
+                ("--global-batch", self.global_batch),
             )
-    if out is not None:
-        save(result, out)
-    cost = plan_cost_model(result, cluster_spec, model_spec, use_trees=not no_trees)
+            if value is None
+        ]
+        if missing:
+            raise InputError(f"felactl plan needs {', '.join(missing)}")
+        check_flag("--global-batch", self.global_batch, limits.BATCH)
+        check_flag("--time-limit", self.time_limit_s, limits.SECONDS, above=0)
+        check_flag("--reserve-gb", self.reserve_gb, limits.MEMORY_GB)
+        check_flag("--fragmentation", self.fragmentation, limits.SHARE)
+        if self.fragmentation >= 1:
+            raise InputError(
+                f"--fragmentation must be below 1 (a share of each device's memory), got {self.fragmentation:g}"
+            )
+        if self.baseline is not None and self.baseline not in BASELINE_NAMES:
+            raise InputError(f"--baseline: expected one of {', '.join(BASELINE_NAMES)}, got {self.baseline!r}")
+        if self.baseline is not None and self.sync not in (None, "bsp"):
+            raise InputError(f"--baseline plans sync bsp, as the baselines' systems do; got --sync {self.sync}")
+        if self.out is not None:
+            check_output_file(self.out)
+
+    @property
+    def use_trees(self) -> bool:
+        """Whether the plan syncs over Blink trees: not with --no-trees, nor a baseline's (rings)."""
+        return not self.no_trees and self.baseline is None
+
+
+def _solve(flags: PlanFlags, cluster_spec: ClusterSpec, model_spec: ModelSpec, lp_path: str | None) -> Plan:
+    """The baseline's plan, or the ILP's (with a status line while it solves)."""
+    names = resolve_devices(cluster_spec, flags.devices) if flags.devices is not None else None
+    headroom = MemoryHeadroom(reserved_gb=flags.reserve_gb, fraction=flags.fragmentation)
+    if flags.baseline is not None:
+        return make_baseline_plan(
+            cluster_spec, model_spec, flags.global_batch, flags.baseline, devices=names, headroom=headroom
+        )
+    with output.stderr.status("solving the plan ...") as status:
+        return make_plan(
+            cluster_spec,
+            model_spec,
+            flags.global_batch,
+            sync=flags.sync or "tokens",
+            devices=names,
+            time_limit_s=flags.time_limit_s,
+            use_trees=flags.use_trees,
+            debug_lp_path=lp_path,
+            progress=lambda msg: status.update(msg),
+            headroom=headroom,
+        )
+
+
+def _say_rough_prices(
+    cost: CostModel, result: Plan, cluster_spec: ClusterSpec, model_spec: ModelSpec, cluster: Path, model: Path
+) -> None:
+    """Notes on stderr where the plan's prices are rough: gradient sync between CPU slots (the link
+    profile prices it several times too low), and devices the model has no timings of."""
     if cost.uncalibrated_cpu_groups([tuple(w.device for w in st.workers) for st in result.stages]):
         output.stderr.print(
             f"note: this plan syncs gradients between CPU slots, which the link profile prices "
@@ -281,17 +364,6 @@ def plan(
             f"{', or with --testbed NAME in a testbed' if cpus else ''})",
             soft_wrap=True,
         )
-
-    def render(console) -> None:
-        render_summary(console, result, out)
-        if compare:
-            render_compare(console, result)
-        if explain:
-            _render_explain(console, result, cost)
-        if lp_path:
-            console.print(f"wrote the ILP to {lp_path}")
-
-    output.emit(plan_result(result), as_json, render)
 
 
 register_collectives(plan_app)

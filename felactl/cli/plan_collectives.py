@@ -18,15 +18,10 @@ from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError, PlanInfeasible
 from felactl.limits import check_flag, split_items
-from felactl.optimizer.collectives import (
-    allreduce_rates,
-    allreduce_time_s,
-    nccl_allreduce_line,
-    plan_collective,
-    ring_allreduce_time_s,
-    tree_allreduce_cost,
-)
+from felactl.optimizer.collectives import allreduce_rates, plan_collective
 from felactl.optimizer.graph import abbreviate_names
+from felactl.optimizer.ring_cost import nccl_allreduce_line, ring_allreduce_time_s
+from felactl.optimizer.tree_cost import allreduce_time_s, tree_allreduce_cost
 from felactl.spec import ClusterSpec, Collective, load_cluster
 
 
@@ -112,8 +107,13 @@ def _render(console, result: dict) -> None:
             "CPU slots): "
             + (f"{len(result['nccl_rings'])} ring(s), {nccl:.2f} GB/s as modelled" if nccl else "no ring closes")
         )
+    bounds = result.get("root_bounds_gbps") or {result["root"]: result["bound_gbps"]}
+    if len(bounds) == 1:
+        bound = f"min-cut bound {next(iter(bounds.values())):.2f} GB/s"
+    else:
+        bound = "min-cut bound of each root's part " + ", ".join(f"{r} {b:.2f}" for r, b in bounds.items()) + " GB/s"
     console.print(
-        f"the trees' broadcast: rate {result['rate_gbps']:.2f} GB/s, min-cut bound {result['bound_gbps']:.2f} GB/s; "
+        f"the trees' broadcast: rate {result['rate_gbps']:.2f} GB/s, {bound}; "
         f"best ring {ring:.2f} GB/s; solved in {result['solve_s']:.2f} s"
     )
     if "allreduce_s" in result:

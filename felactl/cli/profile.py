@@ -5,8 +5,9 @@ With ``--model NAME`` it profiles a model's layers into model.yaml instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -15,6 +16,9 @@ from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError
 from felactl.limits import check_flag, split_items
+
+if TYPE_CHECKING:
+    from felactl.launcher.profile import ProfileOptions
 
 
 def _parse_batch_sizes(text: str) -> list[int]:
@@ -66,6 +70,21 @@ def render_cluster(console, result) -> None:
 
 
 BATCH_SIZES_DEFAULT = "1,4,16,64"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterFlags:
+    """Which cluster ``felactl profile`` measures and where its job keeps its files, as given."""
+
+    nproc_per_node: int | None
+    nnodes: int
+    rdzv_endpoint: str | None
+    hostfile: Path | None
+    secret_file: Path | None
+    node_name: str | None
+    name: str | None
+    log_dir: Path | None
+    testbed: str | None
 
 
 def profile(
@@ -141,28 +160,14 @@ def profile(
     ] = None,
 ) -> None:
     """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
-    if model is None:
-        given = [
-            flag
-            for flag, value in (
-                ("--config", config),
-                ("--input-shape", input_shape),
-                ("--cluster", cluster),
-                ("--worker-batch", worker_batch),
-                ("--batch-sizes", batch_sizes),
-            )
-            if value
-        ]
-        if given:
-            raise InputError(f"{given[0]} is for profiling a model: add --model NAME")
-    else:
+    if model is not None:
         from felactl.cli import model_profile
 
-        model_profile.run(
-            model,
-            _parse_batch_sizes(BATCH_SIZES_DEFAULT if batch_sizes is None else batch_sizes),
-            out,
-            as_json,
+        flags = model_profile.ModelProfileFlags(
+            model=model,
+            batch_sizes=_parse_batch_sizes(BATCH_SIZES_DEFAULT if batch_sizes is None else batch_sizes),
+            out=out,
+            as_json=as_json,
             config=config,
             input_shape=input_shape,
             device=device,
@@ -174,10 +179,19 @@ def profile(
             testbed=testbed,
             timeout_s=timeout,
         )
+        model_profile.run(flags)
         return
-    from felactl.launcher.profile import ProfileOptions, check_profile_flags, profile_cluster
+    _refuse_model_flags(
+        {
+            "--config": config,
+            "--input-shape": input_shape,
+            "--cluster": cluster,
+            "--worker-batch": worker_batch,
+            "--batch-sizes": batch_sizes,
+        }
+    )
+    from felactl.launcher.profile import ProfileOptions
     from felactl.profiling.links import LinkProbe
-    from felactl.spec import save, to_dict
 
     options = ProfileOptions(
         cpu_matmul_size=matmul_size,
@@ -187,8 +201,34 @@ def profile(
         join_timeout_s=join_timeout,
         timeout_s=timeout,
     )
+    where = ClusterFlags(
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+        hostfile=hostfile,
+        secret_file=secret_file,
+        node_name=node_name,
+        name=name,
+        log_dir=log_dir,
+        testbed=testbed,
+    )
+    _profile_cluster(where, options, out, as_json)
+
+
+def _refuse_model_flags(given: dict[str, object]) -> None:
+    """The flags of a model's profile, given without ``--model``: the first is named."""
+    flags = [flag for flag, value in given.items() if value]
+    if flags:
+        raise InputError(f"{flags[0]} is for profiling a model: add --model NAME")
+
+
+def _profile_cluster(where: ClusterFlags, options: ProfileOptions, out: Path | None, as_json: bool) -> None:
+    """Profile the cluster ``where`` says with ``options``, write it, show it."""
+    from felactl.launcher.profile import check_profile_flags, profile_cluster
+    from felactl.spec import save, to_dict
+
     # Bad input is said before the progress bar opens (a transient bar leaves a blank line).
-    check_profile_flags(nproc_per_node, nnodes, rdzv_endpoint, hostfile, testbed)
+    check_profile_flags(where.nproc_per_node, where.nnodes, where.rdzv_endpoint, where.hostfile, where.testbed)
     with output.progress() as bar:
         task = bar.add_task("starting", total=None)
 
@@ -196,17 +236,17 @@ def profile(
             bar.update(task, description=phase, completed=done, total=total)
 
         result = profile_cluster(
-            nproc_per_node=nproc_per_node,
-            nnodes=nnodes,
-            endpoint=rdzv_endpoint,
-            hostfile_path=str(hostfile) if hostfile else None,
-            secret_file=str(secret_file) if secret_file else None,
-            node_name=node_name,
-            name=name,
-            log_dir=log_dir,
+            nproc_per_node=where.nproc_per_node,
+            nnodes=where.nnodes,
+            endpoint=where.rdzv_endpoint,
+            hostfile_path=str(where.hostfile) if where.hostfile else None,
+            secret_file=str(where.secret_file) if where.secret_file else None,
+            node_name=where.node_name,
+            name=where.name,
+            log_dir=where.log_dir,
             options=options,
             on_progress=on_progress,
-            testbed=testbed,
+            testbed=where.testbed,
         )
     path = save(result.cluster, out or Path("cluster.yaml"))
     payload = {**to_dict(result.cluster), "profile_s": round(result.profile_s, 3)}

@@ -90,7 +90,7 @@ class ProgressLines:
 
 def progress_line(summary: dict[str, Any], records: list[dict[str, Any]], steps: int | None) -> str:
     """``step 40/300   loss 2.1234   512.0 samples/s   ETA 0:01:04`` (the ETA at the recent step rate)."""
-    from felactl.agents.worker.metrics import progress
+    from felactl.control.metrics import progress
 
     loss = summary.get("final_loss")
     line = f"step {summary['steps']}" + (f"/{steps}" if steps else "")

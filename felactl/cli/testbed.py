@@ -14,7 +14,7 @@ from rich.table import Table
 
 from felactl.cli import output
 from felactl.errors import InputError
-from felactl.testbed.build import DEFAULT_NAME
+from felactl.testbed.state import DEFAULT_NAME
 
 testbed_app = typer.Typer(
     help="An emulated uneven cluster on this machine: nodes as network namespaces with shaped links "
@@ -34,7 +34,7 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print what changed as 
 
 
 def _describe(state) -> dict:
-    from felactl.testbed.build import cut_nodes, partitioned
+    from felactl.testbed.faults import cut_nodes, partitioned
 
     spec = state.spec
     links = []
@@ -189,7 +189,7 @@ def link_command(
     SRC -> DST, `--loss 0` heals it."""
     from felactl.limits import SHARE, check_flag
     from felactl.spec.codec import encode
-    from felactl.testbed.build import set_link
+    from felactl.testbed.shaping import set_link
     from felactl.testbed.spec import BANDWIDTH_GBPS, LATENCY_US
 
     if bandwidth_gbps is None and latency_us is None and loss is None:
@@ -215,7 +215,7 @@ def cut_command(
 ) -> None:
     """Cut NODE off the testbed, as a lost machine: every packet to and from it (its peers and the
     control plane alike) is dropped, and open connections hang. `felactl testbed heal NODE` undoes it."""
-    from felactl.testbed.build import cut_node
+    from felactl.testbed.faults import cut_node
 
     cut_node(name, node, cut=True)
     output.emit({"node": node, "cut": True}, as_json, lambda console: console.print(f"{node}: cut off"))
@@ -228,7 +228,7 @@ def crash_command(
     as_json: JsonOption = False,
 ) -> None:
     """SIGKILL every process in NODE (its namespace and cgroup), as a machine that loses power."""
-    from felactl.testbed.build import crash_node
+    from felactl.testbed.faults import crash_node
 
     pids = crash_node(name, node)
     output.emit(
@@ -245,7 +245,7 @@ def heal_command(
     as_json: JsonOption = False,
 ) -> None:
     """Connect NODE again after `felactl testbed cut`."""
-    from felactl.testbed.build import cut_node
+    from felactl.testbed.faults import cut_node
 
     cut_node(name, node, cut=False)
     output.emit({"node": node, "cut": False}, as_json, lambda console: console.print(f"{node}: connected again"))
@@ -263,7 +263,7 @@ def partition_command(
     """Partition the testbed in two: NODES and the others can no longer reach each other (loss 1 on
     every link between them, both ways), while every node still reaches the control plane on the
     host, as a failed switch between two racks. `--heal` restores the links' loss."""
-    from felactl.testbed.build import partition_nodes
+    from felactl.testbed.faults import partition_nodes
 
     if heal == bool(nodes):
         raise InputError("give the nodes of one side (felactl testbed partition NA,NB), or --heal alone")

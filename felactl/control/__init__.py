@@ -5,6 +5,10 @@
 * :mod:`felactl.control.seal`: their encoding and HMAC-SHA256 signing under the job secret,
   bound to the job (run and launch session), the key, the generation and a sequence number.
 * :mod:`felactl.control.events`: the kinds of event a run records.
+* :mod:`felactl.control.metrics`: the run's ``metrics.jsonl`` (workers write it, the launcher
+  and ``felactl status`` summarize it).
+* :mod:`felactl.control.stragglers`: the ``--slowdown`` and ``--straggler`` patterns, checked by
+  the launcher and injected by the workers.
 
 The store (torch's TCPStore) has no authentication: anyone who reaches it can read, write and
 delete any key. The secret decides who may *make anyone act*, so every document that does is

@@ -1,8 +1,9 @@
 """The coordinator's side of live rescaling: signed scale commands, failures, new generations.
 
 The launch process polls :meth:`ElasticController.poll` between its other chores. What to do
-is decided apart, by the pure :func:`felactl.launcher.membership.decide` (its docstring tells the
-split); the controller looks (store keys, agents' reports, the request queue) and does. It
+is decided apart, by the pure :func:`felactl.launcher.membership.decide.decide` (the package's
+docstring tells the split); the controller looks (store keys, agents' reports, the request queue:
+:mod:`felactl.launcher.sightings`) and does. It
 
 * pops ``felactl scale`` requests from the store queue ``<job>elastic/scale/requests``; each is
   ``{id, command, signature = sign(secret, "scale|id|command")}``. A wrong signature or a replayed
@@ -11,7 +12,7 @@ split); the controller looks (store keys, agents' reports, the request queue) an
   goes under ``scale/reply/<id>``.
 * scales out by asking the node's agent (a signed ``add`` command) to start newcomers, waiting
   until each says ``ready`` (torch imported, model built: start-up happens while the job trains),
-  re-planning (felactl.launcher.scale_plan), and only then publishing the next generation;
+  re-planning (felactl.launcher.replanning), and only then publishing the next generation;
 * scales in by publishing a generation without the removed workers (they leave after the step);
 * drops a member whose process ended or whose heartbeat has not moved for ``heartbeat_timeout_s``
   (killing it through its agent, so peers blocked in a collective with it fail at once), then
@@ -26,68 +27,47 @@ metrics) are stable across generations; the ``--remove`` ranks are those ids.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 
 from felactl.agents.agent import AGENT_BEAT_S, command_queue
-from felactl.control import EventKind, Forged, keys
-from felactl.control.documents import (
-    Assignment,
-    CommandDoc,
-    DoneDoc,
-    GenerationDoc,
-    HeartbeatDoc,
-    ReadyDoc,
-    ScaleReplyDoc,
-    ScaleRequestDoc,
-    StuckDoc,
-    SwitchedDoc,
-)
+from felactl.control import EventKind, keys
+from felactl.control.documents import Assignment, CommandDoc, GenerationDoc
 from felactl.control.events import record, write_event
-from felactl.control.seal import Opened
 from felactl.errors import InputError, StorageError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS
 from felactl.launcher.controlplane import Coordinator, Member
-from felactl.launcher.membership import (
+from felactl.launcher.membership.decide import decide
+from felactl.launcher.membership.state import (
     AdmitAgent,
     Agent,
     Answer,
     AnswerAgain,
     Drop,
-    Exit,
     Fail,
     Finish,
     IgnoreAgent,
-    Join,
     Refuse,
-    Request,
     Rules,
     Seen,
     StartNewcomers,
     State,
     StopNewcomers,
-    Stuck,
     Switch,
     SwitchAbandoned,
     SwitchDone,
     Worker,
-    decide,
 )
+from felactl.launcher.replanning import Replanner
 from felactl.launcher.resume import resume_hint
-from felactl.launcher.rundir import RunDir, read_jsonl
-from felactl.launcher.scale_plan import REPLAN_TIME_LIMIT_S, ScalingPolicy, place_devices, replan, replan_with_planner
-from felactl.spec import DeviceKind, Plan, load_cluster, load_model, save
-from felactl.spec.executable import check_scaled_batch
+from felactl.launcher.rundir import RunDir
+from felactl.launcher.scale_plan import ScalingPolicy, place_devices
+from felactl.launcher.scale_requests import answer, answer_unsigned
+from felactl.launcher.sightings import Lookout, offered_slots
+from felactl.spec import ClusterSpec, DeviceKind, ModelSpec, Plan, load_cluster, load_model, save
 
 log = logging.getLogger(__name__)
-POLL_S = 0.02
-FAILURE_REPLAN_TIME_LIMIT_S = 2.0
-"""Survivors of a failure wait while the coordinator re-plans: the solver gets less time."""
-RECENT_METRICS_BYTES = 256 << 10
-"""How much of metrics.jsonl's end a re-plan by measured speeds reads (~200 records of ~150 B,
-with room): a run of a million steps is not read whole at each rescale."""
 AGENT_GONE_S = 2.5 * AGENT_BEAT_S
 """A worker's silence and its agent's start within a beat of each other: two missed agent beats
 (and a half, for a busy machine) tell the agent is gone with it."""
@@ -107,8 +87,10 @@ class ElasticSettings:
 
 class ElasticController:
     """The executor of membership: each :meth:`poll` gathers what the store and the agents' reports
-    show (:meth:`_observe`), asks :func:`felactl.launcher.membership.decide` what to do, and does
-    it (:meth:`_apply`): signed commands to agents, plans, generation documents, events, answers."""
+    show (:class:`~felactl.launcher.sightings.Lookout`), asks
+    :func:`felactl.launcher.membership.decide.decide` what to do, and does it (:meth:`_apply`):
+    signed commands to agents, plans (:class:`~felactl.launcher.replanning.Replanner`),
+    generation documents, events, answers."""
 
     def __init__(
         self,
@@ -127,44 +109,17 @@ class ElasticController:
         self.worker_module, self.worker_env = worker or ("felactl.agents.worker", {})
         self.joined: dict[str, Assignment] = {}
         self.store = coordinator.store
-        self.reader = coordinator.reader
+        self.lookout = Lookout(coordinator)
         self.first_plan = (start_generation, plan_path or run.plan)
         # With the profiles the plan came from, every change runs the planner again on them.
         self.profiles = (load_cluster(run.cluster), load_model(run.model)) if run.cluster.exists() else None
-        now = time.monotonic()
-        agents = {m.node_name: Agent(m.agent_id, _offered_slots(m), since=now) for m in members}
-        workers = {
-            plan.rank_of(d): Worker(node, d, agents[node].agent_id, since=now)
-            for node, devices in nodes.items()
-            for d in devices
-        }
-        profile = (
-            None
-            if self.profiles is None
-            else {n.name: tuple(d.name for d in n.devices) for n in self.profiles[0].nodes}
+        self.state = _launch_state(run, plan, members, nodes, settings, self.profiles, start_generation)
+        self.replanner = Replanner(
+            base=(plan.global_batch, plan.training.lr, len(self.state.workers)),
+            policy=settings.policy,
+            profiles=self.profiles,
+            metrics=run.metrics,
         )
-        rules = Rules(
-            heartbeat_timeout_s=settings.heartbeat_timeout_s,
-            ready_timeout_s=settings.ready_timeout_s,
-            switch_timeout_s=settings.switch_timeout_s,
-            agent_gone_s=AGENT_GONE_S,
-            min_nodes=len(nodes) if settings.min_nodes is None else settings.min_nodes,
-            max_nproc_per_node=settings.max_nproc_per_node,
-            profile=profile,
-            logs=str(run.logs),
-            run_id=run.run_id,
-            device_prefix="cuda" if plan.placement and plan.placement[0].kind is DeviceKind.CUDA else "cpu",
-        )
-        self.state = State(
-            rules=rules,
-            generation=start_generation,
-            members=tuple(sorted(workers)),
-            workers=workers,
-            agents=agents,
-            next_id=len(workers),
-            launching=True,
-        )
-        self.base = (plan.global_batch, plan.training.lr, len(workers))
         self.answers: dict[str, dict] = {}
         """Scale request id -> the answer given (a request sent again gets it again, nothing is redone)."""
         self.under_way: _Published | None = None
@@ -199,103 +154,13 @@ class ElasticController:
     # --- the loop's step --------------------------------------------------------------------------
     def poll(self) -> bool:
         """One look and what it calls for; True once every member has finished its last step."""
-        return self._apply(self._observe())
+        return self._apply(self.lookout.look(self.state, None if self.under_way is None else self.under_way.reports))
 
     def _apply(self, seen: Seen) -> bool:
         self.state, actions = decide(self.state, seen)
         for action in actions:
             self._doers[type(action)](action)
         return any(isinstance(a, Finish) for a in actions)
-
-    # --- looking ----------------------------------------------------------------------------------
-    def _observe(self) -> Seen:
-        self.coordinator.audit()
-        state = self.state
-        joins = tuple(Join(m.node_name, m.agent_id, _offered_slots(m)) for m in self.coordinator.poll_joins())
-        watched = set(state.members) | set(state.starting.newcomers if state.starting else ())
-        table = self._tables()
-        exits = {
-            w: Exit(int(table[str(w)]["exit_code"]), table[str(w)].get("failure"))
-            for w in watched
-            if table.get(str(w), {}).get("exit_code") is not None
-        }
-        beats = {w: opened for w in watched if (opened := self._beat(w)) is not None}
-        heartbeats = {w: str(opened.seq) for w, opened in beats.items()}
-        started = frozenset(w for w, opened in beats.items() if _started(opened.body))
-        # Every member's done mark is read (not just until one is missing): every forgery is noticed.
-        done = frozenset([w for w in watched if w not in state.done and self._is_done(w)])
-        stuck = {} if state.switching is not None else self._stuck_reports()
-        ready = (
-            frozenset()
-            if state.starting is None
-            else frozenset(
-                w
-                for w in state.starting.newcomers
-                if w not in state.starting.ready and self.reader.read(keys.ready(w), ReadyDoc.KIND.value) is not None
-            )
-        )
-        switched = frozenset() if state.switching is None else self._read_reports(state.switching)
-        agent_beats = {a.agent_id: self._agent_beat(a.agent_id) for a in state.agents.values()}
-        return Seen(
-            now=time.monotonic(),
-            joins=joins,
-            agent_beats=agent_beats,
-            heartbeats=heartbeats,
-            exits=exits,
-            started=started,
-            done=done,
-            stuck=stuck,
-            ready=ready,
-            switched=switched,
-            requests=self._pop_requests(),
-        )
-
-    def _tables(self) -> dict[str, dict]:
-        table = {}
-        for agent in self.state.agents.values():
-            state = self.coordinator.agent_state(agent.agent_id) or {}
-            table.update(state.get("workers", {}))
-        return table
-
-    def _agent_beat(self, agent_id: str) -> str | None:
-        raw = self.reader.raw(keys.agent_beat(agent_id))
-        return None if raw is None else raw.decode("utf-8", "replace")
-
-    def _beat(self, wid: int) -> Opened | None:
-        """The newest valid heartbeat of ``wid``, else None: a forged or replayed beat does not
-        keep a silent worker alive, and garbage does not make a live one silent."""
-        return self.reader.read(keys.heartbeat(wid), HeartbeatDoc.KIND.value)
-
-    def _is_done(self, wid: int) -> bool:
-        """Whether worker ``wid`` finished its last step: a valid signed ``done`` (a forged one is refused)."""
-        return self.reader.read(keys.done(wid), DoneDoc.KIND.value) is not None
-
-    def _stuck_reports(self) -> dict[int, Stuck]:
-        """The members whose step failed in this generation, each with its report."""
-        generation, members, reports = self.state.generation, self.state.members, {}
-        for w in members:
-            doc = self.reader.read_doc(keys.stuck(generation, w), StuckDoc, generation=generation)
-            if doc is not None:
-                unreachable = frozenset(v for v in doc.unreachable if isinstance(v, int) and v in members)
-                reports[w] = Stuck(unreachable, doc.step, doc.why)
-        return reports
-
-    def _read_reports(self, switching) -> frozenset[int]:
-        """The members that reported the generation being switched to (their reports kept for its event)."""
-        generation = switching.generation
-        for w in switching.members:
-            if w not in self.under_way.reports:
-                opened = self.reader.read(keys.switched(generation, w), SwitchedDoc.KIND.value, generation=generation)
-                if opened is not None and isinstance(opened.body.get("report"), dict):
-                    self.under_way.reports[w] = opened.body["report"]
-        return frozenset(self.under_way.reports)
-
-    def _pop_requests(self) -> tuple[Request, ...]:
-        queue, requests = self.coordinator.prefix + keys.SCALE_REQUESTS, []
-        while self.store.queue_len(queue) > 0:
-            request_id, command, why = open_request(self.coordinator, self.store.queue_pop(queue, block=False))
-            requests.append(Request(request_id, command, why))
-        return tuple(requests)
 
     # --- doing ------------------------------------------------------------------------------------
     def _admit_agent(self, action: AdmitAgent) -> None:
@@ -332,7 +197,9 @@ class ElasticController:
             self._command(wid, {"op": "kill", "worker_id": wid})
 
     def _fail(self, action: Fail) -> None:
-        log_path = None if action.worker is None else self._tables().get(str(action.worker), {}).get("log")
+        log_path = (
+            None if action.worker is None else self.lookout.tables(self.state).get(str(action.worker), {}).get("log")
+        )
         node = None if action.worker is None else self.state.workers[action.worker].node
         reason = action.reason + (f"; its log: {log_path} (on node {node!r})" if log_path else "")
         raise InputError(reason) if action.bad_input else WorkerFailed(reason)
@@ -377,7 +244,10 @@ class ElasticController:
                 env["LOCAL_RANK"] = str(placed[device])
             self._command(wid, {"op": "add", "worker_id": wid, "env": env})
         try:
-            self.early_plan = (action.members, self._plan_for(list(action.members), action.policy))
+            self.early_plan = (
+                action.members,
+                self.replanner.plan_for(self.plan, self.state.workers, list(action.members), action.policy),
+            )
         except Exception as exc:
             self._apply(Seen(now=time.monotonic(), planning_failed=_planning_failure(exc)))
 
@@ -441,12 +311,12 @@ class ElasticController:
         if action.kind == EventKind.RE_FORM:
             return self.plan, {"planned_by": "unchanged"}
         if action.kind == EventKind.FAILURE:
-            return self._plan_for_survivors(list(action.members))
+            return self.replanner.plan_for_survivors(self.plan, self.state.workers, list(action.members))
         early, self.early_plan = self.early_plan, None
         if early is not None and early[0] == action.members:
             return early[1]
         try:
-            return self._plan_for(list(action.members), action.policy)
+            return self.replanner.plan_for(self.plan, self.state.workers, list(action.members), action.policy)
         except InputError as exc:
             raise _Unplanned(str(exc)) from exc
         except Exception as exc:
@@ -496,71 +366,47 @@ class ElasticController:
         )
         self.coordinator.own(keys.GENERATION, str(generation))
 
-    # --- planning -------------------------------------------------------------------------------
-    def _plan_for_survivors(self, survivors: list[int]) -> tuple[Plan, dict]:
-        """A failure must not end the job: if the planner finds nothing for the survivors, they
-        keep the launched stage with shares by measured speed."""
-        try:
-            return self._plan_for(survivors, time_limit_s=FAILURE_REPLAN_TIME_LIMIT_S)
-        except Exception as exc:  # a failure must never end the job because of the planner
-            log.warning("elastic: %s; re-planning by measured speeds instead", exc)
-            plan, how = self._plan_for(survivors, use_profiles=False)
-            return plan, {**how, "planner_refused": str(exc)}
 
-    def _speeds(self) -> dict[str, float]:
-        recent: dict[int, list[dict]] = {}
-        for r in read_jsonl(self.run.metrics, tail_bytes=RECENT_METRICS_BYTES)[-200:]:
-            recent.setdefault(int(r["rank"]), []).append(r)
-        speeds = {}
-        for wid, records in recent.items():
-            compute_s = sum(r["compute_s"] for r in records[-5:])
-            if wid in self.state.workers and compute_s > 0:
-                speeds[self.state.workers[wid].device] = sum(r["samples"] for r in records[-5:]) / compute_s
-        return speeds
-
-    def _plan_for(
-        self,
-        members: list[int],
-        policy: ScalingPolicy | None = None,
-        time_limit_s: float = REPLAN_TIME_LIMIT_S,
-        use_profiles: bool = True,
-    ) -> tuple[Plan, dict]:
-        """The plan for ``members`` (rank order) and how it was made: the planner on the run's
-        profiles where it has them (and ``use_profiles``), else the launched plan's stage with
-        shares by measured speed."""
-        policy = policy or self.settings.policy
-        batch, lr = policy.batch_and_lr(*self.base[:2], self.base[2], len(members))
-        check_scaled_batch(self.plan.sync.mode, self.base[0], batch)
-        workers = self.state.workers
-        devices = [workers[w].device for w in members]
-        nodes = {workers[w].device: workers[w].node for w in members}
-        began = time.perf_counter()
-        if self.profiles is not None and use_profiles:
-            plan = replan_with_planner(
-                self.plan, *self.profiles, devices, nodes, global_batch=batch, lr=lr, time_limit_s=time_limit_s
-            )
-            how = "planner"
-        else:
-            plan = replan(self.plan, devices, self._member_speeds(members), nodes, global_batch=batch, lr=lr)
-            how = "measured speeds"
-        return plan, {
-            "planned_by": how,
-            "plan_s": round(time.perf_counter() - began, 3),
-            "predicted_iteration_s": plan.predicted.iteration_s if plan.predicted else None,
-        }
-
-    def _member_speeds(self, members: list[int]) -> dict[str, float]:
-        speeds, workers = self._speeds(), self.state.workers
-        node_speed = {}  # a newcomer runs at the mean speed of its node's workers
-        for w in members:
-            if workers[w].device in speeds:
-                node_speed.setdefault(workers[w].node, []).append(speeds[workers[w].device])
-        for w in members:
-            d = workers[w].device
-            if d not in speeds and workers[w].node in node_speed:
-                values = node_speed[workers[w].node]
-                speeds[d] = sum(values) / len(values)
-        return speeds
+def _launch_state(
+    run: RunDir,
+    plan: Plan,
+    members: list[Member],
+    nodes: dict[str, tuple[str, ...]],
+    settings: ElasticSettings,
+    profiles: tuple[ClusterSpec, ModelSpec] | None,
+    start_generation: int,
+) -> State:
+    """The membership state a launch starts in: the plan's workers on the agents that joined, the
+    launch's settings as the rules, no member started yet."""
+    now = time.monotonic()
+    agents = {m.node_name: Agent(m.agent_id, offered_slots(m), since=now) for m in members}
+    workers = {
+        plan.rank_of(d): Worker(node, d, agents[node].agent_id, since=now)
+        for node, devices in nodes.items()
+        for d in devices
+    }
+    profile = None if profiles is None else {n.name: tuple(d.name for d in n.devices) for n in profiles[0].nodes}
+    rules = Rules(
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
+        ready_timeout_s=settings.ready_timeout_s,
+        switch_timeout_s=settings.switch_timeout_s,
+        agent_gone_s=AGENT_GONE_S,
+        min_nodes=len(nodes) if settings.min_nodes is None else settings.min_nodes,
+        max_nproc_per_node=settings.max_nproc_per_node,
+        profile=profile,
+        logs=str(run.logs),
+        run_id=run.run_id,
+        device_prefix="cuda" if plan.placement and plan.placement[0].kind is DeviceKind.CUDA else "cpu",
+    )
+    return State(
+        rules=rules,
+        generation=start_generation,
+        members=tuple(sorted(workers)),
+        workers=workers,
+        agents=agents,
+        next_id=len(workers),
+        launching=True,
+    )
 
 
 @dataclass
@@ -583,19 +429,6 @@ def _planning_failure(exc: Exception) -> str:
     if isinstance(exc, InputError):
         return str(exc)
     return f"re-planning for the new membership failed ({type(exc).__name__}: {exc}); nothing changed"
-
-
-def _started(heartbeat: dict) -> bool:
-    """Whether a heartbeat says its worker has started: it counts its steps done from 0 once its
-    model is built and its group formed (-1 before)."""
-    step = heartbeat.get("step")
-    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
-
-
-def _offered_slots(member: Member) -> int:
-    """The worker slots an agent offers: its GPUs, else its cores, else what it asked for."""
-    info = member.info
-    return int(info.get("num_gpus") or info.get("num_cpu_cores") or member.num_slots)
 
 
 def _event(
@@ -640,59 +473,3 @@ def _timings(report: dict) -> dict:
     if report.get("param_checksum") is not None:
         out["param_checksum"] = report["param_checksum"]
     return out
-
-
-def open_request(coordinator: Coordinator, raw: bytes) -> tuple[str, dict | None, str]:
-    """A ``felactl scale`` request: (its id, its command, "") when it is signed for this job, else
-    (the id it claims, or "", None, what is wrong)."""
-    try:
-        opened = coordinator.seal.open(keys.SCALE_REQUESTS, raw, ScaleRequestDoc.KIND.value)
-        request = ScaleRequestDoc.from_body(opened.body)
-    except (Forged, ValueError) as exc:
-        claimed = ""
-        try:
-            claimed = str(json.loads(raw)["body"]["id"])
-        except (ValueError, KeyError, TypeError):
-            pass
-        why = exc.reason if isinstance(exc, Forged) else f"malformed ({exc})"
-        if why.startswith("wrong signature"):
-            why = "the scale command is not signed with this job's secret"
-        return (claimed if _good_id(claimed) else ""), None, f"scale request: {why}"
-    if not _good_id(request.id):
-        return "", None, "scale request: a bad id"
-    return request.id, request.command, ""
-
-
-def _good_id(request_id: str) -> bool:
-    return request_id.isalnum() and 0 < len(request_id) <= 64
-
-
-def answer(coordinator: Coordinator, request_id: str, reply: dict) -> None:
-    """The signed answer to request ``request_id`` (felactl scale acts on nothing else)."""
-    name = keys.scale_reply(request_id)
-    body = ScaleReplyDoc(
-        id=request_id, ok=bool(reply.get("ok")), result=reply.get("result") or {}, error=str(reply.get("error", ""))
-    ).to_body()
-    coordinator.store.set(coordinator.prefix + name, coordinator.seal.seal(name, ScaleReplyDoc.KIND.value, body))
-
-
-def answer_unsigned(coordinator: Coordinator, request_id: str, why: str) -> None:
-    """A refusal to a request this job cannot verify: its sender may hold a wrong secret and could
-    not verify a signed one. It only ever says no (felactl scale takes no unsigned success)."""
-    coordinator.store.set(coordinator.prefix + keys.scale_reply(request_id), json.dumps({"ok": False, "error": why}))
-
-
-def refuse_requests(coordinator: Coordinator, run: RunDir, reason: str) -> None:
-    """A job that cannot be rescaled still answers ``felactl scale`` (refused, logged), never leaves it waiting."""
-    store = coordinator.store
-    queue = coordinator.prefix + keys.SCALE_REQUESTS
-    while store.queue_len(queue) > 0:
-        raw = store.queue_pop(queue, block=False)
-        request_id, command, why = open_request(coordinator, raw)
-        if command is None:
-            coordinator.refuse(keys.SCALE_REQUESTS, why)
-            if request_id:
-                answer_unsigned(coordinator, request_id, why)
-            continue
-        record(run.events, EventKind.REFUSED, reason=reason)
-        answer(coordinator, request_id, {"ok": False, "error": reason})

@@ -27,7 +27,7 @@ from felactl.control.store import parse_endpoint
 from felactl.errors import InputError, ProfilingError
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
-from felactl.launcher.launch import Agents
+from felactl.launcher.node_agents import Agents
 from felactl.limits import check_flag
 from felactl.machine import available_cores, num_gpus, short_hostname
 from felactl.profiling.cluster import assemble_cluster, peer_copies
@@ -108,15 +108,7 @@ def profile_cluster(
         bed = read_state(testbed)
         endpoint, nnodes = f"{bed.host_address}:0", len(bed.nodes)
         name = name or bed.spec.get("name")
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="felactl-profile-"))
-    secret_path = Path(secret_file) if secret_file else logs / "secret"
-    try:
-        secret = _job_secret(secret_path)
-        coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
-    except BaseException:
-        if not log_dir:  # nothing ran: nothing to read there
-            shutil.rmtree(logs, ignore_errors=True)
-        raise
+    logs, secret_path, secret, coordinator = _start_coordinator(log_dir, secret_file, endpoint)
     agents = Agents(
         coordinator,
         secret,
@@ -161,6 +153,23 @@ def profile_cluster(
         log_dir=Path(log_dir) if log_dir else None,
         peer_copy_gbps=copies,
     )
+
+
+def _start_coordinator(
+    log_dir: str | Path | None, secret_file: str | None, endpoint: str | None
+) -> tuple[Path, Path, str, Coordinator]:
+    """The profile's log directory (a new temp dir without ``log_dir``), its secret's file, the
+    secret, and the coordinator listening on ``endpoint`` (any free port on loopback without)."""
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="felactl-profile-"))
+    secret_path = Path(secret_file) if secret_file else logs / "secret"
+    try:
+        secret = _job_secret(secret_path)
+        coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
+    except BaseException:
+        if not log_dir:  # nothing ran: nothing to read there
+            shutil.rmtree(logs, ignore_errors=True)
+        raise
+    return logs, secret_path, secret, coordinator
 
 
 def check_profile_flags(

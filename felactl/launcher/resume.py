@@ -141,7 +141,7 @@ checkpoints were pruned kept them all, and so does its resume."""
 def run_counts(resume: str | None, runs_root: Path, **given: int | str | None) -> dict[str, int | str]:
     """``steps``, ``checkpoint_every``, ``keep_checkpoints`` and the injected stragglers for a
     launch: each as given, else, for ``--resume RUN``, as that run was launched; what neither says
-    is left out, for :class:`~felactl.launcher.launch.LaunchOptions`' defaults."""
+    is left out, for :class:`~felactl.launcher.prepare.LaunchOptions`' defaults."""
     before = {**RESUME_FALLBACKS, **previous_launch(resume, runs_root)} if resume is not None else {}
     counts: dict[str, int | str] = {key: int(before[key]) for key in RUN_COUNTS if key in before}
     counts.update({key: str(before[key]) for key in RUN_CHOICES if before.get(key) is not None})

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from felactl.control.events import EVENTS_FILE
+from felactl.control.metrics import METRICS_FILE
 from felactl.errors import InputError
 from felactl.fsutil import STORAGE_ERRORS, append_jsonl, atomic_write_text, read_jsonl  # noqa: F401 (re-exported)
 from felactl.launcher.liveness import LaunchIdentity, check
@@ -109,7 +110,7 @@ class RunDir:
 
     @property
     def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.path / METRICS_FILE
 
     @property
     def events(self) -> Path:

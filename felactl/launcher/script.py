@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,17 +37,12 @@ from felactl.errors import InputError, WorkerFailed
 from felactl.fsutil import atomic_write_text
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
-from felactl.launcher.elastic import refuse_requests
-from felactl.launcher.launch import (
-    POLL_S,
-    Agents,
-    assign_ranks,
-    check_nodes,
-    node_devices,
-    supervised,
-)
+from felactl.launcher.follow import POLL_S
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
+from felactl.launcher.node_agents import Agents, assign_ranks, start_coordinator, supervised
+from felactl.launcher.prepare import check_nodes, node_devices
 from felactl.launcher.rundir import RunDir
+from felactl.launcher.scale_requests import refuse_requests
 from felactl.machine import short_hostname
 from felactl.spec import Plan, load_plan, save
 
@@ -170,11 +164,7 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
         check_nodes(options, nodes, local_node)
     local_slots = len(nodes.get(local_node, ())) if nodes is not None else _default_nproc(options)
     run, secret = _prepare_run(options, plan)
-    try:
-        coordinator = Coordinator(secret, endpoint=options.rdzv_endpoint, job=run.run_id, events=run.events)
-    except BaseException:
-        shutil.rmtree(run.path, ignore_errors=True)
-        raise
+    coordinator = start_coordinator(secret, options.rdzv_endpoint, run)
     heartbeat = Heartbeat(run.heartbeat)
     started = time.monotonic()
     record(
@@ -205,12 +195,20 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
         base = _assignments(options, run, plan, nodes, members, local_node)
         attempts, failure = _run_attempts(coordinator, run, agents, members, base, options.max_restarts)
         coordinator.stop("finished" if failure is None else "failed")
+    return _end(options, run, started, next(iter(base.values())).world_size, attempts, failure)
+
+
+def _end(
+    options: ScriptOptions, run: RunDir, started: float, num_workers: int, attempts: int, failure: Failure | None
+) -> dict[str, Any]:
+    """The run's summary (also ``summary.json``) and its last event; :class:`ScriptFailed` when
+    the last attempt failed."""
     summary = {
         "run": run.run_id,
         "run_dir": str(run.path),
         "script": str(options.script),
         "args": list(options.args),
-        "num_workers": next(iter(base.values())).world_size,
+        "num_workers": num_workers,
         "exit_code": 0 if failure is None else failure.exit_code,
         "attempts": attempts,
         "restarts": attempts - 1,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from felactl.agents.worker.metrics import check_records, progress, summarize
 from felactl.control import EventKind
+from felactl.control.metrics import check_records, progress, summarize
 from felactl.launcher.resume import previous_launch
 from felactl.launcher.rundir import RunDir, read_jsonl
 

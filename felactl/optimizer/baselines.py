@@ -4,7 +4,7 @@
 * ``mp``: model parallel, one device per stage (fastest devices first), layers balanced by time,
   micro-batches pipelined through the chain.
 * ``hp``: Fela's hybrid: the leading layers data parallel on every device (ring), the trailing
-  fully connected layers (low arithmetic intensity, see :func:`cost.b_half`) on the fastest device.
+  fully connected layers (low arithmetic intensity, see :func:`compute_cost.b_half`) on the fastest device.
   Its plan runs on token scheduling, where a free worker takes the leading layers' next token, so
   their shares are those that make every device finish together (the fastest, which carries the
   tail, takes fewer): with equal shares it was priced up to a quarter slower than it ran.
@@ -20,8 +20,9 @@ import math
 from dataclasses import replace
 from typing import NamedTuple
 
-from felactl.optimizer.cost import CostModel, b_half, micro_batch_options
-from felactl.optimizer.evaluate import StageChoice, memory_fits, predict, token_samples
+from felactl.optimizer.compute_cost import b_half
+from felactl.optimizer.cost import CostModel, micro_batch_options
+from felactl.optimizer.evaluate import StageChoice, memory_fits, memory_limits, predict, token_samples
 
 FC_B_HALF = 16.0
 """Layers that need this many samples to reach half speed count as fully connected for ``hp``."""
@@ -50,6 +51,7 @@ def _best(cost: CostModel, global_batch: int, build) -> Baseline:
         stages = build(b)
         if stages is None:
             continue
+        stages = memory_limits(cost, stages, global_batch, max_stages=len(stages))
         tried += 1
         prediction = predict(cost, stages, global_batch, max_stages=len(stages))
         device = memory_fits(cost, prediction)

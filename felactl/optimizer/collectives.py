@@ -1,43 +1,19 @@
-"""Collectives over packed spanning trees (Blink, SEEDS.md section 4), and the ring they replace.
+"""The collective trees of a group of devices (Blink, SEEDS.md section 4): :func:`plan_collective`
+packs its broadcast, reduce and allreduce trees; :func:`allreduce_rates` weighs them against rings
+and the bound of any allreduce.
 
 Pure: stdlib + networkx + pulp (via :mod:`felactl.optimizer.packing`), never torch.
 
-**One server.** The group's directed capacity graph holds its direct links, NVLink and PCIe alike
-(a packing of the joint graph is at least as good as Blink's separate NVLink and PCIe packings,
-whose union is one of its feasible packings). From a root r we pack spanning arborescences,
-maximise sum_T w_T subject to sum_{T contains e} w_T <= c_e, keep the fewest trees that hold
-``min_share`` of that rate (see ``packing``), and record the rate R = sum_T w_T beside the
-min-cut bound B = min_v maxflow(r, v) (Edmonds: the packing optimum equals B) and the best
-ring's bottleneck. Without a root given, the root with the largest B is taken (so the root
-choice costs max-flows, not packings); where that root needs more than n trees, the other roots
-with the same B are packed too (up to ``MAX_ROOTS_TRIED``) and the one needing the fewest trees
-is kept.
-
-**Several servers** (Blink's three phases, composed into trees of the whole group): each server
-packs its own devices from a local root; servers with the same local graph and local root share
-one packing, which is how a 64 x 8 cluster plans in well under a second. The root's server is
-first; every other server is reached over some link from a device of a server already reached
-to one of its devices, which becomes its local root (any link, not only between local roots: two
-servers joined by one device-to-device link are connected). Each step takes the widest such link,
-counting a server's network interface as shared by the links it already sends on (a chain where
-that is as wide, so each server sends once). All inter-server links of a server are assumed to
-leave through one network interface (the spec's inter-node bandwidth, else its widest
-inter-server link), so a server sends and receives at most that rate at once: under that
-assumption a chain reaches the cross-server bound, while a star would overload the root's NIC.
-Each piece of data crosses the server tree and then one tree of every server, so R = min(each
-inter-server link, each sending NIC / its links, each server's rate); the trees of the group are
-the server tree joined with each server's trees, the data split in the order of the servers' tree
-weights (at most 1 + sum_s (k_s - 1) trees). The recorded bound is that of the three-phase
-scheme: min(cross-server bound, each server's bound from its local root), the cross-server bound
-being the root server's NIC and widest link out, and each other server's NIC and widest link in,
-over all of their devices.
+**The broadcast** from a root, over one server or several (Blink's three phases): its trees, rate
+R and min-cut bound B are packed in :mod:`felactl.optimizer.broadcast_trees`.
 
 **The reduce direction.** The reduce runs up the broadcast trees reversed where every link is as
-wide both ways (then X >= R / 2, below). Elsewhere (one-way or asymmetric links) trees are packed
-for the reduce too, as arborescences out of the root on the reversed graph (``reduce_trees``),
-and kept where they make the allreduce faster than the reversed trees (or where those need a
-link that does not exist). A group whose devices cannot all reach the root has no reduce over
-trees: its allreduce over trees is refused and the planner prices a ring.
+wide both ways (then X >= R / 2: :mod:`felactl.optimizer.tree_cost`). Elsewhere (one-way or
+asymmetric links) trees are packed for the reduce too, as arborescences out of the root on the
+reversed graph (``reduce_trees``), and kept where they make the allreduce faster than the
+reversed trees (or where those need a link that does not exist). A group whose devices cannot
+all reach the root has no reduce over trees: its allreduce over trees is refused and the planner
+prices a ring.
 
 **Trees for the allreduce itself.** Trees packed for a broadcast reach its bound R, but an
 allreduce sends every byte up as well as down, so where a broadcast tree uses a link one way and
@@ -58,48 +34,10 @@ thinner than their way back (``_without_acknowledgement_links``): they carry the
 acknowledgements, which bulk data on them delays. Both are tried for one server's groups of up
 to ``ALLREDUCE_BOUND_MAX_DEVICES``; ``for_allreduce=False`` keeps the broadcast's packing.
 
-**Times** (bytes N; rates in GB/s = 1e9 bytes/s; latencies in microseconds):
-
-- Tree allreduce = reduce up the reduce trees (the broadcast trees reversed where there are none
-  of its own), pipelined with the broadcast down the trees (chunks flow continuously, data split
-  across trees by w_T / R; with several roots, first across the roots by their broadcast trees'
-  rates, then each root's across its trees, ``spec.plan.deal_by_root``, whose long-run shares
-  f_T, ``spec.plan.dealt_shares``, are w_T / R for the broadcast trees). Link (a, b) then carries
-  the share f_T of every broadcast
-  tree using (a, b) and the share of every reduce tree whose edge (b, a) sends child a to parent b:
-  load(a, b) = sum_{T: (a,b) in T} f_T + sum_{T' reduce: (b,a) in T'} f_T'. The allreduce moves
-  X = min( min_links c_ab / load(a, b), min_servers NIC / (cross-server load out or in) ) GB/s
-  and takes ``N / X + deepest broadcast latency + deepest reduce latency`` (the largest sum of
-  link latencies on a root-to-leaf path of any tree: the pipeline's fill, once up, once down)
-  ``+ p / X * (max_T (up_T - 1) / f_T + max_T down_T / f_T)``: the pieces' fill, p being the bytes
-  of one piece (``spec.plan.tree_piece_bytes``, the runtime's rule) and up_T, down_T a tree's
-  depth in hops. A tree moves its pieces through its links at f_T X as a flow shop: the last piece
-  reaches the root (up_T - 1) pieces' time after the reduce's last send from a deepest leaf, then
-  takes down_T hops to the deepest leaf. The pieces are dealt to the trees as the runtime deals
-  them (``spec.plan.deal_by_root``), and both maxima, and N / X, run over the trees dealt any: a buffer of
-  a few pieces leaves light trees none, and its time is then the slowest dealt tree's bytes at
-  f_T X (``TreeAllreduceCost.seconds``). (Measured on the fragment testbed: 16 MiB over 2 trees in
-  1 MiB pieces took 0.41 s where N / X alone priced 0.22.)
-  On CPU slots (the runtime's trees run on gloo) the pieces also cost CPU: per piece a slot
-  sends or receives once over each of its edges in the trees the piece is dealt to, each message
-  :data:`TREE_MESSAGE_CPU_S` + p * :data:`TREE_CPU_S_PER_BYTE` of a full core, one over its quota
-  times that on a slot a cgroup holds to a share of a core (``cpu_slowdown``). The allreduce takes
-  at least its busiest slot's CPU, ``max_v slowdown_v * sum_T n_T deg_T(v) * (m + p b)`` over both
-  families (n_T the pieces dealt to tree T, deg_T(v) v's edges in it), and the time is the larger
-  of that and the links' time above (the two overlap: a slot's CPU works while its links carry).
-  Priced by the links alone, 16 MiB over trees on the one-slow testbed (a node at 0.12 of a core)
-  measured 3x its price, and no faster than gloo's ring.
-  X <= min(R, R') where R' is the reduce trees' rate (each direction alone moves at most that).
-  X >= min(R, R') / 2 where the reduce trees are packed (each family loads a link at most
-  c_ab / R, resp. c_ab / R'), and X >= R / 2 for reversed trees on links equally wide both ways
-  (load(a, b) <= (c_ab + c_ba) / R); the planner takes the ring instead where that is faster.
-  (An earlier version claimed "between R / 2 and R" for every graph: on asymmetric graphs the
-  reversed trees reached R / 3 and less.)
-- Ring allreduce (the baseline, as NCCL): ``2 (n - 1) / n * N / b + 2 (n - 1) * l``, with b the best
-  ring's bottleneck bandwidth and l its slowest link's latency (each of the 2 (n - 1) steps waits
-  for its slowest hop).
-- A group of one device moves nothing: ``plan_collective`` returns it with no trees and rates 0,
-  and both times are 0.
+**Times**: a tree allreduce's in :mod:`felactl.optimizer.tree_cost`, a ring allreduce's (the
+baseline, as NCCL) in :mod:`felactl.optimizer.ring_cost`; :func:`allreduce_rates` sets their rates
+side by side with the bound of any allreduce. A group of one device moves nothing:
+``plan_collective`` returns it with no trees and rates 0, and both times are 0.
 """
 
 from __future__ import annotations
@@ -107,11 +45,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import networkx as nx
 
 from felactl.errors import InputError, PlanInfeasible
+from felactl.optimizer.broadcast_trees import one_server_trees, three_phase_trees
 from felactl.optimizer.graph import (
     ALLREDUCE_BOUND_MAX_DEVICES,
     allreduce_bound,
@@ -122,217 +61,13 @@ from felactl.optimizer.graph import (
     local_signature,
     min_cut_bound,
     nccl_rings,
-    ring_hops,
-    ring_width,
-    roots_by_bound,
     signature_graph,
 )
 from felactl.optimizer.packing import pack_arborescences, pack_up_and_down
-from felactl.spec.cluster import ClusterSpec, DeviceKind, quota_slowdown
-from felactl.spec.plan import Collective, Tree, deal_by_root, dealt_shares, root_rates, tree_piece_bytes, tree_root
-
-GBPS_TO_BYTES_PER_S = 1e9
-US_TO_S = 1e-6
-MAX_ROOTS_TRIED = 3
-"""Roots with the best bound packed (in device order) when the first needs more than n trees."""
-TREE_MESSAGE_CPU_S = 70e-6
-"""A full core's CPU seconds for each message a CPU slot sends or receives in a tree allreduce
-(the walk's Python, gloo's work, the receive's buffer), beyond its bytes
-(:data:`TREE_CPU_S_PER_BYTE`). Measured with the runtime's own allreduce, three local processes
-over a chain, pieces of 64 KiB to 1 MiB (``benchmarks/bench_tree_cpu.py``, BENCHMARKS.md "Trees
-at run time", thirteenth session): 70 us + 0.26 ns per byte of the piece."""
-TREE_CPU_S_PER_BYTE = 0.26e-9
-"""A full core's CPU seconds per byte of each piece a CPU slot sends or receives in a tree
-allreduce, the reduce's add included (:data:`TREE_MESSAGE_CPU_S`)."""
-
-
-def _pack_group(graph: nx.DiGraph, root, min_share: float) -> tuple[object, dict, float]:
-    """Pack one server's graph: (root, {edges: rate GB/s}, min-cut bound GB/s). ``root`` None: best root."""
-    if graph.number_of_nodes() == 1:
-        only = next(iter(graph.nodes))
-        return only, {(): math.inf}, math.inf
-    if root is not None:
-        bound, narrowest = min_cut_bound(graph, root)
-        if bound <= 0:
-            raise PlanInfeasible(
-                f"the group is disconnected: {narrowest} cannot be reached from {root} "
-                "over the links among the group's devices"
-            )
-        return root, pack_arborescences(graph, root, bound, min_share)[0], bound
-    ranked = roots_by_bound(graph, list(graph.nodes))
-    best = None
-    for candidate, bound in ranked[:MAX_ROOTS_TRIED]:
-        if bound < ranked[0][1] * (1 - 1e-9):
-            break
-        kept = pack_arborescences(graph, candidate, bound, min_share)[0]
-        if best is None or (len(kept), -sum(kept.values())) < (len(best[1]), -sum(best[1].values())):
-            best = (candidate, kept, bound)
-        if len(best[1]) <= graph.number_of_nodes():
-            break  # the first root with the best bound usually needs <= n trees; else try its ties
-    return best
-
-
-@functools.lru_cache(maxsize=4096)
-def _pack_signature(signature: tuple, root: int | None, min_share: float):
-    """:func:`_pack_group` of a local signature's graph (positions for devices), remembered for the
-    process: every group, stage and plan that holds a server part of the same shape packs it once.
-    Returns the PlanInfeasible instead of raising it (remembered too)."""
-    try:
-        return _pack_group(signature_graph(signature), root, min_share)
-    except PlanInfeasible as exc:
-        return exc
-
-
-def _single_server(
-    cluster: ClusterSpec, devices: tuple[str, ...], root: str | None, min_share: float
-) -> tuple[str, list[tuple[tuple, float]], float, float]:
-    found = _pack_signature(local_signature(cluster, devices), None if root is None else devices.index(root), min_share)
-    if isinstance(found, PlanInfeasible):
-        _pack_group(capacity_graph(cluster, devices), root, min_share)  # raises it again, naming devices
-        raise found
-    root_index, kept, bound = found
-    trees = [(tuple((devices[a], devices[b]) for a, b in edges), w) for edges, w in kept.items()]
-    return devices[root_index], trees, sum(kept.values()), bound
-
-
-def _compose(components: list[list[tuple[tuple, float]]], rate_gbps: float) -> list[tuple[tuple, float]]:
-    """Join one tree of every component per slice of the data; fractions of each component sum to 1."""
-    cuts = {0.0, 1.0}
-    for trees in components:
-        total = 0.0
-        for _, fraction in trees:
-            total += fraction
-            cuts.add(min(total, 1.0))
-    points = sorted(cuts)
-    joined = []
-    for low, high in zip(points, points[1:]):
-        if high - low <= 1e-12:
-            continue
-        middle, edges = (low + high) / 2, []
-        for trees in components:
-            total, covering = 0.0, trees[-1][0]  # the last tree where rounding left a sliver
-            for tree_edges, fraction in trees:
-                total += fraction
-                if middle < total:
-                    covering = tree_edges
-                    break
-            edges += covering
-        joined.append((tuple(edges), (high - low) * rate_gbps))
-    return joined
-
-
-def _cross_links(cluster: ClusterSpec, per_node: dict[str, list[str]]) -> dict[tuple[str, str], list]:
-    """(server a, server b) -> [(GB/s, src device, dst device or None)]: every listed link from a
-    device of a to one of b, and the inter-node default once (dst None: any pair not listed)."""
-    server_of = {d: s for s, names in per_node.items() for d in names}
-    found: dict[tuple[str, str], list] = {}
-    listed: dict[tuple[str, str], int] = {}
-    for link in cluster.links:
-        a, b = server_of.get(link.src), server_of.get(link.dst)
-        if a is None or b is None or a == b:
-            continue
-        found.setdefault((a, b), []).append((link.bandwidth_gbps, link.src, link.dst))
-        listed[(a, b)] = listed.get((a, b), 0) + 1
-    default = cluster.inter_node_default
-    if default is not None:
-        for a, src_names in per_node.items():
-            for b, dst_names in per_node.items():
-                if a != b and listed.get((a, b), 0) < len(src_names) * len(dst_names):
-                    found.setdefault((a, b), []).append((default.bandwidth_gbps, None, None))
-    return found
-
-
-def _multi_server(
-    cluster: ClusterSpec, per_node: dict[str, list[str]], root: str | None, min_share: float
-) -> tuple[str, list[tuple[tuple, float]], float, float]:
-    """Blink's three phases as trees of the whole group (module docstring)."""
-    root_server = cluster.node_of(root).name if root else next(iter(per_node))
-    cache: dict[tuple, tuple] = {}
-
-    def pack(server: str, forced: int | None):
-        names = per_node[server]
-        key = (local_signature(cluster, names), forced)
-        if key not in cache:
-            found = _pack_signature(key[0], forced, min_share)
-            if isinstance(found, PlanInfeasible):
-                raise PlanInfeasible(
-                    f"the group's devices on {server} ({', '.join(names)}) are not connected among "
-                    "themselves; the three-phase collective needs each server's part "
-                    "connected"
-                )
-            cache[key] = found
-            if forced is None:  # the best root's packing is the packing from that root: not packed twice
-                cache.setdefault((key[0], found[0]), found)
-        return cache[key]
-
-    def best_local(server: str) -> str:
-        return per_node[server][pack(server, None)[0]]
-
-    cross = _cross_links(cluster, per_node)
-    listed = {(link.src, link.dst) for link in cluster.links}
-    nic = {server: _nic_gbps(cluster, server) for server in per_node}
-    local_roots = {root_server: root if root else best_local(root_server)}
-    children: dict[str, int] = {}
-    hops: list[tuple[str, str, float]] = []  # (src device, dst device = that server's local root, GB/s)
-    last = root_server
-    while len(local_roots) < len(per_node):
-        best = None
-        for a in local_roots:
-            for b in per_node:
-                if b in local_roots:
-                    continue
-                for gbps, src, dst in cross.get((a, b), ()):
-                    width = min(gbps, nic[a] / (children.get(a, 0) + 1), nic[b])
-                    rank = (width, a == last, -list(per_node).index(b))
-                    if best is None or rank > best[0]:
-                        best = (rank, a, b, gbps, src, dst)
-        if best is None:
-            unreached = next(s for s in per_node if s not in local_roots)
-            raise PlanInfeasible(
-                f"the group is disconnected: {per_node[unreached][0]} cannot be reached from "
-                f"{local_roots[root_server]} (no link into {unreached} from the servers reached "
-                "before it)"
-            )
-        _, a, b, gbps, src, dst = best
-        if dst is None:  # the default link: land on b's best local root, from a device of a not listed to it
-            dst = best_local(b)
-            src = next((d for d in [local_roots[a], *per_node[a]] if (d, dst) not in listed), None)
-            if src is None:
-                dst, src = next((y, x) for y in per_node[b] for x in per_node[a] if (x, y) not in listed)
-        local_roots[b] = dst
-        children[a] = children.get(a, 0) + 1
-        hops.append((src, dst, min(gbps, nic[b])))  # b receives through its own NIC
-        last = b
-    local_trees, rates, bounds = {}, [], []
-    for server, names in per_node.items():
-        local_root, kept, bound = pack(server, names.index(local_roots[server]))
-        rate = sum(kept.values())
-        local_trees[server] = [
-            (tuple((names[a], names[b]) for a, b in edges), w / rate if rate < math.inf else 1.0)
-            for edges, w in kept.items()
-        ]
-        rates.append(rate)
-        bounds.append(bound)
-    nic_rates = [nic[a] / k for a, k in children.items()]
-    rate = min([g for _, _, g in hops] + nic_rates + rates)
-    bound = min(_cross_server_bound(cluster, per_node, cross, nic, root_server), *bounds)
-    hop_edges = tuple((src, dst) for src, dst, _ in hops)
-    components = [[(hop_edges, 1.0)]] + [local_trees[s] for s in per_node]
-    return local_roots[root_server], _compose(components, rate), rate, bound
-
-
-def _cross_server_bound(
-    cluster: ClusterSpec, per_node: dict[str, list[str]], cross: dict, nic: dict, root_server: str
-) -> float:
-    """One NIC per server: the root's server sends, every other server receives, each at most its
-    NIC and its widest link from any device to any device of another server."""
-
-    def widest(pairs) -> float:
-        return max((gbps for pair in pairs for gbps, _, _ in cross.get(pair, ())), default=0.0)
-
-    others = [s for s in per_node if s != root_server]
-    out = min(nic[root_server], widest((root_server, s) for s in others))
-    return min([out] + [min(nic[s], widest((a, s) for a in per_node if a != s)) for s in others])
+from felactl.optimizer.ring_cost import on_nccl, ring_allreduce_gbps
+from felactl.optimizer.tree_cost import allreduce_throughput_gbps, link_loads, root_first
+from felactl.spec.cluster import ClusterSpec
+from felactl.spec.plan import Collective, Tree, tree_root
 
 
 def plan_collective(
@@ -358,8 +93,8 @@ def plan_collective(
 
     def pack(spec: ClusterSpec, root: str | None):
         if len(per_node) == 1:
-            return _single_server(spec, devices, root, min_share)
-        return _multi_server(spec, per_node, root, min_share)
+            return one_server_trees(spec, devices, root, min_share)
+        return three_phase_trees(spec, per_node, root, min_share)
 
     root, trees, rate, bound = pack(cluster, root)
     collective = Collective(
@@ -369,14 +104,19 @@ def plan_collective(
         rate_gbps=rate,
         bound_gbps=bound,
         ring_gbps=best_ring(cluster, devices)[1],
-        trees=tuple(Tree(edges=_root_first(edges), weight=w) for edges, w in trees if w > 0),
+        trees=tuple(Tree(edges=root_first(edges), weight=w) for edges, w in trees if w > 0),
     )
     collective = _with_reduce_trees(cluster, collective, lambda spec: pack(spec, root))
     if not for_allreduce or len(per_node) > 1:
         return collective
     if _symmetric(cluster, devices):
-        return _with_two_way_trees(cluster, collective, min_share)
-    return _with_trees_packed_up_and_down(cluster, collective)
+        found = _with_two_way_trees(cluster, collective, min_share)
+    else:
+        found = _with_trees_packed_up_and_down(cluster, collective)
+    if found.root == collective.root:
+        return found
+    # Trees packed for the allreduce may grow from another root: the bound is of that root's broadcast.
+    return dataclasses.replace(found, bound_gbps=min_cut_bound(capacity_graph(cluster, devices), found.root)[0])
 
 
 def _with_two_way_trees(cluster: ClusterSpec, collective: Collective, min_share: float) -> Collective:
@@ -391,7 +131,7 @@ def _with_two_way_trees(cluster: ClusterSpec, collective: Collective, min_share:
     if kept is None:  # some link has no way back: only the trees packed each way apply
         return collective
     named = [(tuple((collective.devices[a], collective.devices[b]) for a, b in edges), w) for edges, w in kept.items()]
-    trees = tuple(Tree(edges=_root_first(edges), weight=w) for edges, w in named if w > 0)
+    trees = tuple(Tree(edges=root_first(edges), weight=w) for edges, w in named if w > 0)
     candidate = dataclasses.replace(collective, trees=trees, reduce_trees=(), rate_gbps=sum(t.weight for t in trees))
     return _faster(cluster, candidate, collective)
 
@@ -450,7 +190,7 @@ def _with_reduce_trees(cluster: ClusterSpec, collective: Collective, pack) -> Co
         return collective
     candidate = dataclasses.replace(
         collective,
-        reduce_trees=tuple(Tree(edges=_root_first(edges), weight=w) for edges, w in trees if w > 0),
+        reduce_trees=tuple(Tree(edges=root_first(edges), weight=w) for edges, w in trees if w > 0),
     )
     return _faster(cluster, candidate, collective)
 
@@ -522,13 +262,13 @@ def _fewest_per_kind(down: dict, up: dict, rates: dict, count: int) -> tuple[lis
         rate = min(sum(kept_down[root].values()), sum(kept_up[root].values()))
         for family, out in ((kept_down[root], trees), (kept_up[root], reduce_trees)):
             carried = sum(family.values())
-            out += [Tree(edges=_root_first(edges), weight=w * rate / carried) for edges, w in family.items()]
+            out += [Tree(edges=root_first(edges), weight=w * rate / carried) for edges, w in family.items()]
     return trees, reduce_trees
 
 
 def _loads_any(collective: Collective, links: set) -> bool:
     """Whether the collective's broadcast or reduce sends data over any of ``links``."""
-    return any(link in links for link in _link_loads(collective))
+    return any(link in links for link in link_loads(collective))
 
 
 ACKNOWLEDGEMENT_LINK_RATIO = 4.0
@@ -558,315 +298,7 @@ def _without_acknowledgement_links(graph: nx.DiGraph) -> nx.DiGraph:
     return kept if nx.is_strongly_connected(kept) else graph
 
 
-def _root_first(edges: tuple) -> tuple[tuple[str, str], ...]:
-    """The tree's edges in breadth-first order from its root, so a reader sees it grow."""
-    root = tree_root(edges)
-    if root is None and edges:
-        raise PlanInfeasible(f"not a tree grown from one root: {list(edges)}")
-    children: dict[str, list[str]] = {}
-    for parent, child in edges:
-        children.setdefault(parent, []).append(child)
-    ordered, frontier = [], [root]
-    while frontier:
-        parent = frontier.pop(0)
-        for child in children.get(parent, []):
-            ordered.append((parent, child))
-            frontier.append(child)
-    return tuple(ordered)
-
-
-def _reduce_trees(collective: Collective) -> tuple[Tree, ...]:
-    """The trees the reduce runs up: its own, else the broadcast trees (reversed by the caller)."""
-    return collective.reduce_trees or collective.trees
-
-
-def _link_loads(collective: Collective) -> dict[tuple[str, str], float]:
-    """Share of the data each directed link carries: broadcast down every tree, reduce up the
-    reduce trees (child -> parent)."""
-    loads: dict[tuple[str, str], float] = {}
-    roots = root_rates([(t.root, t.weight) for t in collective.trees])
-    for trees, upward in ((collective.trees, False), (_reduce_trees(collective), True)):
-        for tree, share in zip(trees, _shares(trees, roots)):
-            for parent, child in tree.edges:
-                link = (child, parent) if upward else (parent, child)
-                loads[link] = loads.get(link, 0.0) + share
-    return loads
-
-
-def _nic_gbps(cluster: ClusterSpec, server: str) -> float:
-    """A server's network interface: the spec's ``nic_gbps``, else the widest link between it and
-    another server."""
-    nic = next(node.nic_gbps for node in cluster.nodes if node.name == server)
-    if nic:
-        return nic
-    widths = [cluster.inter_node_default.bandwidth_gbps] if cluster.inter_node_default else []
-    widths += [
-        l.bandwidth_gbps
-        for l in cluster.links
-        if (cluster.node_of(l.src).name == server) != (cluster.node_of(l.dst).name == server)
-    ]
-    return max(widths, default=math.inf)
-
-
-def allreduce_throughput_gbps(cluster: ClusterSpec, collective: Collective) -> float:
-    """X of the module docstring: the rate at which a pipelined reduce + broadcast moves the data."""
-    throughput = math.inf
-    egress: dict[str, float] = {}
-    ingress: dict[str, float] = {}
-    port_out: dict[str, float] = {}  # devices behind a switch: what their one port sends and receives
-    port_in: dict[str, float] = {}
-    for (src, dst), load in _link_loads(collective).items():
-        link = cluster.link(src, dst)
-        if link is None:
-            raise PlanInfeasible(
-                f"the reduce needs the link {src} -> {dst} (the reverse of a tree edge), "
-                "which the cluster does not have (and no trees lead back to the root)"
-            )
-        throughput = min(throughput, link.bandwidth_gbps / load)
-        src_node, dst_node = cluster.node_of(src), cluster.node_of(dst)
-        if src_node.name != dst_node.name:
-            egress[src_node.name] = egress.get(src_node.name, 0.0) + load
-            ingress[dst_node.name] = ingress.get(dst_node.name, 0.0) + load
-        elif src_node.switch_gbps:
-            port_out[src] = port_out.get(src, 0.0) + load
-            port_in[dst] = port_in.get(dst, 0.0) + load
-    for loads in (egress, ingress):
-        for server, load in loads.items():
-            throughput = min(throughput, _nic_gbps(cluster, server) / load)
-    for loads in (port_out, port_in):
-        for device, load in loads.items():
-            throughput = min(throughput, cluster.node_of(device).switch_gbps / load)
-    return throughput
-
-
-def _reach(tree: Tree, hop) -> float:
-    """The largest sum of ``hop(parent, child)`` over a path from the root down ``tree``."""
-    reach = {tree.root: 0.0}
-    for parent, child in _root_first(tuple(tree.edges)):
-        reach[child] = reach[parent] + hop(parent, child)
-    return max(reach.values())
-
-
-def _deepest_latency_us(cluster: ClusterSpec, collective: Collective, upward: bool = False) -> float:
-    """The largest sum of link latencies from the root to a leaf of any tree (``upward``: of the
-    reduce trees, over the links child -> parent)."""
-
-    def latency_us(parent: str, child: str) -> float:
-        return (cluster.link(child, parent) if upward else cluster.link(parent, child)).latency_us
-
-    trees = _reduce_trees(collective) if upward else collective.trees
-    return max(_reach(tree, latency_us) for tree in trees)
-
-
-def allreduce_time_s(cluster: ClusterSpec, collective: Collective, num_bytes: float) -> float:
-    """Seconds for an allreduce of ``num_bytes`` over the collective's trees (module docstring)."""
-    if len(collective.devices) == 1 or num_bytes <= 0:
-        return 0.0
-    if not collective.trees:
-        raise InputError(f"collective {collective.group!r} of {len(collective.devices)} devices has no trees")
-    return tree_allreduce_cost(cluster, collective).seconds(num_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeAllreduceCost:
-    """What a tree allreduce of N bytes costs (module docstring, "Times"): the links' latencies
-    once up and once down, plus the larger of the links' time (over the trees the runtime deals
-    pieces to, the slowest tree's transfer of its pieces at its share of the rate and the deepest
-    fill in pieces' time) and the busiest CPU slot's messages."""
-
-    rate_gbps: float
-    latency_s: float
-    up: tuple[tuple[str, float, float], ...]
-    """(root, weight, up_T - 1) of each reduce tree."""
-    down: tuple[tuple[str, float, float], ...]
-    """(root, weight, down_T) of each broadcast tree."""
-    roots: tuple[tuple[str, float], ...]
-    """Each root with its broadcast trees' rate: how the pieces are first dealt (``deal_by_root``)."""
-    cpu: tuple[tuple[str, float, tuple[int, ...], tuple[int, ...]], ...] = ()
-    """(device, slowdown, its edges in each reduce tree, in each broadcast tree) of each CPU slot:
-    per piece a slot sends or receives once over each of its edges in the tree the piece is dealt
-    to, at :data:`TREE_MESSAGE_CPU_S` + :data:`TREE_CPU_S_PER_BYTE` of a full core, ``slowdown``
-    times that on a slot held to a share of a core."""
-
-    @property
-    def num_trees(self) -> int:
-        """The more of the broadcast and reduce trees: the runtime cuts the pieces by it."""
-        return max(len(self.up), len(self.down))
-
-    @property
-    def piece_hops(self) -> float:
-        """max_T (up_T - 1) / f_T + max_T down_T / f_T: the fill in pieces' times at the rate when
-        every tree is dealt pieces."""
-        return sum(_fill(trees, _family_shares(trees, self.roots), range(len(trees))) for trees in (self.up, self.down))
-
-    def seconds(self, num_bytes: float) -> float:
-        """An allreduce of ``num_bytes``: the latencies plus max(links, busiest CPU slot)."""
-        return self.latency_s + max(self.links_seconds(num_bytes), self.busiest_cpu(num_bytes)[1])
-
-    def links_seconds(self, num_bytes: float) -> float:
-        """The transfer of the slowest dealt tree's pieces at its share of the rate and the
-        deepest fill (the latencies aside)."""
-        rate = self.rate_gbps * GBPS_TO_BYTES_PER_S
-        piece, count = self._pieces(num_bytes)
-        transfer_up, fill_up = _dealt_family(self.up, self.roots, count, piece, num_bytes)
-        transfer_down, fill_down = _dealt_family(self.down, self.roots, count, piece, num_bytes)
-        return (max(transfer_up, transfer_down) + (fill_up + fill_down) * piece) / rate
-
-    def busiest_cpu(self, num_bytes: float) -> tuple[str | None, float]:
-        """The CPU slot whose messages take longest, and their seconds ((None, 0) without one).
-        The short last piece is charged as a whole one (a message costs mostly its fixed part)."""
-        piece, count = self._pieces(num_bytes)
-        dealt_up = _deal_counts(tuple((root, weight) for root, weight, _ in self.up), self.roots, count)[0]
-        dealt_down = _deal_counts(tuple((root, weight) for root, weight, _ in self.down), self.roots, count)[0]
-        per_message_s = TREE_MESSAGE_CPU_S + piece * TREE_CPU_S_PER_BYTE
-        return max(
-            (
-                (device, slowdown * (_dot(dealt_up, up) + _dot(dealt_down, down)) * per_message_s)
-                for device, slowdown, up, down in self.cpu
-            ),
-            key=lambda found: found[1],
-            default=(None, 0.0),
-        )
-
-    def _pieces(self, num_bytes: float) -> tuple[int, int]:
-        piece = tree_piece_bytes(num_bytes, self.num_trees)
-        return piece, math.ceil(num_bytes / piece)
-
-
-def _dot(counts: tuple[int, ...], edges: tuple[int, ...]) -> int:
-    return sum(n * e for n, e in zip(counts, edges))
-
-
-Family = tuple[tuple[str, float, float], ...]
-"""One family of trees, broadcast or reduce: (root, weight, hops) of each."""
-
-
-def _dealt_family(trees: Family, roots: tuple, count: int, piece: int, num_bytes: float) -> tuple[float, float]:
-    """For one family of trees and ``count`` pieces dealt to them as the runtime deals
-    (``spec.plan.deal_by_root``): the bytes the slowest tree moves over its share f_T (bytes at the
-    whole rate) and the deepest fill in pieces, over the trees dealt any."""
-    shares = _family_shares(trees, roots)
-    counts, last = _deal_counts(tuple((root, weight) for root, weight, _ in trees), roots, count)
-    short = count * piece - num_bytes  # the last piece is the rest of the buffer
-    dealt = [k for k, n in enumerate(counts) if n]
-    transfer = max((counts[k] * piece - (short if k == last else 0)) / shares[k] for k in dealt)
-    return transfer, _fill(trees, shares, dealt)
-
-
-def _fill(trees: Family, shares: list[float], which) -> float:
-    """max over the trees ``which`` of hops / f_T (``shares``): their fill in pieces' times at the whole rate."""
-    return max(trees[k][2] / shares[k] for k in which)
-
-
-def _family_shares(trees: Family, roots: tuple) -> list[float]:
-    return dealt_shares([(root, weight) for root, weight, _ in trees], roots)
-
-
-@functools.lru_cache(maxsize=4096)
-def _deal_counts(trees: tuple, roots: tuple, count: int) -> tuple[tuple[int, ...], int]:
-    """How many of ``count`` pieces each tree ((root, weight)) is dealt, and which tree the last goes to."""
-    order = deal_by_root(trees, roots, count)
-    return tuple(order.count(k) for k in range(len(trees))), order[-1]
-
-
-def tree_allreduce_cost(
-    cluster: ClusterSpec, collective: Collective, slowdown: Callable[[str], float] | None = None
-) -> TreeAllreduceCost:
-    """The rate X of the collective's allreduce and its pipeline's fill, worked out once per
-    collective; :meth:`TreeAllreduceCost.seconds` prices N bytes. ``slowdown(device)``: how many
-    times a full core's seconds a CPU slot's own work takes (the cost model's
-    ``CostModel.host_slowdown``, which also reads a slot slowed without a quota from the model
-    profile); :func:`cpu_slowdown` where not given."""
-    throughput_gbps = allreduce_throughput_gbps(cluster, collective)  # raises where a link is missing
-    fill_us = _deepest_latency_us(cluster, collective) + _deepest_latency_us(cluster, collective, upward=True)
-
-    def hops(tree: Tree) -> float:
-        return _reach(tree, lambda parent, child: 1.0)
-
-    def edges_at(device: str, trees: Sequence[Tree]) -> tuple[int, ...]:
-        return tuple(sum(device in edge for edge in tree.edges) for tree in trees)
-
-    reduce_trees = _reduce_trees(collective)
-    return TreeAllreduceCost(
-        throughput_gbps,
-        fill_us * US_TO_S,
-        up=tuple((t.root, t.weight, hops(t) - 1) for t in reduce_trees),
-        down=tuple((t.root, t.weight, hops(t)) for t in collective.trees),
-        roots=tuple(root_rates([(t.root, t.weight) for t in collective.trees])),
-        cpu=tuple(
-            (
-                d,
-                (slowdown or functools.partial(cpu_slowdown, cluster))(d),
-                edges_at(d, reduce_trees),
-                edges_at(d, collective.trees),
-            )
-            for d in collective.devices
-            if cluster.device(d).kind is DeviceKind.CPU
-        ),
-    )
-
-
-def cpu_slowdown(cluster: ClusterSpec, device: str) -> float:
-    """How many times a full core's seconds a CPU slot's own work takes, from the cluster alone:
-    one over its quota where a cgroup holds it to a share of a core (``spec.cluster.quota_slowdown``),
-    else 1. (GPU ranks of a gloo group pay their host's messages too; they are not priced.)"""
-    return quota_slowdown(cluster.device(device).model) or 1.0
-
-
-def _shares(trees: Sequence[Tree], roots: list) -> list[float]:
-    """f_T of each of ``trees``: the share of the data it carries (the runtime deals pieces so)."""
-    return dealt_shares([(tree.root, tree.weight) for tree in trees], roots)
-
-
-def ring_allreduce_time_s(
-    cluster: ClusterSpec, devices: Sequence[str], num_bytes: float, *, order: Sequence[str] | None = None
-) -> float:
-    """Seconds for a ring allreduce of ``num_bytes`` over the best ring (module docstring), or over
-    the ring that sends along ``order`` (each device to the next) where the runtime fixes it
-    (:func:`gloo_ring`)."""
-    if len(devices) == 1 or num_bytes <= 0:
-        check_devices(cluster, devices)
-        return 0.0
-    fixed_s, per_byte_s = ring_allreduce_line(cluster, devices, order=order)
-    return fixed_s + num_bytes * per_byte_s
-
-
-def ring_allreduce_line(
-    cluster: ClusterSpec, devices: Sequence[str], *, order: Sequence[str] | None = None
-) -> tuple[float, float]:
-    """A ring allreduce's time as ``fixed_s + bytes * per_byte_s`` (:func:`ring_allreduce_time_s`
-    for any size): finding the best ring is the costly part, so a caller pricing many sizes over
-    one group (the cost model, a bucket at a time) finds it once."""
-    devices = check_devices(cluster, devices)
-    if order is None:
-        order, bottleneck_gbps = best_ring(cluster, devices)
-    else:
-        bottleneck_gbps = ring_width(cluster, order)
-    return _rings_line(cluster, devices, ((order, bottleneck_gbps),) if bottleneck_gbps > 0 else ())
-
-
-def nccl_allreduce_line(cluster: ClusterSpec, devices: Sequence[str]) -> tuple[float, float]:
-    """NCCL's allreduce over a group of GPUs as ``fixed_s + bytes * per_byte_s``: the data split
-    over the rings it lays (:func:`~felactl.optimizer.graph.nccl_rings`) by their bandwidth, each a
-    ring allreduce of its share, all at once. What the runtime runs on GPUs: Blink trees need
-    gloo (:func:`felactl.agents.worker.sync.trees.stage_trees`)."""
-    devices = check_devices(cluster, devices)
-    return _rings_line(cluster, devices, nccl_rings(cluster, devices))
-
-
-def _rings_line(cluster: ClusterSpec, devices: Sequence[str], rings) -> tuple[float, float]:
-    """Ring allreduce over ``rings`` (``((order, GB/s), ...)``) at once, the data split by their
-    bandwidth: 2 (n - 1) steps of the slowest hop's latency, and the data at the rings' summed rate."""
-    if not rings:
-        raise PlanInfeasible(
-            f"no ring over {', '.join(devices)}: some device has no direct link in or out that closes a cycle"
-        )
-    slowest_us = max(cluster.link(a, b).latency_us for order, _ in rings for a, b in ring_hops(order))
-    count = len(devices)
-    rate_gbps = ring_allreduce_gbps(sum(gbps for _, gbps in rings), count)
-    return 2 * (count - 1) * slowest_us * US_TO_S, 1.0 / (rate_gbps * GBPS_TO_BYTES_PER_S)
-
-
+# A ring fact (ring_cost's room), kept here while planner.py imports it from this module.
 def gloo_ring(ranked: Sequence[str]) -> tuple[str, ...]:
     """The ring gloo's allreduce sends along over a group whose devices are ``ranked`` (ascending
     rank): each rank sends to the rank before it, so the data goes round the ranks backwards.
@@ -877,16 +309,22 @@ def gloo_ring(ranked: Sequence[str]) -> tuple[str, ...]:
     return tuple(reversed(ranked))
 
 
-def ring_allreduce_gbps(bottleneck_gbps: float, count: int) -> float:
-    """The rate a ring allreduce over ``count`` devices moves the data at: each sends 2 (n - 1) / n of it."""
-    return bottleneck_gbps * count / (2 * (count - 1)) if count > 1 else 0.0
+def root_bounds_gbps(cluster: ClusterSpec, collective: Collective) -> dict[str, float]:
+    """The min-cut bound of a broadcast from each of the trees' roots (``Collective.roots``), which
+    bounds the part of the data that root sends: ``bound_gbps`` for the one root of a collective
+    (the three-phase scheme's bound across servers), each root's own where there are several."""
+    roots = collective.roots
+    if len(roots) == 1:
+        return {roots[0]: collective.bound_gbps}
+    graph = capacity_graph(cluster, collective.devices)
+    return {root: min_cut_bound(graph, root)[0] for root in roots}
 
 
 def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, float | None]:
     """What a reader weighs the trees by: their allreduce rate (None without trees, or where a
     reduce link is missing), the bound of any allreduce over the group (None where too large to
     compute), and the best ring's allreduce rate; on GPUs also NCCL's rings and their allreduce
-    rate (what a job there runs, :func:`on_nccl`)."""
+    rate (what a job there runs, :func:`~felactl.optimizer.ring_cost.on_nccl`)."""
     try:
         allreduce = allreduce_throughput_gbps(cluster, collective) if collective.trees else None
     except PlanInfeasible:
@@ -895,6 +333,7 @@ def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, f
         "allreduce_gbps": allreduce,
         "allreduce_bound_gbps": allreduce_bound(capacity_graph(cluster, collective.devices)),
         "ring_allreduce_gbps": ring_allreduce_gbps(collective.ring_gbps, len(collective.devices)),
+        "root_bounds_gbps": root_bounds_gbps(cluster, collective),
     }
     if on_nccl(cluster, collective.devices):  # what a felactl job on these GPUs runs instead of the trees
         rings = nccl_rings(cluster, collective.devices) if len(collective.devices) > 1 else ()
@@ -903,10 +342,3 @@ def allreduce_rates(cluster: ClusterSpec, collective: Collective) -> dict[str, f
             ring_allreduce_gbps(sum(gbps for _, gbps in rings), len(collective.devices)) or None
         )
     return rates
-
-
-def on_nccl(cluster: ClusterSpec, devices: Sequence[str]) -> bool:
-    """Whether a group syncs over NCCL's allreduce: a group of GPUs (a plan runs on GPUs with NCCL or
-    on CPU slots with gloo, never both: :func:`~felactl.optimizer.planner.check_devices`). The
-    runtime streams Blink trees over gloo only, so NCCL's own rings sum there (:func:`nccl_rings`)."""
-    return all(cluster.device(d).kind is DeviceKind.CUDA for d in devices)

@@ -5,29 +5,18 @@ simulator all call these functions, so they can only disagree on how they combin
 
 Formulas (times in seconds, sizes in bytes):
 
-* **Compute** of layer ``l`` on device ``d`` at micro-batch ``b``, per sample:
-  measured ``(fwd_ms + bwd_ms) / b`` where the model profile has a timing for ``d.model`` at
-  ``b``; between two measured sizes, the per-sample time interpolated linearly in log2 b (the
-  curve below is a GPU's: on a CPU, which saturates at small batches, it made a micro-batch
-  between two measured ones up to a third too fast); outside them, the nearest one (in log2 b)
-  scaled by the saturation curve ``eff(b_meas) / eff(b)``, except above the largest size
-  measured on a CPU, where a sample costs what it cost there (the curve made 512 twice as cheap
-  per sample as a measured 64); else ``flops / (tflops * 1e12 * eff(b))``.
-  The saturation curve is ``eff(b) = b / (b + b_half)``. Measured timings (and the optimizer
-  step) are of the device the model was profiled on; where the profile recorded that device's
-  matmul TFLOP/s (``ModelSpec.timed_tflops``) they are scaled by timed / ``d.tflops``: a device
+* **Compute** of layer ``l`` on device ``d`` at micro-batch ``b``: from the model profile's
+  timings of the device model that prices ``d``, else from FLOPs (the formula:
+  :mod:`felactl.optimizer.compute_cost`). Measured timings (and the optimizer step) are of the
+  device the model was profiled on; where the profile recorded that device's matmul TFLOP/s
+  (``ModelSpec.timed_tflops``) they are scaled by timed / ``d.tflops``: a device
   of the same model at another speed (a CPU slot held to a share of a core by a cgroup, a
   throttled GPU) is that much slower or faster, which its cluster profile measured. A CPU slot a
   cgroup quota holds is a device model of its own (``Intel Xeon @ 0.1 cores``,
   :func:`felactl.spec.cpu_slot_model`): priced by its own timings where the profile has them
   (``felactl profile --model --testbed`` times the model in every node), else by its CPU's,
   scaled as above (:meth:`CostModel.timed_as`); the scaling priced a tenth of a core 1.4x too
-  fast. ``b_half`` is derived per layer from its
-  arithmetic intensity rather than from a table of kinds: a layer reuses each weight byte
-  ``i = fwd_flops_per_sample / param_bytes`` times per sample, and a device saturates once
-  ``b * i`` reaches its ridge point (``RIDGE_FLOPS_PER_BYTE``), so ``b_half = RIDGE / i``,
-  clamped to [``B_HALF_MIN``, ``B_HALF_MAX``]. A linear layer (i = 0.5) gets b_half = 100 and
-  saturates only at large batches; a 32x32 conv (i ~ 500) saturates at once: Fela's observation.
+  fast.
 * **Transfer** of a stage boundary per micro-batch, paid by the device that fetches it: a stage's
   worker waits for its input activation (the cut before it) and for its output's gradient (the
   cut after it), each a request there and ``latency + b * activation_bytes_per_sample /
@@ -37,21 +26,9 @@ Formulas (times in seconds, sizes in bytes):
   thread (tokens) or with ``isend`` (static pipelines) while it computes. Charging both ends, as
   this model once did, priced the hybrid baseline's exchange-bound last stage up to 1.5x too slow
   on the emulated testbeds (BENCHMARKS.md, issue 15 item 4).
-* **Sync** of a stage group: an allreduce of the stage's gradients (``param_bytes``), over the
-  group's packed Blink trees or a ring, whichever is faster when trees are on; a ring otherwise.
-  Where the group's direct links close no ring, the ring runs over routes (paths through other
-  devices, :meth:`CostModel.ring_sync_s`); a group that neither trees nor routes join costs
-  infinitely much, so the planner leaves its stage options out instead of refusing the cluster.
-  The runtime sums in DDP's buckets, each as soon as backward completed it, so a device's iteration
-  pays only what of the sum its last backward did not hide (:meth:`CostModel.exposed_sync_s`).
-  Where the model profile measured the whole model's sync on this cluster's devices
-  (``ModelSpec.data_parallel_sync``: a DDP step with and without sync, as training runs it), a
-  group inside the measured set costs that estimate times measured / estimate of the set (the
-  set's whole-model sum that backward did not hide, :meth:`CostModel.measured_sync_estimate_s`; at
-  least 1): on CPU slots the links' ping-pong prices gloo's allreduce several times too low.
-  A timing whose difference was not above its noise (no ``sync_ms``, or an old profile's 0) is
-  no measurement: its group keeps the link estimate, the floor sync never beats, and counts as
-  uncalibrated (``uncalibrated_cpu_groups``), so the plan says its sync is priced too low.
+* **Sync** of a stage group: the allreduce of its gradients, over trees or rings, calibrated by
+  measured syncs: :mod:`felactl.optimizer.sync_cost` (:class:`~felactl.optimizer.sync_cost.SyncCosts`,
+  which :class:`CostModel` inherits).
 * **Per token**, the runtime's own work beyond compute (claiming the token, gathering its
   inputs, publishing its output): :data:`TOKEN_OVERHEAD_S` of a full core's CPU, times one over
   the quota of a CPU slot a cgroup holds (one thread's work), or the slowdown of another CPU slot
@@ -67,7 +44,8 @@ Formulas (times in seconds, sizes in bytes):
 * **Memory** per device holding a stage: parameters + gradients (``2 * param_bytes``) + AdamW's
   two fp32 moments (``8 * params``) + what autograd saves (``saved_bytes_per_sample``, else each
   layer's input + output) for ``in_flight`` micro-batches of the stage (the plan records that
-  number per stage, ``Stage.max_in_flight``, and the simulator holds every device to it).
+  number per stage, ``Stage.max_in_flight``: as many as memory holds, :func:`evaluate.memory_limits`;
+  the simulator holds every device to it, and the cost model prices the wait it imposes).
 * **Headroom**: a plan may fill only a device's *usable* memory (:func:`usable_memory_bytes`):
   its ``memory_gb`` less ``MemoryHeadroom.fraction`` of it (the caching allocator's
   fragmentation, default 10%) and, on CUDA devices, less ``MemoryHeadroom.reserved_gb`` (the
@@ -78,38 +56,24 @@ Formulas (times in seconds, sizes in bytes):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cache
 
-from felactl.errors import PlanInfeasible
+from felactl.optimizer.compute_cost import layer_times_s
+from felactl.optimizer.sync_cost import SyncCosts
 from felactl.spec import (
     ClusterSpec,
-    Collective,
     Device,
     DeviceKind,
-    Layer,
     ModelSpec,
-    SyncTiming,
     cpu_of_slot_model,
     cpu_slot_quota,
     quota_slowdown,
 )
-from felactl.spec.plan import gradient_buckets
 
-RIDGE_FLOPS_PER_BYTE = 50.0
-"""FLOPs per weight byte a device needs to be compute-bound (typical GPU ridge point ~ 10-100)."""
-B_HALF_MIN = 0.5
-B_HALF_MAX = 4096.0
 ADAMW_STATE_BYTES_PER_PARAM = 8
 """Two fp32 moments per parameter."""
 GB = 1e9
-SYNC_CPU_S_PER_BYTE = 1.0e-9
-"""Full-core CPU seconds per byte a member of a gloo allreduce sends (with the receive and the
-add of as much): mlp's 3.7 MB summed over three testbed nodes cost each 4.4-5.6 ms of CPU, 4.9 MB
-sent (BENCHMARKS.md, issue 15 item 4, "What still misses"). On a tenth of a core that is ~50 ms a step
-nothing hides (:meth:`CostModel.quota_sync_cpu_s`); unpriced, three-speeds' DP plan measured
-0.75 of its prediction with every node's own timings (eleventh session)."""
 FULL_CORE = 1.0
 """The quota of a CPU slot no cgroup holds, in cores, as far as one thread's speed goes."""
 TOKEN_OVERHEAD_S = 1.5e-3
@@ -143,56 +107,6 @@ def usable_memory_bytes(device: Device, headroom: MemoryHeadroom) -> float:
     return max(0.0, device.memory_gb * (1.0 - headroom.fraction) - reserved) * GB
 
 
-def b_half(layer: Layer) -> float:
-    """Micro-batch at which ``layer`` reaches half its device's throughput (see module doc)."""
-    if layer.param_bytes <= 0 or layer.fwd_flops_per_sample <= 0:
-        return B_HALF_MIN
-    intensity = layer.fwd_flops_per_sample / layer.param_bytes
-    return min(max(RIDGE_FLOPS_PER_BYTE / intensity, B_HALF_MIN), B_HALF_MAX)
-
-
-def efficiency(micro_batch: float, half: float) -> float:
-    """Fraction of peak throughput a layer with ``b_half = half`` reaches at ``micro_batch``."""
-    return micro_batch / (micro_batch + half)
-
-
-def layer_times_s(layer: Layer, device: Device, micro_batch: int, timed_as: str | None = None) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch of ``layer`` on ``device``, from the
-    timings of device model ``timed_as`` (default: the device's own) where there are some."""
-    timed_as = device.model if timed_as is None else timed_as
-    measured = {t.micro_batch: t for t in layer.timings if t.device_model == timed_as}
-    if micro_batch in measured:
-        t = measured[micro_batch]
-        return t.fwd_ms / 1e3, t.bwd_ms / 1e3
-    below = [b for b in measured if b < micro_batch]
-    above = [b for b in measured if b > micro_batch]
-    if below and above:
-        # Between two measured sizes: per-sample time interpolated in log2(b), the curve not needed.
-        lo, hi = measured[max(below)], measured[min(above)]
-        w = math.log2(micro_batch / lo.micro_batch) / math.log2(hi.micro_batch / lo.micro_batch)
-
-        def per_sample(a: float, b: float) -> float:
-            return (1 - w) * a / lo.micro_batch + w * b / hi.micro_batch
-
-        return (
-            per_sample(lo.fwd_ms, hi.fwd_ms) * micro_batch / 1e3,
-            per_sample(lo.bwd_ms, hi.bwd_ms) * micro_batch / 1e3,
-        )
-    half = b_half(layer)
-    if measured:
-        nearest = min(measured, key=lambda b: (abs(math.log2(b / micro_batch)), b))
-        t = measured[nearest]
-        scale = micro_batch / nearest
-        if not (device.kind == DeviceKind.CPU and micro_batch > nearest):
-            # The saturation curve, except beyond the largest size measured on a CPU: a CPU is
-            # saturated by the sizes a profile measures, so a sample costs what it cost there (the
-            # curve made a user's micro-batch 512 2.1x cheaper per sample than the measured 64).
-            scale *= efficiency(nearest, half) / efficiency(micro_batch, half)
-        return t.fwd_ms / 1e3 * scale, t.bwd_ms / 1e3 * scale
-    rate = device.tflops * 1e12 * efficiency(micro_batch, half)
-    return (layer.fwd_flops_per_sample * micro_batch / rate, layer.bwd_flops_per_sample * micro_batch / rate)
-
-
 def stage_param_bytes(model: ModelSpec, start: int, end: int) -> int:
     return sum(layer.param_bytes for layer in model.layers[start:end])
 
@@ -222,7 +136,7 @@ def boundary_bytes_per_sample(model: ModelSpec, boundary: int) -> int:
 
 
 @dataclass
-class CostModel:
+class CostModel(SyncCosts):
     """Costs of one model on one cluster, with the per-layer sums cached for fast segment queries."""
 
     cluster: ClusterSpec
@@ -458,271 +372,6 @@ class CostModel:
         """What the device's exchange cost depends on; devices alike here cost alike."""
         self.mean_fetch_s(device, 1.0)
         return self._fetch.get(device, (0.0, 0.0))
-
-    # --- sync ----------------------------------------------------------------------------
-    def collective(self, devices: tuple[str, ...]) -> Collective | None:
-        """The packed trees of a group (cached), or None where trees are off, not worth it, or
-        would not run: a group of GPUs syncs over NCCL's own allreduce (:meth:`on_nccl`), since
-        the runtime streams Blink trees over gloo only."""
-        if not self.use_trees or len(devices) < 2 or len(devices) > self.max_tree_devices or self.on_nccl(devices):
-            return None
-        key = tuple(sorted(devices))
-        if key not in self._collectives:
-            try:
-                self._collectives[key] = self._pack_like(key)
-            except PlanInfeasible:  # no spanning trees over the group's links: it syncs over a ring
-                self._collectives[key] = None
-        return self._collectives[key]
-
-    def _pack_like(self, key: tuple[str, ...]) -> Collective:
-        """The trees of ``key``: those of an earlier group with the same shape, renamed, else packed.
-
-        The shape is what packing reads: the links among the group's devices (by position in the
-        sorted group) and how the positions fall into nodes. Identical servers (or identical
-        halves of a server) give identical shapes, so a cluster of them packs each shape once."""
-        from felactl.optimizer.collectives import plan_collective
-        from felactl.optimizer.graph import devices_by_node, local_signature
-
-        position = {name: i for i, name in enumerate(key)}
-        nodes = tuple(tuple(position[d] for d in names) for names in devices_by_node(self.cluster, key).values())
-        shape = (nodes, local_signature(self.cluster, key))
-        if shape not in self._shapes:
-            self._shapes[shape] = (key, plan_collective(self.cluster, list(key), group="group"))
-            return self._shapes[shape][1]
-        first, packed = self._shapes[shape]
-        rename = dict(zip(first, key))
-
-        def renamed(trees):
-            return tuple(replace(t, edges=tuple((rename[a], rename[b]) for a, b in t.edges)) for t in trees)
-
-        return replace(
-            packed,
-            devices=tuple(rename[d] for d in packed.devices),
-            root=rename[packed.root],
-            trees=renamed(packed.trees),
-            reduce_trees=renamed(packed.reduce_trees),
-        )
-
-    def sync_time_s(self, devices: tuple[str, ...], num_bytes: float) -> float:
-        """Allreduce of ``num_bytes`` over ``devices``: trees or ring, whichever is faster, times the
-        group's measured slowdown (:meth:`sync_factor`)."""
-        if len(devices) < 2 or num_bytes <= 0:
-            return 0.0
-        key = (tuple(sorted(devices)), num_bytes)
-        if key not in self._sync:
-            group = key[0]
-            self._sync[key] = self._link_sync_s(group, num_bytes) * self.sync_factor(group)
-            self._sync[key] += self.quota_sync_cpu_s(group, num_bytes)
-        return self._sync[key]
-
-    def exposed_sync_s(self, devices: tuple[str, ...], start: int, end: int, device: str, micro_batch: int) -> float:
-        """What the sum of layers [start, end)'s gradients over ``devices`` adds after ``device``
-        ends the backward of its last micro-batch of the iteration (:meth:`_exposed_link_s`),
-        times the group's measured slowdown (:meth:`sync_factor`)."""
-        if len(devices) < 2:
-            return 0.0
-        group = tuple(sorted(devices))
-        key = ("exposed", group, start, end, device, micro_batch)
-        if key not in self._sync:
-            exposed = self._exposed_link_s(group, start, end, device, micro_batch) * self.sync_factor(group)
-            nbytes = sum(layer.param_bytes for layer in self.model.layers[start:end])
-            self._sync[key] = exposed + self.quota_sync_cpu_s(group, nbytes)
-        return self._sync[key]
-
-    def quota_sync_cpu_s(self, group: tuple[str, ...], num_bytes: float) -> float:
-        """What a sum of ``num_bytes`` costs the group's slowest quota-held CPU slot in CPU beyond
-        its links: a member sends and receives 2 (n - 1) / n of the buffer and adds what it
-        receives, :data:`SYNC_CPU_S_PER_BYTE` of a full core per byte sent, stretched by the slot's
-        :meth:`host_slowdown`. That CPU comes out of the quota the backward computes on, so nothing
-        hides it; the link profile saw it at a full core's speed, where it overlaps the transfer.
-        0 where no member is held by a quota. Where the trees are the faster sum, their time
-        already holds their own CPU as a bound (``collectives.TreeAllreduceCost.busiest_cpu``) and
-        this adds the ring's CPU besides: a double count of part of it, left while the plans it
-        prices measure within 20% (BENCHMARKS.md, "Measured plan quality", thirteenth session).
-        Calibrated on data-parallel rings."""
-        held = [self.cluster.device(d) for d in group]
-        held = [d for d in held if d.kind is DeviceKind.CPU and cpu_slot_quota(d.model)]
-        stretch = max((self.host_slowdown(d) for d in held), default=0.0)
-        n = len(group)
-        return 2 * (n - 1) / n * num_bytes * SYNC_CPU_S_PER_BYTE * stretch if n > 1 else 0.0
-
-    def _exposed_link_s(self, group: tuple[str, ...], start: int, end: int, device: str, micro_batch: int) -> float:
-        """The runtime sums gradients in buckets (:func:`~felactl.spec.plan.gradient_buckets`, DDP's
-        under bsp, the same under tokens), each launched the moment backward has produced all of
-        it and summed after the one before: bucket k is ready when backward has passed its
-        earliest layer and done at ``max(ready_k, done_(k-1)) + allreduce(bytes_k)``. All but what
-        is left when backward ends runs under it: with a 1 MiB first bucket, DDP's sum of a small
-        model hid up to a third of itself (priced whole, data parallel on the fragment testbed
-        read 0.405 s a step and ran 0.333)."""
-        layers = [i for i in range(end - 1, start - 1, -1) if self.model.layers[i].param_bytes > 0]
-        if not layers:
-            return 0.0
-        _, bwd = self._prefix_sums(self.cluster.device(device), micro_batch)
-        ready: dict[int, float] = {}
-        size: dict[int, int] = {}
-        for i, bucket in zip(layers, gradient_buckets([self.model.layers[i].param_bytes for i in layers])):
-            ready[bucket] = bwd[end] - bwd[i]  # layers end-1 down to i are through backward
-            size[bucket] = size.get(bucket, 0) + self.model.layers[i].param_bytes
-        done = 0.0
-        for bucket in sorted(ready):
-            done = max(done, ready[bucket]) + self._link_sync_s(group, size[bucket])
-        return max(0.0, done - (bwd[end] - bwd[start]))
-
-    def _link_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
-        """The faster of the ring (:meth:`ring_sync_s`) and the trees; inf where neither exists."""
-        ring_s = self.ring_sync_s(group, num_bytes)
-        tree_s = self.tree_sync_s(group, num_bytes)
-        self.trees_ever_faster = self.trees_ever_faster or tree_s < ring_s
-        return min(ring_s, tree_s)
-
-    def tree_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
-        """Allreduce over the group's packed trees; inf where trees are off or cannot be packed.
-        (:func:`collectives.allreduce_time_s`, whose rate and fill are worked out once per group.)"""
-        from felactl.optimizer.collectives import tree_allreduce_cost
-
-        if len(group) < 2 or num_bytes <= 0:
-            return 0.0
-        coll = self.collective(group)
-        if coll is None:
-            return math.inf
-        key = ("trees", tuple(sorted(group)))
-        if key not in self._sync:
-            try:
-                self._sync[key] = tree_allreduce_cost(
-                    self.cluster, coll, lambda d: self.host_slowdown(self.cluster.device(d))
-                )
-            except PlanInfeasible:  # a link the trees need is missing: the ring (or routes) carries it
-                self._sync[key] = None
-        if self._sync[key] is None:
-            return math.inf
-        return self._sync[key].seconds(num_bytes)
-
-    def ring_sync_s(self, group: tuple[str, ...], num_bytes: float) -> float:
-        """Ring allreduce over the best ring of direct links (over the backend's ring in the rank
-        order, where :attr:`ring_order` fixes it; on GPUs over the rings NCCL lays, :meth:`on_nccl`);
-        where the group's direct links close no ring (two devices linked only through a third,
-        one-way links), over the best ring of routes (:meth:`link_time_s`'s paths, which may pass
-        devices outside the group; the traffic they relay for the ring is not charged to them); inf
-        where some device reaches no other."""
-        if len(group) < 2 or num_bytes <= 0:
-            return 0.0
-        key = ("ring", group)
-        if key not in self._sync:  # (fixed s, s per byte): the ring is found once per group
-            self._sync[key] = self._ring_line(group)
-        fixed_s, per_byte_s = self._sync[key]
-        return fixed_s + num_bytes * per_byte_s
-
-    def _ring_line(self, group: tuple[str, ...]) -> tuple[float, float]:
-        """:meth:`ring_sync_s` as ``fixed_s + bytes * per_byte_s`` ((inf, inf) where no ring is)."""
-        from felactl.optimizer.collectives import nccl_allreduce_line, ring_allreduce_line
-        from felactl.optimizer.graph import best_ring_in_graph, ring_hops
-
-        order = self._backend_ring(group)
-        try:
-            if self.on_nccl(group):
-                return nccl_allreduce_line(self.cluster, list(group))
-            return ring_allreduce_line(self.cluster, list(group), order=order)
-        except PlanInfeasible:
-            pass
-        import networkx as nx
-
-        routes = nx.DiGraph()
-        routes.add_nodes_from(group)
-        for a in group:
-            for b in group:
-                if a != b:
-                    latency_s, per_byte_s = self._direct_or_relay(a, b)
-                    if per_byte_s < math.inf:
-                        routes.add_edge(a, b, capacity=1.0 / (per_byte_s * GB), latency_s=latency_s)
-        if order is None:
-            order, bottleneck_gbps = best_ring_in_graph(routes)
-        else:
-            bottleneck_gbps = min(routes.edges[h]["capacity"] if routes.has_edge(*h) else 0.0 for h in ring_hops(order))
-        if bottleneck_gbps <= 0:
-            return math.inf, math.inf
-        slowest_s = max(routes.edges[h]["latency_s"] for h in ring_hops(order))
-        steps = 2 * (len(group) - 1)
-        return steps * slowest_s, steps / len(group) / (bottleneck_gbps * GB)
-
-    def ranks_decide_ring(self, group: Sequence[str]) -> bool:
-        """Whether the rank order decides the ring the backend's allreduce takes over ``group``:
-        gloo's on CPU devices does (:func:`~felactl.optimizer.collectives.gloo_ring`); NCCL builds
-        its own rings on GPUs, whatever the ranks."""
-        return all(self.cluster.device(d).kind == DeviceKind.CPU for d in group)
-
-    def on_nccl(self, group: Sequence[str]) -> bool:
-        """Whether ``group`` syncs over NCCL's own rings, not trees (:func:`collectives.on_nccl`)."""
-        from felactl.optimizer.collectives import on_nccl
-
-        return on_nccl(self.cluster, group)
-
-    def _backend_ring(self, group: tuple[str, ...]) -> tuple[str, ...] | None:
-        """The ring the backend's allreduce follows over ``group`` where the rank order fixes it
-        (:attr:`ring_order`, :meth:`ranks_decide_ring`); None for the best ring."""
-        from felactl.optimizer.collectives import gloo_ring
-
-        if self.ring_order is None or not self.ranks_decide_ring(group):
-            return None
-        members = set(group)
-        return gloo_ring([d for d in self.ring_order if d in members])
-
-    def sync_factor(self, group: tuple[str, ...]) -> float:
-        """How many times its link estimate a group's sync takes, from the model profile's
-        ``data_parallel_sync``: a measurement on this cluster (by name) over a set of devices that
-        holds the whole group gives measured / link estimate of the measured set; the most such
-        factor, else 1. Never below 1: sync cannot beat what its links move, and a lower
-        measurement is noise. Subsets share their superset's factor, so the planner sees a
-        calibrated cost for every group on those slots, not just the measured one."""
-        return max((factor for measured, factor in self._calibrations() if measured.issuperset(group)), default=1.0)
-
-    def _calibrations(self) -> list[tuple[frozenset[str], float]]:
-        """(measured device set, measured / link estimate of it, at least 1) for each of the
-        model profile's sync timings on this cluster (by name) whose devices it has and that told
-        sync apart from noise (``SyncTiming.measured``). The link
-        estimates come from a cost model of their own, so working them out neither needs this
-        cluster to hold the measured set (see ``sync_reference``) nor counts as a sync asked for
-        (``trees_ever_faster``)."""
-        if self._sync_factors is None:
-            reference = self.sync_reference or self.cluster
-            names = set(reference.device_names)
-            links = CostModel(reference, self.model, use_trees=self.use_trees, max_tree_devices=self.max_tree_devices)
-            self._sync_factors = []
-            for timing in self.model.data_parallel_sync:
-                if not timing.measured or timing.cluster != reference.name or not names.issuperset(timing.devices):
-                    continue
-                link_s = links.measured_sync_estimate_s(timing)
-                if link_s > 0:
-                    self._sync_factors.append((frozenset(timing.devices), max(1.0, timing.sync_ms / 1e3 / link_s)))
-        return self._sync_factors
-
-    def measured_sync_estimate_s(self, timing: SyncTiming) -> float:
-        """The link estimate of what a profile's ``data_parallel_sync`` timing measured: a DDP step
-        of the whole model with its sum less one without, on :meth:`timed_sync_device`, so the
-        sum partly hidden under backward."""
-        group = tuple(sorted(timing.devices))
-        device = self.timed_sync_device(timing)
-        return self._exposed_link_s(group, 0, self.model.num_layers, device, timing.micro_batch)
-
-    def timed_sync_device(self, timing: SyncTiming) -> str:
-        """The device of a measured set whose whole-model backward is longest: the last bucket
-        waits for it, so the measured step's exposed sum is its."""
-        return max(
-            sorted(timing.devices),
-            key=lambda d: self._prefix_sums(self.cluster.device(d), timing.micro_batch)[1][-1],
-        )
-
-    def uncalibrated_cpu_groups(self, groups) -> list[tuple[str, ...]]:
-        """The groups of two or more CPU slots that no measured sync set holds: their sync is priced
-        from the link profile alone, several times too low on CPU slots (``felactl profile --model
-        --cluster`` measures it)."""
-        measured = [devices for devices, _ in self._calibrations()]
-        return [
-            tuple(g)
-            for g in groups
-            if len(g) > 1
-            and not any(m.issuperset(g) for m in measured)
-            and all(self.cluster.device(d).kind == DeviceKind.CPU for d in g)
-        ]
 
 
 @cache

@@ -18,17 +18,33 @@ serves, so over one iteration of global batch ``B``:
   forward + backward of each later stage on its slowest member and the first stage's backward,
   and each cut's first activation and last gradient on their way (nothing else is in flight
   then to hide them);
-* ``iteration = max_d (load(d) + sync(d)) + fill``.
+* ``held(s, d) = rounds * (r * fwd + after_s) + n * bwd + before_s + sync_s(d) + step_s(d)`` for
+  a stage ``s`` whose in-flight limit ``k_s`` is below the ``n`` tokens worker ``d`` runs of it
+  and which a stage of ``r`` times its micro-batch follows (:func:`held_terms`), ``fwd`` and
+  ``bwd`` its forward and backward token on ``d`` (compute, the tensor it fetches, the runtime's
+  work): a next-stage token takes ``r`` of its micro-batches at once, so ``k = r * (k_s // r)``
+  of them are out at a time. In each of ``rounds = ceil(n / k)`` rounds, ``d`` runs a group of
+  ``r`` forwards, which then go through the later stages and back (``after_s``, the sum of their
+  :func:`stage_latency_s`) while ``d`` runs its other forwards; the later stage's workers run the
+  round's micro-batches side by side, so their gradients come back together and ``d`` runs the
+  backwards, deeper in the token DAG, before its next forward. ``before_s`` (the earlier stages'
+  latencies) brings the first input and takes the last gradient away. Where the limit binds, the
+  plan runs at this pace, not ``load``'s: a 36-GPU plan whose limit held each worker to 4
+  micro-batches was priced 6.99 s without it and simulated 9.89 s. Where one worker of a later
+  stage runs a round's micro-batches one after the other, their gradients come back apart and
+  ``d`` overlaps more than this counts (a 2-device pipeline held to 2 in flight: 23% above the
+  simulator);
+* ``iteration = max(max_d (load(d) + sync(d)) + fill, max_{s, d} held(s, d))``.
 
-The ILP minimises exactly this expression (its coefficients come from :func:`stage_device_cost`),
-the exhaustive oracle enumerates it, and the baselines are candidates evaluated by it.
+The ILP minimises exactly this expression (its coefficients come from :func:`stage_device_cost`
+and :func:`held_terms`), the exhaustive oracle enumerates it, and the baselines are candidates evaluated by it.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_memory_bytes
 from felactl.spec.executable import micro_batch_follows
@@ -41,6 +57,10 @@ class StageChoice:
     micro_batch: int
     shares: tuple[tuple[str, float], ...]
     """(device, fraction of the stage's samples), fractions summing to 1."""
+    in_flight: int | None = None
+    """Micro-batches of the stage a worker may hold at once (the plan's ``Stage.max_in_flight``);
+    None: the planner's default (:func:`in_flight`), what the search space prices. The planner
+    raises it to what memory holds (:func:`memory_limits`)."""
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -55,6 +75,9 @@ class Prediction:
     sync_s: dict[str, float]
     fill_s: float
     memory_bytes: dict[str, float]
+    held_s: float = 0.0
+    """The largest ``held(s, d)`` (module doc): the iteration where an in-flight limit sets the
+    pace; 0 where no limit binds."""
 
 
 def in_flight(max_stages: int, global_batch: int, micro_batch: int, whole_model: bool) -> int:
@@ -63,6 +86,13 @@ def in_flight(max_stages: int, global_batch: int, micro_batch: int, whole_model:
     if whole_model:
         return 1
     return max(1, min(max_stages, math.ceil(global_batch / micro_batch)))
+
+
+def stage_in_flight(cost: CostModel, stage: StageChoice, global_batch: int, max_stages: int) -> int:
+    """The in-flight limit of ``stage``: its own (:attr:`StageChoice.in_flight`), else the default."""
+    if stage.in_flight is not None:
+        return stage.in_flight
+    return in_flight(max_stages, global_batch, stage.micro_batch, whole_model=cost.whole_model(stage.start, stage.end))
 
 
 def chain_follows(before: int, after: int, max_stages: int, global_batch: int, *, static: bool) -> bool:
@@ -127,6 +157,27 @@ def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples:
     return samples * (per_sample + exchange) + tokens * cost.token_overhead_s(device) + step + sync
 
 
+def held_terms(
+    cost: CostModel, stage: StageChoice, device: str, samples: int, limit: int, next_micro_batch: int
+) -> tuple[int, float] | None:
+    """``(rounds, base_s)`` of ``held(s, d) = base_s + rounds * after_s + before_s`` (module doc)
+    for ``device``'s ``samples`` of ``stage`` under in-flight limit ``limit``, followed by a stage
+    of micro-batch ``next_micro_batch``; None where the limit does not bind: the device runs no
+    more tokens than it may hold."""
+    tokens = math.ceil(samples / stage.micro_batch)
+    if tokens <= limit:
+        return None
+    group = max(1, next_micro_batch // stage.micro_batch)
+    slots = group * max(1, limit // group)
+    fwd_s, bwd_s = cost.stage_times_s(stage.start, stage.end, device, stage.micro_batch)
+    overhead_s = cost.tokens_per_micro_batch(stage.start, stage.end) * cost.token_overhead_s(device) / 2
+    forward_s = fwd_s + _boundary_fetch_s(cost, stage.start, stage.micro_batch, device) + overhead_s
+    backward_s = bwd_s + _boundary_fetch_s(cost, stage.end, stage.micro_batch, device) + overhead_s
+    rounds = math.ceil(tokens / slots)
+    after_work_s = stage_sync_s(cost, stage, device) + cost.optimizer_step_s(stage.start, stage.end, device)
+    return rounds, rounds * group * forward_s + tokens * backward_s + after_work_s
+
+
 def stage_tokens(cost: CostModel, stage: StageChoice, samples: int) -> int:
     """Tokens a worker claims to run ``samples`` of a stage (:meth:`CostModel.tokens_per_micro_batch`)."""
     return math.ceil(samples / stage.micro_batch) * cost.tokens_per_micro_batch(stage.start, stage.end)
@@ -153,40 +204,83 @@ def stage_fill_s(cost: CostModel, stage: StageChoice) -> float:
     return compute + first_input + last_gradient
 
 
+def stage_latency_s(cost: CostModel, stage: StageChoice) -> float:
+    """One micro-batch through ``stage`` on its slowest member: its input fetched, its forward,
+    its output's gradient fetched, its backward, each with the runtime's work around its token."""
+    fetch = max(exchange_per_sample_s(cost, stage.start, stage.end, stage.micro_batch, d) for d in stage.devices)
+    token = max(
+        sum(cost.stage_times_s(stage.start, stage.end, d, stage.micro_batch))
+        + cost.tokens_per_micro_batch(stage.start, stage.end) * cost.token_overhead_s(d)
+        for d in stage.devices
+    )
+    return token + fetch * stage.micro_batch
+
+
 def predict(cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int, max_stages: int) -> Prediction:
     """The iteration time of a candidate (see module doc), with its per-device parts."""
     load: dict[str, float] = {}
     sync: dict[str, float] = {}
     memory: dict[str, float] = {}
-    for stage in stages:
-        held = stage_memory_bytes(
-            cost.model,
-            stage.start,
-            stage.end,
-            stage.micro_batch,
-            in_flight(
-                max_stages,
-                global_batch,
-                stage.micro_batch,
-                whole_model=cost.whole_model(stage.start, stage.end),
-            ),
-        )
+    fills = [stage_fill_s(cost, stage) for stage in stages]
+    latencies = [stage_latency_s(cost, stage) for stage in stages]
+    held = 0.0
+    for s, stage in enumerate(stages):
+        limit = stage_in_flight(cost, stage, global_batch, max_stages)
+        stage_bytes = stage_memory_bytes(cost.model, stage.start, stage.end, stage.micro_batch, limit)
         samples = token_samples(stage.shares, global_batch, stage.micro_batch)
         for device, _ in stage.shares:
             total = stage_device_cost(cost, stage, device, samples[device])
             exposed = stage_sync_s(cost, stage, device)
             load[device] = load.get(device, 0.0) + total - exposed
             sync[device] = sync.get(device, 0.0) + exposed
-            memory[device] = memory.get(device, 0.0) + held
-    fill = sum(stage_fill_s(cost, stage) for stage in stages)
+            memory[device] = memory.get(device, 0.0) + stage_bytes
+            if s + 1 == len(stages):
+                continue  # no later stage holds its micro-batches
+            terms = held_terms(cost, stage, device, samples[device], limit, stages[s + 1].micro_batch)
+            if terms is not None:
+                rounds, base_s = terms
+                held = max(held, base_s + rounds * sum(latencies[s + 1 :]) + sum(latencies[:s]))
+    fill = sum(fills)
     busiest = max(load[d] + sync[d] for d in load)
     return Prediction(
-        iteration_s=busiest + fill,
+        iteration_s=max(busiest + fill, held),
         load_s=load,
         sync_s=sync,
         fill_s=fill,
         memory_bytes=memory,
+        held_s=held,
     )
+
+
+def memory_limits(
+    cost: CostModel, stages: tuple[StageChoice, ...], global_batch: int, max_stages: int
+) -> tuple[StageChoice, ...]:
+    """``stages`` with each pipeline stage's in-flight limit raised from the default the search
+    priced to as many of its micro-batches as memory holds on every one of its workers, the other
+    stages they serve held at their limits; earlier stages first, whose micro-batches are away the
+    longest. A stage whose workers hold all its micro-batches gets them all: no limit (a limit
+    memory does not need only slows a pipeline down: the default of 4 ran a 4-device plan 1.75x
+    slower than it would without). Whole-model stages keep theirs (one micro-batch: forward, then
+    its backward at once)."""
+    limits = [stage_in_flight(cost, st, global_batch, max_stages) for st in stages]
+    held: dict[str, float] = {}
+    for st, limit in zip(stages, limits):
+        for d in st.devices:
+            held[d] = held.get(d, 0.0) + stage_memory_bytes(cost.model, st.start, st.end, st.micro_batch, limit)
+    raised = []
+    for st, limit in zip(stages, limits):
+        if not cost.whole_model(st.start, st.end):
+            weights = stage_memory_bytes(cost.model, st.start, st.end, st.micro_batch, 0)
+            per_micro_batch = stage_memory_bytes(cost.model, st.start, st.end, st.micro_batch, 1) - weights
+            room = min(cost.usable_memory_bytes(d) - held[d] for d in st.devices)
+            more = math.ceil(global_batch / st.micro_batch) - limit
+            if per_micro_batch > 0:
+                more = min(more, max(0, math.floor(room / per_micro_batch)))
+            for d in st.devices:
+                held[d] += max(0, more) * per_micro_batch
+            limit += max(0, more)
+        raised.append(replace(st, in_flight=limit))
+    return tuple(raised)
 
 
 def memory_fits(cost: CostModel, prediction: Prediction) -> str | None:

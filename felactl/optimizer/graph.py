@@ -3,7 +3,8 @@
 Pure (stdlib + networkx). Capacities are GB/s in the edge attribute ``capacity``; latencies are
 microseconds in ``latency_us``. A group's graph holds only the direct links among its devices
 (``ClusterSpec.links_among``): a collective that routes through a device outside the group would
-steal that device's links from whoever runs on it.
+steal that device's links from whoever runs on it. Every link between servers leaves through its
+server's one network interface (:func:`nic_gbps`).
 
 The best ring is a directed Hamiltonian cycle whose narrowest link is as wide as possible (its
 "bottleneck", the rate of a ring collective). Finding it is NP-hard in general; a depth-first
@@ -15,6 +16,7 @@ Groups spanning several servers chain each server's best Hamiltonian path, as NC
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import networkx as nx
@@ -22,6 +24,10 @@ import networkx as nx
 from felactl.errors import InputError, PlanInfeasible
 from felactl.spec.cluster import ClusterSpec, LinkType
 
+GBPS_TO_BYTES_PER_S = 1e9
+"""Bytes per second of one GB/s, the unit of every capacity here."""
+US_TO_S = 1e-6
+"""Seconds of one microsecond, the unit of every latency here."""
 RING_SEARCH_BUDGET = 200_000
 """Partial rings the search may extend before it settles for the best ring found so far."""
 
@@ -78,9 +84,12 @@ def capacity_graph(cluster: ClusterSpec, devices: Sequence[str], *, trees: bool 
     """Every device of the group, and a directed edge for every direct link among them (its
     capacity as :func:`group_links` gives it: ``trees`` for packing, else for a ring)."""
     graph = nx.DiGraph()
-    graph.add_nodes_from(devices)
+    for name in devices:
+        graph.add_node(name, server=cluster.node_of(name).name)
     for src, dst, gbps, latency_us in group_links(cluster, devices, trees=trees):
         graph.add_edge(src, dst, capacity=gbps, latency_us=latency_us)
+    servers = {graph.nodes[d]["server"] for d in devices}
+    graph.graph["nic_gbps"] = {n.name: n.nic_gbps for n in cluster.nodes if n.nic_gbps and n.name in servers}
     return graph
 
 
@@ -116,6 +125,9 @@ def allreduce_bound(graph: nx.DiGraph) -> float | None:
     The bound is the least of these over all partitions. (A broadcast's min-cut bound is no
     bound of an allreduce: on four devices whose links give each 100 out and 100 in, a broadcast
     reaches 100 but no allreduce beats the 450 / 6 = 75 that the six transfers per element leave.)
+    A server's network interface (``graph.graph["nic_gbps"]``, from :func:`capacity_graph`) is
+    shared by all its links to other servers: what crosses a partition between servers is at most
+    what their interfaces send, and at most what they receive (:func:`_crossing_gbps`).
     """
     nodes = list(graph.nodes)
     if len(nodes) < 2:
@@ -129,11 +141,31 @@ def allreduce_bound(graph: nx.DiGraph) -> float | None:
             continue
         side = {node: i for i, part in enumerate(parts) for node in part}
         crossing = [(u, v) for (u, v) in width if side[u] != side[v]]
-        best = min(best, sum(width[e] for e in crossing) / (2 * (len(parts) - 1)))
+        best = min(best, _crossing_gbps(graph, crossing) / (2 * (len(parts) - 1)))
         if len(parts) == 2:
             for direction in (0, 1):
-                best = min(best, sum(width[(u, v)] for u, v in crossing if side[u] == direction))
+                best = min(best, _crossing_gbps(graph, [(u, v) for u, v in crossing if side[u] == direction]))
     return best
+
+
+def _crossing_gbps(graph: nx.DiGraph, links: list[tuple[str, str]]) -> float:
+    """The most ``links`` of ``graph`` carry at once: their widths, where those between servers
+    with a network interface (``graph.graph["nic_gbps"]``) count no more than each sending server's
+    interface sends and each receiving server's receives."""
+    nics = graph.graph.get("nic_gbps") or {}
+    if not nics:
+        return sum(graph.edges[e]["capacity"] for e in links)
+    total, sent, received = 0.0, {}, {}
+    for u, v in links:
+        a, b = graph.nodes[u]["server"], graph.nodes[v]["server"]
+        if a == b or (a not in nics and b not in nics):
+            total += graph.edges[u, v]["capacity"]
+        else:
+            sent[a] = sent.get(a, 0.0) + graph.edges[u, v]["capacity"]
+            received[b] = received.get(b, 0.0) + graph.edges[u, v]["capacity"]
+    out = sum(min(gbps, nics.get(a, math.inf)) for a, gbps in sent.items())
+    into = sum(min(gbps, nics.get(b, math.inf)) for b, gbps in received.items())
+    return total + min(out, into)
 
 
 def _partitions(items: list) -> Iterator[list[list]]:
@@ -352,3 +384,18 @@ def ring_width(cluster: ClusterSpec, order: Sequence[str]) -> float:
         )
 
     return min(width(a, b) for a, b in ring_hops(order))
+
+
+def nic_gbps(cluster: ClusterSpec, server: str) -> float:
+    """A server's network interface: the spec's ``nic_gbps``, else the widest link between it and
+    another server."""
+    nic = next(node.nic_gbps for node in cluster.nodes if node.name == server)
+    if nic:
+        return nic
+    widths = [cluster.inter_node_default.bandwidth_gbps] if cluster.inter_node_default else []
+    widths += [
+        l.bandwidth_gbps
+        for l in cluster.links
+        if (cluster.node_of(l.src).name == server) != (cluster.node_of(l.dst).name == server)
+    ]
+    return max(widths, default=math.inf)

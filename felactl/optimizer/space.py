@@ -16,7 +16,10 @@
   whole token (:func:`evaluate.token_samples`), are left out, and so are layer ranges without a
   trainable parameter (the runtime cannot run them as a stage: :mod:`felactl.spec.executable`);
   with ``prune``, options dominated by the same range and group at another micro-batch (no
-  better on any device's time, memory, or fill) are dropped too.
+  better on any device's time, memory, fill, latency or in-flight terms) are dropped too, except
+  where a stage the in-flight limit may hold back ends at their start (their micro-batch sets its
+  pace). Each option also carries its latency and, per profile and next stage's micro-batch, the
+  terms of its in-flight limit's pace (:func:`evaluate.held_terms`).
 * **Twin blocks** (:meth:`SearchSpace.twin_blocks`): sibling slot blocks of one class whose swap
   maps every option onto an equal one; the ILP orders their loads to break the symmetry.
 """
@@ -24,11 +27,20 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 
 from felactl.optimizer.cost import CostModel, micro_batch_options, stage_memory_bytes
-from felactl.optimizer.evaluate import StageChoice, in_flight, stage_device_cost, stage_fill_s, token_samples
+from felactl.optimizer.evaluate import (
+    StageChoice,
+    chain_follows,
+    held_terms,
+    in_flight,
+    stage_device_cost,
+    stage_fill_s,
+    stage_latency_s,
+    token_samples,
+)
 from felactl.spec.executable import stage_trainable
 
 
@@ -57,6 +69,12 @@ class StageOption:
     memory_bytes: dict[int, float]
     """Slot index -> bytes one device of that slot holds for this stage."""
     fill_s: float
+    latency_s: float = 0.0
+    """One micro-batch through the stage (:func:`evaluate.stage_latency_s`)."""
+    held: dict[int, dict[int, tuple[int, float]]] = field(default_factory=dict)
+    """Profile index -> micro-batch of a next stage -> ``(rounds, base_s)`` of ``held``
+    (:func:`evaluate.held_terms`), where the option's in-flight limit binds the profile's first
+    device; absent where it does not."""
 
 
 @dataclass
@@ -71,6 +89,8 @@ class SearchSpace:
     groups: tuple[tuple[int, ...], ...]
     options: list[StageOption]
     num_prefix_groups: int = 0
+    micro_batches: tuple[int, ...] = ()
+    """The micro-batches searched."""
     """``groups[:num_prefix_groups]`` are the prefix groups (nested, free of symmetric twins)."""
 
     def twin_blocks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -126,6 +146,8 @@ class SearchSpace:
                 return False
             if any(not _close(b, image.memory_bytes.get(slot_map[u], math.inf)) for u, b in opt.memory_bytes.items()):
                 return False
+            if not _close(opt.latency_s, image.latency_s) or not _same_held(opt, image, profile_map):
+                return False
         return True
 
 
@@ -136,6 +158,19 @@ the last bits; a plan's time moves by at most this fraction when its mirror imag
 
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= TWIN_TOLERANCE * max(abs(a), abs(b), 1e-30)
+
+
+def _same_held(opt: StageOption, image: StageOption, profile_map: dict[int, int]) -> bool:
+    """Whether ``image`` holds back the images of ``opt``'s profiles as ``opt`` holds them back."""
+    if {profile_map[p] for p in opt.held} != set(image.held):
+        return False
+    for p, by_next in opt.held.items():
+        other = image.held[profile_map[p]]
+        if by_next.keys() != other.keys():
+            return False
+        if any(r != other[m][0] or not _close(t, other[m][1]) for m, (r, t) in by_next.items()):
+            return False
+    return True
 
 
 def block_boundaries(cost: CostModel, max_blocks: int) -> tuple[int, ...]:
@@ -204,13 +239,8 @@ def _option(space: SearchSpace, start: int, end: int, micro_batch: int, group: i
     devices = tuple(d for s in members for d in slots[s].devices)
     if math.ceil(space.global_batch / micro_batch) < len(devices):
         return None  # fewer micro-batches than workers: someone would idle
-    held = stage_memory_bytes(
-        cost.model,
-        start,
-        end,
-        micro_batch,
-        in_flight(space.max_stages, space.global_batch, micro_batch, whole_model=cost.whole_model(start, end)),
-    )
+    limit = in_flight(space.max_stages, space.global_batch, micro_batch, whole_model=cost.whole_model(start, end))
+    held = stage_memory_bytes(cost.model, start, end, micro_batch, limit)
     if any(held > slots[s].memory_bytes for s in members):
         return None
     rate = {s: 1.0 / max(cost.per_sample_s(start, end, slots[s].devices[0], micro_batch), 1e-15) for s in members}
@@ -236,7 +266,29 @@ def _option(space: SearchSpace, start: int, end: int, micro_batch: int, group: i
         cost_s=cost_s,
         memory_bytes={s: held for s in members},
         fill_s=stage_fill_s(cost, choice),
+        latency_s=stage_latency_s(cost, choice),
+        held=_held(space, choice, samples, limit),
     )
+
+
+def _held(space: SearchSpace, choice: StageChoice, samples: dict[str, int], limit: int) -> dict:
+    """:attr:`StageOption.held` of ``choice``, for each micro-batch a next stage may have."""
+    if choice.end >= space.cost.model.num_layers:
+        return {}
+    after = [
+        m
+        for m in space.micro_batches
+        if chain_follows(choice.micro_batch, m, space.max_stages, space.global_batch, static=False)
+    ]
+    held = {}
+    for p, prof in enumerate(space.profiles):
+        device = prof.devices[0]
+        if device not in samples:
+            continue
+        by_next = {m: held_terms(space.cost, choice, device, samples[device], limit, m) for m in after}
+        if any(terms is not None for terms in by_next.values()):
+            held[p] = {m: terms for m, terms in by_next.items() if terms is not None}
+    return held
 
 
 def _dominates(a: StageOption, b: StageOption) -> bool:
@@ -244,7 +296,14 @@ def _dominates(a: StageOption, b: StageOption) -> bool:
         a.fill_s <= b.fill_s
         and all(a.cost_s[p] <= b.cost_s[p] for p in a.cost_s)
         and all(a.memory_bytes[s] <= b.memory_bytes[s] for s in a.memory_bytes)
+        and a.latency_s <= b.latency_s
+        and all(_held_below(by_next, b.held.get(p, {})) for p, by_next in a.held.items())
     )
+
+
+def _held_below(a: dict[int, tuple[int, float]], b: dict[int, tuple[int, float]]) -> bool:
+    """Whether ``held`` terms ``a`` are no larger than ``b`` whatever the next stage."""
+    return all(m in b and r <= b[m][0] and t <= b[m][1] for m, (r, t) in a.items())
 
 
 def _pareto(options: list[StageOption]) -> list[StageOption]:
@@ -282,15 +341,21 @@ def build_space(
         num_prefix_groups=num_prefix,
     )
     cuts = space.boundaries
-    micro_batches = sorted(
-        set(micro_batch_options(global_batch, max_options=max_micro_batches)) | set(extra_micro_batches)
+    space.micro_batches = tuple(
+        sorted(set(micro_batch_options(global_batch, max_options=max_micro_batches)) | set(extra_micro_batches))
     )
     layer_params = [layer.params for layer in cost.model.layers]
+    found: dict[tuple[int, int, int], list[StageOption]] = {}
     for i, start in enumerate(cuts):
         for end in cuts[i + 1 :]:
             if not stage_trainable(layer_params, start, end):
                 continue  # the runtime cannot train a stage without parameters (spec.executable, rule 1)
             for g in range(len(space.groups)):
-                found = [o for b in micro_batches if (o := _option(space, start, end, b, g)) is not None]
-                space.options += _pareto(found) if prune else found
+                options = [o for b in space.micro_batches if (o := _option(space, start, end, b, g)) is not None]
+                found[start, end, g] = options
+    # A stage's micro-batch sets the pace of an earlier stage its in-flight limit holds back: where
+    # one ends at its start, options of other micro-batches are not compared.
+    held_ends = {o.choice.end for options in found.values() for o in options if o.held}
+    for (start, _, _), options in found.items():
+        space.options += _pareto(options) if prune and start not in held_ends else options
     return space

@@ -197,8 +197,8 @@ def _time_steps(
     import torch
     import torch.distributed as dist
 
-    from felactl.agents.worker.ddp import wrap_replica
     from felactl.models import build
+    from felactl.parallel.ddp import wrap_replica
 
     pin_to_cores(cores, strict=True)
     dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)

@@ -38,9 +38,9 @@ class LinkProbe:
     """Timed small round trips: cheap, and scheduler noise on a busy host needs more of them."""
     latency_pause_s: float = 0.01
     """Idle time before each timed round trip on CPU slots: a testbed's CPU period (10 ms,
-    ``testbed.build.CPU_PERIOD_US``, which profiling may not import; a test ties them), after
+    ``testbed.cgroups.CPU_PERIOD_US``, which profiling may not import; a test ties them), after
     which a capped slot has its quota back (module doc). 0.3 s per ordered pair of CPU slots. (A
-    testbed node under a tenth of a core has a longer period, ``testbed.build.cpu_period_us``.)"""
+    testbed node under a tenth of a core has a longer period, ``testbed.cgroups.cpu_period_us``.)"""
 
 
 def ordered_pairs(world_size: int) -> list[tuple[int, int]]:

@@ -55,11 +55,20 @@ def _gpu_extras(config: dict, local_world_size: int) -> dict:
     }
 
 
+def _measure_links(config: dict, rank: int, world_size: int, device: str, barrier, on_pair) -> list[dict]:
+    """The links this rank measured, timed as the profile's sizes say (``felactl.profiling.links``)."""
+    from felactl.profiling.links import LinkProbe, measure_links
+
+    probe = LinkProbe(
+        **{k: config[k] for k in ("message_bytes", "small_message_bytes", "repetitions", "latency_repetitions")}
+    )
+    return measure_links(rank, world_size, probe, device=device, barrier=barrier, on_pair=on_pair)
+
+
 def main() -> None:
     import torch.distributed as dist
 
     from felactl.control.store import connect_store
-    from felactl.profiling.links import LinkProbe, measure_links
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -88,16 +97,9 @@ def main() -> None:
         barrier()
         device = _device_result(config, local_rank, local_world_size)
         store.add(progress_key, 1)
-        probe = LinkProbe(
-            **{k: config[k] for k in ("message_bytes", "small_message_bytes", "repetitions", "latency_repetitions")}
-        )
-        links = measure_links(
-            rank,
-            world_size,
-            probe,
-            device=f"cuda:{local_rank}" if cuda else "cpu",
-            barrier=barrier,
-            on_pair=lambda src, dst: store.add(progress_key, 1),
+        device_name = f"cuda:{local_rank}" if cuda else "cpu"
+        links = _measure_links(
+            config, rank, world_size, device_name, barrier, lambda src, dst: store.add(progress_key, 1)
         )
         # Timed again, all at once, after the links: a transient stall of the host (a VM's
         # neighbours, the agents' own start) only ever slows a timing, and one that lasts the

@@ -20,20 +20,17 @@ from felactl.spec.model import Layer, LayerTiming, ModelSpec, SyncTiming
 from felactl.spec.plan import (
     Collective,
     ModelRef,
-    Placement,
     Plan,
     Prediction,
     Schedule,
     SolverInfo,
-    Stage,
-    StageWorker,
     SyncMode,
     SyncSpec,
     Training,
     Tree,
     data_parallel_plan,
-    placements_from,
 )
+from felactl.spec.stages import Placement, Stage, StageWorker, placements_from
 
 __all__ = [
     "ClusterSpec",

@@ -84,23 +84,7 @@ def _type_name(tp: Any) -> str:
 def _decode(tp: Any, value: Any, where: str, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise SpecError(where, path, "must not be empty")
-        non_null = [o for o in options if o is not type(None)]
-        errors = []
-        for option in non_null:
-            try:
-                return _decode(option, value, where, path)
-            except SpecError as exc:
-                errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
-        raise SpecError(
-            where, path, f"must be {' or '.join(_type_name(o) for o in non_null)}, got {type(value).__name__} {value!r}"
-        )
+        return _decode_union(typing.get_args(tp), value, where, path)
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -113,15 +97,7 @@ def _decode(tp: Any, value: Any, where: str, path: str) -> Any:
         items = [_decode(item_tp, v, where, _join(path, f"[{i}]")) for i, v in enumerate(value)]
         return tuple(items)
     if origin is dict:
-        if not isinstance(value, dict):
-            raise SpecError(where, path, f"must be a mapping, got {type(value).__name__}")
-        key_tp, val_tp = typing.get_args(tp)
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise SpecError(where, _join(path, str(k)), "keys must be strings")
-            out[k] = _decode(val_tp, v, where, _join(path, k))
-        return out
+        return _decode_mapping(typing.get_args(tp)[1], value, where, path)
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):
@@ -131,6 +107,42 @@ def _decode(tp: Any, value: Any, where: str, path: str) -> Any:
             return tp(value)
         except ValueError:
             raise SpecError(where, path, f"must be {_type_name(tp)}, got {value!r}") from None
+    return _decode_scalar(tp, value, where, path)
+
+
+def _decode_union(options: tuple[Any, ...], value: Any, where: str, path: str) -> Any:
+    """The first of ``options`` that ``value`` decodes as; null only where one of them is ``None``."""
+    if value is None:
+        if type(None) in options:
+            return None
+        raise SpecError(where, path, "must not be empty")
+    non_null = [o for o in options if o is not type(None)]
+    errors = []
+    for option in non_null:
+        try:
+            return _decode(option, value, where, path)
+        except SpecError as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    raise SpecError(
+        where, path, f"must be {' or '.join(_type_name(o) for o in non_null)}, got {type(value).__name__} {value!r}"
+    )
+
+
+def _decode_mapping(val_tp: Any, value: Any, where: str, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(where, path, f"must be a mapping, got {type(value).__name__}")
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise SpecError(where, _join(path, str(k)), "keys must be strings")
+        out[k] = _decode(val_tp, v, where, _join(path, k))
+    return out
+
+
+def _decode_scalar(tp: Any, value: Any, where: str, path: str) -> Any:
+    """A YAML scalar as ``bool``, ``int``, ``float`` (finite; an integer is taken) or ``str``."""
     if tp is bool:
         if not isinstance(value, bool):
             raise SpecError(where, path, f"must be true/false, got {value!r}")

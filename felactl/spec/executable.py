@@ -17,8 +17,10 @@ pipelines (several stages, ``1f1b``/``gpipe``, :mod:`felactl.agents.worker.pipel
    pipelines, one micro-batch size along the pipeline.
 4. **tokens hold samples** (:func:`tokens_hold_samples`): flexible, the first-level tokens, rounded
    up to whole last-level tokens, are at most the global batch: an empty token trains on NaN.
-5. **sync**: flexible synchronises each stage by allreduce (sync bsp or tokens); pipelines
-   synchronise each stage's replicas with bsp (tokens runs as bsp) or sdpipe, not wbsp.
+5. **sync**: the sync mode runs the plan's execution (its row's ``executions`` in
+   :mod:`felactl.spec.sync_modes`): flexible synchronises each stage by allreduce (sync bsp or
+   tokens); pipelines synchronise each stage's replicas with bsp (tokens runs as bsp) or sdpipe,
+   not wbsp; and it runs on the placement's backend (its row's ``runs_on_gpus``).
 6. **pipeline slots**: with static pipelines, every device holds exactly one pipeline slot.
 7. **one backend**: the placement puts every worker on a GPU (NCCL) or every one on a CPU slot
    (gloo). A job's process group has one backend, and on gloo the workers train on the CPU: a
@@ -30,24 +32,15 @@ pipelines (several stages, ``1f1b``/``gpipe``, :mod:`felactl.agents.worker.pipel
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from felactl.errors import InputError, SpecError
+from felactl.spec.cluster import DeviceKind
 from felactl.spec.plan import Plan, Schedule, SyncMode
-
-
-class Execution(str, enum.Enum):
-    DATA_PARALLEL = "data_parallel"
-    FLEXIBLE = "flexible"
-    PIPELINE = "pipeline"
-
-
-FLEXIBLE_SYNC = (SyncMode.BSP, SyncMode.TOKENS)
-PIPELINE_SYNC = (SyncMode.BSP, SyncMode.TOKENS, SyncMode.SDPIPE)
+from felactl.spec.sync_modes import Execution, mode_names, modes_where, sync_support
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +56,16 @@ def execution(plan: Plan) -> Execution:
     return Execution.FLEXIBLE if plan.schedule is Schedule.TOKENS else Execution.PIPELINE
 
 
-RESCALABLE_SYNC = (SyncMode.BSP, SyncMode.TOKENS, SyncMode.WBSP, SyncMode.SDPIPE)
-"""The sync modes whose data-parallel jobs grow, shrink and survive failures while they train."""
-
-FIXED_BATCH_SYNC = (SyncMode.WBSP, SyncMode.SDPIPE)
-"""The modes whose workers go at their own pace: a step is a fixed number of samples (a sample's
-step is its position over the global batch), so their jobs rescale with a fixed global batch."""
+# Thin aliases of the table's columns for the launcher and the worker's elastic path, which other
+# work of issue 31 is rewriting: they go once those read `sync_support` themselves.
+RESCALABLE_SYNC = modes_where(lambda row: row.rescales_live)
+FIXED_BATCH_SYNC = modes_where(lambda row: row.at_own_pace)
 
 
 def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
     """Refuse (InputError) a membership change that would change the global batch of a mode whose
-    steps are counted in samples."""
-    if sync in FIXED_BATCH_SYNC and batch != launched_batch:
+    steps are counted in samples (its workers go at their own pace)."""
+    if sync_support(sync).at_own_pace and batch != launched_batch:
         raise InputError(
             f"sync {sync.value} rescales with a fixed global batch ({launched_batch}); use --scaling-policy fixed-batch"
         )
@@ -82,7 +73,7 @@ def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
 
 def rescalable(plan: Plan, sync: SyncMode | None = None) -> bool:
     """Whether a job of ``plan`` (under ``sync`` where given) can change its members while it trains."""
-    return execution(plan) is Execution.DATA_PARALLEL and (sync or plan.sync.mode) in RESCALABLE_SYNC
+    return execution(plan) is Execution.DATA_PARALLEL and sync_support(sync or plan.sync.mode).rescales_live
 
 
 def stage_trainable(layer_params: Sequence[int], start: int, end: int) -> bool:
@@ -129,11 +120,21 @@ def problems(plan: Plan, layer_params: Sequence[int] | None = None) -> list[Prob
                 "kind (felactl plan --devices)",
             )
         )
+    elif plan.placement and plan.placement[0].kind is DeviceKind.CUDA and not sync_support(plan.sync.mode).runs_on_gpus:
+        found.append(
+            Problem(
+                "sync.mode",
+                f"sync {plan.sync.mode.value} runs on CPU slots (gloo) only, but the plan puts its workers on "
+                f"GPUs: on GPUs sync {mode_names(modes_where(lambda row: row.runs_on_gpus))} runs",
+            )
+        )
     how = execution(plan)
     if how is Execution.FLEXIBLE:
         found += _flexible_problems(plan)
     elif how is Execution.PIPELINE:
         found += _pipeline_problems(plan)
+    else:
+        found += _mode_problems(plan, how)
     return found
 
 
@@ -163,16 +164,32 @@ def _model_problems(plan: Plan, layer_params: Sequence[int]) -> list[Problem]:
     ]
 
 
-def _flexible_problems(plan: Plan) -> list[Problem]:
-    found = []
-    if plan.sync.mode not in FLEXIBLE_SYNC:
-        found.append(
-            Problem(
-                "sync.mode",
-                f"sync {plan.sync.mode.value} cannot run a flexible plan (schedule tokens, "
-                "several stages): its stages synchronise with bsp or tokens",
-            )
+_SHAPES = {
+    Execution.DATA_PARALLEL: "data-parallel plans (one stage)",
+    Execution.FLEXIBLE: "flexible plans (schedule tokens, several stages)",
+    Execution.PIPELINE: "static pipelines (schedule 1f1b or gpipe, several stages)",
+}
+
+
+def _mode_problems(plan: Plan, how: Execution) -> list[Problem]:
+    """Rule 5: the plan's sync mode runs its execution."""
+    mode = plan.sync.mode
+    runs = sync_support(mode).executions
+    if how in runs:
+        return []
+    others = mode_names(modes_where(lambda row: how in row.executions))
+    its_own = " and ".join(shape for e, shape in _SHAPES.items() if e in runs)
+    return [
+        Problem(
+            "sync.mode",
+            f"sync {mode.value} cannot run {_SHAPES[how]}, which synchronise with sync {others}; "
+            f"sync {mode.value} runs {its_own}",
         )
+    ]
+
+
+def _flexible_problems(plan: Plan) -> list[Problem]:
+    found = _mode_problems(plan, Execution.FLEXIBLE)
     stages = plan.stages
     for s in range(1, len(stages)):
         if not micro_batch_follows(stages[s - 1].micro_batch, stages[s].micro_batch, static=False):
@@ -200,15 +217,7 @@ def _flexible_problems(plan: Plan) -> list[Problem]:
 
 
 def _pipeline_problems(plan: Plan) -> list[Problem]:
-    found = []
-    if plan.sync.mode not in PIPELINE_SYNC:
-        found.append(
-            Problem(
-                "sync.mode",
-                f"sync {plan.sync.mode.value} runs on data-parallel plans (one stage); "
-                "static pipelines synchronise each stage's replicas with bsp or sdpipe",
-            )
-        )
+    found = _mode_problems(plan, Execution.PIPELINE)
     first = plan.stages[0].micro_batch
     for s, stage in enumerate(plan.stages[1:], start=1):
         if not micro_batch_follows(first, stage.micro_batch, static=True):

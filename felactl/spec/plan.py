@@ -4,6 +4,7 @@ A plan says which devices take part (their order is the rank order), how the lay
 stages, which workers run each stage with which share of its samples and micro-batch, how micro-
 batches flow between stages (``schedule``), how replicas synchronise (``sync``) and over which
 collective trees, and what the planner predicted, so a run can be compared with its prediction.
+The stages and where each device lives are :mod:`felactl.spec.stages`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from felactl import limits
-from felactl.spec.cluster import ClusterSpec, DeviceKind
 from felactl.spec.codec import SCHEMA_VERSION, FieldProblem, check_header, positive
-
-SHARE_TOLERANCE = 1e-6
+from felactl.spec.stages import Placement, Stage, StageWorker
 
 
 class SyncMode(str, enum.Enum):
@@ -47,89 +46,6 @@ class ModelRef:
     source: str
     """Built-in name or ``package.module:function``."""
     config: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Placement:
-    """Where a device of the plan lives: the launcher gives each node's agent its devices' ranks."""
-
-    device: str
-    node: str
-    kind: DeviceKind = DeviceKind.CPU
-    local_index: int = 0
-    """The device's index within its node (the worker's LOCAL_RANK; the CUDA ordinal)."""
-
-    def __post_init__(self) -> None:
-        positive("local_index", self.local_index, limits.INDEX, allow_zero=True)
-
-
-def placements_from(cluster: ClusterSpec, devices: tuple[str, ...] | list[str]) -> tuple[Placement, ...]:
-    """The placement of ``devices`` (rank order) in ``cluster``; the planner records it in the plan."""
-    out = []
-    for name in devices:
-        node = cluster.node_of(name)
-        index = next(i for i, d in enumerate(node.devices) if d.name == name)
-        dev = cluster.device(name)
-        out.append(
-            Placement(
-                device=name,
-                node=node.name,
-                kind=dev.kind,
-                local_index=dev.local_index if dev.local_index is not None else index,
-            )
-        )
-    return tuple(out)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageWorker:
-    device: str
-    share: float
-    """Fraction of the stage's samples of one iteration this worker computes."""
-    predicted_memory_gb: float | None = None
-
-    def __post_init__(self) -> None:
-        positive("share", self.share)
-        if self.share > 1 + SHARE_TOLERANCE:
-            raise FieldProblem("share", f"must be <= 1, got {self.share:g}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Stage:
-    layer_start: int
-    """First layer of the stage (0-based)."""
-    layer_end: int
-    """One past the last layer of the stage."""
-    micro_batch: int
-    """Samples per micro-batch (Fela's per-sub-model batch size b_i)."""
-    workers: tuple[StageWorker, ...]
-    predicted_compute_s: float | None = None
-    max_in_flight: int | None = None
-    """Most micro-batches of this stage whose activations one worker holds at once (forward run,
-    backward not yet): what the planner's memory model assumed. The simulator holds every worker
-    to it. None (plans written before it): no limit."""
-
-    def __post_init__(self) -> None:
-        positive("layer_start", self.layer_start, allow_zero=True)
-        if self.layer_end <= self.layer_start:
-            raise FieldProblem("layer_end", f"must be > layer_start ({self.layer_start}), got {self.layer_end}")
-        positive("micro_batch", self.micro_batch, limits.BATCH)
-        if self.max_in_flight is not None:
-            positive("max_in_flight", self.max_in_flight, limits.COUNT)
-        if not self.workers:
-            raise FieldProblem("workers", "a stage needs at least one worker")
-        seen = set()
-        for i, w in enumerate(self.workers):
-            if w.device in seen:
-                raise FieldProblem(f"workers[{i}].device", f"device {w.device!r} listed twice in one stage")
-            seen.add(w.device)
-        total = sum(w.share for w in self.workers)
-        if abs(total - 1.0) > 1e-3:
-            raise FieldProblem("workers", f"shares must sum to 1, got {total:.4f}")
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(w.device for w in self.workers)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -185,7 +101,7 @@ def tree_piece_bytes(num_bytes: float, num_trees: int, largest: int = TREE_PIECE
     """The bytes of each piece an allreduce of ``num_bytes`` over ``num_trees`` trees (the more of
     a collective's broadcast and reduce trees) streams in: the rule the runtime cuts by
     (``felactl.agents.worker.sync.trees``) and the planner prices the pipeline's fill by
-    (``felactl.optimizer.collectives``), in one place so they cannot drift apart."""
+    (``felactl.optimizer.tree_cost``), in one place so they cannot drift apart."""
     wanted = MIN_PIECES_PER_TREE * max(1, num_trees)
     # the runtime cuts by whole elements: a size that is not would give it one piece more than priced
     even = PIECE_ALIGN_BYTES * math.ceil(num_bytes / wanted / PIECE_ALIGN_BYTES)
@@ -355,6 +271,17 @@ class Collective:
                 )
 
 
+SIMULATION_TOLERANCE = 0.10
+"""How far (relative to the prediction) a plan's simulated iteration may be before the plan says
+that the two disagree."""
+
+
+def simulation_agrees(predicted_s: float, simulated_s: float | None) -> bool:
+    """Whether a simulated iteration is within :data:`SIMULATION_TOLERANCE` of the predicted one
+    (True where nothing was simulated)."""
+    return simulated_s is None or abs(simulated_s - predicted_s) <= SIMULATION_TOLERANCE * predicted_s
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prediction:
     iteration_s: float
@@ -372,6 +299,11 @@ class Prediction:
     def __post_init__(self) -> None:
         positive("iteration_s", self.iteration_s)
         positive("samples_per_s", self.samples_per_s)
+
+    @property
+    def simulation_agrees(self) -> bool:
+        """Whether the simulator's iteration is within :data:`SIMULATION_TOLERANCE` of the prediction."""
+        return simulation_agrees(self.iteration_s, self.simulated_iteration_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

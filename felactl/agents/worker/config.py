@@ -33,9 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from felactl.agents.worker.stragglers import Pattern, parse_pattern, parse_slowdown
 from felactl.control import Reader, Seal, job_binding
 from felactl.control.events import EVENTS_FILE, RefusalLog
+from felactl.control.stragglers import Pattern, parse_pattern, parse_slowdown
 from felactl.errors import InputError
 from felactl.spec import Plan, load_plan
 

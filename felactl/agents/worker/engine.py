@@ -39,10 +39,10 @@ from felactl.agents.worker.checkpoint import (
 )
 from felactl.agents.worker.drain import Drain
 from felactl.agents.worker.membership_view import MembershipView
-from felactl.agents.worker.metrics import MetricsWriter
 from felactl.agents.worker.runtime import Runtime
 from felactl.agents.worker.stages import Placement, held_stages, micro_batches, place
 from felactl.agents.worker.stragglers import Straggler
+from felactl.control.metrics import MetricsWriter
 from felactl.errors import InputError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS, atomic_write_text
 from felactl.job import TrainJob

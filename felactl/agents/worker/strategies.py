@@ -1,9 +1,11 @@
-"""Which strategy trains a plan: the one table of the runtime's sync modes.
+"""Which strategy trains a plan: the runtime's one place that names a sync mode's classes.
 
 A plan's shape (:func:`felactl.spec.executable.execution`) and its sync mode pick a
 :class:`~felactl.agents.worker.strategy.Strategy`; :func:`felactl.agents.worker.loop.train` runs it.
-Adding a mode is one class and one row here (and, for the planner, a ``SyncMode`` value). The
-table holds only what :func:`felactl.spec.executable.check_executable` lets through.
+What a mode supports is its row in :mod:`felactl.spec.sync_modes`; this table holds a class for
+exactly the (execution, mode) pairs the rows allow, each going at its own pace
+(:class:`~felactl.agents.worker.strategy.AtOwnPace`) where its row says so
+(``tests/test_sync_modes.py``). Adding a mode is a ``SyncMode`` value, its row, and its class here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from felactl.agents.worker.sync.sdpipe import SDPipe
 from felactl.agents.worker.sync.tokens import Tokens
 from felactl.agents.worker.sync.wbsp import WBSP
 from felactl.spec import Plan, SyncMode
-from felactl.spec.executable import Execution, execution
+from felactl.spec.executable import execution
+from felactl.spec.sync_modes import Execution
 
 STRATEGIES: dict[tuple[Execution, SyncMode], type[Strategy]] = {
     (Execution.DATA_PARALLEL, SyncMode.BSP): BSP,

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from felactl.agents.worker.ddp import wrap_replica
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.membership_view import MembershipView
 from felactl.agents.worker.stages import split_by_shares
 from felactl.agents.worker.strategy import Lockstep, StepResult, Work
 from felactl.agents.worker.sync.trees import TreeAllreduce, ddp_hook, stage_trees
+from felactl.parallel.ddp import wrap_replica
 
 
 def arrive(group, device: torch.device, proposal: float = 0.0) -> tuple[float, float]:

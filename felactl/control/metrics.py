@@ -1,5 +1,8 @@
 """What a run leaves: ``metrics.jsonl`` (one record per worker per step) and its summary.
 
+The record format is shared: the workers write it (:class:`MetricsWriter`), the launcher and
+``felactl status`` read and summarize it, so it lives here, below both, as ``events.jsonl`` does.
+
 Workers append to one shared ``metrics.jsonl``: each record is one ``os.write`` of one line on a
 file opened with ``O_APPEND``, which Linux keeps whole even with several writers, so no record is
 ever half written or interleaved. :func:`summarize` turns the records into ``summary.json``.

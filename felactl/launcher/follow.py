@@ -1,0 +1,152 @@
+"""Following a started run to its end: agents' states on the store (or the elastic controller's
+polls), workers' records in ``metrics.jsonl`` for the live view, checkpoints pruned as it goes,
+storage trouble said on the console, and the summary it ends with."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from felactl.agents.agent import WorkerState
+from felactl.control import EventKind
+from felactl.control.metrics import summarize
+from felactl.errors import WorkerFailed
+from felactl.fsutil import JsonlTail
+from felactl.launcher.controlplane import Coordinator, Member
+from felactl.launcher.elastic import ElasticController
+from felactl.launcher.node_agents import Agents
+from felactl.launcher.resume import prune_checkpoints
+from felactl.launcher.rundir import RunDir, read_jsonl
+from felactl.launcher.scale_requests import refuse_requests
+from felactl.spec import Plan, SyncMode
+
+log = logging.getLogger(__name__)
+PRUNE_EVERY_S = 2.0
+"""How often the launch deletes checkpoints beyond --keep-checkpoints (a glob of a few dirs)."""
+POLL_S = 0.2
+
+
+@dataclass
+class LaunchState:
+    """What the live view shows: the run, its members, the records so far."""
+
+    run: RunDir
+    plan: Plan
+    sync: SyncMode
+    members: list[Member] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    not_elastic: str = ""
+    """Why ``felactl scale`` is refused (a job that is not elastic)."""
+    _metrics: JsonlTail | None = field(default=None, repr=False)
+
+    def read_new(self) -> None:
+        """Take in the records the workers appended to metrics.jsonl since the last look."""
+        if self._metrics is None:
+            self._metrics = JsonlTail(self.run.metrics)
+        self.records.extend(self._metrics.read_new())
+
+    def summary_so_far(self) -> dict[str, Any] | None:
+        """The summary of every step recorded by now (what felactl status would read: a view
+        drawn after a graceful stop's drain shows the steps it trained), None before the first;
+        with the run's events, so a resumed run counts neither its redone steps nor the time it
+        lay stopped."""
+        self.read_new()
+        return summarize(self.records, read_jsonl(self.run.events)) if self.records else None
+
+
+def follow(
+    coordinator: Coordinator,
+    state: LaunchState,
+    agents: Agents,
+    on_update: Callable[[LaunchState], None],
+    controller: ElasticController | None = None,
+    keep_checkpoints: int = 0,
+) -> dict[str, Any]:
+    """Follow the run to its end (:func:`_watch`), prune its last checkpoints beyond
+    ``keep_checkpoints``, and return its summary (:class:`WorkerFailed` when no step was recorded)."""
+    _watch(coordinator, state, agents, on_update, controller, keep_checkpoints)
+    prune_checkpoints(state.run.checkpoints, len(state.plan.stages), keep_checkpoints)  # the last ones too
+    return _summary(state)
+
+
+def _watch(
+    coordinator: Coordinator,
+    state: LaunchState,
+    agents: Agents,
+    on_update: Callable[[LaunchState], None],
+    controller: ElasticController | None = None,
+    keep_checkpoints: int = 0,
+) -> None:
+    """Until every agent reports its workers done: follow metrics, and fail fast on a failure
+    (an elastic job instead re-forms without the failed worker; its controller says when it is done)."""
+    events = JsonlTail(state.run.events)
+    pruned_at = 0.0
+    while True:
+        agents.check(node_loss_is_fatal=controller is None)
+        _say_storage_trouble(events)
+        on_update(state)
+        if keep_checkpoints and time.monotonic() - pruned_at > PRUNE_EVERY_S:
+            prune_checkpoints(state.run.checkpoints, len(state.plan.stages), keep_checkpoints)
+            pruned_at = time.monotonic()
+        if controller is not None:
+            if controller.poll():
+                _say_storage_trouble(events)
+                on_update(state)
+                return
+            time.sleep(POLL_S)
+            continue
+        refuse_requests(coordinator, state.run, state.not_elastic)
+        coordinator.audit()
+        states = {m.agent_id: coordinator.agent_state(m.agent_id) for m in state.members}
+        failed = {aid: s for aid, s in states.items() if s and s.get("state") == WorkerState.FAILED.value}
+        if failed:
+            raise WorkerFailed(_failure_line(failed, state))
+        if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
+            _say_storage_trouble(events)
+            on_update(state)
+            return
+        time.sleep(POLL_S)
+
+
+def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
+    node_of = {m.agent_id: m.node_name for m in state.members}
+    parts = []
+    for agent_id, s in failed.items():
+        for rank, line in sorted(s.get("failures", {}).items()):
+            parts.append(f"node {node_of.get(agent_id, agent_id)!r} rank {rank}: {line}")
+    return f"worker failed ({'; '.join(parts) or 'no message'}); logs in {state.run.logs}"
+
+
+def _say_storage_trouble(events: JsonlTail) -> None:
+    """What the workers could not write (events.jsonl says it where it can be written; else each
+    worker's log does): a warning on the console, the job goes on."""
+    for e in events.read_new():
+        if e.get("kind") == EventKind.CHECKPOINT_FAILED.value:
+            log.warning(
+                "worker %s: the checkpoint of step %s was not written (%s); training goes on",
+                e.get("worker"),
+                e.get("step"),
+                e.get("reason"),
+            )
+
+
+def _summary(state: LaunchState) -> dict[str, Any]:
+    summary = state.summary_so_far()
+    if summary is None:
+        raise WorkerFailed(f"the workers ended without recording a step; logs in {state.run.logs}")
+    predicted = state.plan.predicted
+    measured_iteration_s = summary["wall_s"] / max(summary["steps"], 1)
+    summary.update(
+        run=state.run.run_id,
+        run_dir=str(state.run.path),
+        iteration_s=measured_iteration_s,
+        sync=state.sync.value,
+    )
+    if predicted is not None:
+        summary["predicted_iteration_s"] = predicted.iteration_s
+        summary["predicted_ratio"] = measured_iteration_s / predicted.iteration_s
+    return summary
