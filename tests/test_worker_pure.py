@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
+import torch.distributed
 from _worker_helpers import dp_plan, pipeline_plan
 
 from felactl.agents.worker.config import from_env
+from felactl.agents.worker.generations import Heartbeat
 from felactl.agents.worker.stages import micro_batches, place, split_by_shares
 from felactl.agents.worker.stragglers import Straggler
 from felactl.agents.worker.sync.groups import MAX_WAIT_S, MIN_WAIT_S, GroupScheduler, adapt_wait
+from felactl.control import keys
+from felactl.control.documents import HeartbeatDoc
 from felactl.control.metrics import summarize
 from felactl.control.stragglers import Pattern, parse_pattern, parse_slowdown
 from felactl.errors import InputError
@@ -298,3 +303,27 @@ def test_the_live_view_of_a_resumed_run_counts_the_time_it_ran(tmp_path):
     with live_run(Console(file=out, width=100), lambda run_id: run_id) as update:
         update(state)
     assert "8.0 samples/s" in out.getvalue(), out.getvalue()  # 160 samples in 20 s of training
+
+
+def test_a_worker_says_it_has_started_before_its_first_step(tmp_path):
+    """The coordinator tells "a node could not start" from "a worker failed" by the heartbeats that
+    say a step: the one that says the start is on the store when the worker's start returns, not
+    up to a beat later (a job whose steps take milliseconds lost a worker at step 10 in CI, and the
+    launch failed as if its node had never started)."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = from_env(_env(tmp_path, FELACTL_STORE=f"127.0.0.1:{store.port}", FELACTL_HEARTBEAT_S="60"))
+    beat = Heartbeat(cfg)
+    beat.start()
+    try:
+        reader = cfg.reader(store)
+        deadline = time.monotonic() + 10
+        while (first := reader.read(keys.heartbeat(cfg.worker_id), HeartbeatDoc.KIND.value)) is None:
+            assert time.monotonic() < deadline, "no first beat"
+            time.sleep(0.01)
+        assert first.body["step"] == -1
+        beat.say_started(0)
+        said = reader.read(keys.heartbeat(cfg.worker_id), HeartbeatDoc.KIND.value)
+        assert said is not None and said.body["step"] == 0
+    finally:
+        beat.stopped.set()
+        beat.join(timeout=5)

@@ -190,7 +190,7 @@ class ElasticMembership(Membership):
             strategy = self._start_as_newcomer()
         else:
             strategy = self._start_as_member()
-        self.heartbeat.say_step(self.step)  # this worker has started
+        self.heartbeat.say_started(self.step)
         return self.trainer, strategy
 
     def _start_as_member(self) -> Strategy:

@@ -42,6 +42,8 @@ class Heartbeat(threading.Thread):
         self.key, self.interval_s = keys.heartbeat(cfg.worker_id), cfg.heartbeat_s
         self.step = -1
         """This worker's steps done, said in each beat (:meth:`say_step`); -1 until it has started."""
+        self._say_now: threading.Event | None = None
+        """Set by :meth:`say_started`: beat at once, then set it."""
         self.generation = cfg.generation
         self.docs: dict[int, dict] = {}
         """Generation -> its verified document (what the training thread switches to)."""
@@ -55,11 +57,20 @@ class Heartbeat(threading.Thread):
         """Say ``step`` (this worker's steps done) in the next beats."""
         self.step = step
 
+    def say_started(self, step: int) -> None:
+        """Say ``step`` now and return once it is on the store: the coordinator reads a beat with
+        a step as "this worker has started", and must not miss it when the worker fails a few
+        milliseconds later (a node that could not start is told apart by it)."""
+        said = threading.Event()
+        self.step, self._say_now = step, said
+        said.wait(max(5.0, 4 * self.WATCH_S))  # a thread that has ended (the coordinator gone) never says it
+
     def run(self) -> None:
         count, next_beat = 0, 0.0
         while not self.stopped.is_set():
             try:
-                if time.monotonic() >= next_beat:
+                say_now = self._say_now
+                if say_now is not None or time.monotonic() >= next_beat:
                     count += 1
                     self.reader.write(
                         self.key,
@@ -68,6 +79,9 @@ class Heartbeat(threading.Thread):
                         generation=self.generation,
                     )
                     next_beat = time.monotonic() + self.interval_s
+                    if say_now is not None:
+                        self._say_now = None
+                        say_now.set()
                 self.watch()
             except RuntimeError:
                 return  # the coordinator is gone; the main thread will notice too
