@@ -103,9 +103,9 @@ def test_tokens_one_each_sum_under_the_last_backward(tmp_path):
     call its token its last at once (the other has not claimed yet); it used to sum only after
     its backward, and so held the other's sum with it (issue 15: the fragment's 75 ms sum)."""
     config = {"input_dim": 256, "hidden": 512, "depth": 4}  # a backward of ~10 ms: the claims come first
-    # SGD: a worker that takes both tokens of an iteration (the other held back by a busy machine)
-    # sums its micro-batches in another order; Adam turns such float noise on a near-zero gradient
-    # into a step of about lr (0.0002 seen in CI), SGD keeps it at float noise.
+    # SGD: two micro-batches' summed gradients differ from one batch's in float order, and AdamW
+    # (lr 3e-3, as this test had) turns that noise on near-zero gradients into 2e-4 after 8 steps,
+    # with bsp exactly as with tokens (on torch 2.13); SGD keeps it at 1.5e-8.
     plan = dp_plan(2, "tokens", global_batch=512, micro_batch=256, config=config)
     steps = 8
     run_dir = run_plan(plan, tmp_path, steps)
