@@ -34,7 +34,7 @@ from felactl.spec import (
     load_plan,
     save,
 )
-from felactl.spec.executable import FIXED_BATCH_SYNC, RESCALABLE_SYNC
+from felactl.spec.sync_modes import modes_where, sync_support
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +157,7 @@ def runnable_plan(options: LaunchOptions, resume: ResumePoint | None) -> tuple[P
     if options.sync is not None:  # the run's plan says the mode it runs with, so a resume runs it too
         plan = dataclasses.replace(plan, sync=dataclasses.replace(plan.sync, mode=options.sync))
     check_runnable(plan, where=str(plan_path))
-    if options.elastic and options.scaling_policy != "fixed-batch" and plan.sync.mode in FIXED_BATCH_SYNC:
+    if options.elastic and options.scaling_policy != "fixed-batch" and sync_support(plan.sync.mode).at_own_pace:
         raise InputError(
             f"--scaling-policy {options.scaling_policy}: sync {plan.sync.mode.value} rescales with a fixed "
             f"global batch; use --scaling-policy fixed-batch"
@@ -293,9 +293,10 @@ def check_min_nodes(options: LaunchOptions, plan: Plan, sync: SyncMode, elastic:
     """``--nnodes MIN:MAX`` with MIN < MAX: only a job that survives losing workers goes on without a node."""
     if options.min_nodes is None or options.min_nodes == options.nnodes or elastic:
         return
+    live = " or ".join(m.value for m in modes_where(lambda row: row.rescales_live))
     raise InputError(
         f"--nnodes {options.min_nodes}:{options.nnodes}: going on without a node needs live rescaling (a "
-        f"data-parallel plan with sync {' or '.join(m.value for m in RESCALABLE_SYNC)}, not --no-elastic); this "
+        f"data-parallel plan with sync {live}, not --no-elastic); this "
         f"job runs {len(plan.stages)} stage(s) with sync {sync.value}"
     )
 

@@ -56,12 +56,6 @@ def execution(plan: Plan) -> Execution:
     return Execution.FLEXIBLE if plan.schedule is Schedule.TOKENS else Execution.PIPELINE
 
 
-# Thin aliases of the table's columns for the launcher and the worker's elastic path, which other
-# work of issue 31 is rewriting: they go once those read `sync_support` themselves.
-RESCALABLE_SYNC = modes_where(lambda row: row.rescales_live)
-FIXED_BATCH_SYNC = modes_where(lambda row: row.at_own_pace)
-
-
 def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
     """Refuse (InputError) a membership change that would change the global batch of a mode whose
     steps are counted in samples (its workers go at their own pace)."""

@@ -58,7 +58,8 @@ from felactl.control.documents import ArrivedDoc, DoneDoc, LeftDoc, ReadyDoc, St
 from felactl.control.seal import parse_int
 from felactl.errors import InputError, WorkerFailed
 from felactl.spec import Plan, load_plan
-from felactl.spec.executable import RESCALABLE_SYNC, rescalable
+from felactl.spec.executable import rescalable
+from felactl.spec.sync_modes import modes_where
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01
@@ -456,9 +457,10 @@ def _warm_up(trainer: Trainer) -> None:
 
 def _check_plan(plan) -> None:
     if not rescalable(plan):
+        live = " or ".join(m.value for m in modes_where(lambda row: row.rescales_live))
         raise InputError(
             f"elastic training runs data-parallel plans (one stage) with sync "
-            f"{' or '.join(m.value for m in RESCALABLE_SYNC)}; this plan has {len(plan.stages)} "
+            f"{live}; this plan has {len(plan.stages)} "
             f"stage(s) and sync {plan.sync.mode.value}"
         )
 

@@ -62,16 +62,15 @@ def data_parallel(trainer: Trainer, group, init_sync: bool = True) -> Distribute
     return ddp
 
 
-def settle_buckets(ddp: DistributedDataParallel | None) -> None:
+def settle_buckets(ddp: DistributedDataParallel) -> None:
     """Rebuild DDP's gradient buckets now, after the first synchronised step, on every rank at once.
 
     DDP otherwise rebuilds them inside the next forward, with a broadcast: replicas that run a
     different number of micro-batches (uneven shares) would reach that broadcast and the arrival
-    all-reduce in different orders and deadlock."""
-    if ddp is not None and not getattr(ddp, "_felactl_settled", False):
-        ddp.reducer._rebuild_buckets()
-        ddp._has_rebuilt_buckets = True
-        ddp._felactl_settled = True
+    all-reduce in different orders and deadlock. ``_has_rebuilt_buckets`` is DDP's own flag for
+    that rebuild: setting it is how DDP is told it has happened."""
+    ddp.reducer._rebuild_buckets()
+    ddp._has_rebuilt_buckets = True
 
 
 class BSP(Lockstep):
@@ -85,6 +84,8 @@ class BSP(Lockstep):
         super().__init__(trainer)
         self.group = trainer.runtime.group(trainer.placement.stage_ranks)
         self.ddp = data_parallel(trainer, self.group, init_sync=False)  # begin() or replication made them agree
+        self.buckets_settled = self.ddp is None
+        """Whether :func:`settle_buckets` has run on this strategy's DDP (once, after the first step)."""
         self.trees = stage_trees(trainer.plan, trainer.placement.stage, trainer.runtime.rank, self.group)
         self.seen_generation = trainer.membership.generation
         """The newest generation any member had seen at the last step's arrival."""
@@ -99,7 +100,9 @@ class BSP(Lockstep):
             wait_s = self._arrive()
             comm_s = allreduce_grads(t, self.group, self.trees)
         t.optimizer_step()
-        settle_buckets(self.ddp)
+        if not self.buckets_settled:
+            settle_buckets(self.ddp)
+            self.buckets_settled = True
         return StepResult(result.samples, result.loss_sum, result.compute_s, comm_s, wait_s)
 
     def _arrive(self) -> float:
