@@ -1,7 +1,15 @@
+import functools
 import os
 
 import psutil
 import pytest
+import typer.testing
+
+# typer builds the click command from the app on every CliRunner.invoke, reading every command's
+# signature and evaluating its annotations: about half of what an in-process CLI test costs. The
+# app does not change during a run, so the tests build it once (a process the user starts builds
+# it once too).
+typer.testing._get_command = functools.cache(typer.testing._get_command)
 
 # Multi-process tests share 2 cores: one thread per process keeps them fast and predictable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

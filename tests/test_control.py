@@ -370,6 +370,7 @@ def test_forged_scale_requests_to_a_job_that_cannot_scale_do_not_fill_the_events
     assert len(refused) == REFUSALS_PER_KEY + 1 and refused[0]["key"] == keys.SCALE_REQUESTS
 
 
+@pytest.mark.multiprocess
 def test_a_worker_that_times_out_is_asked_where_it_was(tmp_path):
     """A hang seen once in CI (an sdpipe pipeline test) left an empty worker log: now the error
     carries the stuck worker's stacks, which workers dump on SIGUSR1."""

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import yaml
 from test_cli_errors import CLUSTER, MODEL, PLAN
 from typer.testing import CliRunner
@@ -27,6 +28,9 @@ from felactl.cli.main import app
 
 SEED = 11
 SECONDS_PER_CASE = 10.0
+INTERPRETER_START_S = 10.0
+"""A real process also starts Python and imports torch first: 2-3 s quiet, 11 s seen on a loaded
+2-core machine (a case of the real-process test is then allowed this much more)."""
 runner = CliRunner()
 
 
@@ -352,12 +356,14 @@ def _write(root: Path, files: dict[str, str | bytes | object]) -> None:
             path.write_bytes(content if isinstance(content, bytes) else content.encode())
 
 
-def _assert_refused(case: Case, code: int, stderr: str, seconds: float, root: Path, before: set[str]) -> None:
+def _assert_refused(
+    case: Case, code: int, stderr: str, seconds: float, root: Path, before: set[str], limit_s: float = SECONDS_PER_CASE
+) -> None:
     lines = stderr.splitlines()
     assert code == 2, f"{case.name}: exit {code}: {stderr[-500:]}"
     assert len(lines) == 1 and lines[0].strip(), f"{case.name}: {len(lines)} lines: {stderr[-500:]}"
     assert "Traceback" not in stderr and "internal error" not in stderr, f"{case.name}: {stderr}"
-    assert seconds < SECONDS_PER_CASE, f"{case.name}: took {seconds:.1f} s"
+    assert seconds < limit_s, f"{case.name}: took {seconds:.1f} s"
     assert _tree(root) == before, f"{case.name}: left {sorted(_tree(root) - before)}"
 
 
@@ -387,6 +393,7 @@ def test_hard_inputs_are_refused_in_one_line(tmp_path, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.multiprocess
 def test_hard_inputs_through_a_real_process(tmp_path):
     """A sample of the cases as the user runs them: a hang, a traceback or a stray file cannot hide
     in a real process; one case per command, chosen with the seed."""
@@ -412,7 +419,10 @@ def test_hard_inputs_through_a_real_process(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=SECONDS_PER_CASE + 20,
-        )  # + interpreter start on a busy machine
-        _assert_refused(case, proc.returncode, proc.stderr, time.perf_counter() - started, root, before)
+            timeout=SECONDS_PER_CASE + INTERPRETER_START_S + 10,
+        )
+        seconds = time.perf_counter() - started
+        _assert_refused(
+            case, proc.returncode, proc.stderr, seconds, root, before, SECONDS_PER_CASE + INTERPRETER_START_S
+        )
         assert proc.stdout == "", case.name

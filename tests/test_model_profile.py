@@ -342,6 +342,7 @@ def test_a_burst_of_preemption_does_not_become_the_layers_time():
     assert noisy.noisy and noisy.spread > 1.0  # the blocks never agree: recorded, not hidden
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_per_layer_times_of_a_tiny_conv_are_sane_while_a_core_is_busy():
     """A tiny conv's layers, profiled while another process spins on a core: time per micro-batch

@@ -252,6 +252,7 @@ def test_a_runs_root_that_is_a_file_is_refused_in_one_line(tmp_path):
         RunDir.create("a", root=blocker)
 
 
+@pytest.mark.multiprocess
 def test_launch_script_with_a_runs_root_that_is_a_file_exits_2(tmp_path):
     (tmp_path / "runs").write_text("")
     (tmp_path / "train.py").write_text("print('never runs')\n")

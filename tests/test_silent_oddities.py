@@ -115,6 +115,7 @@ def test_a_dataset_shorter_than_the_global_batch_is_refused_at_launch(tmp_path, 
     assert job_plan("_user_models:few_samples", {}, 2, 10, None).global_batch == 10
 
 
+@pytest.mark.multiprocess
 def test_a_worker_refuses_a_plan_whose_batch_its_dataset_cannot_fill(tmp_path):
     """A plan's launch builds the job in the workers: each refuses (exit 2, the same line) before
     it connects to anyone, so the launch ends with the reason instead of training on repeats."""
@@ -153,6 +154,7 @@ def _felactl(cwd: Path, *argv: str, timeout: float = 60) -> subprocess.Completed
     )
 
 
+@pytest.mark.multiprocess
 def test_a_model_deeper_than_any_is_refused_in_seconds(tmp_path):
     """``--config depth=100000000`` built blocks for minutes (7 GB after 90 s). A real process,
     so that the old behaviour fails this test by its timeout instead of hanging the suite."""

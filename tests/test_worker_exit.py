@@ -8,10 +8,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = str(Path(__file__).resolve().parent.parent)
 """felactl importable by a script of a test also where it is not installed."""
 
 
+@pytest.mark.multiprocess
 def test_a_worker_refusing_its_input_exits_2_while_a_store_thread_is_busy(tmp_path):
     # The elastic worker's heartbeat thread talks to the store (which worker 0 hosts) when the
     # main thread refuses the model: at interpreter teardown the store's C++ thread was still

@@ -228,6 +228,7 @@ def test_leavers_are_never_grouped():
     assert g.poll(0.0) == [[0, 2]] and g.active == {0, 2}
 
 
+@pytest.mark.multiprocess
 def test_worker_entry_exits_2_with_one_line_on_bad_input(tmp_path):
     import subprocess
     import sys
