@@ -123,13 +123,16 @@ def _plan_file(tmp_path: Path, nodes: tuple[str, ...]) -> Path:
     return path
 
 
-def _launch_elastic(bed, tmp_path: Path, nodes: tuple[str, ...], run_id: str, steps: int, stdout=subprocess.DEVNULL):
+def _launch_elastic(
+    bed, tmp_path: Path, nodes: tuple[str, ...], run_id: str, steps: int, stdout=subprocess.DEVNULL, stderr=None
+):
     """`felactl launch --testbed` of an elastic bsp job on one worker in each of ``nodes``, failures
-    noticed within 3 s of silence and a collective that waits 5 s at most."""
+    noticed within 3 s of silence and a collective that waits 5 s at most; its stderr to a pipe
+    unless ``stderr`` (a file) is given."""
     command = [*FELACTL, "launch", str(_plan_file(tmp_path, nodes)), "--testbed", bed.name]
     command += ["--steps", str(steps), "--json", "--run-id", run_id, "--runs-root", str(tmp_path / "runs")]
     command += ["--elastic", "--heartbeat-timeout", "3", "--collective-timeout", "5", "--max-nproc-per-node", "1"]
-    return subprocess.Popen(command, env=ENV, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, env=ENV, stdout=stdout, stderr=stderr or subprocess.PIPE, text=True)
 
 
 def _scale_onto_nb(runs: Path, run_id: str) -> subprocess.CompletedProcess:
@@ -330,12 +333,14 @@ def _launch_elsewhere(bed, tmp_path: Path) -> subprocess.Popen:
 
 
 class Grown:
-    """The shared job: its launch, nb's agent, and what growing it onto nb said."""
+    """The shared job: its launch, nb's agent, and what growing it onto nb said. The two long-lived
+    processes write their stderr to files beside the run (a pipe nobody reads could fill)."""
 
     def __init__(self, bed, tmp_path: Path):
-        self.bed, self.runs = bed, tmp_path / "runs"
+        self.bed, self.tmp, self.runs = bed, tmp_path, tmp_path / "runs"
         self.run = self.runs / "grow"
-        self.launch = _launch_elastic(bed, tmp_path, ("na",), "grow", 100000)
+        with (tmp_path / "launch.log").open("w") as log:
+            self.launch = _launch_elastic(bed, tmp_path, ("na",), "grow", 100000, stderr=log)
         self.agent: subprocess.Popen | None = None
         self.joined: dict = {}
         self.scaled: dict = {}
@@ -348,22 +353,26 @@ class Grown:
         self.endpoint = _events(self.run)[0]["endpoint"]  # the launch event's
         agent = [*FELACTL, "agent", "--rdzv-endpoint", self.endpoint, "--secret-file", str(self.run / "secret")]
         agent += ["--nproc-per-node", "1", "--job", "grow"]
-        self.agent = subprocess.Popen(
-            [*FELACTL, "testbed", "exec", "nb", "--name", self.bed.name, "--", *agent],
-            env=ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        with (self.tmp / "agent-nb.log").open("w") as log:
+            self.agent = subprocess.Popen(
+                [*FELACTL, "testbed", "exec", "nb", "--name", self.bed.name, "--", *agent],
+                env=ENV,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         self.joined = _wait_event(self.run, ("node-joined",), timeout_s=60)
         scaled = _scale_onto_nb(self.runs, "grow")
         assert scaled.returncode == 0, scaled.stderr
         self.scaled = json.loads(scaled.stdout)
         self.generation = self.scaled["generation"]
 
+    def said(self) -> str:
+        """The end of the launch's stderr."""
+        return (self.tmp / "launch.log").read_text(errors="replace")[-2000:]
+
     def two_training(self) -> None:
         """Fails at once unless the job runs on two workers, na's and nb's; then waits until both train."""
-        assert self.launch.poll() is None, "the shared job has ended"
+        assert self.launch.poll() is None, f"the shared job has ended: {self.said()}"
         changes = [e for e in _events(self.run) if "members_after" in e]
         assert changes and len(changes[-1]["members_after"]) == 2, f"the shared job is not on two workers: {changes}"
         _wait_training(self.run, workers=2, generation=self.generation)
@@ -463,7 +472,7 @@ def test_ctrl_c_stops_the_shared_job_checkpointed_and_no_step_was_lost(grown) ->
     (they were terminated before their workers could, and the run stopped with no checkpoint). And
     through the shared job's scale-outs and faults, rank 0 did every step once: none lost or skipped."""
     job = grown
-    assert job.launch.poll() is None, "the shared job has ended"
+    assert job.launch.poll() is None, f"the shared job has ended: {job.said()}"
     _stop(job.launch, 60)
     _stop(job.agent, 30)
     done = _steps_of_rank_0(job.run)
