@@ -373,8 +373,8 @@ class Grown:
     def two_training(self) -> None:
         """Fails at once unless the job runs on two workers, na's and nb's; then waits until both train."""
         assert self.launch.poll() is None, f"the shared job has ended: {self.said()}"
-        changes = [e for e in _events(self.run) if "members_after" in e]
-        assert changes and len(changes[-1]["members_after"]) == 2, f"the shared job is not on two workers: {changes}"
+        changes = [(e["kind"], e["members_after"]) for e in _events(self.run) if "members_after" in e]
+        assert changes and len(changes[-1][1]) == 2, f"the shared job is not on two workers: {changes}"
         _wait_training(self.run, workers=2, generation=self.generation)
 
     def close(self) -> None:
