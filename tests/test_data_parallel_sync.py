@@ -30,11 +30,50 @@ def _no_children_left() -> bool:
     return not left
 
 
-def test_sync_grows_with_the_gradients_and_no_process_is_left():
-    big = measure_data_parallel_sync("mlp", {"hidden": 1024, "depth": 4}, 16, SLOTS, **QUICK)  # 13 MB
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """``felactl profile --model mlp --config hidden=1024 --cluster`` of two CPU slots: mlp
+    {hidden 1024, depth 4} has 13 MB of gradients, whose sync the profile times at 16 samples a
+    slot. The CLI's result, the cluster file, the model profile's path."""
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+
+    tmp_path = tmp_path_factory.mktemp("profiled")
+    cluster = two_cpu_slot_cluster(tmp_path)
+    args = [
+        "profile",
+        "--model",
+        "mlp",
+        "--config",
+        "hidden=1024",
+        "--batch-sizes",
+        "8,16",
+        "--repetitions",
+        "2",
+        "--device",
+        "cpu",
+        "--cluster",
+        str(cluster),
+        "-o",
+        str(tmp_path / "model.yaml"),
+        "--json",
+    ]
+    return CliRunner().invoke(app, args), cluster, tmp_path / "model.yaml"
+
+
+def test_sync_grows_with_the_gradients_and_no_process_is_left(profiled):
+    """A sync of 8 KB of gradients, timed here, against the 13 MB of ``profiled`` (the same
+    model, 16 samples a slot): the larger takes more than 1 ms longer where both were measured."""
+    from felactl.spec import load_model
+
+    result, _, model_path = profiled
+    assert result.exit_code == 0, result.output
+    (big,) = load_model(model_path).data_parallel_sync
     small = measure_data_parallel_sync("mlp", {"hidden": 8, "depth": 1}, 16, SLOTS, **QUICK)  # 8 KB
-    assert big.devices == ("vm-cpu0", "vm-cpu1") and big.backend == "gloo" and big.micro_batch == 16
-    assert big.cluster == "here"
+    assert small.devices == ("vm-cpu0", "vm-cpu1") and small.backend == "gloo" and small.micro_batch == 16
+    assert small.cluster == "here"
+    assert big.backend == "gloo" and big.micro_batch == 16
     assert_measured_or_hidden_in_noise(big, more_than_ms=1.0)  # gloo moves 13 MB in no less than a few ms here
     if big.measured and small.measured:
         assert big.sync_ms > small.sync_ms + 1.0, (big, small)
@@ -68,35 +107,13 @@ def test_a_sync_timing_round_trips_and_needs_a_group():
         SyncTiming(cluster="c", devices=("a",), backend="gloo", micro_batch=16, sync_ms=1.0)
 
 
-def test_profile_model_with_cluster_measures_the_slots_sync_and_plan_charges_it(tmp_path):
-    from typer.testing import CliRunner
-
-    from felactl.cli.main import app
+def test_profile_model_with_cluster_measures_the_slots_sync_and_plan_charges_it(profiled):
     from felactl.optimizer.cost import CostModel
     from felactl.spec import load_cluster, load_model
 
-    cluster = two_cpu_slot_cluster(tmp_path)
-    args = [
-        "profile",
-        "--model",
-        "mlp",
-        "--config",
-        "hidden=1024",
-        "--batch-sizes",
-        "8,16",
-        "--repetitions",
-        "2",
-        "--device",
-        "cpu",
-        "--cluster",
-        str(cluster),
-        "-o",
-        str(tmp_path / "model.yaml"),
-        "--json",
-    ]
-    result = CliRunner().invoke(app, args)
+    result, cluster, model_path = profiled
     assert result.exit_code == 0, result.output
-    model = load_model(tmp_path / "model.yaml")
+    model = load_model(model_path)
     (sync,) = model.data_parallel_sync
     assert sync.devices == ("cpu0", "cpu1") and sync.micro_batch == 16 and sync.cluster == "here"
     assert_measured_or_hidden_in_noise(sync, more_than_ms=1.0)

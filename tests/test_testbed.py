@@ -2,6 +2,9 @@
 nothing, also after ``up`` is SIGKILLed half-way. Needs root; skips with the reason elsewhere.
 
 Each test builds its own small testbed under a name no other test (or person) uses, and removes it.
+The commands run in this process (typer's CliRunner, :func:`_felactl`), where only their own
+output is asserted: a command's process would spend a second or more importing felactl each
+time. ``up`` killed half-way and ``exec``, whose command's output is asserted, run as processes.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from felactl.cli.main import app
 from felactl.spec.io import from_dict
 from felactl.testbed import (
     TestbedSpec,
@@ -70,6 +75,12 @@ def _popen(state, node: str, *args: str, **kwargs) -> subprocess.Popen:
         text=True,
         **kwargs,
     )
+
+
+def _felactl(*args: str):
+    """``felactl ARGS`` run in this process: its exit code, stdout and stderr (typer's CliRunner
+    keeps them apart), as a user typing it would see them."""
+    return CliRunner().invoke(app, list(args))
 
 
 def _run(state, node: str, *args: str, timeout: float = 30) -> dict:
@@ -167,14 +178,8 @@ def test_down_after_up_is_killed_midway(host, name, tmp_path) -> None:
     doc = json.loads(state_path(name).read_text())
     assert not doc["complete"], "up finished before it could be killed"
     assert _host_view(name) != NOTHING
-    result = subprocess.run(
-        [sys.executable, "-m", "felactl", "testbed", "down", "--name", name, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _felactl("testbed", "down", "--name", name, "--json")
+    assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["removed"][name]["netns"]
     assert _host_view(name) == NOTHING
     # a second up under that name works again
@@ -263,18 +268,10 @@ def test_exec_runs_in_the_node(host, name) -> None:
     assert lines[0].split() == ["fl0", "lo", "fl0", "b", state.node("b").address]  # its own interfaces only
     assert state.node("b").address.startswith("198.18.") and state.node("b").address.endswith(".2")
     assert int(lines[1]) >= 1  # in the node's cgroup(s)
-    result = subprocess.run(
-        [*felactl, "exec", "nosuch", "--name", name, "--", "true"], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 2 and "has no node 'nosuch'" in result.stderr
-    result = subprocess.run(
-        [*felactl, "up", str(ROOT / "plans/testbeds/one-slow.yaml"), "--name", name, "--no-latency"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2 and "is up already" in result.stderr
+    result = _felactl("testbed", "exec", "nosuch", "--name", name, "--", "true")
+    assert result.exit_code == 2 and "has no node 'nosuch'" in result.stderr
+    result = _felactl("testbed", "up", str(ROOT / "plans/testbeds/one-slow.yaml"), "--name", name, "--no-latency")
+    assert result.exit_code == 2 and "is up already" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert read_state(name).nodes["a"].cpus == 0.5
 
@@ -316,7 +313,6 @@ def test_two_testbeds_at_once_are_apart_and_reach_the_host(host, name) -> None:
 def test_a_link_is_cut_healed_and_reshaped_while_up(host, name) -> None:
     spec = _spec([{"name": "a"}, {"name": "b"}], [], {"bandwidth_gbps": 0.02})
     state = up(spec, "test.yaml", name=name, host=host)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def arrived(src: str, dst: str) -> float:
         receiver = _popen(state, dst, "udp-recv", state.node(dst).address, "5004")
@@ -325,28 +321,22 @@ def test_a_link_is_cut_healed_and_reshaped_while_up(host, name) -> None:
         out, _ = receiver.communicate(timeout=30)
         return json.loads(out.strip().splitlines()[-1])["received"] / 500
 
-    def link(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "felactl", "testbed", "link", *args, "--name", name, "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    def link(*args: str):
+        return _felactl("testbed", "link", *args, "--name", name, "--json")
 
     cut = link("a", "b", "--loss", "1")
-    assert cut.returncode == 0, cut.stderr
+    assert cut.exit_code == 0, cut.stderr
     assert json.loads(cut.stdout)["loss"] == 1.0
     assert arrived("a", "b") == 0.0 and arrived("b", "a") == 1.0  # one direction only
-    assert link("a", "b", "--loss", "0").returncode == 0
+    assert link("a", "b", "--loss", "0").exit_code == 0
     assert arrived("a", "b") == 1.0
-    assert link("a", "b", "--bandwidth-gbps", "0.005").returncode == 0
+    assert link("a", "b", "--bandwidth-gbps", "0.005").exit_code == 0
     assert _tcp_rate(read_state(name), "a", "b", 1.5) == pytest.approx(5e6, rel=0.1)
     assert read_state(name).spec["links"] == [
         {"src": "a", "dst": "b", "bandwidth_gbps": 0.005, "latency_us": 0.0, "loss": 0.0}
     ]
     bad = link("a", "b", "--loss", "2")
-    assert bad.returncode == 2 and "--loss must be at most 1" in bad.stderr
+    assert bad.exit_code == 2 and "--loss must be at most 1" in bad.stderr
 
 
 def test_a_partition_keeps_the_sides_apart_and_the_host_reachable_and_heals(host, name) -> None:
@@ -359,11 +349,9 @@ def test_a_partition_keeps_the_sides_apart_and_the_host_reachable_and_heals(host
         {"bandwidth_gbps": 0.02},
     )
     state = up(spec, "test.yaml", name=name, host=host)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
-    def felactl(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "felactl", "testbed", *args, "--name", name]
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    def felactl(*args: str):
+        return _felactl("testbed", *args, "--name", name)
 
     def reaches(src: str, address: str, port: int = 9) -> bool:
         """Whether a TCP connection from src to address opens (or is refused: it got there)."""
@@ -377,7 +365,7 @@ def test_a_partition_keeps_the_sides_apart_and_the_host_reachable_and_heals(host
         return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
 
     made = felactl("partition", "a")
-    assert made.returncode == 0, made.stderr
+    assert made.exit_code == 0, made.stderr
     assert "a: apart from the other nodes" in made.stderr
     addr = {n: state.node(n).address for n in "abc"}
     assert not reaches("a", addr["b"]) and not reaches("b", addr["a"]) and not reaches("c", addr["a"])
@@ -395,39 +383,29 @@ def test_a_partition_keeps_the_sides_apart_and_the_host_reachable_and_heals(host
         ("c", "a"),
     }
     again = felactl("partition", "b")
-    assert again.returncode == 2 and "already partitioned" in again.stderr
-    assert felactl("partition", "a,b,c").returncode == 2  # a side and no other
-    assert felactl("partition", "a,zz").returncode == 2  # no such node
+    assert again.exit_code == 2 and "already partitioned" in again.stderr
+    assert felactl("partition", "a,b,c").exit_code == 2  # a side and no other
+    assert felactl("partition", "a,zz").exit_code == 2  # no such node
     healed = felactl("partition", "--heal", "--json")
-    assert healed.returncode == 0, healed.stderr
+    assert healed.exit_code == 0, healed.stderr
     assert json.loads(healed.stdout) == {"side": ["a"], "partitioned": False}
     assert reaches("a", addr["b"]) and reaches("b", addr["a"])
     losses = {(l["src"], l["dst"]): l["loss"] for l in json.loads(felactl("status", "--json").stdout)["links"]}
     assert losses[("a", "c")] == 0.25 and losses[("a", "b")] == 0.0 and losses[("c", "a")] == 0.0
-    assert felactl("partition", "--heal").returncode == 2  # nothing to heal
+    assert felactl("partition", "--heal").exit_code == 2  # nothing to heal
 
 
 def test_cut_heal_and_crash_say_what_they_did_as_json(host, name) -> None:
     """The failure commands a chaos script drives, each with --json as every felactl command has."""
     state = up(_spec([{"name": "a"}, {"name": "b"}], [], {"bandwidth_gbps": 0.02}), "test.yaml", name=name, host=host)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def felactl(*args: str) -> dict:
-        command = [sys.executable, "-m", "felactl", "testbed", *args, "--name", name, "--json"]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
+        done = _felactl("testbed", *args, "--name", name, "--json")
+        assert done.exit_code == 0, done.stderr
         return json.loads(done.stdout)
 
     assert felactl("cut", "a") == {"node": "a", "cut": True}
-    assert json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "felactl", "testbed", "status", "--name", name, "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-    )["cut"] == ["a"]
+    assert felactl("status")["cut"] == ["a"]
     assert felactl("heal", "a") == {"node": "a", "cut": False}
     sleeper = subprocess.Popen(node_command(state.node("b"), ["sleep", "60"]))
     try:
