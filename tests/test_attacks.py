@@ -167,13 +167,26 @@ def _attack(shared: Shared, attack: Callable[[Attacker], None], until: Until) ->
     return events
 
 
+HARM = ("failure", "re-form", "scale-in", "scale-out", "stopped", "finished", "failed")
+"""What an attack on the shared job must not cause: a lost member, a re-formed group, a stop or an end."""
+
+
+def _refused_keys(events: list[dict]) -> set[str]:
+    return {e["key"] for e in events if e["kind"] == "refused"}
+
+
+def _harm(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["kind"] in HARM]
+
+
 def _refusal(what: Callable[[str], bool]) -> Until:
     """Until a refusal at a key that is ``what``."""
     return lambda events: any(e["kind"] == "refused" and what(e["key"]) for e in events)
 
 
 def test_1_a_forged_stop_is_ignored_and_recorded(attacked, no_leftovers):
-    _attack(attacked, lambda a: a.set(keys.STOP, "garbage"), _refusal(lambda key: key == keys.STOP))
+    events = _attack(attacked, lambda a: a.set(keys.STOP, "garbage"), _refusal(lambda key: key == keys.STOP))
+    assert keys.STOP in _refused_keys(events) and not _harm(events), events
 
 
 def test_2_forged_done_marks_do_not_finish_the_job(attacked, no_leftovers):
@@ -182,7 +195,8 @@ def test_2_forged_done_marks_do_not_finish_the_job(attacked, no_leftovers):
         a.set(keys.done(1), "{}")
 
     both = {keys.done(0), keys.done(1)}
-    _attack(attacked, attack, lambda events: both <= {e["key"] for e in events if e["kind"] == "refused"})
+    events = _attack(attacked, attack, lambda events: both <= _refused_keys(events))
+    assert both <= _refused_keys(events) and not _harm(events), events
 
 
 def test_3_a_forged_generation_is_not_trained(attacked, no_leftovers, tmp_path):
@@ -289,7 +303,8 @@ def test_8_felactl_scale_reports_no_result_the_coordinator_did_not_produce(attac
 def test_a_forged_last_step_ends_nobody_early(value, attacked, no_leftovers):
     """``drain/last_step`` is the workers' agreement on a graceful stop's last step: a number put
     there by someone else used to end every worker after that step (or a traceback, for garbage)."""
-    _attack(attacked, lambda a: a.set(keys.LAST_STEP, value), _refusal(lambda key: key == keys.LAST_STEP))
+    events = _attack(attacked, lambda a: a.set(keys.LAST_STEP, value), _refusal(lambda key: key == keys.LAST_STEP))
+    assert keys.LAST_STEP in _refused_keys(events) and not _harm(events), events
 
 
 def test_a_forged_command_to_an_agent_kills_nobody(attacked, no_leftovers):
@@ -300,7 +315,8 @@ def test_a_forged_command_to_an_agent_kills_nobody(attacked, no_leftovers):
     def attack(a: Attacker) -> None:
         a.store.queue_push(a.prefix + keys.agent_commands(agent), json.dumps({"op": "kill", "worker_id": 1}))
 
-    _attack(attacked, attack, _refusal(lambda key: key.endswith("/commands")))
+    events = _attack(attacked, attack, _refusal(lambda key: key.endswith("/commands")))
+    assert any(key.endswith("/commands") for key in _refused_keys(events)) and not _harm(events), events
 
 
 def test_the_attacked_job_ends_as_the_unattacked_run(attacked, unattacked, no_leftovers):

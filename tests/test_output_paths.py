@@ -45,10 +45,12 @@ def _export_to(tmp_path: Path, path: Path):
     return runner.invoke(app, ["export", "r", "--runs-root", str(runs), "-o", str(path)])
 
 
-def _one_line(result, needle: str) -> None:
+def _one_line(result, needle: str) -> str:
+    """The one stderr line of an exit 2 that names ``needle`` (asserted), returned."""
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "internal error" not in lines[0], result.stderr
+    return lines[0]
 
 
 def _kinds(tmp_path: Path) -> dict[str, Path]:
@@ -82,7 +84,9 @@ def test_output_onto_a_device_fifo_socket_or_directory_is_refused_and_the_node_s
 def test_output_under_proc_is_one_line(tmp_path, command):
     path = Path("/proc/felactl-output-test")
     result = _plan_to(path) if command == "plan" else _export_to(tmp_path, path)
-    _one_line(result, "/proc/felactl-output-test")
+    line = _one_line(result, "/proc/felactl-output-test")
+    assert line.startswith("felactl: error: cannot write /proc/felactl-output-test"), line
+    assert not path.exists()
 
 
 @pytest.fixture
