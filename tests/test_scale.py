@@ -320,7 +320,7 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
 def test_a_killed_worker_and_then_a_hung_one_are_dropped_and_the_run_completes(sync, tmp_path, no_leftovers):
     """Three workers. SIGKILL worker 1: the survivors re-form within seconds, identical, the batch
     and rate scaled to two workers (linear-lr). Then SIGSTOP worker 2: its silence is noticed by
-    heartbeat (1.5 s), not by a collective's timeout, it is dropped, and worker 0 trains on alone
+    heartbeat (3 s), not by a collective's timeout, it is dropped, and worker 0 trains on alone
     to the last step, no step lost."""
     # Steps of ~0.1 s from the kill on: tokens' survivors go on without the killed worker, and
     # switch 10 steps after they see the failure's generation.
@@ -337,7 +337,7 @@ def test_a_killed_worker_and_then_a_hung_one_are_dropped_and_the_run_completes(s
         "--max-nproc-per-node",
         "3",
         "--heartbeat-timeout",
-        "1.5",
+        "3",  # 1.5 and 2 s dropped a starting worker, starved on a loaded machine
         "--collective-timeout",
         "3",
         "--scaling-policy",
@@ -832,92 +832,57 @@ def _claimed_samples(records: list[dict], wids) -> list[int]:
 
 
 @pytest.mark.parametrize("sync", ["wbsp", "sdpipe"])
-def test_modes_at_their_own_pace_scale_out_and_in_keeping_their_processes(sync, tmp_path, no_leftovers):
-    # WBSP and SDPipe members stop each at a step of its own: a planned change settles them first
-    # (the parameter server's or the groups' final merge), so every member switches identical.
+def test_modes_at_their_own_pace_scale_and_lose_workers_keeping_one_model(sync, tmp_path, no_leftovers):
+    """WBSP and SDPipe members stop each at a step of its own; rank 0 hosts WBSP's parameter
+    server and SDPipe's scheduler. Four workers grow to five, then worker 0 leaves (the host:
+    worker 1 is rank 0 now); a planned change settles the members first (the server's or the
+    groups' final merge), so every member switches identical, and a policy that would change the
+    batch is refused. Then SIGKILL worker 2 (the host lives on) and worker 1 (the host, taking
+    the server or scheduler along): after each, the survivors merge into one model within
+    seconds. Workers 3 and 4 keep their processes to the last step, every global batch trained,
+    and end identical."""
     pace = Pace(tmp_path, from_step=30)  # the job trains on while the newcomer starts (3-9 s here)
-    plan = save(gpt_plan(2, sync=sync, pace=pace), tmp_path / "plan.yaml")
+    plan = save(gpt_plan(4, global_batch=32, sync=sync, pace=pace), tmp_path / "plan.yaml")
     steps = 110
-    job = Job(tmp_path, str(plan), "--run-id", "w", "--steps", str(steps), "--max-nproc-per-node", "3", env=PACED_ENV)
+    job = Job(tmp_path, str(plan), "--run-id", "w", "--steps", str(steps), "--max-nproc-per-node", "5", env=PACED_ENV)
+    killed_at = []
     try:
         job.wait_step("w", 30)
         grown = job.scale("w", "--add", "1")
         assert grown.exit_code == 0, grown.output
         out = json.loads(grown.stdout)
-        assert out["kind"] == "scale-out" and out["members_after"] == [0, 1, 2]
+        assert out["kind"] == "scale-out" and out["members_after"] == [0, 1, 2, 3, 4]
         assert len(_checksums(out)) == 1, out["switch_s"]
         shrunk = job.scale("w", "--remove", "0")  # the parameter server's / scheduler's host leaves
         assert shrunk.exit_code == 0, shrunk.output
         out2 = json.loads(shrunk.stdout)
-        assert out2["kind"] == "scale-in" and out2["members_after"] == [1, 2] and len(_checksums(out2)) == 1
+        assert out2["kind"] == "scale-in" and out2["members_after"] == [1, 2, 3, 4] and len(_checksums(out2)) == 1
         refused = job.scale("w", "--add", "1", "--scaling-policy", "linear-lr")
         assert refused.exit_code == 2 and "fixed global batch" in refused.stderr
+        for n, wid in enumerate((2, 1), 1):
+            killed_at.append(job.signal_worker("w", wid, signal.SIGKILL))
+            failures = _wait_events(job, "w", "failure", n)
         pace.release()
         summary = job.finish()
     finally:
         job.stop()
+    for failure, survivors, at in zip(failures, ([1, 3, 4], [3, 4]), killed_at):
+        assert failure["members_after"] == survivors and failure["time"] - at < 5.0, failure
+        assert len(_checksums(failure)) == 1  # the survivors merged into one model
     assert summary["steps"] == steps
     records = job.records("w")
-    for wid in (1, 2):
+    for wid in (3, 4):
         assert len({r["pid"] for r in records if r["rank"] == wid}) == 1  # the same process throughout
-    assert {r["generation"] for r in records if r["rank"] == 1} == {0, 1, 2}
+    assert max(r["step"] for r in records if r["rank"] in (3, 4)) == steps - 1
+    assert {r["generation"] for r in records if r["rank"] == 3} == {0, 1, 2, 3, 4}
     # every global batch was trained: the claims cover each step, none past the last
-    assert set(_claimed_samples(records, (0, 1, 2))) == set(range(steps))
-    losses = [r["loss"] for r in records if r["rank"] == 1]
+    assert set(_claimed_samples(records, range(5))) == set(range(steps))
+    losses = [r["loss"] for r in records if r["rank"] == 3]
     assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.3
     finals = {
         json.loads((tmp_path / "runs" / "w" / "workers" / f"rank{w}.json").read_text())["param_checksum"]
-        for w in (1, 2)
+        for w in (3, 4)
     }
     assert len(finals) == 1
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "runs" / "w" / "events.jsonl")]
-    assert kinds == ["launch", "start", "scale-out", "scale-in", "refused", "finished"], kinds
-
-
-@pytest.mark.parametrize("sync,num_workers,killed", [("wbsp", 4, (1, 0)), ("sdpipe", 3, (0,))])
-def test_a_killed_worker_of_a_mode_at_its_own_pace_is_dropped_and_the_run_completes(
-    sync, num_workers, killed, tmp_path, no_leftovers
-):
-    """SIGKILL the workers ``killed``, one after the other: after each, the survivors merge into
-    one model within seconds and go on; they end the run identical. Worker 0 hosts WBSP's
-    parameter server and SDPipe's scheduler: its death takes them along (in WBSP, after a
-    worker's that leaves them in place)."""
-    pace = Pace(tmp_path, from_step=40)  # the survivors go on at their pace: not to the end before it is noticed
-    plan = save(gpt_plan(num_workers, global_batch=8 * num_workers, sync=sync, pace=pace), tmp_path / "plan.yaml")
-    steps = 120
-    job = Job(
-        tmp_path,
-        str(plan),
-        "--run-id",
-        "k",
-        "--steps",
-        str(steps),
-        "--max-nproc-per-node",
-        str(num_workers),
-        "--heartbeat-timeout",
-        "2",
-        env=PACED_ENV,
-    )
-    killed_at = []
-    try:
-        job.wait_step("k", 40)
-        for n, wid in enumerate(killed, 1):
-            killed_at.append(job.signal_worker("k", wid, signal.SIGKILL))
-            failures = _wait_events(job, "k", "failure", n)
-        pace.release()
-        summary = job.finish()
-    finally:
-        job.stop()
-    survivors = list(range(num_workers))
-    for failure, wid, at in zip(failures, killed, killed_at, strict=True):
-        survivors.remove(wid)
-        assert failure["members_after"] == survivors and failure["time"] - at < 5.0
-        assert len(_checksums(failure)) == 1  # the survivors merged into one model
-    assert summary["steps"] == steps
-    records = job.records("k")
-    assert max(r["step"] for r in records if r["rank"] in survivors) == steps - 1
-    finals = {
-        json.loads((tmp_path / "runs" / "k" / "workers" / f"rank{w}.json").read_text())["param_checksum"]
-        for w in survivors
-    }
-    assert len(finals) == 1
+    assert kinds == ["launch", "start", "scale-out", "scale-in", "refused", "failure", "failure", "finished"], kinds
