@@ -34,8 +34,8 @@ PACED_ENV = {"PYTHONPATH": f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH
 class Pace:
     """Holds a job of :func:`gpt_plan` with this pace to about a step a second from step
     ``from_step`` on (each sample takes ``sample_s`` more: ``tests/_paced_job.py``), until
-    :meth:`release`: the job outlives the test's calls however long they take, and then trains
-    its last steps at full speed. 80 steps of 8 samples a worker are a minute."""
+    :meth:`release`: the job trains on slowly while the test's calls take their time, and then
+    trains its last steps at full speed. 80 steps of 8 samples a worker last a minute."""
 
     def __init__(self, tmp_path: Path, from_step: int, sample_s: float = 0.1):
         self.file, self.from_step, self.sample_s = tmp_path / "pace", from_step, sample_s
