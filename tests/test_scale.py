@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -26,12 +27,34 @@ from _worker_helpers import Job, one_node_controller, rescale  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 GPT_CONFIG = {"depth": 1, "width": 64}
+PACED_ENV = {"PYTHONPATH": f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}"}
+"""What a job of ``_paced_job:gpt_mini`` needs (its launcher, agents and workers import it)."""
 
 
-def gpt_plan(num_workers: int, global_batch: int = 16, sync: str = "bsp") -> Plan:
+class Pace:
+    """Holds a job of :func:`gpt_plan` with this pace to about a step a second from step
+    ``from_step`` on (each sample takes ``sample_s`` more: ``tests/_paced_job.py``), until
+    :meth:`release`: the job trains on slowly while the test's calls take their time, and then
+    trains its last steps at full speed. 80 steps of 8 samples a worker last a minute."""
+
+    def __init__(self, tmp_path: Path, from_step: int, sample_s: float = 0.1):
+        self.file, self.from_step, self.sample_s = tmp_path / "pace", from_step, sample_s
+        self.file.touch()
+
+    def config(self, global_batch: int) -> dict:
+        slow_from = self.from_step * global_batch
+        return {**GPT_CONFIG, "pace_file": str(self.file), "slow_from": slow_from, "sample_s": self.sample_s}
+
+    def release(self) -> None:
+        self.file.unlink(missing_ok=True)
+
+
+def gpt_plan(num_workers: int, global_batch: int = 16, sync: str = "bsp", pace: Pace | None = None) -> Plan:
+    """gpt-mini, ``num_workers`` data-parallel; with ``pace``, the paced gpt-mini of ``tests/_paced_job.py``
+    (its job launched with :data:`PACED_ENV`)."""
     return models.local_data_parallel_plan(
-        "gpt-mini",
-        GPT_CONFIG,
+        "gpt-mini" if pace is None else "_paced_job:gpt_mini",
+        GPT_CONFIG if pace is None else pace.config(global_batch),
         num_workers,
         global_batch=global_batch,
         micro_batch=8,
@@ -62,13 +85,33 @@ def _checksums(event: dict) -> set[float]:
     return {round(w["param_checksum"], 6) for w in event["switch_s"].values()}
 
 
+def _wait_events(job: Job, run: str, kind: str, count: int, timeout_s: float = 30) -> list[dict]:
+    """The first ``count`` events of ``kind`` of ``run``, once recorded (the launch must run until then)."""
+    events = job.root / run / "events.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [e for e in read_jsonl(events) if e["kind"] == kind]
+        if len(found) >= count:
+            return found[:count]
+        assert time.monotonic() < deadline, f"not {count} {kind} event(s) within {timeout_s} s: {read_jsonl(events)}"
+        assert job.proc.poll() is None, job.proc.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("sync", ["bsp", "tokens"])
 def test_scale_out_and_in_keeps_processes_steps_and_identical_replicas(sync, tmp_path, no_leftovers):
-    plan = save(gpt_plan(2, sync=sync), tmp_path / "plan.yaml")
-    # Long enough that the job still trains when the newcomer is ready: its start (importing
-    # torch, building the model) takes 3-9 s here while two workers hold both cores.
-    steps = 1200
-    job = Job(tmp_path, str(plan), "--run-id", "s", "--steps", str(steps), "--max-nproc-per-node", "3")
+    """Two workers grow to three and shrink back to two: the stayers keep their processes and
+    every step, each change leaves the replicas identical. Requests the job cannot meet are
+    refused (exit 2, the reason said) and change nothing: a wrong secret, a worker beyond the
+    slots, removing every worker or one that does not exist, ``--to 0`` (refused by the CLI
+    itself); a request for what the job already is answers 'unchanged'."""
+    # The job trains on while the newcomer starts (3-9 s here, up to the --join-timeout of 60 s on
+    # a loaded machine): ~0.8 s a step in bsp, ~0.25 s in tokens, whose members agree on a switch
+    # 10 steps ahead.
+    sample_s, steps = {"bsp": (0.1, 110), "tokens": (0.03, 230)}[sync]
+    pace = Pace(tmp_path, from_step=30, sample_s=sample_s)
+    plan = save(gpt_plan(2, sync=sync, pace=pace), tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan), "--run-id", "s", "--steps", str(steps), "--max-nproc-per-node", "3", env=PACED_ENV)
     try:
         job.wait_step("s", 30)
         grown = job.scale("s", "--add", "1")
@@ -84,8 +127,20 @@ def test_scale_out_and_in_keeps_processes_steps_and_identical_replicas(sync, tmp
         assert shrunk.exit_code == 0, shrunk.output
         out2 = json.loads(shrunk.stdout)
         assert out2["kind"] == "scale-in" and out2["members_after"] == [0, 1] and len(_checksums(out2)) == 1
+        bad = tmp_path / "bad-secret"
+        bad.write_text("ab" * 32 + "\n")
+        for args, needle in [
+            (("--add", "1", "--secret-file", str(bad)), "secret"),
+            (("--remove", "0,1"), "at least one"),
+            (("--remove", "9"), "no such worker"),
+            (("--to", "0"), "--to must be >= 1"),
+        ]:
+            result = job.scale("s", *args)
+            assert result.exit_code == 2, (args, result.output)
+            assert needle in result.stderr, (args, result.stderr)
         same = job.scale("s", "--to", "2")  # already 2: nothing to do, and nothing done
         assert same.exit_code == 0 and json.loads(same.stdout)["kind"] == "unchanged", same.output
+        pace.release()
         summary = job.finish()
     finally:
         job.stop()
@@ -103,62 +158,51 @@ def test_scale_out_and_in_keeps_processes_steps_and_identical_replicas(sync, tmp
         for w in (0, 1)
     ]
     assert finals[0] == finals[1]
+    # every request that reached the coordinator is recorded (--to 0 is refused by the CLI itself)
+    refusals = ["refused"] * 3
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "runs" / "s" / "events.jsonl")]
-    assert kinds == ["launch", "start", "scale-out", "refused", "scale-in", "finished"]
+    assert kinds == ["launch", "start", "scale-out", "refused", "scale-in", *refusals, "finished"], kinds
     status = CliRunner().invoke(app, ["status", "s", "--runs-root", str(tmp_path / "runs"), "--json"])
     history = json.loads(status.stdout)["history"]
-    assert [h["kind"] for h in history] == ["scale-out", "refused", "scale-in"]
+    assert [h["kind"] for h in history] == ["scale-out", "refused", "scale-in", *refusals]
 
 
-def test_wrong_secret_and_impossible_requests_are_refused(tmp_path, no_leftovers):
+UNCHANGED_STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def late_scale_out(tmp_path_factory) -> SimpleNamespace:
+    """A job of two workers and 120 steps, asked to scale out at step 80, run to its end: what
+    :func:`test_a_scale_out_the_job_outruns_is_refused_and_the_job_still_finishes` checks, and, as
+    the refused request changed nothing, the reference run that
+    :func:`test_resume_continues_from_the_last_checkpoint_with_identical_parameters` compares with."""
+    tmp_path = tmp_path_factory.mktemp("late")
     plan = save(gpt_plan(2), tmp_path / "plan.yaml")
-    job = Job(tmp_path, str(plan), "--run-id", "w", "--steps", "250", "--max-nproc-per-node", "2")
+    job = Job(tmp_path, str(plan), "--run-id", "o", "--steps", str(UNCHANGED_STEPS), "--max-nproc-per-node", "3")
     try:
-        job.wait_step("w", 5)
-        bad = tmp_path / "bad-secret"
-        bad.write_text("ab" * 32 + "\n")
-        for args, needle in [
-            (("--add", "1", "--secret-file", str(bad)), "secret"),
-            (("--add", "1"), "slot"),
-            (("--remove", "0,1"), "at least one"),
-            (("--remove", "9"), "no such worker"),
-            (("--to", "0"), "--to must be >= 1"),
-        ]:
-            result = job.scale("w", *args)
-            assert result.exit_code == 2, (args, result.output)
-            assert needle in result.stderr, (args, result.stderr)
-        summary = job.finish()
-    finally:
-        job.stop()
-    assert summary["steps"] == 250
-    events = read_jsonl(tmp_path / "runs" / "w" / "events.jsonl")
-    # every request that reached the coordinator is recorded (--to 0 is refused by the CLI itself)
-    assert [e["kind"] for e in events].count("refused") == 4
-    assert all(_steps(job.records("w"), w) == list(range(250)) for w in (0, 1))
-
-
-def test_a_scale_out_the_job_outruns_is_refused_and_the_job_still_finishes(tmp_path, no_leftovers):
-    """The last 40 of 200 steps (~0.4 s, a few s under load) end before a newcomer can start (3-9 s): the
-    request is answered (refused, nothing changed), the newcomer is stopped, and the job ends as
-    finished, not as a failed switch. (Asked at step 2, a loaded machine made the 200 steps outlast
-    the newcomer's start, and the scale-out succeeded.)"""
-    plan = save(gpt_plan(2), tmp_path / "plan.yaml")
-    job = Job(tmp_path, str(plan), "--run-id", "o", "--steps", "200", "--max-nproc-per-node", "3")
-    try:
-        job.wait_step("o", 160)
+        job.wait_step("o", UNCHANGED_STEPS - 40)
         late = job.scale("o", "--add", "1")
         summary = job.finish()
     finally:
         job.stop()
+    return SimpleNamespace(late=late, summary=summary, run=tmp_path / "runs" / "o", records=job.records("o"))
+
+
+def test_a_scale_out_the_job_outruns_is_refused_and_the_job_still_finishes(late_scale_out, no_leftovers):
+    """The last 40 of 120 steps (~0.4 s, a few s under load) end before a newcomer can start (3-9 s): the
+    request is answered (refused, nothing changed), the newcomer is stopped, and the job ends as
+    finished, not as a failed switch. (Asked at step 2, a loaded machine made 200 steps outlast
+    the newcomer's start, and the scale-out succeeded.)"""
+    late, summary = late_scale_out.late, late_scale_out.summary
     assert late.exit_code == 2 and "finished" in late.stderr, late.output
-    assert summary["steps"] == 200
+    assert summary["steps"] == UNCHANGED_STEPS
     # "refused" is missing only when the request came after the launch's last sweep of the queue
     # (the store closed under it; felactl scale then read the ending from the run directory)
-    assert [e["kind"] for e in read_jsonl(tmp_path / "runs" / "o" / "events.jsonl")] in (
+    assert [e["kind"] for e in read_jsonl(late_scale_out.run / "events.jsonl")] in (
         ["launch", "start", "refused", "finished"],
         ["launch", "start", "finished"],
     )
-    assert all(_steps(job.records("o"), w) == list(range(200)) for w in (0, 1))
+    assert all(_steps(late_scale_out.records, w) == list(range(UNCHANGED_STEPS)) for w in (0, 1))
 
 
 def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_path, no_leftovers):
@@ -171,7 +215,8 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
 
     from felactl.spec import Placement
 
-    plan = gpt_plan(3, global_batch=24)
+    pace = Pace(tmp_path, from_step=30)  # the job trains on while agents come and go
+    plan = gpt_plan(3, global_batch=24, pace=pace)
     plan = dataclasses.replace(
         plan,
         placement=tuple(
@@ -183,7 +228,7 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-    steps = 1000  # the worker is back on nb by about step 520 here
+    steps = 110
     job = Job(
         tmp_path,
         str(plan_path),
@@ -201,6 +246,7 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
         "2",
         "--max-nproc-per-node",
         "3",
+        env=PACED_ENV,
     )
     agent = None
     try:
@@ -228,6 +274,7 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
                     "--job",
                     "a",
                 ],
+                env={**os.environ, "OMP_NUM_THREADS": "1", **PACED_ENV},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
@@ -253,6 +300,7 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
         back = job.scale("a", "--add", "1", "--node", "nb")
         assert back.exit_code == 0, back.output
         assert json.loads(back.stdout)["members_after"] == [0, 1, 3]
+        pace.release()
         summary = job.finish()
     finally:
         if agent is not None and agent.poll() is None:
@@ -269,65 +317,51 @@ def test_a_killed_agent_on_another_node_is_dropped_and_the_run_completes(tmp_pat
 
 
 @pytest.mark.parametrize("sync", ["bsp", "tokens"])
-def test_a_killed_worker_is_dropped_and_the_run_completes(sync, tmp_path, no_leftovers):
-    plan = save(gpt_plan(3, global_batch=24, sync=sync), tmp_path / "plan.yaml")
+def test_a_killed_worker_and_then_a_hung_one_are_dropped_and_the_run_completes(sync, tmp_path, no_leftovers):
+    """Three workers. SIGKILL worker 1: the survivors re-form within seconds, identical, the batch
+    and rate scaled to two workers (linear-lr). Then SIGSTOP worker 2: its silence is noticed by
+    heartbeat (3 s), not by a collective's timeout, it is dropped, and worker 0 trains on alone
+    to the last step, no step lost."""
+    # Steps of ~0.1 s from the kill on: tokens' survivors go on without the killed worker, and
+    # switch 10 steps after they see the failure's generation.
+    pace = Pace(tmp_path, from_step=40, sample_s=0.015)
+    plan = save(gpt_plan(3, global_batch=24, sync=sync, pace=pace), tmp_path / "plan.yaml")
+    steps = 200
     job = Job(
         tmp_path,
         str(plan),
         "--run-id",
         "k",
         "--steps",
-        "300",
+        str(steps),
         "--max-nproc-per-node",
         "3",
         "--heartbeat-timeout",
-        "2",
+        "3",  # 1.5 and 2 s dropped a starting worker, starved on a loaded machine
+        "--collective-timeout",
+        "3",
         "--scaling-policy",
         "linear-lr",
+        env=PACED_ENV,
     )
     try:
         job.wait_step("k", 40)
         killed_at = job.signal_worker("k", 1, signal.SIGKILL)
+        _wait_events(job, "k", "failure", 1)
+        job.signal_worker("k", 2, signal.SIGSTOP)
+        killed, hung = _wait_events(job, "k", "failure", 2)
+        pace.release()
         summary = job.finish()
     finally:
         job.stop()
-    events = read_jsonl(tmp_path / "runs" / "k" / "events.jsonl")
-    failure = next(e for e in events if e["kind"] == "failure")
-    assert failure["members_before"] == [0, 1, 2] and failure["members_after"] == [0, 2]
-    assert failure["pause_s"] < 5.0 and failure["time"] - killed_at < 5.0
-    assert summary["steps"] == 300
-    records = job.records("k")
-    assert _no_step_lost(records, (0, 2), 300)
-    assert len(_checksums(failure)) == 1
-    assert failure["global_batch"] == 16 and failure["lr"] == pytest.approx(2e-3)  # linear-lr: 3 -> 2 workers
-
-
-def test_a_hung_worker_is_noticed_by_heartbeat_and_dropped(tmp_path, no_leftovers):
-    plan = save(gpt_plan(3, global_batch=24), tmp_path / "plan.yaml")
-    job = Job(
-        tmp_path,
-        str(plan),
-        "--run-id",
-        "h",
-        "--steps",
-        "250",
-        "--max-nproc-per-node",
-        "3",
-        "--heartbeat-timeout",
-        "1.5",
-        "--collective-timeout",
-        "3",
-    )
-    try:
-        job.wait_step("h", 30)
-        job.signal_worker("h", 2, signal.SIGSTOP)
-        summary = job.finish()
-    finally:
-        job.stop()
-    failure = next(e for e in read_jsonl(tmp_path / "runs" / "h" / "events.jsonl") if e["kind"] == "failure")
-    assert "no heartbeat" in failure["reason"] and failure["members_after"] == [0, 1]
-    assert failure["pause_s"] < 10.0  # heartbeat timeout + kill + re-form, not a 30-minute collective timeout
-    assert summary["steps"] == 250
+    assert killed["members_before"] == [0, 1, 2] and killed["members_after"] == [0, 2]
+    assert killed["pause_s"] < 5.0 and killed["time"] - killed_at < 5.0
+    assert len(_checksums(killed)) == 1
+    assert killed["global_batch"] == 16 and killed["lr"] == pytest.approx(2e-3)  # linear-lr: 3 -> 2 workers
+    assert "no heartbeat" in hung["reason"] and hung["members_before"] == [0, 2] and hung["members_after"] == [0]
+    assert hung["pause_s"] < 10.0  # heartbeat timeout + kill + re-form, not a 30-minute collective timeout
+    assert summary["steps"] == steps
+    assert _no_step_lost(job.records("k"), (0, 2), steps)
 
 
 def test_a_slow_first_step_is_not_cut_short_by_the_collective_timeout(tmp_path, no_leftovers):
@@ -364,14 +398,12 @@ def test_a_slow_first_step_is_not_cut_short_by_the_collective_timeout(tmp_path, 
     assert kinds == ["launch", "start", "finished"], kinds  # no failure, no re-form
 
 
-def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(tmp_path, no_leftovers):
+def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(late_scale_out, tmp_path, no_leftovers):
+    """A job killed whole (launcher, agent, workers) at step 50 resumes from its last checkpoint
+    and ends with the parameters of the same plan run without a stop (``late_scale_out``'s job)."""
     plan = save(gpt_plan(2), tmp_path / "plan.yaml")
-    reference = Job(tmp_path, str(plan), "--run-id", "ref", "--steps", "120")
-    try:
-        reference.finish()
-    finally:
-        reference.stop()
-    job = Job(tmp_path, str(plan), "--run-id", "r", "--steps", "120", "--checkpoint-every", "20")
+    steps = UNCHANGED_STEPS
+    job = Job(tmp_path, str(plan), "--run-id", "r", "--steps", str(steps), "--checkpoint-every", "20")
     try:
         job.wait_step("r", 50)
         job.stop()  # the whole job dies: launcher, agent and workers
@@ -388,14 +420,14 @@ def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(tmp
         summary = resumed.finish()
     finally:
         resumed.stop()
-    assert summary["run"] == "r" and summary["steps"] == 120  # training steps, though some ran twice
+    assert summary["run"] == "r" and summary["steps"] == steps  # training steps, though some ran twice
     records = resumed.records("r")
     last_checkpoint = int(checkpoints[-1][4:])
     resumed_steps = [r["step"] for r in records if r["rank"] == 0 and r["generation"] > 0]
-    assert resumed_steps == list(range(last_checkpoint, 120))
+    assert resumed_steps == list(range(last_checkpoint, steps))
     runs = tmp_path / "runs"
     final = json.loads((runs / "r" / "workers" / "rank0.json").read_text())["param_checksum"]
-    assert final == json.loads((runs / "ref" / "workers" / "rank0.json").read_text())["param_checksum"]
+    assert final == json.loads((late_scale_out.run / "workers" / "rank0.json").read_text())["param_checksum"]
     kinds = [e["kind"] for e in read_jsonl(runs / "r" / "events.jsonl")]
     assert kinds[0] == "launch" and "resume" in kinds and kinds[-1] == "finished"
     # the resume kept the launch's --keep-checkpoints (default 3) and pruned the rest
@@ -403,13 +435,15 @@ def test_resume_continues_from_the_last_checkpoint_with_identical_parameters(tmp
 
 
 def test_a_job_that_is_not_elastic_refuses_scale_at_once(tmp_path, no_leftovers):
-    plan = save(gpt_plan(2), tmp_path / "plan.yaml")
-    job = Job(tmp_path, str(plan), "--run-id", "n", "--steps", "150", "--no-elastic")
+    pace = Pace(tmp_path, from_step=3)
+    plan = save(gpt_plan(2, pace=pace), tmp_path / "plan.yaml")
+    job = Job(tmp_path, str(plan), "--run-id", "n", "--steps", "40", "--no-elastic", env=PACED_ENV)
     try:
         job.wait_step("n", 3)
         result = job.scale("n", "--add", "1")
         assert result.exit_code == 2 and "cannot be rescaled" in result.stderr, result.output
-        assert job.finish()["steps"] == 150
+        pace.release()
+        assert job.finish()["steps"] == 40
     finally:
         job.stop()
     status = CliRunner().invoke(app, ["status", "n", "--runs-root", str(tmp_path / "runs")])
@@ -491,9 +525,9 @@ def test_scaling_policies_and_replan():
     assert [p.local_index for p in grown.placement] == [0, 2, 1]  # stayers keep theirs; the newcomer takes 1
 
 
-def _local_profiles(tmp_path: Path, num_devices: int):
-    """A cluster profile of this machine as ``num_devices`` CPU slots (cpu0..), and gpt-mini's
-    model profile: what ``felactl launch --cluster --model`` keeps for re-planning. The link
+def _local_profiles(tmp_path: Path, num_devices: int, pace: Pace):
+    """A cluster profile of this machine as ``num_devices`` CPU slots (cpu0..), and the model
+    profile of gpt-mini paced by ``pace`` (at a global batch of 16): what ``felactl launch --cluster --model`` keeps for re-planning. The link
     between cpu1 and cpu2 is a hundredth of the others: a ring must cross it and trees route
     around it, so a group of three syncs over packed trees. (With every link alike, gpt-mini's
     270 KB sum is so small that the trees' fill and the ring's latency decide, and they are
@@ -520,7 +554,7 @@ def _local_profiles(tmp_path: Path, num_devices: int):
             if num_devices > 2
         ),
     )
-    model = profile_model("gpt-mini", GPT_CONFIG, [8], repeats=1)
+    model = profile_model("_paced_job:gpt_mini", pace.config(16), [8], repeats=1)
     return save(cluster, tmp_path / "cluster.yaml"), save(model, tmp_path / "model.yaml")
 
 
@@ -532,26 +566,29 @@ def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftove
     are cheaper on two devices than smaller ones on three, and the planner says so.)"""
     from felactl.optimizer.planner import make_plan
 
-    cluster_path, model_path = _local_profiles(tmp_path, 3)
+    pace = Pace(tmp_path, from_step=20)  # the job trains on while the newcomer starts
+    cluster_path, model_path = _local_profiles(tmp_path, 3, pace)
     from felactl.spec import load_cluster, load_model
 
     first = make_plan(
         load_cluster(cluster_path), load_model(model_path), 16, sync="bsp", devices=["cpu0", "cpu1"], max_stages=1
     )
     plan_path = save(first, tmp_path / "plan.yaml")
+    steps = 100
     job = Job(
         tmp_path,
         str(plan_path),
         "--run-id",
         "p",
         "--steps",
-        "1000",
+        str(steps),
         "--cluster",
         str(cluster_path),
         "--model",
         str(model_path),
         "--scaling-policy",
         "linear-lr",
+        env=PACED_ENV,
     )
     try:
         job.wait_step("p", 20)
@@ -559,7 +596,8 @@ def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftove
         assert grown.exit_code == 0, grown.output
         event = json.loads(grown.stdout)
         full = job.scale("p", "--add", "1")
-        summary = job.finish(timeout_s=90)
+        pace.release()
+        summary = job.finish()
     finally:
         job.stop()
     assert event["planned_by"] == "planner" and event["predicted_iteration_s"] > 0
@@ -570,7 +608,7 @@ def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftove
     assert replanned.devices == ("cpu0", "cpu1", "cpu2")  # the newcomer is the profile's free device
     assert replanned.collectives and set(replanned.collectives[0].devices) == {"cpu0", "cpu1", "cpu2"}
     assert replanned.predicted is not None and replanned.solver is not None
-    assert summary["steps"] == 1000 and len({r["rank"] for r in job.records("p")}) == 3
+    assert summary["steps"] == steps and len({r["rank"] for r in job.records("p")}) == 3
 
 
 def test_status_history_says_how_each_generation_was_planned():
@@ -794,81 +832,57 @@ def _claimed_samples(records: list[dict], wids) -> list[int]:
 
 
 @pytest.mark.parametrize("sync", ["wbsp", "sdpipe"])
-def test_modes_at_their_own_pace_scale_out_and_in_keeping_their_processes(sync, tmp_path, no_leftovers):
-    # WBSP and SDPipe members stop each at a step of its own: a planned change settles them first
-    # (the parameter server's or the groups' final merge), so every member switches identical.
-    plan = save(gpt_plan(2, sync=sync), tmp_path / "plan.yaml")
-    steps = 1000
-    job = Job(tmp_path, str(plan), "--run-id", "w", "--steps", str(steps), "--max-nproc-per-node", "3")
+def test_modes_at_their_own_pace_scale_and_lose_workers_keeping_one_model(sync, tmp_path, no_leftovers):
+    """WBSP and SDPipe members stop each at a step of its own; rank 0 hosts WBSP's parameter
+    server and SDPipe's scheduler. Four workers grow to five, then worker 0 leaves (the host:
+    worker 1 is rank 0 now); a planned change settles the members first (the server's or the
+    groups' final merge), so every member switches identical, and a policy that would change the
+    batch is refused. Then SIGKILL worker 2 (the host lives on) and worker 1 (the host, taking
+    the server or scheduler along): after each, the survivors merge into one model within
+    seconds. Workers 3 and 4 keep their processes to the last step, every global batch trained,
+    and end identical."""
+    pace = Pace(tmp_path, from_step=30)  # the job trains on while the newcomer starts (3-9 s here)
+    plan = save(gpt_plan(4, global_batch=32, sync=sync, pace=pace), tmp_path / "plan.yaml")
+    steps = 110
+    job = Job(tmp_path, str(plan), "--run-id", "w", "--steps", str(steps), "--max-nproc-per-node", "5", env=PACED_ENV)
+    killed_at = []
     try:
         job.wait_step("w", 30)
         grown = job.scale("w", "--add", "1")
         assert grown.exit_code == 0, grown.output
         out = json.loads(grown.stdout)
-        assert out["kind"] == "scale-out" and out["members_after"] == [0, 1, 2]
+        assert out["kind"] == "scale-out" and out["members_after"] == [0, 1, 2, 3, 4]
         assert len(_checksums(out)) == 1, out["switch_s"]
         shrunk = job.scale("w", "--remove", "0")  # the parameter server's / scheduler's host leaves
         assert shrunk.exit_code == 0, shrunk.output
         out2 = json.loads(shrunk.stdout)
-        assert out2["kind"] == "scale-in" and out2["members_after"] == [1, 2] and len(_checksums(out2)) == 1
+        assert out2["kind"] == "scale-in" and out2["members_after"] == [1, 2, 3, 4] and len(_checksums(out2)) == 1
         refused = job.scale("w", "--add", "1", "--scaling-policy", "linear-lr")
         assert refused.exit_code == 2 and "fixed global batch" in refused.stderr
+        for n, wid in enumerate((2, 1), 1):
+            killed_at.append(job.signal_worker("w", wid, signal.SIGKILL))
+            failures = _wait_events(job, "w", "failure", n)
+        pace.release()
         summary = job.finish()
     finally:
         job.stop()
+    for failure, survivors, at in zip(failures, ([1, 3, 4], [3, 4]), killed_at):
+        assert failure["members_after"] == survivors and failure["time"] - at < 5.0, failure
+        assert len(_checksums(failure)) == 1  # the survivors merged into one model
     assert summary["steps"] == steps
     records = job.records("w")
-    for wid in (1, 2):
+    for wid in (3, 4):
         assert len({r["pid"] for r in records if r["rank"] == wid}) == 1  # the same process throughout
-    assert {r["generation"] for r in records if r["rank"] == 1} == {0, 1, 2}
+    assert max(r["step"] for r in records if r["rank"] in (3, 4)) == steps - 1
+    assert {r["generation"] for r in records if r["rank"] == 3} == {0, 1, 2, 3, 4}
     # every global batch was trained: the claims cover each step, none past the last
-    assert set(_claimed_samples(records, (0, 1, 2))) == set(range(steps))
-    losses = [r["loss"] for r in records if r["rank"] == 1]
+    assert set(_claimed_samples(records, range(5))) == set(range(steps))
+    losses = [r["loss"] for r in records if r["rank"] == 3]
     assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.3
     finals = {
         json.loads((tmp_path / "runs" / "w" / "workers" / f"rank{w}.json").read_text())["param_checksum"]
-        for w in (1, 2)
+        for w in (3, 4)
     }
     assert len(finals) == 1
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "runs" / "w" / "events.jsonl")]
-    assert kinds == ["launch", "start", "scale-out", "scale-in", "refused", "finished"], kinds
-
-
-@pytest.mark.parametrize("sync,killed", [("wbsp", 1), ("wbsp", 0), ("sdpipe", 0)])
-def test_a_killed_worker_of_a_mode_at_its_own_pace_is_dropped_and_the_run_completes(
-    sync, killed, tmp_path, no_leftovers
-):
-    # Worker 0 hosts WBSP's parameter server and SDPipe's scheduler: its death takes them along.
-    plan = save(gpt_plan(3, global_batch=24, sync=sync), tmp_path / "plan.yaml")
-    steps = 400
-    job = Job(
-        tmp_path,
-        str(plan),
-        "--run-id",
-        "k",
-        "--steps",
-        str(steps),
-        "--max-nproc-per-node",
-        "3",
-        "--heartbeat-timeout",
-        "2",
-    )
-    try:
-        job.wait_step("k", 40)
-        killed_at = job.signal_worker("k", killed, signal.SIGKILL)
-        summary = job.finish()
-    finally:
-        job.stop()
-    events = read_jsonl(tmp_path / "runs" / "k" / "events.jsonl")
-    failure = next(e for e in events if e["kind"] == "failure")
-    survivors = [w for w in (0, 1, 2) if w != killed]
-    assert failure["members_after"] == survivors and failure["time"] - killed_at < 5.0
-    assert len(_checksums(failure)) == 1  # the survivors merged into one model
-    assert summary["steps"] == steps
-    records = job.records("k")
-    assert max(r["step"] for r in records if r["rank"] in survivors) == steps - 1
-    finals = {
-        json.loads((tmp_path / "runs" / "k" / "workers" / f"rank{w}.json").read_text())["param_checksum"]
-        for w in survivors
-    }
-    assert len(finals) == 1
+    assert kinds == ["launch", "start", "scale-out", "scale-in", "refused", "failure", "failure", "finished"], kinds
