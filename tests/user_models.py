@@ -50,7 +50,9 @@ def attention_net(
     width: int = 16, num_heads: int = 2, seq_len: int = 6, num_classes: int = 4, per_process_noise: int = 0
 ):
     """``per_process_noise`` 1: every process starts from other weights and buffers (a user whose
-    initialisation is not seeded): only felactl's start-up broadcast makes the replicas agree."""
+    initialisation differs between processes): only felactl's start-up broadcast makes the replicas
+    agree. The noise is seeded by the worker's rank, so that a second run of the plan starts as the
+    first did."""
     layers = nn.Sequential(
         SelfAttention(width, num_heads),
         nn.LayerNorm(width),
@@ -59,7 +61,7 @@ def attention_net(
         nn.Linear(width, num_classes),
     )
     if per_process_noise:
-        g = torch.Generator().manual_seed(os.getpid())
+        g = torch.Generator().manual_seed(1000 + int(os.environ.get("RANK", "-1")))
         with torch.no_grad():
             for tensor in [*layers.parameters(), *layers.buffers()]:
                 tensor.add_(0.1 * torch.randn(tensor.shape, generator=g))
