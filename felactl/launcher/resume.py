@@ -18,8 +18,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from felactl.errors import InputError
 from felactl.launcher.rundir import RunDir
 from felactl.spec import Plan, load_plan
@@ -106,6 +104,8 @@ def resume_hint(rundir: RunDir) -> str:
 def load_stage(path: Path) -> dict:
     """A stage's checkpoint file (``model``, ``optimizer``, ``step``, ``data_position``, and
     ``generation`` where the job rescaled), its tensors on the CPU."""
+    import torch  # here: a launch that does not resume starts without paying torch's import
+
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
