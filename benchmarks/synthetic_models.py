@@ -5,11 +5,16 @@ from __future__ import annotations
 from felactl.spec import Layer, ModelSpec
 
 
-def transformer_spec(num_layers: int = 48, width: int = 2048, seq_len: int = 1024, vocab: int = 50_000) -> ModelSpec:
-    """An embedding, ``num_layers - 2`` transformer blocks and an LM head (GPT-like), fp32."""
+def transformer_spec(
+    num_layers: int = 48, width: int = 2048, seq_len: int = 1024, vocab: int = 50_000, heads: int | None = None
+) -> ModelSpec:
+    """An embedding, ``num_layers - 2`` transformer blocks and an LM head (GPT-like), fp32. With
+    ``heads``, each block records what autograd keeps of a GPT block without recomputation
+    (2 x (34 s h + 5 a s^2) bytes per sample); without, the planner estimates it."""
     block_params = 12 * width * width
     act = seq_len * width * 4
     block_flops = 2 * block_params * seq_len + 4 * seq_len * seq_len * width
+    saved = None if heads is None else 2 * (34 * seq_len * width + 5 * heads * seq_len * seq_len)
     layers = [
         Layer(
             name="embed",
@@ -27,6 +32,7 @@ def transformer_spec(num_layers: int = 48, width: int = 2048, seq_len: int = 102
             params=block_params,
             param_bytes=4 * block_params,
             activation_bytes_per_sample=act,
+            saved_bytes_per_sample=saved,
             fwd_flops_per_sample=block_flops,
             bwd_flops_per_sample=2 * block_flops,
             kind="Block",

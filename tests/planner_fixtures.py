@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from benchmarks.synthetic_models import transformer_spec
 from felactl.spec import ClusterSpec, Device, DeviceKind, Layer, Link, LinkDefault, LinkType, ModelSpec, Node
 
 
@@ -187,44 +188,8 @@ def fast_feeds_slow(layer_activation_bytes: int, slow_tflops: float = 2.5) -> tu
 def gpt2xl_like() -> ModelSpec:
     """A GPT-2-XL-like model (embedding, 48 blocks of width 1600 with 25 heads, head; sequence
     1024; fp32), each block saving what autograd keeps of a GPT block without recomputation
-    (2 x (34 s h + 5 a s^2) bytes per sample): with the H100 / A10G / L4 cluster of
+    (benchmarks' :func:`transformer_spec` with ``heads``): with the H100 / A10G / L4 cluster of
     ``plans/clusters/h100-a10g-l4.yaml`` and a global batch of 512, memory holds few micro-batches
     in flight."""
-    seq, width, heads, vocab = 1024, 1600, 25, 50257
-    block = 12 * width * width
-    block_flops = 2 * block * seq + 4 * seq * seq * width
-    act = seq * width * 4
-    saved = 2 * (34 * seq * width + 5 * heads * seq * seq)
-    layers = [
-        Layer(
-            name="embed",
-            params=vocab * width,
-            param_bytes=4 * vocab * width,
-            activation_bytes_per_sample=act,
-            fwd_flops_per_sample=seq * width,
-            bwd_flops_per_sample=seq * width,
-        )
-    ]
-    layers += [
-        Layer(
-            name=f"block{i}",
-            params=block,
-            param_bytes=4 * block,
-            activation_bytes_per_sample=act,
-            saved_bytes_per_sample=saved,
-            fwd_flops_per_sample=block_flops,
-            bwd_flops_per_sample=2 * block_flops,
-        )
-        for i in range(48)
-    ]
-    layers.append(
-        Layer(
-            name="head",
-            params=vocab * width,
-            param_bytes=4 * vocab * width,
-            activation_bytes_per_sample=seq * vocab * 4,
-            fwd_flops_per_sample=2 * vocab * width * seq,
-            bwd_flops_per_sample=4 * vocab * width * seq,
-        )
-    )
-    return ModelSpec(name="gpt2xl-like", source="synthetic", input_bytes_per_sample=seq * 8, layers=tuple(layers))
+    spec = transformer_spec(50, width=1600, seq_len=1024, vocab=50257, heads=25)
+    return dataclasses.replace(spec, name="gpt2xl-like")

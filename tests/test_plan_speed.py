@@ -18,9 +18,10 @@ from tests.planner_fixtures import as_cpu_slots
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_rings_only_baseline_takes_no_second_solve(monkeypatch):
-    # Trees run over gloo, on CPU slots: the DGX-1V's graph as CPU slots at a hundredth of its links'
-    # speed, and vgg-mini's layers ten times as wide, where they beat the ring despite their CPU.
+def where_trees_beat_rings():
+    """(cluster, model) where trees beat the rings under BSP. Trees run over gloo, on CPU slots: the
+    DGX-1V's graph as CPU slots at a hundredth of its links' speed, and vgg-mini's layers ten times
+    as wide, where they beat the ring despite their CPU."""
     dgx = as_cpu_slots(load_cluster(ROOT / "plans" / "clusters" / "dgx1v.yaml"))
     cluster = dataclasses.replace(
         dgx,
@@ -32,6 +33,11 @@ def test_the_rings_only_baseline_takes_no_second_solve(monkeypatch):
         vgg,
         layers=tuple(dataclasses.replace(x, params=10 * x.params, param_bytes=10 * x.param_bytes) for x in vgg.layers),
     )
+    return cluster, net
+
+
+def test_the_rings_only_baseline_takes_no_second_solve(monkeypatch):
+    cluster, net = where_trees_beat_rings()
     calls = []
     real = ilp.solve
     monkeypatch.setattr(ilp, "solve", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -63,18 +69,8 @@ def test_a_server_part_is_packed_once_per_process():
 @pytest.mark.parametrize("sync", ["wbsp", "sdpipe"])
 def test_modes_that_run_no_trees_are_planned_without_them(sync):
     """WBSP and SDPipe merge through a parameter server or their groups, never along the plan's
-    trees (spec.sync_modes: sums_over_trees): the cluster above, where trees beat the rings under
-    BSP, gets none under them, and is priced with the rings they run."""
-    dgx = as_cpu_slots(load_cluster(ROOT / "plans" / "clusters" / "dgx1v.yaml"))
-    cluster = dataclasses.replace(
-        dgx,
-        links=tuple(dataclasses.replace(link, bandwidth_gbps=link.bandwidth_gbps / 100) for link in dgx.links),
-        intra_node_default=dataclasses.replace(dgx.intra_node_default, bandwidth_gbps=0.1),
-    )
-    vgg = load_model(ROOT / "plans" / "models" / "vgg-mini.yaml")
-    net = dataclasses.replace(
-        vgg,
-        layers=tuple(dataclasses.replace(x, params=10 * x.params, param_bytes=10 * x.param_bytes) for x in vgg.layers),
-    )
+    trees (spec.sync_modes: sums_over_trees): :func:`where_trees_beat_rings`, where trees beat the
+    rings under BSP, gets none under them, and is priced with the rings they run."""
+    cluster, net = where_trees_beat_rings()
     plan = make_plan(cluster, net, 256, sync=sync)
     assert plan.collectives == () and not plan.sync.use_trees

@@ -22,7 +22,13 @@ from felactl.cli.main import app
 from felactl.optimizer.planner import make_plan
 from felactl.spec import DeviceKind, Placement, Schedule, SyncMode, check_executable, sync_modes
 from felactl.spec.executable import execution, problems
-from felactl.spec.sync_modes import SYNC_MODE_SUPPORT, Execution, SyncModeSupport, sync_support
+from felactl.spec.sync_modes import (
+    SYNC_MODE_SUPPORT,
+    Execution,
+    SyncModeSupport,
+    rescalable_mode_names,
+    sync_support,
+)
 
 README = Path(__file__).parent.parent / "README.md"
 
@@ -87,6 +93,15 @@ def test_check_refuses_gpus_where_a_row_runs_on_cpu_slots_only(monkeypatch):
     assert [p.key for p in problems(on_gpus)] == ["sync.mode"]
     assert "runs on CPU slots (gloo) only" in problems(on_gpus)[0].reason
     assert problems(plan) == [], "on CPU slots it runs"
+
+
+@pytest.mark.parametrize(
+    ("live", "named"), [({SyncMode.TOKENS}, "tokens"), ({SyncMode.BSP, SyncMode.SDPIPE}, "bsp or sdpipe")]
+)
+def test_rescale_messages_name_the_rows_that_rescale_live(monkeypatch, live, named):
+    rows = {mode: replace(row, rescales_live=mode in live) for mode, row in SYNC_MODE_SUPPORT.items()}
+    monkeypatch.setattr(sync_modes, "SYNC_MODE_SUPPORT", MappingProxyType(rows))
+    assert rescalable_mode_names() == named
 
 
 @pytest.mark.parametrize("mode", list(SyncMode), ids=lambda m: m.value)

@@ -66,23 +66,10 @@ def follow(
     controller: ElasticController | None = None,
     keep_checkpoints: int = 0,
 ) -> dict[str, Any]:
-    """Follow the run to its end (:func:`_watch`), prune its last checkpoints beyond
-    ``keep_checkpoints``, and return its summary (:class:`WorkerFailed` when no step was recorded)."""
-    _watch(coordinator, state, agents, on_update, controller, keep_checkpoints)
-    prune_checkpoints(state.run.checkpoints, len(state.plan.stages), keep_checkpoints)  # the last ones too
-    return _summary(state)
-
-
-def _watch(
-    coordinator: Coordinator,
-    state: LaunchState,
-    agents: Agents,
-    on_update: Callable[[LaunchState], None],
-    controller: ElasticController | None = None,
-    keep_checkpoints: int = 0,
-) -> None:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
-    (an elastic job instead re-forms without the failed worker; its controller says when it is done)."""
+    (an elastic job instead re-forms without the failed worker; its controller says when it is
+    done). Then prune its last checkpoints beyond ``keep_checkpoints``, and return its summary
+    (:class:`WorkerFailed` when no step was recorded)."""
     events = JsonlTail(state.run.events)
     pruned_at = 0.0
     while True:
@@ -94,9 +81,7 @@ def _watch(
             pruned_at = time.monotonic()
         if controller is not None:
             if controller.poll():
-                _say_storage_trouble(events)
-                on_update(state)
-                return
+                break
             time.sleep(POLL_S)
             continue
         refuse_requests(coordinator, state.run, state.not_elastic)
@@ -106,10 +91,12 @@ def _watch(
         if failed:
             raise WorkerFailed(_failure_line(failed, state))
         if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
-            _say_storage_trouble(events)
-            on_update(state)
-            return
+            break
         time.sleep(POLL_S)
+    _say_storage_trouble(events)
+    on_update(state)
+    prune_checkpoints(state.run.checkpoints, len(state.plan.stages), keep_checkpoints)  # the last ones too
+    return _summary(state)
 
 
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:

@@ -44,7 +44,7 @@ from felactl.launcher.rundir import RunDir
 from felactl.machine import short_hostname
 from felactl.spec import Plan
 from felactl.spec.executable import rescalable
-from felactl.spec.sync_modes import modes_where
+from felactl.spec.sync_modes import rescalable_mode_names
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +183,9 @@ def _run(
         agents=[m.agent_id for m in state.members],
     )
     if controller is None:
-        live = " or ".join(m.value for m in modes_where(lambda row: row.rescales_live))
         state.not_elastic = (
             f"this job cannot be rescaled: live rescaling covers data-parallel plans (one stage) "
-            f"with sync {live}; it runs {len(plan.stages)} stage(s) "
+            f"with sync {rescalable_mode_names()}; it runs {len(plan.stages)} stage(s) "
             f"with sync {sync.value}" + ("" if options.elastic else " and was launched --no-elastic")
         )
     # The summary here, under supervision: a run without a step is recorded as failed.

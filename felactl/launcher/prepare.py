@@ -34,7 +34,7 @@ from felactl.spec import (
     load_plan,
     save,
 )
-from felactl.spec.sync_modes import modes_where, sync_support
+from felactl.spec.sync_modes import rescalable_mode_names, sync_support
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,10 +293,9 @@ def check_min_nodes(options: LaunchOptions, plan: Plan, sync: SyncMode, elastic:
     """``--nnodes MIN:MAX`` with MIN < MAX: only a job that survives losing workers goes on without a node."""
     if options.min_nodes is None or options.min_nodes == options.nnodes or elastic:
         return
-    live = " or ".join(m.value for m in modes_where(lambda row: row.rescales_live))
     raise InputError(
         f"--nnodes {options.min_nodes}:{options.nnodes}: going on without a node needs live rescaling (a "
-        f"data-parallel plan with sync {live}, not --no-elastic); this "
+        f"data-parallel plan with sync {rescalable_mode_names()}, not --no-elastic); this "
         f"job runs {len(plan.stages)} stage(s) with sync {sync.value}"
     )
 

@@ -136,6 +136,12 @@ def mode_names(modes: Iterable[SyncMode]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
+def rescalable_mode_names() -> str:
+    """``bsp, tokens, wbsp or sdpipe``: the modes whose data-parallel jobs rescale live, as the
+    messages about rescaling name them."""
+    return mode_names(modes_where(lambda row: row.rescales_live))
+
+
 def sync_help() -> str:
     """The ``--sync`` help: every mode with its one line."""
     return "; ".join(f"{mode.value}: {row.summary}" for mode, row in SYNC_MODE_SUPPORT.items())

@@ -59,7 +59,7 @@ from felactl.control.seal import parse_int
 from felactl.errors import InputError, WorkerFailed
 from felactl.spec import Plan, load_plan
 from felactl.spec.executable import rescalable
-from felactl.spec.sync_modes import modes_where
+from felactl.spec.sync_modes import rescalable_mode_names
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01
@@ -457,10 +457,9 @@ def _warm_up(trainer: Trainer) -> None:
 
 def _check_plan(plan) -> None:
     if not rescalable(plan):
-        live = " or ".join(m.value for m in modes_where(lambda row: row.rescales_live))
         raise InputError(
             f"elastic training runs data-parallel plans (one stage) with sync "
-            f"{live}; this plan has {len(plan.stages)} "
+            f"{rescalable_mode_names()}; this plan has {len(plan.stages)} "
             f"stage(s) and sync {plan.sync.mode.value}"
         )
 
