@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -9,32 +10,39 @@ import typer
 
 from felactl import limits
 from felactl.cli import output
+from felactl.cli.options import takes_options
 from felactl.errors import WorkerFailed
 from felactl.limits import check_flag
 
 
-def agent(
-    rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of the coordinator.")],
-    secret_file: Annotated[Path, typer.Option(help="The job secret file ('-' reads it from stdin).")],
+@dataclass(frozen=True, kw_only=True)
+class AgentCommandOptions:
+    """The parameters of ``felactl agent`` (see ``felactl agent --help``)."""
+
+    rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of the coordinator.")]
+    secret_file: Annotated[Path, typer.Option(help="The job secret file ('-' reads it from stdin).")]
     nproc_per_node: Annotated[
         int | None,
         typer.Option("--nproc-per-node", min=1, help="Worker slots on this node (default: the GPUs, else 2)."),
-    ] = None,
+    ] = None
     node_name: Annotated[
         str | None,
         typer.Option(help="This node's name (default: the testbed node it runs in, else the short hostname)."),
-    ] = None,
-    log_dir: Annotated[Path | None, typer.Option(help="Worker logs (default: a new temp dir).")] = None,
+    ] = None
+    log_dir: Annotated[Path | None, typer.Option(help="Worker logs (default: a new temp dir).")] = None
     job: Annotated[
         str | None,
         typer.Option(
             help="Job name on the control plane (default: the job the coordinator at --rdzv-endpoint runs: a "
             "`felactl profile` or the run id of a `felactl launch`)."
         ),
-    ] = None,
-    join_timeout: Annotated[float, typer.Option(help="Seconds to reach and join the coordinator.")] = 60.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-) -> None:
+    ] = None
+    join_timeout: Annotated[float, typer.Option(help="Seconds to reach and join the coordinator.")] = 60.0
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False
+
+
+@takes_options(AgentCommandOptions)
+def agent(options: AgentCommandOptions) -> None:
     """Join the job at --rdzv-endpoint (proving the secret), run its workers, exit when they end."""
     import os
 
@@ -46,21 +54,23 @@ def agent(
     from felactl.launcher.controlplane import read_secret_file
     from felactl.launcher.profile import default_nproc_per_node
 
-    check_flag("--nproc-per-node", nproc_per_node, limits.COUNT)
-    check_flag("--join-timeout", join_timeout, limits.SECONDS, above=0)
-    secret = read_secret_file(secret_file)
+    check_flag("--nproc-per-node", options.nproc_per_node, limits.COUNT)
+    check_flag("--join-timeout", options.join_timeout, limits.SECONDS, above=0)
+    secret = read_secret_file(options.secret_file)
     config = local_agent_config(
-        rdzv_endpoint,
+        options.rdzv_endpoint,
         secret,
-        nproc=nproc_per_node or default_nproc_per_node(),
-        node_name=node_name,
-        log_dir=log_dir or temp_log_dir(),
-        join_timeout_s=join_timeout,
-        job=job,
+        nproc=options.nproc_per_node or default_nproc_per_node(),
+        node_name=options.node_name,
+        log_dir=options.log_dir or temp_log_dir(),
+        join_timeout_s=options.join_timeout,
+        job=options.job,
     )
-    output.stderr.print(f"agent {config.node_name}: joining {rdzv_endpoint} with {config.nproc} slot(s)")
+    output.stderr.print(f"agent {config.node_name}: joining {options.rdzv_endpoint} with {config.nproc} slot(s)")
     result, logs = run_joining_agent(
-        config, temp_logs=log_dir is None, on_joined=lambda agent_id: output.stderr.print(f"joined as {agent_id}")
+        config,
+        temp_logs=options.log_dir is None,
+        on_joined=lambda agent_id: output.stderr.print(f"joined as {agent_id}"),
     )
     if result.state is WorkerState.FAILED:
         failures = "; ".join(f"rank {rank}: {line}" for rank, line in result.failures.items())
@@ -72,7 +82,7 @@ def agent(
             "exit_codes": {str(k): v for k, v in result.exit_codes.items()},
             "log_dir": str(logs) if logs else None,
         },
-        as_json,
+        options.as_json,
         lambda console: console.print(
             f"agent {config.node_name}: workers {result.state.value}" + (f"; logs in {logs}" if logs else "")
         ),

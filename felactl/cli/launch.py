@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -12,6 +13,7 @@ import typer
 import typer.core
 
 from felactl.cli import output
+from felactl.cli.options import takes_options
 from felactl.cli.runview import live_run
 from felactl.spec import SyncMode
 from felactl.spec.sync_modes import mode_names, modes_where, sync_help
@@ -34,67 +36,69 @@ class LaunchCommand(typer.core.TyperCommand):
         return super().parse_args(ctx, args)
 
 
-def launch(
-    ctx: typer.Context,
+@dataclass(frozen=True, kw_only=True)
+class LaunchCommandOptions:
+    """The parameters of ``felactl launch`` (see ``felactl launch --help``)."""
+
     plan: Annotated[
         Path | None,
         typer.Argument(help="The plan to run (felactl plan -o plan.yaml); with --script, where its workers go."),
-    ] = None,
+    ] = None
     script: Annotated[
         Path | None,
         typer.Option(
             help="Run this torchrun-style script (python SCRIPT ARGS, ARGS after --) instead of a plan's training."
         ),
-    ] = None,
+    ] = None
     job: Annotated[
         str | None,
         typer.Option(
             help="Instead of a PLAN: train package.module:function (a felactl.TrainJob) data-parallel on "
             "--nproc-per-node local CPU workers, without profiling."
         ),
-    ] = None,
+    ] = None
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
             "--nproc-per-node",
             help="--job: local workers; --script without PLAN: workers on this machine (default: its GPUs, else 2).",
         ),
-    ] = None,
+    ] = None
     max_restarts: Annotated[
         int | None,
         typer.Option(help="--script: restart every worker up to N times after a failure, as torchrun (default 0)."),
-    ] = None,
-    global_batch: Annotated[int | None, typer.Option(min=1, help="--job: samples per step.")] = None,
+    ] = None
+    global_batch: Annotated[int | None, typer.Option(min=1, help="--job: samples per step.")] = None
     micro_batch: Annotated[
         int | None, typer.Option(min=1, help="--job: samples per forward (default: each worker's share).")
-    ] = None,
+    ] = None
     config: Annotated[
         list[str] | None,
         typer.Option("--config", help="--job: a keyword argument of its function, key=value (repeat)."),
-    ] = None,
-    run_id: Annotated[str | None, typer.Option(help="Name of the run directory under runs/.")] = None,
+    ] = None
+    run_id: Annotated[str | None, typer.Option(help="Name of the run directory under runs/.")] = None
     steps: Annotated[
         int | None, typer.Option(min=1, help="Iterations (global batches) to train (default 100; --resume: the run's).")
-    ] = None,
-    sync: Annotated[SyncMode | None, typer.Option(help=f"Override the plan's sync mode. {sync_help()}.")] = None,
+    ] = None
+    sync: Annotated[SyncMode | None, typer.Option(help=f"Override the plan's sync mode. {sync_help()}.")] = None
     slowdown: Annotated[
         str | None,
         typer.Option(help="RANK=FACTOR[,RANK=FACTOR]: slow workers on purpose (sleep (factor-1) x compute)."),
-    ] = None,
-    straggler: Annotated[str | None, typer.Option(help="roundrobin:SECONDS or prob:P:SECONDS.")] = None,
+    ] = None
+    straggler: Annotated[str | None, typer.Option(help="roundrobin:SECONDS or prob:P:SECONDS.")] = None
     keep_checkpoints: Annotated[
         int | None,
         typer.Option(
             help="Keep the newest N complete checkpoints, delete older ones as the run goes (0: keep all; default 3, "
             "--resume: the run's)."
         ),
-    ] = None,
+    ] = None
     checkpoint_every: Annotated[
         int | None, typer.Option(min=0, help="Checkpoint every K steps (0: never; --resume: the run's).")
-    ] = None,
+    ] = None
     rdzv_endpoint: Annotated[
         str | None, typer.Option(help="HOST:PORT the control plane listens on (default: loopback, a free port).")
-    ] = None,
+    ] = None
     nnodes: Annotated[
         str,
         typer.Option(
@@ -102,107 +106,84 @@ def launch(
             help="Nodes (agents) to wait for: N, or MIN:MAX as torchrun's (an elastic job goes on without "
             "nodes whose workers cannot start while MIN are left; the plan's nodes are MAX).",
         ),
-    ] = "1",
+    ] = "1"
     hostfile: Annotated[
         Path | None, typer.Option(help="DeepSpeed-style 'host slots=N' file: start agents over ssh.")
-    ] = None,
-    node_name: Annotated[str | None, typer.Option(help="This machine's node name (default: short hostname).")] = None,
+    ] = None
+    node_name: Annotated[str | None, typer.Option(help="This machine's node name (default: short hostname).")] = None
     testbed: Annotated[
         str | None,
         typer.Option(
             help="Run on the nodes of this testbed (felactl testbed up SPEC --name NAME): each node's agent in its "
             "namespace and cgroup, gloo on its interface; the plan's nodes must be the testbed's."
         ),
-    ] = None,
-    runs_root: Annotated[Path, typer.Option(help="Where run directories go.")] = Path("runs"),
+    ] = None
+    runs_root: Annotated[Path, typer.Option(help="Where run directories go.")] = Path("runs")
     resume: Annotated[
         str | None, typer.Option(help="Continue RUN from its newest complete checkpoint (no PLAN needed).")
-    ] = None,
+    ] = None
     max_nproc_per_node: Annotated[
         int | None, typer.Option(help="Worker slots per node for felactl scale (default: GPUs, or a CPU node's cores).")
-    ] = None,
+    ] = None
     scaling_policy: Annotated[
         str,
         typer.Option(
             help="When the job is rescaled: fixed-batch (same batch and lr) or linear-lr (batch ~ workers up to "
             "--max-batch, lr linear in the batch)."
         ),
-    ] = "fixed-batch",
-    max_batch: Annotated[int | None, typer.Option(help="linear-lr: cap on the global batch (default 4x).")] = None,
-    heartbeat_timeout: Annotated[
-        float, typer.Option(help="Seconds without a heartbeat before a worker is dropped.")
-    ] = 5.0,
-    collective_timeout: Annotated[
+    ] = "fixed-batch"
+    max_batch: Annotated[int | None, typer.Option(help="linear-lr: cap on the global batch (default 4x).")] = None
+    heartbeat_timeout_s: Annotated[
+        float, typer.Option("--heartbeat-timeout", help="Seconds without a heartbeat before a worker is dropped.")
+    ] = 5.0
+    collective_timeout_s: Annotated[
         float,
         typer.Option(
+            "--collective-timeout",
             help="Elastic jobs: seconds before a blocked collective fails (then the job re-forms); "
-            "a new group's first step may take up to the start-up timeout."
+            "a new group's first step may take up to the start-up timeout.",
         ),
-    ] = 10.0,
-    join_timeout: Annotated[
+    ] = 10.0
+    join_timeout_s: Annotated[
         float,
         typer.Option(
+            "--join-timeout",
             help="Seconds for the nodes' agents to join, and for a worker `felactl scale --add` starts to "
-            "be ready (import torch, build the model): raise it for slow nodes."
+            "be ready (import torch, build the model): raise it for slow nodes.",
         ),
-    ] = 60.0,
+    ] = 60.0
     elastic: Annotated[
         bool,
         typer.Option(
             help="Run data-parallel plans under live rescaling (sync "
             f"{mode_names(modes_where(lambda row: row.rescales_live))})."
         ),
-    ] = True,
+    ] = True
     cluster: Annotated[
         Path | None,
         typer.Option(help="The cluster profile the plan was made from: felactl scale then re-plans with the planner."),
-    ] = None,
-    model: Annotated[
-        Path | None, typer.Option(help="The model profile the plan was made from (with --cluster).")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")] = False,
-) -> None:
-    """Train: start the coordinator and this machine's agent, run the plan (or --script), write runs/<id>/."""
-    from felactl.launcher.launch_flags import LaunchFlags
-
-    flags = LaunchFlags(
-        plan=plan,
-        script=script,
-        script_args=ctx.meta.get(SCRIPT_ARGS),
-        job=job,
-        nproc_per_node=nproc_per_node,
-        max_restarts=max_restarts,
-        global_batch=global_batch,
-        micro_batch=micro_batch,
-        config=config,
-        run_id=run_id,
-        steps=steps,
-        sync=sync,
-        slowdown=slowdown,
-        straggler=straggler,
-        keep_checkpoints=keep_checkpoints,
-        checkpoint_every=checkpoint_every,
-        rdzv_endpoint=rdzv_endpoint,
-        nnodes=nnodes,
-        hostfile=hostfile,
-        node_name=node_name,
-        testbed=testbed,
-        runs_root=runs_root,
-        resume=resume,
-        max_nproc_per_node=max_nproc_per_node,
-        scaling_policy=scaling_policy,
-        max_batch=max_batch,
-        heartbeat_timeout_s=heartbeat_timeout,
-        collective_timeout_s=collective_timeout,
-        join_timeout_s=join_timeout,
-        elastic=elastic,
-        cluster=cluster,
-        model=model,
+    ] = None
+    model: Annotated[Path | None, typer.Option(help="The model profile the plan was made from (with --cluster).")] = (
+        None
     )
-    if script is not None:
-        _launch_script(flags, as_json)
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")] = False
+
+    def launch_flags(self, script_args: tuple[str, ...] | None) -> LaunchFlags:
+        """The launcher's flags: every option but ``--json``, and what followed ``--`` (None: no ``--``)."""
+        from felactl.launcher.launch_flags import LaunchFlags
+
+        given = {field.name: getattr(self, field.name) for field in fields(self) if field.name != "as_json"}
+        return LaunchFlags(**given, script_args=script_args)
+
+
+@takes_options(LaunchCommandOptions, context=True)
+def launch(ctx: typer.Context, options: LaunchCommandOptions) -> None:
+    """Train: start the coordinator and this machine's agent, run the plan (or --script), write runs/<id>/."""
+    flags = options.launch_flags(script_args=ctx.meta.get(SCRIPT_ARGS))
+    if options.script is not None:
+        _launch_script(flags, options.as_json)
     else:
-        _launch_plan(flags, as_json)
+        _launch_plan(flags, options.as_json)
 
 
 def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:

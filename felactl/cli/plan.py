@@ -6,7 +6,7 @@ Blink trees of one group) is a sub-command of the same group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -15,6 +15,7 @@ from rich.table import Table
 
 from felactl import limits
 from felactl.cli import output
+from felactl.cli.options import takes_options
 from felactl.cli.plan_collectives import collective_result, register_collectives, resolve_devices
 from felactl.errors import InputError
 from felactl.fsutil import check_output_file
@@ -183,18 +184,19 @@ def gantt(plan: Plan, cost: CostModel, width: int = 72) -> str:
     return "\n".join(rows)
 
 
-@plan_app.callback(invoke_without_command=True)
-def plan(
-    ctx: typer.Context,
-    cluster: Annotated[Path | None, typer.Option("--cluster", help="Cluster spec (YAML).")] = None,
-    model: Annotated[
-        Path | None, typer.Option("--model", help="Model spec (YAML, from felactl profile --model).")
-    ] = None,
-    global_batch: Annotated[int | None, typer.Option("--global-batch", help="Samples per iteration.")] = None,
+@dataclass(frozen=True, kw_only=True)
+class PlanCommandOptions:
+    """The parameters of ``felactl plan`` (see ``felactl plan --help``)."""
+
+    cluster: Annotated[Path | None, typer.Option("--cluster", help="Cluster spec (YAML).")] = None
+    model: Annotated[Path | None, typer.Option("--model", help="Model spec (YAML, from felactl profile --model).")] = (
+        None
+    )
+    global_batch: Annotated[int | None, typer.Option("--global-batch", help="Samples per iteration.")] = None
     sync: Annotated[
         str | None,
         typer.Option("--sync", help=f"Sync mode (default tokens; bsp with --baseline). {sync_help()}."),
-    ] = None,
+    ] = None
     baseline: Annotated[
         str | None,
         typer.Option(
@@ -202,49 +204,46 @@ def plan(
             help=f"Write a baseline's plan instead of solving: {'|'.join(BASELINE_NAMES)} (the stages "
             "--compare prices it by, BSP over rings, with its own prediction).",
         ),
-    ] = None,
+    ] = None
     devices: Annotated[
         str | None,
         typer.Option("--devices", help="Comma-separated device names or indices to plan for (default: all)."),
-    ] = None,
-    out: Annotated[Path | None, typer.Option("-o", "--output", help="Write the plan here (YAML).")] = None,
-    compare: Annotated[bool, typer.Option("--compare", help="Show the plan against each baseline.")] = False,
-    explain: Annotated[
-        bool, typer.Option("--explain", help="Stages, trees and a Gantt chart of one iteration.")
-    ] = False,
-    time_limit: Annotated[
+    ] = None
+    out: Annotated[Path | None, typer.Option("-o", "--output", help="Write the plan here (YAML).")] = None
+    compare: Annotated[bool, typer.Option("--compare", help="Show the plan against each baseline.")] = False
+    explain: Annotated[bool, typer.Option("--explain", help="Stages, trees and a Gantt chart of one iteration.")] = (
+        False
+    )
+    time_limit_s: Annotated[
         float | None,
         typer.Option("--time-limit", help="Seconds each ILP solve may take; the plan records the gap where it stops."),
-    ] = DEFAULT_TIME_LIMIT_S,
-    no_trees: Annotated[bool, typer.Option("--no-trees", help="Sync over rings only.")] = False,
+    ] = DEFAULT_TIME_LIMIT_S
+    no_trees: Annotated[bool, typer.Option("--no-trees", help="Sync over rings only.")] = False
     reserve_gb: Annotated[
         float,
         typer.Option("--reserve-gb", help="GB of each CUDA device the plan leaves to the CUDA context and workspaces."),
-    ] = MemoryHeadroom.reserved_gb,
+    ] = MemoryHeadroom.reserved_gb
     fragmentation: Annotated[
         float,
         typer.Option(
             "--fragmentation", help="Share of each device's memory the plan leaves to allocator fragmentation."
         ),
-    ] = MemoryHeadroom.fraction,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-) -> None:
+    ] = MemoryHeadroom.fraction
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False
+
+    def plan_flags(self) -> PlanFlags:
+        """What the plan is solved for: every option but ``--compare``, ``--explain`` and ``--json``."""
+        shown = ("compare", "explain", "as_json")
+        return PlanFlags(**{field.name: getattr(self, field.name) for field in fields(self) if field.name not in shown})
+
+
+@plan_app.callback(invoke_without_command=True)
+@takes_options(PlanCommandOptions, context=True)
+def plan(ctx: typer.Context, options: PlanCommandOptions) -> None:
     """Plan a model on a cluster: the ILP over stages, degrees, micro-batches, with Blink trees."""
     if ctx.invoked_subcommand is not None:
         return
-    flags = PlanFlags(
-        cluster=cluster,
-        model=model,
-        global_batch=global_batch,
-        sync=sync,
-        baseline=baseline,
-        devices=devices,
-        out=out,
-        time_limit_s=time_limit,
-        no_trees=no_trees,
-        reserve_gb=reserve_gb,
-        fragmentation=fragmentation,
-    )
+    flags = options.plan_flags()
     cluster_spec, model_spec = load_cluster(flags.cluster), load_model(flags.model)
     debug = output.debug_enabled(ctx)
     lp_path = str((flags.out or Path("plan.yaml")).with_suffix(".lp")) if debug and flags.baseline is None else None
@@ -256,14 +255,14 @@ def plan(
 
     def render(console) -> None:
         render_summary(console, result, flags.out)
-        if compare:
+        if options.compare:
             render_compare(console, result)
-        if explain:
+        if options.explain:
             _render_explain(console, result, cost)
         if lp_path:
             console.print(f"wrote the ILP to {lp_path}")
 
-    output.emit(plan_result(result), as_json, render)
+    output.emit(plan_result(result), options.as_json, render)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from felactl import limits
 from felactl.cli import output
+from felactl.cli.options import takes_options
 from felactl.errors import InputError
 from felactl.limits import check_flag, split_items
 
@@ -87,41 +88,44 @@ class ClusterFlags:
     testbed: str | None
 
 
-def profile(
+@dataclass(frozen=True, kw_only=True)
+class ProfileCommandOptions:
+    """The parameters of ``felactl profile`` (see ``felactl profile --help``)."""
+
     nproc_per_node: Annotated[
         int | None,
         typer.Option("--nproc-per-node", min=1, help="Worker slots on this node (default: the GPUs, else 2)."),
-    ] = None,
+    ] = None
     out: Annotated[
         Path | None,
         typer.Option("-o", "--output", help="Where to write (default: cluster.yaml, model.yaml with --model)."),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-    name: Annotated[str | None, typer.Option(help="Cluster name (default: the node name).")] = None,
+    ] = None
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False
+    name: Annotated[str | None, typer.Option(help="Cluster name (default: the node name).")] = None
     node_name: Annotated[
         str | None,
         typer.Option(
             help="This node's name (default: the short hostname); with "
             "--model --cluster, this machine's node in the cluster."
         ),
-    ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    ] = None
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto"
     matmul_size: Annotated[
         int,
         typer.Option(help="CPU matmul side for TFLOP/s (with --model: the profiled CPU's, recorded as timed_tflops)."),
-    ] = 512,
-    gpu_matmul_size: Annotated[int, typer.Option(help="GPU matmul side for TFLOP/s.")] = 4096,
-    message_bytes: Annotated[int, typer.Option(help="Message size for bandwidth.")] = 16 * 2**20,
-    small_message_bytes: Annotated[int, typer.Option(help="Message size for latency.")] = 8,
+    ] = 512
+    gpu_matmul_size: Annotated[int, typer.Option(help="GPU matmul side for TFLOP/s.")] = 4096
+    message_bytes: Annotated[int, typer.Option(help="Message size for bandwidth.")] = 16 * 2**20
+    small_message_bytes: Annotated[int, typer.Option(help="Message size for latency.")] = 8
     repetitions: Annotated[
         int,
         typer.Option(help="Timed repetitions (median taken; a device's are blocks of matmuls of at least 0.1 s each)."),
-    ] = 5,
-    hostfile: Annotated[
-        Path | None, typer.Option(help="DeepSpeed hostfile: start an agent on each host over ssh.")
-    ] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT the coordinator listens on for agents.")] = None,
-    nnodes: Annotated[int, typer.Option(help="Agents to wait for with --rdzv-endpoint.")] = 1,
+    ] = 5
+    hostfile: Annotated[Path | None, typer.Option(help="DeepSpeed hostfile: start an agent on each host over ssh.")] = (
+        None
+    )
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT the coordinator listens on for agents.")] = None
+    nnodes: Annotated[int, typer.Option(help="Agents to wait for with --rdzv-endpoint.")] = 1
     testbed: Annotated[
         str | None,
         typer.Option(
@@ -129,20 +133,20 @@ def profile(
             "namespace and cgroup, --nproc-per-node slots each (default 1). With --model: time the model in "
             "every node at once, each node's timings keyed by its CPU share."
         ),
-    ] = None,
-    secret_file: Annotated[Path | None, typer.Option(help="Job secret (created with mode 0600 if missing).")] = None,
-    log_dir: Annotated[Path | None, typer.Option(help="Worker logs (default: a new temp dir).")] = None,
-    join_timeout: Annotated[float, typer.Option(help="Seconds to wait for agents.")] = 60.0,
-    timeout: Annotated[float, typer.Option(help="Seconds the measurement may take.")] = 600.0,
-    model: Annotated[str | None, typer.Option(help="Profile this model's layers into model.yaml instead.")] = None,
+    ] = None
+    secret_file: Annotated[Path | None, typer.Option(help="Job secret (created with mode 0600 if missing).")] = None
+    log_dir: Annotated[Path | None, typer.Option(help="Worker logs (default: a new temp dir).")] = None
+    join_timeout: Annotated[float, typer.Option(help="Seconds to wait for agents.")] = 60.0
+    timeout: Annotated[float, typer.Option(help="Seconds the measurement may take.")] = 600.0
+    model: Annotated[str | None, typer.Option(help="Profile this model's layers into model.yaml instead.")] = None
     batch_sizes: Annotated[
         str | None, typer.Option(help=f"Micro-batch sizes for --model (default {BATCH_SIZES_DEFAULT}).")
-    ] = None,
-    config: Annotated[list[str] | None, typer.Option("--config", help="--model config key=value (repeat).")] = None,
+    ] = None
+    config: Annotated[list[str] | None, typer.Option("--config", help="--model config key=value (repeat).")] = None
     input_shape: Annotated[
         str | None,
         typer.Option(help="--model: one input sample's shape, e.g. 3,32,32 (user models that bring no data)."),
-    ] = None,
+    ] = None
     cluster: Annotated[
         Path | None,
         typer.Option(
@@ -150,69 +154,81 @@ def profile(
             help="--model: time it as this cluster's CPU slots on this machine will run it (beside "
             "the other slots training, and their data-parallel sync measured).",
         ),
-    ] = None,
+    ] = None
     worker_batch: Annotated[
         int | None,
         typer.Option(
             help="--model --cluster: samples per worker step for the sync timing (default: the middle --batch-sizes).",
             min=1,
         ),
-    ] = None,
-) -> None:
-    """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
-    if model is not None:
-        from felactl.cli import model_profile
+    ] = None
 
-        flags = model_profile.ModelProfileFlags(
-            model=model,
-            batch_sizes=_parse_batch_sizes(BATCH_SIZES_DEFAULT if batch_sizes is None else batch_sizes),
-            out=out,
-            as_json=as_json,
-            config=config,
-            input_shape=input_shape,
-            device=device,
-            repeats=repetitions,
-            cluster=cluster,
-            node=node_name,
-            worker_batch=worker_batch,
-            matmul_size=matmul_size,
-            testbed=testbed,
-            timeout_s=timeout,
-        )
-        model_profile.run(flags)
+
+@takes_options(ProfileCommandOptions)
+def profile(options: ProfileCommandOptions) -> None:
+    """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
+    if options.model is not None:
+        _profile_model(options)
         return
     _refuse_model_flags(
         {
-            "--config": config,
-            "--input-shape": input_shape,
-            "--cluster": cluster,
-            "--worker-batch": worker_batch,
-            "--batch-sizes": batch_sizes,
+            "--config": options.config,
+            "--input-shape": options.input_shape,
+            "--cluster": options.cluster,
+            "--worker-batch": options.worker_batch,
+            "--batch-sizes": options.batch_sizes,
         }
     )
     from felactl.launcher.profile import ProfileOptions
     from felactl.profiling.links import LinkProbe
 
-    options = ProfileOptions(
-        cpu_matmul_size=matmul_size,
-        gpu_matmul_size=gpu_matmul_size,
-        device=device,
-        probe=LinkProbe(message_bytes=message_bytes, small_message_bytes=small_message_bytes, repetitions=repetitions),
-        join_timeout_s=join_timeout,
-        timeout_s=timeout,
+    measurement = ProfileOptions(
+        cpu_matmul_size=options.matmul_size,
+        gpu_matmul_size=options.gpu_matmul_size,
+        device=options.device,
+        probe=LinkProbe(
+            message_bytes=options.message_bytes,
+            small_message_bytes=options.small_message_bytes,
+            repetitions=options.repetitions,
+        ),
+        join_timeout_s=options.join_timeout,
+        timeout_s=options.timeout,
     )
     where = ClusterFlags(
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        rdzv_endpoint=rdzv_endpoint,
-        hostfile=hostfile,
-        secret_file=secret_file,
-        node_name=node_name,
-        name=name,
-        log_dir=log_dir,
-        testbed=testbed,
+        nproc_per_node=options.nproc_per_node,
+        nnodes=options.nnodes,
+        rdzv_endpoint=options.rdzv_endpoint,
+        hostfile=options.hostfile,
+        secret_file=options.secret_file,
+        node_name=options.node_name,
+        name=options.name,
+        log_dir=options.log_dir,
+        testbed=options.testbed,
     )
-    _profile_cluster(where, options, out, as_json)
+    _profile_cluster(where, measurement, options.out, options.as_json)
+
+
+def _profile_model(options: ProfileCommandOptions) -> None:
+    """``felactl profile --model``: the model's layers into model.yaml (:mod:`felactl.cli.model_profile`)."""
+    from felactl.cli import model_profile
+
+    flags = model_profile.ModelProfileFlags(
+        model=options.model,
+        batch_sizes=_parse_batch_sizes(BATCH_SIZES_DEFAULT if options.batch_sizes is None else options.batch_sizes),
+        out=options.out,
+        as_json=options.as_json,
+        config=options.config,
+        input_shape=options.input_shape,
+        device=options.device,
+        repeats=options.repetitions,
+        cluster=options.cluster,
+        node=options.node_name,
+        worker_batch=options.worker_batch,
+        matmul_size=options.matmul_size,
+        testbed=options.testbed,
+        timeout_s=options.timeout,
+    )
+    model_profile.run(flags)
 
 
 def _refuse_model_flags(given: dict[str, object]) -> None:

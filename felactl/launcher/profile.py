@@ -121,11 +121,43 @@ def profile_cluster(
         testbed=testbed,
         testbed_slots={node: nproc_per_node or 1 for node in bed.nodes} if bed else None,
     )
+    cluster, copies = _measure_cluster(
+        coordinator,
+        agents,
+        nnodes=len(hosts) if hosts is not None else nnodes,
+        endpoint=endpoint,
+        secret_path=secret_path,
+        name=name,
+        options=options,
+        on_progress=on_progress,
+    )
+    if not log_dir:  # nobody asked for them and nothing failed: no temp dir left behind per profile
+        shutil.rmtree(logs, ignore_errors=True)
+    return ProfileResult(
+        cluster=cluster,
+        profile_s=time.perf_counter() - started,
+        log_dir=Path(log_dir) if log_dir else None,
+        peer_copy_gbps=copies,
+    )
+
+
+def _measure_cluster(
+    coordinator: Coordinator,
+    agents: Agents,
+    *,
+    nnodes: int,
+    endpoint: str | None,
+    secret_path: Path,
+    name: str | None,
+    options: ProfileOptions,
+    on_progress: Progress,
+) -> tuple[ClusterSpec, dict[str, float]]:
+    """Start the agents, wait for ``nnodes`` of them, run the measuring workers and assemble the
+    cluster (named ``name``, else after its one node); returns it with the peer-copy rates. The
+    coordinator and the agents are shut down on the way out, whatever happened."""
     reason = "the profile is over"
     try:
         agents.start()
-        if hosts is not None:
-            nnodes = len(hosts)
         alive = agents.check
         waiting = (
             "waiting for agents"
@@ -145,14 +177,7 @@ def profile_cluster(
         raise
     finally:
         _shutdown(coordinator, agents, reason)
-    if not log_dir:  # nobody asked for them and nothing failed: no temp dir left behind per profile
-        shutil.rmtree(logs, ignore_errors=True)
-    return ProfileResult(
-        cluster=cluster,
-        profile_s=time.perf_counter() - started,
-        log_dir=Path(log_dir) if log_dir else None,
-        peer_copy_gbps=copies,
-    )
+    return cluster, copies
 
 
 def _start_coordinator(

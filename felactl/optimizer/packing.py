@@ -412,51 +412,60 @@ def pack_up_and_down(
     down = {r: warm_start_trees(graph, r) for r in roots}
     up = {r: warm_start_trees(reverse, r) for r in roots}
     for _ in range(MAX_PRICING_ROUNDS):
-        problem = pulp.LpProblem(f"up_and_down_{next(_names)}", pulp.LpMaximize)
-        x = {r: _variable(problem, f"x_{i}", lowBound=0) for i, r in enumerate(roots)}
-        w = {
-            (r, t): _variable(problem, f"w_{i}_{j}", lowBound=0)
-            for i, r in enumerate(roots)
-            for j, t in enumerate(down[r])
-        }
-        v = {
-            (r, t): _variable(problem, f"v_{i}_{j}", lowBound=0)
-            for i, r in enumerate(roots)
-            for j, t in enumerate(up[r])
-        }
-        problem += pulp.lpSum(x.values())
-        for i, r in enumerate(roots):
-            problem += (pulp.lpSum(w[r, t] for t in down[r]) - x[r] >= 0, f"c1_down_{i}")
-            problem += (pulp.lpSum(v[r, t] for t in up[r]) - x[r] >= 0, f"c2_up_{i}")
-        loads = {var: frozenset(t) for (_, t), var in w.items()}  # an up tree's edge (p, c) sends c -> p
-        loads.update({var: frozenset((c, p) for p, c in t) for (_, t), var in v.items()})
-        names = _capacity_rows(problem, graph, loads)
-        _solve(problem, "up-and-down packing LP")
-        y = {e: max(_dual_price(problem, names[e]), 0.0) if e in names else 0.0 for e in graph.edges}
-        priced_up = {(b, a): price for (a, b), price in y.items()}
-        added = False
-        for i, r in enumerate(roots):
-            alpha, beta = abs(_dual_price(problem, f"c1_down_{i}")), abs(_dual_price(problem, f"c2_up_{i}"))
-            tree = min_cost_arborescence(graph, r, y)
-            if sum(y[e] for e in tree) < alpha - REDUCED_COST_TOLERANCE and tree not in down[r]:
-                down[r].append(tree)
-                added = True
-            tree = min_cost_arborescence(reverse, r, priced_up)
-            if sum(priced_up[e] for e in tree) < beta - REDUCED_COST_TOLERANCE and tree not in up[r]:
-                up[r].append(tree)
-                added = True
-        if not added:
+        problem, x, w, v, names = _solve_up_and_down_lp(graph, roots, down, up)
+        if not _add_priced_trees(problem, graph, reverse, roots, names, down, up):
             break
     rates = {r: x[r].value() or 0.0 for r in roots}
     rates = {r: rate for r, rate in rates.items() if rate > CAPACITY_EPS_GBPS}
+    return _scaled_to_rates(w, rates), _scaled_to_rates(v, rates), rates
 
-    def scaled(variables: dict) -> dict[Edges, float]:
-        """Each root's trees of one kind scaled to carry X_r (the LP may give them more)."""
-        kept: dict[Edges, float] = {}
-        for r, rate in rates.items():
-            mine = {t: var.value() or 0.0 for (root, t), var in variables.items() if root == r}
-            total = sum(mine.values())
-            kept.update({t: w * rate / total for t, w in mine.items() if w * rate / total > CAPACITY_EPS_GBPS})
-        return kept
 
-    return scaled(w), scaled(v), rates
+def _solve_up_and_down_lp(graph: nx.DiGraph, roots: Sequence, down: dict, up: dict) -> tuple:
+    """The LP of :func:`pack_up_and_down` over the trees found so far, solved: the problem, its
+    variables X_r, w_D, v_U (keyed by root, and by (root, tree)) and its capacity rows' names."""
+    problem = pulp.LpProblem(f"up_and_down_{next(_names)}", pulp.LpMaximize)
+    x = {r: _variable(problem, f"x_{i}", lowBound=0) for i, r in enumerate(roots)}
+    w = {
+        (r, t): _variable(problem, f"w_{i}_{j}", lowBound=0) for i, r in enumerate(roots) for j, t in enumerate(down[r])
+    }
+    v = {(r, t): _variable(problem, f"v_{i}_{j}", lowBound=0) for i, r in enumerate(roots) for j, t in enumerate(up[r])}
+    problem += pulp.lpSum(x.values())
+    for i, r in enumerate(roots):
+        problem += (pulp.lpSum(w[r, t] for t in down[r]) - x[r] >= 0, f"c1_down_{i}")
+        problem += (pulp.lpSum(v[r, t] for t in up[r]) - x[r] >= 0, f"c2_up_{i}")
+    loads = {var: frozenset(t) for (_, t), var in w.items()}  # an up tree's edge (p, c) sends c -> p
+    loads.update({var: frozenset((c, p) for p, c in t) for (_, t), var in v.items()})
+    names = _capacity_rows(problem, graph, loads)
+    _solve(problem, "up-and-down packing LP")
+    return problem, x, w, v, names
+
+
+def _add_priced_trees(
+    problem: pulp.LpProblem, graph: nx.DiGraph, reverse: nx.DiGraph, roots: Sequence, names: dict, down: dict, up: dict
+) -> bool:
+    """Column generation of :func:`pack_up_and_down`: add to ``down`` and ``up`` each root's
+    cheapest tree under the LP's dual prices where it improves the rate; whether any was added."""
+    y = {e: max(_dual_price(problem, names[e]), 0.0) if e in names else 0.0 for e in graph.edges}
+    priced_up = {(b, a): price for (a, b), price in y.items()}
+    added = False
+    for i, r in enumerate(roots):
+        alpha, beta = abs(_dual_price(problem, f"c1_down_{i}")), abs(_dual_price(problem, f"c2_up_{i}"))
+        tree = min_cost_arborescence(graph, r, y)
+        if sum(y[e] for e in tree) < alpha - REDUCED_COST_TOLERANCE and tree not in down[r]:
+            down[r].append(tree)
+            added = True
+        tree = min_cost_arborescence(reverse, r, priced_up)
+        if sum(priced_up[e] for e in tree) < beta - REDUCED_COST_TOLERANCE and tree not in up[r]:
+            up[r].append(tree)
+            added = True
+    return added
+
+
+def _scaled_to_rates(variables: dict, rates: dict) -> dict[Edges, float]:
+    """Each root's trees of one kind scaled to carry X_r (the LP may give them more)."""
+    kept: dict[Edges, float] = {}
+    for r, rate in rates.items():
+        mine = {t: var.value() or 0.0 for (root, t), var in variables.items() if root == r}
+        total = sum(mine.values())
+        kept.update({t: w * rate / total for t, w in mine.items() if w * rate / total > CAPACITY_EPS_GBPS})
+    return kept

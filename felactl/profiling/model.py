@@ -82,20 +82,70 @@ def profile_model(
     ``input_shape`` (one sample, without the batch axis) is needed only for user models that
     return no data; their inputs are then seeded standard-normal tensors.
     """
-    batch_sizes = _check_batch_sizes(batch_sizes)
-    if repeats < 1:
-        raise InputError(f"repeats must be >= 1, got {repeats}")
-    torch_device = _check_device(device)
+    batch_sizes, torch_device = _check_settings(batch_sizes, repeats, device)
     bundle, layers, spec_config = _load(source, config, seed, torch_device, input_shape)
     input_shape = spec_config.get("input_shape")
     input_grads = input_grads_needed(layers)
     statics = profile_static(bundle, layers, batch_sizes[0], input_shape, input_grads, torch_device, seed)
+    clock = Clock.for_device(torch_device)
+    timings, scales, timed_tflops, noisy = _time_micro_batches(
+        source,
+        bundle,
+        layers,
+        batch_sizes,
+        device=device,
+        torch_device=torch_device,
+        input_shape=input_shape,
+        input_grads=input_grads,
+        repeats=repeats,
+        seed=seed,
+        clock=clock,
+        progress=progress,
+        matmul_size=matmul_size,
+    )
+    first_input = example_input(bundle, 1, input_shape, torch_device, seed)
+    backward = _training_backward(bundle, layers, batch_sizes, torch_device)
+    step = time_optimizer_step(layers, repeats=repeats, seed=seed, backward=backward, clock=clock)
+    _note_noisy(noisy, "optimizer_step_ms", step)
+    _warn_noisy(source, noisy)
+    return ModelSpec(
+        name=bundle.name,
+        source=source,
+        config=spec_config,
+        input_bytes_per_sample=tensor_bytes(first_input),
+        layers=tuple(Layer(timings=tuple(t), **vars(s)) for s, t in zip(statics, timings)),
+        splittable=bundle.splittable,
+        optimizer_step_ms=step.ms,
+        whole_model_scale=scales,
+        noisy=tuple(noisy),
+        timed_tflops=timed_tflops,
+    )
+
+
+def _time_micro_batches(
+    source: str,
+    bundle: ModelBundle,
+    layers: nn.Sequential,
+    batch_sizes: Sequence[int],
+    *,
+    device: str,
+    torch_device: torch.device,
+    input_shape: Sequence[int] | None,
+    input_grads: list[bool],
+    repeats: int,
+    seed: int,
+    clock: Clock,
+    progress: Progress | None,
+    matmul_size: int | None,
+) -> tuple[list[list[LayerTiming]], dict[str, float], dict[str, float], list[str]]:
+    """Each layer's timings at every micro-batch size, the whole model's scale at each
+    (``whole_model_scale``), this CPU's matmul rate (``timed_tflops``, with ``matmul_size``) and
+    the timings that did not settle (``noisy``)."""
     total = len(layers) * (len(batch_sizes) + 1)
     if progress is not None:
         progress("flops", len(layers), total)
     timings: list[list[LayerTiming]] = [[] for _ in layers]
     device_model = this_device_model(device)
-    clock = Clock.for_device(torch_device)
     # The CPU's matmul rate is timed beside the layers, once before and once after each micro-batch
     # size's timings, and its median kept: a single timing moved +-13% between runs here (0.055 to
     # 0.071 TFLOP/s), and every device's predicted speed is scaled by it (CostModel.timed_slowdown).
@@ -124,23 +174,7 @@ def profile_model(
             _note_noisy(noisy, f"whole_model_scale[{batch}]", whole)
         time_matmul()
     timed_tflops = {device_model: float(f"{statistics.median(matmul_rates):.4g}")} if matmul_rates else {}
-    first_input = example_input(bundle, 1, input_shape, torch_device, seed)
-    backward = _training_backward(bundle, layers, batch_sizes, torch_device)
-    step = time_optimizer_step(layers, repeats=repeats, seed=seed, backward=backward, clock=clock)
-    _note_noisy(noisy, "optimizer_step_ms", step)
-    _warn_noisy(source, noisy)
-    return ModelSpec(
-        name=bundle.name,
-        source=source,
-        config=spec_config,
-        input_bytes_per_sample=tensor_bytes(first_input),
-        layers=tuple(Layer(timings=tuple(t), **vars(s)) for s, t in zip(statics, timings)),
-        splittable=bundle.splittable,
-        optimizer_step_ms=step.ms,
-        whole_model_scale=scales,
-        noisy=tuple(noisy),
-        timed_tflops=timed_tflops,
-    )
+    return timings, scales, timed_tflops, noisy
 
 
 def _load(
@@ -206,6 +240,14 @@ def _training_backward(
     inputs, targets = bundle.data.batch(range(middle_batch(batch_sizes)))
     inputs, targets = inputs.to(device), targets.to(device)
     return lambda: bundle.loss(layers(inputs), targets).backward()
+
+
+def _check_settings(batch_sizes: Sequence[int], repeats: int, device: str) -> tuple[list[int], torch.device]:
+    """The micro-batch sizes, sorted and distinct, and the device to profile on; bad ones refused."""
+    batch_sizes = _check_batch_sizes(batch_sizes)
+    if repeats < 1:
+        raise InputError(f"repeats must be >= 1, got {repeats}")
+    return batch_sizes, _check_device(device)
 
 
 def _check_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:

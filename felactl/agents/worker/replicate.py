@@ -93,21 +93,14 @@ def replicate(
     """Make every member hold the state of the members at the highest step; see the module doc."""
     start = time.perf_counter()
     world = dist.get_world_size(group)
-    steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(steps, torch.tensor([step], dtype=torch.int64, device=device), group=group)
-    steps_list = [int(s.item()) for s in steps]
-    top = max(steps_list)
-    holders = [r for r, s in enumerate(steps_list) if s == top]
+    top, holders = _highest_step(step, world, group, device)
     if len(holders) == world:
         return Replication(step=step, data_position=data_position)
     me = dist.get_rank(group)
     holder = me in holders
-    skeleton, keys = _skeleton(optimizer) if holder else (None, None)
-    scheduler_state = scheduler.state_dict() if holder and scheduler is not None else None
-    meta = [skeleton, keys, top, data_position, scheduler_state]
-    src0 = dist.get_global_rank(group, holders[0]) if group is not None else holders[0]
-    dist.broadcast_object_list(meta, src=src0, group=group)
-    skeleton, keys, top, data_position, scheduler_state = meta
+    skeleton, keys, top, data_position, scheduler_state = _broadcast_layout(
+        optimizer, scheduler, holder, holders[0], top, data_position, group
+    )
     if holder:
         tensors = _state_tensors(model, optimizer, keys)
     else:
@@ -119,21 +112,9 @@ def replicate(
         else torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
     )
     flat = flat.to(device)
-    bounds = shard_bounds(flat.numel(), len(holders))
-    works, senders = [], {}
-    for holder_rank, (a, b) in zip(holders, bounds):
-        src = dist.get_global_rank(group, holder_rank) if group is not None else holder_rank
-        works.append(dist.broadcast(flat[a:b], src=src, group=group, async_op=True))
-        senders[holder_rank] = (b - a) * flat.element_size()
-    for work in works:
-        work.wait()
+    senders = _broadcast_shards(flat, holders, group)
     if not holder:
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
-                offset += n
+        _copy_from_flat(flat, tensors)
         optimizer.load_state_dict(loaded)
         if scheduler is not None and scheduler_state is not None:
             scheduler.load_state_dict(scheduler_state)
@@ -144,3 +125,48 @@ def replicate(
         received=not holder,
         seconds=time.perf_counter() - start,
     )
+
+
+def _highest_step(step: int, world: int, group, device: torch.device) -> tuple[int, list[int]]:
+    """The highest step of the group's members, and the group ranks of the members at it (the holders)."""
+    steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(steps, torch.tensor([step], dtype=torch.int64, device=device), group=group)
+    steps_list = [int(s.item()) for s in steps]
+    top = max(steps_list)
+    holders = [r for r, s in enumerate(steps_list) if s == top]
+    return top, holders
+
+
+def _broadcast_layout(optimizer, scheduler, holder: bool, first_holder: int, top: int, data_position: int, group):
+    """The first holder's optimizer skeleton, tensor keys, step, data position and LR-scheduler
+    state, broadcast to every member: ``(skeleton, keys, top, data_position, scheduler_state)``."""
+    skeleton, keys = _skeleton(optimizer) if holder else (None, None)
+    scheduler_state = scheduler.state_dict() if holder and scheduler is not None else None
+    meta = [skeleton, keys, top, data_position, scheduler_state]
+    src0 = dist.get_global_rank(group, first_holder) if group is not None else first_holder
+    dist.broadcast_object_list(meta, src=src0, group=group)
+    return tuple(meta)
+
+
+def _broadcast_shards(flat: torch.Tensor, holders: list[int], group) -> dict[int, int]:
+    """Each holder broadcasts its shard of ``flat`` at once (asynchronously, waited together);
+    returns the bytes each holder sent, by group rank."""
+    bounds = shard_bounds(flat.numel(), len(holders))
+    works, senders = [], {}
+    for holder_rank, (a, b) in zip(holders, bounds):
+        src = dist.get_global_rank(group, holder_rank) if group is not None else holder_rank
+        works.append(dist.broadcast(flat[a:b], src=src, group=group, async_op=True))
+        senders[holder_rank] = (b - a) * flat.element_size()
+    for work in works:
+        work.wait()
+    return senders
+
+
+def _copy_from_flat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Fill ``tensors`` in order from the one flat buffer they were sent in."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
+            offset += n
