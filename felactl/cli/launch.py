@@ -16,7 +16,7 @@ from felactl.cli import output
 from felactl.cli.options import takes_options
 from felactl.cli.runview import live_run
 from felactl.spec import SyncMode
-from felactl.spec.sync_modes import mode_names, modes_where, sync_help
+from felactl.spec.sync_modes import rescalable_mode_names, sync_help
 
 if TYPE_CHECKING:
     from felactl.launcher.launch_flags import LaunchFlags
@@ -154,10 +154,7 @@ class LaunchCommandOptions:
     ] = 60.0
     elastic: Annotated[
         bool,
-        typer.Option(
-            help="Run data-parallel plans under live rescaling (sync "
-            f"{mode_names(modes_where(lambda row: row.rescales_live))})."
-        ),
+        typer.Option(help=f"Run data-parallel plans under live rescaling (sync {rescalable_mode_names()})."),
     ] = True
     cluster: Annotated[
         Path | None,
