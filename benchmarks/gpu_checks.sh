@@ -17,7 +17,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 echo "== GPU tests (elastic on NCCL included: what needs two GPUs skips on one)"
 rm -rf /tmp/felactl-gpu-tests
-timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -p no:cacheprovider -rs -v --basetemp=/tmp/felactl-gpu-tests \
+timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -p no:cacheprovider -n 0 -rs -v --basetemp=/tmp/felactl-gpu-tests \
     tests/test_profile_gpu.py tests/test_worker_gpu.py tests/test_elastic_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 # the runs' logs and events, for a test that failed
 tar czf "$OUT/gpu_test_runs.tgz" -C /tmp/felactl-gpu-tests . 2>/dev/null || true

@@ -1,5 +1,6 @@
 import functools
 import os
+from collections import Counter
 
 import psutil
 import pytest
@@ -27,3 +28,13 @@ def no_leftovers():
     leftover = [psutil.Process(pid) for pid in _descendants() - before if psutil.pid_exists(pid)]
     _, alive = psutil.wait_procs(leftover, timeout=5)
     assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files that start the most processes run first. The suite runs on two workers, a file on
+    one worker (pyproject: ``-n 2 --dist loadfile``, a file's shared jobs made once); the longest
+    files started first leave short ones to fill in at the end, instead of one worker alone with
+    a long file while the other idles. Within a file the order is as written."""
+    weight = Counter(item.path for item in items if item.get_closest_marker("multiprocess"))
+    first_seen = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+    items.sort(key=lambda item: (-weight[item.path], first_seen[item.path]))
