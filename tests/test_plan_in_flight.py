@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,13 @@ from typer.testing import CliRunner
 from felactl.cli.main import app
 from felactl.optimizer import ilp
 from felactl.optimizer.cost import CostModel
-from felactl.optimizer.evaluate import predict
-from felactl.optimizer.planner import make_plan
+from felactl.optimizer.evaluate import StageChoice, held_terms, predict
+from felactl.optimizer.planner import _as_simulated, _Candidate, make_plan
 from felactl.optimizer.search import best_by_enumeration
+from felactl.optimizer.simulator import SimResult
 from felactl.optimizer.space import build_space
-from felactl.spec import load_cluster, save
-from tests.planner_fixtures import fast_feeds_slow, gpt2xl_like, tight_instance
+from felactl.spec import ModelSpec, load_cluster, save
+from tests.planner_fixtures import fast_feeds_slow, gpt2xl_like, model, tight_instance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,6 +70,81 @@ def test_the_ilp_prices_the_in_flight_limit_exactly_as_the_cost_model():
     prediction = predict(cost, tuple(o.choice for o in solution.options), 32, 3)
     assert prediction.iteration_s == pytest.approx(solution.objective_s, rel=1e-6)
     assert prediction.held_s == pytest.approx(prediction.iteration_s, rel=1e-6)  # the limit sets the pace
+
+
+@dataclass(frozen=True)
+class _ConstantCosts:
+    """Made-up costs: one micro-batch's forward and backward take ``fwd_s`` and ``bwd_s`` on any
+    device; fetches, the runtime's work around a token, the sync and the optimizer step nothing."""
+
+    model: ModelSpec
+    fwd_s: float
+    bwd_s: float
+
+    def stage_times_s(self, start, end, device, micro_batch):
+        return self.fwd_s, self.bwd_s
+
+    def tokens_per_micro_batch(self, start, end):
+        return 1
+
+    def token_overhead_s(self, device):
+        return 0.0
+
+    def mean_fetch_s(self, device, num_bytes):
+        return 0.0
+
+    def exposed_sync_s(self, devices, start, end, device, micro_batch):
+        return 0.0
+
+    def optimizer_step_s(self, start, end, device):
+        return 0.0
+
+
+def test_a_held_worker_runs_each_backward_once_though_its_last_round_is_short():
+    # 8 tokens of micro-batch 1 under a limit of 7: a round of 7 and a round of 1. Each round
+    # waits on its first forward's trip through the later stages (held_terms' rounds); the worker
+    # runs 8 backwards, not a full round's 7 in both rounds (14 of them: 142 s).
+    cost = _ConstantCosts(model=model([(1000, 100, 1e6)] * 2), fwd_s=1.0, bwd_s=10.0)
+    stage = StageChoice(0, 1, 1, (("d", 1.0),))
+    assert held_terms(cost, stage, "d", 8, 7, next_micro_batch=1) == (2, pytest.approx(2 * 1.0 + 8 * 10.0))
+    # A next stage of micro-batch 2 takes two at once: 6 out at a time, rounds of 6 and 2, each
+    # waiting on a group of 2 forwards.
+    assert held_terms(cost, stage, "d", 8, 7, next_micro_batch=2) == (2, pytest.approx(2 * 2 * 1.0 + 8 * 10.0))
+    # Whole rounds (14 tokens, 2 rounds of 7) as before; a limit that holds every token binds nothing.
+    assert held_terms(cost, stage, "d", 14, 7, next_micro_batch=1) == (2, pytest.approx(2 * 1.0 + 14 * 10.0))
+    assert held_terms(cost, stage, "d", 7, 7, next_micro_batch=1) is None
+
+
+def _candidate(solved: str, iteration_s: float, simulated_s: float, *, held: bool) -> _Candidate:
+    """A candidate of made-up times (``solution``: which solve it came from)."""
+    simulation = SimResult(iteration_s=simulated_s, intervals=())
+    return _Candidate(solved, (), None, None, iteration_s, held, simulation)
+
+
+@pytest.mark.parametrize(
+    ("simulated_s", "solves", "kept"),
+    [(0.7, ["held"], "held"), (1.05, ["held"], "held"), (1.3, ["held", "unheld"], "unheld")],
+)
+def test_only_a_held_plan_simulated_slower_than_priced_is_solved_again_unheld(simulated_s, solves, kept):
+    # A plan an in-flight limit holds back, priced 1 s; the best plan no limit holds back is priced
+    # and simulated 1.2 s. Simulated 30% faster than priced, the held plan is kept without the
+    # second solve: the unheld plan's price, no less than the held one's (the optimum over fewer
+    # options), is what it runs, so it cannot win. Within 10%, kept as well; 30% slower, the
+    # unheld plan is solved and, simulated faster, kept.
+    calls = []
+
+    def solve(unheld: bool = False) -> str:
+        calls.append("unheld" if unheld else "held")
+        return calls[-1]
+
+    def candidate(solved: str) -> _Candidate:
+        if solved == "held":
+            return _candidate(solved, 1.0, simulated_s, held=True)
+        return _candidate(solved, 1.2, 1.2, held=False)
+
+    chosen = _as_simulated(solve, candidate, lambda _msg: None)
+    assert calls == solves
+    assert chosen.solution == kept
 
 
 @pytest.mark.slow
