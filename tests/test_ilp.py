@@ -9,9 +9,9 @@ import pytest
 from felactl.errors import PlanInfeasible
 from felactl.optimizer import ilp
 from felactl.optimizer.cost import CostModel
-from felactl.optimizer.evaluate import predict
+from felactl.optimizer.evaluate import StageChoice, predict
 from felactl.optimizer.search import best_by_enumeration
-from felactl.optimizer.space import build_space
+from felactl.optimizer.space import Profile, SearchSpace, Slot, StageOption, build_space
 from tests.planner_fixtures import as_cpu_slots, cluster, model, random_instance
 
 
@@ -152,3 +152,81 @@ def test_no_trees_is_the_same_program_when_no_sync_uses_trees():
     with_trees = make_plan(spec, net, 32)
     rings = make_plan(spec, net, 32, use_trees=False)
     assert with_trees.predicted.baselines["no_trees"] == pytest.approx(rings.predicted.iteration_s, rel=1e-6)
+
+
+def _option(start: int, end: int, slot: int, cost_s: float, held=None, micro_batch: int = 1) -> StageOption:
+    """A made-up stage option on the one device of ``slot`` (its profile has the slot's index)."""
+    return StageOption(
+        choice=StageChoice(start, end, micro_batch, ((f"d{slot}", 1.0),)),
+        group=slot,
+        slots=(slot,),
+        cost_s={slot: cost_s},
+        memory_bytes={slot: 1e9},
+        fill_s=0.0,
+        latency_s=1.0,
+        held={slot: held} if held else {},
+    )
+
+
+def _made_up_space(options: list[StageOption], num_devices: int = 3) -> SearchSpace:
+    """Two layers on ``num_devices`` devices of distinct classes (no twins to order), 8 GB each, in
+    groups of one and the pair of the first two; the program reads no cost model."""
+    return SearchSpace(
+        cost=None,
+        global_batch=8,
+        max_stages=2,
+        boundaries=(0, 1, 2),
+        slots=tuple(Slot(device_class=u, devices=(f"d{u}",), memory_bytes=8e9) for u in range(num_devices)),
+        profiles=tuple(Profile(slot=u, devices=(f"d{u}",)) for u in range(num_devices)),
+        groups=(*((u,) for u in range(num_devices)), (0, 1)),
+        options=options,
+    )
+
+
+@pytest.mark.parametrize(("held_s", "status"), [(4.002, "near optimal"), (4.1, "Optimal")])
+def test_a_held_row_broken_by_less_than_the_gap_ends_the_search_near_optimal(held_s, status):
+    # Two pipelines: layer 0 on d0 (4.000 s, its in-flight limit holding it to held_s) or on d2
+    # (4.001 s, no limit), then layer 1 on d1 (4 s). The first round, without rows (12), takes d0
+    # at 4.000 s, a lower bound; its held pace is then priced. Within HELD_GAP (0.1%) of the bound
+    # (4.002 s) it is kept as "near optimal" with its gap, though d2's 4.001 s is 0.025% faster; a
+    # pace 2.5% slower (4.1 s) brings its rows and a second round, which proves d2 optimal.
+    held = _option(0, 1, 0, 4.0, held={1: (1, held_s - 1.0)})  # 1 round of the next stage's 1 s latency
+    free = _option(0, 1, 2, 4.001)
+    space = _made_up_space([held, free, _option(1, 2, 1, 4.0)])
+    solution = ilp.solve(space)
+    assert solution.status == status
+    if status == "near optimal":
+        assert solution.options[0] is held
+        assert solution.objective_s == pytest.approx(4.002, rel=1e-9)
+        assert solution.gap == pytest.approx(0.002 / 4.002, rel=1e-6) and solution.gap <= ilp.HELD_GAP
+    else:
+        assert solution.options[0] is free
+        assert (solution.objective_s, solution.gap) == (pytest.approx(4.001, rel=1e-9), 0.0)
+
+
+def test_a_broken_row_brings_the_rows_of_its_option_and_of_its_mirror_images_only():
+    # Layer 0 on d0, micro-batch 1, held to 2 rounds of 3 s before a next stage of micro-batch 1
+    # and 1 round before one of 2: both its rows join, and the same stage on d1, its mirror image
+    # (same range, micro-batch, number of devices and held terms), brings both of its; one with
+    # other held terms, another micro-batch, another range, two devices or no limit brings none.
+    terms = {1: (2, 3.0), 2: (1, 3.0)}
+    broken = _option(0, 1, 0, 4.0, held=terms)
+    twin = _option(0, 1, 1, 4.0, held=terms)
+    others = [
+        _option(0, 1, 2, 4.0, held={1: (3, 3.0), 2: (1, 3.0)}),
+        _option(0, 1, 0, 4.0, held={2: (2, 3.0)}, micro_batch=2),
+        _option(1, 2, 0, 4.0, held=terms),
+        _option(0, 1, 3, 4.0),
+    ]
+    pair = StageOption(
+        choice=StageChoice(0, 1, 1, (("d0", 0.5), ("d1", 0.5))),
+        group=4,  # (0, 1): after the four groups of one
+        slots=(0, 1),
+        cost_s={0: 2.0, 1: 2.0},
+        memory_bytes={0: 1e9, 1: 1e9},
+        fill_s=0.0,
+        latency_s=1.0,
+        held={0: terms, 1: terms},
+    )
+    space = _made_up_space([broken, twin, *others, pair], num_devices=4)
+    assert ilp._rows_like(space, {0}) == {(0, 0, 1), (0, 0, 2), (1, 1, 1), (1, 1, 2)}

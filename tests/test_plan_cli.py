@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from felactl.cli.main import app
+from felactl.optimizer import ilp
 from felactl.optimizer.evaluate import token_samples
 from felactl.spec import load_model, load_plan, save
 from tests.planner_fixtures import cluster, model
@@ -49,6 +51,21 @@ def test_json_has_the_promised_keys(runner):
         assert set(coll) >= {"devices", "root", "trees", "rate_gbps", "bound_gbps", "ring_gbps"}
         assert all(set(t) == {"edges", "weight"} for t in coll["trees"])
     assert set(data["devices"]) <= {"gpu0", "gpu1", "gpu2"}
+
+
+def test_a_near_optimal_solve_shows_its_status_and_gap(runner, monkeypatch):
+    # The ILP stops once its best plan is within HELD_GAP of a round's lower bound, as "near
+    # optimal" (tests/test_ilp.py); the user sees it in --json's status and gap and in the
+    # summary's solver line.
+    solve = ilp.solve
+    monkeypatch.setattr(
+        ilp, "solve", lambda *a, **k: dataclasses.replace(solve(*a, **k), status="near optimal", gap=5e-4)
+    )
+    result = runner.invoke(app, [*VGG_ON_THREE, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["status"], data["gap"]) == ("near optimal", 5e-4)
+    assert "solver near optimal in" in runner.invoke(app, VGG_ON_THREE).output
 
 
 def test_writes_a_plan_that_loads_and_shows_compare_and_explain(runner, tmp_path):

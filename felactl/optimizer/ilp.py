@@ -112,8 +112,12 @@ class Solution:
     """The chosen stages in layer order."""
     objective_s: float
     status: str
+    """``Optimal``; ``near optimal``: row generation stopped within :data:`HELD_GAP` of a round's
+    optimum (:func:`solve`); ``time limit``: the best plan when time or rounds ran out."""
     solve_s: float
     gap: float | None
+    """``(objective - lower bound) / objective``: 0 where optimal, None where CBC stopped with no
+    bound."""
 
 
 def _expr(terms) -> pulp.LpAffineExpression:
