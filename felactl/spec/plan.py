@@ -312,7 +312,8 @@ class SolverInfo:
     status: str
     solve_s: float
     gap: float | None = None
-    """Relative optimality gap where a time limit stopped the search."""
+    """Relative optimality gap where the search stopped short of proving its plan optimal: a time
+    limit, or a ``near optimal`` plan within the solver's held gap (``optimizer.ilp.HELD_GAP``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
