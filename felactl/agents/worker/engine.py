@@ -412,10 +412,10 @@ class Trainer:
         t["last_loss"] = loss
 
     # --- checkpoints and the end of a step --------------------------------------------------
-    def end_step(self, step: int, lead_steps: int = 2) -> bool:
+    def end_step(self, step: int, lead_steps: int) -> bool:
         """Step ``step`` (0-based) of a synchronous mode completed: checkpoint every
         ``--checkpoint-every`` steps; True when a graceful stop ends the run here (a stop asked
-        now ends ``lead_steps`` steps on: more than any member can be ahead of another)."""
+        now ends ``lead_steps`` steps on, the strategy's :attr:`Strategy.lead_steps`)."""
         self.steps_done, self.data_position = step + 1, self.position_of(step + 1)
         self.sync_replicas(buffers_only=True)
         every = self.runtime.cfg.checkpoint_every

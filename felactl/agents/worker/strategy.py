@@ -74,7 +74,10 @@ class Strategy:
     """Whether a record also carries the worker's own iteration count (when it is not the step)."""
     lead_steps = 2
     """How many steps past its own a member proposes to stop or switch at: more than any member
-    can be ahead of another (tokens let a member run ahead of the others)."""
+    can be ahead of another, so that nobody has passed the agreed step yet. In lockstep a step's
+    collectives wait for everyone, so another member completes at most one more step before it
+    reads the proposal: two leaves a step to spare. (Tokens let a member run ``max_lag``
+    iterations ahead, and look that much further.)"""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer

@@ -408,7 +408,7 @@ class Tokens(Lockstep):
             timeout_s=runtime.cfg.timeout_s,
             interrupted=trainer.membership.members_changed,
         )
-        self.lead_steps = self.bucket.max_lag + 2  # members may be max_lag iterations ahead
+        self.lead_steps = self.bucket.max_lag + Lockstep.lead_steps  # members may run max_lag iterations ahead
 
     def _group_of(self, members: tuple[int, ...]):
         if len(members) == len(self.trainer.placement.stage_ranks):
