@@ -20,9 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from felactl import limits
-from felactl.agents.agent import WorkerState
 from felactl.control import keys as store_keys
-from felactl.control.documents import Assignment
+from felactl.control.documents import Assignment, WorkerState
 from felactl.control.store import parse_endpoint
 from felactl.errors import InputError, ProfilingError
 from felactl.launcher import hosts as hostfile
