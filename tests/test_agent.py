@@ -15,8 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from felactl.agents.agent import LocalWorkerAgent, WorkerSpec, WorkerState, group_state, split_cores
+from felactl.agents.agent import LocalWorkerAgent, WorkerSpec, split_cores
 from felactl.agents.session import StopOrder
+from felactl.control.documents import WorkerState, group_state
 from felactl.errors import InputError
 
 S, F, H, X = WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.HEALTHY, WorkerState.STOPPED
@@ -393,7 +394,8 @@ def test_a_joining_agent_removes_its_temp_logs_only_when_every_worker_succeeded(
     import dataclasses
 
     from felactl.agents import local_node
-    from felactl.agents.agent import RunResult, WorkerState
+    from felactl.agents.agent import RunResult
+    from felactl.control.documents import WorkerState
 
     logs = tmp_path / "felactl-agent-x"
     logs.mkdir()

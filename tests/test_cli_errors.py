@@ -478,6 +478,20 @@ def test_a_plan_given_where_a_cluster_is_expected(tmp_path):
         (["profile", "--batch-sizes", "1,4,16,64"], "--batch-sizes is for profiling a model"),  # even the default
         (["profile", "--config", "depth=3"], "--config is for profiling a model"),
         (["profile", "--model", "mlp", "--worker-batch", "4"], "--worker-batch is for --cluster"),
+        # The other direction: a cluster's flags given with --model were silently ignored (review of issue 31).
+        (
+            ["profile", "--model", "mlp", "--hostfile", "hosts"],
+            "--hostfile is for profiling a cluster, not with --model",
+        ),
+        (["profile", "--model", "mlp", "--rdzv-endpoint", "127.0.0.1:1"], "--rdzv-endpoint is for profiling a cluster"),
+        (["profile", "--model", "mlp", "--nnodes", "1"], "--nnodes is for profiling a cluster"),  # even the default
+        (["profile", "--model", "mlp", "--nproc-per-node", "2"], "--nproc-per-node is for profiling a cluster"),
+        (["profile", "--model", "mlp", "--secret-file", "s"], "--secret-file is for profiling a cluster"),
+        (["profile", "--model", "mlp", "--log-dir", "logs"], "--log-dir is for profiling a cluster"),
+        (["profile", "--model", "mlp", "--name", "c"], "--name is for profiling a cluster"),
+        (["profile", "--model", "mlp", "--join-timeout", "5"], "--join-timeout is for profiling a cluster"),
+        (["profile", "--model", "mlp", "--message-bytes", "64"], "--message-bytes is for profiling a cluster"),
+        (["profile", "--model", "mlp", "--gpu-matmul-size", "64"], "--gpu-matmul-size is for profiling a cluster"),
         (["plan", "--cluster", "c.yaml", "--model", "m.yaml", "--global-batch", "0"], "--global-batch must be >= 1"),
         (["scale", "r", "--add", "1", "--timeout", "0"], "--timeout must be > 0"),
         (

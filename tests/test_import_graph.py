@@ -44,6 +44,14 @@ ONLY_FROM = {"agents.worker": {"agents"}}
 """Rooms that only the named rooms may import, however high the importer stands: the agent starts
 the workers; the launcher, profiling and the CLI reach them through ``control/`` and the plan."""
 
+STARTS_AGENTS = {
+    "felactl.agents.local_node": {"AgentThread", "local_agent_config"},
+    "felactl.agents.agent": {"agent_argv", "start_agent"},
+}
+"""All the launcher takes from ``agents``: what starts an agent, in the launch process for the local
+node or as a process elsewhere (ssh, srun). What it says to an agent once started (the job, its
+commands, the states it reports, its beat) is ``control/``'s vocabulary."""
+
 
 def _room(module: str) -> str:
     """``felactl.agents.worker.loop`` -> ``agents.worker``; ``felactl.agents.agent`` -> ``agents``;
@@ -54,12 +62,14 @@ def _room(module: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in LEVEL else "__init__"
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
+def _imports(path: Path) -> list[tuple[int, str, set[str] | None]]:
+    """Each felactl import of ``path``: its line, the module, and the names taken from it (None:
+    the module itself, ``import felactl.x``)."""
     module = "felactl." + ".".join(path.relative_to(FELACTL).with_suffix("").parts)
-    found = []
+    found: list[tuple[int, str, set[str] | None]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
+            found += [(node.lineno, alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
                 base = module.split(".")[: -node.level]
@@ -67,10 +77,10 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             else:
                 name = node.module or ""
             if name in ("felactl", "felactl.agents"):  # from felactl import models; from felactl.agents import worker
-                found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
+                found += [(node.lineno, f"{name}.{alias.name}", None) for alias in node.names]
             else:
-                found.append((node.lineno, name))
-    return [(line, name) for line, name in found if name == "felactl" or name.startswith("felactl.")]
+                found.append((node.lineno, name, {alias.name for alias in node.names}))
+    return [(line, name, names) for line, name, names in found if name == "felactl" or name.startswith("felactl.")]
 
 
 def _violations() -> list[str]:
@@ -79,7 +89,7 @@ def _violations() -> list[str]:
         rel = path.relative_to(FELACTL)
         room = "agents.worker" if rel.parts[:2] == ("agents", "worker") else rel.parts[0].removesuffix(".py")
         assert room in LEVEL, f"{rel}: a room DESIGN.md does not name (add it to LEVEL here and to DESIGN)"
-        for line, name in _imports(path):
+        for line, name, names in _imports(path):
             target = _room(name)
             if target == room:
                 continue
@@ -87,7 +97,17 @@ def _violations() -> list[str]:
                 wrong.append(f"{rel}:{line} ({room}) imports {name} ({target}), a room at its level or above")
             elif room not in ONLY_FROM.get(target, {room}):
                 wrong.append(f"{rel}:{line} ({room}) imports {name} ({target}), which only {ONLY_FROM[target]} may")
+            elif room == "launcher" and target == "agents":
+                extra = sorted(names - STARTS_AGENTS.get(name, set())) if names is not None else []
+                if names is None or extra:
+                    what = f"{', '.join(extra)} from {name}" if extra else name
+                    wrong.append(f"{rel}:{line} (launcher) imports {what}: {_AGENT_WORDS}")
     return wrong
+
+
+_AGENT_WORDS = (
+    "the launcher takes only what starts an agent from agents (STARTS_AGENTS); protocol words live in control/"
+)
 
 
 def test_no_room_imports_a_room_at_its_level_or_above():
@@ -128,3 +148,23 @@ def test_only_the_agent_imports_the_worker(tmp_path, monkeypatch, room):
     assert _violations() == [
         f"{room}/uses.py:1 ({room}) imports felactl.agents.worker.metrics (agents.worker), which only {{'agents'}} may"
     ]
+
+
+@pytest.mark.parametrize(
+    "line, wrong",
+    [
+        ("from felactl.agents.agent import start_agent, command_queue", "command_queue from felactl.agents.agent"),
+        ("from felactl.agents.node import run_node_agent", "run_node_agent from felactl.agents.node"),
+        ("import felactl.agents.agent", "felactl.agents.agent"),
+    ],
+)
+def test_the_launcher_takes_only_what_starts_an_agent_from_agents(tmp_path, monkeypatch, line, wrong):
+    fake = tmp_path / "felactl"
+    (fake / "launcher").mkdir(parents=True)
+    (fake / "launcher" / "starts.py").write_text(
+        "from felactl.agents.agent import agent_argv, start_agent\n"
+        "from felactl.agents.local_node import AgentThread, local_agent_config\n"
+    )
+    (fake / "launcher" / "talks.py").write_text(line + "\n")
+    monkeypatch.setattr(f"{__name__}.FELACTL", fake)
+    assert _violations() == [f"launcher/talks.py:1 (launcher) imports {wrong}: {_AGENT_WORDS}"]

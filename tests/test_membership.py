@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from felactl.launcher.membership.decide import decide
-from felactl.launcher.membership.liveness import reachable_group
+from felactl.launcher.membership.signs_of_life import reachable_group
 from felactl.launcher.membership.state import (
     FAILED_FIRST,
     FINISHED_FIRST,

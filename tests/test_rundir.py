@@ -275,3 +275,11 @@ def test_launch_script_with_a_runs_root_that_is_a_file_exits_2(tmp_path):
     )
     assert done.returncode == 2 and "cannot make the run directory" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_status_reads_runs_without_importing_torch():
+    """launcher/resume.py imports torch only where a checkpoint is read, so `felactl status`
+    (which reads a run's last launch through it) stays quick."""
+    code = "import sys, felactl.launcher.status; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,10 +1,12 @@
 """The per-node agent: start worker processes, watch them, stop every one of them.
 
 Shaped like torch.distributed.elastic's agent: a :class:`WorkerSpec` says what to run, each
-:class:`Worker` records one process, a :class:`WorkerState` enum names where things stand, and
-:class:`LocalWorkerAgent` offers ``start`` / ``monitor`` / ``stop`` plus ``run`` (start, then
-monitor until done). What a set of worker states means for the group is decided by the pure
-function :func:`group_state`, so that decision is tested without processes.
+:class:`Worker` records one process, a :class:`~felactl.control.documents.WorkerState` enum names
+where things stand, and :class:`LocalWorkerAgent` offers ``start`` / ``monitor`` / ``stop`` plus
+``run`` (start, then monitor until done). What a set of worker states means for the group is
+decided by the pure function :func:`~felactl.control.documents.group_state`, so that decision is
+tested without processes; both are the control plane's words, since the agent reports its state to
+the coordinator, which reads it the same way.
 
 Workers are ``python -m <module> [args]`` (felactl's own workers) or ``python <script> [args]``
 (a user's torchrun-style script) subprocesses with the torchrun environment, so a user's script
@@ -18,7 +20,6 @@ The agent that joins a job on the control plane and runs this one for it is
 
 from __future__ import annotations
 
-import enum
 import os
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from felactl.control import keys
+from felactl.control.documents import WorkerState, group_state
 from felactl.errors import InputError
 
 if TYPE_CHECKING:
@@ -40,14 +41,6 @@ if TYPE_CHECKING:
 
 DRAIN_RESIGNAL_S = 1.0
 """During a graceful stop, how often the agent repeats SIGINT to workers that are still running."""
-
-
-class WorkerState(str, enum.Enum):
-    INIT = "init"
-    HEALTHY = "healthy"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,17 +121,6 @@ class RunResult:
     """Global rank -> one line about what went wrong (the last line of its log)."""
     failed_at: dict[int, float] = field(default_factory=dict)
     """Global rank -> wall-clock time its failure was seen."""
-
-
-def group_state(states: list[WorkerState]) -> WorkerState:
-    """One failed worker fails the group; the group succeeds only when every worker did."""
-    if any(s is WorkerState.FAILED for s in states):
-        return WorkerState.FAILED
-    if states and all(s is WorkerState.SUCCEEDED for s in states):
-        return WorkerState.SUCCEEDED
-    if any(s is WorkerState.STOPPED for s in states):
-        return WorkerState.STOPPED
-    return WorkerState.HEALTHY
 
 
 def split_cores(cores: list[int], nproc: int) -> tuple[tuple[int, ...], ...]:
@@ -422,16 +404,6 @@ def _existing(pids: set[int]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return procs
-
-
-# --- the agent's side of its protocol with the coordinator ----------------------------------------
-AGENT_BEAT_S = 0.5
-"""How often an agent of an elastic job says it is alive (the coordinator judges silence by it)."""
-
-
-def command_queue(prefix: str, agent_id: str) -> str:
-    """The store queue where the coordinator puts its signed commands to agent ``agent_id``."""
-    return prefix + keys.agent_commands(agent_id)
 
 
 # --- starting an agent elsewhere (ssh, a testbed node) -----------------------------------

@@ -13,8 +13,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from felactl.agents.agent import RunResult, WorkerState, split_cores
+from felactl.agents.agent import RunResult, split_cores
 from felactl.agents.node import NodeAgentConfig, run_node_agent
+from felactl.control.documents import WorkerState
 from felactl.machine import available_cores, node_info, short_hostname
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from felactl.agents.agent import AGENT_BEAT_S, LocalWorkerAgent, RunResult, WorkerSpec, WorkerState
+from felactl.agents.agent import LocalWorkerAgent, RunResult, WorkerSpec
 from felactl.control import keys
-from felactl.control.documents import CommandDoc
+from felactl.control.documents import CommandDoc, WorkerState
 from felactl.errors import ControlPlaneError
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def _supervise_elastic(agent: LocalWorkerAgent, session) -> RunResult:
         agent.start()
         reported, last_beat = None, 0.0
         while True:
-            if time.monotonic() - last_beat >= AGENT_BEAT_S:
+            if time.monotonic() - last_beat >= keys.AGENT_BEAT_S:
                 session.beat()
                 last_beat = time.monotonic()
             for command in _pop_commands(session):
@@ -196,7 +196,7 @@ def _supervise_elastic(agent: LocalWorkerAgent, session) -> RunResult:
 def _pop_commands(session) -> list[dict]:
     """The coordinator's pending commands to this agent; forged or replayed ones are dropped (and said so)."""
     name = keys.agent_commands(session.agent_id)
-    queue = session.prefix + name
+    queue = keys.command_queue(session.prefix, session.agent_id)
     commands = []
     while session.store.queue_len(queue) > 0:
         raw = session.store.queue_pop(queue, block=False)

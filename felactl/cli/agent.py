@@ -49,8 +49,8 @@ def agent(options: AgentCommandOptions) -> None:
     # c10d logs a C++ stack trace at warning level when the store goes away; we say it in one line.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-    from felactl.agents.agent import WorkerState
     from felactl.agents.local_node import local_agent_config, run_joining_agent, temp_log_dir
+    from felactl.control.documents import WorkerState
     from felactl.launcher.controlplane import read_secret_file
     from felactl.launcher.profile import default_nproc_per_node
 

@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
+try:  # typer >= 0.2x runs on its own vendored copy of click
+    from typer._click.core import ParameterSource
+except ImportError:  # older typer runs on click itself
+    from click.core import ParameterSource
+
 from felactl import limits
 from felactl.cli import output
 from felactl.cli.options import takes_options
@@ -164,10 +169,27 @@ class ProfileCommandOptions:
     ] = None
 
 
-@takes_options(ProfileCommandOptions)
-def profile(options: ProfileCommandOptions) -> None:
+CLUSTER_ONLY = (
+    "nproc_per_node",
+    "nnodes",
+    "rdzv_endpoint",
+    "hostfile",
+    "secret_file",
+    "name",
+    "log_dir",
+    "join_timeout",
+    "gpu_matmul_size",
+    "message_bytes",
+    "small_message_bytes",
+)
+"""The parameters only a cluster's profile reads; ``--model`` refuses them (:func:`_refuse_cluster_flags`)."""
+
+
+@takes_options(ProfileCommandOptions, context=True)
+def profile(ctx: typer.Context, options: ProfileCommandOptions) -> None:
     """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
     if options.model is not None:
+        _refuse_cluster_flags(ctx)
         _profile_model(options)
         return
     _refuse_model_flags(
@@ -236,6 +258,18 @@ def _refuse_model_flags(given: dict[str, object]) -> None:
     flags = [flag for flag, value in given.items() if value]
     if flags:
         raise InputError(f"{flags[0]} is for profiling a model: add --model NAME")
+
+
+def _refuse_cluster_flags(ctx: typer.Context) -> None:
+    """The flags of a cluster's profile, given with ``--model``: the first is named. Given, not
+    valued: ``--nnodes 1`` is refused too, though 1 is its default."""
+    given = [
+        max(param.opts, key=len)
+        for param in ctx.command.params
+        if param.name in CLUSTER_ONLY and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
+    ]
+    if given:
+        raise InputError(f"{given[0]} is for profiling a cluster, not with --model")
 
 
 def _profile_cluster(where: ClusterFlags, options: ProfileOptions, out: Path | None, as_json: bool) -> None:

@@ -132,6 +132,27 @@ class DoneDoc(Document):
     step: int
 
 
+class WorkerState(str, enum.Enum):
+    """Where a worker, or an agent's group of workers, stands (an :class:`AgentStateDoc`'s ``state``)."""
+
+    INIT = "init"
+    HEALTHY = "healthy"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+def group_state(states: list[WorkerState]) -> WorkerState:
+    """One failed worker fails the group; the group succeeds only when every worker did."""
+    if any(s is WorkerState.FAILED for s in states):
+        return WorkerState.FAILED
+    if states and all(s is WorkerState.SUCCEEDED for s in states):
+        return WorkerState.SUCCEEDED
+    if any(s is WorkerState.STOPPED for s in states):
+        return WorkerState.STOPPED
+    return WorkerState.HEALTHY
+
+
 @dataclass(frozen=True)
 class AgentStateDoc(Document):
     """An agent's report: its state and whatever it adds (its workers' table, exit codes)."""

@@ -49,8 +49,19 @@ def agent_beat(agent_id: str) -> str:
     return f"agents/{agent_id}/beat"
 
 
+AGENT_BEAT_S = 0.5
+"""How often an agent of an elastic job adds to its :func:`agent_beat` counter (the coordinator
+judges its silence by it)."""
+
+
 def agent_commands(agent_id: str) -> str:
     return f"agents/{agent_id}/commands"
+
+
+def command_queue(prefix: str, agent_id: str) -> str:
+    """The store queue (a full name: ``prefix`` is the job's) where the coordinator puts its signed
+    commands to agent ``agent_id``."""
+    return prefix + agent_commands(agent_id)
 
 
 # --- elastic membership ---------------------------------------------------------------------------

@@ -31,10 +31,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from felactl.agents.agent import AGENT_BEAT_S, command_queue
 from felactl.control import EventKind, keys
 from felactl.control.documents import Assignment, CommandDoc, GenerationDoc
 from felactl.control.events import record, write_event
+from felactl.control.keys import AGENT_BEAT_S, command_queue
 from felactl.errors import InputError, StorageError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS
 from felactl.launcher.controlplane import Coordinator, Member

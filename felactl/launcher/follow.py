@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from felactl.agents.agent import WorkerState
 from felactl.control import EventKind
+from felactl.control.documents import WorkerState
 from felactl.control.metrics import summarize
 from felactl.errors import WorkerFailed
 from felactl.fsutil import JsonlTail

@@ -35,12 +35,20 @@ WORKER_MODULE = "felactl.agents.worker"
 
 def start_coordinator(secret: str, endpoint: str | None, run: RunDir, *, new_run: bool = True) -> Coordinator:
     """The job's control plane, listening on ``endpoint``; a ``new_run``'s directory is removed
-    again when it cannot start."""
-    try:
+    again when it cannot start (nothing ran: no run directory for `felactl status` to list)."""
+    with removed_if_it_fails(run.path if new_run else None):
         return Coordinator(secret, endpoint=endpoint, job=run.run_id, events=run.events)
+
+
+@contextlib.contextmanager
+def removed_if_it_fails(made: Path | None) -> Iterator[None]:
+    """Remove the directory ``made`` for a job (None: none was) when starting its control plane
+    fails: nothing ran, so there is nothing to read there."""
+    try:
+        yield
     except BaseException:
-        if new_run:  # nothing ran: leave no run directory behind for `felactl status` to list
-            shutil.rmtree(run.path, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         raise
 
 

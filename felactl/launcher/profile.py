@@ -20,14 +20,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from felactl import limits
-from felactl.agents.agent import WorkerState
 from felactl.control import keys as store_keys
-from felactl.control.documents import Assignment
+from felactl.control.documents import Assignment, WorkerState
 from felactl.control.store import parse_endpoint
 from felactl.errors import InputError, ProfilingError
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
-from felactl.launcher.node_agents import Agents
+from felactl.launcher.node_agents import Agents, removed_if_it_fails
 from felactl.limits import check_flag
 from felactl.machine import available_cores, num_gpus, short_hostname
 from felactl.profiling.cluster import assemble_cluster, peer_copies
@@ -187,13 +186,9 @@ def _start_coordinator(
     secret, and the coordinator listening on ``endpoint`` (any free port on loopback without)."""
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="felactl-profile-"))
     secret_path = Path(secret_file) if secret_file else logs / "secret"
-    try:
+    with removed_if_it_fails(None if log_dir else logs):
         secret = _job_secret(secret_path)
         coordinator = Coordinator(secret, endpoint=endpoint, job=JOB)
-    except BaseException:
-        if not log_dir:  # nothing ran: nothing to read there
-            shutil.rmtree(logs, ignore_errors=True)
-        raise
     return logs, secret_path, secret, coordinator
 
 

@@ -104,7 +104,7 @@ def resume_hint(rundir: RunDir) -> str:
 def load_stage(path: Path) -> dict:
     """A stage's checkpoint file (``model``, ``optimizer``, ``step``, ``data_position``, and
     ``generation`` where the job rescaled), its tensors on the CPU."""
-    import torch  # here: a launch that does not resume starts without paying torch's import
+    import torch  # here: `felactl status` reads runs through this module and never pays for torch
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)

@@ -28,9 +28,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from felactl.agents.agent import WorkerState, group_state
 from felactl.control import EventKind
-from felactl.control.documents import Assignment
+from felactl.control.documents import Assignment, WorkerState, group_state
 from felactl.control.events import record
 from felactl.control.store import parse_endpoint, serve_store
 from felactl.errors import InputError, WorkerFailed

@@ -5,7 +5,7 @@ coordinator), the cause may be a partition between the members themselves: re-fo
 members would fail again, for ever. So each worker listens on a TCP port of its own (published in
 its ``arrived`` document) and, after a failed step, tries a connection to every other member's;
 whom it could not reach goes into its ``stuck`` report, and the coordinator keeps the largest
-group of members that all reach one another (:func:`felactl.launcher.membership.liveness.reachable_group`).
+group of members that all reach one another (:func:`felactl.launcher.membership.signs_of_life.reachable_group`).
 
 A probe is a plain TCP handshake, which the kernel completes from the listen backlog: it needs no
 CPU time of the peer's Python, so a busy peer is not mistaken for a lost one.

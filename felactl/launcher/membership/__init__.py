@@ -26,7 +26,7 @@ Where each part lives:
 * :mod:`~felactl.launcher.membership.decide`: the decision and its rules for signs of life,
   switches, failures, newcomers.
 * :mod:`~felactl.launcher.membership.requests`: serving ``felactl scale`` requests.
-* :mod:`~felactl.launcher.membership.liveness`: who is dead, which agent is silent, who still
+* :mod:`~felactl.launcher.membership.signs_of_life`: who is dead, which agent is silent, who still
   reaches whom.
 * :mod:`~felactl.launcher.membership.transitions`: the moves both of the last two make (begin a
   switch, mark a request answered).

@@ -8,14 +8,14 @@ from collections.abc import Mapping
 
 from felactl.control import EventKind
 from felactl.errors import EXIT_BAD_INPUT
-from felactl.launcher.membership.liveness import (
+from felactl.launcher.membership.requests import serve_requests
+from felactl.launcher.membership.signs_of_life import (
     agent_silent_s,
     dead_workers,
     exit_reason,
     partition_reason,
     reachable_group,
 )
-from felactl.launcher.membership.requests import serve_requests
 from felactl.launcher.membership.state import (
     FAILED_FIRST,
     Action,

@@ -9,7 +9,7 @@ import dataclasses
 
 from felactl.control import EventKind
 from felactl.errors import InputError
-from felactl.launcher.membership.liveness import agent_silent_s
+from felactl.launcher.membership.signs_of_life import agent_silent_s
 from felactl.launcher.membership.state import (
     FINISHED_FIRST,
     Action,
