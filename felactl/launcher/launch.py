@@ -33,7 +33,6 @@ from felactl.launcher.prepare import (
     check_this_machine,
     idle_gpus_warning,
     node_devices,
-    plan_backend,
     prepare_run,
     resume_point,
     runnable_plan,
@@ -52,7 +51,6 @@ log = logging.getLogger(__name__)
 def worker_env(
     options: LaunchOptions,
     run: RunDir,
-    plan: Plan,
     store_endpoint: str,
     *,
     resume: ResumePoint | None = None,
@@ -72,7 +70,6 @@ def worker_env(
         # client instead of trying to host one on MASTER_PORT (torchrun's agent does the same).
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
-    env["FELACTL_BACKEND"] = plan_backend(plan)
     if options.slowdown:
         env["FELACTL_SLOWDOWN"] = options.slowdown
     if options.straggler:
@@ -161,7 +158,7 @@ def _run(
     run, plan, sync = state.run, state.plan, state.sync
     agents.start()
     state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
-    env = worker_env(options, run, plan, coordinator.endpoint, resume=resume)
+    env = worker_env(options, run, coordinator.endpoint, resume=resume)
     controller = None
     if elastic:
         controller = ElasticController(

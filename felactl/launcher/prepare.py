@@ -34,6 +34,7 @@ from felactl.spec import (
     load_plan,
     save,
 )
+from felactl.spec.executable import plan_backend
 from felactl.spec.sync_modes import rescalable_mode_names, sync_support
 
 
@@ -227,13 +228,6 @@ def node_devices(plan: Plan, local_node: str) -> dict[str, tuple[str, ...]]:
     """Node -> its devices in rank order; a plan without placement runs wholly on ``local_node``."""
     nodes = plan.nodes()
     return {local_node: nodes[""]} if "" in nodes else nodes
-
-
-def plan_backend(plan: Plan) -> str:
-    """NCCL when the plan places every device on a GPU, else gloo: one process group has one
-    backend, and a CPU plan (or one that places nothing) stays on the CPU on a machine with a GPU."""
-    on_gpus = plan.placement and all(p.kind == DeviceKind.CUDA for p in plan.placement)
-    return "nccl" if on_gpus else "gloo"
 
 
 def idle_gpus_warning(plan: Plan, local_node: str) -> str | None:

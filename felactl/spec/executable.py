@@ -24,7 +24,8 @@ pipelines (several stages, ``1f1b``/``gpipe``, :mod:`felactl.agents.worker.pipel
 6. **pipeline slots**: with static pipelines, every device holds exactly one pipeline slot.
 7. **one backend**: the placement puts every worker on a GPU (NCCL) or every one on a CPU slot
    (gloo). A job's process group has one backend, and on gloo the workers train on the CPU: a
-   GPU in a mixed plan, priced at its own speed, would run at a core's.
+   GPU in a mixed plan, priced at its own speed, would run at a core's. That backend is the
+   plan's (:func:`plan_backend`), the one source the launcher and every worker read.
 
 :func:`problems` lists every broken rule; :func:`check_executable` raises the first as a
 :class:`~felactl.errors.SpecError` (exit 2). Pure: stdlib only, so the optimizer imports it.
@@ -54,6 +55,14 @@ def execution(plan: Plan) -> Execution:
     if len(plan.stages) == 1:
         return Execution.DATA_PARALLEL
     return Execution.FLEXIBLE if plan.schedule is Schedule.TOKENS else Execution.PIPELINE
+
+
+def plan_backend(plan: Plan) -> str:
+    """Rule 7's backend: ``nccl`` where the placement puts every worker on a GPU, else ``gloo`` (a
+    CPU plan, or one that places nothing, stays on the CPU on a machine with a GPU). Every worker
+    reads it from the plan it loads, so one started by hand trains where a launched one would."""
+    on_gpus = bool(plan.placement) and all(p.kind is DeviceKind.CUDA for p in plan.placement)
+    return "nccl" if on_gpus else "gloo"
 
 
 def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
@@ -114,7 +123,7 @@ def problems(plan: Plan, layer_params: Sequence[int] | None = None) -> list[Prob
                 "kind (felactl plan --devices)",
             )
         )
-    elif plan.placement and plan.placement[0].kind is DeviceKind.CUDA and not sync_support(plan.sync.mode).runs_on_gpus:
+    elif plan_backend(plan) == "nccl" and not sync_support(plan.sync.mode).runs_on_gpus:
         found.append(
             Problem(
                 "sync.mode",

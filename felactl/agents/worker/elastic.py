@@ -58,7 +58,7 @@ from felactl.control.documents import ArrivedDoc, DoneDoc, LeftDoc, ReadyDoc, St
 from felactl.control.seal import parse_int
 from felactl.errors import InputError, WorkerFailed
 from felactl.spec import Plan, load_plan
-from felactl.spec.executable import rescalable
+from felactl.spec.executable import plan_backend, rescalable
 from felactl.spec.sync_modes import rescalable_mode_names
 
 log = logging.getLogger(__name__)
@@ -102,15 +102,18 @@ class ElasticMembership(Membership):
 
     # --- groups -------------------------------------------------------------------------------
     def form(self, rank: int, world_size: int, generation: int) -> Runtime:
+        """Form ``generation``'s group, this worker at ``rank`` of ``world_size``, on the backend of
+        the plan it trains (the trainer is built before any group is formed)."""
         cfg = dataclasses.replace(self.cfg, rank=rank, world_size=world_size, generation=generation)
-        if cfg.backend == "nccl":
+        backend = plan_backend(self.trainer.plan)
+        if backend == "nccl":
             _nccl_errors_reach_the_caller()
         self._arrive(generation, rank, world_size)
         # A new group runs its first step under the start-up timeout: until every member has done
         # one, a member may still be building its optimizer or running a first forward that
         # compiles or autotunes, and a short collective timeout would fail a healthy job there,
         # before the loop that survives failures has begun. after_step then shortens it.
-        runtime = form_group(cfg, self.raw, timeout_s=max(cfg.timeout_s, cfg.collective_timeout_s))
+        runtime = form_group(cfg, self.raw, backend, timeout_s=max(cfg.timeout_s, cfg.collective_timeout_s))
         self.collective_timeout_due = True
         self.generation = generation
         return runtime
@@ -219,8 +222,8 @@ class ElasticMembership(Membership):
         """Where the trainer is built for ``plan`` before its group exists: on its device, at this
         worker's rank in the plan (a newcomer's, which learns its own later: 0)."""
         cfg = self.cfg if not self.cfg.join else dataclasses.replace(self.cfg, rank=0, world_size=len(plan.devices))
-        backend, device = choose_device(cfg)
-        return Runtime(cfg, self.kv, backend, device, self.raw)
+        backend = plan_backend(plan)
+        return Runtime(cfg, self.kv, backend, choose_device(cfg, backend), self.raw)
 
     def _start_as_newcomer(self) -> Strategy:
         """Everything slow happens here, while the others train: import, build the model and its
