@@ -315,7 +315,7 @@ def test_the_live_run_view_ends_on_a_line_of_its_own(terminal, tmp_path):
 
     out = io.StringIO()
     console = Console(file=out, width=100, force_terminal=terminal, color_system=None)
-    state = LaunchState(run=RunDir.create("r1", root=tmp_path), plan=dp_plan(1), sync=dp_plan(1).sync.mode)
+    state = LaunchState(run=RunDir.create("r1", root=tmp_path), plan=dp_plan(1))
     with live_run(console, lambda run_id: f"run {run_id}") as update:
         update(state)  # no record yet: nothing to draw
         state.records = [_record(0, 0, 24, 2.0, 10.0, 1.0, 0.8), _record(0, 1, 24, 1.5, 11.0, 1.0, 0.8)]
@@ -343,7 +343,7 @@ def test_the_live_view_of_a_resumed_run_counts_the_time_it_ran(tmp_path):
     run = RunDir.create("r", root=tmp_path)
     for event in ({"time": 99.0, "kind": "launch"}, {"time": 1099.0, "kind": "resume", "from_step": 10}):
         append_jsonl(run.events, event)
-    state = LaunchState(run=run, plan=dp_plan(1), sync=dp_plan(1).sync.mode)
+    state = LaunchState(run=run, plan=dp_plan(1))
     state.records = [_record(0, s, 8, 1.0, 100.0 + s, 1.0, 0.8) for s in range(10)]
     state.records += [_record(0, s, 8, 1.0, 1100.0 + s, 1.0, 0.8) for s in range(10, 20)]
     out = io.StringIO()

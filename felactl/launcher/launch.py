@@ -87,7 +87,6 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     """Run the plan to the end; return the summary (also written to ``summary.json``)."""
     local_node = options.node_name or short_hostname()
     plan, resume = runnable_plan(options, resume_point(options))
-    sync = plan.sync.mode
     nodes = node_devices(plan, local_node)
     endpoint = options.rdzv_endpoint
     if options.testbed is not None:
@@ -96,14 +95,14 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     else:
         check_nodes(options, nodes, local_node)
         check_this_machine(options, plan, local_node)
-    elastic = options.elastic and rescalable(plan, sync)
-    check_min_nodes(options, plan, sync, elastic)
+    elastic = options.elastic and rescalable(plan)
+    check_min_nodes(options, plan, elastic)
     run, secret = prepare_run(options, plan, resume)
     if (warning := idle_gpus_warning(plan, local_node)) is not None:
         log.warning(warning)
     # Live rescaling covers data-parallel plans of the rescalable sync modes, on CPUs (gloo) and GPUs (NCCL): a
     # newcomer builds its model on its own device before it joins (felactl.agents.worker.elastic).
-    state = LaunchState(run=run, plan=plan, sync=sync)
+    state = LaunchState(run=run, plan=plan)
     coordinator = start_coordinator(secret, endpoint, run, new_run=resume is None)
     heartbeat = Heartbeat(run.heartbeat)  # with the identity below, how felactl status tells a lost launch
     _record_launch(options, run, plan, coordinator, resume)
@@ -155,7 +154,7 @@ def _run(
 ) -> dict[str, Any]:
     """The started job: its agents join and get their ranks (an elastic job, its controller too),
     and the run is followed to its end; returns its summary."""
-    run, plan, sync = state.run, state.plan, state.sync
+    run, plan = state.run, state.plan
     agents.start()
     state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
     env = worker_env(options, run, coordinator.endpoint, resume=resume)
@@ -183,7 +182,7 @@ def _run(
         state.not_elastic = (
             f"this job cannot be rescaled: live rescaling covers data-parallel plans (one stage) "
             f"with sync {rescalable_mode_names()}; it runs {len(plan.stages)} stage(s) "
-            f"with sync {sync.value}" + ("" if options.elastic else " and was launched --no-elastic")
+            f"with sync {plan.sync.mode.value}" + ("" if options.elastic else " and was launched --no-elastic")
         )
     # The summary here, under supervision: a run without a step is recorded as failed.
     summary = follow(coordinator, state, agents, on_update, controller, options.keep_checkpoints)

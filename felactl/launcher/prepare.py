@@ -283,14 +283,14 @@ def check_this_machine(options: LaunchOptions, plan: Plan, local_node: str) -> N
             raise InputError(f"--slowdown: rank {rank} does not exist; the plan has ranks 0..{len(plan.devices) - 1}")
 
 
-def check_min_nodes(options: LaunchOptions, plan: Plan, sync: SyncMode, elastic: bool) -> None:
+def check_min_nodes(options: LaunchOptions, plan: Plan, elastic: bool) -> None:
     """``--nnodes MIN:MAX`` with MIN < MAX: only a job that survives losing workers goes on without a node."""
     if options.min_nodes is None or options.min_nodes == options.nnodes or elastic:
         return
     raise InputError(
         f"--nnodes {options.min_nodes}:{options.nnodes}: going on without a node needs live rescaling (a "
         f"data-parallel plan with sync {rescalable_mode_names()}, not --no-elastic); this "
-        f"job runs {len(plan.stages)} stage(s) with sync {sync.value}"
+        f"job runs {len(plan.stages)} stage(s) with sync {plan.sync.mode.value}"
     )
 
 

@@ -74,9 +74,9 @@ def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
         )
 
 
-def rescalable(plan: Plan, sync: SyncMode | None = None) -> bool:
-    """Whether a job of ``plan`` (under ``sync`` where given) can change its members while it trains."""
-    return execution(plan) is Execution.DATA_PARALLEL and sync_support(sync or plan.sync.mode).rescales_live
+def rescalable(plan: Plan) -> bool:
+    """Whether a job of ``plan`` can change its members while it trains."""
+    return execution(plan) is Execution.DATA_PARALLEL and sync_support(plan.sync.mode).rescales_live
 
 
 def stage_trainable(layer_params: Sequence[int], start: int, end: int) -> bool:
