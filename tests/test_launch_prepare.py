@@ -3,9 +3,14 @@ checks of the plan against the flags and this machine."""
 
 from __future__ import annotations
 
+import pytest
+from _worker_helpers import dp_plan, pipeline_plan
+
+from felactl.errors import InputError
 from felactl.launcher.launch import worker_env
-from felactl.launcher.prepare import LaunchOptions
+from felactl.launcher.prepare import LaunchOptions, check_min_nodes, why_not_elastic
 from felactl.launcher.rundir import RunDir
+from felactl.spec.executable import why_not_rescalable
 
 
 def test_workers_are_told_nothing_their_plan_says(tmp_path):
@@ -15,3 +20,20 @@ def test_workers_are_told_nothing_their_plan_says(tmp_path):
     env = worker_env(LaunchOptions(plan_path=tmp_path / "plan.yaml", runs_root=tmp_path), run, "127.0.0.1:1")
     assert env["FELACTL_PLAN"] == str(run.plan.resolve())
     assert not {"FELACTL_BACKEND", "FELACTL_SYNC"} & set(env)
+
+
+def test_a_launch_that_cannot_rescale_says_why_once(tmp_path):
+    """``--nnodes MIN:MAX`` is refused with the plan's one reason (spec.executable.why_not_rescalable),
+    or ``--no-elastic`` alone where the plan could rescale (it used to list the stages and mode of a
+    plan that rescales)."""
+    flags = dict(plan_path=tmp_path / "plan.yaml", runs_root=tmp_path, nnodes=2, min_nodes=1, rdzv_endpoint="h:1")
+    pipeline, data_parallel = pipeline_plan([0, 1, 3]), dp_plan(2)
+    assert why_not_elastic(LaunchOptions(**flags), data_parallel) is None
+    check_min_nodes(LaunchOptions(**flags), None)
+    why = why_not_elastic(LaunchOptions(**flags), pipeline)
+    assert why == why_not_rescalable(pipeline)
+    with pytest.raises(InputError) as refused:
+        check_min_nodes(LaunchOptions(**flags), why)
+    assert str(refused.value) == f"--nnodes 1:2: going on without a node needs live rescaling: {why}"
+    assert why_not_elastic(LaunchOptions(**flags, elastic=False), data_parallel) == "it was launched --no-elastic"
+    assert why_not_elastic(LaunchOptions(**flags, elastic=False), pipeline) == f"{why}; it was launched --no-elastic"

@@ -37,13 +37,12 @@ from felactl.launcher.prepare import (
     resume_point,
     runnable_plan,
     testbed_for,
+    why_not_elastic,
 )
 from felactl.launcher.resume import ResumePoint
 from felactl.launcher.rundir import RunDir
 from felactl.machine import short_hostname
 from felactl.spec import Plan
-from felactl.spec.executable import rescalable
-from felactl.spec.sync_modes import rescalable_mode_names
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +94,16 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     else:
         check_nodes(options, nodes, local_node)
         check_this_machine(options, plan, local_node)
-    elastic = options.elastic and rescalable(plan)
-    check_min_nodes(options, plan, elastic)
+    not_elastic = why_not_elastic(options, plan)
+    check_min_nodes(options, not_elastic)
     run, secret = prepare_run(options, plan, resume)
     if (warning := idle_gpus_warning(plan, local_node)) is not None:
         log.warning(warning)
     # Live rescaling covers data-parallel plans of the rescalable sync modes, on CPUs (gloo) and GPUs (NCCL): a
     # newcomer builds its model on its own device before it joins (felactl.agents.worker.elastic).
-    state = LaunchState(run=run, plan=plan)
+    state = LaunchState(
+        run=run, plan=plan, not_elastic=f"this job cannot be rescaled: {not_elastic}" if not_elastic else ""
+    )
     coordinator = start_coordinator(secret, endpoint, run, new_run=resume is None)
     heartbeat = Heartbeat(run.heartbeat)  # with the identity below, how felactl status tells a lost launch
     _record_launch(options, run, plan, coordinator, resume)
@@ -119,7 +120,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         testbed_slots={node: len(devs) for node, devs in nodes.items()},
     )
     with supervised(coordinator, agents, run, heartbeat, drain_s=options.drain_s):
-        summary = _run(options, coordinator, agents, state, nodes, elastic, resume, on_update)
+        summary = _run(options, coordinator, agents, state, nodes, not_elastic is None, resume, on_update)
     run.write_summary(summary)
     record(run.events, EventKind.FINISHED, steps=summary["steps"])
     return summary
@@ -178,12 +179,6 @@ def _run(
         members=[m.node_name for m in state.members],
         agents=[m.agent_id for m in state.members],
     )
-    if controller is None:
-        state.not_elastic = (
-            f"this job cannot be rescaled: live rescaling covers data-parallel plans (one stage) "
-            f"with sync {rescalable_mode_names()}; it runs {len(plan.stages)} stage(s) "
-            f"with sync {plan.sync.mode.value}" + ("" if options.elastic else " and was launched --no-elastic")
-        )
     # The summary here, under supervision: a run without a step is recorded as failed.
     summary = follow(coordinator, state, agents, on_update, controller, options.keep_checkpoints)
     coordinator.stop("finished")

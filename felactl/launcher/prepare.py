@@ -34,8 +34,8 @@ from felactl.spec import (
     load_plan,
     save,
 )
-from felactl.spec.executable import plan_backend
-from felactl.spec.sync_modes import rescalable_mode_names, sync_support
+from felactl.spec.executable import plan_backend, why_not_rescalable
+from felactl.spec.sync_modes import sync_support
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,14 +283,20 @@ def check_this_machine(options: LaunchOptions, plan: Plan, local_node: str) -> N
             raise InputError(f"--slowdown: rank {rank} does not exist; the plan has ranks 0..{len(plan.devices) - 1}")
 
 
-def check_min_nodes(options: LaunchOptions, plan: Plan, elastic: bool) -> None:
-    """``--nnodes MIN:MAX`` with MIN < MAX: only a job that survives losing workers goes on without a node."""
-    if options.min_nodes is None or options.min_nodes == options.nnodes or elastic:
+def why_not_elastic(options: LaunchOptions, plan: Plan) -> str | None:
+    """Why this launch of ``plan`` runs without live rescaling (None: it runs with it): the plan
+    cannot be rescaled (:func:`~felactl.spec.executable.why_not_rescalable`), or ``--no-elastic``."""
+    reasons = (why_not_rescalable(plan), None if options.elastic else "it was launched --no-elastic")
+    return "; ".join(why for why in reasons if why) or None
+
+
+def check_min_nodes(options: LaunchOptions, not_elastic: str | None) -> None:
+    """``--nnodes MIN:MAX`` with MIN < MAX: only a job that survives losing workers goes on without
+    a node (``not_elastic``: why this one does not, :func:`why_not_elastic`)."""
+    if options.min_nodes is None or options.min_nodes == options.nnodes or not_elastic is None:
         return
     raise InputError(
-        f"--nnodes {options.min_nodes}:{options.nnodes}: going on without a node needs live rescaling (a "
-        f"data-parallel plan with sync {rescalable_mode_names()}, not --no-elastic); this "
-        f"job runs {len(plan.stages)} stage(s) with sync {plan.sync.mode.value}"
+        f"--nnodes {options.min_nodes}:{options.nnodes}: going on without a node needs live rescaling: {not_elastic}"
     )
 
 

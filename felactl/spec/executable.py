@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from felactl.errors import InputError, SpecError
 from felactl.spec.cluster import DeviceKind
 from felactl.spec.plan import Plan, Schedule, SyncMode
-from felactl.spec.sync_modes import Execution, mode_names, modes_where, sync_support
+from felactl.spec.sync_modes import Execution, mode_names, modes_where, rescalable_mode_names, sync_support
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +74,15 @@ def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
         )
 
 
-def rescalable(plan: Plan) -> bool:
-    """Whether a job of ``plan`` can change its members while it trains."""
-    return execution(plan) is Execution.DATA_PARALLEL and sync_support(plan.sync.mode).rescales_live
+def why_not_rescalable(plan: Plan) -> str | None:
+    """Why a job of ``plan`` cannot change its members while it trains (None: it can): the one
+    sentence the launch, ``--nnodes MIN:MAX`` and an elastic worker say."""
+    if execution(plan) is Execution.DATA_PARALLEL and sync_support(plan.sync.mode).rescales_live:
+        return None
+    return (
+        f"live rescaling covers data-parallel plans (one stage) with sync {rescalable_mode_names()}; "
+        f"this plan runs {len(plan.stages)} stage(s) with sync {plan.sync.mode.value}"
+    )
 
 
 def stage_trainable(layer_params: Sequence[int], start: int, end: int) -> bool:

@@ -58,8 +58,7 @@ from felactl.control.documents import ArrivedDoc, DoneDoc, LeftDoc, ReadyDoc, St
 from felactl.control.seal import parse_int
 from felactl.errors import InputError, WorkerFailed
 from felactl.spec import Plan, load_plan
-from felactl.spec.executable import plan_backend, rescalable
-from felactl.spec.sync_modes import rescalable_mode_names
+from felactl.spec.executable import plan_backend, why_not_rescalable
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01
@@ -199,7 +198,8 @@ class ElasticMembership(Membership):
 
     def _start_as_member(self) -> Strategy:
         plan, bundle = load_checked(self.cfg)
-        _check_plan(plan)
+        if (why := why_not_rescalable(plan)) is not None:
+            raise InputError(f"{self.cfg.plan_path}: elastic training: {why}")
         self.trainer = Trainer(
             self._placeholder_runtime(plan), plan, membership=self, bundle=bundle, metrics_rank=self.wid
         )
@@ -456,15 +456,6 @@ def _warm_up(trainer: Trainer) -> None:
     inputs, targets = trainer.batch(range(min(trainer.micro_batch, trainer.global_batch)))
     trainer.bundle.loss(trainer.model(inputs), targets).backward()
     trainer.optimizer.zero_grad(set_to_none=True)
-
-
-def _check_plan(plan) -> None:
-    if not rescalable(plan):
-        raise InputError(
-            f"elastic training runs data-parallel plans (one stage) with sync "
-            f"{rescalable_mode_names()}; this plan has {len(plan.stages)} "
-            f"stage(s) and sync {plan.sync.mode.value}"
-        )
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
