@@ -17,8 +17,9 @@ from felactl.fsutil import atomic_write_text, check_directory
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import read_secret_file, write_secret_file
 from felactl.launcher.elastic import ElasticSettings
+from felactl.launcher.launch_defaults import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S
 from felactl.launcher.resume import ResumePoint, find_resume_point
-from felactl.launcher.rundir import RunDir
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RunDir
 from felactl.launcher.scale_plan import ScalingPolicy
 from felactl.limits import check_flag
 from felactl.machine import num_gpus
@@ -42,7 +43,7 @@ from felactl.spec.sync_modes import sync_support
 class LaunchOptions:
     plan_path: Path
     run_id: str | None = None
-    runs_root: Path = Path("runs")
+    runs_root: Path = DEFAULT_RUNS_ROOT
     steps: int = 100
     sync: SyncMode | None = None
     slowdown: str | None = None
@@ -60,7 +61,7 @@ class LaunchOptions:
     """A testbed that is up (``felactl testbed up``): the plan's nodes are its nodes, each agent runs
     in its node's namespace and cgroup, and the coordinator listens on the testbed's bridge."""
     node_name: str | None = None
-    join_timeout_s: float = 60.0
+    join_timeout_s: float = JOIN_TIMEOUT_S
     timeout_s: float = 120.0
     """Collective and store timeout inside the workers."""
     resume: str | None = None
@@ -68,10 +69,10 @@ class LaunchOptions:
     elastic: bool = True
     """Data-parallel bsp and tokens plans run under live rescaling (``felactl scale``) and survive failures."""
     max_nproc_per_node: int | None = None
-    scaling_policy: str = "fixed-batch"
+    scaling_policy: str = ScalingPolicy.name
     max_batch: int | None = None
-    heartbeat_timeout_s: float = 5.0
-    collective_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     """Elastic jobs: the data-parallel group's collective timeout (a survivor blocked with a dead
     peer fails after at most this; usually at once, when the dead peer's sockets close)."""
     keep_checkpoints: int = 3
