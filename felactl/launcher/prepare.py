@@ -67,7 +67,9 @@ class LaunchOptions:
     resume: str | None = None
     """A run to continue from its newest complete checkpoint (its directory is reused)."""
     elastic: bool = True
-    """Data-parallel bsp and tokens plans run under live rescaling (``felactl scale``) and survive failures."""
+    """Run under live rescaling (``felactl scale``) and survive failures, where the plan can: a
+    data-parallel plan of a mode that rescales live (:func:`~felactl.spec.executable.why_not_rescalable`).
+    False: ``--no-elastic``."""
     max_nproc_per_node: int | None = None
     scaling_policy: str = ScalingPolicy.name
     max_batch: int | None = None
