@@ -4,12 +4,16 @@ checks of the plan against the flags and this machine."""
 from __future__ import annotations
 
 import pytest
-from _worker_helpers import dp_plan, pipeline_plan
+import torch
+from _worker_helpers import dp_plan, pipeline_plan, placed
+from typer.testing import CliRunner
 
+from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.launcher.launch import worker_env
 from felactl.launcher.prepare import LaunchOptions, check_min_nodes, why_not_elastic
 from felactl.launcher.rundir import RunDir
+from felactl.spec import save
 from felactl.spec.executable import why_not_rescalable
 
 
@@ -37,3 +41,19 @@ def test_a_launch_that_cannot_rescale_says_why_once(tmp_path):
     assert str(refused.value) == f"--nnodes 1:2: going on without a node needs live rescaling: {why}"
     assert why_not_elastic(LaunchOptions(**flags, elastic=False), data_parallel) == "it was launched --no-elastic"
     assert why_not_elastic(LaunchOptions(**flags, elastic=False), pipeline) == f"{why}; it was launched --no-elastic"
+
+
+def test_a_resumed_run_on_another_machine_names_its_plan_file(tmp_path):
+    """A resume has no PLAN argument: the check that the plan's nodes are this machine names the
+    run's plan file (it said ``.: placement: ...``)."""
+    run = RunDir.create("r", root=tmp_path / "runs")
+    save(placed(dp_plan(1), node="elsewhere"), run.plan)
+    (run.checkpoints / "step000002").mkdir()
+    torch.save({"model": {}, "step": 2}, run.checkpoints / "step000002" / "stage0.pt")
+    result = CliRunner().invoke(
+        app, ["launch", "--resume", "r", "--runs-root", str(tmp_path / "runs"), "--node-name", "here", "--steps", "5"]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"{run.path / 'plan.1.yaml'}: placement: the plan runs on node(s) elsewhere but this machine is 'here'" in (
+        " ".join(result.stderr.split())
+    )

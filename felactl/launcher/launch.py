@@ -86,14 +86,15 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     """Run the plan to the end; return the summary (also written to ``summary.json``)."""
     local_node = options.node_name or short_hostname()
     plan, resume = runnable_plan(options, resume_point(options))
+    plan_path = resume.plan_path if resume is not None else options.plan_path  # what the checks name
     nodes = node_devices(plan, local_node)
     endpoint = options.rdzv_endpoint
     if options.testbed is not None:
-        bed = testbed_for(options.testbed, nodes, options.plan_path)
+        bed = testbed_for(options.testbed, nodes, plan_path)
         endpoint = f"{bed.host_address}:0"
     else:
-        check_nodes(options, nodes, local_node)
-        check_this_machine(options, plan, local_node)
+        check_nodes(options, nodes, local_node, plan_path)
+        check_this_machine(options, plan, local_node, plan_path)
     not_elastic = why_not_elastic(options, plan)
     check_min_nodes(options, not_elastic)
     run, secret = prepare_run(options, plan, resume)

@@ -41,7 +41,8 @@ from felactl.spec.sync_modes import sync_support
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
-    plan_path: Path
+    plan_path: Path | None
+    """The plan to run; None for ``--resume``, which runs the run's own (:func:`runnable_plan`)."""
     run_id: str | None = None
     runs_root: Path = DEFAULT_RUNS_ROOT
     steps: int = 100
@@ -250,7 +251,9 @@ def idle_gpus_warning(plan: Plan, local_node: str) -> str | None:
     )
 
 
-def check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local_node: str) -> None:
+def check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local_node: str, plan_path: Path) -> None:
+    """The plan's nodes (``nodes``, from ``plan_path``) against ``--nnodes``, this machine and how
+    the other nodes' agents are started."""
     if options.nnodes > 1 and options.nnodes != len(nodes):
         raise InputError(
             f"--nnodes {options.nnodes}, but the plan places its workers on {len(nodes)} node(s): "
@@ -259,26 +262,26 @@ def check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local
     if options.rdzv_endpoint is None and options.hostfile is None and local_node not in nodes:
         names = ", ".join(sorted(nodes))
         raise InputError(
-            f"{options.plan_path}: placement: the plan runs on node(s) {names} but this machine is "
+            f"{plan_path}: placement: the plan runs on node(s) {names} but this machine is "
             f"{local_node!r} (plan for a cluster profiled here, or pass --node-name)"
         )
     if options.rdzv_endpoint is None and options.hostfile is None and len(nodes) > 1:
         raise InputError(
-            f"{options.plan_path}: the plan spans {len(nodes)} nodes; start their agents with "
+            f"{plan_path}: the plan spans {len(nodes)} nodes; start their agents with "
             "--hostfile, or with --rdzv-endpoint and `felactl agent` on each node"
         )
 
 
-def check_this_machine(options: LaunchOptions, plan: Plan, local_node: str) -> None:
-    """What this machine can tell before anything starts: the GPUs the plan puts on it exist, and
-    every rank ``--slowdown`` names is one of the plan's."""
+def check_this_machine(options: LaunchOptions, plan: Plan, local_node: str, plan_path: Path) -> None:
+    """What this machine can tell before anything starts: the GPUs the plan (read from
+    ``plan_path``) puts on it exist, and every rank ``--slowdown`` names is one of the plan's."""
     wanted = [p for p in plan.placement if p.node == local_node and p.kind == DeviceKind.CUDA]
     if wanted:
         have = num_gpus()
         needed = max(p.local_index for p in wanted) + 1
         if have < needed:
             raise InputError(
-                f"{options.plan_path}: placement: the plan puts {len(wanted)} GPU worker(s) on node "
+                f"{plan_path}: placement: the plan puts {len(wanted)} GPU worker(s) on node "
                 f"{local_node!r} (GPU indices up to {needed - 1}), but this machine has {have} GPU(s)"
             )
     for rank in parse_slowdown(options.slowdown):

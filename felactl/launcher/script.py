@@ -162,7 +162,7 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
     plan = load_plan(options.plan_path) if options.plan_path is not None else None
     nodes = node_devices(plan, local_node) if plan is not None else None
     if nodes is not None:
-        check_nodes(options, nodes, local_node)
+        check_nodes(options, nodes, local_node, options.plan_path)
     local_slots = len(nodes.get(local_node, ())) if nodes is not None else _default_nproc(options)
     run, secret = _prepare_run(options, plan)
     coordinator = start_coordinator(secret, options.rdzv_endpoint, run)
