@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,7 +22,19 @@ from felactl.agents.worker.local import run_local
 from felactl.cli.main import app
 from felactl.control.metrics import read_metrics
 from felactl.launcher.rundir import read_jsonl
-from felactl.spec import ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec, Training, save
+from felactl.spec import (
+    DeviceKind,
+    ModelRef,
+    Placement,
+    Plan,
+    Schedule,
+    Stage,
+    StageWorker,
+    SyncMode,
+    SyncSpec,
+    Training,
+    save,
+)
 
 MLP_CONFIG = {"input_dim": 32, "hidden": 64, "depth": 2}
 
@@ -48,6 +61,14 @@ def dp_plan(
         shares=shares,
         sync=SyncSpec(mode=SyncMode(mode), overlap=overlap, **sync),
         training=Training(optimizer=optimizer, lr=lr, seed=0),
+    )
+
+
+def placed(plan: Plan, kind: DeviceKind = DeviceKind.CPU, node: str = "box") -> Plan:
+    """``plan`` with every device placed on ``node``, of ``kind``, at indices 0, 1, ..."""
+    return dataclasses.replace(
+        plan,
+        placement=tuple(Placement(device=d, node=node, kind=kind, local_index=i) for i, d in enumerate(plan.devices)),
     )
 
 

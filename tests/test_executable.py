@@ -33,7 +33,8 @@ from felactl.spec import (
     check_executable,
     load_model,
 )
-from felactl.spec.executable import problems
+from felactl.spec.executable import problems, why_not_rescalable
+from felactl.spec.sync_modes import rescalable_mode_names, sync_support
 
 BUILTIN_SPECS = {
     name: load_model(Path(__file__).parent.parent / "plans" / "models" / f"{name}.yaml")
@@ -130,6 +131,19 @@ def test_each_rule_names_the_key(plan, key, fragment):
 def test_plans_the_runtime_runs_pass():
     assert problems(_plan([(0, 1, 4, [0, 1]), (1, 2, 8, [1]), (2, 3, 16, [0])], 2, global_batch=48), [1, 1, 1]) == []
     assert problems(_plan([(0, 3, 8, [0, 1])], 2, sync=SyncMode.WBSP), [1, 0, 1]) == []
+
+
+def test_why_a_plan_cannot_rescale_is_one_sentence():
+    """The launch, ``--nnodes MIN:MAX`` and an elastic worker say one sentence: a data-parallel plan
+    of a mode that rescales live needs none; a plan of stages is told how many and its mode."""
+    for mode in SyncMode:
+        data_parallel = _plan([(0, 3, 8, [0, 1])], 2, sync=mode)
+        assert (why_not_rescalable(data_parallel) is None) is sync_support(mode).rescales_live
+    flexible = _plan([(0, 1, 4, [0, 1]), (1, 2, 8, [1]), (2, 3, 16, [0])], 2, global_batch=48)
+    assert why_not_rescalable(flexible) == (
+        f"live rescaling covers data-parallel plans (one stage) with sync {rescalable_mode_names()}; "
+        "this plan runs 3 stage(s) with sync tokens"
+    )
 
 
 def _with_free_layers(model, rng: random.Random):

@@ -217,38 +217,6 @@ def test_a_plan_for_gpus_this_machine_lacks_is_refused_before_anything_starts(tm
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
-def test_the_backend_follows_the_plans_devices_not_the_machine():
-    """A CPU plan stays on gloo even where a GPU exists (a 2-slot CPU demo on a 1-GPU box used to
-    put worker 1 on a GPU that does not exist); an all-GPU plan gets NCCL."""
-    from felactl.agents.worker.config import WorkerConfig
-    from felactl.agents.worker.runtime import choose_device
-    from felactl.launcher.prepare import plan_backend
-
-    def placed(kind):
-        plan = dp_plan(2)
-        return dataclasses.replace(
-            plan,
-            placement=tuple(
-                Placement(device=d, node="box", kind=kind, local_index=i) for i, d in enumerate(plan.devices)
-            ),
-        )
-
-    assert plan_backend(placed(DeviceKind.CPU)) == "gloo"
-    assert plan_backend(placed(DeviceKind.CUDA)) == "nccl"
-    cfg = WorkerConfig(
-        rank=1,
-        local_rank=1,
-        world_size=2,
-        store_host="127.0.0.1",
-        store_port=1,
-        host_store=False,
-        plan_path=Path("p.yaml"),
-        run_dir=Path("."),
-        backend="gloo",
-    )
-    assert choose_device(cfg) == ("gloo", __import__("torch").device("cpu"))
-
-
 def test_a_cpu_plan_on_a_machine_with_gpus_says_they_stay_idle(monkeypatch):
     import torch
 

@@ -33,7 +33,7 @@ def _member(rank: int, port: int, results) -> None:
         run_dir=Path("unused"),
         timeout_s=20.0,
     )
-    runtime = runtime_mod.start(cfg)
+    runtime = runtime_mod.start(cfg, "gloo")
     try:
         for ranks in ((0, 2), (0, 1), (0, 2)):  # {0, 2} again: the cached group
             if rank in ranks:

@@ -87,7 +87,7 @@ def _drive(tmp_path: Path, *, terminal: bool) -> str:
 
     out, clock = io.StringIO(), _Clock()
     console = Console(file=out, width=120, force_terminal=terminal, color_system=None)
-    state = LaunchState(run=RunDir.create("p", root=tmp_path), plan=dp_plan(2), sync=dp_plan(2).sync.mode)
+    state = LaunchState(run=RunDir.create("p", root=tmp_path), plan=dp_plan(2))
     with live_run(console, lambda run_id: f"run {run_id}", 300, clock=clock) as update:
         for at, steps in ((0.0, 0), (5.0, 0), (5.1, 10), (10.0, 16), (15.2, 20), (20.0, 22)):
             clock.now = 1000.0 + at

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed
-from _worker_helpers import dp_plan, pipeline_plan
+from _worker_helpers import dp_plan, pipeline_plan, placed
 
-from felactl.agents.worker.config import from_env
+from felactl.agents.worker import fixed
+from felactl.agents.worker.config import WorkerConfig, from_env
 from felactl.agents.worker.generations import Heartbeat
+from felactl.agents.worker.runtime import choose_device
 from felactl.agents.worker.stages import micro_batches, place, split_by_shares
 from felactl.agents.worker.stragglers import Straggler
 from felactl.agents.worker.sync.groups import MAX_WAIT_S, MIN_WAIT_S, GroupScheduler, adapt_wait
@@ -19,7 +24,8 @@ from felactl.control.documents import HeartbeatDoc
 from felactl.control.metrics import summarize
 from felactl.control.stragglers import Pattern, parse_pattern, parse_slowdown
 from felactl.errors import InputError
-from felactl.spec import save
+from felactl.spec import DeviceKind, save
+from felactl.spec.executable import plan_backend
 
 
 def test_parse_slowdown():
@@ -87,7 +93,6 @@ def test_the_plan_is_the_one_source_of_the_sync_mode(tmp_path):
     "extra,fragment",
     [
         ({"RANK": "2"}, "< WORLD_SIZE"),
-        ({"FELACTL_BACKEND": "mpi"}, "FELACTL_BACKEND"),
         ({"FELACTL_STEPS": "0"}, ">= 1"),
         ({"FELACTL_STORE": "nohost"}, "host:port"),
         ({"FELACTL_PLAN": ""}, "FELACTL_PLAN"),
@@ -96,6 +101,47 @@ def test_the_plan_is_the_one_source_of_the_sync_mode(tmp_path):
 def test_from_env_errors(tmp_path, extra, fragment):
     with pytest.raises(InputError, match=fragment):
         from_env(_env(tmp_path, **extra))
+
+
+def test_the_backend_follows_the_plans_devices_not_the_machine():
+    """A CPU plan (or one that places nothing) stays on gloo even where a GPU exists (a 2-slot CPU
+    demo on a 1-GPU box used to put worker 1 on a GPU that does not exist); an all-GPU plan gets
+    NCCL; a plan of both kinds, which check_executable refuses, would run on gloo."""
+    cuda = placed(dp_plan(2), DeviceKind.CUDA)
+    mixed = dataclasses.replace(cuda, placement=(cuda.placement[0], placed(dp_plan(2)).placement[1]))
+    assert [plan_backend(p) for p in (dp_plan(2), placed(dp_plan(2)), cuda, mixed)] == ["gloo", "gloo", "nccl", "gloo"]
+    cfg = WorkerConfig(
+        rank=1,
+        local_rank=1,
+        world_size=2,
+        store_host="127.0.0.1",
+        store_port=1,
+        host_store=False,
+        plan_path=Path("p.yaml"),
+        run_dir=Path("."),
+    )
+    assert choose_device(cfg, "gloo") == torch.device("cpu")
+
+
+def test_a_worker_started_by_hand_runs_on_its_plans_backend(tmp_path, monkeypatch):
+    """The backend travels in the plan only: a worker started without felactl's launcher (which used
+    to set FELACTL_BACKEND from the plan) on a plan of GPUs forms its group on NCCL, not on gloo."""
+    plan_path = save(placed(dp_plan(1), DeviceKind.CUDA), tmp_path / "plan.yaml")
+    env = {"RANK": "0", "WORLD_SIZE": "1", "FELACTL_PLAN": str(plan_path), "FELACTL_RUN_DIR": str(tmp_path)}
+    cfg = from_env({**env, "FELACTL_STORE": "127.0.0.1:29500"})
+    formed = []
+
+    class Formed(Exception):
+        pass
+
+    def start(cfg, backend=None):
+        formed.append(backend)
+        raise Formed
+
+    monkeypatch.setattr(fixed, "start", start)
+    with pytest.raises(Formed):
+        fixed.FixedMembership(cfg).start()
+    assert formed == ["nccl"]
 
 
 def test_world_size_must_match_the_plan(tmp_path):
@@ -269,7 +315,7 @@ def test_the_live_run_view_ends_on_a_line_of_its_own(terminal, tmp_path):
 
     out = io.StringIO()
     console = Console(file=out, width=100, force_terminal=terminal, color_system=None)
-    state = LaunchState(run=RunDir.create("r1", root=tmp_path), plan=dp_plan(1), sync=dp_plan(1).sync.mode)
+    state = LaunchState(run=RunDir.create("r1", root=tmp_path), plan=dp_plan(1))
     with live_run(console, lambda run_id: f"run {run_id}") as update:
         update(state)  # no record yet: nothing to draw
         state.records = [_record(0, 0, 24, 2.0, 10.0, 1.0, 0.8), _record(0, 1, 24, 1.5, 11.0, 1.0, 0.8)]
@@ -297,7 +343,7 @@ def test_the_live_view_of_a_resumed_run_counts_the_time_it_ran(tmp_path):
     run = RunDir.create("r", root=tmp_path)
     for event in ({"time": 99.0, "kind": "launch"}, {"time": 1099.0, "kind": "resume", "from_step": 10}):
         append_jsonl(run.events, event)
-    state = LaunchState(run=run, plan=dp_plan(1), sync=dp_plan(1).sync.mode)
+    state = LaunchState(run=run, plan=dp_plan(1))
     state.records = [_record(0, s, 8, 1.0, 100.0 + s, 1.0, 0.8) for s in range(10)]
     state.records += [_record(0, s, 8, 1.0, 1100.0 + s, 1.0, 0.8) for s in range(10, 20)]
     out = io.StringIO()

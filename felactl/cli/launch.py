@@ -15,6 +15,9 @@ import typer.core
 from felactl.cli import output
 from felactl.cli.options import takes_options
 from felactl.cli.runview import live_run
+from felactl.launcher.launch_defaults import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT
+from felactl.launcher.scale_plan import ScalingPolicy
 from felactl.spec import SyncMode
 from felactl.spec.sync_modes import rescalable_mode_names, sync_help
 
@@ -118,7 +121,7 @@ class LaunchCommandOptions:
             "namespace and cgroup, gloo on its interface; the plan's nodes must be the testbed's."
         ),
     ] = None
-    runs_root: Annotated[Path, typer.Option(help="Where run directories go.")] = Path("runs")
+    runs_root: Annotated[Path, typer.Option(help="Where run directories go.")] = DEFAULT_RUNS_ROOT
     resume: Annotated[
         str | None, typer.Option(help="Continue RUN from its newest complete checkpoint (no PLAN needed).")
     ] = None
@@ -131,11 +134,11 @@ class LaunchCommandOptions:
             help="When the job is rescaled: fixed-batch (same batch and lr) or linear-lr (batch ~ workers up to "
             "--max-batch, lr linear in the batch)."
         ),
-    ] = "fixed-batch"
+    ] = ScalingPolicy.name
     max_batch: Annotated[int | None, typer.Option(help="linear-lr: cap on the global batch (default 4x).")] = None
     heartbeat_timeout_s: Annotated[
         float, typer.Option("--heartbeat-timeout", help="Seconds without a heartbeat before a worker is dropped.")
-    ] = 5.0
+    ] = HEARTBEAT_TIMEOUT_S
     collective_timeout_s: Annotated[
         float,
         typer.Option(
@@ -143,7 +146,7 @@ class LaunchCommandOptions:
             help="Elastic jobs: seconds before a blocked collective fails (then the job re-forms); "
             "a new group's first step may take up to the start-up timeout.",
         ),
-    ] = 10.0
+    ] = COLLECTIVE_TIMEOUT_S
     join_timeout_s: Annotated[
         float,
         typer.Option(
@@ -151,7 +154,7 @@ class LaunchCommandOptions:
             help="Seconds for the nodes' agents to join, and for a worker `felactl scale --add` starts to "
             "be ready (import torch, build the model): raise it for slow nodes.",
         ),
-    ] = 60.0
+    ] = JOIN_TIMEOUT_S
     elastic: Annotated[
         bool,
         typer.Option(help=f"Run data-parallel plans under live rescaling (sync {rescalable_mode_names()})."),

@@ -38,6 +38,7 @@ from felactl.control.keys import AGENT_BEAT_S, command_queue
 from felactl.errors import InputError, StorageError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS
 from felactl.launcher.controlplane import Coordinator, Member
+from felactl.launcher.launch_defaults import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S
 from felactl.launcher.membership.decide import decide
 from felactl.launcher.membership.state import (
     AdmitAgent,
@@ -59,6 +60,7 @@ from felactl.launcher.membership.state import (
     SwitchDone,
     Worker,
 )
+from felactl.launcher.node_agents import WORKER_MODULE
 from felactl.launcher.replanning import Replanner
 from felactl.launcher.resume import resume_hint
 from felactl.launcher.rundir import RunDir
@@ -76,10 +78,11 @@ AGENT_GONE_S = 2.5 * AGENT_BEAT_S
 @dataclass(frozen=True, kw_only=True)
 class ElasticSettings:
     policy: ScalingPolicy = field(default_factory=ScalingPolicy)
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     max_nproc_per_node: int | None = None
     """Worker slots per node; default: GPUs, or for a CPU node its cores."""
-    ready_timeout_s: float = 60.0
+    ready_timeout_s: float = JOIN_TIMEOUT_S
+    """How long newcomers a scale-out starts get to be ready (the launch's ``--join-timeout``)."""
     switch_timeout_s: float = 60.0
     min_nodes: int | None = None
     """Nodes the job needs to start on (the rest may fail to start); None: every node."""
@@ -106,7 +109,7 @@ class ElasticController:
     ):
         self.coordinator, self.run, self.plan, self.settings = coordinator, run, plan, settings
         # What an agent that joins mid-job is told to run: the launch's worker module and environment.
-        self.worker_module, self.worker_env = worker or ("felactl.agents.worker", {})
+        self.worker_module, self.worker_env = worker or (WORKER_MODULE, {})
         self.joined: dict[str, Assignment] = {}
         self.store = coordinator.store
         self.lookout = Lookout(coordinator)

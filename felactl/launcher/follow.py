@@ -21,7 +21,7 @@ from felactl.launcher.node_agents import Agents
 from felactl.launcher.resume import prune_checkpoints
 from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.launcher.scale_requests import refuse_requests
-from felactl.spec import Plan, SyncMode
+from felactl.spec import Plan
 
 log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 2.0
@@ -35,7 +35,6 @@ class LaunchState:
 
     run: RunDir
     plan: Plan
-    sync: SyncMode
     members: list[Member] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -131,7 +130,7 @@ def _summary(state: LaunchState) -> dict[str, Any]:
         run=state.run.run_id,
         run_dir=str(state.run.path),
         iteration_s=measured_iteration_s,
-        sync=state.sync.value,
+        sync=state.plan.sync.mode.value,
     )
     if predicted is not None:
         summary["predicted_iteration_s"] = predicted.iteration_s

@@ -33,18 +33,16 @@ from felactl.launcher.prepare import (
     check_this_machine,
     idle_gpus_warning,
     node_devices,
-    plan_backend,
     prepare_run,
     resume_point,
     runnable_plan,
     testbed_for,
+    why_not_elastic,
 )
 from felactl.launcher.resume import ResumePoint
 from felactl.launcher.rundir import RunDir
 from felactl.machine import short_hostname
 from felactl.spec import Plan
-from felactl.spec.executable import rescalable
-from felactl.spec.sync_modes import rescalable_mode_names
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,6 @@ log = logging.getLogger(__name__)
 def worker_env(
     options: LaunchOptions,
     run: RunDir,
-    plan: Plan,
     store_endpoint: str,
     *,
     resume: ResumePoint | None = None,
@@ -72,7 +69,6 @@ def worker_env(
         # client instead of trying to host one on MASTER_PORT (torchrun's agent does the same).
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
-    env["FELACTL_BACKEND"] = plan_backend(plan)
     if options.slowdown:
         env["FELACTL_SLOWDOWN"] = options.slowdown
     if options.straggler:
@@ -90,23 +86,25 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     """Run the plan to the end; return the summary (also written to ``summary.json``)."""
     local_node = options.node_name or short_hostname()
     plan, resume = runnable_plan(options, resume_point(options))
-    sync = plan.sync.mode
+    plan_path = resume.plan_path if resume is not None else options.plan_path  # what the checks name
     nodes = node_devices(plan, local_node)
     endpoint = options.rdzv_endpoint
     if options.testbed is not None:
-        bed = testbed_for(options.testbed, nodes, options.plan_path)
+        bed = testbed_for(options.testbed, nodes, plan_path)
         endpoint = f"{bed.host_address}:0"
     else:
-        check_nodes(options, nodes, local_node)
-        check_this_machine(options, plan, local_node)
-    elastic = options.elastic and rescalable(plan, sync)
-    check_min_nodes(options, plan, sync, elastic)
+        check_nodes(options, nodes, local_node, plan_path)
+        check_this_machine(options, plan, local_node, plan_path)
+    not_elastic = why_not_elastic(options, plan)
+    check_min_nodes(options, not_elastic)
     run, secret = prepare_run(options, plan, resume)
     if (warning := idle_gpus_warning(plan, local_node)) is not None:
         log.warning(warning)
     # Live rescaling covers data-parallel plans of the rescalable sync modes, on CPUs (gloo) and GPUs (NCCL): a
     # newcomer builds its model on its own device before it joins (felactl.agents.worker.elastic).
-    state = LaunchState(run=run, plan=plan, sync=sync)
+    state = LaunchState(
+        run=run, plan=plan, not_elastic=f"this job cannot be rescaled: {not_elastic}" if not_elastic else ""
+    )
     coordinator = start_coordinator(secret, endpoint, run, new_run=resume is None)
     heartbeat = Heartbeat(run.heartbeat)  # with the identity below, how felactl status tells a lost launch
     _record_launch(options, run, plan, coordinator, resume)
@@ -123,7 +121,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         testbed_slots={node: len(devs) for node, devs in nodes.items()},
     )
     with supervised(coordinator, agents, run, heartbeat, drain_s=options.drain_s):
-        summary = _run(options, coordinator, agents, state, nodes, elastic, resume, on_update)
+        summary = _run(options, coordinator, agents, state, nodes, not_elastic is None, resume, on_update)
     run.write_summary(summary)
     record(run.events, EventKind.FINISHED, steps=summary["steps"])
     return summary
@@ -158,10 +156,10 @@ def _run(
 ) -> dict[str, Any]:
     """The started job: its agents join and get their ranks (an elastic job, its controller too),
     and the run is followed to its end; returns its summary."""
-    run, plan, sync = state.run, state.plan, state.sync
+    run, plan = state.run, state.plan
     agents.start()
     state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
-    env = worker_env(options, run, plan, coordinator.endpoint, resume=resume)
+    env = worker_env(options, run, coordinator.endpoint, resume=resume)
     controller = None
     if elastic:
         controller = ElasticController(
@@ -182,12 +180,6 @@ def _run(
         members=[m.node_name for m in state.members],
         agents=[m.agent_id for m in state.members],
     )
-    if controller is None:
-        state.not_elastic = (
-            f"this job cannot be rescaled: live rescaling covers data-parallel plans (one stage) "
-            f"with sync {rescalable_mode_names()}; it runs {len(plan.stages)} stage(s) "
-            f"with sync {sync.value}" + ("" if options.elastic else " and was launched --no-elastic")
-        )
     # The summary here, under supervision: a run without a step is recorded as failed.
     summary = follow(coordinator, state, agents, on_update, controller, options.keep_checkpoints)
     coordinator.stop("finished")

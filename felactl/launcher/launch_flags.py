@@ -132,7 +132,7 @@ def plan_options(flags: LaunchFlags, plan: Path | None) -> LaunchOptions:
         straggler=flags.straggler,
     )
     return LaunchOptions(
-        plan_path=plan or Path(),
+        plan_path=plan,
         run_id=flags.run_id,
         runs_root=flags.runs_root,
         sync=flags.sync,

@@ -17,8 +17,9 @@ from felactl.fsutil import atomic_write_text, check_directory
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import read_secret_file, write_secret_file
 from felactl.launcher.elastic import ElasticSettings
+from felactl.launcher.launch_defaults import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S
 from felactl.launcher.resume import ResumePoint, find_resume_point
-from felactl.launcher.rundir import RunDir
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RunDir
 from felactl.launcher.scale_plan import ScalingPolicy
 from felactl.limits import check_flag
 from felactl.machine import num_gpus
@@ -34,14 +35,16 @@ from felactl.spec import (
     load_plan,
     save,
 )
-from felactl.spec.sync_modes import rescalable_mode_names, sync_support
+from felactl.spec.executable import plan_backend, why_not_rescalable
+from felactl.spec.sync_modes import sync_support
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
-    plan_path: Path
+    plan_path: Path | None
+    """The plan to run; None for ``--resume``, which runs the run's own (:func:`runnable_plan`)."""
     run_id: str | None = None
-    runs_root: Path = Path("runs")
+    runs_root: Path = DEFAULT_RUNS_ROOT
     steps: int = 100
     sync: SyncMode | None = None
     slowdown: str | None = None
@@ -59,18 +62,20 @@ class LaunchOptions:
     """A testbed that is up (``felactl testbed up``): the plan's nodes are its nodes, each agent runs
     in its node's namespace and cgroup, and the coordinator listens on the testbed's bridge."""
     node_name: str | None = None
-    join_timeout_s: float = 60.0
+    join_timeout_s: float = JOIN_TIMEOUT_S
     timeout_s: float = 120.0
     """Collective and store timeout inside the workers."""
     resume: str | None = None
     """A run to continue from its newest complete checkpoint (its directory is reused)."""
     elastic: bool = True
-    """Data-parallel bsp and tokens plans run under live rescaling (``felactl scale``) and survive failures."""
+    """Run under live rescaling (``felactl scale``) and survive failures, where the plan can: a
+    data-parallel plan of a mode that rescales live (:func:`~felactl.spec.executable.why_not_rescalable`).
+    False: ``--no-elastic``."""
     max_nproc_per_node: int | None = None
-    scaling_policy: str = "fixed-batch"
+    scaling_policy: str = ScalingPolicy.name
     max_batch: int | None = None
-    heartbeat_timeout_s: float = 5.0
-    collective_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     """Elastic jobs: the data-parallel group's collective timeout (a survivor blocked with a dead
     peer fails after at most this; usually at once, when the dead peer's sockets close)."""
     keep_checkpoints: int = 3
@@ -229,13 +234,6 @@ def node_devices(plan: Plan, local_node: str) -> dict[str, tuple[str, ...]]:
     return {local_node: nodes[""]} if "" in nodes else nodes
 
 
-def plan_backend(plan: Plan) -> str:
-    """NCCL when the plan places every device on a GPU, else gloo: one process group has one
-    backend, and a CPU plan (or one that places nothing) stays on the CPU on a machine with a GPU."""
-    on_gpus = plan.placement and all(p.kind == DeviceKind.CUDA for p in plan.placement)
-    return "nccl" if on_gpus else "gloo"
-
-
 def idle_gpus_warning(plan: Plan, local_node: str) -> str | None:
     """A line for the user when this machine's workers of a CPU (gloo) plan leave GPUs idle:
     a plan made from a CPU profile, or one that places nothing, trains on the CPU even here."""
@@ -253,7 +251,9 @@ def idle_gpus_warning(plan: Plan, local_node: str) -> str | None:
     )
 
 
-def check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local_node: str) -> None:
+def check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local_node: str, plan_path: Path) -> None:
+    """The plan's nodes (``nodes``, from ``plan_path``) against ``--nnodes``, this machine and how
+    the other nodes' agents are started."""
     if options.nnodes > 1 and options.nnodes != len(nodes):
         raise InputError(
             f"--nnodes {options.nnodes}, but the plan places its workers on {len(nodes)} node(s): "
@@ -262,26 +262,26 @@ def check_nodes(options: LaunchOptions, nodes: dict[str, tuple[str, ...]], local
     if options.rdzv_endpoint is None and options.hostfile is None and local_node not in nodes:
         names = ", ".join(sorted(nodes))
         raise InputError(
-            f"{options.plan_path}: placement: the plan runs on node(s) {names} but this machine is "
+            f"{plan_path}: placement: the plan runs on node(s) {names} but this machine is "
             f"{local_node!r} (plan for a cluster profiled here, or pass --node-name)"
         )
     if options.rdzv_endpoint is None and options.hostfile is None and len(nodes) > 1:
         raise InputError(
-            f"{options.plan_path}: the plan spans {len(nodes)} nodes; start their agents with "
+            f"{plan_path}: the plan spans {len(nodes)} nodes; start their agents with "
             "--hostfile, or with --rdzv-endpoint and `felactl agent` on each node"
         )
 
 
-def check_this_machine(options: LaunchOptions, plan: Plan, local_node: str) -> None:
-    """What this machine can tell before anything starts: the GPUs the plan puts on it exist, and
-    every rank ``--slowdown`` names is one of the plan's."""
+def check_this_machine(options: LaunchOptions, plan: Plan, local_node: str, plan_path: Path) -> None:
+    """What this machine can tell before anything starts: the GPUs the plan (read from
+    ``plan_path``) puts on it exist, and every rank ``--slowdown`` names is one of the plan's."""
     wanted = [p for p in plan.placement if p.node == local_node and p.kind == DeviceKind.CUDA]
     if wanted:
         have = num_gpus()
         needed = max(p.local_index for p in wanted) + 1
         if have < needed:
             raise InputError(
-                f"{options.plan_path}: placement: the plan puts {len(wanted)} GPU worker(s) on node "
+                f"{plan_path}: placement: the plan puts {len(wanted)} GPU worker(s) on node "
                 f"{local_node!r} (GPU indices up to {needed - 1}), but this machine has {have} GPU(s)"
             )
     for rank in parse_slowdown(options.slowdown):
@@ -289,14 +289,20 @@ def check_this_machine(options: LaunchOptions, plan: Plan, local_node: str) -> N
             raise InputError(f"--slowdown: rank {rank} does not exist; the plan has ranks 0..{len(plan.devices) - 1}")
 
 
-def check_min_nodes(options: LaunchOptions, plan: Plan, sync: SyncMode, elastic: bool) -> None:
-    """``--nnodes MIN:MAX`` with MIN < MAX: only a job that survives losing workers goes on without a node."""
-    if options.min_nodes is None or options.min_nodes == options.nnodes or elastic:
+def why_not_elastic(options: LaunchOptions, plan: Plan) -> str | None:
+    """Why this launch of ``plan`` runs without live rescaling (None: it runs with it): the plan
+    cannot be rescaled (:func:`~felactl.spec.executable.why_not_rescalable`), or ``--no-elastic``."""
+    reasons = (why_not_rescalable(plan), None if options.elastic else "it was launched --no-elastic")
+    return "; ".join(why for why in reasons if why) or None
+
+
+def check_min_nodes(options: LaunchOptions, not_elastic: str | None) -> None:
+    """``--nnodes MIN:MAX`` with MIN < MAX: only a job that survives losing workers goes on without
+    a node (``not_elastic``: why this one does not, :func:`why_not_elastic`)."""
+    if options.min_nodes is None or options.min_nodes == options.nnodes or not_elastic is None:
         return
     raise InputError(
-        f"--nnodes {options.min_nodes}:{options.nnodes}: going on without a node needs live rescaling (a "
-        f"data-parallel plan with sync {rescalable_mode_names()}, not --no-elastic); this "
-        f"job runs {len(plan.stages)} stage(s) with sync {sync.value}"
+        f"--nnodes {options.min_nodes}:{options.nnodes}: going on without a node needs live rescaling: {not_elastic}"
     )
 
 

@@ -37,10 +37,11 @@ from felactl.fsutil import atomic_write_text
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, write_secret_file
 from felactl.launcher.follow import POLL_S
+from felactl.launcher.launch_defaults import JOIN_TIMEOUT_S
 from felactl.launcher.liveness import Heartbeat, LaunchIdentity
 from felactl.launcher.node_agents import Agents, assign_ranks, start_coordinator, supervised
 from felactl.launcher.prepare import check_nodes, node_devices
-from felactl.launcher.rundir import RunDir
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RunDir
 from felactl.launcher.scale_requests import refuse_requests
 from felactl.machine import short_hostname
 from felactl.spec import Plan, load_plan, save
@@ -69,12 +70,12 @@ class ScriptOptions:
     """Workers on this machine without a plan (default: its GPUs, else 2 CPU slots)."""
     max_restarts: int = 0
     run_id: str | None = None
-    runs_root: Path = Path("runs")
+    runs_root: Path = DEFAULT_RUNS_ROOT
     rdzv_endpoint: str | None = None
     nnodes: int = 1
     hostfile: Path | None = None
     node_name: str | None = None
-    join_timeout_s: float = 60.0
+    join_timeout_s: float = JOIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.script.is_file():
@@ -160,7 +161,7 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
     plan = load_plan(options.plan_path) if options.plan_path is not None else None
     nodes = node_devices(plan, local_node) if plan is not None else None
     if nodes is not None:
-        check_nodes(options, nodes, local_node)
+        check_nodes(options, nodes, local_node, options.plan_path)
     local_slots = len(nodes.get(local_node, ())) if nodes is not None else _default_nproc(options)
     run, secret = _prepare_run(options, plan)
     coordinator = start_coordinator(secret, options.rdzv_endpoint, run)

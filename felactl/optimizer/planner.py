@@ -53,8 +53,8 @@ few seconds; where a larger one does not, the plan keeps the best found and reco
 def check_devices(cluster: ClusterSpec, devices: Sequence[str] | None) -> tuple[str, ...]:
     """The devices to plan for, in rank order (all of the cluster's when ``devices`` is None).
     Refused (InputError) where they are both GPUs and CPU slots: a job's process group has one
-    backend, NCCL on GPUs or gloo on CPU slots (the launcher's ``plan_backend``), and on gloo the
-    workers train on the CPU, so a GPU priced at its own speed would run at a core's."""
+    backend, NCCL on GPUs or gloo on CPU slots (``felactl.spec.executable.plan_backend``), and on
+    gloo the workers train on the CPU, so a GPU priced at its own speed would run at a core's."""
     if devices is not None:
         unknown = [d for d in devices if not cluster.has_device(d)]
         if unknown:

@@ -24,7 +24,8 @@ pipelines (several stages, ``1f1b``/``gpipe``, :mod:`felactl.agents.worker.pipel
 6. **pipeline slots**: with static pipelines, every device holds exactly one pipeline slot.
 7. **one backend**: the placement puts every worker on a GPU (NCCL) or every one on a CPU slot
    (gloo). A job's process group has one backend, and on gloo the workers train on the CPU: a
-   GPU in a mixed plan, priced at its own speed, would run at a core's.
+   GPU in a mixed plan, priced at its own speed, would run at a core's. That backend is the
+   plan's (:func:`plan_backend`), the one source the launcher and every worker read.
 
 :func:`problems` lists every broken rule; :func:`check_executable` raises the first as a
 :class:`~felactl.errors.SpecError` (exit 2). Pure: stdlib only, so the optimizer imports it.
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from felactl.errors import InputError, SpecError
 from felactl.spec.cluster import DeviceKind
 from felactl.spec.plan import Plan, Schedule, SyncMode
-from felactl.spec.sync_modes import Execution, mode_names, modes_where, sync_support
+from felactl.spec.sync_modes import Execution, mode_names, modes_where, rescalable_mode_names, sync_support
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,14 @@ def execution(plan: Plan) -> Execution:
     return Execution.FLEXIBLE if plan.schedule is Schedule.TOKENS else Execution.PIPELINE
 
 
+def plan_backend(plan: Plan) -> str:
+    """Rule 7's backend: ``nccl`` where the placement puts every worker on a GPU, else ``gloo`` (a
+    CPU plan, or one that places nothing, stays on the CPU on a machine with a GPU). Every worker
+    reads it from the plan it loads, so one started by hand trains where a launched one would."""
+    on_gpus = bool(plan.placement) and all(p.kind is DeviceKind.CUDA for p in plan.placement)
+    return "nccl" if on_gpus else "gloo"
+
+
 def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
     """Refuse (InputError) a membership change that would change the global batch of a mode whose
     steps are counted in samples (its workers go at their own pace)."""
@@ -65,9 +74,15 @@ def check_scaled_batch(sync: SyncMode, launched_batch: int, batch: int) -> None:
         )
 
 
-def rescalable(plan: Plan, sync: SyncMode | None = None) -> bool:
-    """Whether a job of ``plan`` (under ``sync`` where given) can change its members while it trains."""
-    return execution(plan) is Execution.DATA_PARALLEL and sync_support(sync or plan.sync.mode).rescales_live
+def why_not_rescalable(plan: Plan) -> str | None:
+    """Why a job of ``plan`` cannot change its members while it trains (None: it can): the one
+    sentence the launch, ``--nnodes MIN:MAX`` and an elastic worker say."""
+    if execution(plan) is Execution.DATA_PARALLEL and sync_support(plan.sync.mode).rescales_live:
+        return None
+    return (
+        f"live rescaling covers data-parallel plans (one stage) with sync {rescalable_mode_names()}; "
+        f"this plan runs {len(plan.stages)} stage(s) with sync {plan.sync.mode.value}"
+    )
 
 
 def stage_trainable(layer_params: Sequence[int], start: int, end: int) -> bool:
@@ -114,7 +129,7 @@ def problems(plan: Plan, layer_params: Sequence[int] | None = None) -> list[Prob
                 "kind (felactl plan --devices)",
             )
         )
-    elif plan.placement and plan.placement[0].kind is DeviceKind.CUDA and not sync_support(plan.sync.mode).runs_on_gpus:
+    elif plan_backend(plan) == "nccl" and not sync_support(plan.sync.mode).runs_on_gpus:
         found.append(
             Problem(
                 "sync.mode",

@@ -2,11 +2,11 @@
 
 The one table the planner (which shape it plans for a mode), ``felactl check`` and the worker's
 start (:func:`felactl.spec.executable.check_executable`: which executions a mode runs, on which
-backend), live rescaling (:func:`felactl.spec.executable.rescalable`), the worker's strategy table
-(:mod:`felactl.agents.worker.strategies`, one class per execution a row allows) and the CLI's
-``--sync`` help read. A fifth mode is a ``SyncMode`` value, one row here and its strategy classes;
-``tests/test_sync_modes.py`` fails until the enum, this table, the worker's table and the help
-agree. Pure: stdlib only, so the optimizer imports it.
+backend), live rescaling (:func:`felactl.spec.executable.why_not_rescalable`), the worker's
+strategy table (:mod:`felactl.agents.worker.strategies`, one class per execution a row allows) and
+the CLI's ``--sync`` help read. A fifth mode is a ``SyncMode`` value, one row here and its
+strategy classes; ``tests/test_sync_modes.py`` fails until the enum, this table, the worker's
+table and the help agree. Pure: stdlib only, so the optimizer imports it.
 """
 
 from __future__ import annotations

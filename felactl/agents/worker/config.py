@@ -13,7 +13,6 @@
 | ``FELACTL_CHECKPOINT_EVERY`` | checkpoint every K steps (0: never) | 0 |
 | ``FELACTL_SLOWDOWN`` | ``RANK=FACTOR[,RANK=FACTOR]`` | none |
 | ``FELACTL_STRAGGLER`` | ``roundrobin:SECONDS`` or ``prob:P:SECONDS`` | none |
-| ``FELACTL_BACKEND`` | ``gloo`` or ``nccl`` (the launcher sets it from the plan's placement) | gloo |
 | ``FELACTL_TIMEOUT_S`` | collective and store timeout | 120 |
 | ``FELACTL_ELASTIC`` | 1: the elastic membership (felactl.agents.worker.elastic); the agent sets it from its assignment's ``elastic`` | 0 |
 | ``FELACTL_WORKER_ID`` | elastic: this worker's id, stable across generations (metrics' ``rank``) | RANK |
@@ -57,7 +56,6 @@ class WorkerConfig:
     checkpoint_every: int = 0
     slowdown: float = 1.0
     pattern: Pattern | None = None
-    backend: str | None = None
     timeout_s: float = 120.0
     elastic: bool = False
     worker_id: int = 0
@@ -92,8 +90,8 @@ class WorkerConfig:
         return self.run_dir / EVENTS_FILE
 
     def load_plan(self) -> Plan:
-        """The plan, this worker's one source for the sync mode, the batch and the stages (the
-        launcher writes ``--sync`` into the run's copy), checked against ``WORLD_SIZE``."""
+        """The plan, this worker's one source for the sync mode, the batch, the stages and the
+        backend (the launcher writes ``--sync`` into the run's copy), checked against ``WORLD_SIZE``."""
         plan = load_plan(self.plan_path)
         if len(plan.devices) != self.world_size:
             raise InputError(
@@ -136,13 +134,6 @@ def _address(env: Mapping[str, str], rank: int) -> tuple[str, int, bool]:
     return env["MASTER_ADDR"], _int(env, "MASTER_PORT", minimum=1), rank == 0
 
 
-def _choice(env: Mapping[str, str], name: str, options: tuple[str, ...]) -> str | None:
-    value = env.get(name) or None
-    if value is not None and value not in options:
-        raise InputError(f"{name} must be one of {', '.join(options)}, got {value!r}")
-    return value
-
-
 def from_env(env: Mapping[str, str] | None = None) -> WorkerConfig:
     env = os.environ if env is None else env
     rank = _int(env, "RANK")
@@ -168,7 +159,6 @@ def from_env(env: Mapping[str, str] | None = None) -> WorkerConfig:
         checkpoint_every=_int(env, "FELACTL_CHECKPOINT_EVERY", default=0),
         slowdown=parse_slowdown(env.get("FELACTL_SLOWDOWN")).get(rank, 1.0),
         pattern=parse_pattern(env.get("FELACTL_STRAGGLER")),
-        backend=_choice(env, "FELACTL_BACKEND", ("gloo", "nccl")),
         timeout_s=float(_int(env, "FELACTL_TIMEOUT_S", default=120, minimum=1)),
         elastic=env.get("FELACTL_ELASTIC") == "1",
         worker_id=_int(env, "FELACTL_WORKER_ID", default=rank),

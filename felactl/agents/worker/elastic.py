@@ -58,8 +58,7 @@ from felactl.control.documents import ArrivedDoc, DoneDoc, LeftDoc, ReadyDoc, St
 from felactl.control.seal import parse_int
 from felactl.errors import InputError, WorkerFailed
 from felactl.spec import Plan, load_plan
-from felactl.spec.executable import rescalable
-from felactl.spec.sync_modes import rescalable_mode_names
+from felactl.spec.executable import plan_backend, why_not_rescalable
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01
@@ -102,15 +101,18 @@ class ElasticMembership(Membership):
 
     # --- groups -------------------------------------------------------------------------------
     def form(self, rank: int, world_size: int, generation: int) -> Runtime:
+        """Form ``generation``'s group, this worker at ``rank`` of ``world_size``, on the backend of
+        the plan it trains (the trainer is built before any group is formed)."""
         cfg = dataclasses.replace(self.cfg, rank=rank, world_size=world_size, generation=generation)
-        if cfg.backend == "nccl":
+        backend = plan_backend(self.trainer.plan)
+        if backend == "nccl":
             _nccl_errors_reach_the_caller()
         self._arrive(generation, rank, world_size)
         # A new group runs its first step under the start-up timeout: until every member has done
         # one, a member may still be building its optimizer or running a first forward that
         # compiles or autotunes, and a short collective timeout would fail a healthy job there,
         # before the loop that survives failures has begun. after_step then shortens it.
-        runtime = form_group(cfg, self.raw, timeout_s=max(cfg.timeout_s, cfg.collective_timeout_s))
+        runtime = form_group(cfg, self.raw, backend, timeout_s=max(cfg.timeout_s, cfg.collective_timeout_s))
         self.collective_timeout_due = True
         self.generation = generation
         return runtime
@@ -196,7 +198,8 @@ class ElasticMembership(Membership):
 
     def _start_as_member(self) -> Strategy:
         plan, bundle = load_checked(self.cfg)
-        _check_plan(plan)
+        if (why := why_not_rescalable(plan)) is not None:
+            raise InputError(f"{self.cfg.plan_path}: elastic training: {why}")
         self.trainer = Trainer(
             self._placeholder_runtime(plan), plan, membership=self, bundle=bundle, metrics_rank=self.wid
         )
@@ -219,8 +222,8 @@ class ElasticMembership(Membership):
         """Where the trainer is built for ``plan`` before its group exists: on its device, at this
         worker's rank in the plan (a newcomer's, which learns its own later: 0)."""
         cfg = self.cfg if not self.cfg.join else dataclasses.replace(self.cfg, rank=0, world_size=len(plan.devices))
-        backend, device = choose_device(cfg)
-        return Runtime(cfg, self.kv, backend, device, self.raw)
+        backend = plan_backend(plan)
+        return Runtime(cfg, self.kv, backend, choose_device(cfg, backend), self.raw)
 
     def _start_as_newcomer(self) -> Strategy:
         """Everything slow happens here, while the others train: import, build the model and its
@@ -453,15 +456,6 @@ def _warm_up(trainer: Trainer) -> None:
     inputs, targets = trainer.batch(range(min(trainer.micro_batch, trainer.global_batch)))
     trainer.bundle.loss(trainer.model(inputs), targets).backward()
     trainer.optimizer.zero_grad(set_to_none=True)
-
-
-def _check_plan(plan) -> None:
-    if not rescalable(plan):
-        raise InputError(
-            f"elastic training runs data-parallel plans (one stage) with sync "
-            f"{rescalable_mode_names()}; this plan has {len(plan.stages)} "
-            f"stage(s) and sync {plan.sync.mode.value}"
-        )
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:

@@ -18,6 +18,7 @@ from felactl.agents.worker.runtime import Runtime, start
 from felactl.agents.worker.stages import stage_rank_sets
 from felactl.agents.worker.strategies import strategy_for
 from felactl.agents.worker.strategy import Strategy
+from felactl.spec.executable import plan_backend
 
 
 class FixedMembership(Membership):
@@ -33,7 +34,7 @@ class FixedMembership(Membership):
         """The groups, then the trainer with every replica holding its stage's first replica's
         state (a resume's checkpoint restored first); every worker starts training together."""
         plan, bundle = load_checked(self.cfg)
-        self.runtime = start(self.cfg)
+        self.runtime = start(self.cfg, plan_backend(plan))
         self.runtime.make_groups(stage_rank_sets(plan))
         self.trainer = Trainer(self.runtime, plan, membership=self, bundle=bundle)
         self.trainer.begin()

@@ -118,12 +118,12 @@ class Runtime:
             dist.destroy_process_group()
 
 
-def choose_device(cfg: WorkerConfig) -> tuple[str, torch.device]:
-    """The backend and device this worker trains on. ``FELACTL_BACKEND`` decides (the launcher sets
-    it from the plan's device kinds, the same for every rank); unset means gloo on the CPU, since a
-    guess made rank by rank could put one group on two backends."""
-    if cfg.backend != "nccl":
-        return "gloo", torch.device("cpu")
+def choose_device(cfg: WorkerConfig, backend: str) -> torch.device:
+    """The device this worker trains on under ``backend``, its plan's
+    (:func:`felactl.spec.executable.plan_backend`, the same for every rank: a guess made rank by
+    rank could put one group on two backends): the CPU on gloo, GPU ``LOCAL_RANK`` on NCCL."""
+    if backend != "nccl":
+        return torch.device("cpu")
     if cfg.local_rank >= torch.cuda.device_count():
         raise InputError(
             f"worker {cfg.rank}: the plan puts it on GPU {cfg.local_rank} but this machine has "
@@ -131,15 +131,16 @@ def choose_device(cfg: WorkerConfig) -> tuple[str, torch.device]:
         )
     device = torch.device("cuda", cfg.local_rank)
     torch.cuda.set_device(device)
-    return "nccl", device
+    return device
 
 
-def form_group(cfg: WorkerConfig, raw: dist.TCPStore, *, timeout_s: float) -> Runtime:
+def form_group(cfg: WorkerConfig, raw: dist.TCPStore, backend: str, *, timeout_s: float) -> Runtime:
     """Rendezvous the default process group of ``cfg``'s generation (its rank and world size) on
-    the job's store ``raw``, its collectives timing out after ``timeout_s``: every worker's groups
-    are formed here, a fixed job's once and an elastic job's at each generation."""
+    the job's store ``raw``, on ``backend`` (the plan's), its collectives timing out after
+    ``timeout_s``: every worker's groups are formed here, a fixed job's once and an elastic job's
+    at each generation."""
     store = dist.PrefixStore(keys.generation_namespace(cfg.store_prefix, cfg.generation), raw)
-    backend, device = choose_device(cfg)
+    device = choose_device(cfg, backend)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("pg", store),
@@ -150,7 +151,7 @@ def form_group(cfg: WorkerConfig, raw: dist.TCPStore, *, timeout_s: float) -> Ru
     return Runtime(cfg, store, backend, device, raw)
 
 
-def start(cfg: WorkerConfig) -> Runtime:
-    """Connect to the store and rendezvous the default process group of this generation."""
+def start(cfg: WorkerConfig, backend: str) -> Runtime:
+    """Connect to the store and rendezvous the default process group of this generation on ``backend``."""
     raw = connect_store(cfg.store_host, cfg.store_port, is_master=cfg.host_store, timeout_s=cfg.timeout_s)
-    return form_group(cfg, raw, timeout_s=cfg.timeout_s)
+    return form_group(cfg, raw, backend, timeout_s=cfg.timeout_s)
