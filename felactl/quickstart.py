@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from felactl.errors import InputError
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT
 from felactl.spec import ModelSpec, save
 
 Say = Callable[[str], None]
@@ -29,7 +30,7 @@ class QuickstartOptions:
     steps: int = 300
     sync: str = "bsp"
     out_dir: Path = Path("felactl-demo")
-    runs_root: Path = Path("runs")
+    runs_root: Path = DEFAULT_RUNS_ROOT
     run_id: str | None = None
 
     def __post_init__(self) -> None:

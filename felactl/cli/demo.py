@@ -11,6 +11,7 @@ from felactl.cli import output
 from felactl.cli.model_profile import layer_table
 from felactl.cli.profile import render_cluster
 from felactl.cli.runview import live_run
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT
 
 
 def demo(
@@ -20,7 +21,7 @@ def demo(
     out_dir: Annotated[Path, typer.Option(help="Where cluster.yaml, model.yaml and plan.yaml go.")] = Path(
         "felactl-demo"
     ),
-    runs_root: Annotated[Path, typer.Option(help="Where the run directory goes.")] = Path("runs"),
+    runs_root: Annotated[Path, typer.Option(help="Where the run directory goes.")] = DEFAULT_RUNS_ROOT,
     run_id: Annotated[str | None, typer.Option(help="Name of the run directory.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:

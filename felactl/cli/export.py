@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from felactl.cli import output
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT
 
 
 def export(
@@ -18,7 +19,7 @@ def export(
     step: Annotated[
         int | None, typer.Option(min=0, help="The checkpoint of this step (default: the newest complete one).")
     ] = None,
-    runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = Path("runs"),
+    runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = DEFAULT_RUNS_ROOT,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Write the model of a run's checkpoint, stages merged, as one state_dict for load_state_dict."""

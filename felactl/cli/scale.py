@@ -11,6 +11,7 @@ import typer
 from felactl import limits
 from felactl.cli import output
 from felactl.errors import InputError
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT
 from felactl.limits import check_flag, split_items
 
 
@@ -26,7 +27,7 @@ def scale(
     max_batch: Annotated[int | None, typer.Option(help="linear-lr: cap on the global batch.")] = None,
     secret_file: Annotated[Path | None, typer.Option(help="The job secret (default: runs/<id>/secret).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the job to switch.")] = 120.0,
-    runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = Path("runs"),
+    runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = DEFAULT_RUNS_ROOT,
     as_json: Annotated[bool, typer.Option("--json", help="Print what changed as one JSON object.")] = False,
 ) -> None:
     """Rescale a running data-parallel job; the workers that stay keep their processes and memory."""

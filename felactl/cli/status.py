@@ -11,11 +11,12 @@ from rich.table import Table
 
 from felactl.cli import output
 from felactl.cli.runview import duration, events_table, run_table
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT
 
 
 def status(
     run: Annotated[str, typer.Argument(help="Run id or directory (default: the newest run).")] = "",
-    runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = Path("runs"),
+    runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = DEFAULT_RUNS_ROOT,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Show a run: step, loss, samples/s, each worker's share and waiting, and its events."""

@@ -38,7 +38,7 @@ from felactl.control.keys import AGENT_BEAT_S, command_queue
 from felactl.errors import InputError, StorageError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS
 from felactl.launcher.controlplane import Coordinator, Member
-from felactl.launcher.launch_defaults import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S
+from felactl.launcher.launch_defaults import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, SWITCH_TIMEOUT_S
 from felactl.launcher.membership.decide import decide
 from felactl.launcher.membership.state import (
     AdmitAgent,
@@ -83,7 +83,7 @@ class ElasticSettings:
     """Worker slots per node; default: GPUs, or for a CPU node its cores."""
     ready_timeout_s: float = JOIN_TIMEOUT_S
     """How long newcomers a scale-out starts get to be ready (the launch's ``--join-timeout``)."""
-    switch_timeout_s: float = 60.0
+    switch_timeout_s: float = SWITCH_TIMEOUT_S
     min_nodes: int | None = None
     """Nodes the job needs to start on (the rest may fail to start); None: every node."""
 

@@ -12,3 +12,5 @@ COLLECTIVE_TIMEOUT_S = 10.0
 """Elastic jobs: seconds before a collective blocked on a dead peer fails (``--collective-timeout``)."""
 JOIN_TIMEOUT_S = 60.0
 """Seconds for the nodes' agents to join, and for a newcomer to be ready (``--join-timeout``)."""
+SWITCH_TIMEOUT_S = 60.0
+"""Elastic jobs: seconds the members get to reach the step they agreed to switch at (no flag)."""

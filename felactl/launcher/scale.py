@@ -24,7 +24,7 @@ from felactl.control.events import RefusalLog
 from felactl.control.store import POLL_INTERVAL_S, connect_store, first_line, parse_endpoint
 from felactl.errors import ControlPlaneError, InputError
 from felactl.launcher.controlplane import read_secret_file
-from felactl.launcher.rundir import RESUME_HINT, RunDir, RunState
+from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RESUME_HINT, RunDir, RunState
 
 
 def coordinator_endpoint(run: RunDir) -> str:
@@ -51,7 +51,7 @@ def request_scale(
     run: str,
     command: dict,
     *,
-    runs_root: Path = Path("runs"),
+    runs_root: Path = DEFAULT_RUNS_ROOT,
     secret_file: Path | None = None,
     timeout_s: float = 120.0,
 ) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from felactl.launcher.launch_defaults import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, SWITCH_TIMEOUT_S
 from felactl.launcher.scale_plan import ScalingPolicy
 
 
@@ -15,9 +16,9 @@ from felactl.launcher.scale_plan import ScalingPolicy
 class Rules:
     """The job's fixed terms: timeouts, slots, where logs are."""
 
-    heartbeat_timeout_s: float = 5.0
-    ready_timeout_s: float = 60.0
-    switch_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    ready_timeout_s: float = JOIN_TIMEOUT_S
+    switch_timeout_s: float = SWITCH_TIMEOUT_S
     agent_gone_s: float = 1.25
     """An agent this long silent when its worker goes silent is taken for gone with it (two
     missed agent beats, and a half for a busy machine)."""
