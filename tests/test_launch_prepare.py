@@ -45,7 +45,8 @@ def test_a_launch_that_cannot_rescale_says_why_once(tmp_path):
 
 def test_a_resumed_run_on_another_machine_names_its_plan_file(tmp_path):
     """A resume has no PLAN argument: the check that the plan's nodes are this machine names the
-    run's plan file (it said ``.: placement: ...``)."""
+    run's plan file it read (it said ``.: placement: ...``), and a refused resume writes nothing
+    (it left the next generation's copy of the plan behind)."""
     run = RunDir.create("r", root=tmp_path / "runs")
     save(placed(dp_plan(1), node="elsewhere"), run.plan)
     (run.checkpoints / "step000002").mkdir()
@@ -54,6 +55,7 @@ def test_a_resumed_run_on_another_machine_names_its_plan_file(tmp_path):
         app, ["launch", "--resume", "r", "--runs-root", str(tmp_path / "runs"), "--node-name", "here", "--steps", "5"]
     )
     assert result.exit_code == 2, result.output
-    assert f"{run.path / 'plan.1.yaml'}: placement: the plan runs on node(s) elsewhere but this machine is 'here'" in (
+    assert f"{run.plan}: placement: the plan runs on node(s) elsewhere but this machine is 'here'" in (
         " ".join(result.stderr.split())
     )
+    assert not (run.path / "plan.1.yaml").exists(), "a refused resume leaves no generation of its own behind"

@@ -125,7 +125,7 @@ def test_the_runs_plan_records_the_sync_mode_it_runs_with(tmp_path):
         tmp_path / "plan.yaml",
     )
     options = LaunchOptions(plan_path=plan, run_id="s", runs_root=tmp_path / "runs", sync=SyncMode.WBSP)
-    run, _ = prepare_run(options, runnable_plan(options, None)[0])
+    run, _, _ = prepare_run(options, runnable_plan(options, None))
     assert load_plan(run.plan).sync.mode is SyncMode.WBSP
 
 

@@ -85,7 +85,8 @@ def worker_env(
 def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = lambda state: None) -> dict[str, Any]:
     """Run the plan to the end; return the summary (also written to ``summary.json``)."""
     local_node = options.node_name or short_hostname()
-    plan, resume = runnable_plan(options, resume_point(options))
+    resume = resume_point(options)
+    plan = runnable_plan(options, resume)
     plan_path = resume.plan_path if resume is not None else options.plan_path  # what the checks name
     nodes = node_devices(plan, local_node)
     endpoint = options.rdzv_endpoint
@@ -97,7 +98,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         check_this_machine(options, plan, local_node, plan_path)
     not_elastic = why_not_elastic(options, plan)
     check_min_nodes(options, not_elastic)
-    run, secret = prepare_run(options, plan, resume)
+    run, secret, resume = prepare_run(options, plan, resume)
     if (warning := idle_gpus_warning(plan, local_node)) is not None:
         log.warning(warning)
     # Live rescaling covers data-parallel plans of the rescalable sync modes, on CPUs (gloo) and GPUs (NCCL): a

@@ -154,9 +154,10 @@ def resume_point(options: LaunchOptions) -> ResumePoint | None:
     return resume
 
 
-def runnable_plan(options: LaunchOptions, resume: ResumePoint | None) -> tuple[Plan, ResumePoint | None]:
-    """The plan this launch runs (a resume: its generation's, kept as its own copy so that a later
-    resume finds it), with ``--sync`` applied once, refused (InputError) unless it can run."""
+def runnable_plan(options: LaunchOptions, resume: ResumePoint | None) -> Plan:
+    """The plan this launch runs (a resume: its checkpoint's generation's), with ``--sync`` applied
+    once, refused (InputError) unless it can run. Nothing is written: :func:`prepare_run` does,
+    once every check has passed."""
     plan_path = resume.plan_path if resume else options.plan_path
     plan = load_plan(plan_path)
     if options.sync is not None:  # the run's plan says the mode it runs with, so a resume runs it too
@@ -167,9 +168,7 @@ def runnable_plan(options: LaunchOptions, resume: ResumePoint | None) -> tuple[P
             f"--scaling-policy {options.scaling_policy}: sync {plan.sync.mode.value} rescales with a fixed "
             f"global batch; use --scaling-policy fixed-batch"
         )
-    if resume is not None:  # the resumed generation's own copy of its plan, so a later resume finds it
-        resume = dataclasses.replace(resume, plan_path=save(plan, resume.run.path / f"plan.{resume.generation}.yaml"))
-    return plan, resume
+    return plan
 
 
 def check_runnable(plan: Plan, where: str = "plan") -> None:
@@ -179,11 +178,16 @@ def check_runnable(plan: Plan, where: str = "plan") -> None:
     models.check_source(plan.model.source, plan.model.config)
 
 
-def prepare_run(options: LaunchOptions, plan: Plan, resume: ResumePoint | None = None) -> tuple[RunDir, str]:
+def prepare_run(
+    options: LaunchOptions, plan: Plan, resume: ResumePoint | None = None
+) -> tuple[RunDir, str, ResumePoint | None]:
     """Make the run directory, its secret and its copy of ``plan`` (checked against the profiles
-    it was made from, where given). A resumed run keeps its directory and secret."""
+    it was made from, where given). A resumed run keeps its directory and secret; its new
+    generation gets its own copy of the plan (``--sync`` applied), so a later resume runs the same,
+    and the returned resume point names that copy."""
     if resume is not None:
-        return resume.run, read_secret_file(resume.run.secret)
+        copy = save(plan, resume.run.path / f"plan.{resume.generation}.yaml")
+        return resume.run, read_secret_file(resume.run.secret), dataclasses.replace(resume, plan_path=copy)
     profiles = None
     if options.cluster_path is not None:
         profiles = load_cluster(options.cluster_path), load_model(options.model_path)
@@ -203,7 +207,7 @@ def prepare_run(options: LaunchOptions, plan: Plan, resume: ResumePoint | None =
         )
         + "\n",
     )
-    return run, secret
+    return run, secret, None
 
 
 def job_plan(source: str, config: dict, nproc: int | None, global_batch: int | None, micro_batch: int | None) -> Plan:
