@@ -182,25 +182,19 @@ CLUSTER_ONLY = (
     "message_bytes",
     "small_message_bytes",
 )
-"""The parameters only a cluster's profile reads; ``--model`` refuses them (:func:`_refuse_cluster_flags`)."""
+"""The parameters only a cluster's profile reads; ``--model`` refuses them (:func:`_refuse_given`)."""
+MODEL_ONLY = ("config", "input_shape", "cluster", "worker_batch", "batch_sizes")
+"""The parameters only a model's profile reads; refused without ``--model``."""
 
 
 @takes_options(ProfileCommandOptions, context=True)
 def profile(ctx: typer.Context, options: ProfileCommandOptions) -> None:
     """Measure devices and the link between every ordered pair of worker slots; write cluster.yaml."""
     if options.model is not None:
-        _refuse_cluster_flags(ctx)
+        _refuse_given(ctx, CLUSTER_ONLY, "is for profiling a cluster, not with --model")
         _profile_model(options)
         return
-    _refuse_model_flags(
-        {
-            "--config": options.config,
-            "--input-shape": options.input_shape,
-            "--cluster": options.cluster,
-            "--worker-batch": options.worker_batch,
-            "--batch-sizes": options.batch_sizes,
-        }
-    )
+    _refuse_given(ctx, MODEL_ONLY, "is for profiling a model: add --model NAME")
     from felactl.launcher.profile import ProfileOptions
     from felactl.profiling.links import LinkProbe
 
@@ -253,23 +247,16 @@ def _profile_model(options: ProfileCommandOptions) -> None:
     model_profile.run(flags)
 
 
-def _refuse_model_flags(given: dict[str, object]) -> None:
-    """The flags of a model's profile, given without ``--model``: the first is named."""
-    flags = [flag for flag, value in given.items() if value]
-    if flags:
-        raise InputError(f"{flags[0]} is for profiling a model: add --model NAME")
-
-
-def _refuse_cluster_flags(ctx: typer.Context) -> None:
-    """The flags of a cluster's profile, given with ``--model``: the first is named. Given, not
-    valued: ``--nnodes 1`` is refused too, though 1 is its default."""
+def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:
+    """Refuse the first of the parameters ``names`` typed on the command line, naming its flag.
+    Typed, not valued: ``--nnodes 1`` with ``--model`` is refused too, though 1 is its default."""
     given = [
         max(param.opts, key=len)
         for param in ctx.command.params
-        if param.name in CLUSTER_ONLY and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
+        if param.name in names and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
     ]
     if given:
-        raise InputError(f"{given[0]} is for profiling a cluster, not with --model")
+        raise InputError(f"{given[0]} {why}")
 
 
 def _profile_cluster(where: ClusterFlags, options: ProfileOptions, out: Path | None, as_json: bool) -> None:
