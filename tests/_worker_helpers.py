@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from felactl import models
 from felactl.agents.worker.checkpoint import checkpoint_path
+from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import make_optimizer
 from felactl.agents.worker.local import run_local
 from felactl.cli.main import app
@@ -61,6 +62,21 @@ def dp_plan(
         shares=shares,
         sync=SyncSpec(mode=SyncMode(mode), overlap=overlap, **sync),
         training=Training(optimizer=optimizer, lr=lr, seed=0),
+    )
+
+
+def local_worker_config(plan_path: Path, run_dir: Path) -> WorkerConfig:
+    """The config of a one-worker job's rank 0 in this process, with no store to reach (for what
+    needs a worker's config but forms no group)."""
+    return WorkerConfig(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        store_host="127.0.0.1",
+        store_port=1,
+        host_store=False,
+        plan_path=plan_path,
+        run_dir=run_dir,
     )
 
 

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from felactl.agents.worker import engine
 from felactl.agents.worker.checkpoint import checkpoint_path
-from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.fixed import FixedMembership
 from felactl.agents.worker.runtime import Runtime
@@ -29,7 +28,7 @@ from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.spec import save
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker_helpers import Job, dp_plan, one_node_controller  # noqa: E402
+from _worker_helpers import Job, dp_plan, local_worker_config, one_node_controller  # noqa: E402
 
 
 @pytest.fixture
@@ -37,16 +36,7 @@ def one_worker(tmp_path):
     """A Trainer of a one-worker plan, in this process (no process group: checkpoints need none)."""
     plan_path = save(dp_plan(1), tmp_path / "plan.yaml")
     run_dir = tmp_path / "run"
-    cfg = WorkerConfig(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        store_host="127.0.0.1",
-        store_port=1,
-        host_store=False,
-        plan_path=plan_path,
-        run_dir=run_dir,
-    )
+    cfg = local_worker_config(plan_path, run_dir)
     sigint = signal.getsignal(signal.SIGINT)  # the trainer's drain takes SIGINT; pytest keeps its own
     try:
         runtime = Runtime(cfg, dist.HashStore(), "gloo", torch.device("cpu"), dist.HashStore())

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed
-from _worker_helpers import dp_plan, pipeline_plan, placed
+from _worker_helpers import dp_plan, local_worker_config, pipeline_plan, placed
 
 from felactl.agents.worker import fixed
-from felactl.agents.worker.config import WorkerConfig, from_env
+from felactl.agents.worker.config import from_env
 from felactl.agents.worker.generations import Heartbeat
 from felactl.agents.worker.runtime import choose_device
 from felactl.agents.worker.stages import micro_batches, place, split_by_shares
@@ -110,16 +110,7 @@ def test_the_backend_follows_the_plans_devices_not_the_machine():
     cuda = placed(dp_plan(2), DeviceKind.CUDA)
     mixed = dataclasses.replace(cuda, placement=(cuda.placement[0], placed(dp_plan(2)).placement[1]))
     assert [plan_backend(p) for p in (dp_plan(2), placed(dp_plan(2)), cuda, mixed)] == ["gloo", "gloo", "nccl", "gloo"]
-    cfg = WorkerConfig(
-        rank=1,
-        local_rank=1,
-        world_size=2,
-        store_host="127.0.0.1",
-        store_port=1,
-        host_store=False,
-        plan_path=Path("p.yaml"),
-        run_dir=Path("."),
-    )
+    cfg = dataclasses.replace(local_worker_config(Path("p.yaml"), Path(".")), rank=1, local_rank=1, world_size=2)
     assert choose_device(cfg, "gloo") == torch.device("cpu")
 
 
