@@ -477,6 +477,8 @@ def test_a_plan_given_where_a_cluster_is_expected(tmp_path):
         (["profile", "--batch-sizes", "4"], "--batch-sizes is for profiling a model: add --model NAME"),
         (["profile", "--batch-sizes", "1,4,16,64"], "--batch-sizes is for profiling a model"),  # even the default
         (["profile", "--config", "depth=3"], "--config is for profiling a model"),
+        # typed, not valued: an empty value went on to profile the cluster
+        (["profile", "--batch-sizes", ""], "--batch-sizes is for profiling a model"),
         (["profile", "--model", "mlp", "--worker-batch", "4"], "--worker-batch is for --cluster"),
         # The other direction: a cluster's flags given with --model were silently ignored (review of issue 31).
         (

@@ -12,11 +12,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-try:  # typer >= 0.2x runs on its own vendored copy of click
-    from typer._click.core import ParameterSource
-except ImportError:  # older typer runs on click itself
-    from click.core import ParameterSource
-
 from felactl import limits
 from felactl.cli import output
 from felactl.cli.options import takes_options
@@ -253,7 +248,8 @@ def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:
     given = [
         max(param.opts, key=len)
         for param in ctx.command.params
-        if param.name in names and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
+        # by name: typer's vendored click and click itself each have their own ParameterSource
+        if param.name in names and getattr(ctx.get_parameter_source(param.name), "name", None) == "COMMANDLINE"
     ]
     if given:
         raise InputError(f"{given[0]} {why}")
