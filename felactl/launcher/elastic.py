@@ -67,7 +67,8 @@ from felactl.launcher.rundir import RunDir
 from felactl.launcher.scale_plan import ScalingPolicy, place_devices
 from felactl.launcher.scale_requests import answer, answer_unsigned
 from felactl.launcher.sightings import Lookout, offered_slots
-from felactl.spec import ClusterSpec, DeviceKind, ModelSpec, Plan, load_cluster, load_model, save
+from felactl.spec import ClusterSpec, ModelSpec, Plan, load_cluster, load_model, save
+from felactl.spec.executable import plan_backend
 
 log = logging.getLogger(__name__)
 AGENT_GONE_S = 2.5 * AGENT_BEAT_S
@@ -357,7 +358,7 @@ class ElasticController:
     def _plan_path(self, generation: int):
         if generation == self.first_plan[0]:
             return self.first_plan[1]
-        return self.run.path / f"plan.{generation}.yaml"
+        return self.run.plan_of(generation)
 
     def _publish_generation(self, generation: int, members: list[int], plan_path, kind: str) -> None:
         """The signed document of ``generation``, then the hint that it exists; the coordinator keeps
@@ -399,7 +400,7 @@ def _launch_state(
         profile=profile,
         logs=str(run.logs),
         run_id=run.run_id,
-        device_prefix="cuda" if plan.placement and plan.placement[0].kind is DeviceKind.CUDA else "cpu",
+        device_prefix="cuda" if plan_backend(plan) == "nccl" else "cpu",
     )
     return State(
         rules=rules,

@@ -99,7 +99,7 @@ class Agents:
         logs: Path,
         job: str,
         hostfile: Path | None = None,
-        join_timeout_s: float = 60.0,
+        join_timeout_s: float,
         testbed: str | None = None,
         testbed_slots: dict[str, int] | None = None,
     ):

@@ -186,7 +186,7 @@ def prepare_run(
     generation gets its own copy of the plan (``--sync`` applied), so a later resume runs the same,
     and the returned resume point names that copy."""
     if resume is not None:
-        copy = save(plan, resume.run.path / f"plan.{resume.generation}.yaml")
+        copy = save(plan, resume.run.plan_of(resume.generation))
         return resume.run, read_secret_file(resume.run.secret), dataclasses.replace(resume, plan_path=copy)
     profiles = None
     if options.cluster_path is not None:

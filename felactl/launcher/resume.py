@@ -123,7 +123,7 @@ def checkpoint_plan(rundir: RunDir, stage0: dict) -> tuple[Path, int]:
     """The plan a checkpoint was taken under and its generation: a data-parallel checkpoint records
     the membership generation it was taken in (``plan.<G>.yaml``); without one it is ``plan.yaml``."""
     generation = int(stage0.get("generation", 0))
-    plan_path = rundir.plan if generation == 0 else rundir.path / f"plan.{generation}.yaml"
+    plan_path = rundir.plan_of(generation)
     if not plan_path.exists():
         raise InputError(f"{plan_path}: the plan of the checkpoint's generation is missing")
     return plan_path, generation

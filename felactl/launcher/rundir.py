@@ -100,6 +100,11 @@ class RunDir:
     def plan(self) -> Path:
         return self.path / "plan.yaml"
 
+    def plan_of(self, generation: int) -> Path:
+        """The plan generation ``generation`` ran: the launch's ``plan.yaml`` (generation 0), or
+        the copy a re-form, rescale or resume wrote as ``plan.<generation>.yaml``."""
+        return self.plan if generation == 0 else self.path / f"plan.{generation}.yaml"
+
     @property
     def launch_options(self) -> Path:
         return self.path / "launch.json"

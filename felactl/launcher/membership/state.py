@@ -7,19 +7,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from felactl.launcher.launch_defaults import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, SWITCH_TIMEOUT_S
 from felactl.launcher.scale_plan import ScalingPolicy
 
 
 # --- what the coordinator knows ------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class Rules:
-    """The job's fixed terms: timeouts, slots, where logs are."""
+    """The job's fixed terms: timeouts, slots, where logs are. The timeouts have no defaults here:
+    the launch's settings (:class:`felactl.launcher.elastic.ElasticSettings`) give every one."""
 
-    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
-    ready_timeout_s: float = JOIN_TIMEOUT_S
-    switch_timeout_s: float = SWITCH_TIMEOUT_S
-    agent_gone_s: float = 1.25
+    heartbeat_timeout_s: float
+    ready_timeout_s: float
+    switch_timeout_s: float
+    agent_gone_s: float
     """An agent this long silent when its worker goes silent is taken for gone with it (two
     missed agent beats, and a half for a busy machine)."""
     min_nodes: int = 1
