@@ -39,8 +39,13 @@ class LaunchState:
     records: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     not_elastic: str = ""
-    """Why ``felactl scale`` is refused (a job that is not elastic)."""
+    """Why ``felactl scale`` is refused; empty for an elastic job (:attr:`elastic`)."""
     _metrics: JsonlTail | None = field(default=None, repr=False)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job rescales live (nothing says why not)."""
+        return not self.not_elastic
 
     def read_new(self) -> None:
         """Take in the records the workers appended to metrics.jsonl since the last look."""

@@ -122,7 +122,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         testbed_slots={node: len(devs) for node, devs in nodes.items()},
     )
     with supervised(coordinator, agents, run, heartbeat, drain_s=options.drain_s):
-        summary = _run(options, coordinator, agents, state, nodes, not_elastic is None, resume, on_update)
+        summary = _run(options, coordinator, agents, state, nodes, resume, on_update)
     run.write_summary(summary)
     record(run.events, EventKind.FINISHED, steps=summary["steps"])
     return summary
@@ -151,7 +151,6 @@ def _run(
     agents: Agents,
     state: LaunchState,
     nodes: dict[str, tuple[str, ...]],
-    elastic: bool,
     resume: ResumePoint | None,
     on_update: Callable[[LaunchState], None],
 ) -> dict[str, Any]:
@@ -162,7 +161,7 @@ def _run(
     state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
     env = worker_env(options, run, coordinator.endpoint, resume=resume)
     controller = None
-    if elastic:
+    if state.elastic:
         controller = ElasticController(
             coordinator,
             run,
@@ -174,7 +173,7 @@ def _run(
             plan_path=resume.plan_path if resume else run.plan,
             worker=(WORKER_MODULE, env),
         )
-    coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env, elastic=elastic))
+    coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env, elastic=state.elastic))
     record(
         run.events,
         EventKind.START,
