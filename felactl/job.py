@@ -27,8 +27,11 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 @dataclass(frozen=True, kw_only=True)
 class TrainJob:
     model: nn.Module
-    """Any module for data-parallel plans. Only an ``nn.Sequential`` can be split into pipeline
-    stages (its children are the layers felactl profiles and plans); any other module is one layer."""
+    """Any module. Plans may cut it into pipeline stages where it is an ``nn.Sequential`` (its
+    children are the layers), or has one list of blocks (a ``ModuleList``/``ModuleDict`` of
+    same-class modules: HF's ``model.layers``, ``transformer.h``), or ``split_points`` names where
+    stages may begin; then the embedding, each block and the head are the layers felactl profiles
+    and plans (:mod:`felactl.models.split`). Any other module is one layer: data parallel only."""
     dataset: Any
     """A map-style dataset (``__getitem__`` and ``__len__``): felactl asks for samples by global
     index (wrapping around its length), so every run sees the same data in the same order."""
@@ -47,6 +50,11 @@ class TrainJob:
     precision: str = "fp32"
     """``fp32``, or ``bf16``: forward and loss under ``torch.autocast`` in bfloat16 on CUDA workers
     (CPU workers run fp32)."""
+    split_points: Sequence[str] | None = None
+    """Module paths where a pipeline stage may begin, in the order the forward runs them
+    (``["model.layers.4", "model.layers.8"]``): the layers are then what runs before the first,
+    and from each to the next. None: every block of the model's one block list, and the head
+    after the last block on its own. ``[]``: never split (data parallel only)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -71,11 +79,22 @@ class TrainJob:
             raise InputError(f"TrainJob.max_grad_norm: must be a number > 0 or None, got {norm!r}")
         if self.precision not in PRECISIONS:
             raise InputError(f"TrainJob.precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        self._check_split_points()
 
-    @property
-    def splittable(self) -> bool:
-        """Whether plans may cut the model into stages: an ``nn.Sequential`` can be."""
-        return isinstance(self.model, nn.Sequential)
+    def _check_split_points(self) -> None:
+        points = self.split_points
+        if points is None:
+            return
+        if isinstance(points, str) or not all(isinstance(p, str) for p in points):
+            raise InputError(f"TrainJob.split_points: must be a list of module paths, got {points!r}")
+        if isinstance(self.model, nn.Sequential) and points:
+            raise InputError("TrainJob.split_points: an nn.Sequential is split between its children already")
+        modules = dict(self.model.named_modules())
+        for point in points:
+            if point not in modules or not point:
+                raise InputError(f"TrainJob.split_points: {point!r} is not a submodule of the model")
+        if len(set(points)) != len(points):
+            raise InputError(f"TrainJob.split_points: {points!r} names a module twice")
 
     def batch(self, indices: Sequence[int]) -> Sequence:
         """``(inputs, targets)`` of these global sample indices."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -132,3 +133,24 @@ def shape_slip(where: str = "loss_fn", error: str = "shape"):
         collate_fn=collate_fn,
         optimizer=optimizer,
     )
+
+
+class Branching(nn.Module):
+    """Blocks in a ModuleList, but which block runs next depends on the data: no trace can cut it."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        if x.sum() > 0:
+            x = self.blocks[1](x)
+        return self.blocks[2](x)
+
+
+def branching_job():
+    from felactl import TrainJob
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 4, (16,)))
+    return TrainJob(model=Branching(), dataset=data, loss_fn=nn.functional.cross_entropy)

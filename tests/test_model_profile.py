@@ -345,13 +345,13 @@ def test_a_burst_of_preemption_does_not_become_the_layers_time():
     normal, spike = (0.001, 0.002), (0.030, 0.060)
     timer = _fake_timer([normal] + [spike] * 3 + [normal] * 200)  # one warm-up run first
     times = time_layer(
-        nn.Linear(4, 4), torch.ones(2, 4), torch.ones(2, 4), repeats=9, input_grad=True, clock=Clock(timer=timer)
+        nn.Linear(4, 4), torch.ones(2, 4), [torch.ones(2, 4)], repeats=9, input_grad=True, clock=Clock(timer=timer)
     )
     assert times.fwd_ms == pytest.approx(1.0) and times.bwd_ms == pytest.approx(2.0)
     assert not times.noisy and times.spread == 0.0
     every_other_block_preempted = _fake_timer([normal] + [normal, normal, spike, spike] * 100)
     noisy = time_layer(
-        nn.Linear(4, 4), torch.ones(2, 4), torch.ones(2, 4), repeats=2, clock=Clock(timer=every_other_block_preempted)
+        nn.Linear(4, 4), torch.ones(2, 4), [torch.ones(2, 4)], repeats=2, clock=Clock(timer=every_other_block_preempted)
     )
     assert noisy.noisy and noisy.spread > 1.0  # the blocks never agree: recorded, not hidden
 

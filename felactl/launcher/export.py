@@ -68,14 +68,18 @@ def export_model(run: str, runs_root: Path, output: Path | None = None, step: in
 
 def merge_stages(directory: Path, plan: Plan, stage0: dict) -> OrderedDict[str, torch.Tensor]:
     """Every stage's ``model`` dict in one, stage after stage (with torch's ``_metadata``, the
-    modules' state versions, so a load treats the tensors as the stages' modules wrote them)."""
+    modules' state versions, so a load treats the tensors as the stages' modules wrote them).
+    A key two stages hold is a weight they share (a tied embedding and head, each stage holding a
+    copy): kept once where the copies are equal, refused where they differ."""
     merged: OrderedDict[str, torch.Tensor] = OrderedDict()
     metadata: OrderedDict[str, dict] = OrderedDict()
     for s in range(len(plan.stages)):
         stage = stage0["model"] if s == 0 else load_stage(directory / f"stage{s}.pt")["model"]
-        twice = [key for key in stage if key in merged]
-        if twice:
-            raise InputError(f"{directory / f'stage{s}.pt'}: {_names(twice)} also in an earlier stage")
+        differ = [key for key in stage if key in merged and not torch.equal(stage[key], merged[key])]
+        if differ:
+            raise InputError(
+                f"{directory / f'stage{s}.pt'}: {_names(differ)} also in an earlier stage, with other values"
+            )
         merged.update(stage)
         metadata.update(getattr(stage, "_metadata", {}))
     if metadata:

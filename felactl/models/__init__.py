@@ -2,7 +2,8 @@
 
 :func:`build` returns a :class:`ModelBundle`: the :class:`felactl.TrainJob` (the model, its data,
 loss and optimizer), and the model's layers as an ``nn.Sequential`` (each child is one layer of the
-profile and of the plan; a model that is no ``nn.Sequential`` is one layer, and cannot be split).
+profile and of the plan: the children of an ``nn.Sequential``, or the pieces of a model cut at its
+split points, :mod:`felactl.models.split`; any other model is one layer, and cannot be split).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -23,7 +25,7 @@ from torch.nn import functional as F
 from felactl import limits, machine
 from felactl.errors import InputError
 from felactl.job import TrainJob
-from felactl.models import builtin
+from felactl.models import builtin, split
 from felactl.models.data import CharCorpus, PrototypeImages, TeacherDataset
 
 
@@ -40,21 +42,60 @@ class ModelBundle:
     name: str
     source: str
     config: dict[str, Any]
-    layers: nn.Sequential
-    """The model's layers: the model itself if it is an ``nn.Sequential``, else ``nn.Sequential(model)``."""
     job: TrainJob | None
     """None for a function that returns only layers: felactl can profile it (given an input
     shape) but not train it."""
+    given_layers: nn.Sequential | None = None
+    """The layers such a function returned (None with a job)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model(self) -> nn.Module:
         """The module the user's function returned: what an export's ``state_dict`` loads into."""
-        return self.job.model if self.job is not None else self.layers
+        return self.job.model if self.job is not None else self.given_layers
+
+    @cached_property
+    def split_points(self) -> list[str]:
+        """Where stages of a model that is no ``nn.Sequential`` may begin: the job's own, or every
+        block of its one block list (:mod:`felactl.models.split`); empty: it is one layer."""
+        if isinstance(self.model, nn.Sequential):
+            return []
+        given = self.job.split_points if self.job is not None else None
+        return list(given) if given is not None else split.default_split_points(self.model)
 
     @property
     def splittable(self) -> bool:
-        return self.model is self.layers
+        return isinstance(self.model, nn.Sequential) or bool(self.split_points)
+
+    @cached_property
+    def split_graph(self) -> split.SplitGraph:
+        """The model traced and cut at its split points (seconds: done once, where stages are needed)."""
+        inputs, _targets = self.job.batch(range(2))
+        head = self.job.split_points is None  # the head after the last block is a layer of its own
+        try:
+            return split.SplitGraph(self.model, inputs, self.split_points, head=head)
+        except InputError as exc:
+            raise InputError(f"model {self.source!r}: {exc}") from None
+
+    @cached_property
+    def layers(self) -> nn.Sequential:
+        """The model's layers, each one of the profile and the plan: the model itself if it is an
+        ``nn.Sequential``; its traced pieces (each from the values live at one split point to those
+        live at the next) where it has split points; else ``nn.Sequential(model)``."""
+        if isinstance(self.model, nn.Sequential):
+            return self.model
+        if not self.split_points:
+            return nn.Sequential(self.model)
+        graph = self.split_graph
+        return nn.Sequential(*(split.SplitStage(graph, self.model, i, i + 1) for i in range(len(graph.layers))))
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The profile's names of the layers: module paths for a split model (``embedding``,
+        ``model.layers.3``, ``head``), else the ``nn.Sequential``'s child names."""
+        if self.split_points:
+            return list(self.split_graph.names)
+        return [name for name, _ in self.layers.named_children()]
 
     @property
     def data(self) -> TrainJob | None:
@@ -67,8 +108,14 @@ class ModelBundle:
 
     def stage_module(self, layer_start: int, layer_end: int) -> nn.Module:
         """The module of a stage over ``[layer_start, layer_end)``: a slice of the layers (it keeps
-        the whole model's child names), or the unsplittable model itself."""
-        return self.layers[layer_start:layer_end] if self.splittable else self.model
+        the whole model's child names), a :class:`~felactl.models.split.SplitStage` of a split
+        model (holding the weights it reads under the model's own names), or, for a stage over the
+        whole model, the model itself."""
+        if isinstance(self.model, nn.Sequential):
+            return self.layers[layer_start:layer_end]
+        if layer_start == 0 and (not self.split_points or layer_end == len(self.split_graph.layers)):
+            return self.model
+        return split.SplitStage(self.split_graph, self.model, layer_start, layer_end)
 
     def check_global_batch(self, global_batch: int) -> None:
         """Refuse (InputError) a global batch larger than the job's dataset: a step's sample
@@ -91,8 +138,7 @@ class ModelBundle:
 
 
 def _bundle(name: str, source: str, config: dict[str, Any], job: TrainJob) -> ModelBundle:
-    layers = job.model if job.splittable else nn.Sequential(job.model)
-    return ModelBundle(name, source, config, layers, job)
+    return ModelBundle(name, source, config, job)
 
 
 def _gpt_mini(config: dict[str, Any]) -> TrainJob:
@@ -324,7 +370,7 @@ def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
             f"model {source!r}: must return a felactl.TrainJob (or, to profile only, an "
             f"nn.Sequential or a list of layers), got {type(built).__name__}"
         )
-    return ModelBundle(func_name, source, dict(config), built, None)
+    return ModelBundle(func_name, source, dict(config), None, built)
 
 
 def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> ModelBundle:
@@ -373,7 +419,7 @@ def local_data_parallel_plan(
     bundle.check_global_batch(global_batch)
     return data_parallel_plan(
         model=ModelRef(name=source, source=source, config=config),
-        num_layers=len(bundle.layers),
+        num_layers=len(bundle.layers) if isinstance(bundle.model, nn.Sequential) else 1,  # the model whole
         devices=[f"cpu{i}" for i in range(num_workers)],
         global_batch=global_batch,
         micro_batch=micro_batch,

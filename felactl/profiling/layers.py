@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils import flop_counter
 
 from felactl.errors import InputError
-from felactl.models import ModelBundle
+from felactl.models import ModelBundle, values
 
 
 def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -41,7 +41,7 @@ def _flop_mapping() -> dict[Any, Any]:
     return mapping
 
 
-def count_flops(layer: nn.Module, inputs: torch.Tensor, *, input_grad: bool = True) -> tuple[int, int, torch.Tensor]:
+def count_flops(layer: nn.Module, inputs: Any, *, input_grad: bool = True) -> tuple[int, int, Any]:
     """Forward and backward FLOPs of ``layer`` on this batch, and its output (detached).
 
     ``input_grad=False`` for the first layer: its input is data, so backward computes only the
@@ -52,15 +52,15 @@ def count_flops(layer: nn.Module, inputs: torch.Tensor, *, input_grad: bool = Tr
         out = forward(layer, inp)
     fwd_flops = counter.get_total_flops()
     bwd_flops = 0
-    if out.requires_grad:
+    if values.requires_grad(out):
         with flop_counter.FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as counter:
-            out.backward(torch.ones_like(out))
+            values.backward(out, [torch.ones_like(t) for t in values.floating(out)])
         bwd_flops = counter.get_total_flops()
     clear_grads(layer)
-    return fwd_flops, bwd_flops, out.detach()
+    return fwd_flops, bwd_flops, values.cut_from_graph(out, False)
 
 
-def saved_bytes(layer: nn.Module, inputs: torch.Tensor, *, input_grad: bool = True) -> int:
+def saved_bytes(layer: nn.Module, inputs: Any, *, input_grad: bool = True) -> int:
     """Bytes of the tensors autograd saves in ``layer``'s forward for its backward (weights
     excluded, each storage counted once): what a micro-batch in flight keeps in memory."""
     weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -112,7 +112,7 @@ def profile_static(
 ) -> list[LayerStatic]:
     hidden = example_input(bundle, batch, input_shape, device, seed)
     statics = []
-    for i, (child_name, layer) in enumerate(layers.named_children()):
+    for i, (child_name, layer) in enumerate(zip(bundle.layer_names, layers)):
         try:
             fwd_flops, bwd_flops, out = count_flops(layer, hidden, input_grad=input_grads[i])
             saved = saved_bytes(layer, hidden, input_grad=input_grads[i])
@@ -126,7 +126,7 @@ def profile_static(
                 kind=kind,
                 params=sum(p.numel() for p in trainable),
                 param_bytes=sum(p.numel() * p.element_size() for p in trainable),
-                activation_bytes_per_sample=max(1, tensor_bytes(out) // batch),
+                activation_bytes_per_sample=max(1, values.nbytes(out) // batch),
                 saved_bytes_per_sample=saved // batch,
                 fwd_flops_per_sample=fwd_flops / batch,
                 bwd_flops_per_sample=bwd_flops / batch,
@@ -137,45 +137,45 @@ def profile_static(
 
 
 def layer_kind(layer: nn.Module) -> str:
-    """Class name; for a plain ``nn.Sequential`` the names of its parts (``Conv2d+ReLU``)."""
+    """Class name; for a plain ``nn.Sequential`` the names of its parts (``Conv2d+ReLU``); for a
+    split model's layer, what it holds (:attr:`felactl.models.split.SplitStage.kind`)."""
     if type(layer) is nn.Sequential:
         return "+".join(type(part).__name__ for part in layer)
-    return type(layer).__name__
+    return getattr(layer, "kind", None) or type(layer).__name__
 
 
 def example_input(
     bundle: ModelBundle, batch: int, input_shape: Sequence[int] | None, device: torch.device, seed: int
-) -> torch.Tensor:
+) -> Any:
     if bundle.data is not None:
         inputs, _targets = bundle.data.batch(range(batch))
     else:
         gen = torch.Generator().manual_seed(seed)
         inputs = torch.randn((batch, *input_shape), generator=gen)
-    return inputs.to(device)
+    return values.to_device(inputs, device)
 
 
-def forward(layer: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+def forward(layer: nn.Module, inputs: Any) -> Any:
+    """``layer(inputs)``: one tensor to one tensor for an ``nn.Sequential``'s layers; any values
+    to any values for a split model's (:mod:`felactl.models.split`)."""
     try:
         out = layer(inputs)
     except Exception as exc:
+        shapes = ", ".join(str(tuple(t.shape)) for t in values.tensors(inputs))
         raise InputError(
-            f"{layer_kind(layer)} failed on an input of shape {tuple(inputs.shape)}: "
-            f"{type(exc).__name__}: {exc}".splitlines()[0]
+            f"{layer_kind(layer)} failed on an input of shape {shapes}: {type(exc).__name__}: {exc}".splitlines()[0]
         ) from None
-    if not isinstance(out, torch.Tensor):
+    if not values.tensors(out):
         raise InputError(
-            f"layer {layer_kind(layer)} returned {type(out).__name__}, expected one tensor "
+            f"layer {layer_kind(layer)} returned {type(out).__name__}, expected a tensor "
             f"(each layer of a felactl model maps a tensor to a tensor)"
         )
     return out
 
 
-def leaf(inputs: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+def leaf(inputs: Any, requires_grad: bool) -> Any:
     """The layer input cut from any graph; it requires grad as a layer's input does mid-model."""
-    leaf = inputs.detach()
-    if requires_grad and leaf.is_floating_point():
-        leaf.requires_grad_(True)
-    return leaf
+    return values.cut_from_graph(inputs, requires_grad)
 
 
 def clear_grads(layer: nn.Module) -> None:
@@ -183,8 +183,8 @@ def clear_grads(layer: nn.Module) -> None:
         p.grad = None
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def tensor_bytes(value: Any) -> int:
+    return values.nbytes(value)
 
 
 __all__ = ["LayerStatic", "count_flops", "profile_static", "saved_bytes"]

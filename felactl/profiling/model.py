@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from felactl.errors import InputError, ProfilingError
-from felactl.models import ModelBundle, build
+from felactl.models import ModelBundle, build, values
 from felactl.profiling.devices import cpu_slot_model_name, matmul_tflops
 from felactl.profiling.layers import example_input, forward, input_grads_needed, profile_static, tensor_bytes
 from felactl.profiling.model_timing import (
@@ -201,7 +201,7 @@ def _time_one_layer(
     """``layer``'s times on its input ``hidden``, and its output (the next layer's input); running
     out of memory is a :class:`ProfilingError` that says ``where``."""
     try:
-        out = forward(layer, hidden).detach()
+        out = values.cut_from_graph(forward(layer, hidden), False)
         times = time_layer(
             layer, hidden, fixed_gradient(out, seed), repeats=repeats, input_grad=input_grad, clock=clock
         )
@@ -238,7 +238,7 @@ def _training_backward(
     if bundle.data is None:
         return None
     inputs, targets = bundle.data.batch(range(middle_batch(batch_sizes)))
-    inputs, targets = inputs.to(device), targets.to(device)
+    inputs, targets = values.to_device(inputs, device), values.to_device(targets, device)
     return lambda: bundle.loss(layers(inputs), targets).backward()
 
 

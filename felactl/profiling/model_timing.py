@@ -14,14 +14,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from felactl.errors import ProfilingError
 from felactl.machine import cpu_quota_cores
-from felactl.models import ModelBundle
+from felactl.models import ModelBundle, values
 from felactl.profiling.devices import MIN_BLOCK_S
 from felactl.profiling.layers import clear_grads, forward, leaf
 from felactl.profiling.timing import MIN_BLOCKS, Timed, repeat_until_stable
@@ -96,8 +96,8 @@ WALL_CLOCK = Clock()
 
 def time_layer(
     layer: nn.Module,
-    inputs: torch.Tensor,
-    grad_out: torch.Tensor,
+    inputs: Any,
+    grad_out: list[torch.Tensor],
     *,
     repeats: int,
     warmup: int = WARMUP_RUNS,
@@ -111,7 +111,7 @@ def time_layer(
     grad (as it would inside a stage), then autograd runs back from a fixed upstream gradient,
     computing the input and weight gradients a real step computes.
     """
-    device = inputs.device
+    device = values.tensors(inputs)[0].device
     timer = clock.timer
 
     def run() -> tuple[float, float]:
@@ -122,9 +122,9 @@ def time_layer(
         out = forward(layer, inp)
         _synchronize(device)
         mid = timer()
-        if not out.requires_grad:
+        if not values.requires_grad(out):
             return mid - start, 0.0
-        out.backward(grad_out)
+        values.backward(out, grad_out)
         _synchronize(device)
         return mid - start, timer() - mid
 
@@ -191,7 +191,7 @@ def time_whole_model(
         start = clock.timer()
         start_index = next(starts)
         inputs, targets = bundle.data.batch(range(start_index, start_index + batch))
-        loss = bundle.loss(layers(inputs.to(device)), targets.to(device))
+        loss = bundle.loss(layers(values.to_device(inputs, device)), values.to_device(targets, device))
         loss.backward()
         loss.item()
         _synchronize(device)
@@ -273,9 +273,10 @@ def time_optimizer_step(
     return Measured(statistics.median(r for (r,) in runs) * 1e3, timed.spread, timed.noisy)
 
 
-def fixed_gradient(out: torch.Tensor, seed: int) -> torch.Tensor:
+def fixed_gradient(out: Any, seed: int) -> list[torch.Tensor]:
+    """A seeded upstream gradient for each floating-point tensor of a layer's output."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
+    return [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in values.floating(out)]
 
 
 def _synchronize(device: torch.device) -> None:

@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,15 +36,18 @@ from felactl.agents.worker.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from felactl.agents.worker.clipping import clip_gradients
 from felactl.agents.worker.drain import Drain
 from felactl.agents.worker.membership_view import MembershipView
 from felactl.agents.worker.runtime import Runtime
 from felactl.agents.worker.stages import Placement, held_stages, micro_batches, place
 from felactl.agents.worker.stragglers import Straggler
+from felactl.agents.worker.tied import tied_weights
 from felactl.control.metrics import MetricsWriter
 from felactl.errors import InputError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS, atomic_write_text
 from felactl.job import TrainJob
+from felactl.models import values
 from felactl.spec import Plan
 
 log = logging.getLogger(__name__)
@@ -64,12 +66,6 @@ def make_optimizer(plan: Plan, params, job: TrainJob | None = None) -> torch.opt
     if plan.training.optimizer == "sgd":
         return torch.optim.SGD(params, lr=plan.training.lr)
     return torch.optim.AdamW(params, lr=plan.training.lr)
-
-
-def grad_sq_norm(params) -> torch.Tensor:
-    """The squared L2 norm of these parameters' gradients, in float32 (0 where none has one)."""
-    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for p in params if p.grad is not None]
-    return torch.stack(norms).square().sum() if norms else torch.zeros(())
 
 
 @dataclass
@@ -125,6 +121,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters()]
         self.optimizer = home.optimizer
         self.scheduler = home.scheduler
+        self.tied = tied_weights(plan, self.bundle)
         self.start_step, self.start_position = 0, 0
         """Where this run starts: 0, or the checkpoint a resume restored (:meth:`restore`)."""
         self.steps_done, self.data_position = 0, 0
@@ -260,7 +257,7 @@ class Trainer:
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The job's ``collate_fn([dataset[i] for i in indices])``, on this worker's device."""
         inputs, targets = self.job.batch(list(indices))
-        return inputs.to(self.runtime.device), targets.to(self.runtime.device)
+        return values.to_device(inputs, self.runtime.device), values.to_device(targets, self.runtime.device)
 
     def compute(
         self,
@@ -348,32 +345,8 @@ class Trainer:
             part.optimizer.zero_grad(set_to_none=True)
 
     def clip_gradients(self, max_norm: float, across_stages: bool = True) -> float:
-        """Scale the gradients so that the whole model's L2 norm is at most ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` does; returns the norm before clipping.
-
-        One stage: this worker's gradients are the model's. Several stages under ``bsp`` or
-        ``tokens`` (every rank steps together, its stages' gradients already summed, so each
-        replica of a stage holds the same): every rank adds its stages' squared norms, each
-        divided by the stage's replicas, in one allreduce over all ranks: the global norm.
-        Under ``wbsp`` and ``sdpipe`` pipelines, whose stages step at their own pace
-        (``across_stages=False``), each stage clips its own norm."""
-        params = [p for part in self.parts for p in part.module.parameters()]
-        global_norm = len(self.plan.stages) > 1 and across_stages
-        if global_norm:
-            sq = sum(
-                (grad_sq_norm(part.module.parameters()) / len(part.ranks) for part in self.parts), torch.zeros(())
-            ).to(self.runtime.device)
-            dist.all_reduce(sq)
-            total = math.sqrt(float(sq))
-        else:
-            total = float(torch.sqrt(grad_sq_norm(params)))
-        coef = max_norm / (total + 1e-6)
-        if coef < 1:
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        return total
+        """:func:`~felactl.agents.worker.clipping.clip_gradients` of this worker's stages."""
+        return clip_gradients(self, max_norm, across_stages)
 
     def record(
         self,

@@ -18,6 +18,7 @@ from felactl.agents.worker.runtime import Runtime, start
 from felactl.agents.worker.stages import stage_rank_sets
 from felactl.agents.worker.strategies import strategy_for
 from felactl.agents.worker.strategy import Strategy
+from felactl.agents.worker.tied import tied_rank_sets, tied_weights
 from felactl.spec.executable import plan_backend
 
 
@@ -35,7 +36,7 @@ class FixedMembership(Membership):
         state (a resume's checkpoint restored first); every worker starts training together."""
         plan, bundle = load_checked(self.cfg)
         self.runtime = start(self.cfg, plan_backend(plan))
-        self.runtime.make_groups(stage_rank_sets(plan))
+        self.runtime.make_groups(stage_rank_sets(plan) + tied_rank_sets(plan, tied_weights(plan, bundle)))
         self.trainer = Trainer(self.runtime, plan, membership=self, bundle=bundle)
         self.trainer.begin()
         dist.barrier()

@@ -20,6 +20,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from torch import nn
+
 from felactl import models
 from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
@@ -78,5 +80,8 @@ def load_checked(cfg: WorkerConfig) -> tuple[Plan, models.ModelBundle]:
     plan = cfg.load_plan()
     bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
     bundle.check_global_batch(plan.global_batch)
-    check_executable(plan, bundle.layer_params(), where=str(cfg.plan_path))
+    # A one-stage plan of a model that is no nn.Sequential runs the user's module whole: its layer
+    # count is the profile's business, and counting it would trace the model (seconds) for nothing.
+    whole = len(plan.stages) == 1 and not isinstance(bundle.model, nn.Sequential)
+    check_executable(plan, None if whole else bundle.layer_params(), where=str(cfg.plan_path))
     return plan, bundle

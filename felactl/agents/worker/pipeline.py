@@ -1,7 +1,10 @@
 """Static pipelines: each replica (``plan.pipelines[r]``) runs the stages on its devices, micro-
 batches flow forward as activations and backward as gradients over torch.distributed
 point-to-point, in the 1F1B or GPipe order; then each stage's replicas sum-allreduce their
-gradients (BSP), so the result equals single-process training on the same global batches.
+gradients (BSP), and weights two stages hold (tied embeddings) sum theirs over those stages, so the
+result equals single-process training on the same global batches. What crosses a boundary is what
+the model passes there: one tensor between an ``nn.Sequential``'s layers, any tuple of tensors and
+numbers between a split model's (:mod:`felactl.models.split`).
 
 Why plain ``isend``/``recv`` and not ``torch.distributed.pipelining``: the plan gives every stage
 its own layer range of an ``nn.Sequential`` and every replica its own share of samples, and the
@@ -25,6 +28,8 @@ from felactl.agents.worker.strategy import AtOwnPace, Lockstep, StepResult, Work
 from felactl.agents.worker.sync.bsp import allreduce_grads, arrive
 from felactl.agents.worker.sync.sdpipe import SDPipeSync
 from felactl.agents.worker.sync.trees import stage_trees
+from felactl.agents.worker.tied import sum_tied_grads
+from felactl.models import values
 from felactl.spec import Schedule
 
 TAG_ACTIVATION, TAG_GRADIENT, TAG_CHUNK = 21, 22, 23
@@ -47,30 +52,64 @@ def gpipe(num_micro: int) -> list[tuple[str, int]]:
     return [("F", i) for i in range(num_micro)] + [("B", i) for i in range(num_micro)]
 
 
+DTYPES = (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
+"""What a stage boundary may carry: a header names each tensor's dtype by its place here."""
+ONE, TENSOR, NUMBER = 0, 1, 2
+"""A message is ONE tensor (an ``nn.Sequential``'s layers) or a tuple of TENSORs and NUMBERs (a
+split model's live values: hidden states, position tables, masks, sizes)."""
+FIELDS = 3 + MAX_DIMS  # per value: kind, dtype, number of dims (or the number), dims
+
+
 class _Link:
-    """Point-to-point to one neighbour: shape header, then the tensor."""
+    """Point-to-point to one neighbour: a count, a header describing every value, then the
+    tensors. Sizes travel with each message, so micro-batches of any size need no agreement."""
 
     def __init__(self, peer: int, device: torch.device):
         self.peer, self.device = peer, device
         self.pending: list = []
 
-    def send(self, tensor: torch.Tensor, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
-        header = torch.zeros(MAX_DIMS + 1, dtype=torch.long)
-        header[0] = tensor.dim()
-        header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
-        self.pending += [
-            (dist.isend(header.to(self.device), self.peer, tag=tag), header),
-            (dist.isend(tensor, self.peer, tag=tag), tensor),
-        ]
+    def _isend(self, tensor: torch.Tensor, tag: int) -> None:
+        self.pending.append((dist.isend(tensor, self.peer, tag=tag), tensor))
 
-    def recv(self, tag: int) -> torch.Tensor:
-        header = torch.zeros(MAX_DIMS + 1, dtype=torch.long, device=self.device)
+    def send(self, value, tag: int) -> None:
+        """Send a tensor, or a tuple of tensors and numbers."""
+        items = (value,) if isinstance(value, torch.Tensor) else tuple(value)
+        header = torch.zeros(1 + FIELDS * len(items), dtype=torch.long)
+        header[0] = -1 if isinstance(value, torch.Tensor) else len(items)
+        tensors = []
+        for i, item in enumerate(items):
+            row = header[1 + FIELDS * i : 1 + FIELDS * (i + 1)]
+            if isinstance(item, torch.Tensor):
+                tensors.append(item.detach().contiguous())
+                row[0], row[1], row[2] = TENSOR, DTYPES.index(item.dtype), item.dim()
+                row[3 : 3 + item.dim()] = torch.tensor(item.shape)
+            else:
+                row[0], row[2] = NUMBER, int(item)
+        self._isend(torch.tensor([header.numel()], dtype=torch.long).to(self.device), tag)
+        self._isend(header.to(self.device), tag)
+        for tensor in tensors:
+            self._isend(tensor, tag)
+
+    def recv(self, tag: int):
+        size = torch.zeros(1, dtype=torch.long, device=self.device)
+        dist.recv(size, self.peer, tag=tag)
+        header = torch.zeros(int(size.item()), dtype=torch.long, device=self.device)
         dist.recv(header, self.peer, tag=tag)
         header = header.cpu()
-        tensor = torch.empty(tuple(header[1 : 1 + int(header[0])].tolist()), device=self.device)
-        dist.recv(tensor, self.peer, tag=tag)
-        return tensor
+        count = max(1, int(header[0]))
+        items = []
+        for i in range(count):
+            row = header[1 + FIELDS * i : 1 + FIELDS * (i + 1)].tolist()
+            if row[0] == NUMBER:
+                items.append(row[2])
+                continue
+            tensor = torch.empty(tuple(row[3 : 3 + row[2]]), dtype=DTYPES[row[1]], device=self.device)
+            dist.recv(tensor, self.peer, tag=tag)
+            items.append(tensor)
+        return items[0] if int(header[0]) == -1 else tuple(items)
 
     def flush(self) -> None:
         for work, _ in self.pending:
@@ -105,7 +144,7 @@ class PipelineStep:
         t = self.trainer
         if self.prev is None or self.next is None:
             inputs, targets = t.batch(indices)
-        x = inputs if self.prev is None else self._recv(self.prev, TAG_ACTIVATION).requires_grad_()
+        x = inputs if self.prev is None else values.cut_from_graph(self._recv(self.prev, TAG_ACTIVATION), True)
         y = self._timed(lambda: t.model(x))
         if self.next is None:
             loss = self._timed(lambda: t.bundle.loss(y, targets))
@@ -114,14 +153,16 @@ class PipelineStep:
         self.next.send(y, TAG_ACTIVATION)
         return x, y
 
-    def backward(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def backward(self, x, out) -> None:
+        """Backward of a micro-batch; ``x`` and ``out``: what the stage took and gave (a tensor,
+        or a split model's tuple of values: one gradient travels per floating-point tensor)."""
         if self.next is None:
             self._timed(out.backward)
         else:
-            grad = self._recv(self.next, TAG_GRADIENT)
-            self._timed(lambda: out.backward(grad))
+            grads = self._recv(self.next, TAG_GRADIENT)
+            self._timed(lambda: values.backward(out, list(grads)))
         if self.prev is not None:
-            self.prev.send(x.grad, TAG_GRADIENT)
+            self.prev.send(tuple(values.input_grads(x)), TAG_GRADIENT)
 
     def run(self, indices: list[int], weight_by: int) -> None:
         """Forward and backward ``indices`` through the pipeline; losses weighted by ``weight_by``."""
@@ -171,6 +212,7 @@ class Pipeline(Lockstep):
         it.run(list(work.indices), t.global_batch)
         wait_s = it.wait_s + (arrive(self.group, t.runtime.device)[0] if self.replicated else 0.0)
         comm_s = allreduce_grads(t, self.group, self.trees) if self.replicated else 0.0
+        comm_s += sum_tied_grads(t, t.tied)
         t.optimizer_step()
         return StepResult(
             len(t.placement.offsets), it.loss_sum if t.placement.is_last else None, it.compute_s, comm_s, wait_s

@@ -1,0 +1,50 @@
+"""Clipping the gradients of the whole model, wherever its stages are (a worker holds some)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from felactl.agents.worker.tied import counted_elsewhere
+
+
+def grad_sq_norm(params) -> torch.Tensor:
+    """The squared L2 norm of these parameters' gradients, in float32 (0 where none has one)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for p in params if p.grad is not None]
+    return torch.stack(norms).square().sum() if norms else torch.zeros(())
+
+
+def clip_gradients(trainer, max_norm: float, across_stages: bool = True) -> float:
+    """Scale the gradients so that the whole model's L2 norm is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does; returns the norm before clipping.
+
+    One stage: this worker's gradients are the model's. Several stages under ``bsp`` or
+    ``tokens`` (every rank steps together, its stages' gradients already summed, so each
+    replica of a stage holds the same): every rank adds its stages' squared norms, each
+    divided by the stage's replicas, in one allreduce over all ranks: the global norm.
+    Under ``wbsp`` and ``sdpipe`` pipelines, whose stages step at their own pace
+    (``across_stages=False``), each stage clips its own norm."""
+    params = [p for part in trainer.parts for p in part.module.parameters()]
+    global_norm = len(trainer.plan.stages) > 1 and across_stages
+    if global_norm:
+        elsewhere = counted_elsewhere(trainer, trainer.tied)  # a tied weight counts once, as in one model
+        sq = sum(
+            (
+                grad_sq_norm(p for p in part.module.parameters() if id(p) not in elsewhere) / len(part.ranks)
+                for part in trainer.parts
+            ),
+            torch.zeros(()),
+        ).to(trainer.runtime.device)
+        dist.all_reduce(sq)
+        total = math.sqrt(float(sq))
+    else:
+        total = float(torch.sqrt(grad_sq_norm(params)))
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return total

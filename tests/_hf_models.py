@@ -1,0 +1,35 @@
+"""Hugging Face models built from a config (never a download), as a user's TrainJob holds them."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch.nn import functional as F
+
+from felactl import TrainJob
+from felactl.models.data import CharCorpus
+
+
+def causal_lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+def llama(depth: int = 2, width: int = 32, seq_len: int = 16) -> TrainJob:
+    data = CharCorpus(seq_len)
+    config = transformers.LlamaConfig(
+        vocab_size=len(data.vocab),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=depth,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * seq_len,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return TrainJob(
+        model=transformers.LlamaForCausalLM(config),
+        dataset=data,
+        loss_fn=causal_lm_loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )

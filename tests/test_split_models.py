@@ -1,0 +1,209 @@
+"""Real model classes cut at split points (felactl.models.split): found, traced, profiled per
+block, and run as pipelines that train to the single-process result."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from _worker_helpers import metrics, pipeline_plan, run_plan
+from torch import nn
+from typer.testing import CliRunner
+
+from felactl import TrainJob, models
+from felactl.agents.worker.checkpoint import checkpoint_path
+from felactl.cli.main import app
+from felactl.errors import InputError
+from felactl.launcher.export import merge_stages
+from felactl.models.split import SplitGraph, SplitStage, default_split_points, find_blocks
+from felactl.spec import ModelRef
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = "examples.llama:job"
+SMALL = {"seq_len": 16, "width": 32, "depth": 2, "num_heads": 2, "total_steps": 20}
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _examples_importable(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT))
+
+
+def _logits(out):
+    return out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
+
+
+def test_the_block_list_is_found_and_every_block_is_a_split_point():
+    job = models.build(LLAMA, SMALL).job
+    assert find_blocks(job.model) == "layers"
+    assert default_split_points(job.model) == ["layers.0", "layers.1"]
+    bundle = models.build(LLAMA, SMALL)
+    assert bundle.splittable and bundle.layer_names == ["embedding", "layers.0", "layers.1", "head"]
+    assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) is None
+    # a block's own sub-lists (the experts of an MoE block) are not the model's blocks
+    experts = [nn.ModuleDict({"experts": nn.ModuleList([nn.Linear(9, 9), nn.Linear(9, 9)])}) for _ in range(2)]
+    assert find_blocks(nn.ModuleDict({"blocks": nn.ModuleList(experts)})) == "blocks"
+
+
+@pytest.mark.parametrize("rope,tied", [(True, True), (False, False)])
+def test_the_pieces_chained_are_the_model_at_any_batch_size(rope, tied):
+    bundle = models.build(LLAMA, dict(SMALL, rope=rope, tied=tied))
+    model = bundle.model
+    ids, _ = bundle.job.batch(range(3))  # traced at 2 samples: the batch axis is dynamic
+    want = _logits(model(ids))
+    want.square().mean().backward()
+    want_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    for cuts in ([0, 2, 4], [0, 1, 3, 4]):
+        stages = [bundle.stage_module(a, b) for a, b in zip(cuts, cuts[1:])]
+        assert all(isinstance(s, SplitStage) for s in stages)
+        out = ids
+        for stage in stages:
+            out = stage(out)
+        _logits(out).square().mean().backward()
+        assert torch.equal(_logits(out), want)
+        assert all(torch.allclose(p.grad, want_grads[k], atol=1e-7) for k, p in model.named_parameters())
+        model.zero_grad()
+        keys = [k for s in stages for k in s.state_dict()]
+        assert set(keys) == set(model.state_dict()), "the stages hold the model's weights, by its names"
+        assert len(keys) == len(model.state_dict()) + (2 if tied else 0)  # embed.weight and head.weight twice
+
+
+def test_split_points_named_in_the_job_cut_there_and_nowhere_else():
+    job = models.build(LLAMA, dict(SMALL, depth=3)).job
+    mine = dataclasses.replace(job, split_points=["layers.1"])
+    inputs, _ = job.batch(range(2))
+    graph = SplitGraph(mine.model, inputs, mine.split_points, head=False)
+    assert graph.names == ["embedding", "layers.1"]  # before layers.1, and from it to the end
+    first, second = (SplitStage(graph, mine.model, a, a + 1) for a in (0, 1))
+    assert {k.split(".")[1] for k in first.state_dict() if k.startswith("layers.")} == {"0"}
+    assert {k.split(".")[1] for k in second.state_dict() if k.startswith("layers.")} == {"1", "2"}
+    assert torch.equal(_logits(second(first(inputs))), _logits(job.model(inputs)))
+
+
+@pytest.mark.parametrize(
+    "points,why",
+    [
+        (["layers.9"], "'layers.9' is not a submodule"),
+        ("layers.1", "must be a list of module paths"),
+        (["layers.1", "layers.1"], "names a module twice"),
+    ],
+)
+def test_bad_split_points_are_refused_when_the_job_is_made(points, why):
+    job = models.build(LLAMA, SMALL).job
+    with pytest.raises(InputError, match=why):
+        dataclasses.replace(job, split_points=points)
+
+
+def test_a_split_point_out_of_the_forwards_order_is_refused():
+    job = models.build(LLAMA, dict(SMALL, depth=3)).job
+    inputs, _ = job.batch(range(2))
+    with pytest.raises(InputError, match="runs again after"):
+        SplitGraph(job.model, inputs, ["layers.2", "layers.1"], head=False)
+
+
+def test_a_model_with_data_dependent_control_flow_is_refused_at_profile():
+    result = runner.invoke(app, ["profile", "--model", "_user_models:branching_job", "--batch-sizes", "2"])
+    assert result.exit_code == 2, result.output
+    assert "cannot trace the model to split it into stages" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_the_profile_has_the_embedding_each_block_and_the_head():
+    from felactl.profiling.model import profile_model
+
+    spec = profile_model(LLAMA, SMALL, [2], repeats=1)
+    assert spec.splittable and [layer.name for layer in spec.layers] == ["embedding", "layers.0", "layers.1", "head"]
+    blocks = spec.layers[1:3]
+    assert blocks[0].params == blocks[1].params > 0 and all(b.fwd_flops_per_sample > 0 for b in blocks)
+    # a boundary carries the hidden states and the rotary tables the later blocks read
+    assert spec.layers[0].activation_bytes_per_sample > SMALL["seq_len"] * SMALL["width"] * 4
+    assert spec.layers[0].kind == "Embedding" and blocks[0].kind == "Block"
+
+
+def _reference(job: TrainJob, steps: int, global_batch: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process training with the job's optimizer, schedule and clipping."""
+    model = job.model
+    optimizer = job.optimizer(model.parameters())
+    scheduler = job.lr_scheduler(optimizer)
+    losses = []
+    for step in range(steps):
+        inputs, targets = job.batch(range(step * global_batch, (step + 1) * global_batch))
+        loss = job.loss_fn(model(inputs), targets)
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return model.state_dict(), losses
+
+
+def _run_pipeline(tmp_path, source, config, cuts, steps, replicas=1):
+    plan = pipeline_plan(cuts, replicas, "1f1b", micro_batch=3, global_batch=8, config=config)
+    plan = dataclasses.replace(plan, model=ModelRef(name=source, source=source, config=config))
+    return plan, run_plan(plan, tmp_path, steps, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cuts", [[0, 2, 4], [0, 1, 3, 4]])
+def test_a_llama_shaped_pipeline_trains_to_the_single_process_result(tmp_path, cuts):
+    """Tied embedding and head on the first and last stage, rotary tables crossing every
+    boundary, a dict output; AdamW, a warmup-cosine schedule and clipping, 20 steps."""
+    steps = 20
+    plan, run_dir = _run_pipeline(tmp_path, LLAMA, SMALL, cuts, steps)
+    want, losses = _reference(models.build(LLAMA, SMALL).job, steps, 8)
+    got = merge_stages(
+        checkpoint_path(run_dir, steps, 0).parent,
+        plan,
+        torch.load(checkpoint_path(run_dir, steps, 0), weights_only=False),
+    )
+    assert set(got) == set(want)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+
+    last = len(cuts) - 2
+    run_losses = [r["loss"] for r in sorted(metrics(run_dir), key=lambda r: r["step"]) if r["stage"] == last]
+    assert max(abs(a - b) for a, b in zip(run_losses, losses, strict=True)) < 1e-5
+    exported = models.build(LLAMA, SMALL).model
+    exported.load_state_dict(got, strict=True)  # the user's unsplit model takes the run's weights
+    ids, _ = models.build(LLAMA, SMALL).job.batch(range(2))
+    reference = models.build(LLAMA, SMALL).model
+    reference.load_state_dict(want)
+    assert torch.allclose(_logits(exported(ids)), _logits(reference(ids)), atol=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_two_pipelines_of_an_untied_model_sum_each_stage(tmp_path):
+    config = dict(SMALL, tied=False, rope=False)
+    plan, run_dir = _run_pipeline(tmp_path, LLAMA, config, [0, 2, 4], 6, replicas=2)
+    want, _ = _reference(models.build(LLAMA, config).job, 6, 8)
+    got = merge_stages(
+        checkpoint_path(run_dir, 6, 0).parent, plan, torch.load(checkpoint_path(run_dir, 6, 0), weights_only=False)
+    )
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_a_hugging_face_llama_profiles_per_block_and_trains_as_a_two_stage_pipeline(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is a test-only dependency (the dev extra)")
+    from felactl.profiling.model import profile_model
+
+    source, config = "_hf_models:llama", {"depth": 2}
+    spec = profile_model(source, config, [2], repeats=1)
+    assert [layer.name for layer in spec.layers] == ["embedding", "model.layers.0", "model.layers.1", "head"]
+    assert spec.layers[1].kind == "LlamaDecoderLayer" and spec.layers[1].params == spec.layers[2].params
+    steps = 4
+    plan, run_dir = _run_pipeline(tmp_path, source, config, [0, 2, 4], steps)
+    job = models.build(source, config).job
+    model, optimizer = job.model, job.optimizer(job.model.parameters())
+    for step in range(steps):
+        inputs, targets = job.batch(range(step * 8, (step + 1) * 8))
+        job.loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    stage0 = torch.load(checkpoint_path(run_dir, steps, 0), weights_only=False)
+    got, want = merge_stages(checkpoint_path(run_dir, steps, 0).parent, plan, stage0), model.state_dict()
+    assert set(got) == set(want) and max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
