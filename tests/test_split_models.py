@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _worker_helpers import metrics, pipeline_plan, run_plan
+from _worker_helpers import hybrid_plan, metrics, pipeline_plan, run_plan
 from torch import nn
 from typer.testing import CliRunner
 
@@ -207,3 +207,26 @@ def test_a_hugging_face_llama_profiles_per_block_and_trains_as_a_two_stage_pipel
     stage0 = torch.load(checkpoint_path(run_dir, steps, 0), weights_only=False)
     got, want = merge_stages(checkpoint_path(run_dir, steps, 0).parent, plan, stage0), model.state_dict()
     assert set(got) == set(want) and max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_the_flexible_hybrid_merges_a_split_models_tokens_by_what_each_value_is(tmp_path):
+    """Tokens of a split model carry hidden states (batched), rotary tables (shared) and the
+    sequence length (a number): merged two to one at the second sub-model, whose worker set
+    differs, the parameters still equal single-process training."""
+    config = dict(SMALL, tied=False)
+    plan = hybrid_plan([(0, 2, 2, [0, 1]), (2, 4, 4, [1])], 2, global_batch=8, config=config)
+    plan = dataclasses.replace(plan, model=ModelRef(name=LLAMA, source=LLAMA, config=config))
+    steps = 4
+    run_dir = run_plan(plan, tmp_path, steps, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    want, _ = _reference(models.build(LLAMA, config).job, steps, 8)
+    stage0 = torch.load(checkpoint_path(run_dir, steps, 0), weights_only=False)
+    got = merge_stages(checkpoint_path(run_dir, steps, 0).parent, plan, stage0)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+
+
+def test_the_values_at_a_cut_are_told_apart_by_how_they_follow_the_batch():
+    kinds = models.build(LLAMA, SMALL).boundary_kinds
+    # into each block: the hidden states, the batch size (the trace reads it), the two rotary
+    # tables; into the head, the hidden states alone
+    assert kinds == [["batched", "size", "shared", "shared"]] * 2 + [["batched"]]

@@ -89,6 +89,14 @@ class ModelBundle:
         graph = self.split_graph
         return nn.Sequential(*(split.SplitStage(graph, self.model, i, i + 1) for i in range(len(graph.layers))))
 
+    @cached_property
+    def boundary_kinds(self) -> list[list[str]] | None:
+        """A split model's :func:`~felactl.models.split.value_kinds` at each cut between layers
+        (index ``c - 1`` for cut ``c``); None where one tensor crosses (an ``nn.Sequential``)."""
+        if not self.split_points:
+            return None
+        return split.value_kinds(self.split_graph, self.model, lambda n: self.job.batch(range(n))[0])
+
     @property
     def layer_names(self) -> list[str]:
         """The profile's names of the layers: module paths for a split model (``embedding``,

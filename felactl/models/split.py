@@ -25,7 +25,7 @@ import contextlib
 import io
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -354,7 +354,19 @@ def _move_graph_constants(graph: SplitGraph, device: torch.device) -> None:
             layer.recompile()
 
 
-__all__ = ["POST", "PRE", "SplitGraph", "SplitStage", "default_split_points", "find_blocks", "tied_weights"]
+__all__ = [
+    "BATCHED",
+    "POST",
+    "PRE",
+    "SHARED",
+    "SIZE",
+    "SplitGraph",
+    "SplitStage",
+    "default_split_points",
+    "find_blocks",
+    "tied_weights",
+    "value_kinds",
+]
 
 
 def tied_weights(
@@ -370,3 +382,29 @@ def tied_weights(
             if isinstance(tensor, nn.Parameter) and tensor.requires_grad:
                 readers.setdefault(id(tensor), (name, []))[1].append(s)
     return [(name, tuple(stages)) for name, stages in readers.values() if len(stages) > 1]
+
+
+BATCHED, SHARED, SIZE = "batched", "shared", "size"
+"""How a value crossing a cut relates to the micro-batch: a tensor whose first axis is the
+samples; a tensor or number the same for any batch (a rotary table, the sequence length); the
+number of samples itself. Tokens of several micro-batches merge by these (the flexible hybrid)."""
+
+
+def value_kinds(graph: SplitGraph, model: nn.Module, batch: Callable[[int], Any]) -> list[list[str]]:
+    """For each cut 1..L-1, the kind of each live value there, told apart by running the pieces on
+    micro-batches of 2 and of 3 samples (``batch(n)``: the model's input for ``n`` samples)."""
+    runs = []
+    with torch.no_grad():
+        for n in (2, 3):
+            value, per_cut = batch(n), []
+            for k in range(len(graph.layers) - 1):
+                value = SplitStage(graph, model, k, k + 1)(value)
+                per_cut.append(value)
+            runs.append(per_cut)
+    return [[_kind_of(a, b) for a, b in zip(two, three)] for two, three in zip(*runs)]
+
+
+def _kind_of(two: Any, three: Any) -> str:
+    if isinstance(two, torch.Tensor):
+        return BATCHED if two.dim() > 0 and (two.shape[0], three.shape[0]) == (2, 3) else SHARED
+    return SIZE if (two, three) == (2, 3) else SHARED

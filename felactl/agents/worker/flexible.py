@@ -26,11 +26,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from felactl.agents.worker import wire
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.pipeline import MAX_DIMS
 from felactl.agents.worker.strategy import Lockstep, StepResult, Work
 from felactl.agents.worker.sync.token_policy import Token, TokenDAG, TokenServer, token_samples
 from felactl.control import keys
+from felactl.models import values
 from felactl.spec import Plan
 from felactl.spec.executable import num_first_tokens
 
@@ -126,21 +127,13 @@ class TokenService:
         return reply
 
 
-def _send(tensor: torch.Tensor, dst: int, group) -> None:
-    tensor = tensor.detach().contiguous()
-    header = torch.zeros(MAX_DIMS + 1, dtype=torch.long)
-    header[0] = tensor.dim()
-    header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
-    dist.send(header, dst, group=group, tag=TAG_DATA)
-    dist.send(tensor, dst, group=group, tag=TAG_DATA)
+def _send(value, dst: int, group) -> None:
+    for tensor in wire.encode(value):
+        dist.send(tensor, dst, group=group, tag=TAG_DATA)
 
 
-def _recv(src: int, group) -> torch.Tensor:
-    header = torch.zeros(MAX_DIMS + 1, dtype=torch.long)
-    dist.recv(header, src, group=group, tag=TAG_DATA)
-    tensor = torch.empty(tuple(header[1 : 1 + int(header[0])].tolist()))
-    dist.recv(tensor, src, group=group, tag=TAG_DATA)
-    return tensor
+def _recv(src: int, group):
+    return wire.decode(lambda buffer: dist.recv(buffer, src, group=group, tag=TAG_DATA), torch.device("cpu"))
 
 
 class TensorStore:
@@ -153,15 +146,16 @@ class TensorStore:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, name="tensor-server", daemon=True)
 
-    def put(self, step: int, kind: int, level: int, index: int, tensor: torch.Tensor) -> None:
+    def put(self, step: int, kind: int, level: int, index: int, value) -> None:
+        """Keep a token's output (a tensor, or a split model's tuple of values) for its consumers."""
         with self.lock:
-            self.produced[(step, kind, level, index)] = tensor.detach().cpu()
+            self.produced[(step, kind, level, index)] = values.map_tensors(lambda t: t.detach().cpu(), value)
 
     def forget_before(self, step: int) -> None:
         with self.lock:
             self.produced = {k: v for k, v in self.produced.items() if k[0] >= step}
 
-    def fetch(self, step: int, kind: int, level: int, index: int, holder: int) -> torch.Tensor:
+    def fetch(self, step: int, kind: int, level: int, index: int, holder: int):
         if holder == self.rank:
             with self.lock:
                 return self.produced[(step, kind, level, index)]
@@ -229,8 +223,9 @@ class FlexibleWorker:
         else:
             r = self.dag.weights[s] // self.dag.weights[s - 1]
             parts = [self.store.fetch(step, ACTIVATION, s - 1, j * r + q, holders[q]) for q in range(r)]
-            sizes = [p.shape[0] for p in parts]
-            x = torch.cat(parts).to(device).requires_grad_()
+            kinds = self.kinds_into(s)
+            sizes = [values.samples_in(p, kinds) for p in parts]
+            x = values.cut_from_graph(values.to_device(values.merge(parts, kinds), device), True)
         y = self._timed(lambda: self.modules[s](x))
         if last:
             loss = self._timed(lambda: self.t.bundle.loss(y, targets))
@@ -254,11 +249,16 @@ class FlexibleWorker:
         if s == self.dag.num_levels - 1:
             self._timed(out.backward)
         else:
-            grad = self.store.fetch(step, GRADIENT, s, j, holders[0]).to(self.t.runtime.device)
-            self._timed(lambda: out.backward(grad))
+            grads = values.to_device(self.store.fetch(step, GRADIENT, s, j, holders[0]), self.t.runtime.device)
+            self._timed(lambda: values.backward(out, list(grads)))
         if s > 0:
-            for q, chunk in enumerate(x.grad.split(sizes)):
+            for q, chunk in enumerate(values.split_input_grads(x, self.kinds_into(s), sizes)):
                 self.store.put(step, GRADIENT, s - 1, j * len(sizes) + q, chunk)
+
+    def kinds_into(self, s: int) -> list[str] | None:
+        """How the values entering stage ``s`` merge (None: one tensor, an ``nn.Sequential``'s)."""
+        kinds = self.t.bundle.boundary_kinds
+        return None if kinds is None else kinds[self.t.plan.stages[s].layer_start - 1]
 
     def iteration(self, step: int) -> float:
         """Pull tokens until the server says the iteration is over; returns seconds spent waiting."""

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from felactl.agents.worker import wire
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.stages import micro_batches, stage_rank_sets
 from felactl.agents.worker.strategy import AtOwnPace, Lockstep, StepResult, Work
@@ -33,7 +34,6 @@ from felactl.models import values
 from felactl.spec import Schedule
 
 TAG_ACTIVATION, TAG_GRADIENT, TAG_CHUNK = 21, 22, 23
-MAX_DIMS = 7
 
 
 def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[tuple[str, int]]:
@@ -52,64 +52,21 @@ def gpipe(num_micro: int) -> list[tuple[str, int]]:
     return [("F", i) for i in range(num_micro)] + [("B", i) for i in range(num_micro)]
 
 
-DTYPES = (
-    torch.float32, torch.bfloat16, torch.float16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)  # fmt: skip
-"""What a stage boundary may carry: a header names each tensor's dtype by its place here."""
-ONE, TENSOR, NUMBER = 0, 1, 2
-"""A message is ONE tensor (an ``nn.Sequential``'s layers) or a tuple of TENSORs and NUMBERs (a
-split model's live values: hidden states, position tables, masks, sizes)."""
-FIELDS = 3 + MAX_DIMS  # per value: kind, dtype, number of dims (or the number), dims
-
-
 class _Link:
-    """Point-to-point to one neighbour: a count, a header describing every value, then the
-    tensors. Sizes travel with each message, so micro-batches of any size need no agreement."""
+    """Point-to-point to one neighbour, in :mod:`~felactl.agents.worker.wire`'s messages."""
 
     def __init__(self, peer: int, device: torch.device):
         self.peer, self.device = peer, device
         self.pending: list = []
 
-    def _isend(self, tensor: torch.Tensor, tag: int) -> None:
-        self.pending.append((dist.isend(tensor, self.peer, tag=tag), tensor))
-
     def send(self, value, tag: int) -> None:
-        """Send a tensor, or a tuple of tensors and numbers."""
-        items = (value,) if isinstance(value, torch.Tensor) else tuple(value)
-        header = torch.zeros(1 + FIELDS * len(items), dtype=torch.long)
-        header[0] = -1 if isinstance(value, torch.Tensor) else len(items)
-        tensors = []
-        for i, item in enumerate(items):
-            row = header[1 + FIELDS * i : 1 + FIELDS * (i + 1)]
-            if isinstance(item, torch.Tensor):
-                tensors.append(item.detach().contiguous())
-                row[0], row[1], row[2] = TENSOR, DTYPES.index(item.dtype), item.dim()
-                row[3 : 3 + item.dim()] = torch.tensor(item.shape)
-            else:
-                row[0], row[2] = NUMBER, int(item)
-        self._isend(torch.tensor([header.numel()], dtype=torch.long).to(self.device), tag)
-        self._isend(header.to(self.device), tag)
-        for tensor in tensors:
-            self._isend(tensor, tag)
+        """Send a tensor, or a tuple of tensors and numbers (:mod:`~felactl.agents.worker.wire`)."""
+        for tensor in wire.encode(value):
+            tensor = tensor.to(self.device)
+            self.pending.append((dist.isend(tensor, self.peer, tag=tag), tensor))
 
     def recv(self, tag: int):
-        size = torch.zeros(1, dtype=torch.long, device=self.device)
-        dist.recv(size, self.peer, tag=tag)
-        header = torch.zeros(int(size.item()), dtype=torch.long, device=self.device)
-        dist.recv(header, self.peer, tag=tag)
-        header = header.cpu()
-        count = max(1, int(header[0]))
-        items = []
-        for i in range(count):
-            row = header[1 + FIELDS * i : 1 + FIELDS * (i + 1)].tolist()
-            if row[0] == NUMBER:
-                items.append(row[2])
-                continue
-            tensor = torch.empty(tuple(row[3 : 3 + row[2]]), dtype=DTYPES[row[1]], device=self.device)
-            dist.recv(tensor, self.peer, tag=tag)
-            items.append(tensor)
-        return items[0] if int(header[0]) == -1 else tuple(items)
+        return wire.decode(lambda buffer: dist.recv(buffer, self.peer, tag=tag), self.device)
 
     def flush(self) -> None:
         for work, _ in self.pending:
