@@ -26,13 +26,15 @@ def clip_gradients(trainer, max_norm: float, across_stages: bool = True) -> floa
     divided by the stage's replicas, in one allreduce over all ranks: the global norm.
     Under ``wbsp`` and ``sdpipe`` pipelines, whose stages step at their own pace
     (``across_stages=False``), each stage clips its own norm."""
-    params = [p for part in trainer.parts for p in part.module.parameters()]
+    # two stages this worker holds may share a tied weight: each tensor once
+    params = list({id(p): p for part in trainer.parts for p in part.module.parameters()}.values())
     global_norm = len(trainer.plan.stages) > 1 and across_stages
     if global_norm:
-        elsewhere = counted_elsewhere(trainer, trainer.tied)  # a tied weight counts once, as in one model
         sq = sum(
             (
-                grad_sq_norm(p for p in part.module.parameters() if id(p) not in elsewhere) / len(part.ranks)
+                # a tied weight counts once, in the first stage that holds it, as in one model
+                grad_sq_norm(p for p in part.module.parameters() if id(p) not in counted_elsewhere(part, trainer.tied))
+                / len(part.ranks)
                 for part in trainer.parts
             ),
             torch.zeros(()),

@@ -115,7 +115,8 @@ class Trainer:
                 f"model {plan.model.source!r} returns layers, not a felactl.TrainJob: "
                 "felactl can profile it but not train it"
             )
-        self.parts = [self._part(s) for s in held_stages(plan, runtime.rank)]
+        owned: set[int] = set()  # a weight two held stages share (tied) is stepped by the first's optimizer
+        self.parts = [self._part(s, owned) for s in held_stages(plan, runtime.rank)]
         home = next(part for part in self.parts if part.stage == self.placement.stage)
         self.model: nn.Module = home.module
         self.params = [p for p in self.model.parameters()]
@@ -139,10 +140,12 @@ class Trainer:
     def job(self) -> TrainJob:
         return self.bundle.job
 
-    def _part(self, stage_index: int) -> Part:
+    def _part(self, stage_index: int, owned: set[int]) -> Part:
         stage, plan = self.plan.stages[stage_index], self.plan
         module = self.bundle.stage_module(stage.layer_start, stage.layer_end).to(self.runtime.device)
-        optimizer = make_optimizer(plan, list(module.parameters()), self.job)
+        params = [p for p in module.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in params)
+        optimizer = make_optimizer(plan, params, self.job)
         scheduler = self.job.lr_scheduler(optimizer) if self.job.lr_scheduler is not None else None
         return Part(
             stage_index,

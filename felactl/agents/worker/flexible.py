@@ -30,6 +30,7 @@ from felactl.agents.worker import wire
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.strategy import Lockstep, StepResult, Work
 from felactl.agents.worker.sync.token_policy import Token, TokenDAG, TokenServer, token_samples
+from felactl.agents.worker.tied import sum_tied_over_holders, tied_ids
 from felactl.control import keys
 from felactl.models import values
 from felactl.spec import Plan
@@ -283,16 +284,18 @@ class FlexibleWorker:
         """Each stage's workers sum their gradients (stage order: the same on every rank), then step."""
         start = time.perf_counter()
         runtime = self.t.runtime
+        tied = tied_ids(self.t, self.t.tied)  # summed over all their holders, once, below
         for s in self.stages:
             group_ranks = tuple(self.t.plan.rank_of(d) for d in self.t.plan.stages[s].devices)
-            params = list(self.modules[s].parameters())
-            if len(group_ranks) > 1:
+            params = [p for p in self.modules[s].parameters() if id(p) not in tied]
+            if len(group_ranks) > 1 and params:
                 flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
                 dist.all_reduce(flat, group=runtime.group(group_ranks))
                 offset = 0
                 for p in params:
                     p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
                     offset += p.numel()
+        sum_tied_over_holders(self.t, self.t.tied)
         comm_s = time.perf_counter() - start
         self.t.optimizer_step()  # every stage it holds (clipping, the job's scheduler)
         return comm_s

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from felactl import models
-from felactl.errors import InputError
 from felactl.models import split
 from felactl.spec import Plan, Schedule
 
@@ -30,19 +30,49 @@ def tied_weights(plan: Plan, bundle: models.ModelBundle) -> list[Tied]:
     if len(plan.stages) < 2 or not bundle.split_points:
         return []
     ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
-    tied = [Tied(name, stages) for name, stages in split.tied_weights(bundle.split_graph, bundle.model, ranges)]
-    if tied and plan.schedule is Schedule.TOKENS:
-        raise InputError(
-            f"model {plan.model.source!r}: weight {tied[0].name} is read by stages {tied[0].stages}; "
-            "tied weights across stages run in static pipelines (--schedule 1f1b or gpipe), not under tokens"
-        )
-    return tied
+    return [Tied(name, stages) for name, stages in split.tied_weights(bundle.split_graph, bundle.model, ranges)]
+
+
+def holders(plan: Plan, t: Tied) -> tuple[int, ...]:
+    """Under the flexible hybrid: every rank that holds a stage holding ``t`` (a rank that runs
+    two of them holds one copy: its stages share the tensor)."""
+    return tuple(sorted({plan.rank_of(d) for s in t.stages for d in plan.stages[s].devices}))
 
 
 def tied_rank_sets(plan: Plan, tied: list[Tied]) -> list[tuple[int, ...]]:
-    """The ranks that sum each tied weight, in every pipeline (the same list on every rank: the
-    groups are created from it collectively)."""
+    """The ranks that sum each tied weight (the same list on every rank: the groups are created
+    from it collectively): in each static pipeline, its stages that hold it; under the flexible
+    hybrid, every holder."""
+    if plan.schedule is Schedule.TOKENS:
+        return [holders(plan, t) for t in tied]
     return [tuple(plan.rank_of(pipe[s]) for s in t.stages) for t in tied for pipe in plan.pipelines]
+
+
+def tied_ids(trainer, tied: list[Tied]) -> set[int]:
+    """The ids of the tied weights this rank holds (in any of its stages)."""
+    return {
+        id(p)
+        for part in trainer.parts
+        for t in tied
+        if part.stage in t.stages
+        for p in [part.module.get_parameter(t.name)]
+    }
+
+
+def sum_tied_over_holders(trainer, tied: list[Tied]) -> None:
+    """Under the flexible hybrid: sum each tied weight's gradient over every rank that holds it
+    (its stages' sums leave it out: those would count a replica's part twice)."""
+    plan, rank = trainer.plan, trainer.runtime.rank
+    for t in tied:
+        ranks = holders(plan, t)
+        if rank not in ranks:
+            continue
+        part = next(part for part in trainer.parts if part.stage in t.stages)
+        param = part.module.get_parameter(t.name)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if len(ranks) > 1:
+            dist.all_reduce(param.grad, group=trainer.runtime.group(ranks))
 
 
 def sum_tied_grads(trainer, tied: list[Tied]) -> float:
@@ -60,7 +90,6 @@ def sum_tied_grads(trainer, tied: list[Tied]) -> float:
     return time.perf_counter() - start
 
 
-def counted_elsewhere(trainer, tied: list[Tied]) -> set[int]:
-    """The ids of the tied weights this rank holds that an earlier stage counts in the norm."""
-    stage = trainer.placement.stage
-    return {id(trainer.model.get_parameter(t.name)) for t in tied if stage in t.stages and stage != t.stages[0]}
+def counted_elsewhere(part, tied: list[Tied]) -> set[int]:
+    """The ids of the tied weights ``part`` holds that an earlier stage counts in the norm."""
+    return {id(part.module.get_parameter(t.name)) for t in tied if part.stage in t.stages and part.stage != t.stages[0]}
