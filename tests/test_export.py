@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from felactl import models
-from felactl.agents.worker.checkpoint import checkpoint_path, save_checkpoint
+from felactl.agents.worker.checkpoint import checkpoint_path, save_checkpoint, stage_state
 from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.launcher.export import check_state_dict
@@ -37,8 +37,7 @@ def _write_run(runs: Path, run_id: str, plan, steps: dict[int, list[int]], gener
             part = layers[stage.layer_start : stage.layer_end]
             save_checkpoint(
                 checkpoint_path(run, step, s),
-                model=part,
-                optimizer=torch.optim.SGD(part.parameters()),
+                state=stage_state(part, torch.optim.SGD(part.parameters())),
                 step=step,
                 data_position=step * plan.global_batch,
                 extra={} if generation is None else {"generation": generation},

@@ -4,6 +4,7 @@ block, and run as pipelines that train to the single-process result."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.launcher.export import merge_stages
 from felactl.models.split import SplitGraph, SplitStage, default_split_points, find_blocks
-from felactl.spec import ModelRef
+from felactl.spec import ModelRef, SyncMode, SyncSpec, Training, check_executable
+from felactl.spec.executable import why_not_rescalable
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = "examples.llama:job"
@@ -245,3 +247,48 @@ def test_the_values_at_a_cut_are_told_apart_by_how_they_follow_the_batch():
     # into each block: the hidden states, the batch size (the trace reads it), the two rotary
     # tables; into the head, the hidden states alone
     assert kinds == [["batched", "size", "shared", "shared"]] * 2 + [["batched"]]
+
+
+def _sharded_plan(config, num_workers=2, shares=None):
+    plan = models.local_data_parallel_plan(
+        LLAMA,
+        config,
+        num_workers,
+        global_batch=8,
+        micro_batch=2,
+        shares=shares,
+        sync=SyncSpec(mode=SyncMode.BSP),
+        training=Training(seed=0),
+    )
+    return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shard=True),))
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_stage_trains_as_its_replicated_twin_and_exports_whole(tmp_path):
+    """FSDP2 over two workers: each holds half of every weight, its gradients and AdamW's moments;
+    a tied head, a schedule and clipping; the result equals single-process training."""
+    steps = 6
+    plan = _sharded_plan(SMALL)
+    run_dir = run_plan(plan, tmp_path, steps, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    want, losses = _reference(models.build(LLAMA, SMALL).job, steps, 8)
+    assert max(abs(a - b) for a, b in zip(_step_losses(run_dir), losses, strict=True)) < 1e-5
+    got = _trained(plan, run_dir, steps)
+    assert _largest_difference(got, want) < 1e-5
+    model = models.build(LLAMA, SMALL).model
+    model.load_state_dict(got, strict=True)
+    whole = sum(p.numel() for p in model.parameters())
+    held = [json.loads((run_dir / "workers" / f"rank{r}.json").read_text())["params_held"] for r in range(2)]
+    assert sum(held) == whole and max(held) < whole, f"each worker holds a shard: {held} of {whole}"
+
+
+def test_a_sharded_stage_is_refused_where_it_cannot_run():
+    plan = _sharded_plan(SMALL)
+    check_executable(plan)
+    with pytest.raises(InputError, match="nothing to shard over"):
+        check_executable(_sharded_plan(SMALL, num_workers=1))
+    with pytest.raises(InputError, match="as many micro-batches per step"):
+        check_executable(_sharded_plan(SMALL, shares=[0.75, 0.25]))  # 6 and 2 samples: 3 and 1 micro-batches
+    tokens = dataclasses.replace(plan, sync=SyncSpec(mode=SyncMode.TOKENS))
+    with pytest.raises(InputError, match="sync tokens cannot run"):
+        check_executable(tokens)
+    assert "sharded stage" in why_not_rescalable(plan)

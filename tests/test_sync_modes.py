@@ -59,6 +59,9 @@ def test_a_strategy_goes_at_its_own_pace_where_its_row_settles_on_rescale(pair):
 def _plan_of(how: Execution, mode: SyncMode):
     if how is Execution.DATA_PARALLEL:
         return _plan([(0, 3, 8, [0, 1])], 2, sync=mode)
+    if how is Execution.SHARDED:
+        plan = _plan([(0, 3, 8, [0, 1])], 2, sync=mode)
+        return replace(plan, stages=(replace(plan.stages[0], shard=True),))
     if how is Execution.FLEXIBLE:
         return _plan([(0, 1, 4, [0, 1]), (1, 2, 8, [1]), (2, 3, 16, [0])], 2, global_batch=48, sync=mode)
     return _plan(
@@ -130,6 +133,7 @@ EXECUTION_WORDS = {
     Execution.DATA_PARALLEL: "data parallel",
     Execution.FLEXIBLE: "flexible hybrid",
     Execution.PIPELINE: "static pipelines",
+    Execution.SHARDED: "sharded stages",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from felactl import models
-from felactl.agents.worker.checkpoint import load_checkpoint, save_checkpoint
+from felactl.agents.worker.checkpoint import load_checkpoint, save_checkpoint, stage_state
 
 CONFIG = {"input_dim": 16, "hidden": 32, "depth": 2}
 
@@ -17,7 +17,7 @@ def test_checkpoint_round_trip(tmp_path):
     bundle.loss(bundle.layers(inputs), targets).backward()
     optimizer.step()
     path = save_checkpoint(
-        tmp_path / "c" / "stage0.pt", model=bundle.layers, optimizer=optimizer, step=1, data_position=8
+        tmp_path / "c" / "stage0.pt", state=stage_state(bundle.layers, optimizer), step=1, data_position=8
     )
     assert [p.name for p in path.parent.iterdir()] == ["stage0.pt"], "no temp file left behind"
     fresh = models.build("mlp", CONFIG, seed=5)

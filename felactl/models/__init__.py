@@ -114,14 +114,14 @@ class ModelBundle:
     def loss(self) -> Callable[[Any, Any], torch.Tensor]:
         return self.job.loss_fn if self.job is not None else classification_loss
 
-    def stage_module(self, layer_start: int, layer_end: int) -> nn.Module:
+    def stage_module(self, layer_start: int, layer_end: int, *, whole: bool = False) -> nn.Module:
         """The module of a stage over ``[layer_start, layer_end)``: a slice of the layers (it keeps
         the whole model's child names), a :class:`~felactl.models.split.SplitStage` of a split
-        model (holding the weights it reads under the model's own names), or, for a stage over the
-        whole model, the model itself."""
+        model (holding the weights it reads under the model's own names), or, for the one stage of
+        a plan (``whole``) or a model that is one layer, the model itself."""
         if isinstance(self.model, nn.Sequential):
             return self.layers[layer_start:layer_end]
-        if layer_start == 0 and (not self.split_points or layer_end == len(self.split_graph.layers)):
+        if whole or not self.split_points:
             return self.model
         return split.SplitStage(self.split_graph, self.model, layer_start, layer_end)
 

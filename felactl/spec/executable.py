@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from felactl.errors import InputError, SpecError
 from felactl.spec.cluster import DeviceKind
 from felactl.spec.plan import Plan, Schedule, SyncMode
+from felactl.spec.stages import split_by_shares
 from felactl.spec.sync_modes import Execution, mode_names, modes_where, rescalable_mode_names, sync_support
 
 
@@ -53,7 +54,7 @@ class Problem:
 
 def execution(plan: Plan) -> Execution:
     if len(plan.stages) == 1:
-        return Execution.DATA_PARALLEL
+        return Execution.SHARDED if plan.stages[0].shard else Execution.DATA_PARALLEL
     return Execution.FLEXIBLE if plan.schedule is Schedule.TOKENS else Execution.PIPELINE
 
 
@@ -79,9 +80,10 @@ def why_not_rescalable(plan: Plan) -> str | None:
     sentence the launch, ``--nnodes MIN:MAX`` and an elastic worker say."""
     if execution(plan) is Execution.DATA_PARALLEL and sync_support(plan.sync.mode).rescales_live:
         return None
+    sharded = " sharded" if any(stage.shard for stage in plan.stages) else ""
     return (
-        f"live rescaling covers data-parallel plans (one stage) with sync {rescalable_mode_names()}; "
-        f"this plan runs {len(plan.stages)} stage(s) with sync {plan.sync.mode.value}"
+        f"live rescaling covers data-parallel plans (one replicated stage) with sync {rescalable_mode_names()}; "
+        f"this plan runs {len(plan.stages)}{sharded} stage(s) with sync {plan.sync.mode.value}"
     )
 
 
@@ -142,8 +144,19 @@ def problems(plan: Plan, layer_params: Sequence[int] | None = None) -> list[Prob
         found += _flexible_problems(plan)
     elif how is Execution.PIPELINE:
         found += _pipeline_problems(plan)
+    elif how is Execution.SHARDED:
+        found += _sharded_problems(plan)
     else:
         found += _mode_problems(plan, how)
+    sharded = [s for s, stage in enumerate(plan.stages) if stage.shard]
+    if len(plan.stages) > 1 and sharded:
+        found.append(
+            Problem(
+                f"stages[{sharded[0]}].shard",
+                "a sharded stage runs in a data-parallel plan (one stage) for now, not among "
+                f"{len(plan.stages)} stages: replicate it (shard: false) or plan one stage",
+            )
+        )
     return found
 
 
@@ -177,6 +190,7 @@ _SHAPES = {
     Execution.DATA_PARALLEL: "data-parallel plans (one stage)",
     Execution.FLEXIBLE: "flexible plans (schedule tokens, several stages)",
     Execution.PIPELINE: "static pipelines (schedule 1f1b or gpipe, several stages)",
+    Execution.SHARDED: "sharded stages (shard: true)",
 }
 
 
@@ -220,6 +234,30 @@ def _flexible_problems(plan: Plan) -> list[Problem]:
                 f"{plan.global_batch} samples cannot fill {n1} first-level tokens "
                 f"(micro-batches {first.micro_batch}..{last.micro_batch} on "
                 f"{len(first.workers)} first-stage workers): some would be empty",
+            )
+        )
+    return found
+
+
+def _sharded_problems(plan: Plan) -> list[Problem]:
+    """A sharded stage's workers gather each block's weights together, in every micro-batch's
+    forward and backward: two or more of them, each running as many micro-batches per step."""
+    found = _mode_problems(plan, Execution.SHARDED)
+    stage = plan.stages[0]
+    if len(stage.workers) < 2:
+        return found + [Problem("stages[0].shard", "a stage of one worker has nothing to shard over: replicate it")]
+    counts = {
+        w.device: math.ceil(len(r) / stage.micro_batch)
+        for w, r in zip(stage.workers, split_by_shares(plan.global_batch, [w.share for w in stage.workers]))
+    }
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"{d} {n}" for d, n in counts.items())
+        found.append(
+            Problem(
+                "stages[0].workers",
+                f"the workers of a sharded stage run as many micro-batches per step as each other "
+                f"(each gathers every block's weights with the others), but these shares give {shown}: "
+                "give them shares of equal micro-batch counts",
             )
         )
     return found

@@ -13,6 +13,18 @@ from felactl.spec.codec import FieldProblem, positive
 SHARE_TOLERANCE = 1e-6
 
 
+def split_by_shares(total: int, shares: list[float]) -> list[range]:
+    """Consecutive ranges whose sizes follow ``shares`` (rounded on the cumulative sum, so they
+    always cover ``0..total`` exactly, whatever the rounding)."""
+    whole = sum(shares)
+    bounds, cumulative = [0], 0.0
+    for share in shares:
+        cumulative += share
+        bounds.append(round(total * cumulative / whole))
+    bounds[-1] = total
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
     """Where a device of the plan lives: the launcher gives each node's agent its devices' ranks."""
@@ -73,6 +85,11 @@ class Stage:
     backward not yet): as many as the planner's memory model finds room for. The simulator holds
     every worker to it. None: no limit (memory holds every micro-batch of the stage, or a plan
     written before it)."""
+    shard: bool = False
+    """Whether the stage's workers hold its parameters, gradients and optimizer state split among
+    them (torch FSDP2's ``fully_shard`` over the stage's group: each block's weights gathered for
+    its forward and backward, the gradients reduce-scattered), rather than each holding all of
+    them (replicated, the default)."""
 
     def __post_init__(self) -> None:
         positive("layer_start", self.layer_start, allow_zero=True)

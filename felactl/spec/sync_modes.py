@@ -28,6 +28,9 @@ class Execution(str, enum.Enum):
     """Fela's flexible hybrid: several stages, ``schedule: tokens``; a device may serve several."""
     PIPELINE = "pipeline"
     """Static pipelines: several stages, ``1f1b``/``gpipe``; each device holds one pipeline slot."""
+    SHARDED = "sharded"
+    """One stage whose workers split the model's parameters, gradients and optimizer state among
+    them (``shard: true``; FSDP2), gathering each block's weights when it runs."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,7 +88,9 @@ SYNC_MODE_SUPPORT: Mapping[SyncMode, SyncModeSupport] = MappingProxyType(
             SyncModeSupport(
                 mode=SyncMode.TOKENS,
                 summary="Fela's token bucket, fast workers pull more micro-batches (the sum is still BSP's)",
-                executions=_ALL,  # a static pipeline's replicas sum as BSP
+                # a static pipeline's replicas sum as BSP; a sharded stage's workers gather every
+                # block together, so none may take more micro-batches than another
+                executions=_ALL - {Execution.SHARDED},
                 planned_as=Execution.FLEXIBLE,
                 data_parallel_tokens=True,
                 sums_over_trees=True,

@@ -16,10 +16,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from felactl.control import EventKind
 from felactl.control.events import record
 from felactl.fsutil import atomic_write
+from felactl.parallel.fsdp import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +36,29 @@ def checkpoint_path(run_dir: str | os.PathLike, step: int, stage: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step{step:06d}" / f"stage{stage}.pt"
 
 
+def stage_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The stage's model and optimizer state as one process holding it whole would write them; a
+    sharded stage's gathered from its workers through ``torch.distributed.checkpoint``'s state-dict
+    API (collective: each of them calls it). The model's keys are the user's either way."""
+    if is_sharded(model):
+        options = StateDictOptions(full_state_dict=True)
+        return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    return model.state_dict(), optimizer.state_dict()
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    state: tuple[dict, dict],
     step: int,
     data_position: int,
     extra: dict[str, Any] | None = None,
 ) -> Path:
+    """Write ``state`` (:func:`stage_state`), the step and data position, atomically."""
+    model_state, optimizer_state = state
     state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": {k: v.cpu() for k, v in model_state.items()},
+        "optimizer": optimizer_state,
         "step": step,
         "data_position": data_position,
         **(extra or {}),
@@ -60,7 +79,15 @@ def checkpoint_not_written(events: Path, *, worker: int, step: int, path: Path, 
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Load a stage's checkpoint into ``model`` and ``optimizer`` (a sharded stage's workers each
+    take their shards of it)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if is_sharded(model):
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=options)
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+        return state
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

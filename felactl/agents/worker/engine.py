@@ -35,6 +35,7 @@ from felactl.agents.worker.checkpoint import (
     checkpoint_path,
     load_checkpoint,
     save_checkpoint,
+    stage_state,
 )
 from felactl.agents.worker.clipping import clip_gradients
 from felactl.agents.worker.drain import Drain
@@ -48,6 +49,7 @@ from felactl.errors import InputError, WorkerFailed
 from felactl.fsutil import STORAGE_ERRORS, atomic_write_text
 from felactl.job import TrainJob
 from felactl.models import values
+from felactl.parallel.fsdp import is_sharded, local, shard
 from felactl.spec import Plan
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,10 @@ class Trainer:
 
     def _part(self, stage_index: int, owned: set[int]) -> Part:
         stage, plan = self.plan.stages[stage_index], self.plan
-        module = self.bundle.stage_module(stage.layer_start, stage.layer_end).to(self.runtime.device)
+        whole = len(plan.stages) == 1  # the user's module itself, however many layers its profile has
+        module = self.bundle.stage_module(stage.layer_start, stage.layer_end, whole=whole).to(self.runtime.device)
+        if stage.shard:  # split among the stage's workers before its optimizer takes the shards
+            module = shard(module, self.runtime.group(self.placement.stage_ranks), self.runtime.device)
         params = [p for p in module.parameters() if id(p) not in owned]
         owned.update(id(p) for p in params)
         optimizer = make_optimizer(plan, params, self.job)
@@ -227,7 +232,9 @@ class Trainer:
         replica updates from its own samples) follow the first replica's, as DDP's
         ``broadcast_buffers`` has them; a model without buffers pays nothing."""
         for part in self.parts:
-            tensors = [*([] if buffers_only else part.module.parameters()), *part.module.buffers()]
+            # a sharded stage's weights were made equal before they were split (parallel.fsdp.shard)
+            params_too = not buffers_only and not is_sharded(part.module)
+            tensors = [*(part.module.parameters() if params_too else []), *part.module.buffers()]
             if len(part.ranks) < 2 or not tensors:
                 continue
             group = self.runtime.group(part.ranks)
@@ -317,7 +324,8 @@ class Trainer:
             offset += n
 
     def flat_params(self) -> torch.Tensor:
-        return nn.utils.parameters_to_vector(self.params).detach().clone()
+        """The parameters this worker holds, flat (of a sharded stage, its shards)."""
+        return nn.utils.parameters_to_vector([local(p) for p in self.params]).detach().clone()
 
     def set_flat_params(self, flat: torch.Tensor) -> None:
         """Copy ``flat`` into the parameters' own storage. (``vector_to_parameters`` would make
@@ -416,20 +424,20 @@ class Trainer:
         counted as taken, so the next one (or the run's last) is tried."""
         written = True
         for part in self.parts:
+            state = stage_state(part.module, part.optimizer)  # a sharded stage's workers gather it together
             if self.runtime.rank == part.ranks[0]:
-                written = self._write_checkpoint(part) and written
+                written = self._write_checkpoint(part, state) and written
         if written:
             self.checkpointed_at = self.steps_done
 
-    def _write_checkpoint(self, part: Part) -> bool:
+    def _write_checkpoint(self, part: Part, state: tuple[dict, dict]) -> bool:
         cfg = self.runtime.cfg
         path = checkpoint_path(cfg.run_dir, self.steps_done, part.stage)
         scheduler = {} if part.scheduler is None else {"lr_scheduler": part.scheduler.state_dict()}
         try:
             save_checkpoint(
                 path,
-                model=part.module,
-                optimizer=part.optimizer,
+                state=state,
                 step=self.steps_done,
                 data_position=self.data_position,
                 extra={**self.membership.checkpoint_extra(), **scheduler},
@@ -455,6 +463,7 @@ class Trainer:
             "sync": self.plan.sync.mode.value,
             "device": str(self.runtime.device),
             "param_checksum": float(self.flat_params().double().sum()),
+            "params_held": self.flat_params().numel(),  # of a sharded stage, its shards
             "buffer_checksum": sum(float(b.double().sum()) for part in self.parts for b in part.module.buffers()),
             **self.totals,
             **(extra or {}),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from felactl.spec import Plan, Schedule
+from felactl.spec.stages import split_by_shares
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,18 +34,6 @@ class Placement:
     @property
     def is_last(self) -> bool:
         return self.next_rank is None
-
-
-def split_by_shares(total: int, shares: list[float]) -> list[range]:
-    """Consecutive ranges whose sizes follow ``shares`` (rounded on the cumulative sum, so they
-    always cover ``0..total`` exactly, whatever the rounding)."""
-    whole = sum(shares)
-    bounds, cumulative = [0], 0.0
-    for share in shares:
-        cumulative += share
-        bounds.append(round(total * cumulative / whole))
-    bounds[-1] = total
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def micro_batches(offsets: range, micro_batch: int) -> list[range]:

@@ -15,6 +15,7 @@ from felactl.agents.worker.pipeline import Pipeline, PipelineSDPipe
 from felactl.agents.worker.strategy import Strategy
 from felactl.agents.worker.sync.bsp import BSP
 from felactl.agents.worker.sync.sdpipe import SDPipe
+from felactl.agents.worker.sync.sharded import Sharded
 from felactl.agents.worker.sync.tokens import Tokens
 from felactl.agents.worker.sync.wbsp import WBSP
 from felactl.spec import Plan, SyncMode
@@ -31,6 +32,7 @@ STRATEGIES: dict[tuple[Execution, SyncMode], type[Strategy]] = {
     (Execution.PIPELINE, SyncMode.SDPIPE): PipelineSDPipe,
     (Execution.FLEXIBLE, SyncMode.BSP): Flexible,  # tokens schedule the sub-models; each stage sums
     (Execution.FLEXIBLE, SyncMode.TOKENS): Flexible,
+    (Execution.SHARDED, SyncMode.BSP): Sharded,
 }
 
 

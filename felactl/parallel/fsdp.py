@@ -1,0 +1,62 @@
+"""torch FSDP2 (``fully_shard``) as felactl shards a stage: each block of the model's one block
+list (:func:`felactl.models.split.find_blocks`) its own unit, so one block's weights are gathered
+at a time, then the rest at the root; and the interface the worker's step runs a replica through
+(as it runs DDP's)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from felactl.models.split import find_blocks
+
+
+def shard(module: nn.Module, group, device: torch.device) -> FSDPModule:
+    """``module`` sharded over ``group`` (every rank of it calls this, with the same module): first
+    its weights made the group's first rank's (felactl never re-initialises a user's model; it
+    makes the replicas agree, as it does for replicated stages), then split."""
+    with torch.no_grad():
+        for param in module.parameters():
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+    mesh = DeviceMesh.from_group(group, device.type)
+    blocks = find_blocks(module)
+    if blocks is not None:
+        for block in module.get_submodule(blocks).children():
+            fully_shard(block, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this worker holds: its shard of a sharded parameter, else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedReplica:
+    """A sharded stage, called as the step calls a DDP replica: ``no_sync()`` around the micro-
+    batches before the last one (their gradients accumulate, reduce-scattered once, in the last
+    backward), ``process_group`` the stage's group. FSDP2 averages the gradients it reduces over
+    the group, as DDP does: the step multiplies the loss by the group's size, for the sum."""
+
+    def __init__(self, module: FSDPModule, group):
+        self.module, self.process_group = module, group
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
