@@ -249,7 +249,7 @@ def test_the_values_at_a_cut_are_told_apart_by_how_they_follow_the_batch():
     assert kinds == [["batched", "size", "shared", "shared"]] * 2 + [["batched"]]
 
 
-def _sharded_plan(config, num_workers=2, shares=None):
+def _sharded_plan(config, num_workers=2, shares=None, shard=True):
     plan = models.local_data_parallel_plan(
         LLAMA,
         config,
@@ -260,15 +260,17 @@ def _sharded_plan(config, num_workers=2, shares=None):
         sync=SyncSpec(mode=SyncMode.BSP),
         training=Training(seed=0),
     )
-    return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shard=True),))
+    return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shard=shard),))
 
 
 @pytest.mark.multiprocess
-def test_a_sharded_stage_trains_as_its_replicated_twin_and_exports_whole(tmp_path):
+@pytest.mark.parametrize("shard", [True, False])
+def test_a_sharded_stage_trains_as_its_replicated_twin_and_exports_whole(tmp_path, shard):
     """FSDP2 over two workers: each holds half of every weight, its gradients and AdamW's moments;
-    a tied head, a schedule and clipping; the result equals single-process training."""
+    a tied head, a schedule and clipping; the result equals single-process training, as its
+    replicated twin's does (the user's module whole in one stage, not its first piece)."""
     steps = 6
-    plan = _sharded_plan(SMALL)
+    plan = _sharded_plan(SMALL, shard=shard)
     run_dir = run_plan(plan, tmp_path, steps, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
     want, losses = _reference(models.build(LLAMA, SMALL).job, steps, 8)
     assert max(abs(a - b) for a, b in zip(_step_losses(run_dir), losses, strict=True)) < 1e-5
@@ -278,7 +280,10 @@ def test_a_sharded_stage_trains_as_its_replicated_twin_and_exports_whole(tmp_pat
     model.load_state_dict(got, strict=True)
     whole = sum(p.numel() for p in model.parameters())
     held = [json.loads((run_dir / "workers" / f"rank{r}.json").read_text())["params_held"] for r in range(2)]
-    assert sum(held) == whole and max(held) < whole, f"each worker holds a shard: {held} of {whole}"
+    if shard:
+        assert sum(held) == whole and max(held) < whole, f"each worker holds a shard: {held} of {whole}"
+    else:
+        assert held == [whole, whole]
 
 
 def test_a_sharded_stage_is_refused_where_it_cannot_run():
