@@ -141,7 +141,7 @@ def test_why_a_plan_cannot_rescale_is_one_sentence():
         assert (why_not_rescalable(data_parallel) is None) is sync_support(mode).rescales_live
     flexible = _plan([(0, 1, 4, [0, 1]), (1, 2, 8, [1]), (2, 3, 16, [0])], 2, global_batch=48)
     assert why_not_rescalable(flexible) == (
-        f"live rescaling covers data-parallel plans (one stage) with sync {rescalable_mode_names()}; "
+        f"live rescaling covers data-parallel plans (one replicated stage) with sync {rescalable_mode_names()}; "
         "this plan runs 3 stage(s) with sync tokens"
     )
 

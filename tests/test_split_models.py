@@ -297,3 +297,32 @@ def test_a_sharded_stage_is_refused_where_it_cannot_run():
     with pytest.raises(InputError, match="sync tokens cannot run"):
         check_executable(tokens)
     assert "sharded stage" in why_not_rescalable(plan)
+
+
+@pytest.mark.parametrize(
+    "args,why",
+    [
+        (["--sync", "tokens"], "--shard runs under sync bsp"),
+        (["--resume", "r"], "--shard: only with --job"),
+    ],
+)
+def test_shard_flags_that_cannot_run_exit_2_in_one_line(args, why, tmp_path):
+    base = ["launch", "--shard", "--runs-root", str(tmp_path)]
+    job = ["--job", LLAMA, "--nproc-per-node", "2", "--global-batch", "8"] if "--resume" not in args else []
+    result = runner.invoke(app, [*base, *job, *args])
+    assert result.exit_code == 2 and why in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.multiprocess
+def test_launch_shard_trains_a_job_with_each_worker_holding_half(tmp_path):
+    args = ["launch", "--job", LLAMA, "--nproc-per-node", "2", "--global-batch", "8", "--shard", "--steps", "3"]
+    result = runner.invoke(app, [*args, "--runs-root", str(tmp_path), "--run-id", "s", "--json"])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "s"
+    held = [json.loads((run / "workers" / f"rank{r}.json").read_text())["params_held"] for r in range(2)]
+    whole = sum(p.numel() for p in models.build(LLAMA).model.parameters())
+    assert sum(held) == whole and max(held) < whole
+    exported = runner.invoke(app, ["export", "s", "--runs-root", str(tmp_path), "-o", str(tmp_path / "m.pt")])
+    assert exported.exit_code == 0, exported.output
+    models.build(LLAMA).model.load_state_dict(torch.load(tmp_path / "m.pt"), strict=True)

@@ -79,6 +79,14 @@ class LaunchCommandOptions:
         list[str] | None,
         typer.Option("--config", help="--job: a keyword argument of its function, key=value (repeat)."),
     ] = None
+    shard: Annotated[
+        bool,
+        typer.Option(
+            "--shard",
+            help="--job: split the model's weights, gradients and optimizer state among the workers (FSDP2; "
+            "sync bsp), for a model one worker cannot hold.",
+        ),
+    ] = False
     run_id: Annotated[str | None, typer.Option(help="Name of the run directory under runs/.")] = None
     steps: Annotated[
         int | None, typer.Option(min=1, help="Iterations (global batches) to train (default 100; --resume: the run's).")
@@ -199,7 +207,12 @@ def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:
         plan = flags.plan
         if flags.job is not None:  # the run keeps its own copy of the plan: this one only has to outlive the start
             made = job_plan(
-                flags.job, parse_config(flags.config), flags.nproc_per_node, flags.global_batch, flags.micro_batch
+                flags.job,
+                parse_config(flags.config),
+                flags.nproc_per_node,
+                flags.global_batch,
+                flags.micro_batch,
+                shard=flags.shard,
             )
             plan = save(
                 made, Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="felactl-job-"))) / "plan.yaml"

@@ -31,6 +31,7 @@ class LaunchFlags:
     micro_batch: int | None
     config: list[str] | None
     """``--config key=value``, unparsed (only a ``--job`` reads it)."""
+    shard: bool
     run_id: str | None
     steps: int | None
     sync: SyncMode | None
@@ -78,6 +79,7 @@ def script_options(flags: LaunchFlags) -> ScriptOptions:
         "--global-batch": flags.global_batch,
         "--micro-batch": flags.micro_batch,
         "--config": flags.config,
+        "--shard": flags.shard or None,
         "--nnodes MIN:MAX": None if min_nodes == max_nodes else flags.nnodes,
     }
     given = [name for name, value in plan_only.items() if value is not None]
@@ -107,10 +109,19 @@ def check_plan_flags(flags: LaunchFlags) -> None:
             raise InputError(f"{name}: only with --script (a plan says its own workers)")
     if flags.nproc_per_node is not None and flags.job is None:
         raise InputError("--nproc-per-node: only with --job or --script (a plan says its own workers)")
-    job_only = {"--global-batch": flags.global_batch, "--micro-batch": flags.micro_batch, "--config": flags.config}
+    job_only = {
+        "--global-batch": flags.global_batch,
+        "--micro-batch": flags.micro_batch,
+        "--config": flags.config,
+        "--shard": flags.shard or None,
+    }
     for name, value in job_only.items():
         if value is not None and flags.job is None:
             raise InputError(f"{name}: only with --job (a plan says its own model and batch)")
+    if flags.shard and flags.sync not in (None, SyncMode.BSP):
+        raise InputError(
+            f"--shard runs under sync bsp (its workers gather every block together, step by step), not --sync {flags.sync.value}"
+        )
     if sum(x is not None for x in (flags.plan, flags.resume, flags.job)) != 1:
         raise InputError(
             "give a PLAN to launch, --job SOURCE to train on local workers, or --resume RUN "

@@ -210,9 +210,18 @@ def prepare_run(
     return run, secret, None
 
 
-def job_plan(source: str, config: dict, nproc: int | None, global_batch: int | None, micro_batch: int | None) -> Plan:
+def job_plan(
+    source: str,
+    config: dict,
+    nproc: int | None,
+    global_batch: int | None,
+    micro_batch: int | None,
+    *,
+    shard: bool = False,
+) -> Plan:
     """``felactl launch --job``: a data-parallel plan of the job on ``nproc`` local CPU slots
-    (micro-batch: the global batch split evenly, unless given)."""
+    (micro-batch: the global batch split evenly, unless given); with ``shard``, its one stage
+    sharded among them under sync bsp."""
     if nproc is None or global_batch is None:
         raise InputError("--job needs --nproc-per-node and --global-batch")
     check_flag("--nproc-per-node", nproc, limits.COUNT)
@@ -229,7 +238,11 @@ def job_plan(source: str, config: dict, nproc: int | None, global_batch: int | N
                 "less, or leave it out"
             )
     micro = micro_batch or largest_share
-    return models.local_data_parallel_plan(source, config, nproc, global_batch=global_batch, micro_batch=micro)
+    plan = models.local_data_parallel_plan(source, config, nproc, global_batch=global_batch, micro_batch=micro)
+    if not shard:
+        return plan
+    stage = dataclasses.replace(plan.stages[0], shard=True)
+    return dataclasses.replace(plan, stages=(stage,), sync=dataclasses.replace(plan.sync, mode=SyncMode.BSP))
 
 
 def node_devices(plan: Plan, local_node: str) -> dict[str, tuple[str, ...]]:

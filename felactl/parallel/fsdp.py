@@ -1,11 +1,12 @@
-"""torch FSDP2 (``fully_shard``) as felactl shards a stage: each block of the model's one block
-list (:func:`felactl.models.split.find_blocks`) its own unit, so one block's weights are gathered
-at a time, then the rest at the root; and the interface the worker's step runs a replica through
-(as it runs DDP's)."""
+"""torch FSDP2 (``fully_shard``) as felactl shards a stage: each of the model's blocks (its split
+points, :mod:`felactl.models.split`) its own unit, so one block's weights are gathered at a time,
+then the rest at the root; and the interface the worker's step runs a replica through (as it runs
+DDP's)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,21 +15,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from felactl.models.split import find_blocks
 
-
-def shard(module: nn.Module, group, device: torch.device) -> FSDPModule:
-    """``module`` sharded over ``group`` (every rank of it calls this, with the same module): first
+def shard(module: nn.Module, group, device: torch.device, units: Sequence[str] = ()) -> FSDPModule:
+    """``module`` sharded over ``group``, each submodule ``units`` names (module paths) a unit of
+    its own (every rank of it calls this, with the same module): first
     its weights made the group's first rank's (felactl never re-initialises a user's model; it
     makes the replicas agree, as it does for replicated stages), then split."""
     with torch.no_grad():
         for param in module.parameters():
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
     mesh = DeviceMesh.from_group(group, device.type)
-    blocks = find_blocks(module)
-    if blocks is not None:
-        for block in module.get_submodule(blocks).children():
-            fully_shard(block, mesh=mesh)
+    for unit in units:
+        fully_shard(module.get_submodule(unit), mesh=mesh)
     return fully_shard(module, mesh=mesh)
 
 
