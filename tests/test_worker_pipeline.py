@@ -67,3 +67,29 @@ def test_sdpipe_pipelines_train_and_stage_replicas_end_equal(tmp_path):
     slow_pipeline = sum(1 for r in records if r["rank"] == 0)
     fast_pipeline = sum(1 for r in records if r["rank"] == 2)
     assert fast_pipeline > slow_pipeline, "pipelines run at their own pace: the one without the straggler does more"
+
+
+def test_a_stages_forward_and_loss_run_under_the_jobs_autocast():
+    """bf16 on CUDA workers covers pipeline stages as it covers data parallel (CPU runs fp32: the
+    context is entered either way, and the job decides)."""
+    from types import SimpleNamespace
+
+    from felactl.agents.worker.pipeline import PipelineStep
+
+    entered = []
+
+    def autocast(fn, *args):
+        entered.append(getattr(fn, "__name__", type(fn).__name__))
+        return fn(*args)
+
+    model = torch.nn.Linear(3, 2)
+    trainer = SimpleNamespace(
+        autocast=autocast,
+        model=model,
+        batch=lambda indices: (torch.ones(len(indices), 3), torch.zeros(len(indices), dtype=torch.long)),
+        bundle=SimpleNamespace(loss=torch.nn.functional.cross_entropy),
+        straggler=SimpleNamespace(after_compute=lambda elapsed: 0.0),
+        global_batch=2,
+    )
+    PipelineStep(trainer, None, None).forward([0, 1])
+    assert entered == ["Linear", "cross_entropy"]

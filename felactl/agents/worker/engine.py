@@ -270,6 +270,12 @@ class Trainer:
         inputs, targets = self.job.batch(list(indices))
         return values.to_device(inputs, self.runtime.device), values.to_device(targets, self.runtime.device)
 
+    def autocast(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` under the job's autocast (bf16 on CUDA workers where it asks): a stage's
+        forward and the loss, whatever the plan's shape."""
+        with self.job.autocast(self.runtime.device):
+            return fn(*args)
+
     def compute(
         self,
         indices: Sequence[int],

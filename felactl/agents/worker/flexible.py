@@ -227,9 +227,9 @@ class FlexibleWorker:
             kinds = self.kinds_into(s)
             sizes = [values.samples_in(p, kinds) for p in parts]
             x = values.cut_from_graph(values.to_device(values.merge(parts, kinds), device), True)
-        y = self._timed(lambda: self.modules[s](x))
+        y = self._timed(lambda: self.t.autocast(self.modules[s], x))
         if last:
-            loss = self._timed(lambda: self.t.bundle.loss(y, targets))
+            loss = self._timed(lambda: self.t.autocast(self.t.bundle.loss, y, targets))
             if not recompute:
                 self.loss_sum += loss.item() * len(indices)
                 self.loss_samples += len(indices)

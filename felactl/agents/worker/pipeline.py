@@ -102,9 +102,9 @@ class PipelineStep:
         if self.prev is None or self.next is None:
             inputs, targets = t.batch(indices)
         x = inputs if self.prev is None else values.cut_from_graph(self._recv(self.prev, TAG_ACTIVATION), True)
-        y = self._timed(lambda: t.model(x))
+        y = self._timed(lambda: t.autocast(t.model, x))
         if self.next is None:
-            loss = self._timed(lambda: t.bundle.loss(y, targets))
+            loss = self._timed(lambda: t.autocast(t.bundle.loss, y, targets))
             self.loss_sum += loss.item() * len(indices)
             return x, loss * (len(indices) / self.weight_by)
         self.next.send(y, TAG_ACTIVATION)
