@@ -3,8 +3,9 @@
     felactl launch --job examples.lm:job --nproc-per-node 2 --global-batch 16 --steps 50
 
 Causal self-attention (``scaled_dot_product_attention``), 3-D logits with their own loss, AdamW
-with a warmup + cosine schedule, and gradient clipping. The model is a plain ``nn.Module`` (not an
-``nn.Sequential``): felactl plans it data-parallel only.
+with a warmup + cosine schedule, and gradient clipping. The model is a plain ``nn.Module`` with its
+blocks in a ``ModuleList``: felactl profiles and plans it per block (the embeddings, each block,
+the head), as it does ``examples/llama.py``.
 """
 
 from __future__ import annotations

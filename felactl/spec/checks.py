@@ -65,7 +65,7 @@ def check_plan_against_model(plan: Plan, model: ModelSpec, where: str = "plan") 
             where,
             "stages",
             f"{len(plan.stages)} stages, but model {model.name!r} cannot be split "
-            "(it is no nn.Sequential): data-parallel plans only",
+            "(it is one layer: no nn.Sequential, no block list, no split points): data-parallel plans only",
         )
     check_executable(plan, [layer.params for layer in model.layers], where)
 

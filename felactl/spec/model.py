@@ -122,8 +122,9 @@ class ModelSpec:
     layers: tuple[Layer, ...]
     splittable: bool = True
     """Whether a plan may cut the layers into stages: the model is an ``nn.Sequential`` whose
-    children are the layers. False (any other module, profiled as one layer): data-parallel plans
-    only. Absent in profiles written before it: True."""
+    children are the layers, or a model cut at its blocks (:mod:`felactl.models.split`). False
+    (any other module, profiled as one layer): data-parallel plans only. Absent in profiles
+    written before it: True."""
     optimizer_step_ms: float | None = None
     """Optional: one AdamW ``optimizer.step()`` over all the model's parameters, measured on the
     device the timings came from; the cost model charges each stage its share by parameters."""
