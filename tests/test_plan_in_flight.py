@@ -156,7 +156,7 @@ def test_the_issue_36_gpu_plan_is_priced_as_it_runs():
 
 
 def test_a_plan_whose_simulation_disagrees_says_so(tmp_path):
-    spec, net, batch = tight_instance(32)  # a pipeline whose fill the cost model overprices
+    spec, net, batch = tight_instance(13)  # a pipeline whose fill the cost model overprices
     save(spec, tmp_path / "c.yaml")
     save(net, tmp_path / "m.yaml")
     args = ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml")]

@@ -4,13 +4,29 @@ backward, reports each device's peak memory; plans keep headroom."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
+from felactl.errors import PlanInfeasible
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes
 from felactl.optimizer.planner import make_plan
 from felactl.optimizer.simulator import Stragglers, simulate
-from felactl.spec import ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec
+from felactl.spec import (
+    ModelRef,
+    Plan,
+    Schedule,
+    Stage,
+    StageWorker,
+    SyncMode,
+    SyncSpec,
+    check_executable,
+    load_cluster,
+)
 from tests.planner_fixtures import cluster, model, tight_instance
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FAST_THEN_SLOW = cluster([[("fast", 40.0, 16.0), ("slow", 2.0, 16.0)]])
 NET = model([(10_000_000, 2_000_000, 2e9), (10_000_000, 2_000_000, 2e9)])
@@ -103,3 +119,35 @@ def test_headroom_is_configurable_and_cuda_only_for_the_reserve():
     assert plan.predicted.simulated_peak_memory_gb["n0.d0"] <= 16 * 0.9 - 1
     with pytest.raises(Exception, match="memory"):
         make_plan(cluster([[("g", 10.0, 16.0)]]), big, 8, headroom=MemoryHeadroom(reserved_gb=4.0))
+
+
+def _llama7b_on_a10gs():
+    from benchmarks.synthetic_models import transformer_spec
+
+    cluster = load_cluster(ROOT / "plans" / "clusters" / "h100-a10g-l4.yaml")
+    a10gs = [d for d in cluster.device_names if d.startswith("a10g")]
+    return cluster, transformer_spec(34, width=4096, seq_len=2048, vocab=32000), a10gs
+
+
+def test_a_model_no_replica_fits_is_planned_sharded_and_fits_every_device():
+    """Llama-7B-like (6.7B parameters: 107 GB of weights, gradients and AdamW state) on 16 A10G of
+    24 GB: no cut into stages fits, sharded over the 16 it does; the simulator runs it within each
+    device's usable memory."""
+    cluster, model, a10gs = _llama7b_on_a10gs()
+    plan = make_plan(cluster, model, 256, devices=a10gs, sync="bsp")
+    (stage,) = plan.stages
+    assert stage.shard and len(stage.workers) == 16 and plan.sync.mode is SyncMode.BSP
+    cost = CostModel(cluster.subset(a10gs), model)
+    for device, peak_gb in plan.predicted.simulated_peak_memory_gb.items():
+        assert 0 < peak_gb * 1e9 <= cost.usable_memory_bytes(device)
+    check_executable(plan)
+    with pytest.raises(PlanInfeasible, match="sharded over every device it fits .* plan with --sync bsp"):
+        make_plan(cluster, model, 256, devices=a10gs, sync="tokens")  # tokens cannot run a sharded stage
+
+
+def test_sharding_is_not_chosen_where_a_replica_fits_and_is_faster(tmp_path):
+    cluster, model, a10gs = _llama7b_on_a10gs()
+    small = dataclasses.replace(model, layers=model.layers[:1] + model.layers[1:3] + model.layers[-1:])
+    plan = make_plan(cluster, small, 256, devices=a10gs, sync="bsp")
+    assert not any(stage.shard for stage in plan.stages)
+    assert plan.predicted.baselines["fsdp"] > plan.predicted.iteration_s

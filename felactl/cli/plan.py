@@ -104,8 +104,22 @@ def render_summary(console, plan: Plan, out: Path | None) -> None:
             f"note: data parallel as DDP runs it is predicted faster ({dp_s:.4g} s): under sync {plan.sync.mode.value} "
             f"each micro-batch is a token claimed through the store; `--sync bsp` plans without them"
         )
+    if any(stage.shard for stage in plan.stages):
+        console.print(f"note: {_why_sharded(plan)}")
     if out is not None:
         console.print(f"wrote {out}")
+
+
+def _why_sharded(plan: Plan) -> str:
+    """Why a plan shards its model: nothing replicated fits (what the baselines said), or it is faster."""
+    p, workers = plan.predicted, len(plan.stages[0].workers)
+    what = f"the model is sharded over its {workers} devices (FSDP2: each holds 1/{workers} of its weights, gradients and optimizer state)"
+    replicated = {name: s for name, s in p.baselines.items() if name not in ("fsdp", "no_trees")}
+    if not replicated:
+        reasons = "; ".join(f"{name}: {why}" for name, why in p.baselines_missing.items())
+        return f"{what}: nothing replicated fits ({reasons})"
+    best = min(replicated, key=replicated.get)
+    return f"{what}: predicted faster than {best} ({replicated[best]:.4g} s)"
 
 
 def plan_label(plan: Plan) -> str:

@@ -3,6 +3,9 @@
 * ``dp``: data parallel on every device, equal shares of the batch, ring allreduce.
 * ``mp``: model parallel, one device per stage (fastest devices first), layers balanced by time,
   micro-batches pipelined through the chain.
+* ``fsdp``: the whole model sharded over every device (torch FSDP2; ZeRO-3), equal shares:
+  priced by :mod:`felactl.optimizer.sharding`. What the planner falls back on where nothing
+  replicated fits, and picks where it is faster.
 * ``hp``: Fela's hybrid: the leading layers data parallel on every device (ring), the trailing
   fully connected layers (low arithmetic intensity, see :func:`compute_cost.b_half`) on the fastest device.
   Its plan runs on token scheduling, where a free worker takes the leading layers' next token, so
@@ -23,6 +26,7 @@ from typing import NamedTuple
 from felactl.optimizer.compute_cost import b_half
 from felactl.optimizer.cost import CostModel, micro_batch_options
 from felactl.optimizer.evaluate import StageChoice, memory_fits, memory_limits, predict, token_samples
+from felactl.optimizer.sharding import best_sharded
 
 FC_B_HALF = 16.0
 """Layers that need this many samples to reach half speed count as fully connected for ``hp``."""
@@ -92,6 +96,15 @@ def data_parallel(cost: CostModel, global_batch: int) -> Baseline:
         global_batch,
         lambda b: (StageChoice(0, num_layers, b, _equal(devices)),) if b * len(devices) <= global_batch else None,
     )
+
+
+def sharded_data_parallel(cost: CostModel, global_batch: int) -> Baseline:
+    found = best_sharded(cost, global_batch)
+    if isinstance(found, str):
+        raise Missing(found)
+    seconds, b = found
+    stage = StageChoice(0, cost.model.num_layers, b, _equal(cost.cluster.device_names), in_flight=1, shard=True)
+    return Baseline(seconds, b, (stage,))
 
 
 def balanced_cuts(times: list[list[float]], num_stages: int) -> list[int]:
@@ -207,7 +220,7 @@ def baselines(cost: CostModel, global_batch: int) -> dict[str, Baseline]:
 def baselines_and_missing(cost: CostModel, global_batch: int) -> tuple[dict[str, Baseline], dict[str, str]]:
     """The baselines that fit (as :func:`baselines`), and why each other one is missing."""
     rings = rings_only(cost)
-    makers = {"dp": data_parallel}
+    makers = {"dp": data_parallel, "fsdp": sharded_data_parallel}
     missing = {}
     if cost.model.splittable:
         makers |= {"mp": model_parallel, "hp": hybrid_parallel}

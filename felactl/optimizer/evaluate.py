@@ -61,6 +61,8 @@ class StageChoice:
     """Micro-batches of the stage a worker may hold at once (the plan's ``Stage.max_in_flight``);
     None: the planner's default (:func:`in_flight`), what the search space prices. The planner
     raises it to what memory holds (:func:`memory_limits`)."""
+    shard: bool = False
+    """Whether its workers shard the stage (FSDP2; :mod:`felactl.optimizer.sharding` prices it)."""
 
     @property
     def devices(self) -> tuple[str, ...]:

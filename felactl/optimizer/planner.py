@@ -24,6 +24,7 @@ from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, memory_limits, predict, stage_in_flight, token_samples
 from felactl.optimizer.graph import abbreviate_names, best_ring, ring_width
+from felactl.optimizer.sharding import sharded_memory_bytes
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.optimizer.space import build_space
 from felactl.spec import (
@@ -42,7 +43,7 @@ from felactl.spec import (
     placements_from,
 )
 from felactl.spec.plan import SIMULATION_TOLERANCE, simulation_agrees
-from felactl.spec.sync_modes import SYNC_MODE_SUPPORT, Execution, sync_support
+from felactl.spec.sync_modes import SYNC_MODE_SUPPORT, Execution, mode_names, modes_where, sync_support
 
 SYNC_MODES = tuple(m.value for m in SYNC_MODE_SUPPORT)
 DEFAULT_TIME_LIMIT_S = 30.0
@@ -140,7 +141,10 @@ def _stage(choice: StageChoice, cost: CostModel, global_batch: int, max_stages: 
     and its in-flight limit (none where it is every micro-batch of a pipeline's stage)."""
     c, model = choice, cost.model
     flight = stage_in_flight(cost, c, global_batch, max_stages)
-    memory_gb = stage_memory_bytes(model, c.start, c.end, c.micro_batch, flight) / 1e9
+    if c.shard:
+        memory_gb = sharded_memory_bytes(model, c.start, c.end, c.micro_batch, len(c.shares)) / 1e9
+    else:
+        memory_gb = stage_memory_bytes(model, c.start, c.end, c.micro_batch, flight) / 1e9
     samples = token_samples(c.shares, global_batch, c.micro_batch)
     workers = tuple(
         StageWorker(device=d, share=round(samples[d] / global_batch, 9), predicted_memory_gb=round(memory_gb, 4))
@@ -155,6 +159,7 @@ def _stage(choice: StageChoice, cost: CostModel, global_batch: int, max_stages: 
         micro_batch=c.micro_batch,
         workers=workers,
         max_in_flight=None if unlimited else flight,
+        shard=c.shard,
     )
 
 
@@ -318,15 +323,41 @@ def make_plan(
     extra = tuple(sorted({b.micro_batch for b in found.values()}))
     began = time.perf_counter()
     solve = partial(_solve_best, cost, global_batch, mode, max_stages, time_limit_s, debug_lp_path, progress, extra)
-    chosen = _as_simulated(
-        solve, partial(_Candidate.of, cost, model, global_batch, mode, use_trees, max_stages), progress
-    )
+    sharded = found.get("fsdp") if Execution.SHARDED in sync_support(mode).executions else None
+    try:
+        chosen = _as_simulated(
+            solve, partial(_Candidate.of, cost, model, global_batch, mode, use_trees, max_stages), progress
+        )
+    except PlanInfeasible as exc:
+        if sharded is None:
+            raise PlanInfeasible(f"{exc}{_sharding_hint(found, mode)}") from None
+        progress("nothing replicated fits: the model sharded over every device")
+        took = time.perf_counter() - began
+        return _baseline_plan(cluster, cost, model, global_batch, "fsdp", found, missing, took, SHARDED_SOLVER)
     solve_s = time.perf_counter() - began
+    if sharded is not None and sharded.iteration_s < chosen.iteration_s:
+        progress(f"sharded over every device: {sharded.iteration_s:.4g} s, faster than {chosen.iteration_s:.4g} s")
+        return _baseline_plan(cluster, cost, model, global_batch, "fsdp", found, missing, solve_s, SHARDED_SOLVER)
+    return _solved_plan(cluster, cost, chosen, found, missing, global_batch, max_stages, solve_s)
+
+
+def _solved_plan(
+    cluster: ClusterSpec,
+    cost: CostModel,
+    chosen: _Candidate,
+    found: dict[str, baselines.Baseline],
+    missing: dict[str, str],
+    global_batch: int,
+    max_stages: int,
+    solve_s: float,
+) -> Plan:
+    """The ILP's chosen candidate as the plan ``make_plan`` returns: priced, with the baselines'
+    times beside it (and, where trees sync it, its own stages over rings only)."""
     plan, ranked, stages, iteration_s = chosen.plan, chosen.ranked, chosen.stages, chosen.iteration_s
     found_s = {name: b.iteration_s for name, b in found.items()}
-    if use_trees and not cost.trees_ever_faster:
+    if cost.use_trees and not cost.trees_ever_faster:
         found_s["no_trees"] = iteration_s  # no stage's sync used trees: the same program
-    elif use_trees:
+    elif cost.use_trees:
         # The plan's own stages synced over rings: priced, not solved again (a second solve doubled
         # the planner's time). The best rings-only plan could differ; this is the trees' own gain.
         found_s["no_trees"] = predict(replace(ranked, use_trees=False), stages, global_batch, max_stages).iteration_s
@@ -390,7 +421,10 @@ class _Candidate:
         )
 
 
-BASELINE_NAMES = ("dp", "mp", "hp")
+BASELINE_NAMES = ("dp", "mp", "hp", "fsdp")
+SHARDED_SOLVER = "sharded"
+"""The solver a plan records where the planner chose the model sharded over every device (the
+``fsdp`` candidate) over what the ILP found, or where the ILP found nothing that fits."""
 
 
 def make_baseline_plan(
@@ -418,12 +452,40 @@ def make_baseline_plan(
     solve_s = time.perf_counter() - began
     if baseline not in found:
         raise PlanInfeasible(f"baseline {baseline}: no plan: {missing[baseline]}")
+    return _baseline_plan(cluster, cost, model, global_batch, baseline, found, missing, solve_s)
+
+
+def _baseline_plan(
+    cluster: ClusterSpec,
+    cost: CostModel,
+    model: ModelSpec,
+    global_batch: int,
+    baseline: str,
+    found: dict[str, baselines.Baseline],
+    missing: dict[str, str],
+    solve_s: float,
+    solver_name: str | None = None,
+) -> Plan:
+    """The runnable plan of baseline ``baseline`` (in ``found``), priced by the rings it syncs over
+    (``solver_name``: what chose it, where the planner did; default ``baseline:<name>``)."""
     chosen = found[baseline]
+    rings = baselines.rings_only(cost)
     plan = _plan_from(
-        chosen.stages, cost, model, global_batch, SyncMode.BSP, use_trees=False, max_stages=len(chosen.stages)
+        chosen.stages, rings, model, global_batch, SyncMode.BSP, use_trees=False, max_stages=len(chosen.stages)
     )
     prediction = _predicted(
-        plan, chosen.iteration_s, simulate(plan, cost), {k: b.iteration_s for k, b in found.items()}, missing
+        plan, chosen.iteration_s, simulate(plan, rings), {k: b.iteration_s for k, b in found.items()}, missing
     )
-    info = SolverInfo(name=f"baseline:{baseline}", status="Baseline", solve_s=round(solve_s, 4))
+    info = SolverInfo(name=solver_name or f"baseline:{baseline}", status="Baseline", solve_s=round(solve_s, 4))
     return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))
+
+
+def _sharding_hint(found: dict[str, baselines.Baseline], mode: SyncMode) -> str:
+    """Where a sharded plan would fit but ``mode`` cannot run one: what to ask for instead."""
+    if "fsdp" not in found:
+        return ""
+    runs = mode_names(modes_where(lambda row: Execution.SHARDED in row.executions))
+    return (
+        f"; sharded over every device it fits ({found['fsdp'].iteration_s:.4g} s per step), which sync {runs} "
+        f"runs, not sync {mode.value}: plan with --sync {runs.split(' ')[0].rstrip(',')}"
+    )

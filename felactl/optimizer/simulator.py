@@ -50,6 +50,7 @@ from felactl.optimizer.cost import (
     saved_bytes_per_sample,
     stage_memory_bytes,
 )
+from felactl.optimizer.sharding import micro_batches_each, sharded_comm_s, sharded_memory_bytes
 from felactl.spec import Plan, Schedule
 
 
@@ -143,6 +144,8 @@ class _Simulation:
         ]
         for st, members in zip(plan.stages, self.stage_members):
             weights = stage_memory_bytes(cost.model, st.layer_start, st.layer_end, 1, 0)
+            if st.shard:  # each holds its shard and the layers it gathers (the activations come below)
+                weights = sharded_memory_bytes(cost.model, st.layer_start, st.layer_end, 0, len(st.workers))
             for d in members:
                 self.memory[d] = self.memory.get(d, 0.0) + weights
         self.peak = dict(self.memory)
@@ -297,6 +300,14 @@ class _Simulation:
             self.intervals.append(Interval(device, start, end, label))
             self._push(end, "token", tok)
 
+    def _sync_s(self, stage, device: str) -> float:
+        """What of a stage's sum the group waits for after the last backward: a sharded stage's
+        gathers and reduce-scatter (:mod:`~felactl.optimizer.sharding`: none of it hidden)."""
+        if stage.shard:
+            count = micro_batches_each(self.plan.global_batch, len(stage.workers), stage.micro_batch)
+            return sharded_comm_s(self.cost, stage.devices, stage.layer_start, stage.layer_end, count)
+        return self.cost.exposed_sync_s(stage.devices, stage.layer_start, stage.layer_end, device, stage.micro_batch)
+
     def _join_sync(self, device: str, now: float) -> bool:
         for s in self.sync_order:
             stage = self.plan.stages[s]
@@ -307,9 +318,7 @@ class _Simulation:
                 if len(self.sync_joined[s]) == len(stage.workers):
                     # The last to join ended its backward last: what of the sum its backward
                     # did not hide is what the group waits for.
-                    end = now + self.cost.exposed_sync_s(
-                        stage.devices, stage.layer_start, stage.layer_end, device, stage.micro_batch
-                    )
+                    end = now + self._sync_s(stage, device)
                     for member in stage.devices:
                         self.intervals.append(Interval(member, now, end, f"S{s}"))
                         self.busy_until[member] = end

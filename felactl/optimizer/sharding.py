@@ -1,0 +1,82 @@
+"""Sharded data parallel (``shard: true``, torch FSDP2): the stage's weights, gradients and AdamW
+state split over its ``n`` workers, each layer's weights gathered when it runs.
+
+Priced by the cost model's own parts, nothing overlapped (FSDP2 prefetches the next layer's
+weights beside the current one's compute; not counting that keeps the price an upper bound):
+
+* memory per worker: the state over ``n``, plus :data:`GATHERED_UNITS` of the largest layer's
+  weights and gradients whole (the one running and the one prefetched), plus the activations one
+  micro-batch keeps for its backward;
+* time per step: the slowest worker's micro-batches (each worker runs as many: the runtime's rule,
+  :func:`felactl.spec.executable.problems`), then per micro-batch an all-gather of the weights for
+  the forward and one for the backward, and once a reduce-scatter of the gradients, each half of a
+  ring allreduce's traffic over the group; then the optimizer step over ``1 / n`` of the state.
+"""
+
+from __future__ import annotations
+
+import math
+
+from felactl.optimizer.cost import ADAMW_STATE_BYTES_PER_PARAM, CostModel, micro_batch_options, saved_bytes_per_sample
+from felactl.spec import ModelSpec
+
+GATHERED_UNITS = 2
+"""Layers whose weights (and, in the backward, gradients) a worker holds whole at once."""
+
+
+def sharded_memory_bytes(model: ModelSpec, start: int, end: int, micro_batch: int, shards: int) -> float:
+    """Bytes one of ``shards`` workers holds for layers ``[start, end)`` sharded among them."""
+    layers = model.layers[start:end]
+    state = sum(2 * l.param_bytes + ADAMW_STATE_BYTES_PER_PARAM * l.params for l in layers)
+    gathered = GATHERED_UNITS * 2 * max((l.param_bytes for l in layers), default=0)
+    activations = sum(saved_bytes_per_sample(model, i) for i in range(start, end)) * micro_batch
+    return state / shards + gathered + activations
+
+
+def micro_batches_each(global_batch: int, workers: int, micro_batch: int) -> int:
+    """Micro-batches every worker of a sharded stage runs per step (equal shares)."""
+    return math.ceil(math.ceil(global_batch / workers) / micro_batch)
+
+
+def sharded_comm_s(cost: CostModel, devices: tuple[str, ...], start: int, end: int, micro_batches: int) -> float:
+    """Seconds of a step's gathers and its reduce-scatter over ``devices``."""
+    nbytes = sum(layer.param_bytes for layer in cost.model.layers[start:end])
+    half_allreduce_s = cost.ring_sync_s(devices, nbytes) / 2
+    return (2 * micro_batches + 1) * half_allreduce_s
+
+
+def sharded_iteration_s(cost: CostModel, devices: tuple[str, ...], global_batch: int, micro_batch: int) -> float:
+    """A step of the whole model sharded over ``devices`` at ``micro_batch``."""
+    layers = cost.model.num_layers
+    count = micro_batches_each(global_batch, len(devices), micro_batch)
+    compute = max(count * sum(cost.stage_times_s(0, layers, d, micro_batch)) for d in devices)
+    step = max(cost.optimizer_step_s(0, layers, d) for d in devices) / len(devices)
+    return compute + sharded_comm_s(cost, devices, 0, layers, count) + step
+
+
+def best_sharded(cost: CostModel, global_batch: int) -> tuple[float, int] | str:
+    """The fastest micro-batch at which the whole model sharded over every device fits each
+    device's usable memory, and its iteration seconds; or why none does (one line)."""
+    devices = tuple(cost.cluster.device_names)
+    if len(devices) < 2:
+        return "needs two devices or more to shard over"
+    usable = min(cost.usable_memory_bytes(d) for d in devices)
+    best, closest = None, None
+    for b in micro_batch_options(global_batch):
+        if b * len(devices) > global_batch:
+            continue
+        need = sharded_memory_bytes(cost.model, 0, cost.model.num_layers, b, len(devices))
+        if need > usable:
+            closest = need if closest is None else min(closest, need)
+            continue
+        seconds = sharded_iteration_s(cost, devices, global_batch, b)
+        if best is None or seconds < best[0]:
+            best = (seconds, b)
+    if best is not None:
+        return best
+    if closest is not None:
+        return (
+            f"does not fit sharded either: needs {closest / 1e9:.3g} GB per device "
+            f"({usable / 1e9:.3g} GB usable on the smallest)"
+        )
+    return f"the global batch {global_batch} gives some device no micro-batch"
