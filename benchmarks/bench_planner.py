@@ -188,14 +188,17 @@ def hetero_table() -> list[dict]:
     from felactl.optimizer.simulator import simulate
 
     cluster = load_cluster(ROOT / "plans" / "clusters" / "h100-a10g-l4.yaml")
-    cases = [
-        ("GPT-2-XL-like", transformer_spec(50, width=1600, seq_len=1024, vocab=50257), 512),
-        ("Llama-7B-like", transformer_spec(34, width=4096, seq_len=2048, vocab=32000), 256),
+    llama = transformer_spec(34, width=4096, seq_len=2048, vocab=32000)
+    a10gs = [d for d in cluster.device_names if d.startswith("a10g")]
+    cases = [  # (name, model, batch, devices (None: all), sync)
+        ("GPT-2-XL-like", transformer_spec(50, width=1600, seq_len=1024, vocab=50257), 512, None, "tokens"),
+        ("Llama-7B-like", llama, 256, None, "tokens"),
+        ("Llama-7B-like, 16 A10G only", llama, 256, a10gs, "bsp"),  # fits only sharded (issue 32)
     ]
     rows = []
-    for name, model, batch in cases:
+    for name, model, batch, devices, sync in cases:
         began, began_cpu = time.perf_counter(), cpu_s()
-        plan = make_plan(cluster, model, batch)
+        plan = make_plan(cluster, model, batch, devices=devices, sync=sync)
         wall, cpu = time.perf_counter() - began, cpu_s() - began_cpu
         cost = plan_cost_model(plan, cluster, model, use_trees=True)
         result = simulate(plan, cost)
@@ -205,13 +208,13 @@ def hetero_table() -> list[dict]:
             {
                 "case": name,
                 "layers": model.num_layers,
-                "gpus": len(cluster.device_names),
+                "gpus": len(devices or cluster.device_names),
                 "batch": batch,
                 "wall_s": wall,
                 "cpu_s": cpu,
-                "status": plan.solver.status,
+                "status": f"{plan.solver.status} ({plan.solver.name})",
                 "stages": " / ".join(
-                    f"{st.layer_start}-{st.layer_end - 1} b{st.micro_batch} x{len(st.workers)} "
+                    f"{st.layer_start}-{st.layer_end - 1} b{st.micro_batch} x{len(st.workers)}{' sharded' if st.shard else ''} "
                     f"({'+'.join(sorted({w.device.split('.')[0] for w in st.workers}))})"
                     for st in plan.stages
                 ),
