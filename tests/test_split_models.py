@@ -326,3 +326,28 @@ def test_launch_shard_trains_a_job_with_each_worker_holding_half(tmp_path):
     exported = runner.invoke(app, ["export", "s", "--runs-root", str(tmp_path), "-o", str(tmp_path / "m.pt")])
     assert exported.exit_code == 0, exported.output
     models.build(LLAMA).model.load_state_dict(torch.load(tmp_path / "m.pt"), strict=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shape", ["sharded", "pipeline"])
+def test_a_resumed_run_ends_where_one_run_ends(tmp_path, shape):
+    """3 steps, then 3 more from their checkpoint, equal 6 in one go: a sharded stage's checkpoint
+    is gathered whole and each worker takes its shard back (model and AdamW state, through
+    torch.distributed.checkpoint's state-dict API); a 2-stage pipeline's stages (the tied head in
+    both) load their own weights back."""
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    if shape == "sharded":
+        plan = _sharded_plan(SMALL)
+    else:
+        plan = dataclasses.replace(
+            pipeline_plan([0, 2, 4], 1, "1f1b", micro_batch=3, global_batch=8, config=SMALL),
+            model=ModelRef(name=LLAMA, source=LLAMA, config=SMALL),
+        )
+    for name in ("whole", "cut", "resumed"):
+        (tmp_path / name).mkdir()
+    whole = run_plan(plan, tmp_path / "whole", 6, env=env)
+    cut = run_plan(plan, tmp_path / "cut", 3, env=env)
+    resumed = run_plan(
+        plan, tmp_path / "resumed", 6, env={**env, "FELACTL_RESUME_FROM": str(checkpoint_path(cut, 3, 0).parent)}
+    )
+    assert _largest_difference(_trained(plan, resumed, 6), _trained(plan, whole, 6)) < 1e-6
