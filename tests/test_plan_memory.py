@@ -151,3 +151,11 @@ def test_sharding_is_not_chosen_where_a_replica_fits_and_is_faster(tmp_path):
     plan = make_plan(cluster, small, 256, devices=a10gs, sync="bsp")
     assert not any(stage.shard for stage in plan.stages)
     assert plan.predicted.baselines["fsdp"] > plan.predicted.iteration_s
+
+
+def test_a_model_that_fits_nowhere_even_sharded_says_how_much_sharding_would_need():
+    cluster, model, a10gs = _llama7b_on_a10gs()
+    with pytest.raises(
+        PlanInfeasible, match=r"sharded over every device: does not fit sharded either: needs [\d.]+ GB per device"
+    ):
+        make_plan(cluster, model, 256, devices=a10gs[:4], sync="bsp")

@@ -330,7 +330,7 @@ def make_plan(
         )
     except PlanInfeasible as exc:
         if sharded is None:
-            raise PlanInfeasible(f"{exc}{_sharding_hint(found, mode)}") from None
+            raise PlanInfeasible(f"{exc}{_sharding_hint(found, missing, mode)}") from None
         progress("nothing replicated fits: the model sharded over every device")
         took = time.perf_counter() - began
         return _baseline_plan(cluster, cost, model, global_batch, "fsdp", found, missing, took, SHARDED_SOLVER)
@@ -480,10 +480,11 @@ def _baseline_plan(
     return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))
 
 
-def _sharding_hint(found: dict[str, baselines.Baseline], mode: SyncMode) -> str:
-    """Where a sharded plan would fit but ``mode`` cannot run one: what to ask for instead."""
+def _sharding_hint(found: dict[str, baselines.Baseline], missing: dict[str, str], mode: SyncMode) -> str:
+    """Where a sharded plan would fit but ``mode`` cannot run one: what to ask for instead; where
+    it would not fit either, why (with the numbers)."""
     if "fsdp" not in found:
-        return ""
+        return f"; sharded over every device: {missing['fsdp']}" if "fsdp" in missing else ""
     runs = mode_names(modes_where(lambda row: Execution.SHARDED in row.executions))
     return (
         f"; sharded over every device it fits ({found['fsdp'].iteration_s:.4g} s per step), which sync {runs} "
