@@ -159,3 +159,22 @@ def test_a_model_that_fits_nowhere_even_sharded_says_how_much_sharding_would_nee
         PlanInfeasible, match=r"sharded over every device: does not fit sharded either: needs [\d.]+ GB per device"
     ):
         make_plan(cluster, model, 256, devices=a10gs[:4], sync="bsp")
+
+
+@pytest.mark.slow
+def test_a_plan_that_puts_a_tied_weight_on_two_kinds_of_gpu_is_refused_with_where():
+    """GPT-2-XL-like with its head tied to the embedding on the H100 / A10G / L4 cluster: the
+    planner's split puts the embedding on A10Gs and the head on H100s, whose copies of the one
+    weight would not step alike; refused at plan time, saying where, and what to plan instead."""
+    from benchmarks.synthetic_models import transformer_spec
+
+    cluster = load_cluster(ROOT / "plans" / "clusters" / "h100-a10g-l4.yaml")
+    gpt2xl = transformer_spec(50, width=1600, seq_len=1024, vocab=50257)  # as bench_planner's table 3
+    untied = make_plan(cluster, gpt2xl, 512)
+    kinds = {cluster.device(d).model for d in untied.stages[0].devices + untied.stages[-1].devices}
+    assert len(kinds) > 1  # the premise: the ends of the model on different kinds
+    tied = dataclasses.replace(gpt2xl, tied=((0, 49),))
+    with pytest.raises(PlanInfeasible, match=r"layers 0 \(.*\) and 49 \(.*\) read one weight .* on 2 kinds of device"):
+        make_plan(cluster, tied, 512)
+    a10gs = [d for d in cluster.device_names if d.startswith("a10g")]
+    assert make_plan(cluster, tied, 512, devices=a10gs).stages  # one kind: planned

@@ -97,6 +97,13 @@ class ModelBundle:
             return None
         return split.value_kinds(self.split_graph, self.model, lambda n: self.job.batch(range(n))[0])
 
+    def tied_layers(self) -> tuple[tuple[int, ...], ...]:
+        """The layers that read one weight, each group by index (none unless split)."""
+        if not self.split_points:
+            return ()
+        one_each = [(i, i + 1) for i in range(len(self.split_graph.layers))]
+        return tuple(layers for _, layers in split.tied_weights(self.split_graph, self.model, one_each))
+
     @property
     def layer_names(self) -> list[str]:
         """The profile's names of the layers: module paths for a split model (``embedding``,

@@ -24,7 +24,7 @@ from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, memory_limits, predict, stage_in_flight, token_samples
 from felactl.optimizer.graph import abbreviate_names, best_ring, ring_width
-from felactl.optimizer.sharding import sharded_memory_bytes
+from felactl.optimizer.sharding import sharded_memory_bytes, sharding_hint
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.optimizer.space import build_space
 from felactl.spec import (
@@ -42,8 +42,9 @@ from felactl.spec import (
     SyncSpec,
     placements_from,
 )
+from felactl.spec.checks import tied_across_kinds
 from felactl.spec.plan import SIMULATION_TOLERANCE, simulation_agrees
-from felactl.spec.sync_modes import SYNC_MODE_SUPPORT, Execution, mode_names, modes_where, sync_support
+from felactl.spec.sync_modes import SYNC_MODE_SUPPORT, Execution, sync_support
 
 SYNC_MODES = tuple(m.value for m in SYNC_MODE_SUPPORT)
 DEFAULT_TIME_LIMIT_S = 30.0
@@ -330,13 +331,11 @@ def make_plan(
         )
     except PlanInfeasible as exc:
         if sharded is None:
-            raise PlanInfeasible(f"{exc}{_sharding_hint(found, missing, mode)}") from None
-        progress("nothing replicated fits: the model sharded over every device")
-        took = time.perf_counter() - began
-        return _baseline_plan(cluster, cost, model, global_batch, "fsdp", found, missing, took, SHARDED_SOLVER)
+            raise PlanInfeasible(f"{exc}{sharding_hint(found, missing, mode)}") from None
+        chosen = None  # nothing replicated fits: sharded, it does
     solve_s = time.perf_counter() - began
-    if sharded is not None and sharded.iteration_s < chosen.iteration_s:
-        progress(f"sharded over every device: {sharded.iteration_s:.4g} s, faster than {chosen.iteration_s:.4g} s")
+    if sharded is not None and (chosen is None or sharded.iteration_s < chosen.iteration_s):
+        progress(f"the model sharded over every device: {sharded.iteration_s:.4g} s")
         return _baseline_plan(cluster, cost, model, global_batch, "fsdp", found, missing, solve_s, SHARDED_SOLVER)
     return _solved_plan(cluster, cost, chosen, found, missing, global_batch, max_stages, solve_s)
 
@@ -352,8 +351,15 @@ def _solved_plan(
     solve_s: float,
 ) -> Plan:
     """The ILP's chosen candidate as the plan ``make_plan`` returns: priced, with the baselines'
-    times beside it (and, where trees sync it, its own stages over rings only)."""
+    times beside it (and, where trees sync it, its own stages over rings only). Refused where it
+    puts layers that read one weight on devices of two kinds (:func:`tied_across_kinds`)."""
     plan, ranked, stages, iteration_s = chosen.plan, chosen.ranked, chosen.stages, chosen.iteration_s
+    problem = tied_across_kinds(plan, cost.model, cluster)
+    if problem is not None:
+        kinds = sorted({cluster.device(d).model for d in plan.devices})
+        raise PlanInfeasible(
+            f"{problem}: plan it on one kind (--devices of {' or '.join(kinds)}), or with --max-stages 1"
+        )
     found_s = {name: b.iteration_s for name, b in found.items()}
     if cost.use_trees and not cost.trees_ever_faster:
         found_s["no_trees"] = iteration_s  # no stage's sync used trees: the same program
@@ -478,15 +484,3 @@ def _baseline_plan(
     )
     info = SolverInfo(name=solver_name or f"baseline:{baseline}", status="Baseline", solve_s=round(solve_s, 4))
     return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))
-
-
-def _sharding_hint(found: dict[str, baselines.Baseline], missing: dict[str, str], mode: SyncMode) -> str:
-    """Where a sharded plan would fit but ``mode`` cannot run one: what to ask for instead; where
-    it would not fit either, why (with the numbers)."""
-    if "fsdp" not in found:
-        return f"; sharded over every device: {missing['fsdp']}" if "fsdp" in missing else ""
-    runs = mode_names(modes_where(lambda row: Execution.SHARDED in row.executions))
-    return (
-        f"; sharded over every device it fits ({found['fsdp'].iteration_s:.4g} s per step), which sync {runs} "
-        f"runs, not sync {mode.value}: plan with --sync {runs.split(' ')[0].rstrip(',')}"
-    )

@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 
 from felactl.optimizer.cost import ADAMW_STATE_BYTES_PER_PARAM, CostModel, micro_batch_options, saved_bytes_per_sample
-from felactl.spec import ModelSpec
+from felactl.spec import ModelSpec, SyncMode
+from felactl.spec.sync_modes import Execution, mode_names, modes_where
 
 GATHERED_UNITS = 2
 """Layers whose weights (and, in the backward, gradients) a worker holds whole at once."""
@@ -80,3 +81,15 @@ def best_sharded(cost: CostModel, global_batch: int) -> tuple[float, int] | str:
             f"({usable / 1e9:.3g} GB usable on the smallest)"
         )
     return f"the global batch {global_batch} gives some device no micro-batch"
+
+
+def sharding_hint(found: dict, missing: dict[str, str], mode: SyncMode) -> str:
+    """Where a sharded plan would fit but ``mode`` cannot run one: what to ask for instead; where
+    it would not fit either, why (with the numbers)."""
+    if "fsdp" not in found:
+        return f"; sharded over every device: {missing['fsdp']}" if "fsdp" in missing else ""
+    runs = mode_names(modes_where(lambda row: Execution.SHARDED in row.executions))
+    return (
+        f"; sharded over every device it fits ({found['fsdp'].iteration_s:.4g} s per step), which sync {runs} "
+        f"runs, not sync {mode.value}: plan with --sync {runs.split(' ')[0].rstrip(',')}"
+    )

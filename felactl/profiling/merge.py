@@ -77,7 +77,7 @@ def _check_same_model(a_source: str, a: ModelSpec, b_source: str, b: ModelSpec) 
     def differ(what: str) -> ProfilingError:
         return ProfilingError(f"the profiles of {a_source} and {b_source} are of different models: {what} differ")
 
-    for key in ("name", "source", "config", "input_bytes_per_sample", "splittable"):
+    for key in ("name", "source", "config", "input_bytes_per_sample", "splittable", "tied"):
         if getattr(a, key) != getattr(b, key):
             raise differ(key)
     if len(a.layers) != len(b.layers):

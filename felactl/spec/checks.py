@@ -70,6 +70,29 @@ def check_plan_against_model(plan: Plan, model: ModelSpec, where: str = "plan") 
     check_executable(plan, [layer.params for layer in model.layers], where)
 
 
+def tied_across_kinds(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> str | None:
+    """Where the plan puts layers that read one weight (:attr:`ModelSpec.tied`) on devices of more
+    than one kind, what it puts where: each holds a copy, stepped alike only where the devices are
+    alike. None where every group sits on one kind."""
+    for group in model.tied:
+        kinds: dict[str, list[str]] = {}
+        for s, stage in enumerate(plan.stages):
+            held = [i for i in group if stage.layer_start <= i < stage.layer_end]
+            for device in stage.devices if held else ():
+                kinds.setdefault(cluster.device(device).model, []).append(f"{device} (stage {s})")
+        if len(kinds) > 1:
+            names = " and ".join(f"{i} ({model.layers[i].name})" for i in group)
+            where = "; ".join(
+                f"{kind}: {', '.join(devices[:3])}{' ...' if len(devices) > 3 else ''}"
+                for kind, devices in kinds.items()
+            )
+            return (
+                f"layers {names} read one weight (tied), and this plan puts them on {len(kinds)} kinds of "
+                f"device ({where}): each holds a copy, which steps alike only on devices alike"
+            )
+    return None
+
+
 def check_together(files: Sequence[tuple[str, ClusterSpec | ModelSpec | Plan]]) -> None:
     """Files given together (``felactl check plan.yaml cluster.yaml model.yaml``): every plan is
     executable, and fits every cluster and every model among them. Raises the first problem."""
@@ -81,3 +104,9 @@ def check_together(files: Sequence[tuple[str, ClusterSpec | ModelSpec | Plan]]) 
                 check_plan_against_cluster(plan, spec, where)
             elif isinstance(spec, ModelSpec):
                 check_plan_against_model(plan, spec, where)
+        for _, cluster in files:
+            for _, model in files:
+                if isinstance(cluster, ClusterSpec) and isinstance(model, ModelSpec):
+                    problem = tied_across_kinds(plan, model, cluster)
+                    if problem is not None:
+                        raise SpecError(where, "stages", problem)

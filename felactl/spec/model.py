@@ -143,6 +143,10 @@ class ModelSpec:
     a cgroup, a throttled GPU) takes the timings scaled by timed / its own TFLOP/s."""
     """Optional: measured gradient sync of the whole model on groups of devices; the cost model
     scales its link-based estimate of any group inside a measured one by measured / estimate."""
+    tied: tuple[tuple[int, ...], ...] = ()
+    """Layers that read one weight, each group by layer index (a head tied to the embedding: the
+    first and the last layer). Stages that hold such layers each hold a copy, their gradients
+    summed: a plan keeps a group on devices of one kind, so the copies step alike."""
     noisy: tuple[str, ...] = ()
     """The timings of this profile whose repetitions still disagreed when the profiler's cap on
     them was hit, by key path with their spread (``layers[2].timings[0]: spread 0.31``): the
@@ -169,6 +173,11 @@ class ModelSpec:
             if group in groups:
                 raise FieldProblem(f"data_parallel_sync[{i}]", "a second timing for the same cluster and devices")
             groups.add(group)
+        for g, group in enumerate(self.tied):
+            if len(group) < 2 or any(not 0 <= i < len(self.layers) for i in group):
+                raise FieldProblem(
+                    f"tied[{g}]", f"must name two or more of the {len(self.layers)} layers, got {list(group)}"
+                )
         names = set()
         for i, layer in enumerate(self.layers):
             if layer.name in names:
