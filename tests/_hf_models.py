@@ -33,3 +33,10 @@ def llama(depth: int = 2, width: int = 32, seq_len: int = 16) -> TrainJob:
         loss_fn=causal_lm_loss,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
+
+
+def gpt2_with_cache(depth: int = 2, seq_len: int = 16) -> TrainJob:
+    """GPT-2 as its config builds it by default, to generate: its forward returns a key/value cache."""
+    data = CharCorpus(seq_len)
+    config = transformers.GPT2Config(vocab_size=len(data.vocab), n_embd=32, n_layer=depth, n_head=4, n_positions=32)
+    return TrainJob(model=transformers.GPT2LMHeadModel(config), dataset=data, loss_fn=causal_lm_loss)

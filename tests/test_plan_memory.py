@@ -24,6 +24,7 @@ from felactl.spec import (
     check_executable,
     load_cluster,
 )
+from felactl.spec.model import TiedWeight
 from tests.planner_fixtures import cluster, model, tight_instance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,7 +174,7 @@ def test_a_plan_that_puts_a_tied_weight_on_two_kinds_of_gpu_is_refused_with_wher
     untied = make_plan(cluster, gpt2xl, 512)
     kinds = {cluster.device(d).model for d in untied.stages[0].devices + untied.stages[-1].devices}
     assert len(kinds) > 1  # the premise: the ends of the model on different kinds
-    tied = dataclasses.replace(gpt2xl, tied=((0, 49),))
+    tied = dataclasses.replace(gpt2xl, tied=(TiedWeight(layers=(0, 49), params=gpt2xl.layers[0].params),))
     with pytest.raises(PlanInfeasible, match=r"layers 0 \(.*\) and 49 \(.*\) read one weight .* on 2 kinds of device"):
         make_plan(cluster, tied, 512)
     a10gs = [d for d in cluster.device_names if d.startswith("a10g")]

@@ -114,6 +114,13 @@ def test_a_model_with_data_dependent_control_flow_is_refused_at_profile():
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
+def test_an_hf_model_built_to_generate_is_told_to_drop_its_cache():
+    pytest.importorskip("transformers", reason="transformers is a test-only dependency (the dev extra)")
+    result = runner.invoke(app, ["profile", "--model", "_hf_models:gpt2_with_cache", "--batch-sizes", "2"])
+    assert result.exit_code == 2, result.output
+    assert "build the model with use_cache=False" in result.output and len(result.output.strip().splitlines()) == 1
+
+
 def test_the_profile_has_the_embedding_each_block_and_the_head():
     from felactl.profiling.model import profile_model
 
@@ -124,6 +131,7 @@ def test_the_profile_has_the_embedding_each_block_and_the_head():
     # a boundary carries the hidden states and the rotary tables the later blocks read
     assert spec.layers[0].activation_bytes_per_sample > SMALL["seq_len"] * SMALL["width"] * 4
     assert spec.layers[0].kind == "Embedding" and blocks[0].kind == "Block"
+    assert spec.layers[-1].kind == "RMSNorm+Linear"  # the head, though its weight is the embedding's
 
 
 def _reference(job: TrainJob, steps: int, global_batch: int) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -351,3 +359,14 @@ def test_a_resumed_run_ends_where_one_run_ends(tmp_path, shape):
         plan, tmp_path / "resumed", 6, env={**env, "FELACTL_RESUME_FROM": str(checkpoint_path(cut, 3, 0).parent)}
     )
     assert _largest_difference(_trained(plan, resumed, 6), _trained(plan, whole, 6)) < 1e-6
+
+
+def test_a_tied_weight_counts_once_in_the_models_parameters():
+    """The profile's layers each count the weight they read (a stage holding the head holds a
+    copy); the model's total counts it once, as the model has it."""
+    from felactl.profiling.model import profile_model
+
+    spec = profile_model(LLAMA, SMALL, [2], repeats=1)
+    (tied,) = spec.tied
+    assert tied.layers == (0, 3) and tied.params == spec.layers[0].params
+    assert spec.total_params == sum(p.numel() for p in models.build(LLAMA, SMALL).model.parameters())

@@ -50,7 +50,8 @@ def export_model(run: str, runs_root: Path, output: Path | None = None, step: in
     rundir = RunDir.find(run, root=runs_root)
     chosen = pick_checkpoint(rundir, step)
     state = merge_stages(chosen.directory, chosen.plan, chosen.stage0)
-    check_state_dict(state, _reference_state(chosen.plan), where=str(chosen.directory))
+    reference = models.build(chosen.plan.model.source, chosen.plan.model.config).model
+    check_state_dict(state, reference.state_dict(), where=str(chosen.directory))
     target = atomic_write(
         output if output is not None else rundir.path / DEFAULT_OUTPUT_NAME, lambda f: torch.save(state, f)
     )
@@ -62,7 +63,7 @@ def export_model(run: str, runs_root: Path, output: Path | None = None, step: in
         output=target,
         num_stages=len(chosen.plan.stages),
         num_tensors=len(state),
-        num_params=sum(t.numel() for t in state.values()),
+        num_params=sum(p.numel() for p in reference.parameters()),  # a tied weight once, as the model has it
     )
 
 
@@ -85,10 +86,6 @@ def merge_stages(directory: Path, plan: Plan, stage0: dict) -> OrderedDict[str, 
     if metadata:
         merged._metadata = metadata  # type: ignore[attr-defined]
     return merged
-
-
-def _reference_state(plan: Plan) -> dict[str, torch.Tensor]:
-    return models.build(plan.model.source, plan.model.config).model.state_dict()
 
 
 def check_state_dict(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], where: str) -> None:

@@ -27,6 +27,7 @@ from felactl.errors import InputError
 from felactl.job import TrainJob
 from felactl.models import builtin, split
 from felactl.models.data import CharCorpus, PrototypeImages, TeacherDataset
+from felactl.spec.model import TiedWeight
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,12 +98,13 @@ class ModelBundle:
             return None
         return split.value_kinds(self.split_graph, self.model, lambda n: self.job.batch(range(n))[0])
 
-    def tied_layers(self) -> tuple[tuple[int, ...], ...]:
-        """The layers that read one weight, each group by index (none unless split)."""
+    def tied_weights(self) -> tuple[TiedWeight, ...]:
+        """The weights several layers read, each with those layers and its size (none unless split)."""
         if not self.split_points:
             return ()
         one_each = [(i, i + 1) for i in range(len(self.split_graph.layers))]
-        return tuple(layers for _, layers in split.tied_weights(self.split_graph, self.model, one_each))
+        found = split.tied_weights(self.split_graph, self.model, one_each)
+        return tuple(TiedWeight(layers=layers, params=self.model.get_parameter(name).numel()) for name, layers in found)
 
     @property
     def layer_names(self) -> list[str]:

@@ -176,11 +176,7 @@ def _export(model: nn.Module, example_inputs: Any):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), _quiet("torch"):
             return torch.export.export(model, (example_inputs,), dynamic_shapes=dims, strict=False)
     except Exception as exc:
-        raise InputError(
-            f"torch.export cannot trace the model to split it into stages ({type(exc).__name__}: {_why(exc)}); "
-            f"a forward whose control flow depends on the data cannot be cut: name no split points "
-            f"(TrainJob(split_points=[])) to train it data-parallel"
-        ) from None
+        raise InputError(f"torch.export cannot trace the model to split it into stages: {_why(exc)}") from None
 
 
 @contextlib.contextmanager
@@ -194,13 +190,25 @@ def _quiet(logger_name: str):
         logger.setLevel(level)
 
 
+WHY_LIMIT = 200
+"""Characters of torch's own reason shown (its messages run on for pages)."""
+
+
 def _why(exc: Exception) -> str:
-    """The line of a trace's failure a user can act on: the user code it stopped at, if said."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    """What failed, in one line a user can act on: the user code the trace stopped at where torch
+    says it, and what to do."""
+    text = str(exc)
+    if "Cache" in text and "in output" in text:  # transformers' DynamicCache: a model built to generate
+        return "its output holds a key/value cache: build the model with use_cache=False (in its config)"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     code = [line for line in lines if "code:" in line]
-    if code:
-        return "at " + code[-1].split("code:", 1)[1].strip()
-    return lines[0] if lines else "no reason given"
+    where = ("at " + code[-1].split("code:", 1)[1].strip()) if code else (lines[0] if lines else "no reason given")
+    if len(where) > WHY_LIMIT:
+        where = where[: WHY_LIMIT - 3] + "..."
+    return (
+        f"{type(exc).__name__}: {where}; a forward whose control flow depends on the data cannot be cut: "
+        "name no split points (TrainJob(split_points=[])) to train it data-parallel"
+    )
 
 
 def _module_paths(node: fx.Node) -> list[str]:
@@ -298,14 +306,25 @@ class SplitStage(nn.Module):
 
 
 def _kind(graph: SplitGraph, model: nn.Module, start: int, end: int) -> str:
+    """A block's class; else the classes of the modules with weights whose code runs in the
+    layers (``Embedding``; ``RMSNorm+Linear`` for a head, tied to the embedding or not)."""
     if end - start == 1 and 0 < start <= len(graph.split_points):
         return type(model.get_submodule(graph.split_points[start - 1])).__name__
-    first_name = {}  # a tied weight by the name the model gives it first (the embedding's, not the head's)
-    for name, param in model.named_parameters():
-        first_name.setdefault(id(param), name)
-    names = [first_name.get(id(_get_attr(model, n))) for n in graph.attrs(start, end)]
-    owners = [type(model.get_submodule(n.rpartition(".")[0])).__name__ for n in names if n is not None]
+    owners = []
+    for layer in graph.layers[start:end]:
+        for node in layer.graph.nodes:
+            paths = _module_paths(node) if node.op == "call_function" else []
+            module = _submodule(model, paths[-1]) if paths else None
+            if module is not None and any(True for _ in module.parameters(recurse=False)):
+                owners.append(type(module).__name__)
     return "+".join(dict.fromkeys(owners)) or "SplitStage"
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
 
 
 def _get_attr(module: nn.Module, name: str) -> torch.Tensor:

@@ -115,7 +115,7 @@ def profile_model(
         input_bytes_per_sample=tensor_bytes(first_input),
         layers=tuple(Layer(timings=tuple(t), **vars(s)) for s, t in zip(statics, timings)),
         splittable=bundle.splittable,
-        tied=bundle.tied_layers(),
+        tied=bundle.tied_weights(),
         optimizer_step_ms=step.ms,
         whole_model_scale=scales,
         noisy=tuple(noisy),

@@ -74,7 +74,8 @@ def tied_across_kinds(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> str
     """Where the plan puts layers that read one weight (:attr:`ModelSpec.tied`) on devices of more
     than one kind, what it puts where: each holds a copy, stepped alike only where the devices are
     alike. None where every group sits on one kind."""
-    for group in model.tied:
+    for tied in model.tied:
+        group = tied.layers
         kinds: dict[str, list[str]] = {}
         for s, stage in enumerate(plan.stages):
             held = [i for i in group if stage.layer_start <= i < stage.layer_end]

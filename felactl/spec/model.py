@@ -32,6 +32,20 @@ class LayerTiming:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TiedWeight:
+    """A weight several layers read (a head tied to the embedding)."""
+
+    layers: tuple[int, ...]
+    """The layers that read it, by index."""
+    params: int
+    """Its parameters: counted in each of those layers' ``params`` (each stage holding one of them
+    holds a copy), once in the model's."""
+
+    def __post_init__(self) -> None:
+        positive("params", self.params, limits.PARAMS)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Layer:
     name: str
     params: int
@@ -143,10 +157,10 @@ class ModelSpec:
     a cgroup, a throttled GPU) takes the timings scaled by timed / its own TFLOP/s."""
     """Optional: measured gradient sync of the whole model on groups of devices; the cost model
     scales its link-based estimate of any group inside a measured one by measured / estimate."""
-    tied: tuple[tuple[int, ...], ...] = ()
-    """Layers that read one weight, each group by layer index (a head tied to the embedding: the
-    first and the last layer). Stages that hold such layers each hold a copy, their gradients
-    summed: a plan keeps a group on devices of one kind, so the copies step alike."""
+    tied: tuple[TiedWeight, ...] = ()
+    """Weights that several layers read (a head tied to the embedding: the first and the last
+    layer). Stages that hold such layers each hold a copy, their gradients summed: a plan keeps
+    those layers on devices of one kind, so the copies step alike."""
     noisy: tuple[str, ...] = ()
     """The timings of this profile whose repetitions still disagreed when the profiler's cap on
     them was hit, by key path with their spread (``layers[2].timings[0]: spread 0.31``): the
@@ -173,10 +187,11 @@ class ModelSpec:
             if group in groups:
                 raise FieldProblem(f"data_parallel_sync[{i}]", "a second timing for the same cluster and devices")
             groups.add(group)
-        for g, group in enumerate(self.tied):
-            if len(group) < 2 or any(not 0 <= i < len(self.layers) for i in group):
+        for g, tied in enumerate(self.tied):
+            if len(tied.layers) < 2 or any(not 0 <= i < len(self.layers) for i in tied.layers):
                 raise FieldProblem(
-                    f"tied[{g}]", f"must name two or more of the {len(self.layers)} layers, got {list(group)}"
+                    f"tied[{g}].layers",
+                    f"must name two or more of the {len(self.layers)} layers, got {list(tied.layers)}",
                 )
         names = set()
         for i, layer in enumerate(self.layers):
@@ -214,4 +229,5 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        return sum(layer.params for layer in self.layers)
+        """The model's parameters, a tied weight once (the layers' ``params`` count it in each)."""
+        return sum(layer.params for layer in self.layers) - sum(t.params * (len(t.layers) - 1) for t in self.tied)
