@@ -370,3 +370,23 @@ def test_a_tied_weight_counts_once_in_the_models_parameters():
     (tied,) = spec.tied
     assert tied.layers == (0, 3) and tied.params == spec.layers[0].params
     assert spec.total_params == sum(p.numel() for p in models.build(LLAMA, SMALL).model.parameters())
+
+
+@pytest.mark.multiprocess
+def test_a_plan_its_model_does_not_fit_exits_2_though_only_the_workers_can_tell(tmp_path):
+    """A plan whose stages cover more layers than the model has (its config changed by hand after
+    planning): the workers find it as they build the model and refuse it (exit 2); the launch
+    says so as bad input, exit 2, not as a failed run."""
+    plan = dataclasses.replace(
+        pipeline_plan([0, 2, 4], 1, "1f1b", micro_batch=3, global_batch=8, config=dict(SMALL, depth=3)),
+        model=ModelRef(name=LLAMA, source=LLAMA, config=SMALL),  # planned for 3 blocks, 2 given
+    )
+    path = tmp_path / "plan.yaml"
+    from felactl.spec import save
+
+    save(
+        dataclasses.replace(plan, stages=plan.stages[:-1] + (dataclasses.replace(plan.stages[-1], layer_end=5),)), path
+    )
+    result = runner.invoke(app, ["launch", str(path), "--steps", "2", "--runs-root", str(tmp_path / "runs")])
+    assert result.exit_code == 2, result.output
+    assert "the stages cover 5 layers but model" in result.output

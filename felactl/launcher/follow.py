@@ -13,7 +13,7 @@ from typing import Any
 from felactl.control import EventKind
 from felactl.control.documents import WorkerState
 from felactl.control.metrics import summarize
-from felactl.errors import WorkerFailed
+from felactl.errors import EXIT_BAD_INPUT, InputError, WorkerFailed
 from felactl.fsutil import JsonlTail
 from felactl.launcher.controlplane import Coordinator, Member
 from felactl.launcher.elastic import ElasticController
@@ -93,7 +93,8 @@ def follow(
         states = {m.agent_id: coordinator.agent_state(m.agent_id) for m in state.members}
         failed = {aid: s for aid, s in states.items() if s and s.get("state") == WorkerState.FAILED.value}
         if failed:
-            raise WorkerFailed(_failure_line(failed, state))
+            line = _failure_line(failed, state)
+            raise InputError(line) if _refused(failed) else WorkerFailed(line)
         if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
             break
         time.sleep(POLL_S)
@@ -101,6 +102,15 @@ def follow(
     on_update(state)
     prune_checkpoints(state.run.checkpoints, len(state.plan.stages), keep_checkpoints)  # the last ones too
     return _summary(state)
+
+
+def _refused(failed: dict[str, dict]) -> bool:
+    """Whether every worker that failed refused its input (exit 2: a plan its model does not fit,
+    found as it built the model): the launch's bad input, said as such (exit 2), not a failure."""
+    codes = [
+        code for s in failed.values() for rank, code in s.get("exit_codes", {}).items() if rank in s.get("failures", {})
+    ]
+    return bool(codes) and all(code == EXIT_BAD_INPUT for code in codes)
 
 
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
