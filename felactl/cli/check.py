@@ -104,8 +104,9 @@ def register(app: typer.Typer) -> None:
         files: Annotated[list[Path], typer.Argument(help="Cluster, Model, Plan or Testbed files (YAML or JSON).")],
         as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
     ) -> None:
-        """Validate felactl files (a plan against the cluster and model given with it); print one line
-        per file, or the first problem (exit 2)."""
+        """Validate felactl files, given as arguments in any order: a plan against the cluster and
+        model files given beside it (felactl check plan.yaml cluster.yaml model.yaml); print one
+        line per file, or the first problem (exit 2)."""
         loaded = [(str(path), load_any(path)) for path in files]
         check_together(loaded)
         summaries = [summarize(where, spec) for where, spec in loaded]
