@@ -390,3 +390,9 @@ def test_a_plan_its_model_does_not_fit_exits_2_though_only_the_workers_can_tell(
     result = runner.invoke(app, ["launch", str(path), "--steps", "2", "--runs-root", str(tmp_path / "runs")])
     assert result.exit_code == 2, result.output
     assert "the stages cover 5 layers but model" in result.output
+
+
+def test_an_input_shape_for_a_model_that_brings_its_data_is_refused():
+    result = runner.invoke(app, ["profile", "--model", LLAMA, "--input-shape", "3,32,32", "--batch-sizes", "2"])
+    assert result.exit_code == 2 and "--input-shape is for a model that comes without data" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output

@@ -187,6 +187,11 @@ def _load(
     layers = bundle.layers.to(device)
     layers.train()
     spec_config = dict(bundle.config)
+    if bundle.data is not None and input_shape is not None:
+        raise InputError(
+            f"--input-shape is for a model that comes without data; {source!r} returns a TrainJob, "
+            "whose dataset gives the inputs: leave it out"
+        )
     if bundle.data is None:
         if input_shape is None:
             raise InputError(
