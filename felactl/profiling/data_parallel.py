@@ -204,7 +204,7 @@ def _time_steps(
     dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
     try:
         bundle = build(model, config, seed=0)
-        replica = wrap_replica(bundle.layers)  # as the runtime wraps it
+        replica = wrap_replica(bundle.model)  # as the runtime wraps a one-stage plan's: the user's module whole
         # Training steps the optimizer after the sync, and a step after DDP's sync was measured
         # slower (~4 ms vs ~2 ms here): time it in both, so the difference holds what sync costs
         # it too. lr 0 keeps the replicas equal while no_sync steps skip the allreduce.

@@ -173,11 +173,12 @@ def keep_busy(model: str, config: dict[str, Any], batch: int, cores: list[int] |
     if cores is not None:
         pin_to_cores(cores)
     bundle = build(model, config, seed=0)
-    optimizer = torch.optim.AdamW(bundle.layers.parameters(), lr=1e-6)
+    net = bundle.model  # the user's module whole, as a data-parallel worker runs it (not its traced pieces)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
     inputs, targets = bundle.data.batch(range(batch))
     while True:
         optimizer.zero_grad(set_to_none=True)
-        bundle.loss(bundle.layers(inputs), targets).backward()
+        bundle.loss(net(inputs), targets).backward()
         optimizer.step()
         started.set()
         if stop.is_set():
