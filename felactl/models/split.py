@@ -55,7 +55,8 @@ class Ref:
 def find_blocks(model: nn.Module) -> str | None:
     """The path of the model's one list of blocks: a ``ModuleList`` or ``ModuleDict`` of at least
     two children all of one class (HF's ``model.layers`` and ``transformer.h``, torchtitan's
-    ``layers``); the one with the most parameters where lists nest. None where there is none."""
+    ``layers``), not nested in another such list; the one with the most parameters where there
+    are several. None where there is none."""
     found: list[tuple[int, str]] = []
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 2:
@@ -63,12 +64,9 @@ def find_blocks(model: nn.Module) -> str | None:
         children = list(module.children())
         if len({type(c) for c in children}) == 1:
             found.append((sum(p.numel() for p in module.parameters()), path))
-    if not found:
-        return None
-    biggest = max(found)
-    # A list inside a block of another list (sub-layers of each block) is not the model's blocks.
+    # A list inside a block of another list (the experts of each MoE block) is not the model's blocks.
     outer = [f for f in found if not any(f[1].startswith(o[1] + ".") for o in found if o is not f)]
-    return max(outer or [biggest])[1]
+    return max(outer)[1] if outer else None
 
 
 def default_split_points(model: nn.Module) -> list[str]:
