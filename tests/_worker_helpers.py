@@ -147,23 +147,32 @@ def final_params(run_dir: Path, steps: int, stage: int = 0) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for k, v in state["model"].items()])
 
 
-def reference_params(plan: Plan, steps: int) -> torch.Tensor:
+def single_process(plan: Plan, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process training on the same global batches: what BSP must reproduce (the job's
-    optimizer, LR scheduler and gradient clipping included)."""
+    optimizer, LR scheduler and gradient clipping included): the model's state after ``steps``
+    and each step's loss."""
     job = models.build(plan.model.source, plan.model.config, seed=plan.training.seed).job
     model = job.model
     optimizer = make_optimizer(plan, list(model.parameters()), job)
     scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
+    losses = []
     for step in range(steps):
         inputs, targets = job.batch(range(step * plan.global_batch, (step + 1) * plan.global_batch))
-        job.loss_fn(model(inputs), targets).backward()
+        loss = job.loss_fn(model(inputs), targets)
+        loss.backward()
+        losses.append(loss.item())
         if job.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad()
-    return torch.cat([v.reshape(-1) for v in model.state_dict().values()])
+    return model.state_dict(), losses
+
+
+def reference_params(plan: Plan, steps: int) -> torch.Tensor:
+    """:func:`single_process`'s weights, flat."""
+    return torch.cat([v.reshape(-1) for v in single_process(plan, steps)[0].values()])
 
 
 def metrics(run_dir: Path) -> list[dict]:

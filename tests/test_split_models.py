@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _worker_helpers import hybrid_plan, metrics, pipeline_plan, run_plan
+from _worker_helpers import hybrid_plan, metrics, pipeline_plan, run_plan, single_process
 from torch import nn
 from typer.testing import CliRunner
 
-from felactl import TrainJob, models
+from felactl import models
 from felactl.agents.worker.checkpoint import checkpoint_path
 from felactl.cli.main import app
 from felactl.errors import InputError
@@ -134,24 +134,6 @@ def test_the_profile_has_the_embedding_each_block_and_the_head():
     assert spec.layers[-1].kind == "RMSNorm+Linear"  # the head, though its weight is the embedding's
 
 
-def _reference(job: TrainJob, steps: int, global_batch: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Single-process training with the job's optimizer, schedule and clipping."""
-    model = job.model
-    optimizer = job.optimizer(model.parameters())
-    scheduler = job.lr_scheduler(optimizer)
-    losses = []
-    for step in range(steps):
-        inputs, targets = job.batch(range(step * global_batch, (step + 1) * global_batch))
-        loss = job.loss_fn(model(inputs), targets)
-        loss.backward()
-        losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-    return model.state_dict(), losses
-
-
 def _trained(plan, run_dir: Path, steps: int) -> dict[str, torch.Tensor]:
     """The run's weights after ``steps``, its stages merged as ``felactl export`` merges them."""
     stage0 = torch.load(checkpoint_path(run_dir, steps, 0), weights_only=False)
@@ -187,7 +169,7 @@ def test_a_llama_shaped_pipeline_trains_to_the_single_process_result(tmp_path, c
     boundary, a dict output; AdamW, a warmup-cosine schedule and clipping, 20 steps."""
     steps = 20
     plan, run_dir = _run_pipeline(tmp_path, LLAMA, SMALL, cuts, steps)
-    want, losses = _reference(models.build(LLAMA, SMALL).job, steps, 8)
+    want, losses = single_process(plan, steps)
     got = _trained(plan, run_dir, steps)
     assert _largest_difference(got, want) < 1e-5
 
@@ -205,7 +187,7 @@ def test_a_llama_shaped_pipeline_trains_to_the_single_process_result(tmp_path, c
 def test_two_pipelines_sum_each_stage_and_a_tied_head_over_stages_too(tmp_path, tied):
     config = dict(SMALL, tied=tied, rope=tied)  # learned positions where untied
     plan, run_dir = _run_pipeline(tmp_path, LLAMA, config, [0, 2, 4], 6, replicas=2)
-    want, losses = _reference(models.build(LLAMA, config).job, 6, 8)
+    want, losses = single_process(plan, 6)
     assert max(abs(a - b) for a, b in zip(_step_losses(run_dir), losses, strict=True)) < 1e-5
     # Sums in another order differ in the last bits; AdamW's update of a weight whose gradients
     # stay near zero magnifies that (one element of 20k moved 1.6e-5 here, all others < 2e-6).
@@ -223,14 +205,8 @@ def test_a_hugging_face_llama_profiles_per_block_and_trains_as_a_two_stage_pipel
     assert spec.layers[1].kind == "LlamaDecoderLayer" and spec.layers[1].params == spec.layers[2].params
     steps = 4
     plan, run_dir = _run_pipeline(tmp_path, source, config, [0, 2, 4], steps)
-    job = models.build(source, config).job
-    model, optimizer = job.model, job.optimizer(job.model.parameters())
-    for step in range(steps):
-        inputs, targets = job.batch(range(step * 8, (step + 1) * 8))
-        job.loss_fn(model(inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    assert _largest_difference(_trained(plan, run_dir, steps), model.state_dict()) < 1e-5
+    want, _ = single_process(plan, steps)
+    assert _largest_difference(_trained(plan, run_dir, steps), want) < 1e-5
 
 
 @pytest.mark.multiprocess
@@ -246,7 +222,7 @@ def test_the_flexible_hybrid_merges_a_split_models_tokens_by_what_each_value_is(
     plan = dataclasses.replace(plan, model=ModelRef(name=LLAMA, source=LLAMA, config=config))
     steps = 4
     run_dir = run_plan(plan, tmp_path, steps, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
-    want, _ = _reference(models.build(LLAMA, config).job, steps, 8)
+    want, _ = single_process(plan, steps)
     assert _largest_difference(_trained(plan, run_dir, steps), want) < 1e-5
 
 
@@ -280,7 +256,7 @@ def test_a_sharded_stage_trains_as_its_replicated_twin_and_exports_whole(tmp_pat
     steps = 6
     plan = _sharded_plan(SMALL, shard=shard)
     run_dir = run_plan(plan, tmp_path, steps, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
-    want, losses = _reference(models.build(LLAMA, SMALL).job, steps, 8)
+    want, losses = single_process(plan, steps)
     assert max(abs(a - b) for a, b in zip(_step_losses(run_dir), losses, strict=True)) < 1e-5
     got = _trained(plan, run_dir, steps)
     assert _largest_difference(got, want) < 1e-5

@@ -35,6 +35,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils import _pytree as pytree
 
 from felactl.errors import InputError
+from felactl.models.values import BATCHED, SHARED, SIZE
 
 PRE, POST = "embedding", "head"
 """The names of the layers before the first and after the last split point."""
@@ -372,11 +373,8 @@ def _move_graph_constants(graph: SplitGraph, device: torch.device) -> None:
 
 
 __all__ = [
-    "BATCHED",
     "POST",
     "PRE",
-    "SHARED",
-    "SIZE",
     "SplitGraph",
     "SplitStage",
     "default_split_points",
@@ -399,12 +397,6 @@ def tied_weights(
             if isinstance(tensor, nn.Parameter) and tensor.requires_grad:
                 readers.setdefault(id(tensor), (name, []))[1].append(s)
     return [(name, tuple(stages)) for name, stages in readers.values() if len(stages) > 1]
-
-
-BATCHED, SHARED, SIZE = "batched", "shared", "size"
-"""How a value crossing a cut relates to the micro-batch: a tensor whose first axis is the
-samples; a tensor or number the same for any batch (a rotary table, the sequence length); the
-number of samples itself. Tokens of several micro-batches merge by these (the flexible hybrid)."""
 
 
 def value_kinds(graph: SplitGraph, model: nn.Module, batch: Callable[[int], Any]) -> list[list[str]]:

@@ -62,16 +62,23 @@ def input_grads(inputs: Any) -> list[torch.Tensor]:
     return [t.grad if t.grad is not None else torch.zeros_like(t) for t in floating(inputs)]
 
 
+BATCHED, SHARED, SIZE = "batched", "shared", "size"
+"""How a value crossing a cut relates to the micro-batch: a tensor whose first axis is the
+samples; a tensor or number the same for any batch (a rotary table, the sequence length); the
+number of samples itself (:func:`felactl.models.split.value_kinds` tells them apart). Tokens of
+several micro-batches merge by these (the flexible hybrid)."""
+
+
 def merge(parts: list[Any], kinds: list[str] | None) -> Any:
     """Several micro-batches' values at one cut as one micro-batch's: tensors concatenated, or
-    each value by its kind (:data:`~felactl.models.split.BATCHED` ones concatenated, the number of
+    each value by its kind (:data:`BATCHED` ones concatenated, the number of
     samples summed, the rest taken from the first, as they are the same)."""
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts)
     merged = []
     for i, kind in enumerate(kinds):
         items = [part[i] for part in parts]
-        merged.append(torch.cat(items) if kind == "batched" else sum(items) if kind == "size" else items[0])
+        merged.append(torch.cat(items) if kind == BATCHED else sum(items) if kind == SIZE else items[0])
     return tuple(merged)
 
 
@@ -79,7 +86,7 @@ def samples_in(value: Any, kinds: list[str] | None) -> int:
     """How many samples a micro-batch's value holds."""
     if isinstance(value, torch.Tensor):
         return value.shape[0]
-    return next(item.shape[0] for item, kind in zip(value, kinds) if kind == "batched")
+    return next(item.shape[0] for item, kind in zip(value, kinds) if kind == BATCHED)
 
 
 def split_input_grads(inputs: Any, kinds: list[str] | None, sizes: list[int]) -> list[tuple[torch.Tensor, ...]]:
@@ -87,18 +94,21 @@ def split_input_grads(inputs: Any, kinds: list[str] | None, sizes: list[int]) ->
     batched value's gradient split by the parts' ``sizes``; a shared one's whole to the first part
     and zeros to the others (the parts made equal copies of it: the sum reaches its makers once)."""
     items = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    item_kinds = ["batched"] if isinstance(inputs, torch.Tensor) else kinds
+    item_kinds = [BATCHED] if isinstance(inputs, torch.Tensor) else kinds
     floats = [(t, k) for t, k in zip(items, item_kinds) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     per_part: list[list[torch.Tensor]] = [[] for _ in sizes]
     for tensor, kind in floats:
         grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
-        pieces = grad.split(sizes) if kind == "batched" else [grad] + [torch.zeros_like(grad)] * (len(sizes) - 1)
+        pieces = grad.split(sizes) if kind == BATCHED else [grad] + [torch.zeros_like(grad)] * (len(sizes) - 1)
         for q, piece in enumerate(pieces):
             per_part[q].append(piece)
     return [tuple(p) for p in per_part]
 
 
 __all__ = [
+    "BATCHED",
+    "SHARED",
+    "SIZE",
     "merge",
     "samples_in",
     "split_input_grads",

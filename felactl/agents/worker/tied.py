@@ -50,13 +50,8 @@ def tied_rank_sets(plan: Plan, tied: list[Tied]) -> list[tuple[int, ...]]:
 
 def tied_ids(trainer, tied: list[Tied]) -> set[int]:
     """The ids of the tied weights this rank holds (in any of its stages)."""
-    return {
-        id(p)
-        for part in trainer.parts
-        for t in tied
-        if part.stage in t.stages
-        for p in [part.module.get_parameter(t.name)]
-    }
+    held = [(part, t) for part in trainer.parts for t in tied if part.stage in t.stages]
+    return {id(part.module.get_parameter(t.name)) for part, t in held}
 
 
 def sum_tied_over_holders(trainer, tied: list[Tied]) -> None:
