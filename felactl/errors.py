@@ -81,4 +81,9 @@ class StorageError(FelactlError):
 
 
 class WorkerFailed(FelactlError):
-    """A worker process died or hung and the job could not go on."""
+    """A worker process died or hung and the job could not go on. ``failures``: the lines of the
+    failed workers that raised, where the launch knows them (a restart compares them)."""
+
+    def __init__(self, message: str, failures: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.failures = failures

@@ -26,7 +26,7 @@ TESTS = Path(__file__).parent
 SLIP = "RuntimeError: The size of tensor a (2) must match the size of tensor b (16) at non-singleton dimension 1"
 
 
-def _user_job(tmp_path: Path, *config: str) -> Job:
+def _user_job(tmp_path: Path, *config: str, extra: tuple[str, ...] = ()) -> Job:
     env_path = f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"
     options = [item for pair in (("--config", c) for c in config) for item in pair]
     return Job(
@@ -42,6 +42,7 @@ def _user_job(tmp_path: Path, *config: str) -> Job:
         "slip",
         "--steps",
         "5",
+        *extra,
         env={"PYTHONPATH": env_path},
     )
 

@@ -179,6 +179,8 @@ def test_bad_flags(tmp_path):
         (["--rdzv-endpoint", "127.0.0.1:29999", "--nnodes", "2"], "places its workers on 1 node"),
         (["--hostfile", str(tmp_path / "missing")], "no such hostfile"),
         (["--hostfile", str(tmp_path / "bad-hosts"), "--rdzv-endpoint", "127.0.0.1:1"], "slots"),
+        (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
+        (["--max-restarts", "2"], "--max-restarts: this job rescales live"),  # --no-elastic restarts
     ]:
         result = _launch(tmp_path, str(plan_path), *args)
         assert result.exit_code == 2, (args, result.output)

@@ -112,7 +112,7 @@ def test_ranks_go_to_this_machine_first_then_by_node_name():
         (["--script", str(SCRIPT), "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
         (["--script", str(SCRIPT), "--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
         (["--script", str(SCRIPT), "--steps", "3"], "--steps applies to a plan's training"),
-        (["--max-restarts", "1", "plan.yaml"], "--max-restarts: only with --script"),
+        (["plan.yaml", "--", "x"], "arguments after --: only with --script"),
     ],
 )
 def test_bad_script_inputs_exit_2_with_one_line(tmp_path, options, needle):

@@ -15,7 +15,12 @@ import typer.core
 from felactl.cli import output
 from felactl.cli.options import takes_options
 from felactl.cli.runview import live_run
-from felactl.launcher.launch_defaults import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S
+from felactl.launcher.launch_defaults import (
+    COLLECTIVE_TIMEOUT_S,
+    HEARTBEAT_TIMEOUT_S,
+    JOIN_TIMEOUT_S,
+    PLAN_MAX_RESTARTS,
+)
 from felactl.launcher.rundir import DEFAULT_RUNS_ROOT
 from felactl.launcher.scale_plan import ScalingPolicy
 from felactl.spec import SyncMode
@@ -69,7 +74,12 @@ class LaunchCommandOptions:
     ] = None
     max_restarts: Annotated[
         int | None,
-        typer.Option(help="--script: restart every worker up to N times after a failure, as torchrun (default 0)."),
+        typer.Option(
+            help=(
+                "Restart every worker up to N times after a failure: --script as torchrun (default 0); "
+                f"a plan that does not rescale live, from its newest checkpoint (default {PLAN_MAX_RESTARTS})."
+            )
+        ),
     ] = None
     global_batch: Annotated[int | None, typer.Option(min=1, help="--job: samples per step.")] = None
     micro_batch: Annotated[

@@ -69,11 +69,13 @@ def follow(
     on_update: Callable[[LaunchState], None],
     controller: ElasticController | None = None,
     keep_checkpoints: int = 0,
+    attempt: int = 0,
 ) -> dict[str, Any]:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
     (an elastic job instead re-forms without the failed worker; its controller says when it is
     done). Then prune its last checkpoints beyond ``keep_checkpoints``, and return its summary
-    (:class:`WorkerFailed` when no step was recorded)."""
+    (:class:`WorkerFailed` when no step was recorded). ``attempt``: the one of a job that restarts
+    (:mod:`felactl.launcher.restarts`) whose reports count; an earlier one's are stale."""
     events = JsonlTail(state.run.events)
     pruned_at = 0.0
     while True:
@@ -90,11 +92,13 @@ def follow(
             continue
         refuse_requests(coordinator, state.run, state.not_elastic)
         coordinator.audit()
-        states = {m.agent_id: coordinator.agent_state(m.agent_id) for m in state.members}
+        states = {m.agent_id: _report_of(coordinator.agent_state(m.agent_id), attempt) for m in state.members}
         failed = {aid: s for aid, s in states.items() if s and s.get("state") == WorkerState.FAILED.value}
         if failed:
             line = _failure_line(failed, state)
-            raise InputError(line) if _refused(failed) else WorkerFailed(line)
+            if _refused(failed):
+                raise InputError(line)
+            raise WorkerFailed(line, _raised(failed))
         if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
             break
         time.sleep(POLL_S)
@@ -104,6 +108,11 @@ def follow(
     return _summary(state)
 
 
+def _report_of(report: dict | None, attempt: int) -> dict | None:
+    """An agent's report on ``attempt``'s workers (None: none yet; its last attempt's is stale)."""
+    return report if report is not None and int(report.get("attempt", 0)) == attempt else None
+
+
 def _refused(failed: dict[str, dict]) -> bool:
     """Whether every worker that failed refused its input (exit 2: a plan its model does not fit,
     found as it built the model): the launch's bad input, said as such (exit 2), not a failure."""
@@ -111,6 +120,16 @@ def _refused(failed: dict[str, dict]) -> bool:
         code for s in failed.values() for rank, code in s.get("exit_codes", {}).items() if rank in s.get("failures", {})
     ]
     return bool(codes) and all(code == EXIT_BAD_INPUT for code in codes)
+
+
+def _raised(failed: dict[str, dict]) -> frozenset[str]:
+    """The lines of the failed workers that ended by themselves (not killed by a signal)."""
+    return frozenset(
+        line
+        for s in failed.values()
+        for rank, line in s.get("failures", {}).items()
+        if int(s.get("exit_codes", {}).get(rank, -1)) >= 0
+    )
 
 
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:

@@ -30,6 +30,7 @@ from felactl.launcher.prepare import (
     LaunchOptions,
     check_min_nodes,
     check_nodes,
+    check_restarts,
     check_this_machine,
     idle_gpus_warning,
     node_devices,
@@ -39,6 +40,7 @@ from felactl.launcher.prepare import (
     testbed_for,
     why_not_elastic,
 )
+from felactl.launcher.restarts import follow_with_restarts
 from felactl.launcher.resume import ResumePoint
 from felactl.launcher.rundir import RunDir
 from felactl.machine import short_hostname
@@ -98,6 +100,7 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         check_this_machine(options, plan, local_node, plan_path)
     not_elastic = why_not_elastic(options, plan)
     check_min_nodes(options, not_elastic)
+    check_restarts(options, not_elastic)
     run, secret, resume = prepare_run(options, plan, resume)
     if (warning := idle_gpus_warning(plan, local_node)) is not None:
         log.warning(warning)
@@ -145,6 +148,15 @@ def _record_launch(
     )
 
 
+def _record_start(run: RunDir, state: LaunchState) -> None:
+    record(
+        run.events,
+        EventKind.START,
+        members=[m.node_name for m in state.members],
+        agents=[m.agent_id for m in state.members],
+    )
+
+
 def _run(
     options: LaunchOptions,
     coordinator: Coordinator,
@@ -159,27 +171,35 @@ def _run(
     run, plan = state.run, state.plan
     agents.start()
     state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
-    env = worker_env(options, run, coordinator.endpoint, resume=resume)
-    controller = None
-    if state.elastic:
-        controller = ElasticController(
+    if not state.elastic:  # a failed worker: every worker again, from the newest checkpoint
+        summary = follow_with_restarts(
             coordinator,
-            run,
-            plan,
-            state.members,
+            state,
+            agents,
             nodes,
-            options.elastic_settings(),
-            start_generation=resume.generation if resume else 0,
-            plan_path=resume.plan_path if resume else run.plan,
-            worker=(WORKER_MODULE, env),
+            lambda point: worker_env(options, run, coordinator.endpoint, resume=point),
+            resume=resume,
+            max_restarts=options.restarts_allowed,
+            on_update=on_update,
+            keep_checkpoints=options.keep_checkpoints,
+            started=lambda: _record_start(run, state),
         )
-    coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env, elastic=state.elastic))
-    record(
-        run.events,
-        EventKind.START,
-        members=[m.node_name for m in state.members],
-        agents=[m.agent_id for m in state.members],
+        coordinator.stop("finished")
+        return summary
+    env = worker_env(options, run, coordinator.endpoint, resume=resume)
+    controller = ElasticController(
+        coordinator,
+        run,
+        plan,
+        state.members,
+        nodes,
+        options.elastic_settings(),
+        start_generation=resume.generation if resume else 0,
+        plan_path=resume.plan_path if resume else run.plan,
+        worker=(WORKER_MODULE, env),
     )
+    coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env, elastic=True))
+    _record_start(run, state)
     # The summary here, under supervision: a run without a step is recorded as failed.
     summary = follow(coordinator, state, agents, on_update, controller, options.keep_checkpoints)
     coordinator.stop("finished")

@@ -12,5 +12,8 @@ COLLECTIVE_TIMEOUT_S = 10.0
 """Elastic jobs: seconds before a collective blocked on a dead peer fails (``--collective-timeout``)."""
 JOIN_TIMEOUT_S = 60.0
 """Seconds for the nodes' agents to join, and for a newcomer to be ready (``--join-timeout``)."""
+PLAN_MAX_RESTARTS = 3
+"""A job that cannot rescale live starts again from its newest checkpoint after a failed worker,
+this many times at most (``--max-restarts``; a ``--script`` restarts 0 times, as torchrun)."""
 SWITCH_TIMEOUT_S = 60.0
 """Elastic jobs: seconds the members get to reach the step they agreed to switch at (no flag)."""

@@ -104,9 +104,8 @@ def check_plan_flags(flags: LaunchFlags) -> None:
     """Refuse the flags a plan's launch does not take (a script's; a ``--job``'s without it), and
     anything but exactly one of PLAN, ``--job`` and ``--resume``."""
     parse_count_range("--nnodes", flags.nnodes)
-    for name, value in {"--max-restarts": flags.max_restarts, "arguments after --": flags.script_args}.items():
-        if value is not None:
-            raise InputError(f"{name}: only with --script (a plan says its own workers)")
+    if flags.script_args is not None:
+        raise InputError("arguments after --: only with --script (a plan says its own workers)")
     if flags.nproc_per_node is not None and flags.job is None:
         raise InputError("--nproc-per-node: only with --job or --script (a plan says its own workers)")
     job_only = {
@@ -162,6 +161,7 @@ def plan_options(flags: LaunchFlags, plan: Path | None) -> LaunchOptions:
         elastic=flags.elastic,
         collective_timeout_s=flags.collective_timeout_s,
         join_timeout_s=flags.join_timeout_s,
+        max_restarts=flags.max_restarts,
         cluster_path=flags.cluster,
         model_path=flags.model,
     )

@@ -17,7 +17,12 @@ from felactl.fsutil import atomic_write_text, check_directory
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import read_secret_file, write_secret_file
 from felactl.launcher.elastic import ElasticSettings
-from felactl.launcher.launch_defaults import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S
+from felactl.launcher.launch_defaults import (
+    COLLECTIVE_TIMEOUT_S,
+    HEARTBEAT_TIMEOUT_S,
+    JOIN_TIMEOUT_S,
+    PLAN_MAX_RESTARTS,
+)
 from felactl.launcher.resume import ResumePoint, find_resume_point
 from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RunDir
 from felactl.launcher.scale_plan import ScalingPolicy
@@ -78,6 +83,9 @@ class LaunchOptions:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     """Elastic jobs: the data-parallel group's collective timeout (a survivor blocked with a dead
     peer fails after at most this; usually at once, when the dead peer's sockets close)."""
+    max_restarts: int | None = None
+    """A job that does not rescale live: how many times a failed worker starts every worker again
+    from the newest checkpoint (None: :data:`~felactl.launcher.launch_defaults.PLAN_MAX_RESTARTS`)."""
     keep_checkpoints: int = 3
     """The newest complete checkpoints kept; older ones are deleted as the run goes (0: keep all)."""
     cluster_path: Path | None = None
@@ -92,6 +100,11 @@ class LaunchOptions:
             raise InputError(f"--steps must be >= 1, got {self.steps}")
         if self.checkpoint_every < 0:
             raise InputError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        check_flag(
+            "--max-restarts",
+            self.max_restarts,
+            limits.Bound(0, 1000, "a job that failed a thousand times fails for a reason of its own"),
+        )
         if self.keep_checkpoints < 0:
             raise InputError(f"--keep-checkpoints must be >= 0, got {self.keep_checkpoints}")
         check_flag("--nnodes", self.nnodes, limits.COUNT)
@@ -132,6 +145,10 @@ class LaunchOptions:
         ScalingPolicy(self.scaling_policy, self.max_batch)
         parse_slowdown(self.slowdown)
         parse_pattern(self.straggler)
+
+    @property
+    def restarts_allowed(self) -> int:
+        return PLAN_MAX_RESTARTS if self.max_restarts is None else self.max_restarts
 
     def elastic_settings(self) -> ElasticSettings:
         return ElasticSettings(
@@ -311,6 +328,16 @@ def why_not_elastic(options: LaunchOptions, plan: Plan) -> str | None:
     cannot be rescaled (:func:`~felactl.spec.executable.why_not_rescalable`), or ``--no-elastic``."""
     reasons = (why_not_rescalable(plan), None if options.elastic else "it was launched --no-elastic")
     return "; ".join(why for why in reasons if why) or None
+
+
+def check_restarts(options: LaunchOptions, not_elastic: str | None) -> None:
+    """``--max-restarts`` is for a job that cannot rescale live: an elastic one goes on without a
+    failed worker instead of starting again."""
+    if options.max_restarts is not None and not_elastic is None:
+        raise InputError(
+            "--max-restarts: this job rescales live and goes on without a failed worker instead of restarting; "
+            "add --no-elastic to restart it from its checkpoints instead"
+        )
 
 
 def check_min_nodes(options: LaunchOptions, not_elastic: str | None) -> None:

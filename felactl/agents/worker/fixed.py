@@ -52,6 +52,11 @@ class FixedMembership(Membership):
         if self.runtime is not None:
             self.runtime.close()
 
+    def record_extra(self) -> dict[str, Any]:
+        """A restarted job's records say their attempt's generation: a step it redid counts the
+        redo's loss (:func:`felactl.control.metrics.step_losses`)."""
+        return {"generation": self.generation} if self.generation else {}
+
     def after_step(self, strategy: Strategy) -> None:
         return None
 
