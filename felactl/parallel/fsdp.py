@@ -6,21 +6,26 @@ DDP's)."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+
+# FSDP and DTensor are imported where a stage is sharded, not with this module: they bring
+# DTensor's ops and sympy, a second of every worker's start-up, for the few stages that shard.
+# A module cannot be sharded, nor a tensor a DTensor, before they are imported (the tests below).
 
 
-def shard(module: nn.Module, group, device: torch.device, units: Sequence[str] = ()) -> FSDPModule:
+def shard(module: nn.Module, group, device: torch.device, units: Sequence[str] = ()) -> nn.Module:
     """``module`` sharded over ``group``, each submodule ``units`` names (module paths) a unit of
     its own (every rank of it calls this, with the same module): first
     its weights made the group's first rank's (felactl never re-initialises a user's model; it
     makes the replicas agree, as it does for replicated stages), then split."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
     with torch.no_grad():
         for param in module.parameters():
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
@@ -31,12 +36,18 @@ def shard(module: nn.Module, group, device: torch.device, units: Sequence[str] =
 
 
 def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this worker holds: its shard of a sharded parameter, else itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 class ShardedReplica:
@@ -45,7 +56,7 @@ class ShardedReplica:
     backward), ``process_group`` the stage's group. FSDP2 averages the gradients it reduces over
     the group, as DDP does: the step multiplies the loss by the group's size, for the sum."""
 
-    def __init__(self, module: FSDPModule, group):
+    def __init__(self, module: nn.Module, group):
         self.module, self.process_group = module, group
 
     def __call__(self, *args, **kwargs):

@@ -16,13 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from felactl.control import EventKind
 from felactl.control.events import record
@@ -41,6 +34,13 @@ def stage_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     sharded stage's gathered from its workers through ``torch.distributed.checkpoint``'s state-dict
     API (collective: each of them calls it). The model's keys are the user's either way."""
     if is_sharded(model):
+        # Here, not at the top: it imports DTensor's ops and sympy (~1 s of every worker's start)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         options = StateDictOptions(full_state_dict=True)
         return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
     return model.state_dict(), optimizer.state_dict()
@@ -83,6 +83,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     take their shards of it)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, state["model"], options=options)
         if optimizer is not None:

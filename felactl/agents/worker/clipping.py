@@ -6,10 +6,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from felactl.agents.worker.tied import counted_elsewhere
-from felactl.parallel.fsdp import is_sharded
+from felactl.parallel.fsdp import is_dtensor, is_sharded
 
 
 def grad_sq_norm(params) -> torch.Tensor:
@@ -46,7 +45,7 @@ def clip_gradients(trainer, max_norm: float, across_stages: bool = True) -> floa
     elif any(is_sharded(part.module) for part in trainer.parts):
         # each worker holds a shard of every gradient: torch's clipping sums their norms over the stage
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(total.full_tensor() if isinstance(total, DTensor) else total)
+        return float(total.full_tensor() if is_dtensor(total) else total)
     else:
         total = float(torch.sqrt(grad_sq_norm(params)))
     coef = max_norm / (total + 1e-6)
