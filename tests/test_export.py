@@ -40,6 +40,7 @@ def _write_run(runs: Path, run_id: str, plan, steps: dict[int, list[int]], gener
                 state=stage_state(part, torch.optim.SGD(part.parameters())),
                 step=step,
                 data_position=step * plan.global_batch,
+                layers=(stage.layer_start, stage.layer_end),
                 extra={} if generation is None else {"generation": generation},
             )
     return run

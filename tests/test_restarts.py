@@ -4,6 +4,7 @@ worker: every worker starts again from the run's newest checkpoint and trains to
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from felactl.control.metrics import step_losses, without_redone
 from felactl.errors import InputError
 from felactl.launcher.resume import pick_checkpoint
 from felactl.launcher.rundir import RunDir, read_jsonl
@@ -19,7 +21,7 @@ from felactl.spec import save
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
-from _worker_helpers import Job, pipeline_plan  # noqa: E402
+from _worker_helpers import Job, pipeline_plan, single_process  # noqa: E402
 from test_job_errors import SLIP, _user_job  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -98,3 +100,88 @@ def test_a_failure_that_repeats_after_a_restart_ends_the_job_as_the_jobs_own(tmp
     assert len(errors) == 1 and SLIP in errors[0] and "failed the same way after a restart" in errors[0], errors
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "runs" / "slip" / "events.jsonl")]
     assert kinds.count("restart") == 1 and kinds[-1] == "failed", kinds
+
+
+def test_a_two_stage_pipeline_scaled_out_and_in_restarts_on_each_plan_and_trains_as_one_process(tmp_path, no_leftovers):
+    """``felactl scale`` on a pipeline: the job drains (its workers agree on a last step and
+    checkpoint it), restarts on the plan for the new workers (2 stages x 2 pipelines, then back to
+    one), each worker taking its stage from the checkpoint; every step is trained once and each
+    step's loss is one process's on the same batches."""
+    plan = pipeline_plan([0, 2, 3], optimizer="adamw", lr=0.01)
+    path = save(plan, tmp_path / "plan.yaml")
+    steps = 120
+    args = ("--run-id", "s", "--steps", str(steps), "--straggler", "roundrobin:0.1", "--max-nproc-per-node", "4")
+    job = Job(tmp_path, str(path), *args)
+    try:
+        job.wait_step("s", 5, timeout_s=STARTUP_S)
+        grown = job.scale("s", "--add", "2")
+        assert grown.exit_code == 0, grown.output
+        out = json.loads(grown.stdout)
+        assert out["kind"] == "scale-out" and len(out["members_after"]) == 4 and out["stages"] == 2, out
+        assert out["by_restart"] and out["pause_s"] > 0, out
+        shrunk = job.scale("s", "--remove", "2,3")
+        assert shrunk.exit_code == 0, shrunk.output
+        assert len(json.loads(shrunk.stdout)["members_after"]) == 2
+        summary = job.finish(timeout_s=STARTUP_S)
+    finally:
+        job.stop()
+    assert summary["steps"] == steps
+    assert [r["kind"] for r in summary["restarts"]] == ["scale-out", "scale-in"]
+    assert all(r["redone_steps"] == 0 for r in summary["restarts"]), summary["restarts"]
+    run = tmp_path / "runs" / "s"
+    assert (run / "plan.1.yaml").exists() and (run / "plan.2.yaml").exists()
+    records = read_jsonl(run / "metrics.jsonl")
+    losses = {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
+    assert set(losses) == set(range(steps)), "every step trained"
+    two_pipelines = {r["step"] for r in records if r.get("generation") == 1}
+    assert two_pipelines, "some steps ran on the 2 x 2 plan"
+    _, want = single_process(plan, steps)
+    by_step = step_losses(without_redone(records, read_jsonl(run / "events.jsonl")))
+    got = [by_step[s] for s in range(steps)]
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_with_its_profiles_a_pipeline_scaled_in_is_re_planned_and_its_stages_re_split(tmp_path, no_leftovers):
+    """Launched with its profiles, a two-stage pipeline scaled in to one worker is re-planned by
+    the planner (one stage on one device) and that worker takes the whole model from the two
+    stage files of the drain's checkpoint, by the model's names: training goes on as one process."""
+    from felactl.machine import short_hostname
+    from felactl.profiling.model import profile_model
+    from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node, load_plan
+
+    plan = pipeline_plan([0, 2, 3], optimizer="adamw", lr=0.01)
+    devices = tuple(
+        Device(name=f"cpu{i}", kind=DeviceKind.CPU, model="cpu", tflops=0.05, memory_gb=4.0, local_index=i)
+        for i in range(2)
+    )
+    cluster = ClusterSpec(
+        name="here",
+        nodes=(Node(name=short_hostname(), devices=devices),),
+        intra_node_default=LinkDefault(bandwidth_gbps=5.0, latency_us=50.0, type=LinkType.LOOPBACK),
+    )
+    model = profile_model(plan.model.source, plan.model.config, [plan.stages[0].micro_batch], repeats=1)
+    steps = 80
+    args = ["--run-id", "p", "--steps", str(steps), "--straggler", "roundrobin:0.1"]
+    args += [
+        "--cluster",
+        str(save(cluster, tmp_path / "cluster.yaml")),
+        "--model",
+        str(save(model, tmp_path / "m.yaml")),
+    ]
+    job = Job(tmp_path, str(save(plan, tmp_path / "plan.yaml")), *args)
+    try:
+        job.wait_step("p", 5, timeout_s=STARTUP_S)
+        shrunk = job.scale("p", "--remove", "1")
+        assert shrunk.exit_code == 0, shrunk.output
+        out = json.loads(shrunk.stdout)
+        summary = job.finish(timeout_s=STARTUP_S)
+    finally:
+        job.stop()
+    assert (out["planned_by"], out["members_after"], out["stages"]) == ("planner", ["cpu0"], 1), out
+    run = tmp_path / "runs" / "p"
+    assert len(load_plan(run / "plan.1.yaml").stages) == 1
+    assert summary["steps"] == steps and [r["kind"] for r in summary["restarts"]] == ["scale-in"]
+    records = read_jsonl(run / "metrics.jsonl")
+    by_step = step_losses(without_redone(records, read_jsonl(run / "events.jsonl")))
+    _, want = single_process(plan, steps)
+    assert [by_step[s] for s in range(steps)] == pytest.approx(want, rel=1e-4, abs=1e-5)

@@ -119,14 +119,15 @@ def _worker_spec(config: NodeAgentConfig, session, assignment) -> WorkerSpec:
 
 
 def _superseded(session, assignment) -> StopOrder | None:
-    """A stop order when the coordinator has published the next attempt (a worker failed somewhere)."""
+    """A stop order when the coordinator has published the next attempt (a worker failed
+    somewhere), or has stopped this attempt (a job rescaled by a restart: its workers drain)."""
     from felactl.agents.session import StopOrder
 
     if assignment.attempt >= assignment.max_restarts:
         return None
     if session.attempt_published(assignment.attempt + 1):
         return StopOrder("restart")
-    return None
+    return session.attempt_stopped(assignment.attempt)
 
 
 def _refusal_log(log_dir: Path, say: Callable[[str, str], None]) -> Callable[[str, str], None]:

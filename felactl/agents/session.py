@@ -186,15 +186,20 @@ class AgentSession:
         except _Stopped:
             return None
 
+    def attempt_stopped(self, attempt: int) -> StopOrder | None:
+        """The coordinator's order to stop ``attempt``'s workers (the agent stays for the next)."""
+        return self.stop_requested(keys.attempt_stop(attempt))
+
     def attempt_published(self, attempt: int) -> bool:
         """Whether the coordinator published (a valid document for) the job's ``attempt``."""
         return self.read_signed(keys.job_document(attempt), JobDoc.KIND.value) is not None
 
-    def stop_requested(self) -> StopOrder | None:
+    def stop_requested(self, name: str = keys.STOP) -> StopOrder | None:
         """The coordinator's stop order, if it gave one (a forged one is ignored); ControlPlaneError
-        if the store is gone."""
+        if the store is gone. ``name``: the job's (default) or one attempt's
+        (:func:`~felactl.control.keys.attempt_stop`)."""
         try:
-            document = self.read_signed(keys.STOP, StopDoc.KIND.value)
+            document = self.read_signed(name, StopDoc.KIND.value)
         except RuntimeError as exc:
             raise ControlPlaneError(f"lost the coordinator at {self.host}:{self.port}: {first_line(exc)}") from exc
         if document is None:

@@ -28,6 +28,11 @@ def job_document(attempt: int) -> str:
     return "job" if attempt == 0 else f"job.{attempt}"
 
 
+def attempt_stop(attempt: int) -> str:
+    """A stop order for one attempt's workers (a job rescaled by a restart drains them; its agents stay)."""
+    return f"{STOP}/attempt{attempt}"
+
+
 # --- joining (per agent: no key is shared by every joining agent) ------------------------------
 JOIN_REQUESTS = "join/requests"
 
@@ -114,7 +119,15 @@ def switch_agreement(generation: int) -> str:
 
 # --- the workers' own agreements ------------------------------------------------------------------
 LAST_STEP = "drain/last_step"
-"""A graceful stop's agreed last step (felactl.agents.worker.drain)."""
+"""A graceful stop's agreed last step (felactl.agents.worker.drain): on the job's store, as an
+elastic job's drain reaches every generation; a job of fixed members agrees on one per attempt."""
+
+
+def last_step(generation: int | None) -> str:
+    """The key of the agreed last step: the job's (None), or one attempt's generation's."""
+    return LAST_STEP if generation is None else f"{LAST_STEP}/{generation}"
+
+
 DATA_NEXT = "data/next"
 """A counter: the next sample index (workers at their own pace claim samples from it)."""
 

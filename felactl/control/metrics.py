@@ -113,11 +113,14 @@ def _is_number(value: Any) -> bool:
 
 
 def without_redone(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records, less those a resume (or a restart after a failed worker) redid: written before
-    a ``resume`` or ``restart`` event at or past the step it continued from (the dead job got that
-    far, but its checkpoint did not)."""
+    """The records, less those a resume redid: written before a ``resume`` event at or past the
+    step it continued from (the dead job got that far, but its checkpoint did not). The same for a
+    job that restarted from a checkpoint, after a failed worker (``restart``) or to rescale
+    (``scale-out``/``scale-in`` with a ``from_step``: a live rescale has none, it redoes nothing)."""
     resumes = [
-        (e["time"], e["from_step"]) for e in events if e.get("kind") in ("resume", "restart") and "from_step" in e
+        (e["time"], e["from_step"])
+        for e in events
+        if e.get("kind") in ("resume", "restart", "scale-out", "scale-in") and "from_step" in e
     ]
     return [r for r in records if not any(r["time"] < t and r["step"] >= step for t, step in resumes)]
 

@@ -40,6 +40,9 @@ class LaunchState:
     started: float = field(default_factory=time.monotonic)
     not_elastic: str = ""
     """Why ``felactl scale`` is refused; empty for an elastic job (:attr:`elastic`)."""
+    draining: bool = False
+    """The launch stopped this attempt's workers to restart them (a rescale of a job of fixed
+    members): the attempt ends when every agent reports its workers ended, stopped ones too."""
     _metrics: JsonlTail | None = field(default=None, repr=False)
 
     @property
@@ -70,12 +73,14 @@ def follow(
     controller: ElasticController | None = None,
     keep_checkpoints: int = 0,
     attempt: int = 0,
+    serve_requests: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
     (an elastic job instead re-forms without the failed worker; its controller says when it is
     done). Then prune its last checkpoints beyond ``keep_checkpoints``, and return its summary
     (:class:`WorkerFailed` when no step was recorded). ``attempt``: the one of a job that restarts
-    (:mod:`felactl.launcher.restarts`) whose reports count; an earlier one's are stale."""
+    (:mod:`felactl.launcher.restarts`) whose reports count, an earlier one's are stale; it serves
+    ``felactl scale`` (``serve_requests``; else every request is refused)."""
     events = JsonlTail(state.run.events)
     pruned_at = 0.0
     while True:
@@ -90,7 +95,10 @@ def follow(
                 break
             time.sleep(POLL_S)
             continue
-        refuse_requests(coordinator, state.run, state.not_elastic)
+        if serve_requests is not None:
+            serve_requests()
+        else:
+            refuse_requests(coordinator, state.run, state.not_elastic)
         coordinator.audit()
         states = {m.agent_id: _report_of(coordinator.agent_state(m.agent_id), attempt) for m in state.members}
         failed = {aid: s for aid, s in states.items() if s and s.get("state") == WorkerState.FAILED.value}
@@ -99,7 +107,8 @@ def follow(
             if _refused(failed):
                 raise InputError(line)
             raise WorkerFailed(line, _raised(failed))
-        if all(s and s.get("state") == WorkerState.SUCCEEDED.value for s in states.values()):
+        ended = {WorkerState.SUCCEEDED.value} | ({WorkerState.STOPPED.value} if state.draining else set())
+        if all(s and s.get("state") in ended for s in states.values()):
             break
         time.sleep(POLL_S)
     _say_storage_trouble(events)

@@ -40,11 +40,11 @@ from felactl.launcher.prepare import (
     testbed_for,
     why_not_elastic,
 )
-from felactl.launcher.restarts import follow_with_restarts
+from felactl.launcher.restarts import Restarts
 from felactl.launcher.resume import ResumePoint
 from felactl.launcher.rundir import RunDir
 from felactl.machine import short_hostname
-from felactl.spec import Plan
+from felactl.spec import ClusterSpec, ModelSpec, Plan, load_cluster, load_model
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,17 @@ def _record_launch(
     )
 
 
+def _capacity(options: LaunchOptions, nodes: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """The workers each node may run when the job restarts on new ones: --max-nproc-per-node, else
+    the plan's workers there (a CPU node's agent runs as many as it is told)."""
+    return {node: options.max_nproc_per_node or len(devices) for node, devices in nodes.items()}
+
+
+def _profiles(run: RunDir) -> tuple[ClusterSpec, ModelSpec] | None:
+    """The profiles the plan was made from, where the run kept them (--cluster and --model)."""
+    return (load_cluster(run.cluster), load_model(run.model)) if run.cluster.exists() else None
+
+
 def _record_start(run: RunDir, state: LaunchState) -> None:
     record(
         run.events,
@@ -171,19 +182,21 @@ def _run(
     run, plan = state.run, state.plan
     agents.start()
     state.members = coordinator.wait_members(len(nodes), options.join_timeout_s, alive=agents.check)
-    if not state.elastic:  # a failed worker: every worker again, from the newest checkpoint
-        summary = follow_with_restarts(
+    if not state.elastic:  # a failed worker or a rescale: every worker again, from a checkpoint
+        summary = Restarts(
             coordinator,
             state,
             agents,
             nodes,
             lambda point: worker_env(options, run, coordinator.endpoint, resume=point),
-            resume=resume,
             max_restarts=options.restarts_allowed,
-            on_update=on_update,
+            steps=options.steps,
+            rescalable=None if options.elastic else state.not_elastic,
+            capacity=_capacity(options, nodes),
+            profiles=_profiles(run),
             keep_checkpoints=options.keep_checkpoints,
-            started=lambda: _record_start(run, state),
-        )
+            on_update=on_update,
+        ).run(resume, started=lambda: _record_start(run, state))
         coordinator.stop("finished")
         return summary
     env = worker_env(options, run, coordinator.endpoint, resume=resume)

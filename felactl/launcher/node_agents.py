@@ -53,10 +53,18 @@ def removed_if_it_fails(made: Path | None) -> Iterator[None]:
 
 
 def assign_ranks(
-    plan: Plan, members: list[Member], nodes: dict[str, tuple[str, ...]], env: dict[str, str], *, elastic: bool = False
+    plan: Plan,
+    members: list[Member],
+    nodes: dict[str, tuple[str, ...]],
+    env: dict[str, str],
+    *,
+    elastic: bool = False,
+    any_slots: bool = False,
 ) -> dict[str, Assignment]:
     """Give each member the ranks of its node's devices (pure; every mismatch is an InputError);
-    ``elastic``: the coordinator rescales the job (:attr:`Assignment.elastic`)."""
+    ``elastic``: the coordinator rescales the job (:attr:`Assignment.elastic`); ``any_slots``: a
+    node may run other than the workers its agent offered (a job restarted on new workers: each
+    assignment says how many)."""
     by_node = {m.node_name: m for m in members}
     missing = [n for n in nodes if n not in by_node]
     if missing:
@@ -64,7 +72,7 @@ def assign_ranks(
     assignments = {}
     for node, devices in nodes.items():
         member = by_node[node]
-        if member.num_slots != len(devices):
+        if member.num_slots != len(devices) and not any_slots:
             raise InputError(
                 f"node {node!r} offers {member.num_slots} worker slot(s) but the plan puts "
                 f"{len(devices)} device(s) there"
@@ -81,6 +89,7 @@ def assign_ranks(
             env=dict(env),
             local_indices=local_indices,
             elastic=elastic,
+            num_workers=len(devices) if any_slots else None,
         )
     return assignments
 

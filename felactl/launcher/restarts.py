@@ -1,122 +1,300 @@
 """A job that cannot rescale live (a pipeline, a sharded stage, a mode that does not rescale, or
-``--no-elastic``) survives a failed worker by starting again from its newest checkpoint, as
-torchrun's ``--max-restarts`` does for a script that checkpoints, but with nothing for the user to
-write: every worker of the next attempt restores its stage from the run's newest complete
-checkpoint (or starts over where there is none) and trains on to the run's last step.
+``--no-elastic``) changes its workers by starting them again, with nothing for the user to write.
+
+* **A failed worker**: every worker of the next attempt restores its stage from the run's newest
+  complete checkpoint (or starts over where there is none) and trains on to the last step, as
+  torchrun's ``--max-restarts`` does for a script that checkpoints. A ``restart`` event records
+  the failure, the step the next attempt goes on from and the checkpoint. A failure that repeats
+  the same way after a restart is the job's own (its code or data) and ends the run; so does the
+  last of ``--max-restarts``.
+* **``felactl scale``** (not for a job launched ``--no-elastic``): the attempt is drained (its
+  workers agree on a last step and checkpoint it, :mod:`felactl.agents.worker.drain`), then every
+  worker starts on the plan for the new devices (:mod:`felactl.launcher.restart_plan`: the planner
+  on the run's profiles, else the plan's own shape), restoring its stage from that checkpoint
+  re-split by the user's parameter names. The request is answered once the new attempt has
+  trained a step, with the pause.
 
 Each attempt runs in a fresh membership generation (its process groups under a store prefix of
-their own, as a resume's do); its agents stop the last attempt's workers when they see the next
-one published. A ``restart`` event records the failure, the step the next attempt starts from and
-the checkpoint; the summary adds each restart's ``pause_s`` (from the last step recorded before
-the failure to the first step after it) and the steps the restart redid. A failure that repeats the
-same way in the next attempt is the job's own (its code or data), and ends the run; so does the
-last of ``--max-restarts``.
+their own, as a resume's do; its plan is ``plan.<G>.yaml``); its agents stop the last attempt's
+workers when they see the next one published. The summary adds each restart and rescale: the step
+it went on from, the steps it redid and its pause (last step recorded before it to the first after).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
-from felactl.control import EventKind
+from felactl.control import EventKind, keys
+from felactl.control.documents import StopDoc
 from felactl.control.events import record
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator
 from felactl.launcher.follow import LaunchState, follow
+from felactl.launcher.membership.state import FINISHED_FIRST
 from felactl.launcher.node_agents import Agents, assign_ranks
+from felactl.launcher.restart_plan import devices_after, plan_for_devices
 from felactl.launcher.resume import ResumePoint, pick_checkpoint
 from felactl.launcher.rundir import RunDir, read_jsonl
+from felactl.launcher.scale_requests import answer, answer_unsigned, open_request, refuse_requests
+from felactl.spec import ClusterSpec, ModelSpec, Plan, save
+
+MANY_ATTEMPTS = 1 << 30
+"""What the agents are told of the attempts to come: a rescale is an attempt too, so they wait
+for the next one until the launch stops them (the launch counts the failures)."""
+DRAIN_FAILED = "a worker failed while the job stopped for the rescale; it restarts on the workers it had"
+RESCALE_DRAIN_S = 30.0
+"""How long a drained attempt's workers get to agree on a last step and checkpoint it."""
 
 
-def follow_with_restarts(
-    coordinator: Coordinator,
-    state: LaunchState,
-    agents: Agents,
-    nodes: dict[str, tuple[str, ...]],
-    env_for: Callable[[ResumePoint | None], dict[str, str]],
-    *,
-    resume: ResumePoint | None,
-    max_restarts: int,
-    on_update: Callable[[LaunchState], None],
-    keep_checkpoints: int,
-    started: Callable[[], None] = lambda: None,
-) -> dict[str, Any]:
-    """Run the job attempt after attempt until one reaches the last step (its summary, with the
-    restarts) or a failure may not be restarted (:class:`WorkerFailed`). ``env_for(point)``: the
-    workers' environment, resuming from ``point`` (None: from the start); ``started``: called once
-    the first attempt's assignments are out."""
-    base_generation = resume.generation if resume is not None else 0
-    point, last_failures = resume, frozenset()
-    for attempt in range(max_restarts + 1):
-        env = {**env_for(point), "FELACTL_GENERATION": str(base_generation + attempt)}
-        assignments = assign_ranks(state.plan, state.members, nodes, env)
-        coordinator.publish_assignments(
-            {aid: dataclasses.replace(a, attempt=attempt, max_restarts=max_restarts) for aid, a in assignments.items()},
+@dataclasses.dataclass
+class Rescale:
+    """A ``felactl scale`` request under way: the plan it restarts on, and how it was made."""
+
+    request_id: str
+    kind: str
+    plan: Plan
+    how: str
+    asked_at: float
+    before: tuple[str, ...]
+    """The devices before it."""
+    nodes: dict[str, str]
+    """Each device's node in ``plan`` (a plan of one machine may place none)."""
+    published_at: float | None = None
+    """When the attempt on ``plan`` was published (it is answered after that attempt's first step)."""
+
+
+@dataclasses.dataclass
+class Restarts:
+    """One job of fixed members run attempt after attempt (see the module's docstring)."""
+
+    coordinator: Coordinator
+    state: LaunchState
+    agents: Agents
+    nodes: dict[str, tuple[str, ...]]
+    """Each node's devices in the plan in force."""
+    env_for: Callable[[ResumePoint | None], dict[str, str]]
+    """The workers' environment, resuming from a point (None: from the start)."""
+    max_restarts: int
+    steps: int
+    """The run's last step."""
+    rescalable: str | None
+    """Why ``felactl scale`` is refused (None: it restarts the job on the new workers)."""
+    capacity: dict[str, int]
+    profiles: tuple[ClusterSpec, ModelSpec] | None
+    keep_checkpoints: int = 0
+    on_update: Callable[[LaunchState], None] = lambda state: None
+    rescale: Rescale | None = None
+    answered: dict[str, dict] = dataclasses.field(default_factory=dict)
+    """Each request answered, by id: ``felactl scale`` sends a request again while it waits."""
+    attempt: int = 0
+    """The attempt running now."""
+
+    def run(self, resume: ResumePoint | None, started: Callable[[], None] = lambda: None) -> dict[str, Any]:
+        """Attempt after attempt until one reaches the last step (its summary, with the restarts)
+        or a failure may not be restarted (:class:`WorkerFailed`)."""
+        base = resume.generation if resume is not None else 0
+        checkpoint, failures, last_failures = resume, 0, frozenset()
+        while True:
+            attempt = self.attempt
+            self._publish(attempt, base + attempt, checkpoint)
+            if attempt == 0:
+                started()
+            try:
+                summary = follow(
+                    self.coordinator,
+                    self.state,
+                    self.agents,
+                    self.on_update,
+                    keep_checkpoints=self.keep_checkpoints,
+                    attempt=attempt,
+                    serve_requests=self._serve,
+                )
+            except WorkerFailed as failure:
+                failures += 1
+                if failures > self.max_restarts:
+                    raise WorkerFailed(
+                        f"{failure} (after {failures - 1} restart(s); --max-restarts {self.max_restarts})"
+                    ) from None
+                if failure.failures & last_failures:  # a worker raised again what one raised before
+                    raise WorkerFailed(
+                        f"{failure}: it failed the same way after a restart from the checkpoint, so it is the "
+                        "job's own code or data, not a worker's; not restarted again"
+                    ) from None
+                last_failures = failure.failures
+                if self.rescale is not None:
+                    self._answer(self.rescale.request_id, {"ok": False, "error": f"{DRAIN_FAILED}: {failure}"})
+                    self.rescale, self.state.draining = None, False
+                checkpoint = _newest(self.state.run)
+                self._record(EventKind.RESTART, attempt + 1, checkpoint, reason=str(failure))
+                self.attempt += 1
+                continue
+            if self.rescale is not None and summary["steps"] >= self.steps:
+                self._answer(self.rescale.request_id, {"ok": False, "error": FINISHED_FIRST})
+                self.rescale = None
+            if self.rescale is None:
+                return {**summary, **changes_summary(self.state.run)}
+            checkpoint = _newest(self.state.run)  # the drain's
+            self._adopt(self.rescale.plan, self.rescale.nodes)
+            self._record(
+                EventKind(self.rescale.kind),
+                attempt + 1,
+                checkpoint,
+                members=list(self.state.plan.devices),
+                planned_by=self.rescale.how,
+            )
+            self.attempt += 1
+
+    # --- attempts ---------------------------------------------------------------------------
+    def _publish(self, attempt: int, generation: int, checkpoint: ResumePoint | None) -> None:
+        run = self.state.run
+        plan_path = run.plan_of(generation)
+        if generation and not plan_path.exists():
+            save(self.state.plan, plan_path)
+        env = {
+            **self.env_for(checkpoint),
+            "FELACTL_PLAN": str(plan_path.resolve()),
+            "FELACTL_GENERATION": str(generation),
+        }
+        assignments = assign_ranks(self.state.plan, self.state.members, self.nodes, env, any_slots=attempt > 0)
+        self.coordinator.publish_assignments(
+            {
+                a_id: dataclasses.replace(a, attempt=attempt, max_restarts=MANY_ATTEMPTS)
+                for a_id, a in assignments.items()
+            },
             attempt=attempt,
         )
-        if attempt == 0:
-            started()
+        if self.rescale is not None:
+            self.rescale.published_at = time.time()
+
+    def _adopt(self, plan: Plan, nodes: dict[str, str]) -> None:
+        """Run ``plan`` from the next attempt on: its devices on their ``nodes``."""
+        by_node: dict[str, list[str]] = {}
+        for device in plan.devices:
+            by_node.setdefault(nodes[device], []).append(device)
+        self.nodes = {node: tuple(by_node.get(node, ())) for node in self.nodes}
+        self.state.plan = plan
+
+    def _record(self, kind: EventKind, attempt: int, checkpoint: ResumePoint | None, **details: Any) -> None:
+        record(
+            self.state.run.events,
+            kind,
+            attempt=attempt,
+            from_step=checkpoint.step if checkpoint is not None else 0,
+            checkpoint=str(checkpoint.checkpoint) if checkpoint is not None else None,
+            **details,
+        )
+
+    # --- felactl scale ------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """Between follow's looks: answer a rescale whose attempt has trained a step; take a new
+        request (one at a time: another waits its turn in the queue)."""
+        if self.rescale is not None and self.rescale.published_at is not None:
+            self._answer_when_running()
+            return
+        if self.rescalable is not None:
+            refuse_requests(self.coordinator, self.state.run, self.rescalable)
+            return
+        if self.rescale is not None:
+            return  # draining: the queue waits
+        store, queue = self.coordinator.store, self.coordinator.prefix + keys.SCALE_REQUESTS
+        if store.queue_len(queue) == 0:
+            return
+        request_id, command, why = open_request(self.coordinator, store.queue_pop(queue, block=False))
+        if command is None:
+            self.coordinator.refuse(keys.SCALE_REQUESTS, why)
+            if request_id and request_id not in self.answered:
+                answer_unsigned(self.coordinator, request_id, why)
+            return
+        if request_id in self.answered:  # sent again while it was under way: the same answer
+            answer(self.coordinator, request_id, self.answered[request_id])
+            return
         try:
-            summary = follow(coordinator, state, agents, on_update, keep_checkpoints=keep_checkpoints, attempt=attempt)
-        except WorkerFailed as failure:
-            if attempt == max_restarts:
-                raise WorkerFailed(f"{failure} (after {attempt} restart(s); --max-restarts {max_restarts})") from None
-            if failure.failures & last_failures:  # a worker raised again what one raised before
-                raise WorkerFailed(
-                    f"{failure}: it failed the same way after a restart from the checkpoint, so it is the job's "
-                    "own code or data, not a worker's; not restarted again"
-                ) from None
-            last_failures = failure.failures
-            point = restart_point(state.run, base_generation + attempt + 1)
-            record(
-                state.run.events,
-                EventKind.RESTART,
-                attempt=attempt + 1,
-                max_restarts=max_restarts,
-                from_step=point.step if point is not None else 0,
-                checkpoint=str(point.checkpoint) if point is not None else None,
-                reason=str(failure),
-            )
-            continue
-        return {**summary, **restarts_summary(state.run)}
-    raise AssertionError("unreachable: the last attempt either finishes or raises")
+            self.rescale = self._plan_request(request_id, command)
+        except (InputError, ValueError, TypeError) as exc:
+            record(self.state.run.events, EventKind.REFUSED, reason=str(exc), command=command)
+            self._answer(request_id, {"ok": False, "error": str(exc)})
+            return
+        # The attempt's workers drain: they agree on a last step, checkpoint it and exit 0.
+        name = keys.attempt_stop(self.attempt)
+        self.coordinator.publish(name, StopDoc.KIND.value, StopDoc("rescale", RESCALE_DRAIN_S).to_body())
+        self.state.draining = True
+
+    def _plan_request(self, request_id: str, command: dict) -> Rescale:
+        plan = self.state.plan
+        nodes = {p.device: p.node for p in plan.placement} or {d: n for n, ds in self.nodes.items() for d in ds}
+        profile = None
+        if self.profiles is not None:
+            profile = {node.name: tuple(d.name for d in node.devices) for node in self.profiles[0].nodes}
+        capacity = dict(self.capacity)
+        for node in capacity:  # a profiled node may run every device profiled there
+            capacity[node] = max(capacity[node], len((profile or {}).get(node, ())))
+        devices, where = devices_after(command, plan, nodes, capacity, profile)
+        new, how = plan_for_devices(plan, devices, where, self.profiles)
+        kind = EventKind.SCALE_OUT if len(devices) > len(plan.devices) else EventKind.SCALE_IN
+        return Rescale(request_id, kind.value, new, how, asked_at=time.time(), before=plan.devices, nodes=where)
+
+    def _answer_when_running(self) -> None:
+        rescale = self.rescale
+        self.state.read_new()
+        first = [r["time"] for r in self.state.records if r["time"] > rescale.published_at]
+        if not first:
+            return
+        before = [r["time"] for r in self.state.records if r["time"] <= rescale.published_at]
+        result = {
+            "kind": rescale.kind,
+            "members_before": list(rescale.before),
+            "members_after": list(self.state.plan.devices),
+            "stages": len(self.state.plan.stages),
+            "planned_by": rescale.how,
+            "by_restart": True,
+            "pause_s": round(min(first) - max(before), 3) if before else None,
+        }
+        self._answer(rescale.request_id, {"ok": True, "result": result})
+        self.rescale, self.state.draining = None, False
+
+    def _answer(self, request_id: str, reply: dict) -> None:
+        self.answered[request_id] = reply
+        answer(self.coordinator, request_id, reply)
 
 
-def restart_point(run: RunDir, generation: int) -> ResumePoint | None:
-    """Where the next attempt starts: the run's newest complete checkpoint, in ``generation`` (a
-    fresh one: nothing of the failed attempt's store keys is reused); None: from the start, with
-    no checkpoint written yet (``--checkpoint-every`` bounds what a restart redoes)."""
+def _newest(run: RunDir) -> ResumePoint | None:
+    """The run's newest complete checkpoint (None: none yet, the next attempt starts over)."""
     try:
         chosen = pick_checkpoint(run)
     except InputError:
         return None
-    return ResumePoint(
-        run=run, checkpoint=chosen.directory, step=chosen.step, plan_path=chosen.plan_path, generation=generation
-    )
+    return ResumePoint(run=run, checkpoint=chosen.directory, step=chosen.step, plan_path=chosen.plan_path, generation=0)
 
 
-def restarts_summary(run: RunDir) -> dict[str, Any]:
-    """The summary's ``restarts``: for each, the step it went on from, the steps it redid and its
-    pause (last step recorded before the failure to the first step after it); ``{}`` without one."""
-    restarts = [e for e in read_jsonl(run.events) if e.get("kind") == EventKind.RESTART.value]
-    if not restarts:
+CHANGES = (EventKind.RESTART.value, EventKind.SCALE_OUT.value, EventKind.SCALE_IN.value)
+
+
+def changes_summary(run: RunDir) -> dict[str, Any]:
+    """The summary's ``restarts``: for each restart or rescale, the step it went on from, the
+    steps it redid and its pause (last step recorded before it to the first step after); ``{}``
+    without one."""
+    changes = [e for e in read_jsonl(run.events) if e.get("kind") in CHANGES]
+    if not changes:
         return {}
     records = read_jsonl(run.metrics)
     out = []
-    for event in restarts:
+    for event in changes:
         before = [r for r in records if r["time"] <= event["time"]]
         after = [r for r in records if r["time"] > event["time"]]
         last_step = max((r["step"] for r in before), default=-1)
         out.append(
             {
+                "kind": event["kind"],
                 "attempt": event["attempt"],
                 "from_step": event["from_step"],
                 "redone_steps": max(last_step + 1 - event["from_step"], 0),
                 "pause_s": round(min(r["time"] for r in after) - max(r["time"] for r in before), 3)
                 if before and after
                 else None,
-                "reason": event["reason"],
+                **({"reason": event["reason"]} if "reason" in event else {}),
             }
         )
     return {"restarts": out}

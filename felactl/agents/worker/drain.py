@@ -19,7 +19,6 @@ import threading
 from felactl.control import Reader, keys
 from felactl.control.documents import LastStepDoc
 
-LAST_STEP_KEY = keys.LAST_STEP
 _asked = threading.Event()
 
 
@@ -31,9 +30,10 @@ def listen() -> None:
 
 
 class Drain:
-    def __init__(self, reader: Reader):
-        """``reader``: the job's store (shared by every worker of the job, whatever its generation)."""
-        self.reader = reader
+    def __init__(self, reader: Reader, key: str = keys.LAST_STEP):
+        """``reader``: the job's store (shared by every worker of the job, whatever its generation);
+        ``key``: where the last step is agreed (:func:`felactl.control.keys.last_step`)."""
+        self.reader, self.key = reader, key
         self.last_step: int | None = None
         listen()
 
@@ -48,11 +48,11 @@ class Drain:
         if self.last_step is None:
             if self.signalled:
                 agreed = self.reader.agree(
-                    LAST_STEP_KEY, LastStepDoc.KIND.value, LastStepDoc(steps_done + lead_steps).to_body()
+                    self.key, LastStepDoc.KIND.value, LastStepDoc(steps_done + lead_steps).to_body()
                 )
                 self.last_step = LastStepDoc.from_body(agreed).step
             else:
-                opened = self.reader.read(LAST_STEP_KEY, LastStepDoc.KIND.value)
+                opened = self.reader.read(self.key, LastStepDoc.KIND.value)
                 if opened is not None:
                     self.last_step = LastStepDoc.from_body(opened.body).step
         return self.last_step

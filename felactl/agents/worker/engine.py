@@ -33,7 +33,8 @@ from felactl import models
 from felactl.agents.worker.checkpoint import (
     checkpoint_not_written,
     checkpoint_path,
-    load_checkpoint,
+    parameter_aliases,
+    restore_stage,
     save_checkpoint,
     stage_state,
 )
@@ -131,7 +132,7 @@ class Trainer:
         """The last completed step (steps done) and the data position after it."""
         self.checkpointed_at: int | None = None
         # The job's store, not a generation's: a drain asked before a rescale reaches every member
-        self.drain = Drain(runtime.cfg.reader(runtime._raw))
+        self.drain = Drain(runtime.cfg.reader(runtime._raw), membership.drain_key)
         cfg = runtime.cfg
         self.straggler = Straggler(cfg.rank, cfg.world_size, cfg.slowdown, cfg.pattern, seed=plan.training.seed)
         self.worker_id = cfg.rank if metrics_rank is None else metrics_rank
@@ -178,8 +179,10 @@ class Trainer:
         if source is None:
             return
         directory = source if source.is_dir() else source.parent
+        aliases = parameter_aliases(self.bundle.model)
         states = [
-            load_checkpoint(directory / f"stage{part.stage}.pt", part.module, part.optimizer) for part in self.parts
+            restore_stage(directory, part.stage, self._layers(part), part.module, part.optimizer, aliases)
+            for part in self.parts
         ]
         for part, state in zip(self.parts, states):
             if part.scheduler is not None and "lr_scheduler" in state:
@@ -447,12 +450,17 @@ class Trainer:
                 state=state,
                 step=self.steps_done,
                 data_position=self.data_position,
+                layers=self._layers(part),
                 extra={**self.membership.checkpoint_extra(), **scheduler},
             )
         except STORAGE_ERRORS as exc:
             checkpoint_not_written(cfg.events, worker=self.worker_id, step=self.steps_done, path=path, exc=exc)
             return False
         return True
+
+    def _layers(self, part: Part) -> tuple[int, int]:
+        stage = self.plan.stages[part.stage]
+        return stage.layer_start, stage.layer_end
 
     def final_checkpoint(self) -> None:
         """The run's last completed step (its end, or where a graceful stop ended it), whatever

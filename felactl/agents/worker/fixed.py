@@ -19,6 +19,7 @@ from felactl.agents.worker.stages import stage_rank_sets
 from felactl.agents.worker.strategies import strategy_for
 from felactl.agents.worker.strategy import Strategy
 from felactl.agents.worker.tied import tied_rank_sets, tied_weights
+from felactl.control import keys
 from felactl.spec.executable import plan_backend
 
 
@@ -28,6 +29,8 @@ class FixedMembership(Membership):
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.generation = cfg.generation
+        # a restarted attempt must not read the last step its predecessor drained at
+        self.drain_key = keys.last_step(cfg.generation)
         self.runtime: Runtime | None = None
         self.trainer: Trainer | None = None
 

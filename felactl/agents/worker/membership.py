@@ -27,6 +27,7 @@ from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.membership_view import MembershipView
 from felactl.agents.worker.strategy import Strategy
+from felactl.control import keys
 from felactl.spec import Plan
 from felactl.spec.executable import check_executable
 
@@ -52,6 +53,9 @@ class Membership(MembershipView):
     @abc.abstractmethod
     def close(self) -> None:
         """Release what :meth:`start` took (the process groups, threads), whatever happened."""
+
+    drain_key: str = keys.LAST_STEP
+    """Where a graceful stop's last step is agreed (:class:`~felactl.agents.worker.drain.Drain`)."""
 
     # --- the loop's hooks ---------------------------------------------------------------------
     def record_extra(self) -> dict[str, Any]:

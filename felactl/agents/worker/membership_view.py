@@ -20,6 +20,9 @@ class MembershipView(Protocol):
 
     generation: int
     """The membership generation this worker trains in."""
+    drain_key: str
+    """Where a graceful stop's last step is agreed (:func:`felactl.control.keys.last_step`): the
+    job's, or, where each attempt is a job of its own (a restart), the attempt's."""
 
     @abc.abstractmethod
     def newest_generation(self) -> int:
