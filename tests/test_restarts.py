@@ -4,8 +4,12 @@ worker: every worker starts again from the run's newest checkpoint and trains to
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +21,7 @@ from felactl.control.metrics import step_losses, without_redone
 from felactl.errors import InputError
 from felactl.launcher.resume import pick_checkpoint
 from felactl.launcher.rundir import RunDir, read_jsonl
-from felactl.spec import save
+from felactl.spec import Placement, load_plan, save
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -181,6 +185,59 @@ def test_with_its_profiles_a_pipeline_scaled_in_is_re_planned_and_its_stages_re_
     run = tmp_path / "runs" / "p"
     assert len(load_plan(run / "plan.1.yaml").stages) == 1
     assert summary["steps"] == steps and [r["kind"] for r in summary["restarts"]] == ["scale-in"]
+    records = read_jsonl(run / "metrics.jsonl")
+    by_step = step_losses(without_redone(records, read_jsonl(run / "events.jsonl")))
+    _, want = single_process(plan, steps)
+    assert [by_step[s] for s in range(steps)] == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_a_pipeline_that_loses_a_node_restarts_without_it_and_trains_as_one_process(tmp_path, no_leftovers):
+    """Two pipelines, one per node; the second node's agent and workers killed: the launch finds
+    that node gone (its agent does not report), re-plans the two stages on the node left, restarts
+    there from the newest checkpoint and trains every step, as one process would."""
+    plan = pipeline_plan([0, 2, 3], num_replicas=2, optimizer="adamw", lr=0.01)
+    nodes = ("na", "na", "nb", "nb")
+    placement = tuple(
+        Placement(device=d, node=n, local_index=i % 2) for i, (d, n) in enumerate(zip(plan.devices, nodes))
+    )
+    path = save(dataclasses.replace(plan, placement=placement), tmp_path / "plan.yaml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    steps = 60
+    args = ("--run-id", "n", "--steps", str(steps), "--checkpoint-every", "5", "--straggler", "roundrobin:0.1")
+    job = Job(tmp_path, str(path), *args, "--node-name", "na", "--rdzv-endpoint", endpoint, "--nnodes", "2")
+    agent = None
+    try:
+        secret = tmp_path / "runs" / "n" / "secret"
+        deadline = time.monotonic() + STARTUP_S
+        while not secret.exists():
+            assert time.monotonic() < deadline and job.proc.poll() is None, "the launch did not start"
+            time.sleep(0.05)
+        agent_args = ["--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name", "nb", "--job", "n"]
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "felactl", "agent", *agent_args, "--nproc-per-node", "2", "--log-dir", "nb-logs"],
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        job.wait_step("n", 8, timeout_s=STARTUP_S)
+        _checkpoint_at_least(tmp_path / "runs", "n", 5, STARTUP_S)
+        for proc in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]:
+            proc.kill()  # the node is gone: its agent and its workers at once
+        summary = job.finish(timeout_s=STARTUP_S)
+    finally:
+        job.stop()
+        if agent is not None and agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+        if agent is not None:
+            agent.wait()
+    (restart,) = summary["restarts"]
+    assert restart["lost_nodes"] == ["nb"] and summary["steps"] == steps, restart
+    run = tmp_path / "runs" / "n"
+    assert [len(s.workers) for s in load_plan(run / "plan.1.yaml").stages] == [1, 1]
     records = read_jsonl(run / "metrics.jsonl")
     by_step = step_losses(without_redone(records, read_jsonl(run / "events.jsonl")))
     _, want = single_process(plan, steps)

@@ -74,17 +74,20 @@ def follow(
     keep_checkpoints: int = 0,
     attempt: int = 0,
     serve_requests: Callable[[], None] | None = None,
+    node_loss_is_fatal: bool | None = None,
 ) -> dict[str, Any]:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
     (an elastic job instead re-forms without the failed worker; its controller says when it is
     done). Then prune its last checkpoints beyond ``keep_checkpoints``, and return its summary
     (:class:`WorkerFailed` when no step was recorded). ``attempt``: the one of a job that restarts
     (:mod:`felactl.launcher.restarts`) whose reports count, an earlier one's are stale; it serves
-    ``felactl scale`` (``serve_requests``; else every request is refused)."""
+    ``felactl scale`` (``serve_requests``; else every request is refused). A lost agent started
+    over ssh or in a testbed node ends the job unless it survives that (an elastic job, or one
+    that restarts without the node: ``node_loss_is_fatal``)."""
     events = JsonlTail(state.run.events)
     pruned_at = 0.0
     while True:
-        agents.check(node_loss_is_fatal=controller is None)
+        agents.check(node_loss_is_fatal=controller is None if node_loss_is_fatal is None else node_loss_is_fatal)
         _say_storage_trouble(events)
         on_update(state)
         if keep_checkpoints and time.monotonic() - pruned_at > PRUNE_EVERY_S:

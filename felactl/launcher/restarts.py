@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from felactl.control import EventKind, keys
-from felactl.control.documents import StopDoc
+from felactl.control.documents import StopDoc, WorkerState
 from felactl.control.events import record
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator
@@ -46,6 +46,9 @@ MANY_ATTEMPTS = 1 << 30
 for the next one until the launch stops them (the launch counts the failures)."""
 DRAIN_FAILED = "a worker failed while the job stopped for the rescale; it restarts on the workers it had"
 RESCALE_DRAIN_S = 30.0
+LOST_AFTER_S = 10.0
+"""After a failure, how long a live agent gets to stop its workers (SIGTERM, then SIGKILL after
+3 s) and report; one that has not by then is taken as lost, with its node."""
 """How long a drained attempt's workers get to agree on a last step and checkpoint it."""
 
 
@@ -111,6 +114,7 @@ class Restarts:
                     keep_checkpoints=self.keep_checkpoints,
                     attempt=attempt,
                     serve_requests=self._serve,
+                    node_loss_is_fatal=False,
                 )
             except WorkerFailed as failure:
                 failures += 1
@@ -124,11 +128,20 @@ class Restarts:
                         "job's own code or data, not a worker's; not restarted again"
                     ) from None
                 last_failures = failure.failures
+                lost = self._lost_nodes(attempt)
+                if lost:
+                    self._go_on_without(lost, failure)
                 if self.rescale is not None:
                     self._answer(self.rescale.request_id, {"ok": False, "error": f"{DRAIN_FAILED}: {failure}"})
                     self.rescale, self.state.draining = None, False
                 checkpoint = _newest(self.state.run)
-                self._record(EventKind.RESTART, attempt + 1, checkpoint, reason=str(failure))
+                self._record(
+                    EventKind.RESTART,
+                    attempt + 1,
+                    checkpoint,
+                    reason=str(failure),
+                    **({"lost_nodes": lost, "members": list(self.state.plan.devices)} if lost else {}),
+                )
                 self.attempt += 1
                 continue
             if self.rescale is not None and summary["steps"] >= self.steps:
@@ -186,6 +199,39 @@ class Restarts:
             checkpoint=str(checkpoint.checkpoint) if checkpoint is not None else None,
             **details,
         )
+
+    def _lost_nodes(self, attempt: int) -> list[str]:
+        """The nodes whose agent is gone: the attempt's workers are stopped (each live agent
+        stops its own and reports, in a few seconds); an agent that does not report within
+        :data:`LOST_AFTER_S` is taken as lost with its node."""
+        self.coordinator.publish(keys.attempt_stop(attempt), StopDoc.KIND.value, StopDoc("restart", 0.0).to_body())
+        waiting = {m.agent_id: m.node_name for m in self.state.members}
+        deadline = time.monotonic() + LOST_AFTER_S
+        while waiting and time.monotonic() < deadline:
+            for agent_id in list(waiting):
+                report = self.coordinator.agent_state(agent_id)
+                if report and int(report.get("attempt", 0)) == attempt and report.get("state") != WorkerState.HEALTHY.value:
+                    del waiting[agent_id]
+            time.sleep(0.1)
+        return sorted(set(waiting.values()))
+
+    def _go_on_without(self, lost: list[str], failure: WorkerFailed) -> None:
+        """Re-plan on the devices of the nodes left (:func:`plan_for_devices`); where none is
+        left, or no plan runs on them, the failure ends the run."""
+        where = {d: node for node, devices in self.nodes.items() for d in devices}
+        left = [d for d in self.state.plan.devices if where[d] not in lost]
+        names = ", ".join(repr(n) for n in lost)
+        try:
+            if not left:
+                raise InputError("no node is left")
+            plan, _ = plan_for_devices(self.state.plan, left, {d: where[d] for d in left}, self.profiles)
+        except InputError as exc:
+            raise WorkerFailed(
+                f"{failure}; the agent of node {names} is gone and the job cannot go on without it: {exc}"
+            ) from None
+        self.state.members = [m for m in self.state.members if m.node_name not in lost]
+        self.nodes = {node: devices for node, devices in self.nodes.items() if node not in lost}
+        self._adopt(plan, {d: where[d] for d in left})
 
     # --- felactl scale ------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -294,7 +340,7 @@ def changes_summary(run: RunDir) -> dict[str, Any]:
                 "pause_s": round(min(r["time"] for r in after) - max(r["time"] for r in before), 3)
                 if before and after
                 else None,
-                **({"reason": event["reason"]} if "reason" in event else {}),
+                **{key: event[key] for key in ("reason", "lost_nodes") if key in event},
             }
         )
     return {"restarts": out}
