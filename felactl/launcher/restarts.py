@@ -94,15 +94,20 @@ class Restarts:
     """Each request answered, by id: ``felactl scale`` sends a request again while it waits."""
     attempt: int = 0
     """The attempt running now."""
+    base_generation: int = 0
+    """The first attempt's membership generation (a resume's is past every one the run used)."""
+    failures: int = 0
+    last_failures: frozenset[str] = frozenset()
+    """The lines the last failure's workers raised (the same again: the job's own failure)."""
 
     def run(self, resume: ResumePoint | None, started: Callable[[], None] = lambda: None) -> dict[str, Any]:
         """Attempt after attempt until one reaches the last step (its summary, with the restarts)
         or a failure may not be restarted (:class:`WorkerFailed`)."""
-        base = resume.generation if resume is not None else 0
-        checkpoint, failures, last_failures = resume, 0, frozenset()
+        self.base_generation = resume.generation if resume is not None else 0
+        checkpoint = resume
         while True:
             attempt = self.attempt
-            self._publish(attempt, base + attempt, checkpoint)
+            self._publish(attempt, self.base_generation + attempt, checkpoint)
             if attempt == 0:
                 started()
             try:
@@ -117,48 +122,41 @@ class Restarts:
                     node_loss_is_fatal=False,
                 )
             except WorkerFailed as failure:
-                failures += 1
-                if failures > self.max_restarts:
-                    raise WorkerFailed(
-                        f"{failure} (after {failures - 1} restart(s); --max-restarts {self.max_restarts})"
-                    ) from None
-                if failure.failures & last_failures:  # a worker raised again what one raised before
-                    raise WorkerFailed(
-                        f"{failure}: it failed the same way after a restart from the checkpoint, so it is the "
-                        "job's own code or data, not a worker's; not restarted again"
-                    ) from None
-                last_failures = failure.failures
-                lost = self._lost_nodes(attempt)
-                if lost:
-                    self._go_on_without(lost, failure)
-                if self.rescale is not None:
-                    self._answer(self.rescale.request_id, {"ok": False, "error": f"{DRAIN_FAILED}: {failure}"})
-                    self.rescale, self.state.draining = None, False
-                checkpoint = _newest(self.state.run)
-                self._record(
-                    EventKind.RESTART,
-                    attempt + 1,
-                    checkpoint,
-                    reason=str(failure),
-                    **({"lost_nodes": lost, "members": list(self.state.plan.devices)} if lost else {}),
-                )
-                self.attempt += 1
-                continue
-            if self.rescale is not None and summary["steps"] >= self.steps:
-                self._answer(self.rescale.request_id, {"ok": False, "error": FINISHED_FIRST})
-                self.rescale = None
-            if self.rescale is None:
-                return {**summary, **changes_summary(self.state.run)}
-            checkpoint = _newest(self.state.run)  # the drain's
-            self._adopt(self.rescale.plan, self.rescale.nodes)
-            self._record(
-                EventKind(self.rescale.kind),
-                attempt + 1,
-                checkpoint,
-                members=list(self.state.plan.devices),
-                planned_by=self.rescale.how,
-            )
+                self._after_failure(failure)
+            else:
+                if self.rescale is not None and summary["steps"] >= self.steps:
+                    self._answer(self.rescale.request_id, {"ok": False, "error": FINISHED_FIRST})
+                    self.rescale = None
+                if self.rescale is None:
+                    return {**summary, **changes_summary(self.state.run)}
+                before = self.state.plan.devices
+                self._adopt(self.rescale.plan, self.rescale.nodes)
+                self._record(EventKind(self.rescale.kind), before, planned_by=self.rescale.how)
+            checkpoint = _newest(self.state.run)  # the drain's, or the newest before the failure
             self.attempt += 1
+
+    def _after_failure(self, failure: WorkerFailed) -> None:
+        """Whether a failed attempt is restarted (else :class:`WorkerFailed`), and on which plan:
+        without the nodes whose agent is gone."""
+        self.failures += 1
+        if self.failures > self.max_restarts:
+            raise WorkerFailed(
+                f"{failure} (after {self.failures - 1} restart(s); --max-restarts {self.max_restarts})"
+            ) from None
+        if failure.failures & self.last_failures:  # a worker raised again what one raised before
+            raise WorkerFailed(
+                f"{failure}: it failed the same way after a restart from the checkpoint, so it is the "
+                "job's own code or data, not a worker's; not restarted again"
+            ) from None
+        self.last_failures = failure.failures
+        before = self.state.plan.devices
+        lost = self._lost_nodes(self.attempt)
+        if lost:
+            self._go_on_without(lost, failure)
+        if self.rescale is not None:
+            self._answer(self.rescale.request_id, {"ok": False, "error": f"{DRAIN_FAILED}: {failure}"})
+            self.rescale, self.state.draining = None, False
+        self._record(EventKind.RESTART, before, reason=str(failure), **({"lost_nodes": lost} if lost else {}))
 
     # --- attempts ---------------------------------------------------------------------------
     def _publish(self, attempt: int, generation: int, checkpoint: ResumePoint | None) -> None:
@@ -190,11 +188,17 @@ class Restarts:
         self.nodes = {node: tuple(by_node.get(node, ())) for node in self.nodes}
         self.state.plan = plan
 
-    def _record(self, kind: EventKind, attempt: int, checkpoint: ResumePoint | None, **details: Any) -> None:
+    def _record(self, kind: EventKind, before: tuple[str, ...], **details: Any) -> None:
+        """The event of a restart or rescale, as the next attempt starts: its generation, the
+        workers before and after, and the checkpoint it goes on from."""
+        checkpoint = _newest(self.state.run)
         record(
             self.state.run.events,
             kind,
-            attempt=attempt,
+            attempt=self.attempt + 1,
+            generation=self.base_generation + self.attempt + 1,
+            members_before=list(before),
+            members_after=list(self.state.plan.devices),
             from_step=checkpoint.step if checkpoint is not None else 0,
             checkpoint=str(checkpoint.checkpoint) if checkpoint is not None else None,
             **details,
@@ -210,7 +214,11 @@ class Restarts:
         while waiting and time.monotonic() < deadline:
             for agent_id in list(waiting):
                 report = self.coordinator.agent_state(agent_id)
-                if report and int(report.get("attempt", 0)) == attempt and report.get("state") != WorkerState.HEALTHY.value:
+                if (
+                    report
+                    and int(report.get("attempt", 0)) == attempt
+                    and report.get("state") != WorkerState.HEALTHY.value
+                ):
                     del waiting[agent_id]
             time.sleep(0.1)
         return sorted(set(waiting.values()))
