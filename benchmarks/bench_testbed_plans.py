@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import json
 import math
@@ -134,7 +135,6 @@ def profile_model(model_yaml: Path, args, testbed: str | None = None) -> Path:
 
 def run_testbed(name: str, args, work: Path) -> list[dict]:
     from felactl.control.metrics import read_metrics
-    from felactl.spec import load_plan
 
     spec = ROOT / "plans" / "testbeds" / f"{name}.yaml"
     bed = f"q{os.getpid() % 100000}"[:8]
@@ -167,22 +167,8 @@ def run_testbed(name: str, args, work: Path) -> list[dict]:
             )
             if args.model_profile == "nodes":
                 model_yaml = profile_model(out / "model.yaml", args, bed)
-            common = [
-                "--cluster",
-                str(cluster),
-                "--model",
-                str(model_yaml),
-                "--global-batch",
-                str(args.global_batch),
-                "--json",
-            ]
-            plans = {}
-            for plan_name in PLANS:
-                path = out / f"{plan_name}.yaml"
-                extra = [] if plan_name == "felactl" else ["--baseline", plan_name]
-                felactl("plan", *common, *extra, "-o", str(path), timeout=300)
-                plans[plan_name] = (path, load_plan(path))
-            runs: dict[str, list[tuple[dict, list[dict], float]]] = {name: [] for name in PLANS}
+            plans = make_plans(cluster, model_yaml, args, out)
+            runs: dict[str, list[tuple[dict, list[dict], float]]] = {name: [] for name in plans}
             for round_ in range(args.repeat):  # the plans in turn, round after round: a slow minute hits all
                 for plan_name, (path, plan) in plans.items():
                     predicted = plan.predicted.samples_per_s
@@ -250,6 +236,47 @@ def run_testbed(name: str, args, work: Path) -> list[dict]:
         finally:
             felactl("testbed", "down", "--name", bed, timeout=120)
     return rows
+
+
+def make_plans(cluster: Path, model_yaml: Path, args, out: Path) -> dict:
+    """Each of ``--plans`` planned on the profiles: felactl's, and the baselines' own (``felactl
+    plan --baseline NAME``). With ``--memory-fraction F`` every device's memory is capped at F of
+    what a data-parallel replica needs (the ``dp`` baseline's predicted peak on the profile as
+    measured), so felactl's plan must pipeline or shard the model; ``dp`` is still planned on the
+    uncapped profile: what data parallel would do if the model fit (the emulated nodes hold it)."""
+    from felactl.spec import load_plan
+
+    def plan(name: str, on: Path) -> tuple[Path, object]:
+        path = out / f"{name}.yaml"
+        common = ["--cluster", str(on), "--model", str(model_yaml), "--global-batch", str(args.global_batch)]
+        extra = [] if name == "felactl" else ["--baseline", name]
+        extra += ["--sync", args.sync] if args.sync else []
+        felactl("plan", *common, *extra, "--json", "-o", str(path), timeout=300)
+        return path, load_plan(path)
+
+    names = args.plans.split(",")
+    capped = cluster if not args.memory_fraction else cap_memory(cluster, plan("dp", cluster)[1], args, out)
+    return {name: plan(name, cluster if name == "dp" else capped) for name in names}
+
+
+def cap_memory(cluster: Path, dp_plan, args, out: Path) -> Path:
+    from felactl.spec import load_cluster, save
+
+    peak = max(w.predicted_memory_gb for stage in dp_plan.stages for w in stage.workers)
+    # the planner leaves a tenth of a CPU device's memory free: the cap is on what it may fill
+    memory_gb = peak * args.memory_fraction / 0.9
+    spec = load_cluster(cluster)
+    nodes = tuple(
+        dataclasses.replace(n, devices=tuple(dataclasses.replace(d, memory_gb=memory_gb) for d in n.devices))
+        for n in spec.nodes
+    )
+    print(
+        f"memory capped at {memory_gb * 1e3:.1f} MB per device ({args.memory_fraction:g} of a replica's "
+        f"{peak * 1e3:.1f} MB)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return save(dataclasses.replace(spec, nodes=nodes), out / "cluster-capped.yaml")
 
 
 def load_cluster_nodes(path: Path):
@@ -330,6 +357,14 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds: each plan launched this many times in turn; medians reported"
+    )
+    parser.add_argument("--plans", default=",".join(PLANS), help="felactl and baselines (dp, hp, fsdp, ...)")
+    parser.add_argument("--sync", default=None, help="the plans' sync mode (default: the planner's)")
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="cap each device's memory at this fraction of a data-parallel replica's: the plans must pipeline or shard",
     )
     parser.add_argument("--lock", type=Path, default=Path("/tmp/felactl-testbed.lock"))
     parser.add_argument("--out", type=Path, default=None, help="keep the profiles, plans and runs here")

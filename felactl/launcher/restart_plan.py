@@ -78,7 +78,10 @@ def devices_after(
         )
     new = _new_devices(node, count, set(devices), profile, plan)
     where.update({d: node for d in new})
-    ordered = sorted(devices + new, key=lambda d: list(dict.fromkeys(where[x] for x in devices + new)).index(where[d]))
+    # A node's devices take consecutive ranks (its agent starts them as one block): the newcomers
+    # go after their node's last device, the nodes in the order they had.
+    node_order = list(dict.fromkeys(where[d] for d in devices + new))
+    ordered = sorted(devices + new, key=lambda d: node_order.index(where[d]))
     return ordered, {d: where[d] for d in ordered}
 
 

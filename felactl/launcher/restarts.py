@@ -46,10 +46,10 @@ MANY_ATTEMPTS = 1 << 30
 for the next one until the launch stops them (the launch counts the failures)."""
 DRAIN_FAILED = "a worker failed while the job stopped for the rescale; it restarts on the workers it had"
 RESCALE_DRAIN_S = 30.0
+"""How long a drained attempt's workers get to agree on a last step and checkpoint it."""
 LOST_AFTER_S = 10.0
 """After a failure, how long a live agent gets to stop its workers (SIGTERM, then SIGKILL after
 3 s) and report; one that has not by then is taken as lost, with its node."""
-"""How long a drained attempt's workers get to agree on a last step and checkpoint it."""
 
 
 @dataclasses.dataclass
