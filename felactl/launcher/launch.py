@@ -191,7 +191,7 @@ def _run(
             lambda point: worker_env(options, run, coordinator.endpoint, resume=point),
             max_restarts=options.restarts_allowed,
             steps=options.steps,
-            rescalable=None if options.elastic else state.not_elastic,
+            scale_refused=None if options.elastic else state.not_elastic,
             capacity=_capacity(options, nodes),
             profiles=_profiles(run),
             keep_checkpoints=options.keep_checkpoints,

@@ -83,7 +83,7 @@ class Restarts:
     max_restarts: int
     steps: int
     """The run's last step."""
-    rescalable: str | None
+    scale_refused: str | None
     """Why ``felactl scale`` is refused (None: it restarts the job on the new workers)."""
     capacity: dict[str, int]
     profiles: tuple[ClusterSpec, ModelSpec] | None
@@ -248,8 +248,8 @@ class Restarts:
         if self.rescale is not None and self.rescale.published_at is not None:
             self._answer_when_running()
             return
-        if self.rescalable is not None:
-            refuse_requests(self.coordinator, self.state.run, self.rescalable)
+        if self.scale_refused is not None:
+            refuse_requests(self.coordinator, self.state.run, self.scale_refused)
             return
         if self.rescale is not None:
             return  # draining: the queue waits
