@@ -148,7 +148,10 @@ def test_a_two_stage_pipeline_scaled_out_and_in_restarts_on_each_plan_and_trains
 def test_with_its_profiles_a_pipeline_scaled_in_is_re_planned_and_its_stages_re_split(tmp_path, no_leftovers):
     """Launched with its profiles, a two-stage pipeline scaled in to one worker is re-planned by
     the planner (one stage on one device) and that worker takes the whole model from the two
-    stage files of the drain's checkpoint, by the model's names: training goes on as one process."""
+    stage files of the drain's checkpoint, by the model's names; scaled out again, the planner's
+    plan for two takes its stages from that one-stage checkpoint (a user's trial lost the run
+    here: the checkpoint was judged by the launch's two-stage plan, found incomplete, and the job
+    started over). Training goes on as one process."""
     from felactl.machine import short_hostname
     from felactl.profiling.model import profile_model
     from felactl.spec import ClusterSpec, Device, DeviceKind, LinkDefault, LinkType, Node, load_plan
@@ -178,13 +181,17 @@ def test_with_its_profiles_a_pipeline_scaled_in_is_re_planned_and_its_stages_re_
         shrunk = job.scale("p", "--remove", "1")
         assert shrunk.exit_code == 0, shrunk.output
         out = json.loads(shrunk.stdout)
+        # and back: the one-stage plan's checkpoint (one file) is complete, and re-split again
+        grown = job.scale("p", "--add", "1")
+        assert grown.exit_code == 0, grown.output
         summary = job.finish(timeout_s=STARTUP_S)
     finally:
         job.stop()
     assert (out["planned_by"], out["members_after"], out["stages"]) == ("planner", ["cpu0"], 1), out
     run = tmp_path / "runs" / "p"
     assert len(load_plan(run / "plan.1.yaml").stages) == 1
-    assert summary["steps"] == steps and [r["kind"] for r in summary["restarts"]] == ["scale-in"]
+    assert summary["steps"] == steps and [r["kind"] for r in summary["restarts"]] == ["scale-in", "scale-out"]
+    assert all(r["from_step"] > 0 and r["redone_steps"] == 0 for r in summary["restarts"]), summary["restarts"]
     records = read_jsonl(run / "metrics.jsonl")
     by_step = step_losses(without_redone(records, read_jsonl(run / "events.jsonl")))
     _, want = single_process(plan, steps)

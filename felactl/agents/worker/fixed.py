@@ -76,4 +76,6 @@ class FixedMembership(Membership):
         return None
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {}
+        """A restarted attempt's checkpoint names its generation: its plan (``plan.<G>.yaml``,
+        which may cut the model elsewhere) says how many stage files make it complete."""
+        return {"generation": self.generation} if self.generation else {}
