@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import textwrap
 import time
 from pathlib import Path
@@ -514,3 +515,40 @@ def test_a_failed_workers_reason_is_its_exceptions_first_line(tmp_path):
     )
     log.write_text("step 1\nfelactl worker: error: plan.yaml: no such file\n")
     assert last_line(log) == "felactl worker: error: plan.yaml: no such file"
+
+
+def test_a_workers_failure_is_said_from_this_run_of_it_and_a_kill_as_a_kill(tmp_path):
+    """Logs are appended to across restarts: a worker killed by a signal is said to be killed (its
+    log's last line was an older attempt's traceback, or any line it printed), and one that raised
+    is said by its own exception, not an earlier attempt's (a user's trial saw a restarted run
+    blame a stale KeyboardInterrupt and an FSDP warning line)."""
+    go = tmp_path / "go"
+    env = _module(
+        tmp_path,
+        "dier",
+        "import os, pathlib, time\n"
+        "print('a warning line a library printed', flush=True)\n"
+        f"while os.environ['RANK'] == '0' or not pathlib.Path({str(go)!r}).exists():\n"
+        "    time.sleep(0.05)\n"
+        "raise ValueError('this run raised this')\n",
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    stale = "Traceback (most recent call last):\n  File x\nKeyboardInterrupt: an earlier attempt's\n"
+    for rank in (0, 1):
+        (logs / f"worker-{rank}.log").write_text(stale)
+    agent = LocalWorkerAgent(WorkerSpec(module="dier", nproc=2, world_size=2, log_dir=logs, env=env, stop_grace_s=2))
+    try:
+        agent.start()
+        deadline = time.monotonic() + 20
+        while "a warning line" not in (logs / "worker-0.log").read_text():
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.05)
+        os.kill(agent.workers[0].pid, signal.SIGKILL)
+        go.touch()
+        for worker in agent.workers:
+            worker.process.wait(timeout=20)
+        result = agent.monitor()
+    finally:
+        agent.stop()
+    assert result.failures == {0: "killed by SIGKILL", 1: "ValueError: this run raised this"}, result.failures

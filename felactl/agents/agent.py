@@ -106,6 +106,17 @@ class Worker:
     """Wall-clock time its end was seen (which of several failures came first)."""
     slot: int = 0
     """The node's worker slot it holds (its cores: ``WorkerSpec.cpu_affinity[slot]``)."""
+    log_start: int = 0
+    """Where this run of it begins in its log (a restarted worker's log goes on)."""
+
+    def failure(self) -> str:
+        """Why it failed: the signal that killed it, else its own exception's line (this run's)."""
+        if self.exit_code is not None and self.exit_code < 0:
+            try:
+                return f"killed by {signal.Signals(-self.exit_code).name}"
+            except ValueError:
+                return f"killed by signal {-self.exit_code}"
+        return last_line(self.log_path, since=self.log_start) or f"exit code {self.exit_code}"
 
     @property
     def pid(self) -> int | None:
@@ -136,14 +147,14 @@ def split_cores(cores: list[int], nproc: int) -> tuple[tuple[int, ...], ...]:
     return tuple((cores[i % len(cores)],) for i in range(nproc))
 
 
-def last_line(path: Path, max_bytes: int = 4096) -> str:
-    """Why a worker failed, from the end of its log: the line of its last traceback's exception
-    (``TypeError: ...``: a message may go on over more lines, which say less), else the log's
-    last line."""
+def last_line(path: Path, max_bytes: int = 4096, since: int = 0) -> str:
+    """Why a worker failed, from the end of its log (what it wrote after byte ``since``: a log
+    goes on over restarts): the line of its last traceback's exception (``TypeError: ...``: a
+    message may go on over more lines, which say less), else the log's last line."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
+            f.seek(max(since, f.tell() - max_bytes))
             lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
     except OSError:
         return ""
@@ -238,6 +249,7 @@ class LocalWorkerAgent:
         cores = self._slot_cores(worker.slot)
         if cores is not None:
             env = {**env, "FELACTL_CPU_CORES": ",".join(map(str, cores))}
+        worker.log_start = worker.log_path.stat().st_size if worker.log_path.exists() else 0
         worker.process = self._popen(worker.log_path, env)
         if cores is not None:
             try:
@@ -281,7 +293,7 @@ class LocalWorkerAgent:
                 "state": w.state.value,
                 "exit_code": w.exit_code,
                 "log": str(w.log_path),
-                **({"failure": last_line(w.log_path)} if w.state is WorkerState.FAILED else {}),
+                **({"failure": w.failure()} if w.state is WorkerState.FAILED else {}),
             }
             for w in self.workers
         }
@@ -297,11 +309,7 @@ class LocalWorkerAgent:
         return self._result()
 
     def _result(self) -> RunResult:
-        failures = {
-            w.global_rank: last_line(w.log_path) or f"exit code {w.exit_code}"
-            for w in self.workers
-            if w.state is WorkerState.FAILED
-        }
+        failures = {w.global_rank: w.failure() for w in self.workers if w.state is WorkerState.FAILED}
         return RunResult(
             state=group_state([w.state for w in self.workers]),
             exit_codes={w.global_rank: w.exit_code for w in self.workers if w.exit_code is not None},

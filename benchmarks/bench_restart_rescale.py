@@ -1,0 +1,86 @@
+"""The pause of rescaling a job that cannot rescale live (a two-stage pipeline), which restarts its
+workers from a checkpoint it drains to, next to a data-parallel job's live rescale, in one run.
+
+``OMP_NUM_THREADS=1 python benchmarks/bench_restart_rescale.py [--repeat 3]``: each round launches
+(CPU, gloo) the mlp as a two-stage pipeline on 2 workers and ``felactl scale --add 2`` (two
+pipelines), and the same mlp data-parallel on 2 workers and ``felactl scale --add 1``. The pause
+is what ``felactl scale`` answers: from the last step before the change to the first after it
+(the restart's includes draining to the agreed step, starting the workers, importing torch and
+restoring the checkpoint; the live rescale's, the members' switch). Medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from _worker_helpers import dp_plan, pipeline_plan  # noqa: E402
+
+from felactl.launcher.rundir import read_jsonl  # noqa: E402
+from felactl.spec import save  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def felactl(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "felactl", *args], env=ENV, capture_output=True, text=True, **kwargs)
+
+
+def pause_of(root: Path, plan_path: Path, run_id: str, add: int) -> float:
+    """Launch ``plan_path``, scale it out by ``add`` once it trains, return the pause it answers."""
+    runs = root / "runs"
+    args = ["launch", str(plan_path), "--run-id", run_id, "--steps", "100000", "--runs-root", str(runs)]
+    args += ["--max-nproc-per-node", "4", "--straggler", "roundrobin:0.02"]
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "felactl", *args],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r["step"] >= 10 for r in read_jsonl(runs / run_id / "metrics.jsonl")):
+            assert time.monotonic() < deadline and launch.poll() is None, f"{run_id}: no step 10"
+            time.sleep(0.2)
+        done = felactl("scale", run_id, "--add", str(add), "--runs-root", str(runs), "--json", timeout=180)
+        if done.returncode != 0:
+            raise RuntimeError(f"felactl scale {run_id}: {done.stderr.strip()}")
+        return float(json.loads(done.stdout)["pause_s"])
+    finally:
+        os.killpg(launch.pid, 9)
+        launch.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    pauses: dict[str, list[float]] = {"pipeline (restart)": [], "data parallel (live)": []}
+    with tempfile.TemporaryDirectory(prefix="bench_restart.") as tmp:
+        root = Path(tmp)
+        pipe = save(pipeline_plan([0, 2, 3], optimizer="adamw", lr=0.01), root / "pipeline.yaml")
+        dp = save(dp_plan(2, "bsp", optimizer="adamw", lr=0.01), root / "dp.yaml")
+        for round_ in range(args.repeat):  # interleaved: a slow minute of the machine hits both
+            pauses["pipeline (restart)"].append(pause_of(root, pipe, f"pipe{round_}", 2))
+            pauses["data parallel (live)"].append(pause_of(root, dp, f"dp{round_}", 1))
+            print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in pauses.items()), flush=True)
+    load = os.getloadavg()
+    print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.repeat} round(s)\n")
+    print("| job | scale | pause s, median | min–max |")
+    print("|---|---|---:|---:|")
+    for (name, values), how in zip(pauses.items(), ("--add 2 (1x2 -> 2x2)", "--add 1 (2 -> 3)")):
+        print(f"| {name} | {how} | {statistics.median(values):.2f} | {min(values):.2f}–{max(values):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
