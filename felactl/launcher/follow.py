@@ -109,7 +109,7 @@ def follow(
             line = _failure_line(failed, state)
             if _refused(failed):
                 raise InputError(line)
-            raise WorkerFailed(line, _raised(failed))
+            raise WorkerFailed(line, raised_lines(failed))
         ended = {WorkerState.SUCCEEDED.value} | ({WorkerState.STOPPED.value} if state.draining else set())
         if all(s and s.get("state") in ended for s in states.values()):
             break
@@ -134,14 +134,16 @@ def _refused(failed: dict[str, dict]) -> bool:
     return bool(codes) and all(code == EXIT_BAD_INPUT for code in codes)
 
 
-def _raised(failed: dict[str, dict]) -> frozenset[str]:
-    """The lines of the failed workers that ended by themselves (not killed by a signal)."""
-    return frozenset(
-        line
-        for s in failed.values()
-        for rank, line in s.get("failures", {}).items()
-        if int(s.get("exit_codes", {}).get(rank, -1)) >= 0
-    )
+def raised_lines(failed: dict[str, dict]) -> frozenset[str]:
+    """What the failed workers raised, when the failure is theirs alone: empty where a worker was
+    killed by a signal (its peers then fail on the lost connection, a line that repeats with every
+    such kill: not the job's own failure)."""
+    codes = [
+        int(s.get("exit_codes", {}).get(rank, 1)) for s in failed.values() for rank in s.get("failures", {})
+    ]  # of the failed workers only: those the agent stopped after a failure are not failed
+    if any(code < 0 for code in codes):
+        return frozenset()
+    return frozenset(line for s in failed.values() for line in s.get("failures", {}).values())
 
 
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:

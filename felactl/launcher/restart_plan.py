@@ -12,6 +12,7 @@ multiple of its stages), or its one sharded stage over all of them.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 
 from felactl.errors import InputError, PlanInfeasible
@@ -97,10 +98,13 @@ def _new_devices(
         return free[:count]
     if any(p.kind.value == "cuda" for p in plan.placement):
         raise InputError("--add on GPUs needs the run's cluster profile (launch with --cluster and --model)")
+    # named as the node's devices are (``vm-cpu1``: ``vm-cpu2``), else ``cpu<k>``
+    on_node = [p.device for p in plan.placement if p.node == node] or list(plan.devices)
+    prefix = re.sub(r"\d+$", "", on_node[-1]) if on_node and re.search(r"\d$", on_node[-1]) else "cpu"
     names, k = [], 0
     while len(names) < count:
-        if f"cpu{k}" not in taken:
-            names.append(f"cpu{k}")
+        if f"{prefix}{k}" not in taken:
+            names.append(f"{prefix}{k}")
         k += 1
     return names
 
@@ -113,6 +117,11 @@ def plan_for_devices(
     if profiles is not None:
         return _planned(plan, devices, *profiles), "planner"
     stages = plan.stages
+    if len(stages) == 1 and stages[0].shard and len(devices) < 2:
+        raise InputError(
+            f"a sharded stage runs on 2 workers or more, not {len(devices)} (its workers split the model's "
+            "state); keep at least 2, or launch again without --shard"
+        )
     if len(stages) == 1 and stages[0].shard:
         new_stages = (_stage_on(stages[0], devices, share=1 / len(devices)),)
         pipelines: tuple[tuple[str, ...], ...] = tuple((d,) for d in devices) if plan.pipelines else ()

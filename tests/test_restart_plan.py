@@ -1,0 +1,104 @@
+"""What a job that cannot rescale live restarts on (pure, no processes): the devices a scale
+command leaves, the plan for them without profiles, and which failures are the job's own."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from felactl.errors import InputError
+from felactl.launcher.follow import raised_lines
+from felactl.launcher.restart_plan import devices_after, plan_for_devices
+from felactl.spec import Placement
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_helpers import pipeline_plan  # noqa: E402
+
+PIPELINE = pipeline_plan([0, 2, 3])  # cpu0: layers 0-1, cpu1: layer 2
+ONE_NODE = {d: "vm" for d in PIPELINE.devices}
+
+
+def test_adding_two_workers_to_a_pipeline_makes_a_second_pipeline_with_the_same_cuts():
+    devices, nodes = devices_after({"op": "add", "count": 2}, PIPELINE, ONE_NODE, {"vm": 4}, None)
+    assert devices == ["cpu0", "cpu1", "cpu2", "cpu3"]
+    plan, how = plan_for_devices(PIPELINE, devices, nodes, None)
+    assert how == "same shape" and plan.pipelines == (("cpu0", "cpu1"), ("cpu2", "cpu3"))
+    assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 2), (2, 3)]
+    assert [[w.device for w in s.workers] for s in plan.stages] == [["cpu0", "cpu2"], ["cpu1", "cpu3"]]
+    assert all(w.share == 0.5 for s in plan.stages for w in s.workers)
+
+
+def test_newcomers_are_named_after_their_nodes_devices_and_take_ranks_after_them():
+    """A plan whose devices carry their node's name (a profile of this machine: ``vm-cpu0``) gets
+    newcomers named the same way (a user's trial saw ``cpu0`` join ``vm-cpu0``); a node's devices
+    keep consecutive ranks."""
+    names = ("a-cpu0", "a-cpu1", "b-cpu0", "b-cpu1")
+    plan = dataclasses.replace(
+        pipeline_plan([0, 2, 3], num_replicas=2),
+        devices=names,
+        stages=tuple(
+            dataclasses.replace(
+                s, workers=tuple(dataclasses.replace(w, device=names[int(w.device[3:])]) for w in s.workers)
+            )
+            for s in pipeline_plan([0, 2, 3], num_replicas=2).stages
+        ),
+        pipelines=((names[0], names[1]), (names[2], names[3])),
+        placement=tuple(Placement(device=d, node=d[0], local_index=int(d[-1])) for d in names),
+    )
+    nodes = {d: d[0] for d in names}
+    devices, where = devices_after({"op": "add", "count": 2, "node": "a"}, plan, nodes, {"a": 4, "b": 2}, None)
+    assert devices == ["a-cpu0", "a-cpu1", "a-cpu2", "a-cpu3", "b-cpu0", "b-cpu1"]
+    assert where["a-cpu3"] == "a"
+
+
+@pytest.mark.parametrize(
+    "command, why",
+    [
+        ({"op": "add", "count": 3}, "node 'vm' has 4 worker slot(s) and 2 in use: cannot add 3"),
+        ({"op": "add", "count": 0}, "--add 0: add at least one worker"),
+        ({"op": "remove", "ranks": [7]}, "--remove 7: no such worker in the job (workers: 0..1)"),
+        ({"op": "remove", "ranks": [0, 1]}, "cannot remove every worker"),
+        ({"op": "to", "count": 0}, "--to 0: a job needs at least one worker"),
+        ({"op": "add", "count": 1, "node": "elsewhere"}, "--node 'elsewhere': no agent of this job runs there"),
+    ],
+)
+def test_a_scale_command_that_cannot_be_met_is_refused_saying_why(command, why):
+    with pytest.raises(InputError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        devices_after(command, PIPELINE, ONE_NODE, {"vm": 4}, None)
+
+
+def test_without_profiles_a_pipeline_needs_a_multiple_of_its_stages_and_a_sharded_stage_two_workers():
+    with pytest.raises(InputError, match="restarts on a multiple of 2 workers"):
+        plan_for_devices(PIPELINE, ["cpu0", "cpu1", "cpu2"], {d: "vm" for d in ("cpu0", "cpu1", "cpu2")}, None)
+    base = pipeline_plan([0, 3])
+    sharded = dataclasses.replace(
+        base,
+        devices=("cpu0", "cpu1"),
+        stages=(
+            dataclasses.replace(
+                base.stages[0],
+                shard=True,
+                workers=tuple(
+                    dataclasses.replace(base.stages[0].workers[0], device=d, share=0.5) for d in ("cpu0", "cpu1")
+                ),
+            ),
+        ),
+        pipelines=(("cpu0",), ("cpu1",)),
+    )
+    with pytest.raises(InputError, match="a sharded stage runs on 2 workers or more"):
+        plan_for_devices(sharded, ["cpu0"], {"cpu0": "vm"}, None)
+
+
+def test_a_failure_is_the_jobs_own_only_where_no_worker_was_killed():
+    """A worker killed by a signal makes its peers fail on the lost connection, the same line each
+    time: that repeats with every kill and is not the job's own failure."""
+    raised = {"a": {"failures": {"0": "ValueError: bad label"}, "exit_codes": {"0": 1, "1": -15}}}
+    assert raised_lines(raised) == {"ValueError: bad label"}  # rank 1 was stopped by its agent, not failed
+    killed = {
+        "a": {"failures": {"0": "killed by SIGKILL"}, "exit_codes": {"0": -9}},
+        "b": {"failures": {"1": "RuntimeError: Connection closed by peer"}, "exit_codes": {"1": 1}},
+    }
+    assert raised_lines(killed) == frozenset()
