@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -237,9 +238,20 @@ def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:
         as_json,
         lambda console: console.print(
             f"run {summary['run']}: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-            f"{summary['samples_per_s']:.1f} samples/s; results in {summary['run_dir']}"
+            f"{summary['samples_per_s']:.1f} samples/s{_restarts(summary)}; results in {summary['run_dir']}"
         ),
     )
+
+
+def _restarts(summary: dict) -> str:
+    """``, restarted 2 time(s): 1 restart, 1 scale-out (pauses 8.1, 12.3 s)``: what a job that
+    restarts its workers did."""
+    changes = summary.get("restarts") or []
+    if not changes:
+        return ""
+    pauses = ", ".join(f"{c['pause_s']:.1f}" for c in changes if c.get("pause_s") is not None)
+    kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(c["kind"] for c in changes).items())
+    return f", restarted {len(changes)} time(s): {kinds}" + (f" (pauses {pauses} s)" if pauses else "")
 
 
 def _launch_script(flags: LaunchFlags, as_json: bool) -> None:

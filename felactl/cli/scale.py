@@ -30,7 +30,9 @@ def scale(
     runs_root: Annotated[Path, typer.Option(help="Where run directories are.")] = DEFAULT_RUNS_ROOT,
     as_json: Annotated[bool, typer.Option("--json", help="Print what changed as one JSON object.")] = False,
 ) -> None:
-    """Rescale a running data-parallel job; the workers that stay keep their processes and memory."""
+    """Rescale a running job. Data parallel: live, the workers that stay keep their processes and
+    memory. A pipeline or a sharded stage: it checkpoints a step its workers agree on and restarts
+    on the plan for the new workers."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d's connect retries are not the user's news
     from felactl.launcher.scale import request_scale
 

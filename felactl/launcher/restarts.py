@@ -23,6 +23,7 @@ it went on from, the steps it redid and its pause (last step recorded before it 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,7 @@ from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.launcher.scale_requests import answer, answer_unsigned, open_request, refuse_requests
 from felactl.spec import ClusterSpec, ModelSpec, Plan, save
 
+log = logging.getLogger(__name__)
 MANY_ATTEMPTS = 1 << 30
 """What the agents are told of the attempts to come: a rescale is an attempt too, so they wait
 for the next one until the launch stops them (the launch counts the failures)."""
@@ -203,6 +205,26 @@ class Restarts:
             checkpoint=str(checkpoint.checkpoint) if checkpoint is not None else None,
             **details,
         )
+        start = f"from step {checkpoint.step}" if checkpoint is not None else "from the start (no checkpoint yet)"
+        if kind is EventKind.RESTART:
+            lost = f"; node(s) {', '.join(details['lost_nodes'])} lost" if details.get("lost_nodes") else ""
+            log.warning(
+                "%s%s; every worker starts again %s (restart %d of at most %d)",
+                details["reason"],
+                lost,
+                start,
+                self.failures,
+                self.max_restarts,
+            )
+        else:
+            log.warning(
+                "%s: workers %s -> %s (%s); every worker starts again %s",
+                kind.value,
+                list(before),
+                list(self.state.plan.devices),
+                details.get("planned_by"),
+                start,
+            )
 
     def _lost_nodes(self, attempt: int) -> list[str]:
         """The nodes whose agent is gone: the attempt's workers are stopped (each live agent

@@ -20,6 +20,7 @@ HISTORY_KINDS = tuple(
         EventKind.REFUSED,
         EventKind.REPAIRED,
         EventKind.RESUME,
+        EventKind.RESTART,
         EventKind.NODE_JOINED,
     )
 )
