@@ -241,9 +241,9 @@ def run_testbed(name: str, args, work: Path) -> list[dict]:
 def make_plans(cluster: Path, model_yaml: Path, args, out: Path) -> dict:
     """Each of ``--plans`` planned on the profiles: felactl's, and the baselines' own (``felactl
     plan --baseline NAME``). With ``--memory-fraction F`` every device's memory is capped at F of
-    what a data-parallel replica needs (the ``dp`` baseline's predicted peak on the profile as
-    measured), so felactl's plan must pipeline or shard the model; ``dp`` is still planned on the
-    uncapped profile: what data parallel would do if the model fit (the emulated nodes hold it)."""
+    the model's training state (:func:`cap_memory`), so felactl's plan must pipeline or shard the
+    model; ``dp`` is still planned on the uncapped profile: what data parallel would do if the
+    model fit (the emulated nodes hold it)."""
     from felactl.spec import load_plan
 
     def plan(name: str, on: Path) -> tuple[Path, object]:
@@ -255,24 +255,28 @@ def make_plans(cluster: Path, model_yaml: Path, args, out: Path) -> dict:
         return path, load_plan(path)
 
     names = args.plans.split(",")
-    capped = cluster if not args.memory_fraction else cap_memory(cluster, plan("dp", cluster)[1], args, out)
+    capped = cluster if not args.memory_fraction else cap_memory(cluster, model_yaml, args, out)
     return {name: plan(name, cluster if name == "dp" else capped) for name in names}
 
 
-def cap_memory(cluster: Path, dp_plan, args, out: Path) -> Path:
-    from felactl.spec import load_cluster, save
+def cap_memory(cluster: Path, model_yaml: Path, args, out: Path) -> Path:
+    """The cluster profile with every device's memory at ``--memory-fraction`` of the model's
+    training state as the planner counts it (weights, gradients, AdamW's two moments: no replica
+    fits at any micro-batch), as far as the planner may fill it (a tenth is headroom)."""
+    from felactl.optimizer.cost import stage_memory_bytes
+    from felactl.spec import load_cluster, load_model, save
 
-    peak = max(w.predicted_memory_gb for stage in dp_plan.stages for w in stage.workers)
-    # the planner leaves a tenth of a CPU device's memory free: the cap is on what it may fill
-    memory_gb = peak * args.memory_fraction / 0.9
+    model = load_model(model_yaml)
+    state = stage_memory_bytes(model, 0, model.num_layers, micro_batch=0, in_flight=0)
+    memory_gb = state * args.memory_fraction / 0.9 / 1e9
     spec = load_cluster(cluster)
     nodes = tuple(
         dataclasses.replace(n, devices=tuple(dataclasses.replace(d, memory_gb=memory_gb) for d in n.devices))
         for n in spec.nodes
     )
     print(
-        f"memory capped at {memory_gb * 1e3:.1f} MB per device ({args.memory_fraction:g} of a replica's "
-        f"{peak * 1e3:.1f} MB)",
+        f"memory capped at {memory_gb * 1e3:.1f} MB per device ({args.memory_fraction:g} of the model's "
+        f"training state, {state / 1e6:.1f} MB)",
         file=sys.stderr,
         flush=True,
     )
@@ -364,7 +368,7 @@ def main() -> None:
         "--memory-fraction",
         type=float,
         default=None,
-        help="cap each device's memory at this fraction of a data-parallel replica's: the plans must pipeline or shard",
+        help="cap each device's memory at this fraction of the model's training state: the plans must pipeline or shard",
     )
     parser.add_argument("--lock", type=Path, default=Path("/tmp/felactl-testbed.lock"))
     parser.add_argument("--out", type=Path, default=None, help="keep the profiles, plans and runs here")

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -303,6 +304,33 @@ class Job:
         for metrics in self.root.glob("*/metrics.jsonl"):
             pids |= {r["pid"] for r in read_jsonl(metrics) if "pid" in r and psutil.pid_exists(r["pid"])}
         return pids & {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def free_endpoint() -> str:
+    """``127.0.0.1:PORT`` of a port nothing listens on (the launch's control plane takes it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def second_node(job: Job, tmp_path: Path, run: str, endpoint: str, node: str, nproc: int, timeout_s: float = 30):
+    """A ``felactl agent`` for node ``node`` of ``job`` (a launch with ``--rdzv-endpoint
+    endpoint``), started once the launch has written the run's secret, in its own session (the
+    caller kills its process group); its logs in ``tmp_path/<node>-logs``."""
+    secret = tmp_path / "runs" / run / "secret"
+    deadline = time.monotonic() + timeout_s
+    while not secret.exists():
+        assert time.monotonic() < deadline and job.proc.poll() is None, "the launch did not start"
+        time.sleep(0.05)
+    args = ["--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name", node, "--job", run]
+    return subprocess.Popen(
+        [sys.executable, "-m", "felactl", "agent", *args, "--nproc-per-node", str(nproc), "--log-dir", f"{node}-logs"],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _procs_of(pid: int) -> list[psutil.Process]:

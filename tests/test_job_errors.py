@@ -6,10 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from felactl.launcher.rundir import read_jsonl
 from felactl.spec import Placement, save
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker_helpers import Job  # noqa: E402
+from _worker_helpers import Job, free_endpoint, second_node  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 TESTS = Path(__file__).parent
@@ -82,26 +80,11 @@ def _two_nodes(tmp_path: Path, nnodes: str) -> tuple[Job, subprocess.Popen]:
     )
     placement = tuple(Placement(device=f"cpu{i}", node=node, local_index=0) for i, node in enumerate(("na", "nb")))
     plan_path = save(dataclasses.replace(plan, placement=placement), tmp_path / "plan.yaml")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = free_endpoint()
     env = {"PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"}
     args = ("--run-id", "a", "--steps", "20", "--node-name", "na", "--rdzv-endpoint", endpoint, "--nnodes", nnodes)
     job = Job(tmp_path, str(plan_path), *args, env=env)
-    secret = tmp_path / "runs" / "a" / "secret"
-    deadline = time.monotonic() + 30
-    while not secret.exists():
-        assert time.monotonic() < deadline and job.proc.poll() is None, "the launch did not start"
-        time.sleep(0.05)
-    agent_args = ["--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name", "nb", "--job", "a"]
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "felactl", "agent", *agent_args, "--nproc-per-node", "1", "--log-dir", "nb-logs"],
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    agent = second_node(job, tmp_path, "a", endpoint, "nb", 1)
     return job, agent
 
 

@@ -8,8 +8,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from felactl.spec import Placement, load_plan, save
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
-from _worker_helpers import Job, pipeline_plan, single_process  # noqa: E402
+from _worker_helpers import Job, free_endpoint, pipeline_plan, second_node, single_process  # noqa: E402
 from test_job_errors import SLIP, _user_job  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -208,28 +206,13 @@ def test_a_pipeline_that_loses_a_node_restarts_without_it_and_trains_as_one_proc
         Placement(device=d, node=n, local_index=i % 2) for i, (d, n) in enumerate(zip(plan.devices, nodes))
     )
     path = save(dataclasses.replace(plan, placement=placement), tmp_path / "plan.yaml")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = free_endpoint()
     steps = 60
     args = ("--run-id", "n", "--steps", str(steps), "--checkpoint-every", "5", "--straggler", "roundrobin:0.1")
     job = Job(tmp_path, str(path), *args, "--node-name", "na", "--rdzv-endpoint", endpoint, "--nnodes", "2")
     agent = None
     try:
-        secret = tmp_path / "runs" / "n" / "secret"
-        deadline = time.monotonic() + STARTUP_S
-        while not secret.exists():
-            assert time.monotonic() < deadline and job.proc.poll() is None, "the launch did not start"
-            time.sleep(0.05)
-        agent_args = ["--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name", "nb", "--job", "n"]
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "felactl", "agent", *agent_args, "--nproc-per-node", "2", "--log-dir", "nb-logs"],
-            cwd=tmp_path,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        agent = second_node(job, tmp_path, "n", endpoint, "nb", 2, timeout_s=STARTUP_S)
         job.wait_step("n", 8, timeout_s=STARTUP_S)
         _checkpoint_at_least(tmp_path / "runs", "n", 5, STARTUP_S)
         for proc in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]:
