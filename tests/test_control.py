@@ -400,3 +400,18 @@ def test_a_worker_that_times_out_is_asked_where_it_was(tmp_path):
         proc.kill()
         proc.wait()
         log.close()
+
+
+def test_a_refusal_without_a_key_is_said_without_a_stray_space(caplog):
+    """A refused ``felactl scale`` request names no store key: its console line read
+    ``control plane: refused : ...`` (a user's trial)."""
+    from felactl.control import EventKind
+    from felactl.control.events import record
+
+    with caplog.at_level("WARNING", logger="felactl.control.events"):
+        record(None, EventKind.REFUSED, reason="cannot add 100")
+        record(None, EventKind.REFUSED, key="stop", reason="forged")
+    assert [r.getMessage() for r in caplog.records] == [
+        "control plane: refused: cannot add 100",
+        "control plane: refused stop: forged",
+    ]

@@ -42,7 +42,8 @@ def record(events: Path | None, kind: EventKind, **fields) -> None:
     """Append an event (``events`` None: only log it, e.g. a coordinator without a run directory)."""
     event = {"time": time.time(), "kind": kind.value, **fields}
     if kind in (EventKind.REFUSED, EventKind.REPAIRED):
-        log.warning("control plane: %s %s: %s", kind.value, fields.get("key", ""), fields.get("reason", ""))
+        where = f" {fields['key']}" if fields.get("key") else ""  # a refused scale request names no key
+        log.warning("control plane: %s%s: %s", kind.value, where, fields.get("reason", ""))
     if events is not None:
         write_event(Path(events), event)
 
