@@ -102,3 +102,23 @@ def test_a_failure_is_the_jobs_own_only_where_no_worker_was_killed():
         "b": {"failures": {"1": "RuntimeError: Connection closed by peer"}, "exit_codes": {"1": 1}},
     }
     assert raised_lines(killed) == frozenset()
+
+
+def test_a_restarts_pause_is_measured_on_the_records_and_shown_in_the_history():
+    """A restart's event is written as it starts the workers again, before its pause is known:
+    the pause is the last step recorded before it to the first after, and ``felactl status``'s
+    history shows it (a user's trial saw it empty)."""
+    from felactl.control.metrics import restarts
+    from felactl.launcher.status import _with_restart_pauses
+
+    records = [{"time": t, "step": s} for t, s in ((10.0, 0), (11.0, 1), (12.0, 2), (20.5, 2), (21.0, 3))]
+    events = [
+        {"time": 13.0, "kind": "restart", "attempt": 1, "from_step": 2, "reason": "killed"},
+        {"time": 30.0, "kind": "scale-out", "members_after": [0, 1, 2]},  # a live one: no from_step
+    ]
+    (change,) = restarts(events, records)
+    assert (change["pause_s"], change["redone_steps"], change["from_step"]) == (8.5, 1, 2)
+    history = _with_restart_pauses(events, None, events, records)
+    assert history[0]["pause_s"] == 8.5 and "pause_s" not in history[1]
+    summary = {"restarts": [{**change, "pause_s": 7.0}]}  # a finished run's summary says it
+    assert _with_restart_pauses(events, summary, events, [])[0]["pause_s"] == 7.0

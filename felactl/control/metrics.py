@@ -118,9 +118,7 @@ def without_redone(records: Iterable[dict[str, Any]], events: Iterable[dict[str,
     job that restarted from a checkpoint, after a failed worker (``restart``) or to rescale
     (``scale-out``/``scale-in`` with a ``from_step``: a live rescale has none, it redoes nothing)."""
     resumes = [
-        (e["time"], e["from_step"])
-        for e in events
-        if e.get("kind") in ("resume", "restart", "scale-out", "scale-in") and "from_step" in e
+        (e["time"], e["from_step"]) for e in events if e.get("kind") in ("resume", *RESTART_KINDS) and "from_step" in e
     ]
     return [r for r in records if not any(r["time"] < t and r["step"] >= step for t, step in resumes)]
 
@@ -252,3 +250,32 @@ def write_summary(run_dir: str | os.PathLike, extra: dict[str, Any] | None = Non
     summary = {**summarize(read_metrics(run_dir)), **(extra or {})}
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+RESTART_KINDS = ("restart", "scale-out", "scale-in")
+"""Events of a job that started its workers again from a checkpoint (a rescale of such a job
+records ``from_step``; a live rescale of a data-parallel job records none)."""
+
+
+def restarts(events: Iterable[dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each restart or rescale by restart: when, the step it went on from, the steps it redid and
+    its pause (the last step recorded before it to the first step after; None until one is)."""
+    out = []
+    for event in events:
+        if event.get("kind") not in RESTART_KINDS or "from_step" not in event:
+            continue
+        before = [r["time"] for r in records if r["time"] <= event["time"]]
+        after = [r["time"] for r in records if r["time"] > event["time"]]
+        last_step = max((r["step"] for r in records if r["time"] <= event["time"]), default=-1)
+        out.append(
+            {
+                "time": event["time"],
+                "kind": event["kind"],
+                "attempt": event.get("attempt"),
+                "from_step": event["from_step"],
+                "redone_steps": max(last_step + 1 - event["from_step"], 0),
+                "pause_s": round(min(after) - max(before), 3) if before and after else None,
+                **{key: event[key] for key in ("reason", "lost_nodes") if key in event},
+            }
+        )
+    return out

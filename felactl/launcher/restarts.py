@@ -31,6 +31,7 @@ from typing import Any
 from felactl.control import EventKind, keys
 from felactl.control.documents import StopDoc, WorkerState
 from felactl.control.events import record
+from felactl.control.metrics import RESTART_KINDS, restarts
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator
 from felactl.launcher.follow import LaunchState, follow
@@ -345,32 +346,9 @@ def _newest(run: RunDir) -> ResumePoint | None:
     return ResumePoint(run=run, checkpoint=chosen.directory, step=chosen.step, plan_path=chosen.plan_path, generation=0)
 
 
-CHANGES = (EventKind.RESTART.value, EventKind.SCALE_OUT.value, EventKind.SCALE_IN.value)
-
-
 def changes_summary(run: RunDir) -> dict[str, Any]:
-    """The summary's ``restarts``: for each restart or rescale, the step it went on from, the
-    steps it redid and its pause (last step recorded before it to the first step after); ``{}``
-    without one."""
-    changes = [e for e in read_jsonl(run.events) if e.get("kind") in CHANGES]
-    if not changes:
+    """The summary's ``restarts`` (:func:`felactl.control.metrics.restarts`); ``{}`` without one."""
+    events = read_jsonl(run.events)
+    if not any(e.get("kind") in RESTART_KINDS for e in events):
         return {}
-    records = read_jsonl(run.metrics)
-    out = []
-    for event in changes:
-        before = [r for r in records if r["time"] <= event["time"]]
-        after = [r for r in records if r["time"] > event["time"]]
-        last_step = max((r["step"] for r in before), default=-1)
-        out.append(
-            {
-                "kind": event["kind"],
-                "attempt": event["attempt"],
-                "from_step": event["from_step"],
-                "redone_steps": max(last_step + 1 - event["from_step"], 0),
-                "pause_s": round(min(r["time"] for r in after) - max(r["time"] for r in before), 3)
-                if before and after
-                else None,
-                **{key: event[key] for key in ("reason", "lost_nodes") if key in event},
-            }
-        )
-    return {"restarts": out}
+    return {"restarts": restarts(events, read_jsonl(run.metrics))}

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from felactl.control import EventKind
-from felactl.control.metrics import check_records, progress, summarize
+from felactl.control.metrics import check_records, progress, restarts, summarize
 from felactl.launcher.resume import previous_launch
 from felactl.launcher.rundir import RunDir, read_jsonl
 
@@ -39,7 +39,7 @@ def run_status(run: str, runs_root: Path) -> dict[str, Any]:
         records = check_records(read_jsonl(rundir.metrics), rundir.metrics)
         summary = summarize(records, events) if records else None
     state = rundir.run_state()
-    history = [e for e in events if e.get("kind") in HISTORY_KINDS]
+    history = _with_restart_pauses([e for e in events if e.get("kind") in HISTORY_KINDS], summary, events, records)
     steps_total = _steps_total(rundir, runs_root) if state.name == "running" and records else None
     return {
         "run": rundir.run_id,
@@ -51,6 +51,16 @@ def run_status(run: str, runs_root: Path) -> dict[str, Any]:
         "history": history,
         "progress": progress(summary, records, steps_total) if steps_total else None,
     }
+
+
+def _with_restart_pauses(
+    history: list[dict], summary: dict | None, events: list[dict], records: list[dict]
+) -> list[dict]:
+    """A restart's pause is known only once the next attempt trains a step: the summary's (a
+    finished run), else measured on the records read for a running one."""
+    known = (summary or {}).get("restarts") or restarts(events, records)
+    pauses = {change["time"]: change["pause_s"] for change in known if "time" in change}
+    return [{**e, "pause_s": pauses[e["time"]]} if e.get("time") in pauses else e for e in history]
 
 
 def _steps_total(rundir: RunDir, runs_root: Path) -> int | None:
