@@ -23,7 +23,9 @@ from felactl.agents.worker.engine import make_optimizer
 from felactl.agents.worker.local import run_local
 from felactl.cli.main import app
 from felactl.control.metrics import read_metrics
-from felactl.launcher.rundir import read_jsonl
+from felactl.errors import InputError
+from felactl.launcher.resume import pick_checkpoint
+from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.spec import (
     DeviceKind,
     ModelRef,
@@ -304,6 +306,20 @@ class Job:
         for metrics in self.root.glob("*/metrics.jsonl"):
             pids |= {r["pid"] for r in read_jsonl(metrics) if "pid" in r and psutil.pid_exists(r["pid"])}
         return pids & {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def wait_checkpoint(runs: Path, run: str, *, at_least: int, timeout_s: float) -> int:
+    """The step of the run's newest complete checkpoint, once it is ``at_least``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            step = pick_checkpoint(RunDir.find(run, root=runs)).step
+        except InputError:  # none complete yet
+            step = -1
+        if step >= at_least:
+            return step
+        assert time.monotonic() < deadline, f"no complete checkpoint at step {at_least} or later within {timeout_s:g} s"
+        time.sleep(0.05)
 
 
 def free_endpoint() -> str:

@@ -70,24 +70,31 @@ def test_a_scale_command_that_cannot_be_met_is_refused_saying_why(command, why):
         devices_after(command, PIPELINE, ONE_NODE, {"vm": 4}, None)
 
 
+def _sharded(devices: tuple[str, ...]):
+    base = pipeline_plan([0, 3])
+    worker = base.stages[0].workers[0]
+    stage = dataclasses.replace(
+        base.stages[0],
+        shard=True,
+        workers=tuple(dataclasses.replace(worker, device=d, share=1 / len(devices)) for d in devices),
+    )
+    return dataclasses.replace(base, devices=devices, stages=(stage,), pipelines=tuple((d,) for d in devices))
+
+
+def test_a_sharded_stage_grown_shards_over_every_worker_with_equal_shares():
+    devices, nodes = devices_after(
+        {"op": "to", "count": 4}, _sharded(("cpu0", "cpu1")), {"cpu0": "vm", "cpu1": "vm"}, {"vm": 4}, None
+    )
+    plan, how = plan_for_devices(_sharded(("cpu0", "cpu1")), devices, nodes, None)
+    (stage,) = plan.stages
+    assert how == "same shape" and stage.shard and [w.device for w in stage.workers] == ["cpu0", "cpu1", "cpu2", "cpu3"]
+    assert {w.share for w in stage.workers} == {0.25} and plan.pipelines == tuple((d,) for d in devices)
+
+
 def test_without_profiles_a_pipeline_needs_a_multiple_of_its_stages_and_a_sharded_stage_two_workers():
     with pytest.raises(InputError, match="restarts on a multiple of 2 workers"):
         plan_for_devices(PIPELINE, ["cpu0", "cpu1", "cpu2"], {d: "vm" for d in ("cpu0", "cpu1", "cpu2")}, None)
-    base = pipeline_plan([0, 3])
-    sharded = dataclasses.replace(
-        base,
-        devices=("cpu0", "cpu1"),
-        stages=(
-            dataclasses.replace(
-                base.stages[0],
-                shard=True,
-                workers=tuple(
-                    dataclasses.replace(base.stages[0].workers[0], device=d, share=0.5) for d in ("cpu0", "cpu1")
-                ),
-            ),
-        ),
-        pipelines=(("cpu0",), ("cpu1",)),
-    )
+    sharded = _sharded(("cpu0", "cpu1"))
     with pytest.raises(InputError, match="a sharded stage runs on 2 workers or more"):
         plan_for_devices(sharded, ["cpu0"], {"cpu0": "vm"}, None)
 

@@ -9,21 +9,25 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from felactl.control.metrics import step_losses, without_redone
-from felactl.errors import InputError
-from felactl.launcher.resume import pick_checkpoint
-from felactl.launcher.rundir import RunDir, read_jsonl
+from felactl.launcher.rundir import read_jsonl
 from felactl.spec import Placement, load_plan, save
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
-from _worker_helpers import Job, free_endpoint, pipeline_plan, second_node, single_process  # noqa: E402
+from _worker_helpers import (  # noqa: E402
+    Job,
+    free_endpoint,
+    pipeline_plan,
+    second_node,
+    single_process,
+    wait_checkpoint,
+)
 from test_job_errors import SLIP, _user_job  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -34,19 +38,6 @@ STARTUP_S = 120.0
 def _step_losses(records: list[dict]) -> dict[tuple[int, int], float]:
     """The last stage's loss of each (generation, step): what each attempt computed."""
     return {(r.get("generation", 0), r["step"]): r["loss"] for r in records if r.get("loss") is not None}
-
-
-def _checkpoint_at_least(runs: Path, run: str, step: int, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            found = pick_checkpoint(RunDir.find(run, root=runs)).step
-        except InputError:
-            found = -1
-        if found >= step:
-            return found
-        assert time.monotonic() < deadline, f"no complete checkpoint at step {step} or later"
-        time.sleep(0.05)
 
 
 def _worker_process(job: Job, rank: int) -> psutil.Process:
@@ -69,7 +60,7 @@ def test_a_killed_worker_of_a_two_stage_pipeline_restarts_from_the_checkpoint_an
     job = Job(tmp_path, str(plan), *args)
     try:
         job.wait_step("p", 12, timeout_s=STARTUP_S)
-        _checkpoint_at_least(tmp_path / "runs", "p", 10, STARTUP_S)
+        wait_checkpoint(tmp_path / "runs", "p", at_least=10, timeout_s=STARTUP_S)
         _worker_process(job, rank=1).send_signal(signal.SIGKILL)
         summary = job.finish(timeout_s=STARTUP_S)
     finally:
@@ -214,7 +205,7 @@ def test_a_pipeline_that_loses_a_node_restarts_without_it_and_trains_as_one_proc
     try:
         agent = second_node(job, tmp_path, "n", endpoint, "nb", 2, timeout_s=STARTUP_S)
         job.wait_step("n", 8, timeout_s=STARTUP_S)
-        _checkpoint_at_least(tmp_path / "runs", "n", 5, STARTUP_S)
+        wait_checkpoint(tmp_path / "runs", "n", at_least=5, timeout_s=STARTUP_S)
         for proc in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]:
             proc.kill()  # the node is gone: its agent and its workers at once
         summary = job.finish(timeout_s=STARTUP_S)

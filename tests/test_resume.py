@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,14 +17,13 @@ from typer.testing import CliRunner
 
 from felactl import models
 from felactl.cli.main import app
-from felactl.errors import InputError
 from felactl.launcher.resume import pick_checkpoint
 from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.spec import SyncMode, SyncSpec, Training, save
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
-from _worker_helpers import Job, dp_plan, hybrid_plan, pipeline_plan, run_plan  # noqa: E402
+from _worker_helpers import Job, dp_plan, hybrid_plan, pipeline_plan, run_plan, wait_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 STARTUP_S = 120.0
@@ -55,20 +53,6 @@ def _mean_loss(records: list[dict], step: int) -> float | None:
     return sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
 
 
-def _wait_checkpoint(runs: Path, run: str, *, at_least: int, timeout_s: float) -> int:
-    """The step of the run's newest complete checkpoint, once it is ``at_least``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            step = pick_checkpoint(RunDir.find(run, root=runs)).step
-        except InputError:  # none complete yet
-            step = -1
-        if step >= at_least:
-            return step
-        assert time.monotonic() < deadline, f"no complete checkpoint at step {at_least} or later within {timeout_s:g} s"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("shape", ["bsp", "tokens", "wbsp", "sdpipe", "pipeline", "flexible"])
 def test_a_killed_run_resumes_at_its_checkpoint_in_every_mode(shape, tmp_path, no_leftovers):
     plan = save(_plan(shape), tmp_path / "plan.yaml")
@@ -77,7 +61,7 @@ def test_a_killed_run_resumes_at_its_checkpoint_in_every_mode(shape, tmp_path, n
         job.wait_step("r", 14, timeout_s=STARTUP_S)
         # a checkpoint is written while training goes on: under load step 14 can come before
         # step 10's checkpoint is complete, so the kill waits for the newer of at least two
-        checkpoint = _wait_checkpoint(tmp_path / "runs", "r", at_least=10, timeout_s=STARTUP_S)
+        checkpoint = wait_checkpoint(tmp_path / "runs", "r", at_least=10, timeout_s=STARTUP_S)
     finally:
         job.stop()  # kill -9: the launch, its agent and every worker
     run = tmp_path / "runs" / "r"

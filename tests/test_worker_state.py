@@ -114,6 +114,22 @@ def test_a_checkpoint_of_two_stages_restores_into_another_cut_and_trains_on_the_
             torch.testing.assert_close(value, trained[key], rtol=1e-6, atol=1e-7)
 
 
+def test_a_checkpoint_written_before_names_still_restores_into_its_own_stage(tmp_path):
+    """Checkpoints of earlier versions keyed the optimizer's state by index and said no layers:
+    they restore into the stage that wrote them, as before."""
+    bundle = models.build("mlp", CONFIG, seed=0)
+    optimizer = torch.optim.AdamW(bundle.layers.parameters(), lr=1e-2)
+    _train([(bundle.layers, optimizer)], bundle, range(2))
+    legacy = {"model": bundle.layers.state_dict(), "optimizer": optimizer.state_dict(), "step": 2, "data_position": 8}
+    torch.save(legacy, tmp_path / "stage0.pt")
+    fresh = models.build("mlp", CONFIG, seed=5)
+    fresh_optimizer = torch.optim.AdamW(fresh.layers.parameters(), lr=1e-2)
+    restore_stage(tmp_path, 0, (0, len(fresh.layers)), fresh.layers, fresh_optimizer, {})
+    assert _train([(fresh.layers, fresh_optimizer)], fresh, range(2, 4)) == _train(
+        [(bundle.layers, optimizer)], bundle, range(2, 4)
+    )
+
+
 def test_a_checkpoint_that_lacks_a_weight_of_the_new_stage_is_refused_naming_it(tmp_path):
     bundle = models.build("mlp", CONFIG, seed=0)
     first = bundle.stage_module(0, 1)

@@ -84,7 +84,7 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
             attempt=assignment.attempt,
             log_dir=str(config.log_dir),
         )
-        if assignment.attempt >= assignment.max_restarts:
+        if not assignment.more_may_follow:
             return result
         # No deadline: another node's workers may train on for long; the stop order (or the
         # coordinator's loss) ends the wait. (join_timeout_s here failed healthy multi-node jobs.)
@@ -123,7 +123,7 @@ def _superseded(session, assignment) -> StopOrder | None:
     somewhere), or has stopped this attempt (a job rescaled by a restart: its workers drain)."""
     from felactl.agents.session import StopOrder
 
-    if assignment.attempt >= assignment.max_restarts:
+    if not assignment.more_may_follow:
         return None
     if session.attempt_published(assignment.attempt + 1):
         return StopOrder("restart")

@@ -92,9 +92,16 @@ class Assignment:
     uses (their MASTER_PORT); 0: the control plane's own store."""
     attempt: int = 0
     """Which attempt of the job this is (torchrun's restart count)."""
-    max_restarts: int = 0
+    max_restarts: int | None = 0
     """Attempts after the first the coordinator may start: until then an agent whose workers ended
-    waits for the next attempt (or the stop)."""
+    waits for the next attempt (or the stop). None: no bound (a plan's job that restarts on a
+    failure or a rescale: the launch counts its failures, and stops the agents at the end)."""
+
+    @property
+    def more_may_follow(self) -> bool:
+        """Whether the coordinator may publish an attempt after this one."""
+        return self.max_restarts is None or self.attempt < self.max_restarts
+
     elastic: bool = False
     """The coordinator changes this job's members while it trains (the one place a job says so):
     the agent takes its ``add`` and ``kill`` commands and runs until the stop order, a worker that

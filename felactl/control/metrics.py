@@ -252,6 +252,14 @@ def write_summary(run_dir: str | os.PathLike, extra: dict[str, Any] | None = Non
     return summary
 
 
+def pause_at(records: list[dict[str, Any]], when: float) -> float | None:
+    """The gap in the records around ``when`` (a restart): the last step recorded before it to
+    the first after it; None until both are there."""
+    before = [r["time"] for r in records if r["time"] <= when]
+    after = [r["time"] for r in records if r["time"] > when]
+    return round(min(after) - max(before), 3) if before and after else None
+
+
 RESTART_KINDS = ("restart", "scale-out", "scale-in")
 """Events of a job that started its workers again from a checkpoint (a rescale of such a job
 records ``from_step``; a live rescale of a data-parallel job records none)."""
@@ -264,8 +272,6 @@ def restarts(events: Iterable[dict[str, Any]], records: list[dict[str, Any]]) ->
     for event in events:
         if event.get("kind") not in RESTART_KINDS or "from_step" not in event:
             continue
-        before = [r["time"] for r in records if r["time"] <= event["time"]]
-        after = [r["time"] for r in records if r["time"] > event["time"]]
         last_step = max((r["step"] for r in records if r["time"] <= event["time"]), default=-1)
         out.append(
             {
@@ -274,7 +280,7 @@ def restarts(events: Iterable[dict[str, Any]], records: list[dict[str, Any]]) ->
                 "attempt": event.get("attempt"),
                 "from_step": event["from_step"],
                 "redone_steps": max(last_step + 1 - event["from_step"], 0),
-                "pause_s": round(min(after) - max(before), 3) if before and after else None,
+                "pause_s": pause_at(records, event["time"]),
                 **{key: event[key] for key in ("reason", "lost_nodes") if key in event},
             }
         )

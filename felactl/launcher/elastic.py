@@ -67,7 +67,7 @@ from felactl.launcher.rundir import RunDir
 from felactl.launcher.scale_plan import ScalingPolicy, place_devices
 from felactl.launcher.scale_requests import answer, answer_unsigned
 from felactl.launcher.sightings import Lookout, offered_slots
-from felactl.spec import ClusterSpec, ModelSpec, Plan, load_cluster, load_model, save
+from felactl.spec import ClusterSpec, ModelSpec, Plan, save
 from felactl.spec.executable import plan_backend
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class ElasticController:
         self.lookout = Lookout(coordinator)
         self.first_plan = (start_generation, plan_path or run.plan)
         # With the profiles the plan came from, every change runs the planner again on them.
-        self.profiles = (load_cluster(run.cluster), load_model(run.model)) if run.cluster.exists() else None
+        self.profiles = run.profiles()
         self.state = _launch_state(run, plan, members, nodes, settings, self.profiles, start_generation)
         self.replanner = Replanner(
             base=(plan.global_batch, plan.training.lr, len(self.state.workers)),
@@ -389,7 +389,7 @@ def _launch_state(
         for node, devices in nodes.items()
         for d in devices
     }
-    profile = None if profiles is None else {n.name: tuple(d.name for d in n.devices) for n in profiles[0].nodes}
+    profile = None if profiles is None else profiles[0].device_names_by_node()
     rules = Rules(
         heartbeat_timeout_s=settings.heartbeat_timeout_s,
         ready_timeout_s=settings.ready_timeout_s,

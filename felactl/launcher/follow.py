@@ -74,7 +74,7 @@ def follow(
     keep_checkpoints: int = 0,
     attempt: int = 0,
     serve_requests: Callable[[], None] | None = None,
-    node_loss_is_fatal: bool | None = None,
+    node_loss_is_fatal: bool = True,
 ) -> dict[str, Any]:
     """Until every agent reports its workers done: follow metrics, and fail fast on a failure
     (an elastic job instead re-forms without the failed worker; its controller says when it is
@@ -87,7 +87,7 @@ def follow(
     events = JsonlTail(state.run.events)
     pruned_at = 0.0
     while True:
-        agents.check(node_loss_is_fatal=controller is None if node_loss_is_fatal is None else node_loss_is_fatal)
+        agents.check(node_loss_is_fatal=node_loss_is_fatal)
         _say_storage_trouble(events)
         on_update(state)
         if keep_checkpoints and time.monotonic() - pruned_at > PRUNE_EVERY_S:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from felactl.control import EventKind
@@ -44,7 +45,7 @@ from felactl.launcher.restarts import Restarts
 from felactl.launcher.resume import ResumePoint
 from felactl.launcher.rundir import RunDir
 from felactl.machine import short_hostname
-from felactl.spec import ClusterSpec, ModelSpec, Plan, load_cluster, load_model
+from felactl.spec import ClusterSpec, ModelSpec, Plan
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,17 @@ def worker_env(
     run: RunDir,
     store_endpoint: str,
     *,
-    resume: ResumePoint | None = None,
+    plan: Path | None = None,
+    generation: int = 0,
+    resume_from: Path | None = None,
 ) -> dict[str, str]:
     """The FELACTL_* variables every worker reads (see felactl.agents.worker.config), the same for
-    a job of fixed members and an elastic one (which its assignments say, :func:`assign_ranks`)."""
+    a job of fixed members and an elastic one (which its assignments say, :func:`assign_ranks`):
+    the plan it runs (default the run's ``plan.yaml``), its membership generation, and the
+    checkpoint directory it starts from (None: the start)."""
     env = {
-        "FELACTL_PLAN": str(run.plan.resolve()),
+        "FELACTL_PLAN": str((plan or run.plan).resolve()),
+        "FELACTL_GENERATION": str(generation),
         "FELACTL_RUN_DIR": str(run.path.resolve()),
         "FELACTL_STORE": store_endpoint,
         "FELACTL_STEPS": str(options.steps),
@@ -75,12 +81,8 @@ def worker_env(
         env["FELACTL_SLOWDOWN"] = options.slowdown
     if options.straggler:
         env["FELACTL_STRAGGLER"] = options.straggler
-    if resume is not None:
-        env.update(
-            FELACTL_PLAN=str(resume.plan_path.resolve()),
-            FELACTL_RESUME_FROM=str(resume.checkpoint.resolve()),
-            FELACTL_GENERATION=str(resume.generation),
-        )
+    if resume_from is not None:
+        env["FELACTL_RESUME_FROM"] = str(resume_from.resolve())
     return env
 
 
@@ -148,15 +150,16 @@ def _record_launch(
     )
 
 
-def _capacity(options: LaunchOptions, nodes: dict[str, tuple[str, ...]]) -> dict[str, int]:
+def _capacity(
+    options: LaunchOptions, nodes: dict[str, tuple[str, ...]], profiles: tuple[ClusterSpec, ModelSpec] | None
+) -> dict[str, int]:
     """The workers each node may run when the job restarts on new ones: --max-nproc-per-node, else
-    the plan's workers there (a CPU node's agent runs as many as it is told)."""
-    return {node: options.max_nproc_per_node or len(devices) for node, devices in nodes.items()}
-
-
-def _profiles(run: RunDir) -> tuple[ClusterSpec, ModelSpec] | None:
-    """The profiles the plan was made from, where the run kept them (--cluster and --model)."""
-    return (load_cluster(run.cluster), load_model(run.model)) if run.cluster.exists() else None
+    the plan's workers there or the devices profiled there, whichever is more."""
+    profiled = profiles[0].device_names_by_node() if profiles is not None else {}
+    return {
+        node: options.max_nproc_per_node or max(len(devices), len(profiled.get(node, ())))
+        for node, devices in nodes.items()
+    }
 
 
 def _record_start(run: RunDir, state: LaunchState) -> None:
@@ -188,18 +191,27 @@ def _run(
             state,
             agents,
             nodes,
-            lambda point: worker_env(options, run, coordinator.endpoint, resume=point),
+            lambda checkpoint, plan_path, generation: worker_env(
+                options, run, coordinator.endpoint, plan=plan_path, generation=generation, resume_from=checkpoint
+            ),
             max_restarts=options.restarts_allowed,
             steps=options.steps,
             scale_refused=None if options.elastic else state.not_elastic,
-            capacity=_capacity(options, nodes),
-            profiles=_profiles(run),
+            capacity=_capacity(options, nodes, profiles := run.profiles()),
+            profiles=profiles,
             keep_checkpoints=options.keep_checkpoints,
             on_update=on_update,
         ).run(resume, started=lambda: _record_start(run, state))
         coordinator.stop("finished")
         return summary
-    env = worker_env(options, run, coordinator.endpoint, resume=resume)
+    env = worker_env(
+        options,
+        run,
+        coordinator.endpoint,
+        plan=resume.plan_path if resume else None,
+        generation=resume.generation if resume else 0,
+        resume_from=resume.checkpoint if resume else None,
+    )
     controller = ElasticController(
         coordinator,
         run,
@@ -214,6 +226,8 @@ def _run(
     coordinator.publish_assignments(assign_ranks(plan, state.members, nodes, env, elastic=True))
     _record_start(run, state)
     # The summary here, under supervision: a run without a step is recorded as failed.
-    summary = follow(coordinator, state, agents, on_update, controller, options.keep_checkpoints)
+    summary = follow(
+        coordinator, state, agents, on_update, controller, options.keep_checkpoints, node_loss_is_fatal=False
+    )  # the controller drops a lost node's workers once their heartbeats stop
     coordinator.stop("finished")
     return summary

@@ -26,27 +26,25 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from felactl.control import EventKind, keys
 from felactl.control.documents import StopDoc, WorkerState
 from felactl.control.events import record
-from felactl.control.metrics import RESTART_KINDS, restarts
+from felactl.control.metrics import RESTART_KINDS, pause_at, restarts
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator
 from felactl.launcher.follow import LaunchState, follow
 from felactl.launcher.membership.state import FINISHED_FIRST
 from felactl.launcher.node_agents import Agents, assign_ranks
 from felactl.launcher.restart_plan import devices_after, plan_for_devices
-from felactl.launcher.resume import ResumePoint, pick_checkpoint
+from felactl.launcher.resume import Checkpoint, ResumePoint, pick_checkpoint
 from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.launcher.scale_requests import answer, answer_unsigned, open_request, refuse_requests
 from felactl.spec import ClusterSpec, ModelSpec, Plan, save
 
 log = logging.getLogger(__name__)
-MANY_ATTEMPTS = 1 << 30
-"""What the agents are told of the attempts to come: a rescale is an attempt too, so they wait
-for the next one until the launch stops them (the launch counts the failures)."""
 DRAIN_FAILED = "a worker failed while the job stopped for the rescale; it restarts on the workers it had"
 RESCALE_DRAIN_S = 30.0
 """How long a drained attempt's workers get to agree on a last step and checkpoint it."""
@@ -60,7 +58,7 @@ class Rescale:
     """A ``felactl scale`` request under way: the plan it restarts on, and how it was made."""
 
     request_id: str
-    kind: str
+    kind: EventKind
     plan: Plan
     how: str
     asked_at: float
@@ -81,8 +79,9 @@ class Restarts:
     agents: Agents
     nodes: dict[str, tuple[str, ...]]
     """Each node's devices in the plan in force."""
-    env_for: Callable[[ResumePoint | None], dict[str, str]]
-    """The workers' environment, resuming from a point (None: from the start)."""
+    env_for: Callable[[Path | None, Path, int], dict[str, str]]
+    """The workers' environment: the checkpoint directory they start from (None: the start), the
+    plan they run and their generation (:func:`felactl.launcher.launch.worker_env`)."""
     max_restarts: int
     steps: int
     """The run's last step."""
@@ -107,7 +106,7 @@ class Restarts:
         """Attempt after attempt until one reaches the last step (its summary, with the restarts)
         or a failure may not be restarted (:class:`WorkerFailed`)."""
         self.base_generation = resume.generation if resume is not None else 0
-        checkpoint = resume
+        checkpoint = resume.checkpoint if resume is not None else None
         while True:
             attempt = self.attempt
             self._publish(attempt, self.base_generation + attempt, checkpoint)
@@ -122,7 +121,7 @@ class Restarts:
                     keep_checkpoints=self.keep_checkpoints,
                     attempt=attempt,
                     serve_requests=self._serve,
-                    node_loss_is_fatal=False,
+                    node_loss_is_fatal=False,  # a lost node is re-planned without (_lost_nodes)
                 )
             except WorkerFailed as failure:
                 self._after_failure(failure)
@@ -134,8 +133,9 @@ class Restarts:
                     return {**summary, **changes_summary(self.state.run)}
                 before = self.state.plan.devices
                 self._adopt(self.rescale.plan, self.rescale.nodes)
-                self._record(EventKind(self.rescale.kind), before, planned_by=self.rescale.how)
-            checkpoint = _newest(self.state.run)  # the drain's, or the newest before the failure
+                self._record(self.rescale.kind, before, planned_by=self.rescale.how)
+            newest = _newest(self.state.run)  # the drain's, or the newest before the failure
+            checkpoint = newest.directory if newest is not None else None
             self.attempt += 1
 
     def _after_failure(self, failure: WorkerFailed) -> None:
@@ -162,20 +162,15 @@ class Restarts:
         self._record(EventKind.RESTART, before, reason=str(failure), **({"lost_nodes": lost} if lost else {}))
 
     # --- attempts ---------------------------------------------------------------------------
-    def _publish(self, attempt: int, generation: int, checkpoint: ResumePoint | None) -> None:
-        run = self.state.run
-        plan_path = run.plan_of(generation)
+    def _publish(self, attempt: int, generation: int, checkpoint: Path | None) -> None:
+        plan_path = self.state.run.plan_of(generation)
         if generation and not plan_path.exists():
             save(self.state.plan, plan_path)
-        env = {
-            **self.env_for(checkpoint),
-            "FELACTL_PLAN": str(plan_path.resolve()),
-            "FELACTL_GENERATION": str(generation),
-        }
+        env = self.env_for(checkpoint, plan_path, generation)
         assignments = assign_ranks(self.state.plan, self.state.members, self.nodes, env, any_slots=attempt > 0)
         self.coordinator.publish_assignments(
             {
-                a_id: dataclasses.replace(a, attempt=attempt, max_restarts=MANY_ATTEMPTS)
+                a_id: dataclasses.replace(a, attempt=attempt, max_restarts=None)  # a rescale is an attempt too
                 for a_id, a in assignments.items()
             },
             attempt=attempt,
@@ -203,7 +198,7 @@ class Restarts:
             members_before=list(before),
             members_after=list(self.state.plan.devices),
             from_step=checkpoint.step if checkpoint is not None else 0,
-            checkpoint=str(checkpoint.checkpoint) if checkpoint is not None else None,
+            checkpoint=str(checkpoint.directory) if checkpoint is not None else None,
             **details,
         )
         start = f"from step {checkpoint.step}" if checkpoint is not None else "from the start (no checkpoint yet)"
@@ -301,33 +296,27 @@ class Restarts:
 
     def _plan_request(self, request_id: str, command: dict) -> Rescale:
         plan = self.state.plan
-        nodes = {p.device: p.node for p in plan.placement} or {d: n for n, ds in self.nodes.items() for d in ds}
-        profile = None
-        if self.profiles is not None:
-            profile = {node.name: tuple(d.name for d in node.devices) for node in self.profiles[0].nodes}
-        capacity = dict(self.capacity)
-        for node in capacity:  # a profiled node may run every device profiled there
-            capacity[node] = max(capacity[node], len((profile or {}).get(node, ())))
-        devices, where = devices_after(command, plan, nodes, capacity, profile)
+        nodes = {d: node for node, devices in self.nodes.items() for d in devices}
+        profile = self.profiles[0].device_names_by_node() if self.profiles is not None else None
+        devices, where = devices_after(command, plan, nodes, self.capacity, profile)
         new, how = plan_for_devices(plan, devices, where, self.profiles)
         kind = EventKind.SCALE_OUT if len(devices) > len(plan.devices) else EventKind.SCALE_IN
-        return Rescale(request_id, kind.value, new, how, asked_at=time.time(), before=plan.devices, nodes=where)
+        return Rescale(request_id, kind, new, how, asked_at=time.time(), before=plan.devices, nodes=where)
 
     def _answer_when_running(self) -> None:
         rescale = self.rescale
         self.state.read_new()
-        first = [r["time"] for r in self.state.records if r["time"] > rescale.published_at]
-        if not first:
+        pause_s = pause_at(self.state.records, rescale.published_at)
+        if pause_s is None:  # the new attempt has not trained a step yet
             return
-        before = [r["time"] for r in self.state.records if r["time"] <= rescale.published_at]
         result = {
-            "kind": rescale.kind,
+            "kind": rescale.kind.value,
             "members_before": list(rescale.before),
             "members_after": list(self.state.plan.devices),
             "stages": len(self.state.plan.stages),
             "planned_by": rescale.how,
             "by_restart": True,
-            "pause_s": round(min(first) - max(before), 3) if before else None,
+            "pause_s": pause_s,
         }
         self._answer(rescale.request_id, {"ok": True, "result": result})
         self.rescale, self.state.draining = None, False
@@ -337,13 +326,12 @@ class Restarts:
         answer(self.coordinator, request_id, reply)
 
 
-def _newest(run: RunDir) -> ResumePoint | None:
+def _newest(run: RunDir) -> Checkpoint | None:
     """The run's newest complete checkpoint (None: none yet, the next attempt starts over)."""
     try:
-        chosen = pick_checkpoint(run)
+        return pick_checkpoint(run)
     except InputError:
         return None
-    return ResumePoint(run=run, checkpoint=chosen.directory, step=chosen.step, plan_path=chosen.plan_path, generation=0)
 
 
 def changes_summary(run: RunDir) -> dict[str, Any]:

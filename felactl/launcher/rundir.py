@@ -25,13 +25,16 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from felactl.control.events import EVENTS_FILE
 from felactl.control.metrics import METRICS_FILE
 from felactl.errors import InputError
 from felactl.fsutil import STORAGE_ERRORS, append_jsonl, atomic_write_text, read_jsonl  # noqa: F401 (re-exported)
 from felactl.launcher.liveness import LaunchIdentity, check
+
+if TYPE_CHECKING:
+    from felactl.spec import ClusterSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -90,6 +93,13 @@ class RunDir:
     def cluster(self) -> Path:
         """The cluster profile the plan was made from, when the launch was given it."""
         return self.path / "cluster.yaml"
+
+    def profiles(self) -> tuple[ClusterSpec, ModelSpec] | None:
+        """The profiles the plan was made from, where the launch kept them (``--cluster``,
+        ``--model``): a rescale runs the planner again on them."""
+        from felactl.spec import load_cluster, load_model
+
+        return (load_cluster(self.cluster), load_model(self.model)) if self.cluster.exists() else None
 
     @property
     def model(self) -> Path:

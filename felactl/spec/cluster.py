@@ -220,6 +220,10 @@ class ClusterSpec:
     def device(self, name: str) -> Device:
         return self._by_name[name][1]
 
+    def device_names_by_node(self) -> dict[str, tuple[str, ...]]:
+        """Each node's devices, by name: where a rescale may put a newcomer the planner knows."""
+        return {node.name: tuple(d.name for d in node.devices) for node in self.nodes}
+
     def node_of(self, device_name: str) -> Node:
         return self._by_name[device_name][0]
 

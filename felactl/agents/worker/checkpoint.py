@@ -122,7 +122,12 @@ def restore_stage(
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         return state
-    model_state = {key: _named(state["model"], key, aliases, directory) for key in model.state_dict()}
+    model_state = {}
+    for key in model.state_dict():
+        found = _by_name(state["model"], key, aliases)
+        if found is None:
+            raise InputError(f"{directory}: no stage of the checkpoint holds {key!r}")
+        model_state[key] = state["model"][found]
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -178,7 +183,7 @@ def _optimizer_part(saved: dict, model: nn.Module, optimizer, aliases, directory
     for k, group in enumerate(optimizer.param_groups):
         own = [next(names) for _ in group["params"]]
         for name in own:
-            found = next((n for n in (name, *aliases.get(name, ())) if n in known), None)
+            found = _by_name(known, name, aliases)
             if found is None:
                 raise InputError(f"{directory}: the checkpoint's optimizers never held {name!r}")
             if found in saved["state"]:  # a parameter never stepped has no state
@@ -196,11 +201,9 @@ def parameter_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return {n: tuple(m for m in group if m != n) for group in by_tensor.values() if len(group) > 1 for n in group}
 
 
-def _named(saved: dict, key: str, aliases: dict[str, tuple[str, ...]], directory: Path):
-    for name in (key, *aliases.get(key, ())):
-        if name in saved:
-            return saved[name]
-    raise InputError(f"{directory}: no stage of the checkpoint holds {key!r}")
+def _by_name(saved, key: str, aliases: dict[str, tuple[str, ...]]) -> str | None:
+    """The name ``saved`` holds ``key`` under: its own, or another name of the tied weight it is."""
+    return next((name for name in (key, *aliases.get(key, ())) if name in saved), None)
 
 
 def _load(path: Path) -> dict:
