@@ -244,17 +244,22 @@ def test_group_closes_at_max_group_or_after_the_wait():
     assert g.poll(0.011) == [[1]] and g.wait_s == pytest.approx(0.0018)
 
 
-def test_connectivity_is_forced_every_p_rounds():
-    g = GroupScheduler([0, 1, 2, 3], max_group=2, wait_s=0.001, connect_every=1)
+def test_a_workers_every_pth_arrival_holds_it_until_the_replicas_connect():
+    g = GroupScheduler([0, 1, 2, 3], max_group=2, wait_s=0.001, connect_every=2)
     g.arrive(0, 0.0)
     g.arrive(1, 0.0)
     assert g.poll(0.0) == [[0, 1]]
-    g.arrive(2, 0.0)
-    g.arrive(3, 0.0)  # a round (4 arrivals) has passed with {0,1}, {2}, {3} apart: a connection is due
-    assert g.connection_due and g.deadline() is None
-    assert g.poll(5.0) == [], "waits, however long, until every component is represented"
-    g.arrive(1, 5.0)
-    assert g.poll(5.0) == [[2, 3, 1]] and not g.connection_due
+    g.arrive(0, 1.0)  # rank 0's second arrival: it waits for a connection of {0,1}, {2}, {3}
+    assert g.held == [0] and g.deadline() is None
+    assert g.poll(5.0) == [], "held, however long, until someone arrives"
+    g.arrive(2, 5.0)
+    assert g.poll(5.0) == [[0, 2]] and g.held == [0], "averages with each arrival, still held"
+    g.arrive(3, 6.0)
+    assert g.poll(6.0) == [[0, 3]] and g.held == [] and g.connections == 1, "released on the connection"
+    g.arrive(1, 7.0)  # rank 1's second arrival: the union-find started over, so 1 waits again
+    assert g.poll(7.0) == [] and g.held == [1]
+    g.leave(0), g.leave(2), g.leave(3)
+    assert g.poll(8.0) == [[1]] and g.held == [], "the others left: the one replica left is connected"
 
 
 def test_leavers_are_never_grouped():

@@ -60,7 +60,8 @@ class SyncSpec:
     initial_wait_ms: float = 1.0
     """...or this long after the first arrived (then adapted: x2 up to 10 ms, x0.9 down to 0.01 ms)."""
     connect_every: int = 4
-    """SDPipe: the groups' union must connect every replica at least every P rounds."""
+    """SDPipe: every P-th local step a worker waits, averaging with each worker that arrives, until the
+    groups' union connects every replica of its stage."""
     token_policy: str = "ads+hf"
     """Tokens: ``ads``, ``hf`` or ``ads+hf`` (see SEEDS.md section 1)."""
 

@@ -205,7 +205,7 @@ class PipelineSDPipe(AtOwnPace):
         it = PipelineStep(t, self.prev, self.next)
         it.run(list(work.indices), len(work.indices))
         t.optimizer_step(at_step=work.step)
-        comm_s, wait_s = self.sdpipe.sync(work.local_step)
+        comm_s, wait_s = self.sdpipe.sync()
         return StepResult(
             len(work.indices), it.loss_sum if t.placement.is_last else None, it.compute_s, comm_s, wait_s + it.wait_s
         )

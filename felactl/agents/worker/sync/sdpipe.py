@@ -61,8 +61,9 @@ class SchedulerService:
             self.error = exc
 
     def _arrived(self, key: str) -> bool:
-        """Wait for the next arrival: blocking when no group can close on time (nobody waits, or a
-        connection is due, which only arrivals can complete), polling until the deadline else."""
+        """Wait for the next arrival: blocking when no group can close on time (nobody waits, or
+        workers are held for a connection, which only arrivals and leaves complete), polling until
+        the deadline else."""
         if self.scheduler.deadline() is None:
             self.store.wait([key])
             return True
@@ -72,7 +73,8 @@ class SchedulerService:
         return False
 
     def _publish(self, group: list[int], rounds: dict[int, int]) -> None:
-        document = json.dumps({"id": self.scheduler.groups_formed, "members": sorted(group)})
+        held = sorted(set(group) & set(self.scheduler.held))
+        document = json.dumps({"id": self.scheduler.groups_formed, "members": sorted(group), "again": held})
         self.sizes.append(len(group))
         for rank in group:
             self.store.set(self.prefix + keys.sdpipe_group(rank, rounds[rank]), document)
@@ -115,6 +117,7 @@ class SDPipeSync:
         runtime, spec = trainer.runtime, trainer.plan.sync
         self.prefix = keys.sdpipe_stage(trainer.placement.stage)
         self.group = runtime.new_world_group(backend="gloo")
+        self.rounds = 0  # the groups this worker was given: the key of its next
         self.services = []
         if runtime.rank == 0:
             for stage, ranks in enumerate(stage_rank_sets):
@@ -123,18 +126,24 @@ class SDPipeSync:
             for service in self.services:
                 service.thread.start()
 
-    def sync(self, step: int) -> tuple[float, float]:
-        """After a local step: report ready, get a group, average in it. Returns (comm_s, wait_s)."""
+    def sync(self) -> tuple[float, float]:
+        """After a local step: report ready, get a group, average in it (again, while the scheduler
+        holds this worker for a connection). Returns (comm_s, wait_s)."""
         store, rank = self.trainer.runtime.store, self.trainer.runtime.rank
-        start = time.perf_counter()
+        comm_s, wait_s = 0.0, 0.0
         announce(store, self.prefix, rank)
-        key = self.prefix + keys.sdpipe_group(rank, step)
-        self.trainer.wait_for_key(store, key)  # the scheduler's worker may have died
-        document = json.loads(store.get(key).decode())
-        store.delete_key(key)
-        waited = time.perf_counter()
-        average_in_group(self.trainer, document["members"], document["id"], self.group)
-        return time.perf_counter() - waited, waited - start
+        while True:
+            start = time.perf_counter()
+            key = self.prefix + keys.sdpipe_group(rank, self.rounds)
+            self.rounds += 1
+            self.trainer.wait_for_key(store, key)  # the scheduler's worker may have died
+            document = json.loads(store.get(key).decode())
+            store.delete_key(key)
+            waited = time.perf_counter()
+            average_in_group(self.trainer, document["members"], document["id"], self.group)
+            comm_s, wait_s = comm_s + time.perf_counter() - waited, wait_s + waited - start
+            if rank not in document["again"]:
+                return comm_s, wait_s
 
     def finish(self) -> None:
         runtime = self.trainer.runtime
@@ -163,7 +172,7 @@ class SDPipe(AtOwnPace):
     def step(self, work: Work) -> StepResult:
         result = self.trainer.compute(work.indices)
         self.trainer.optimizer_step(at_step=work.step)
-        return self.trained_then_synced(result, lambda: self.sdpipe.sync(work.local_step))
+        return self.trained_then_synced(result, self.sdpipe.sync)
 
     def finish(self) -> None:
         self.sdpipe.finish()
