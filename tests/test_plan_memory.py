@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from felactl.cli.plan import _why_sharded
 from felactl.errors import PlanInfeasible
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes
 from felactl.optimizer.planner import make_plan
@@ -179,3 +180,22 @@ def test_a_plan_that_puts_a_tied_weight_on_two_kinds_of_gpu_is_refused_with_wher
         make_plan(cluster, tied, 512)
     a10gs = [d for d in cluster.device_names if d.startswith("a10g")]
     assert make_plan(cluster, tied, 512, devices=a10gs).stages  # one kind: planned
+
+
+def test_a_sharded_plan_leaves_out_a_device_that_would_slow_every_gather():
+    """Llama-7B-like on 8 A10G-like devices and one of a tenth their speed, none holding a replica:
+    a sharded stage runs equal shares in lockstep, so the slow one would set every step's pace; the
+    planner shards over the 8 (each of which holds its bigger share) and says so, while the fsdp
+    baseline, over all 9, is priced slower."""
+    _, model, _ = _llama7b_on_a10gs()
+    devices = [("a10g", 125.0, 24.0)] * 8 + [("old", 12.5, 24.0)]
+    spread = cluster([devices[:3], devices[3:6], devices[6:]], intra_gbps=16.0, inter_gbps=12.5)
+    plan = make_plan(spread, model, 256, sync="bsp")
+    (stage,) = plan.stages
+    assert stage.shard and {w.device for w in stage.workers} == {f"n{i // 3}.d{i % 3}" for i in range(8)}
+    assert plan.solver.name == "sharded" and plan.predicted.baselines["fsdp"] > plan.predicted.iteration_s
+    assert "over every device (fsdp)" in _why_sharded(plan)
+    cost = CostModel(spread, model)
+    for device, peak_gb in plan.predicted.simulated_peak_memory_gb.items():
+        assert 0 < peak_gb * 1e9 <= cost.usable_memory_bytes(device)
+    check_executable(plan)

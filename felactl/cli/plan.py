@@ -117,9 +117,17 @@ def _why_sharded(plan: Plan) -> str:
     replicated = {name: s for name, s in p.baselines.items() if name not in ("fsdp", "no_trees")}
     if not replicated:
         reasons = "; ".join(f"{name}: {why}" for name, why in p.baselines_missing.items())
-        return f"{what}: nothing replicated fits ({reasons})"
+        return f"{what}: nothing replicated fits ({reasons}){_left_out(plan)}"
     best = min(replicated, key=replicated.get)
-    return f"{what}: predicted faster than {best} ({replicated[best]:.4g} s)"
+    return f"{what}: predicted faster than {best} ({replicated[best]:.4g} s){_left_out(plan)}"
+
+
+def _left_out(plan: Plan) -> str:
+    """Where the planner sharded over fewer devices than the ``fsdp`` baseline's all: why."""
+    every = plan.predicted.baselines.get("fsdp")
+    if plan_label(plan) == "fsdp" or every is None or every <= plan.predicted.iteration_s:
+        return ""
+    return f"; over every device (fsdp) {every:.4g} s a step: a slower device would set the pace of every gather"
 
 
 def plan_label(plan: Plan) -> str:

@@ -99,12 +99,17 @@ def data_parallel(cost: CostModel, global_batch: int) -> Baseline:
 
 
 def sharded_data_parallel(cost: CostModel, global_batch: int) -> Baseline:
+    """FSDP as its users run it: over every device."""
     found = best_sharded(cost, global_batch)
     if isinstance(found, str):
         raise Missing(found)
-    seconds, b = found
-    stage = StageChoice(0, cost.model.num_layers, b, _equal(cost.cluster.device_names), in_flight=1, shard=True)
-    return Baseline(seconds, b, (stage,))
+    return sharded_baseline(cost, *found, tuple(cost.cluster.device_names))
+
+
+def sharded_baseline(cost: CostModel, seconds: float, micro_batch: int, devices: tuple[str, ...]) -> Baseline:
+    """The whole model as one stage sharded over ``devices`` in equal shares."""
+    stage = StageChoice(0, cost.model.num_layers, micro_batch, _equal(devices), in_flight=1, shard=True)
+    return Baseline(seconds, micro_batch, (stage,))
 
 
 def balanced_cuts(times: list[list[float]], num_stages: int) -> list[int]:

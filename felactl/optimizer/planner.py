@@ -24,7 +24,7 @@ from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, memory_limits, predict, stage_in_flight, token_samples
 from felactl.optimizer.graph import abbreviate_names, best_ring, ring_width
-from felactl.optimizer.sharding import sharded_memory_bytes, sharding_hint
+from felactl.optimizer.sharding import best_shard_group, sharded_memory_bytes, sharding_hint
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.optimizer.space import build_space
 from felactl.spec import (
@@ -324,7 +324,7 @@ def make_plan(
     extra = tuple(sorted({b.micro_batch for b in found.values()}))
     began = time.perf_counter()
     solve = partial(_solve_best, cost, global_batch, mode, max_stages, time_limit_s, debug_lp_path, progress, extra)
-    sharded = found.get("fsdp") if Execution.SHARDED in sync_support(mode).executions else None
+    sharded = _shard_group(cost, global_batch) if Execution.SHARDED in sync_support(mode).executions else None
     try:
         chosen = _as_simulated(
             solve, partial(_Candidate.of, cost, model, global_batch, mode, use_trees, max_stages), progress
@@ -335,8 +335,9 @@ def make_plan(
         chosen = None  # nothing replicated fits: sharded, it does
     solve_s = time.perf_counter() - began
     if sharded is not None and (chosen is None or sharded.iteration_s < chosen.iteration_s):
-        progress(f"the model sharded over every device: {sharded.iteration_s:.4g} s")
-        return _baseline_plan(cluster, cost, model, global_batch, "fsdp", found, missing, solve_s, SHARDED_SOLVER)
+        workers = len(sharded.stages[0].shares)
+        progress(f"the model sharded over {workers} of {len(sub.device_names)} devices: {sharded.iteration_s:.4g} s")
+        return _baseline_plan(cluster, cost, model, global_batch, sharded, found, missing, solve_s, SHARDED_SOLVER)
     return _solved_plan(cluster, cost, chosen, found, missing, global_batch, max_stages, solve_s)
 
 
@@ -429,8 +430,15 @@ class _Candidate:
 
 BASELINE_NAMES = ("dp", "mp", "hp", "fsdp")
 SHARDED_SOLVER = "sharded"
-"""The solver a plan records where the planner chose the model sharded over every device (the
-``fsdp`` candidate) over what the ILP found, or where the ILP found nothing that fits."""
+"""The solver a plan records where the planner chose the model sharded over its fastest devices
+(:func:`felactl.optimizer.sharding.best_shard_group`) over what the ILP found, or where the ILP
+found nothing that fits."""
+
+
+def _shard_group(cost: CostModel, global_batch: int) -> baselines.Baseline | None:
+    """The planner's sharded candidate, priced over rings as the ``fsdp`` baseline is."""
+    found = best_shard_group(baselines.rings_only(cost), global_batch)
+    return None if isinstance(found, str) else baselines.sharded_baseline(cost, *found)
 
 
 def make_baseline_plan(
@@ -458,7 +466,9 @@ def make_baseline_plan(
     solve_s = time.perf_counter() - began
     if baseline not in found:
         raise PlanInfeasible(f"baseline {baseline}: no plan: {missing[baseline]}")
-    return _baseline_plan(cluster, cost, model, global_batch, baseline, found, missing, solve_s)
+    return _baseline_plan(
+        cluster, cost, model, global_batch, found[baseline], found, missing, solve_s, f"baseline:{baseline}"
+    )
 
 
 def _baseline_plan(
@@ -466,15 +476,14 @@ def _baseline_plan(
     cost: CostModel,
     model: ModelSpec,
     global_batch: int,
-    baseline: str,
+    chosen: baselines.Baseline,
     found: dict[str, baselines.Baseline],
     missing: dict[str, str],
     solve_s: float,
-    solver_name: str | None = None,
+    solver_name: str,
 ) -> Plan:
-    """The runnable plan of baseline ``baseline`` (in ``found``), priced by the rings it syncs over
-    (``solver_name``: what chose it, where the planner did; default ``baseline:<name>``)."""
-    chosen = found[baseline]
+    """The runnable plan of ``chosen`` (a baseline of ``found``, or the planner's shard group),
+    priced by the rings it syncs over; ``solver_name`` says what chose it."""
     rings = baselines.rings_only(cost)
     plan = _plan_from(
         chosen.stages, rings, model, global_batch, SyncMode.BSP, use_trees=False, max_stages=len(chosen.stages)
@@ -482,5 +491,5 @@ def _baseline_plan(
     prediction = _predicted(
         plan, chosen.iteration_s, simulate(plan, rings), {k: b.iteration_s for k, b in found.items()}, missing
     )
-    info = SolverInfo(name=solver_name or f"baseline:{baseline}", status="Baseline", solve_s=round(solve_s, 4))
+    info = SolverInfo(name=solver_name, status="Baseline", solve_s=round(solve_s, 4))
     return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))

@@ -55,10 +55,10 @@ def sharded_iteration_s(cost: CostModel, devices: tuple[str, ...], global_batch:
     return compute + sharded_comm_s(cost, devices, 0, layers, count) + step
 
 
-def best_sharded(cost: CostModel, global_batch: int) -> tuple[float, int] | str:
-    """The fastest micro-batch at which the whole model sharded over every device fits each
-    device's usable memory, and its iteration seconds; or why none does (one line)."""
-    devices = tuple(cost.cluster.device_names)
+def best_sharded(cost: CostModel, global_batch: int, devices: tuple[str, ...] | None = None) -> tuple[float, int] | str:
+    """The fastest micro-batch at which the whole model sharded over ``devices`` (default: every
+    device) fits each one's usable memory, and its iteration seconds; or why none does (one line)."""
+    devices = devices or tuple(cost.cluster.device_names)
     if len(devices) < 2:
         return "needs two devices or more to shard over"
     usable = min(cost.usable_memory_bytes(d) for d in devices)
@@ -81,6 +81,25 @@ def best_sharded(cost: CostModel, global_batch: int) -> tuple[float, int] | str:
             f"({usable / 1e9:.3g} GB usable on the smallest)"
         )
     return f"the global batch {global_batch} gives some device no micro-batch"
+
+
+def best_shard_group(cost: CostModel, global_batch: int) -> tuple[float, int, tuple[str, ...]] | str:
+    """The planner's sharded candidate: the group of the k fastest devices (k >= 2) whose step is
+    shortest, with its seconds and micro-batch; or why even every device does not hold the model.
+
+    A sharded stage's workers run equal shares in lockstep (every gather waits for all of them),
+    so a slow device slows every step, and leaving it out can pay even though each of the others
+    then holds more of the state. Groups are taken fastest first: with equal shares, any other
+    group of k is no faster than the k fastest (a small-memory fast device that keeps them from
+    fitting is the case this misses)."""
+    order = sorted(cost.cluster.device_names, key=lambda d: cost.per_sample_s(0, cost.model.num_layers, d, 1))
+    best = None
+    for k in range(2, len(order) + 1):
+        group = tuple(d for d in cost.cluster.device_names if d in order[:k])  # the cluster's rank order
+        found = best_sharded(cost, global_batch, group)
+        if not isinstance(found, str) and (best is None or found[0] < best[0]):
+            best = (*found, group)
+    return best if best is not None else best_sharded(cost, global_batch)
 
 
 def sharding_hint(found: dict, missing: dict[str, str], mode: SyncMode) -> str:
