@@ -15,11 +15,12 @@ from typer.testing import CliRunner
 
 from felactl import models
 from felactl.agents.worker.checkpoint import checkpoint_path
+from felactl.agents.worker.tied import Tied, check_sharded_ties
 from felactl.cli.main import app
 from felactl.errors import InputError
 from felactl.launcher.export import merge_stages
 from felactl.models.split import SplitGraph, SplitStage, default_split_points, find_blocks
-from felactl.spec import ModelRef, SyncMode, SyncSpec, Training, check_executable
+from felactl.spec import ModelRef, Schedule, SyncMode, SyncSpec, Training, check_executable
 from felactl.spec.executable import why_not_rescalable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,6 +196,38 @@ def test_two_pipelines_sum_each_stage_and_a_tied_head_over_stages_too(tmp_path, 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_pipeline_of_sharded_stages_trains_to_the_single_process_result(tmp_path, tied):
+    """2 stages, each sharded over 2 workers (FSDP2 over the stage's workers, one per pipeline):
+    each worker holds half of its stage, the pipelines' micro-batches gather the stage's weights
+    together, its gradients are reduce-scattered once a step; tied, the head's gradient is summed
+    with the embedding's shard by shard. AdamW, a schedule and clipping: one process's result."""
+    config = dict(SMALL, tied=tied, rope=tied)
+    plan = pipeline_plan([0, 2, 4], 2, "1f1b", micro_batch=2, global_batch=8, config=config)
+    plan = dataclasses.replace(
+        plan,
+        model=ModelRef(name=LLAMA, source=LLAMA, config=config),
+        stages=tuple(dataclasses.replace(stage, shard=True) for stage in plan.stages),
+    )
+    check_executable(plan)
+    steps = 6
+    run_dir = run_plan(plan, tmp_path, steps, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    want, losses = single_process(plan, steps)
+    assert max(abs(a - b) for a, b in zip(_step_losses(run_dir), losses, strict=True)) < 1e-5
+    got = _trained(plan, run_dir, steps)
+    assert _largest_difference(got, want) < 5e-5  # sums in another order (the replicated test's bound)
+    models.build(LLAMA, config).model.load_state_dict(got, strict=True)
+    held = [json.loads((run_dir / "workers" / f"rank{r}.json").read_text())["params_held"] for r in range(4)]
+    names = dict(models.build(LLAMA, config).model.named_parameters())
+    stage0 = sum(
+        names[k].numel()
+        for k in torch.load(checkpoint_path(run_dir, steps, 0), weights_only=False)["model"]
+        if k in names
+    )
+    assert held[0] + held[2] == stage0 and max(held[0], held[2]) < stage0, f"stage 0 split in two: {held}"
+
+
+@pytest.mark.multiprocess
 def test_a_hugging_face_llama_profiles_per_block_and_trains_as_a_two_stage_pipeline(tmp_path):
     pytest.importorskip("transformers", reason="transformers is a test-only dependency (the dev extra)")
     from felactl.profiling.model import profile_model
@@ -281,6 +314,28 @@ def test_a_sharded_stage_is_refused_where_it_cannot_run():
     with pytest.raises(InputError, match="sync tokens cannot run"):
         check_executable(tokens)
     assert "sharded stage" in why_not_rescalable(plan)
+
+
+def _sharded_pipeline(replicas=2, sync="bsp", shard=(True, True)):
+    plan = pipeline_plan([0, 2, 4], replicas, "1f1b", micro_batch=2, global_batch=8, config=SMALL, sync=sync)
+    stages = tuple(dataclasses.replace(stage, shard=s) for stage, s in zip(plan.stages, shard))
+    return dataclasses.replace(plan, model=ModelRef(name=LLAMA, source=LLAMA, config=SMALL), stages=stages)
+
+
+def test_a_sharded_stage_of_a_pipeline_is_refused_where_it_cannot_run():
+    check_executable(_sharded_pipeline())
+    check_executable(_sharded_pipeline(sync="tokens"))  # a static pipeline's stages sum as BSP
+    with pytest.raises(InputError, match=r"stages\[0\].shard: a stage of one worker has nothing to shard over"):
+        check_executable(_sharded_pipeline(replicas=1))
+    with pytest.raises(InputError, match="sync sdpipe averages whole replicas .* use sync bsp or tokens"):
+        check_executable(_sharded_pipeline(sync="sdpipe"))
+    flexible = dataclasses.replace(_sharded_pipeline(), schedule=Schedule.TOKENS, pipelines=())
+    with pytest.raises(InputError, match="token scheduling gives workers unequal micro-batch counts"):
+        check_executable(flexible)
+    mixed = _sharded_pipeline(shard=(True, False))
+    with pytest.raises(InputError, match="the tied weight 'embed.weight' is on stage 0 .sharded., stage 1 .replicated."):
+        check_sharded_ties(mixed, [Tied("embed.weight", (0, 1))])
+    check_sharded_ties(_sharded_pipeline(), [Tied("embed.weight", (0, 1))])
 
 
 @pytest.mark.parametrize(

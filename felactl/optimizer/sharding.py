@@ -5,8 +5,8 @@ Priced by the cost model's own parts, nothing overlapped (FSDP2 prefetches the n
 weights beside the current one's compute; not counting that keeps the price an upper bound):
 
 * memory per worker: the state over ``n``, plus :data:`GATHERED_UNITS` of the largest layer's
-  weights and gradients whole (the one running and the one prefetched), plus the activations one
-  micro-batch keeps for its backward;
+  weights and gradients whole (the one running and the one prefetched; a pipeline's stage: all of
+  its layers', gathered at once), plus the activations one micro-batch keeps for its backward;
 * time per step: the slowest worker's micro-batches (each worker runs as many: the runtime's rule,
   :func:`felactl.spec.executable.problems`), then per micro-batch an all-gather of the weights for
   the forward and one for the backward, and once a reduce-scatter of the gradients, each half of a
@@ -29,7 +29,11 @@ def sharded_memory_bytes(model: ModelSpec, start: int, end: int, micro_batch: in
     """Bytes one of ``shards`` workers holds for layers ``[start, end)`` sharded among them."""
     layers = model.layers[start:end]
     state = sum(2 * l.param_bytes + ADAMW_STATE_BYTES_PER_PARAM * l.params for l in layers)
-    gathered = GATHERED_UNITS * 2 * max((l.param_bytes for l in layers), default=0)
+    whole = start == 0 and end == model.num_layers
+    # the user's module is gathered block by block; a pipeline's stage of a split model runs its
+    # traced graph, not its blocks' forwards, so FSDP gathers it whole (agents/worker/engine.py)
+    largest = max((l.param_bytes for l in layers), default=0)
+    gathered = 2 * (GATHERED_UNITS * largest if whole else sum(l.param_bytes for l in layers))
     activations = sum(saved_bytes_per_sample(model, i) for i in range(start, end)) * micro_batch
     return state / shards + gathered + activations
 

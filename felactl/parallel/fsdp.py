@@ -35,6 +35,16 @@ def shard(module: nn.Module, group, device: torch.device, units: Sequence[str] =
     return fully_shard(module, mesh=mesh)
 
 
+def sum_gradients(module: nn.Module) -> None:
+    """Make ``module``'s sharded units reduce-scatter the sum of their workers' gradients, not the
+    mean FSDP2 gives by default (a pipeline's stages weight each micro-batch's loss by the global
+    batch themselves, as their replicated twins do before their sum-allreduce)."""
+    for unit in module.modules():
+        if is_sharded(unit):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+
+
 def is_sharded(module: nn.Module) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)

@@ -148,15 +148,6 @@ def problems(plan: Plan, layer_params: Sequence[int] | None = None) -> list[Prob
         found += _sharded_problems(plan)
     else:
         found += _mode_problems(plan, how)
-    sharded = [s for s, stage in enumerate(plan.stages) if stage.shard]
-    if len(plan.stages) > 1 and sharded:
-        found.append(
-            Problem(
-                f"stages[{sharded[0]}].shard",
-                "a sharded stage runs in a data-parallel plan (one stage) for now, not among "
-                f"{len(plan.stages)} stages: replicate it (shard: false) or plan one stage",
-            )
-        )
     return found
 
 
@@ -213,6 +204,15 @@ def _mode_problems(plan: Plan, how: Execution) -> list[Problem]:
 
 def _flexible_problems(plan: Plan) -> list[Problem]:
     found = _mode_problems(plan, Execution.FLEXIBLE)
+    found += [
+        Problem(
+            f"stages[{s}].shard",
+            "token scheduling gives workers unequal micro-batch counts, which a sharded stage's "
+            "workers cannot run (each gathers every block with the others): use schedule 1f1b or gpipe",
+        )
+        for s, stage in enumerate(plan.stages)
+        if stage.shard
+    ]
     stages = plan.stages
     for s in range(1, len(stages)):
         if not micro_batch_follows(stages[s - 1].micro_batch, stages[s].micro_batch, static=False):
@@ -240,31 +240,45 @@ def _flexible_problems(plan: Plan) -> list[Problem]:
 
 
 def _sharded_problems(plan: Plan) -> list[Problem]:
+    return _mode_problems(plan, Execution.SHARDED) + _shard_problems(plan, 0)
+
+
+def _shard_problems(plan: Plan, s: int) -> list[Problem]:
     """A sharded stage's workers gather each block's weights together, in every micro-batch's
     forward and backward: two or more of them, each running as many micro-batches per step."""
-    found = _mode_problems(plan, Execution.SHARDED)
-    stage = plan.stages[0]
+    stage = plan.stages[s]
     if len(stage.workers) < 2:
-        return found + [Problem("stages[0].shard", "a stage of one worker has nothing to shard over: replicate it")]
+        return [Problem(f"stages[{s}].shard", "a stage of one worker has nothing to shard over: replicate it")]
     counts = {
         w.device: math.ceil(len(r) / stage.micro_batch)
         for w, r in zip(stage.workers, split_by_shares(plan.global_batch, [w.share for w in stage.workers]))
     }
     if len(set(counts.values())) > 1:
         shown = ", ".join(f"{d} {n}" for d, n in counts.items())
-        found.append(
+        return [
             Problem(
-                "stages[0].workers",
+                f"stages[{s}].workers",
                 f"the workers of a sharded stage run as many micro-batches per step as each other "
                 f"(each gathers every block's weights with the others), but these shares give {shown}: "
                 "give them shares of equal micro-batch counts",
             )
-        )
-    return found
+        ]
+    return []
 
 
 def _pipeline_problems(plan: Plan) -> list[Problem]:
     found = _mode_problems(plan, Execution.PIPELINE)
+    for s, stage in enumerate(plan.stages):
+        if stage.shard and sync_support(plan.sync.mode).at_own_pace:
+            found.append(
+                Problem(
+                    f"stages[{s}].shard",
+                    f"sync {plan.sync.mode.value} averages whole replicas at each worker's own pace; "
+                    "a sharded stage's workers step together: use sync bsp or tokens",
+                )
+            )
+        elif stage.shard:
+            found += _shard_problems(plan, s)
     first = plan.stages[0].micro_batch
     for s, stage in enumerate(plan.stages[1:], start=1):
         if not micro_batch_follows(first, stage.micro_batch, static=True):

@@ -8,12 +8,15 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.tied import counted_elsewhere
-from felactl.parallel.fsdp import is_dtensor, is_sharded
+from felactl.parallel.fsdp import is_dtensor, is_sharded, local
 
 
 def grad_sq_norm(params) -> torch.Tensor:
-    """The squared L2 norm of these parameters' gradients, in float32 (0 where none has one)."""
-    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for p in params if p.grad is not None]
+    """The squared L2 norm of these parameters' gradients (of a sharded one, the shard this worker
+    holds), in float32 (0 where none has one)."""
+    norms = [
+        torch.linalg.vector_norm(local(p.grad.detach()), dtype=torch.float32) for p in params if p.grad is not None
+    ]
     return torch.stack(norms).square().sum() if norms else torch.zeros(())
 
 
@@ -24,7 +27,8 @@ def clip_gradients(trainer, max_norm: float, across_stages: bool = True) -> floa
     One stage: this worker's gradients are the model's. Several stages under ``bsp`` or
     ``tokens`` (every rank steps together, its stages' gradients already summed, so each
     replica of a stage holds the same): every rank adds its stages' squared norms, each
-    divided by the stage's replicas, in one allreduce over all ranks: the global norm.
+    divided by the stage's replicas (a sharded stage's workers hold disjoint shards: each adds
+    its own), in one allreduce over all ranks: the global norm.
     Under ``wbsp`` and ``sdpipe`` pipelines, whose stages step at their own pace
     (``across_stages=False``), each stage clips its own norm."""
     # two stages this worker holds may share a tied weight: each tensor once
@@ -35,7 +39,7 @@ def clip_gradients(trainer, max_norm: float, across_stages: bool = True) -> floa
             (
                 # a tied weight counts once, in the first stage that holds it, as in one model
                 grad_sq_norm(p for p in part.module.parameters() if id(p) not in counted_elsewhere(part, trainer.tied))
-                / len(part.ranks)
+                / (1 if is_sharded(part.module) else len(part.ranks))
                 for part in trainer.parts
             ),
             torch.zeros(()),

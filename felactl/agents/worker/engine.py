@@ -148,7 +148,8 @@ class Trainer:
         whole = len(plan.stages) == 1  # the user's module itself, however many layers its profile has
         module = self.bundle.stage_module(stage.layer_start, stage.layer_end, whole=whole).to(self.runtime.device)
         if stage.shard:  # split among the stage's workers before its optimizer takes the shards
-            units = self.bundle.split_points  # the blocks: one gathered at a time
+            # block by block; a split model's stage runs its traced graph, no block: gathered whole
+            units = self.bundle.split_points if module is self.bundle.model else ()
             module = shard(module, self.runtime.group(self.placement.stage_ranks), self.runtime.device, units)
         params = [p for p in module.parameters() if id(p) not in owned]
         owned.update(id(p) for p in params)

@@ -29,8 +29,9 @@ from felactl.agents.worker.strategy import AtOwnPace, Lockstep, StepResult, Work
 from felactl.agents.worker.sync.bsp import allreduce_grads, arrive
 from felactl.agents.worker.sync.sdpipe import SDPipeSync
 from felactl.agents.worker.sync.trees import stage_trees
-from felactl.agents.worker.tied import sum_tied_grads
+from felactl.agents.worker.tied import check_sharded_ties, sum_tied_grads
 from felactl.models import values
+from felactl.parallel.fsdp import sum_gradients
 from felactl.spec import Schedule
 
 TAG_ACTIVATION, TAG_GRADIENT, TAG_CHUNK = 21, 22, 23
@@ -121,8 +122,10 @@ class PipelineStep:
         if self.prev is not None:
             self.prev.send(tuple(values.input_grads(x)), TAG_GRADIENT)
 
-    def run(self, indices: list[int], weight_by: int) -> None:
-        """Forward and backward ``indices`` through the pipeline; losses weighted by ``weight_by``."""
+    def run(self, indices: list[int], weight_by: int, sharded: bool = False) -> None:
+        """Forward and backward ``indices`` through the pipeline; losses weighted by ``weight_by``.
+        ``sharded``: the stage's gradients are reduce-scattered in its last backward only (FSDP2
+        accumulates the others' unreduced)."""
         t = self.trainer
         self.weight_by = weight_by
         micro_batch = t.plan.stages[0].micro_batch  # one micro-batch size along a static pipeline
@@ -133,10 +136,13 @@ class PipelineStep:
             if t.plan.schedule is Schedule.GPIPE
             else one_f_one_b(num_stages, t.placement.stage, len(chunks))
         )
-        for op, i in order:
+        sync = t.model.set_requires_gradient_sync if sharded else lambda _on: None
+        sync(False)
+        for n, (op, i) in enumerate(order):
             if op == "F":
                 self.saved[i] = self.forward(chunks[i])
             else:
+                sync(n == len(order) - 1)
                 self.backward(*self.saved.pop(i))
         for link in (self.prev, self.next):
             if link is not None:
@@ -161,12 +167,16 @@ class Pipeline(Lockstep):
         self.group = trainer.runtime.group(placement.stage_ranks)
         self.prev, self.next = links(trainer)
         self.trees = stage_trees(trainer.plan, placement.stage, trainer.runtime.rank, self.group)
-        self.replicated = len(placement.stage_ranks) > 1
+        self.sharded = trainer.plan.stages[placement.stage].shard  # FSDP2 sums the stage's gradients
+        self.replicated = len(placement.stage_ranks) > 1 and not self.sharded
+        check_sharded_ties(trainer.plan, trainer.tied)
+        if self.sharded:
+            sum_gradients(trainer.model)
 
     def step(self, work: Work) -> StepResult:
         t = self.trainer
         it = PipelineStep(t, self.prev, self.next)
-        it.run(list(work.indices), t.global_batch)
+        it.run(list(work.indices), t.global_batch, self.sharded)
         wait_s = it.wait_s + (arrive(self.group, t.runtime.device)[0] if self.replicated else 0.0)
         comm_s = allreduce_grads(t, self.group, self.trees) if self.replicated else 0.0
         comm_s += sum_tied_grads(t, t.tied)

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from felactl import models
+from felactl.errors import InputError
 from felactl.models import split
+from felactl.parallel.fsdp import local
 from felactl.spec import Plan, Schedule
 
 
@@ -31,6 +33,18 @@ def tied_weights(plan: Plan, bundle: models.ModelBundle) -> list[Tied]:
         return []
     ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
     return [Tied(name, stages) for name, stages in split.tied_weights(bundle.split_graph, bundle.model, ranges)]
+
+
+def check_sharded_ties(plan: Plan, tied: list[Tied]) -> None:
+    """A tied weight's copies sum shard by shard only where every stage holding it is sharded the
+    same way (or none is); refuse (InputError) a plan that shards some of them."""
+    for t in tied:
+        shapes = {(plan.stages[s].shard, len(plan.stages[s].workers)) for s in t.stages}
+        if len(shapes) > 1 and any(shard for shard, _ in shapes):
+            held = ", ".join(f"stage {s} ({'sharded' if plan.stages[s].shard else 'replicated'})" for s in t.stages)
+            raise InputError(
+                f"the tied weight {t.name!r} is on {held}: shard all of these stages over as many workers, or none"
+            )
 
 
 def holders(plan: Plan, t: Tied) -> tuple[int, ...]:
@@ -79,7 +93,9 @@ def sum_tied_grads(trainer, tied: list[Tied]) -> float:
     for t in tied:
         if placement.stage not in t.stages:
             continue
-        grad = trainer.model.get_parameter(t.name).grad
+        # sharded stages (each over one worker per pipeline) hold the same rows of the weight on
+        # one pipeline's workers: the shards sum as the whole weights would
+        grad = local(trainer.model.get_parameter(t.name).grad)
         ranks = tuple(plan.rank_of(pipe[s]) for s in t.stages)
         dist.all_reduce(grad, group=trainer.runtime.group(ranks))
     return time.perf_counter() - start
