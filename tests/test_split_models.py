@@ -333,7 +333,9 @@ def test_a_sharded_stage_of_a_pipeline_is_refused_where_it_cannot_run():
     with pytest.raises(InputError, match="token scheduling gives workers unequal micro-batch counts"):
         check_executable(flexible)
     mixed = _sharded_pipeline(shard=(True, False))
-    with pytest.raises(InputError, match="the tied weight 'embed.weight' is on stage 0 .sharded., stage 1 .replicated."):
+    with pytest.raises(
+        InputError, match="the tied weight 'embed.weight' is on stage 0 .sharded., stage 1 .replicated."
+    ):
         check_sharded_ties(mixed, [Tied("embed.weight", (0, 1))])
     check_sharded_ties(_sharded_pipeline(), [Tied("embed.weight", (0, 1))])
 

@@ -146,7 +146,9 @@ def _stage(choice: StageChoice, cost: CostModel, global_batch: int, max_stages: 
         memory_gb = sharded_memory_bytes(model, c.start, c.end, c.micro_batch, len(c.shares)) / 1e9
     else:
         memory_gb = stage_memory_bytes(model, c.start, c.end, c.micro_batch, flight) / 1e9
-    samples = token_samples(c.shares, global_batch, c.micro_batch)
+    # sharded: equal shares, as the runtime splits them (sharding.equal_micro_batch_counts)
+    shard_samples = {d: share * global_batch for d, share in c.shares}
+    samples = shard_samples if c.shard else token_samples(c.shares, global_batch, c.micro_batch)
     workers = tuple(
         StageWorker(device=d, share=round(samples[d] / global_batch, 9), predicted_memory_gb=round(memory_gb, 4))
         for d, _ in c.shares

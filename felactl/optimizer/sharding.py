@@ -19,6 +19,7 @@ import math
 
 from felactl.optimizer.cost import ADAMW_STATE_BYTES_PER_PARAM, CostModel, micro_batch_options, saved_bytes_per_sample
 from felactl.spec import ModelSpec, SyncMode
+from felactl.spec.stages import split_by_shares
 from felactl.spec.sync_modes import Execution, mode_names, modes_where
 
 GATHERED_UNITS = 2
@@ -36,6 +37,13 @@ def sharded_memory_bytes(model: ModelSpec, start: int, end: int, micro_batch: in
     gathered = 2 * (GATHERED_UNITS * largest if whole else sum(l.param_bytes for l in layers))
     activations = sum(saved_bytes_per_sample(model, i) for i in range(start, end)) * micro_batch
     return state / shards + gathered + activations
+
+
+def equal_micro_batch_counts(global_batch: int, workers: int, micro_batch: int) -> bool:
+    """Whether equal shares of the batch (as the runtime splits it) give every worker of a sharded
+    stage as many micro-batches (:func:`felactl.spec.executable.problems` refuses else)."""
+    shares = split_by_shares(global_batch, [1.0] * workers)
+    return len({math.ceil(len(r) / micro_batch) for r in shares}) == 1
 
 
 def micro_batches_each(global_batch: int, workers: int, micro_batch: int) -> int:
@@ -67,8 +75,11 @@ def best_sharded(cost: CostModel, global_batch: int, devices: tuple[str, ...] | 
         return "needs two devices or more to shard over"
     usable = min(cost.usable_memory_bytes(d) for d in devices)
     best, closest = None, None
-    for b in micro_batch_options(global_batch):
-        if b * len(devices) > global_batch:
+    per_worker = math.ceil(global_batch / len(devices))
+    # past the first micro-batch that holds a worker's whole share, each is that one step again
+    options = [b for b in micro_batch_options(global_batch, largest=2 * per_worker) if b < 2 * per_worker]
+    for b in options:
+        if not equal_micro_batch_counts(global_batch, len(devices), b):
             continue
         need = sharded_memory_bytes(cost.model, 0, cost.model.num_layers, b, len(devices))
         if need > usable:
@@ -84,7 +95,7 @@ def best_sharded(cost: CostModel, global_batch: int, devices: tuple[str, ...] | 
             f"does not fit sharded either: needs {closest / 1e9:.3g} GB per device "
             f"({usable / 1e9:.3g} GB usable on the smallest)"
         )
-    return f"the global batch {global_batch} gives some device no micro-batch"
+    return f"the global batch {global_batch} gives {len(devices)} devices no micro-batch of which each runs as many"
 
 
 def best_shard_group(cost: CostModel, global_batch: int) -> tuple[float, int, tuple[str, ...]] | str:
