@@ -19,12 +19,12 @@ from functools import partial
 
 from felactl import limits
 from felactl.errors import InputError, PlanInfeasible
-from felactl.optimizer import baselines, ilp
+from felactl.optimizer import baselines, ilp, sharded_plans
 from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, memory_limits, predict, stage_in_flight, token_samples
 from felactl.optimizer.graph import abbreviate_names, best_ring, ring_width
-from felactl.optimizer.sharding import best_shard_group, sharded_memory_bytes, sharding_hint
+from felactl.optimizer.sharding import sharded_memory_bytes, sharding_hint
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.optimizer.space import build_space
 from felactl.spec import (
@@ -54,9 +54,8 @@ few seconds; where a larger one does not, the plan keeps the best found and reco
 
 def check_devices(cluster: ClusterSpec, devices: Sequence[str] | None) -> tuple[str, ...]:
     """The devices to plan for, in rank order (all of the cluster's when ``devices`` is None).
-    Refused (InputError) where they are both GPUs and CPU slots: a job's process group has one
-    backend, NCCL on GPUs or gloo on CPU slots (``felactl.spec.executable.plan_backend``), and on
-    gloo the workers train on the CPU, so a GPU priced at its own speed would run at a core's."""
+    Refused (InputError) where they are both GPUs and CPU slots: a job has one backend (NCCL on
+    GPUs, gloo on CPU slots), and on gloo a GPU priced at its own speed would run at a core's."""
     if devices is not None:
         unknown = [d for d in devices if not cluster.has_device(d)]
         if unknown:
@@ -99,10 +98,9 @@ def _solve_best(
     warm: Sequence = (),
     unheld: bool = False,
 ) -> ilp.Solution:
-    """As the mode's row plans it (:attr:`~felactl.spec.sync_modes.SyncModeSupport.planned_as`): the flexible hybrid (tokens,
-    BSP), one solve; data parallel (WBSP), one stage; static pipelines (SDPipe), one solve per
-    pipeline degree R. ``warm``: stages of an earlier solution (of another cost model) to start
-    CBC from where they exist. ``unheld``: over the options whose in-flight limit binds no worker only."""
+    """As the mode's row plans it (``SyncModeSupport.planned_as``): the flexible hybrid (tokens, BSP),
+    one solve; data parallel (WBSP), one stage; static pipelines (SDPipe), one solve per degree R.
+    ``warm``: an earlier solution's stages to start CBC from; ``unheld``: no in-flight limit binding."""
     planned_as = sync_support(mode).planned_as
     if planned_as is Execution.DATA_PARALLEL:
         max_stages = 1
@@ -326,16 +324,19 @@ def make_plan(
     extra = tuple(sorted({b.micro_batch for b in found.values()}))
     began = time.perf_counter()
     solve = partial(_solve_best, cost, global_batch, mode, max_stages, time_limit_s, debug_lp_path, progress, extra)
-    sharded = _shard_group(cost, global_batch) if Execution.SHARDED in sync_support(mode).executions else None
+    sharded, piped = sharded_plans.candidates(cost, model, global_batch, max_stages, mode)
     try:
         chosen = _as_simulated(
             solve, partial(_Candidate.of, cost, model, global_batch, mode, use_trees, max_stages), progress
         )
     except PlanInfeasible as exc:
-        if sharded is None:
+        if sharded is None and piped is None:
             raise PlanInfeasible(f"{exc}{sharding_hint(found, missing, mode)}") from None
         chosen = None  # nothing replicated fits: sharded, it does
     solve_s = time.perf_counter() - began
+    if piped is not None and piped.iteration_s <= min(c.iteration_s for c in (chosen, sharded, piped) if c is not None):
+        progress(piped.summary())
+        return _sharded_pipelines_plan(cluster, cost, piped, found, missing, solve_s)
     if sharded is not None and (chosen is None or sharded.iteration_s < chosen.iteration_s):
         workers = len(sharded.stages[0].shares)
         progress(f"the model sharded over {workers} of {len(sub.device_names)} devices: {sharded.iteration_s:.4g} s")
@@ -432,15 +433,15 @@ class _Candidate:
 
 BASELINE_NAMES = ("dp", "mp", "hp", "fsdp")
 SHARDED_SOLVER = "sharded"
-"""The solver a plan records where the planner chose the model sharded over its fastest devices
-(:func:`felactl.optimizer.sharding.best_shard_group`) over what the ILP found, or where the ILP
-found nothing that fits."""
+"""The solver of a plan where the planner chose a sharded plan (:mod:`.sharded_plans`)."""
 
 
-def _shard_group(cost: CostModel, global_batch: int) -> baselines.Baseline | None:
-    """The planner's sharded candidate, priced over rings as the ``fsdp`` baseline is."""
-    found = best_shard_group(baselines.rings_only(cost), global_batch)
-    return None if isinstance(found, str) else baselines.sharded_baseline(cost, *found)
+def _sharded_pipelines_plan(cluster, cost, piped, found, missing, solve_s: float) -> Plan:
+    """Pipelines of sharded stages as ``make_plan`` returns them: priced by their simulation."""
+    plan, sim = piped.plan, piped.simulation
+    prediction = _predicted(plan, sim.iteration_s, sim, {k: b.iteration_s for k, b in found.items()}, missing)
+    info = SolverInfo(name=SHARDED_SOLVER, status="Simulated", solve_s=round(solve_s, 4))
+    return replace(plan, predicted=prediction, solver=info, placement=placements_from(cluster, plan.devices))
 
 
 def make_baseline_plan(

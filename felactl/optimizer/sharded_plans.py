@@ -1,0 +1,129 @@
+"""The sharded plans the planner weighs beside the ILP's replicated stages (FSDP2 under ``bsp``).
+
+* **A shard group**: the whole model as one stage sharded over the k fastest devices, for the k
+  whose step is shortest (:func:`felactl.optimizer.sharding.best_shard_group`).
+* **Pipelines of sharded stages** (PP x FSDP, as torchtitan composes them): S stages, each sharded
+  over n devices, one per pipeline, the S x n fastest devices in cluster order (a stage's group on
+  neighbouring devices, so its gathers stay on a node's links where they can, and the pipelines'
+  activations cross between nodes), the layers cut where each group's slowest device balances the
+  stages. A stage cut from a traced model is gathered whole (:mod:`~felactl.optimizer.sharding`),
+  so this pays where a stage's weights fit a device but its optimizer state does not. Priced by
+  the simulator, which runs the plan's 1F1B over its pipelines and each sharded stage's gathers and
+  reduce-scatter after its last backward (none hidden), and kept only where its simulated peak
+  memory fits every device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from felactl.optimizer import baselines
+from felactl.optimizer.cost import CostModel, micro_batch_options
+from felactl.optimizer.sharding import best_shard_group, equal_micro_batch_counts, sharded_memory_bytes
+from felactl.optimizer.simulator import SimResult, simulate
+from felactl.spec import ModelRef, ModelSpec, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec
+from felactl.spec.checks import tied_across_kinds
+from felactl.spec.sync_modes import Execution, sync_support
+
+
+def candidates(
+    cost: CostModel, model: ModelSpec, global_batch: int, max_stages: int, mode: SyncMode
+) -> tuple[baselines.Baseline | None, ShardedPipelines | None]:
+    """The shard group and the best pipelines of sharded stages that fit (None: none fits, or
+    ``mode`` runs no sharded stage)."""
+    if Execution.SHARDED not in sync_support(mode).executions:
+        return None, None
+    return shard_group(cost, global_batch), best_sharded_pipelines(cost, model, global_batch, max_stages)
+
+
+def shard_group(cost: CostModel, global_batch: int) -> baselines.Baseline | None:
+    """The whole model sharded over its fastest devices, priced over rings as the ``fsdp`` baseline is."""
+    found = best_shard_group(baselines.rings_only(cost), global_batch)
+    return None if isinstance(found, str) else baselines.sharded_baseline(cost, *found)
+
+
+@dataclass(frozen=True)
+class ShardedPipelines:
+    plan: Plan
+    """Its stages, pipelines and rank order (no prediction yet)."""
+    simulation: SimResult
+
+    @property
+    def iteration_s(self) -> float:
+        return self.simulation.iteration_s
+
+    def summary(self) -> str:
+        stages, pipelines = len(self.plan.stages), len(self.plan.pipelines)
+        return f"{pipelines} pipelines of {stages} stages, each sharded over {pipelines}: {self.iteration_s:.4g} s"
+
+
+def best_sharded_pipelines(
+    cost: CostModel, model: ModelSpec, global_batch: int, max_stages: int
+) -> ShardedPipelines | None:
+    """The fastest pipelines of sharded stages that fit memory (module doc), or None."""
+    fastest = sorted(cost.cluster.device_names, key=lambda d: cost.per_sample_s(0, model.num_layers, d, 1))
+    best = None
+    for num_stages in range(2, min(max_stages, model.num_layers, len(fastest) // 2) + 1):
+        shards = len(fastest) // num_stages
+        used = set(fastest[: num_stages * shards])
+        ordered = [d for d in cost.cluster.device_names if d in used]
+        groups = [ordered[s * shards : (s + 1) * shards] for s in range(num_stages)]
+        per_pipeline = math.ceil(global_batch / shards)
+        for b in micro_batch_options(global_batch, largest=2 * per_pipeline):
+            if b >= 2 * per_pipeline or not equal_micro_batch_counts(global_batch, shards, b):
+                continue
+            found = _priced(cost, model, global_batch, groups, b)
+            if found is not None and (best is None or found.iteration_s < best.iteration_s):
+                best = found
+    return best
+
+
+def _priced(
+    cost: CostModel, model: ModelSpec, global_batch: int, groups: list[list[str]], micro_batch: int
+) -> ShardedPipelines | None:
+    times = [
+        [max(cost.per_sample_s(layer, layer + 1, d, micro_batch) for d in group) for layer in range(model.num_layers)]
+        for group in groups
+    ]
+    cuts = baselines.balanced_cuts(times, len(groups))
+    plan = _plan(cost, model, global_batch, groups, cuts, micro_batch)
+    if tied_across_kinds(plan, model, cost.cluster) is not None:
+        return None  # a tied weight's copies would step on devices that differ
+    simulation = simulate(plan, replace(baselines.rings_only(cost), ring_order=plan.devices))
+    if any(simulation.peak_memory_bytes.get(d, 0.0) > cost.usable_memory_bytes(d) for d in plan.devices):
+        return None
+    return ShardedPipelines(plan, simulation)
+
+
+def _plan(
+    cost: CostModel, model: ModelSpec, global_batch: int, groups: list[list[str]], cuts: list[int], micro_batch: int
+) -> Plan:
+    num_stages, shards = len(groups), len(groups[0])
+    share = round(1 / shards, 9)
+    stages = []
+    for s, group in enumerate(groups):
+        # 1F1B keeps up to S - s micro-batches of stage s in flight: their activations count that often
+        memory_gb = sharded_memory_bytes(model, cuts[s], cuts[s + 1], micro_batch * (num_stages - s), shards) / 1e9
+        workers = [StageWorker(device=d, share=share, predicted_memory_gb=round(memory_gb, 4)) for d in group]
+        workers[0] = replace(workers[0], share=round(1.0 - share * (shards - 1), 9))
+        stages.append(
+            Stage(
+                layer_start=cuts[s],
+                layer_end=cuts[s + 1],
+                micro_batch=micro_batch,
+                workers=tuple(workers),
+                max_in_flight=num_stages - s,  # what 1F1B holds (the simulator keeps to it too)
+                shard=True,
+            )
+        )
+    return Plan(
+        cluster=cost.cluster.name,
+        model=ModelRef(name=model.name, source=model.source, config=model.config),
+        devices=tuple(d for group in groups for d in group),
+        global_batch=global_batch,
+        schedule=Schedule.ONE_F_ONE_B,
+        sync=SyncSpec(mode=SyncMode.BSP, use_trees=False),
+        stages=tuple(stages),
+        pipelines=tuple(zip(*groups)),
+    )
