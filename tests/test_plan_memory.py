@@ -26,7 +26,7 @@ from felactl.spec import (
     load_cluster,
 )
 from felactl.spec.model import TiedWeight
-from tests.planner_fixtures import cluster, model, tight_instance
+from tests.planner_fixtures import as_cpu_slots, cluster, model, tight_instance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,3 +238,29 @@ def test_where_nodes_are_joined_by_a_slow_link_the_planner_pipelines_sharded_sta
     for device, peak_gb in plan.predicted.simulated_peak_memory_gb.items():
         assert 0 < peak_gb * 1e9 <= cost.usable_memory_bytes(device)
     assert plan.predicted.iteration_s < plan.predicted.baselines["fsdp"]
+
+
+def test_a_sharded_stage_pays_each_units_gathers_at_its_slowest_hosts_pace():
+    """FSDP's host work per unit gather (FSDP_GATHER_CPU_S) is paid by every gather of the stage,
+    at the pace of the slowest member's host: a CPU slot held to 0.12 of a core takes 1/0.12 as
+    long, and every member waits for it (the must-shard benchmark: ~37 ms a gather there)."""
+    from felactl.optimizer.cost import FSDP_GATHER_CPU_S
+    from felactl.optimizer.sharding import fsdp_units, sharded_comm_s
+
+    def slots(quota):
+        spec = as_cpu_slots(cluster([[("Xeon", 1.0, 8.0)], [("Xeon", 1.0, 8.0)]]))
+        nodes = [
+            dataclasses.replace(spec.nodes[0]),
+            dataclasses.replace(
+                spec.nodes[1], devices=(dataclasses.replace(spec.nodes[1].devices[0], model=f"Xeon @ {quota} cores"),)
+            ),
+        ]
+        return dataclasses.replace(spec, nodes=tuple(nodes))
+
+    net = model([(1000, 100, 1e6)] * 6)
+    full, throttled = CostModel(slots(1), net), CostModel(slots(0.12), net)
+    devices = ("n0.d0", "n1.d0")
+    units = fsdp_units(net, 0, net.num_layers)
+    assert units == 5 and fsdp_units(net, 1, 3) == 1, "the whole model: its blocks and the root; a stage: one"
+    extra = sharded_comm_s(throttled, devices, 0, 6, 4) - sharded_comm_s(full, devices, 0, 6, 4)
+    assert extra == pytest.approx(9 * units * FSDP_GATHER_CPU_S * (1 / 0.12 - 1))

@@ -76,6 +76,15 @@ ADAMW_STATE_BYTES_PER_PARAM = 8
 GB = 1e9
 FULL_CORE = 1.0
 """The quota of a CPU slot no cgroup holds, in cores, as far as one thread's speed goes."""
+FSDP_GATHER_CPU_S = 1.7e-3
+"""Host CPU seconds one FSDP2 unit's gather (or reduce-scatter) costs beyond its bytes, in
+full-core seconds: the unit's hooks, the copies in and out of the flat buffer, the collective's
+call. Measured by ``benchmarks/bench_fsdp_gather.py`` (BENCHMARKS.md, "What an FSDP gather costs
+the host"), not fitted to any plan's run. A sharded stage pays it per unit per gather
+(:func:`felactl.optimizer.sharding.sharded_comm_s`), its slowest host's way: a CPU slot under a
+quota pays it over its quota (:meth:`CostModel.host_slowdown`), where every gather of the stage
+waits for it."""
+
 TOKEN_OVERHEAD_S = 1.5e-3
 """Host CPU seconds a tokens runtime spends on one token outside its compute, at the speed the
 model was profiled at: claiming it (a data-parallel stage under sync ``tokens``: store ``add``s
@@ -158,6 +167,8 @@ class CostModel(SyncCosts):
     rings on GPUs, whatever the ranks.)"""
     token_cpu_s: float = TOKEN_OVERHEAD_S
     """Host CPU seconds per token beyond compute, at the profiled speed (:meth:`token_overhead_s`)."""
+    gather_cpu_s: float = FSDP_GATHER_CPU_S
+    """Host CPU seconds per FSDP unit gather beyond its bytes (:meth:`gather_overhead_s`)."""
     data_parallel_tokens: bool = True
     """Whether a whole-model stage's micro-batches are tokens claimed through the store (sync
     ``tokens``) and pay :meth:`token_overhead_s`; False for the modes whose workers loop over their
@@ -267,6 +278,11 @@ class CostModel(SyncCosts):
         CostModel's ``token_overhead_s``): host CPU work, so a CPU device held to part of a core
         takes :meth:`host_slowdown` times as long."""
         return self.token_cpu_s * self.host_slowdown(self.cluster.device(device_name))
+
+    def gather_overhead_s(self, devices) -> float:
+        """What one FSDP unit gather among ``devices`` costs beyond its bytes: the slowest host's
+        share of :data:`FSDP_GATHER_CPU_S` (every member waits for it)."""
+        return self.gather_cpu_s * max(self.host_slowdown(self.cluster.device(d)) for d in devices)
 
     def per_sample_s(self, start: int, end: int, device_name: str, micro_batch: int) -> float:
         fwd, bwd = self.stage_times_s(start, end, device_name, micro_batch)

@@ -10,7 +10,8 @@ weights beside the current one's compute; not counting that keeps the price an u
 * time per step: the slowest worker's micro-batches (each worker runs as many: the runtime's rule,
   :func:`felactl.spec.executable.problems`), then per micro-batch an all-gather of the weights for
   the forward and one for the backward, and once a reduce-scatter of the gradients, each half of a
-  ring allreduce's traffic over the group; then the optimizer step over ``1 / n`` of the state.
+  ring allreduce's traffic over the group plus each unit's host work (the slowest member's: a CPU
+  slot under a quota takes many times a core's); then the optimizer step over ``1 / n`` of the state.
 """
 
 from __future__ import annotations
@@ -51,11 +52,20 @@ def micro_batches_each(global_batch: int, workers: int, micro_batch: int) -> int
     return math.ceil(math.ceil(global_batch / workers) / micro_batch)
 
 
+def fsdp_units(model: ModelSpec, start: int, end: int) -> int:
+    """The units gathered one at a time when layers ``[start, end)`` are sharded: the whole model's
+    blocks and its root (which holds the embedding and the head); a pipeline's stage, one."""
+    whole = start == 0 and end == model.num_layers
+    return max(1, model.num_layers - 1) if whole else 1
+
+
 def sharded_comm_s(cost: CostModel, devices: tuple[str, ...], start: int, end: int, micro_batches: int) -> float:
-    """Seconds of a step's gathers and its reduce-scatter over ``devices``."""
+    """Seconds of a step's gathers and its reduce-scatter over ``devices``: their bytes, and each
+    unit's host work per gather (:meth:`CostModel.gather_overhead_s`)."""
     nbytes = sum(layer.param_bytes for layer in cost.model.layers[start:end])
     half_allreduce_s = cost.ring_sync_s(devices, nbytes) / 2
-    return (2 * micro_batches + 1) * half_allreduce_s
+    collectives = 2 * micro_batches + 1
+    return collectives * (half_allreduce_s + fsdp_units(cost.model, start, end) * cost.gather_overhead_s(devices))
 
 
 def sharded_iteration_s(cost: CostModel, devices: tuple[str, ...], global_batch: int, micro_batch: int) -> float:
