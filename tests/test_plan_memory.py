@@ -25,6 +25,7 @@ from felactl.spec import (
     check_executable,
     load_cluster,
 )
+from felactl.spec.checks import tied_across_kinds
 from felactl.spec.model import TiedWeight
 from tests.planner_fixtures import as_cpu_slots, cluster, model, tight_instance
 
@@ -180,7 +181,11 @@ def test_a_plan_that_puts_a_tied_weight_on_two_kinds_of_gpu_is_refused_with_wher
     with pytest.raises(
         PlanInfeasible, match=r"layers 0 \(.*\) and 49 \(.*\) read one weight .* on [23] kinds of device"
     ):
-        make_plan(cluster, tied, 768)
+        make_plan(cluster, tied, 768, sync="tokens")  # tokens runs no sharded plan to fall back on
+    # under bsp the planner falls back on a sharded plan, which runs (the must-shard benchmark's
+    # planner had refused its LLaMA this way though sharding it over every node fitted)
+    fallback = make_plan(cluster, tied, 768, sync="bsp")
+    assert all(stage.shard for stage in fallback.stages) and tied_across_kinds(fallback, tied, cluster) is None
     a10gs = [d for d in cluster.device_names if d.startswith("a10g")]
     assert make_plan(cluster, tied, 768, devices=a10gs).stages  # one kind: planned
 
@@ -238,6 +243,7 @@ def test_where_nodes_are_joined_by_a_slow_link_the_planner_pipelines_sharded_sta
     for device, peak_gb in plan.predicted.simulated_peak_memory_gb.items():
         assert 0 < peak_gb * 1e9 <= cost.usable_memory_bytes(device)
     assert plan.predicted.iteration_s < plan.predicted.baselines["fsdp"]
+    assert _why_sharded(plan).startswith(f"each of its {len(plan.stages)} stages is sharded over")
 
 
 def test_a_sharded_stage_pays_each_units_gathers_at_its_slowest_hosts_pace():

@@ -114,6 +114,11 @@ def _why_sharded(plan: Plan) -> str:
     """Why a plan shards its model: nothing replicated fits (what the baselines said), or it is faster."""
     p, workers = plan.predicted, len(plan.stages[0].workers)
     what = f"the model is sharded over its {workers} devices (FSDP2: each holds 1/{workers} of its weights, gradients and optimizer state)"
+    if len(plan.stages) > 1:
+        what = (
+            f"each of its {len(plan.stages)} stages is sharded over {workers} devices, one per pipeline "
+            f"(FSDP2: each holds 1/{workers} of its stage's weights, gradients and optimizer state)"
+        )
     replicated = {name: s for name, s in p.baselines.items() if name not in ("fsdp", "no_trees")}
     if not replicated:
         reasons = "; ".join(f"{name}: {why}" for name, why in p.baselines_missing.items())

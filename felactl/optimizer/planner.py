@@ -334,12 +334,13 @@ def make_plan(
             raise PlanInfeasible(f"{exc}{sharding_hint(found, missing, mode)}") from None
         chosen = None  # nothing replicated fits: sharded, it does
     solve_s = time.perf_counter() - began
+    if chosen is not None and (sharded or piped) and tied_across_kinds(chosen.plan, model, cluster) is not None:
+        chosen = None  # its cut puts a tied weight's copies on devices that differ; a sharded plan runs
     if piped is not None and piped.iteration_s <= min(c.iteration_s for c in (chosen, sharded, piped) if c is not None):
         progress(piped.summary())
         return _sharded_pipelines_plan(cluster, cost, piped, found, missing, solve_s)
     if sharded is not None and (chosen is None or sharded.iteration_s < chosen.iteration_s):
-        workers = len(sharded.stages[0].shares)
-        progress(f"the model sharded over {workers} of {len(sub.device_names)} devices: {sharded.iteration_s:.4g} s")
+        progress(f"the model sharded over {len(sharded.stages[0].shares)} devices: {sharded.iteration_s:.4g} s")
         return _baseline_plan(cluster, cost, model, global_batch, sharded, found, missing, solve_s, SHARDED_SOLVER)
     return _solved_plan(cluster, cost, chosen, found, missing, global_batch, max_stages, solve_s)
 
