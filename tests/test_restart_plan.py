@@ -111,6 +111,27 @@ def test_a_failure_is_the_jobs_own_only_where_no_worker_was_killed():
     assert raised_lines(killed) == frozenset()
 
 
+def test_workers_that_fail_alike_are_said_once_with_their_ranks():
+    """A hand-written plan every worker refuses the same way was said four times over, one line a
+    rank; now once per node and reason, with the ranks."""
+    from types import SimpleNamespace
+
+    from felactl.launcher.follow import _failure_line
+
+    state = SimpleNamespace(
+        members=[SimpleNamespace(agent_id="a", node_name="vm"), SimpleNamespace(agent_id="b", node_name="other")],
+        run=SimpleNamespace(logs="runs/x/logs"),
+    )
+    failed = {
+        "a": {"failures": {"2": "the tied weight ...", "0": "the tied weight ...", "1": "killed by SIGKILL"}},
+        "b": {"failures": {"3": "the tied weight ..."}},
+    }
+    assert _failure_line(failed, state) == (
+        "worker failed (node 'other' rank 3: the tied weight ...; node 'vm' ranks 0, 2: the tied weight ...; "
+        "node 'vm' rank 1: killed by SIGKILL); logs in runs/x/logs"
+    )
+
+
 def test_a_restarts_pause_is_measured_on_the_records_and_shown_in_the_history():
     """A restart's event is written as it starts the workers again, before its pause is known:
     the pause is the last step recorded before it to the first after, and ``felactl status``'s

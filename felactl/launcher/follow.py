@@ -147,11 +147,17 @@ def raised_lines(failed: dict[str, dict]) -> frozenset[str]:
 
 
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
+    """One line of what the failed workers said: the ranks of a node that said the same, once
+    (a plan every worker refuses the same way is one reason, not four)."""
     node_of = {m.agent_id: m.node_name for m in state.members}
-    parts = []
+    said: dict[tuple[str, str], list[int]] = {}
     for agent_id, s in failed.items():
-        for rank, line in sorted(s.get("failures", {}).items()):
-            parts.append(f"node {node_of.get(agent_id, agent_id)!r} rank {rank}: {line}")
+        for rank, line in s.get("failures", {}).items():
+            said.setdefault((node_of.get(agent_id, agent_id), line), []).append(int(rank))
+    parts = []
+    for (node, line), ranks in sorted(said.items(), key=lambda item: (item[0][0], min(item[1]))):
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"
+        parts.append(f"node {node!r} {which}: {line}")
     return f"worker failed ({'; '.join(parts) or 'no message'}); logs in {state.run.logs}"
 
 
