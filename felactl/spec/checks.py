@@ -73,9 +73,12 @@ def check_plan_against_model(plan: Plan, model: ModelSpec, where: str = "plan") 
 def tied_across_kinds(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> str | None:
     """Where the plan puts layers that read one weight (:attr:`ModelSpec.tied`) on devices of more
     than one kind, what it puts where: each holds a copy, stepped alike only where the devices are
-    alike. None where every group sits on one kind."""
+    alike. None where every group sits on one kind, or in one stage (one tensor there, however
+    many devices of whatever kinds replicate or shard it: no copies to keep alike)."""
     for tied in model.tied:
         group = tied.layers
+        if len({s for s, st in enumerate(plan.stages) for i in group if st.layer_start <= i < st.layer_end}) < 2:
+            continue
         kinds: dict[str, list[str]] = {}
         for s, stage in enumerate(plan.stages):
             held = [i for i in group if stage.layer_start <= i < stage.layer_end]
