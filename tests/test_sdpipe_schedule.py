@@ -73,8 +73,8 @@ def simulate(pipelines: int, stages: int, steps: int, connect_every: int, seed: 
         for s, scheduler in enumerate(schedulers):
             held, connections = set(getattr(scheduler, "held", ())), getattr(scheduler, "connections", 0)
             for group in scheduler.poll(now):
-                released = held - set(scheduler.held)
-                unconnected += len(released) if scheduler.connections == connections else 0
+                released = held - set(getattr(scheduler, "held", ()))
+                unconnected += len(released) if getattr(scheduler, "connections", 0) == connections else 0
                 release(s, group, now)
         deadlines = [d for d in (sched.deadline() for sched in schedulers) if d is not None]
         if not events and not deadlines:
