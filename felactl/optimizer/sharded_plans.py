@@ -15,12 +15,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from felactl.optimizer import baselines
-from felactl.optimizer.cost import CostModel, micro_batch_options
-from felactl.optimizer.sharding import best_shard_group, equal_micro_batch_counts, sharded_memory_bytes
+from felactl.optimizer.cost import CostModel
+from felactl.optimizer.sharding import best_shard_group, shard_micro_batches, sharded_memory_bytes
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.spec import ModelRef, ModelSpec, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec
 from felactl.spec.checks import tied_across_kinds
@@ -69,10 +68,7 @@ def best_sharded_pipelines(
         used = set(fastest[: num_stages * shards])
         ordered = [d for d in cost.cluster.device_names if d in used]
         groups = [ordered[s * shards : (s + 1) * shards] for s in range(num_stages)]
-        per_pipeline = math.ceil(global_batch / shards)
-        for b in micro_batch_options(global_batch, largest=2 * per_pipeline):
-            if b >= 2 * per_pipeline or not equal_micro_batch_counts(global_batch, shards, b):
-                continue
+        for b in shard_micro_batches(global_batch, shards):
             found = _priced(cost, model, global_batch, groups, b)
             if found is not None and (best is None or found.iteration_s < best.iteration_s):
                 best = found

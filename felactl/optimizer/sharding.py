@@ -20,7 +20,7 @@ import math
 
 from felactl.optimizer.cost import ADAMW_STATE_BYTES_PER_PARAM, CostModel, micro_batch_options, saved_bytes_per_sample
 from felactl.spec import ModelSpec, SyncMode
-from felactl.spec.stages import split_by_shares
+from felactl.spec.stages import micro_batch_counts
 from felactl.spec.sync_modes import Execution, mode_names, modes_where
 
 GATHERED_UNITS = 2
@@ -40,11 +40,13 @@ def sharded_memory_bytes(model: ModelSpec, start: int, end: int, micro_batch: in
     return state / shards + gathered + activations
 
 
-def equal_micro_batch_counts(global_batch: int, workers: int, micro_batch: int) -> bool:
-    """Whether equal shares of the batch (as the runtime splits it) give every worker of a sharded
-    stage as many micro-batches (:func:`felactl.spec.executable.problems` refuses else)."""
-    shares = split_by_shares(global_batch, [1.0] * workers)
-    return len({math.ceil(len(r) / micro_batch) for r in shares}) == 1
+def shard_micro_batches(global_batch: int, workers: int) -> list[int]:
+    """The micro-batches a sharded stage of ``workers`` can run: each gives every worker as many
+    under the runtime's equal split (:func:`felactl.spec.executable.problems` refuses else), up to
+    the first that holds a worker's whole share (past it, each is that one step again)."""
+    per_worker = math.ceil(global_batch / workers)
+    options = [b for b in micro_batch_options(global_batch, largest=2 * per_worker) if b < 2 * per_worker]
+    return [b for b in options if len(set(micro_batch_counts(global_batch, [1.0] * workers, b))) == 1]
 
 
 def micro_batches_each(global_batch: int, workers: int, micro_batch: int) -> int:
@@ -54,7 +56,9 @@ def micro_batches_each(global_batch: int, workers: int, micro_batch: int) -> int
 
 def fsdp_units(model: ModelSpec, start: int, end: int) -> int:
     """The units gathered one at a time when layers ``[start, end)`` are sharded: the whole model's
-    blocks and its root (which holds the embedding and the head); a pipeline's stage, one."""
+    blocks and its root (which holds the embedding and the head); a pipeline's stage, one. (The
+    profile does not say whether a model is an ``nn.Sequential``, which the runtime shards as one
+    unit: its whole-model gathers are counted as a split model's, an upper bound.)"""
     whole = start == 0 and end == model.num_layers
     return max(1, model.num_layers - 1) if whole else 1
 
@@ -85,12 +89,7 @@ def best_sharded(cost: CostModel, global_batch: int, devices: tuple[str, ...] | 
         return "needs two devices or more to shard over"
     usable = min(cost.usable_memory_bytes(d) for d in devices)
     best, closest = None, None
-    per_worker = math.ceil(global_batch / len(devices))
-    # past the first micro-batch that holds a worker's whole share, each is that one step again
-    options = [b for b in micro_batch_options(global_batch, largest=2 * per_worker) if b < 2 * per_worker]
-    for b in options:
-        if not equal_micro_batch_counts(global_batch, len(devices), b):
-            continue
+    for b in shard_micro_batches(global_batch, len(devices)):
         need = sharded_memory_bytes(cost.model, 0, cost.model.num_layers, b, len(devices))
         if need > usable:
             closest = need if closest is None else min(closest, need)

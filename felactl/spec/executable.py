@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from felactl.errors import InputError, SpecError
 from felactl.spec.cluster import DeviceKind
 from felactl.spec.plan import Plan, Schedule, SyncMode
-from felactl.spec.stages import split_by_shares
+from felactl.spec.stages import micro_batch_counts
 from felactl.spec.sync_modes import Execution, mode_names, modes_where, rescalable_mode_names, sync_support
 
 
@@ -249,10 +249,8 @@ def _shard_problems(plan: Plan, s: int) -> list[Problem]:
     stage = plan.stages[s]
     if len(stage.workers) < 2:
         return [Problem(f"stages[{s}].shard", "a stage of one worker has nothing to shard over: replicate it")]
-    counts = {
-        w.device: math.ceil(len(r) / stage.micro_batch)
-        for w, r in zip(stage.workers, split_by_shares(plan.global_batch, [w.share for w in stage.workers]))
-    }
+    shares = [w.share for w in stage.workers]
+    counts = dict(zip(stage.devices, micro_batch_counts(plan.global_batch, shares, stage.micro_batch)))
     if len(set(counts.values())) > 1:
         shown = ", ".join(f"{d} {n}" for d, n in counts.items())
         return [

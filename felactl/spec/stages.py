@@ -4,6 +4,7 @@ their shares of its samples) and the node each device of the plan lives on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from felactl import limits
@@ -23,6 +24,11 @@ def split_by_shares(total: int, shares: list[float]) -> list[range]:
         bounds.append(round(total * cumulative / whole))
     bounds[-1] = total
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def micro_batch_counts(total: int, shares: list[float], micro_batch: int) -> list[int]:
+    """Micro-batches each worker runs of its share of ``total`` samples (:func:`split_by_shares`)."""
+    return [math.ceil(len(r) / micro_batch) for r in split_by_shares(total, shares)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
