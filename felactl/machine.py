@@ -122,8 +122,15 @@ def _read_quota(directory: Path, v2: bool) -> float | None:
 
 
 def short_hostname() -> str:
-    """This machine's hostname without its domain: the default node name."""
+    """This machine's hostname without its domain."""
     return socket.gethostname().split(".")[0] or "localhost"
+
+
+def default_node_name() -> str:
+    """This node's name where none is given: the testbed node it runs in, else the node Slurm
+    runs it on (``SLURMD_NODENAME``: an emulated cluster's nodes share one hostname, and a real
+    cluster's Slurm names may differ from it), else the short hostname."""
+    return os.environ.get("FELACTL_TESTBED_NODE") or os.environ.get("SLURMD_NODENAME") or short_hostname()
 
 
 def num_gpus() -> int:

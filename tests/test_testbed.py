@@ -141,7 +141,7 @@ def test_up_then_down_leaves_nothing(host, name) -> None:
     assert sleeper.wait(timeout=5) == -signal.SIGKILL
     assert str(sleeper.pid) in removed["processes"]
     assert _host_view(name) == NOTHING and leftovers(name) == []
-    assert down(name) == {"processes": [], "links": [], "netns": [], "cgroups": []}  # idempotent
+    assert down(name) == {"processes": [], "links": [], "netns": [], "cgroups": [], "slurm": []}  # idempotent
 
 
 def test_down_after_up_is_killed_midway(host, name, tmp_path) -> None:

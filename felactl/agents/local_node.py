@@ -6,7 +6,6 @@ agent in one process, the agent in a thread, so a laptop runs exactly the code p
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
@@ -16,7 +15,7 @@ from pathlib import Path
 from felactl.agents.agent import RunResult, split_cores
 from felactl.agents.node import NodeAgentConfig, run_node_agent
 from felactl.control.documents import WorkerState
-from felactl.machine import available_cores, node_info, short_hostname
+from felactl.machine import available_cores, default_node_name, node_info
 
 
 def local_agent_config(
@@ -36,7 +35,7 @@ def local_agent_config(
         endpoint=endpoint,
         secret=secret,
         # in a testbed node (felactl testbed exec), the node's name: scale --node finds it by that
-        node_name=node_name or os.environ.get("FELACTL_TESTBED_NODE") or short_hostname(),
+        node_name=node_name or default_node_name(),
         nproc=nproc,
         log_dir=log_dir,
         node_info=info,

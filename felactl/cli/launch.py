@@ -140,6 +140,15 @@ class LaunchCommandOptions:
             "namespace and cgroup, gloo on its interface; the plan's nodes must be the testbed's."
         ),
     ] = None
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm/--no-slurm",
+            help="Inside a Slurm allocation (SLURM_JOB_ID set): run on its nodes, an agent per node as a job step "
+            "(srun), the coordinator on this node; a --job trains on --nproc-per-node slots of each node. "
+            "--no-slurm: this machine only, as outside one.",
+        ),
+    ] = True
     runs_root: Annotated[Path, typer.Option(help="Where run directories go.")] = DEFAULT_RUNS_ROOT
     resume: Annotated[
         str | None, typer.Option(help="Continue RUN from its newest complete checkpoint (no PLAN needed).")
@@ -209,7 +218,7 @@ def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:
     """A plan's launch (a ``--job``'s plan made first), followed in the live view, then its summary."""
     from felactl.cli.model_profile import parse_config
     from felactl.launcher.launch import launch as run_launch
-    from felactl.launcher.launch_flags import check_plan_flags, plan_options
+    from felactl.launcher.launch_flags import allocation, check_plan_flags, plan_options
     from felactl.launcher.prepare import job_plan
     from felactl.spec import save
 
@@ -224,6 +233,7 @@ def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:
                 flags.global_batch,
                 flags.micro_batch,
                 shard=flags.shard,
+                nodes=slurm.nodes if (slurm := allocation(flags)) is not None else (),
             )
             plan = save(
                 made, Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="felactl-job-"))) / "plan.yaml"

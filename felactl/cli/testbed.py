@@ -58,6 +58,7 @@ def _describe(state) -> dict:
         "testbed": tb.name,
         "latency_emulated": state.netem,
         "cgroup_version": state.cgroup_version,
+        "slurm_conf": state.slurm_conf,
         "nodes": [
             {
                 "name": n.name,
@@ -109,6 +110,8 @@ def _render(result: dict):
             console.print("partitioned: " + ", ".join(result["partitioned"]) + " apart from the other nodes")
         if not result["latency_emulated"]:
             console.print("latency is not emulated: this kernel has no netem qdisc")
+        if result.get("slurm_conf"):
+            console.print(f"Slurm: export SLURM_CONF={result['slurm_conf']}  (then sinfo, sbatch -N 2 job.sh)")
 
     return render
 
@@ -124,6 +127,14 @@ def up_command(
             help="Build it even where the kernel cannot add latency (no netem): bandwidth, loss and CPU shares only.",
         ),
     ] = False,
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm",
+            help="Run a Slurm cluster of its nodes too: munge, slurmctld here, a slurmd in every node, a partition "
+            "per CPU share (Debian's slurm-wlm and munge). Then `SLURM_CONF=... sbatch -N 2 job.sh`.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the testbed as one JSON object.")] = False,
 ) -> None:
     """Build the testbed SPEC: one namespace, veth and cgroup per node, links shaped per direction.
@@ -131,7 +142,7 @@ def up_command(
     from felactl.testbed import load_testbed, up
 
     tb = load_testbed(spec)
-    state = up(tb, str(spec), name=name, allow_no_latency=no_latency)
+    state = up(tb, str(spec), name=name, allow_no_latency=no_latency, slurm=slurm)
     output.emit(_describe(state), as_json, _render(_describe(state)))
 
 
@@ -158,6 +169,7 @@ def down_command(
                     f"testbed {n}: removed {len(what['netns'])} namespace(s), {len(what['links'])} "
                     f"link(s), {len(what['cgroups'])} cgroup tree(s), "
                     f"killed {len(what['processes'])} process(es)"
+                    + (", stopped its Slurm" if what.get("slurm") else "")
                 )
 
     output.emit(result, as_json, render)

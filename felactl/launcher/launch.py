@@ -44,7 +44,7 @@ from felactl.launcher.prepare import (
 from felactl.launcher.restarts import Restarts
 from felactl.launcher.resume import ResumePoint
 from felactl.launcher.rundir import RunDir
-from felactl.machine import short_hostname
+from felactl.machine import default_node_name
 from felactl.spec import ClusterSpec, ModelSpec, Plan
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def worker_env(
 
 def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = lambda state: None) -> dict[str, Any]:
     """Run the plan to the end; return the summary (also written to ``summary.json``)."""
-    local_node = options.node_name or short_hostname()
+    local_node = options.node_name or default_node_name()
     resume = resume_point(options)
     plan = runnable_plan(options, resume)
     plan_path = resume.plan_path if resume is not None else options.plan_path  # what the checks name
@@ -97,6 +97,9 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     if options.testbed is not None:
         bed = testbed_for(options.testbed, nodes, plan_path)
         endpoint = f"{bed.host_address}:0"
+    elif options.slurm is not None:
+        endpoint = endpoint or options.slurm.coordinator_endpoint()
+        options.slurm.check_holds(nodes, str(plan_path))
     else:
         check_nodes(options, nodes, local_node, plan_path)
         check_this_machine(options, plan, local_node, plan_path)
@@ -117,14 +120,15 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
     agents = Agents(
         coordinator,
         secret,
-        local_slots=0 if options.testbed else len(nodes.get(local_node, ())),
+        local_slots=0 if options.testbed or options.slurm else len(nodes.get(local_node, ())),
         local_node=local_node,
         logs=run.logs,
         job=run.run_id,
         hostfile=options.hostfile,
         join_timeout_s=options.join_timeout_s,
         testbed=options.testbed,
-        testbed_slots={node: len(devs) for node, devs in nodes.items()},
+        slurm=options.slurm,
+        node_slots={node: len(devs) for node, devs in nodes.items()},
     )
     with supervised(coordinator, agents, run, heartbeat, drain_s=options.drain_s):
         summary = _run(options, coordinator, agents, state, nodes, resume, on_update)

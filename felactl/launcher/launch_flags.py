@@ -12,6 +12,7 @@ from felactl.errors import InputError
 from felactl.launcher.prepare import LaunchOptions
 from felactl.launcher.resume import run_counts
 from felactl.launcher.script import ScriptOptions
+from felactl.launcher.slurm import Allocation, current_allocation
 from felactl.limits import parse_count_range
 from felactl.spec import SyncMode
 
@@ -45,6 +46,8 @@ class LaunchFlags:
     hostfile: Path | None
     node_name: str | None
     testbed: str | None
+    slurm: bool
+    """Inside a Slurm allocation, run on its nodes (``--no-slurm``: False)."""
     runs_root: Path
     resume: str | None
     max_nproc_per_node: int | None
@@ -100,6 +103,14 @@ def script_options(flags: LaunchFlags) -> ScriptOptions:
     )
 
 
+def allocation(flags: LaunchFlags) -> Allocation | None:
+    """The Slurm allocation a launch runs on: the one this process is in (``SLURM_JOB_ID``),
+    unless ``--no-slurm``, or ``--testbed`` or ``--hostfile`` say where the nodes are."""
+    if not flags.slurm or flags.testbed is not None or flags.hostfile is not None:
+        return None
+    return current_allocation()
+
+
 def check_plan_flags(flags: LaunchFlags) -> None:
     """Refuse the flags a plan's launch does not take (a script's; a ``--job``'s without it), and
     anything but exactly one of PLAN, ``--job`` and ``--resume``."""
@@ -153,6 +164,7 @@ def plan_options(flags: LaunchFlags, plan: Path | None) -> LaunchOptions:
         hostfile=flags.hostfile,
         node_name=flags.node_name,
         testbed=flags.testbed,
+        slurm=allocation(flags),
         resume=flags.resume,
         max_nproc_per_node=flags.max_nproc_per_node,
         scaling_policy=flags.scaling_policy,

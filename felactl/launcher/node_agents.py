@@ -25,6 +25,7 @@ from felactl.launcher.liveness import Heartbeat
 from felactl.launcher.resume import pick_checkpoint
 from felactl.launcher.rundir import RunDir
 from felactl.launcher.scale_requests import refuse_requests
+from felactl.launcher.slurm import Allocation, start_step_agents
 from felactl.machine import stop_processes
 from felactl.spec import Plan
 
@@ -96,7 +97,8 @@ def assign_ranks(
 
 class Agents:
     """The agents a job starts itself: this machine's (a thread, with ``local_slots`` workers) and,
-    with a hostfile, one ``felactl agent`` over ssh per host. (Agents started by hand join too.)"""
+    with a hostfile, one ``felactl agent`` over ssh per host; in a testbed's nodes or a Slurm
+    allocation's, one per node of ``node_slots``. (Agents started by hand join too.)"""
 
     def __init__(
         self,
@@ -110,14 +112,16 @@ class Agents:
         hostfile: Path | None = None,
         join_timeout_s: float,
         testbed: str | None = None,
-        testbed_slots: dict[str, int] | None = None,
+        slurm: Allocation | None = None,
+        node_slots: dict[str, int] | None = None,
     ):
         """``testbed``: a testbed that is up; one agent runs in each of its nodes (namespace and
-        cgroup) with ``testbed_slots[node]`` workers."""
+        cgroup) with ``node_slots[node]`` workers. ``slurm``: the allocation this runs in; one
+        agent runs on each node of ``node_slots`` as a job step (:mod:`~felactl.launcher.slurm`)."""
         self.coordinator, self.secret = coordinator, secret
         self.local_slots, self.local_node, self.logs, self.job = local_slots, local_node, logs, job
         self.hostfile, self.join_timeout_s = hostfile, join_timeout_s
-        self.testbed, self.testbed_slots = testbed, testbed_slots or {}
+        self.testbed, self.slurm, self.node_slots = testbed, slurm, node_slots or {}
         self.thread: AgentThread | None = None
         self.ssh: list = []
         self.lost: set = set()
@@ -134,11 +138,15 @@ class Agents:
 
             self.ssh += start_node_agents(
                 read_state(self.testbed),
-                self.testbed_slots,
+                self.node_slots,
                 self.coordinator.endpoint,
                 self.secret,
                 self.logs,
                 self.job,
+            )
+        if self.slurm is not None:
+            self.ssh += start_step_agents(
+                self.slurm, self.node_slots, self.coordinator.endpoint, self.secret, self.logs, self.job
             )
         if self.local_slots:
             config = local_agent_config(
@@ -162,14 +170,14 @@ class Agents:
         for proc in self.ssh:
             if proc.poll() in (None, 0) or proc in self.lost:
                 continue
-            where = f"{self.logs}/ssh-*.log or testbed-*.log"
+            where = f"{self.logs}/ssh-*.log, testbed-*.log or slurm-*.log"
             if node_loss_is_fatal:
                 raise ControlPlaneError(
-                    f"an agent started over ssh or in a testbed node exited with code {proc.returncode} (see {where})"
+                    f"an agent started over ssh, in a testbed node or as a Slurm step exited with code {proc.returncode} (see {where})"
                 )
             self.lost.add(proc)
             log.warning(
-                "an agent started over ssh or in a testbed node exited with code %s (see %s); its workers "
+                "an agent started over ssh, in a testbed node or as a Slurm step exited with code %s (see %s); its workers "
                 "are dropped once their heartbeats stop",
                 proc.returncode,
                 where,

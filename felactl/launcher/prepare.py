@@ -26,10 +26,12 @@ from felactl.launcher.launch_defaults import (
 from felactl.launcher.resume import ResumePoint, find_resume_point
 from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RunDir
 from felactl.launcher.scale_plan import ScalingPolicy
+from felactl.launcher.slurm import Allocation
 from felactl.limits import check_flag
 from felactl.machine import num_gpus
 from felactl.spec import (
     DeviceKind,
+    Placement,
     Plan,
     SyncMode,
     check_executable,
@@ -67,6 +69,9 @@ class LaunchOptions:
     """A testbed that is up (``felactl testbed up``): the plan's nodes are its nodes, each agent runs
     in its node's namespace and cgroup, and the coordinator listens on the testbed's bridge."""
     node_name: str | None = None
+    slurm: Allocation | None = None
+    """The Slurm allocation this launch runs in (:mod:`~felactl.launcher.slurm`): the plan's nodes
+    are its nodes, each agent a job step, the coordinator on this node's address."""
     join_timeout_s: float = JOIN_TIMEOUT_S
     timeout_s: float = 120.0
     """Collective and store timeout inside the workers."""
@@ -125,7 +130,7 @@ class LaunchOptions:
                     f"{given[0]}: not with --testbed (the plan's nodes are the testbed's; the "
                     "coordinator listens on its bridge)"
                 )
-        if self.nnodes > 1 and not (self.rdzv_endpoint or self.hostfile):
+        if self.nnodes > 1 and not (self.rdzv_endpoint or self.hostfile or self.slurm):
             raise InputError("--nnodes > 1 needs --rdzv-endpoint (agents join there) or --hostfile")
         if (self.cluster_path is None) != (self.model_path is None):
             raise InputError("--cluster and --model go together: the planner needs both profiles to re-plan")
@@ -235,27 +240,41 @@ def job_plan(
     micro_batch: int | None,
     *,
     shard: bool = False,
+    nodes: tuple[str, ...] = (),
 ) -> Plan:
-    """``felactl launch --job``: a data-parallel plan of the job on ``nproc`` local CPU slots
-    (micro-batch: the global batch split evenly, unless given); with ``shard``, its one stage
-    sharded among them under sync bsp."""
+    """``felactl launch --job``: a data-parallel plan of the job on ``nproc`` local CPU slots, or
+    on ``nproc`` CPU slots of each of ``nodes`` (a Slurm allocation's); micro-batch: the global
+    batch split evenly, unless given; with ``shard``, its one stage sharded among them under sync
+    bsp."""
     if nproc is None or global_batch is None:
         raise InputError("--job needs --nproc-per-node and --global-batch")
     check_flag("--nproc-per-node", nproc, limits.COUNT)
     check_flag("--global-batch", global_batch, limits.BATCH)
-    if global_batch < nproc:
-        raise InputError(f"--global-batch ({global_batch}) must be >= --nproc-per-node ({nproc})")
-    largest_share = -(-global_batch // nproc)
+    workers = nproc * max(1, len(nodes))
+    if global_batch < workers:
+        raise InputError(f"--global-batch ({global_batch}) must be >= the workers ({workers})")
+    largest_share = -(-global_batch // workers)
     if micro_batch is not None:
         check_flag("--micro-batch", micro_batch, limits.BATCH)
         if micro_batch > largest_share:  # never used: a worker runs at most its share at once
             raise InputError(
                 f"--micro-batch {micro_batch} is larger than a worker's share of --global-batch {global_batch} "
-                f"over {nproc} workers (at most {largest_share} samples): use --micro-batch {largest_share} or "
+                f"over {workers} workers (at most {largest_share} samples): use --micro-batch {largest_share} or "
                 "less, or leave it out"
             )
     micro = micro_batch or largest_share
-    plan = models.local_data_parallel_plan(source, config, nproc, global_batch=global_batch, micro_batch=micro)
+    plan = models.local_data_parallel_plan(source, config, workers, global_batch=global_batch, micro_batch=micro)
+    if nodes:
+        placement = tuple(
+            Placement(device=f"{node}-cpu{i}", node=node, local_index=i) for node in nodes for i in range(nproc)
+        )
+        stage = dataclasses.replace(
+            plan.stages[0],
+            workers=tuple(dataclasses.replace(w, device=p.device) for w, p in zip(plan.stages[0].workers, placement)),
+        )
+        plan = dataclasses.replace(
+            plan, devices=tuple(p.device for p in placement), placement=placement, stages=(stage,)
+        )
     if not shard:
         return plan
     stage = dataclasses.replace(plan.stages[0], shard=True)

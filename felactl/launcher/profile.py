@@ -28,7 +28,7 @@ from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
 from felactl.launcher.node_agents import Agents, removed_if_it_fails
 from felactl.limits import check_flag
-from felactl.machine import available_cores, num_gpus, short_hostname
+from felactl.machine import available_cores, default_node_name, num_gpus
 from felactl.profiling.cluster import assemble_cluster, peer_copies
 from felactl.profiling.links import LinkProbe, ordered_pairs
 from felactl.spec import ClusterSpec
@@ -112,13 +112,13 @@ def profile_cluster(
         coordinator,
         secret,
         local_slots=0 if endpoint else nproc_per_node or default_nproc_per_node(),
-        local_node=node_name or short_hostname(),
+        local_node=node_name or default_node_name(),
         logs=logs,
         job=JOB,
         hostfile=Path(hostfile_path) if hosts is not None else None,
         join_timeout_s=options.join_timeout_s,
         testbed=testbed,
-        testbed_slots={node: nproc_per_node or 1 for node in bed.nodes} if bed else None,
+        node_slots={node: nproc_per_node or 1 for node in bed.nodes} if bed else None,
     )
     cluster, copies = _measure_cluster(
         coordinator,

@@ -43,7 +43,7 @@ from felactl.launcher.node_agents import Agents, assign_ranks, start_coordinator
 from felactl.launcher.prepare import check_nodes, node_devices
 from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RunDir
 from felactl.launcher.scale_requests import refuse_requests
-from felactl.machine import short_hostname
+from felactl.machine import default_node_name
 from felactl.spec import Plan, load_plan, save
 
 NOT_ELASTIC = "a --script job cannot be rescaled: felactl does not own its training loop"
@@ -157,7 +157,7 @@ def script_assignments(members: list[Member], local_node: str) -> dict[str, Assi
 def launch_script(options: ScriptOptions) -> dict[str, Any]:
     """Run the script to its end on every worker, restarting as allowed; return the summary
     (also ``summary.json``). Raises :class:`ScriptFailed` when the last attempt fails."""
-    local_node = options.node_name or short_hostname()
+    local_node = options.node_name or default_node_name()
     plan = load_plan(options.plan_path) if options.plan_path is not None else None
     nodes = node_devices(plan, local_node) if plan is not None else None
     if nodes is not None:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import os
 import re
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from felactl.errors import InputError, SpecError
 from felactl.spec.codec import encode
+from felactl.testbed import slurm as slurm_daemons
 from felactl.testbed.cgroups import cgroup_dirs, cgroup_name, make_cgroup_parent, make_node_cgroup, remove_cgroup
 from felactl.testbed.host import Host, TestbedError, probe_host, require_root, run
 from felactl.testbed.network import (
@@ -117,11 +119,15 @@ def up(
     name: str = DEFAULT_NAME,
     allow_no_latency: bool = False,
     host: Host | None = None,
+    slurm: bool = False,
 ) -> TestbedState:
-    """Build testbed ``name`` from ``spec``. On a failure, what was made is removed again."""
+    """Build testbed ``name`` from ``spec`` (``slurm``: with a Slurm cluster of its nodes,
+    :mod:`~felactl.testbed.slurm`). On a failure, what was made is removed again."""
     check_name(name)
     host = host or probe_host()
     _check_fits_host(spec, spec_path, host, allow_no_latency)
+    if slurm:
+        slurm_daemons.require_slurm()
     with state_lock():  # two ups at once: one name, one subnet each
         if read_state_doc(name) is not None or name in list_testbeds():
             raise InputError(
@@ -132,6 +138,8 @@ def up(
         write_state(doc)
     try:
         _make(doc, spec, host)
+        if slurm:
+            slurm_daemons.start(doc, partial(_record, doc))
         doc["complete"] = True
         write_state(doc)
     except BaseException:
@@ -182,10 +190,7 @@ def _make(doc: dict[str, Any], spec: TestbedSpec, host: Host) -> None:
     """Make what ``doc`` describes, each thing recorded in the state file before it is made."""
     name, nodes, layout = doc["name"], doc["nodes"], host.cgroup
 
-    def step(kind: str, what: str) -> None:
-        doc["made"].append({"kind": kind, "name": what})
-        write_state(doc)
-
+    step = partial(_record, doc)
     step("cgroup", cgroup_name(name))
     make_cgroup_parent(layout, name)
     bridge = bridge_name(name)
@@ -203,6 +208,12 @@ def _make(doc: dict[str, Any], spec: TestbedSpec, host: Host) -> None:
     for info in nodes:
         step("cgroup", f"{cgroup_name(name)}/{info['name']}")
         make_node_cgroup(layout, name, info["name"], info["cpus"], tuple(info["cores"]))
+
+
+def _record(doc: dict[str, Any], kind: str, what: str) -> None:
+    """Record in the state file what is about to be made."""
+    doc["made"].append({"kind": kind, "name": what})
+    write_state(doc)
 
 
 # --- down --------------------------------------------------------------------------------
@@ -231,7 +242,8 @@ def down(name: str = DEFAULT_NAME) -> dict[str, list[str]]:
     except InputError:
         roots = [Path(r) for r in doc.get("cgroup_roots", [])]
     cgroups = [root / cgroup_name(name) for root in roots if (root / cgroup_name(name)).is_dir()]
-    removed: dict[str, list[str]] = {"processes": [], "links": [], "netns": [], "cgroups": []}
+    removed: dict[str, list[str]] = {"processes": [], "links": [], "netns": [], "cgroups": [], "slurm": []}
+    removed["slurm"] = slurm_daemons.stop(doc or {"name": name})
     # processes first: a process inside a namespace keeps it (and its veth) alive
     removed["processes"] = _kill_all(name, namespaces, cgroups)
     for link in sorted(links, key=lambda link: link.startswith("flbr-")):  # ports before the bridge
@@ -286,6 +298,8 @@ def leftovers(name: str) -> list[str]:
         ]
     except InputError:
         pass
+    if slurm_daemons.slurm_dir(name).exists():
+        out.append(f"Slurm directory {slurm_daemons.slurm_dir(name)}")
     if state_path(name).exists():
         out.append(f"state file {state_path(name)}")
     return out

@@ -23,20 +23,20 @@ def node_command(node: NodeInfo, argv: list[str]) -> list[str]:
     """``argv`` run inside ``node``: the shell joins the node's cgroups (so every process it starts
     is in them from its first instruction), then ``ip netns exec`` enters its namespace."""
     require_root()
-    procs = [str(Path(d) / "cgroup.procs") for d in node.cgroups]
-    return [
-        "sh",
-        "-c",
-        _ENTER,
-        "felactl-testbed-exec",
-        str(len(procs)),
-        *procs,
-        "ip",
-        "netns",
-        "exec",
-        node.netns,
-        *argv,
-    ]
+    return _in_cgroups(node.cgroups, ["ip", "netns", "exec", node.netns, *argv])
+
+
+def node_command_net(node: dict, argv: list[str]) -> list[str]:
+    """``argv`` in the node a testbed's state document lists, entering only its network
+    namespace (``nsenter --net``): ``/sys`` stays the host's, where a daemon such as ``slurmd``
+    finds the cgroup file system (``ip netns exec`` mounts the namespace's ``/sys`` over it)."""
+    require_root()
+    return _in_cgroups(node["cgroups"], ["nsenter", f"--net=/run/netns/{node['netns']}", *argv])
+
+
+def _in_cgroups(cgroups, argv: list[str]) -> list[str]:
+    procs = [str(Path(d) / "cgroup.procs") for d in cgroups]
+    return ["sh", "-c", _ENTER, "felactl-testbed-exec", str(len(procs)), *procs, *argv]
 
 
 def node_env(state: TestbedState, node: NodeInfo, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -79,6 +79,8 @@ class TestbedState:
     """The bridge's address: the host as the nodes reach it (a coordinator listens here)."""
     nodes: dict[str, NodeInfo]
     made: tuple[dict, ...]
+    slurm_conf: str | None = None
+    """With ``--slurm``: its Slurm's ``slurm.conf`` (``SLURM_CONF`` for the client commands)."""
 
     def node(self, node: str) -> NodeInfo:
         if node not in self.nodes:
@@ -135,4 +137,5 @@ def read_state(name: str = DEFAULT_NAME) -> TestbedState:
         host_address=doc["host_address"],
         nodes=nodes,
         made=tuple(doc["made"]),
+        slurm_conf=str(Path(doc["slurm"]["dir"]) / "slurm.conf") if doc.get("slurm") else None,
     )

@@ -1,0 +1,162 @@
+"""felactl inside a Slurm allocation (``salloc`` or ``sbatch``): the allocation is the cluster.
+
+Where ``SLURM_JOB_ID`` is set, ``felactl profile``, ``launch`` and ``scale`` reach the allocation's
+nodes as Slurm lets them, with job steps, as ``srun torchrun`` does:
+
+* **its nodes**: ``scontrol show hostnames`` of ``SLURM_JOB_NODELIST`` (a heterogeneous job: of
+  each component's ``SLURM_JOB_NODELIST_HET_GROUP_<i>``, each node keeping its component); the
+  node this process runs on: ``SLURMD_NODENAME``, never ``hostname`` (nodes of an emulated cluster
+  share one);
+* **where a node listens**: its ``NodeAddr`` (``scontrol show node``), where the coordinator binds
+  on the launching node;
+* **one agent per node as a job step**: ``srun --overlap --nodes=1 --ntasks=1 --nodelist=NODE
+  --kill-on-bad-exit=0 felactl agent ...``, whose stdin srun forwards to its one task: the
+  secret travels there, as over ssh, never on a command line. A step per node (not one step of
+  ``--ntasks-per-node=1``) lets one node's agent end, fail or be lost while the others run on,
+  and gives each its own log, as an ssh agent has.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from felactl.errors import InputError
+
+COMMAND_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The Slurm allocation this process runs in."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    """Its nodes' Slurm names, in the allocation's order."""
+    this_node: str | None
+    """``SLURMD_NODENAME``: the node this process runs on (None: outside a job step or batch script)."""
+    components: Mapping[str, int]
+    """Node -> its heterogeneous job component (0 in a plain allocation)."""
+
+    def __str__(self) -> str:
+        return f"Slurm job {self.job_id} ({len(self.nodes)} node(s): {', '.join(self.nodes)})"
+
+    def coordinator_endpoint(self) -> str:
+        """Where a coordinator on this node listens (a free port on its address): the other
+        nodes' agents reach it there."""
+        if self.this_node is None:
+            raise InputError(
+                f"{self}: SLURMD_NODENAME is not set; run felactl inside the batch script or a job step "
+                "(srun), not beside the allocation"
+            )
+        return f"{node_address(self.this_node)}:0"
+
+    def check_holds(self, nodes, where: str) -> None:
+        """Refuse (one line) a plan whose nodes are not all in this allocation."""
+        missing = sorted(set(nodes) - set(self.nodes))
+        if missing:
+            raise InputError(
+                f"{where}: placement: node {missing[0]!r} is not in {self}; plan for a cluster profiled with "
+                "`felactl profile` inside this allocation, or ask Slurm for those nodes (sbatch --nodelist)"
+            )
+
+
+def current_allocation(env: Mapping[str, str] | None = None) -> Allocation | None:
+    """The allocation ``env`` (default: this process's) says this process runs in; None outside one."""
+    env = os.environ if env is None else env
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    components: dict[str, int] = {}
+    het = sorted(
+        (int(m.group(1)), value)
+        for key, value in env.items()
+        if (m := re.fullmatch(r"SLURM_JOB_NODELIST_HET_GROUP_(\d+)", key))
+    )
+    lists = het or [(0, env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")]
+    for component, nodelist in lists:
+        if not nodelist:
+            raise InputError(f"Slurm job {job_id}: SLURM_JOB_NODELIST is not set; run felactl inside the job")
+        for node in hostnames(nodelist):
+            components.setdefault(node, component)
+    return Allocation(
+        job_id=job_id, nodes=tuple(components), this_node=env.get("SLURMD_NODENAME"), components=components
+    )
+
+
+def _scontrol(*args: str) -> str:
+    if shutil.which("scontrol") is None:
+        raise InputError("SLURM_JOB_ID is set but scontrol is not on PATH: run felactl where Slurm's commands are")
+    try:
+        done = subprocess.run(
+            ["scontrol", *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        raise InputError(f"scontrol {' '.join(args)}: no answer in {COMMAND_TIMEOUT_S:g} s") from None
+    if done.returncode != 0:
+        raise InputError(f"scontrol {' '.join(args)}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return done.stdout
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """A Slurm node list (``n[0-3],gpu7``) as node names: ``scontrol show hostnames``."""
+    return _scontrol("show", "hostnames", nodelist).split()
+
+
+def node_address(node: str) -> str:
+    """Where ``node`` listens: its ``NodeAddr`` in Slurm (its name, where the cluster resolves it)."""
+    found = re.search(r"\bNodeAddr=(\S+)", _scontrol("show", "node", node))
+    return found.group(1) if found else node
+
+
+def agent_step_command(node: str, argv: list[str], job_id: str) -> list[str]:
+    """``argv`` (an agent's command line) as a job step of one task on ``node``: beside the batch
+    script's own step (``--overlap``), outliving a failed task elsewhere (``--kill-on-bad-exit=0``)."""
+    return [
+        "srun",
+        f"--jobid={job_id}",
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
+        "--kill-on-bad-exit=0",
+        f"--job-name=felactl-agent-{node}",
+        *argv,
+    ]
+
+
+def start_step_agents(
+    allocation: Allocation, slots: dict[str, int], endpoint: str, secret: str, log_dir: Path, job: str
+) -> list[subprocess.Popen]:
+    """``felactl agent`` on each node of ``slots`` (node -> worker slots) as a job step of
+    ``allocation``, joining ``endpoint``; the secret on the step's stdin; each agent's output in
+    ``log_dir/slurm-<node>.log``."""
+    from felactl.agents.agent import agent_argv, start_agent
+    from felactl.machine import stop_processes
+
+    allocation.check_holds(slots, "the job")
+    procs: list[subprocess.Popen] = []
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for node, count in slots.items():
+            argv = agent_argv(
+                endpoint,
+                nproc=count,
+                node_name=node,
+                job=job,
+                log_dir=str(log_dir / node),
+                felactl=(sys.executable, "-m", "felactl"),
+            )
+            procs.append(
+                start_agent(agent_step_command(node, argv, allocation.job_id), secret, log_dir / f"slurm-{node}.log")
+            )
+    except BaseException:
+        stop_processes(procs)
+        raise
+    return procs

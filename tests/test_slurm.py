@@ -1,0 +1,161 @@
+"""felactl inside Slurm (issue 33), against a real Slurm: ``felactl testbed up --slurm`` runs
+munge, slurmctld and a slurmd in each emulated node (Debian's ``slurm-wlm`` and ``munge``; `.ci/run`
+installs them where apt can), and a batch job runs felactl there as a user would. Needs root and
+the packages; skips with the reason elsewhere. The allocation's reading is also checked without
+Slurm, from the environment a job step sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from felactl.errors import InputError
+from felactl.launcher import slurm
+from felactl.spec.io import from_dict
+from felactl.testbed import TestbedSpec, TestbedUnavailable, down, leftovers, probe_host, up
+from felactl.testbed.slurm import client_env, require_slurm
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB_S = 120.0
+"""A two-node job of a few steps takes ~15 s on an idle 2-core machine (agents and workers
+importing torch on half a core); this bounds it under a loaded CI machine."""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Nodes na (0.9 of a core) and nb (half of the other), each a Slurm node of its own partition."""
+    try:
+        host = probe_host()
+        require_slurm()
+    except TestbedUnavailable as exc:
+        pytest.skip(str(exc))
+    name = f"u{os.getpid() % 1000000}"[:8]
+    spec = from_dict(
+        TestbedSpec,
+        {
+            "kind": "Testbed",
+            "schema_version": 1,
+            "name": "slurm-pair",
+            "nodes": [
+                {"name": "na", "cpus": 0.9, "cores": [host.cores[0]]},
+                {"name": "nb", "cpus": 0.5, "cores": [host.cores[-1]]},
+            ],
+            "default_link": {"bandwidth_gbps": 0.2},
+        },
+        "slurm-pair.yaml",
+    )
+    state = up(spec, "slurm-pair.yaml", name=name, host=host, allow_no_latency=True, slurm=True)
+    try:
+        yield state
+    finally:
+        down(name)
+        assert not leftovers(name)
+
+
+def _sbatch(state, tmp_path: Path, *lines: str, nodes: int = 2) -> str:
+    """Submit a batch script of ``lines`` (felactl as this checkout runs it) on ``nodes`` nodes; its job id."""
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "\n".join(
+            [
+                "#!/bin/sh",
+                f"#SBATCH --nodes={nodes}",
+                f"#SBATCH --output={tmp_path}/out-%j.txt",
+                f"cd {tmp_path}",
+                f"export OMP_NUM_THREADS=1 PYTHONPATH={ROOT}",
+                f"FELACTL='{sys.executable} -m felactl'",
+                *lines,
+            ]
+        )
+        + "\n"
+    )
+    done = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=client_env(state.name), capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def _wait_job(state, job_id: str) -> str:
+    """Wait for the job to end; its final state (COMPLETED, FAILED, ...)."""
+    deadline = time.monotonic() + JOB_S
+    while time.monotonic() < deadline:
+        shown = subprocess.run(
+            ["scontrol", "show", "job", job_id], env=client_env(state.name), capture_output=True, text=True, timeout=30
+        ).stdout
+        job_state = next((w.split("=", 1)[1] for w in shown.split() if w.startswith("JobState=")), "")
+        if job_state and job_state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return job_state
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=client_env(state.name), timeout=30)
+    pytest.fail(f"Slurm job {job_id} did not end in {JOB_S:g} s")
+
+
+def test_the_testbed_is_a_slurm_cluster_with_a_partition_per_cpu_share(cluster):
+    shown = subprocess.run(
+        ["sinfo", "--noheader", "--format=%P %D %t %N"], env=client_env(cluster.name), capture_output=True, text=True
+    ).stdout.split("\n")
+    partitions = {line.split()[0]: line.split()[1:] for line in shown if line.strip()}
+    assert partitions == {"all*": ["2", "idle", "na,nb"], "cpu90": ["1", "idle", "na"], "cpu50": ["1", "idle", "nb"]}
+
+
+def test_a_batch_job_of_two_nodes_trains_on_both_with_felactl_launch_job(cluster, tmp_path):
+    """``sbatch -N 2`` of ``felactl launch --job``: one agent per node as a job step, each in its
+    node (its namespace: the workers' gloo reaches the other node over the emulated link), the
+    coordinator on the batch node's address; the run finishes its steps."""
+    job = _sbatch(
+        cluster,
+        tmp_path,
+        "$FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 4 --json > summary.json",
+    )
+    assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 4 and len(summary["workers"]) == 2
+    run_dir = tmp_path / summary["run_dir"]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    (start,) = [e for e in events if e["kind"] == "start"]
+    assert sorted(start["members"]) == ["na", "nb"]
+    (launched,) = [e for e in events if e["kind"] == "launch"]
+    assert launched["endpoint"].startswith(cluster.nodes["na"].address + ":")  # the batch node's address
+    assert sorted(p.name for p in (run_dir / "logs").glob("slurm-*.log")) == [
+        "slurm-na.log",
+        "slurm-nb.log",
+    ]
+
+
+# --- the allocation, read from a job step's environment ------------------------------------------
+
+
+def test_an_allocation_is_read_from_the_environment_and_a_plan_outside_it_is_refused(monkeypatch):
+    expanded = {"n[1-2]": ["n1", "n2"], "a10g[3-4]": ["a10g3", "a10g4"], "h100x": ["h100x"]}
+    monkeypatch.setattr(slurm, "hostnames", lambda nodelist: expanded[nodelist])
+    assert slurm.current_allocation({}) is None
+    plain = slurm.current_allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n1"})
+    assert plain.nodes == ("n1", "n2") and plain.this_node == "n1" and set(plain.components.values()) == {0}
+    het = slurm.current_allocation(
+        {
+            "SLURM_JOB_ID": "8",
+            "SLURM_JOB_NODELIST": "a10g[3-4],h100x",
+            "SLURM_JOB_NODELIST_HET_GROUP_0": "h100x",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "a10g[3-4]",
+        }
+    )
+    assert het.nodes == ("h100x", "a10g3", "a10g4") and dict(het.components) == {"h100x": 0, "a10g3": 1, "a10g4": 1}
+    with pytest.raises(
+        InputError, match=r"plan.yaml: placement: node 'n3' is not in Slurm job 7 \(2 node\(s\): n1, n2\)"
+    ):
+        plain.check_holds({"n1": (), "n3": ()}, "plan.yaml")
+    with pytest.raises(InputError, match="SLURMD_NODENAME is not set; run felactl inside the batch script"):
+        het.coordinator_endpoint()
+
+
+def test_an_agent_step_keeps_the_secret_off_its_command_line():
+    argv = slurm.agent_step_command("n2", ["felactl", "agent", "--secret-file", "-"], "7")
+    assert argv[:2] == ["srun", "--jobid=7"] and "--overlap" in argv and "--nodelist=n2" in argv
+    assert "--kill-on-bad-exit=0" in argv and argv[-2:] == ["--secret-file", "-"]
