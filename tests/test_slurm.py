@@ -17,6 +17,8 @@ import pytest
 
 from felactl.errors import InputError
 from felactl.launcher import slurm
+from felactl.launcher.prepare import job_plan
+from felactl.spec import load_cluster, save
 from felactl.spec.io import from_dict
 from felactl.testbed import TestbedSpec, TestbedUnavailable, down, leftovers, probe_host, up
 from felactl.testbed.slurm import client_env, require_slurm
@@ -58,15 +60,16 @@ def cluster():
         assert not leftovers(name)
 
 
-def _sbatch(state, tmp_path: Path, *lines: str, nodes: int = 2) -> str:
-    """Submit a batch script of ``lines`` (felactl as this checkout runs it) on ``nodes`` nodes; its job id."""
+def _sbatch(state, tmp_path: Path, *lines: str, header: tuple[str, ...] = ("#SBATCH --nodes=2",)) -> str:
+    """Submit a batch script of ``lines`` (felactl as this checkout runs it), its ``#SBATCH``
+    lines ``header``; its job id."""
     script = tmp_path / "job.sh"
     script.write_text(
         "\n".join(
             [
                 "#!/bin/sh",
-                f"#SBATCH --nodes={nodes}",
                 f"#SBATCH --output={tmp_path}/out-%j.txt",
+                *header,
                 f"cd {tmp_path}",
                 f"export OMP_NUM_THREADS=1 PYTHONPATH={ROOT}",
                 f"FELACTL='{sys.executable} -m felactl'",
@@ -97,6 +100,7 @@ def _wait_job(state, job_id: str) -> str:
     pytest.fail(f"Slurm job {job_id} did not end in {JOB_S:g} s")
 
 
+@pytest.mark.multiprocess
 def test_the_testbed_is_a_slurm_cluster_with_a_partition_per_cpu_share(cluster):
     shown = subprocess.run(
         ["sinfo", "--noheader", "--format=%P %D %t %N"], env=client_env(cluster.name), capture_output=True, text=True
@@ -105,16 +109,28 @@ def test_the_testbed_is_a_slurm_cluster_with_a_partition_per_cpu_share(cluster):
     assert partitions == {"all*": ["2", "idle", "na,nb"], "cpu90": ["1", "idle", "na"], "cpu50": ["1", "idle", "nb"]}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_batch_job_of_two_nodes_trains_on_both_with_felactl_launch_job(cluster, tmp_path):
     """``sbatch -N 2`` of ``felactl launch --job``: one agent per node as a job step, each in its
     node (its namespace: the workers' gloo reaches the other node over the emulated link), the
     coordinator on the batch node's address; the run finishes its steps."""
+    elsewhere = job_plan("examples.cnn:job", {}, 1, 16, None, nodes=("na", "nc"))
+    save(elsewhere, tmp_path / "elsewhere.yaml")
     job = _sbatch(
         cluster,
         tmp_path,
+        "$FELACTL launch elsewhere.yaml --steps 2 2> refused.txt; echo $? > refused.rc",
         "$FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 4 --json > summary.json",
     )
     assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
+    # a plan of a node the allocation lacks: refused before anything starts, saying which
+    assert (tmp_path / "refused.rc").read_text().strip() == "2"
+    assert (tmp_path / "refused.txt").read_text().strip().splitlines() == [
+        f"felactl: error: elsewhere.yaml: placement: node 'nc' is not in Slurm job {job} (2 node(s): na, nb); plan "
+        "for a cluster profiled with `felactl profile` inside this allocation, or ask Slurm for those nodes "
+        "(sbatch --nodelist)"
+    ]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 4 and len(summary["workers"]) == 2
     run_dir = tmp_path / summary["run_dir"]
@@ -127,6 +143,31 @@ def test_a_batch_job_of_two_nodes_trains_on_both_with_felactl_launch_job(cluster
         "slurm-na.log",
         "slurm-nb.log",
     ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_heterogeneous_job_is_one_cluster_of_both_kinds_and_trains_on_both(cluster, tmp_path):
+    """A hetjob of a node of partition cpu90 and one of cpu50 (as a cluster's partitions of two
+    GPU types): ``felactl profile`` inside it measures both components as one cluster, each node
+    its own kind, with the links between them; ``felactl launch`` runs a step in each component."""
+    job = _sbatch(
+        cluster,
+        tmp_path,
+        "$FELACTL profile --nproc-per-node 1 --repetitions 2 --message-bytes 1000000 --matmul-size 128 "
+        "-o cluster.yaml > /dev/null",
+        "$FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 2 --json > summary.json",
+        header=("#SBATCH --partition=cpu90 --nodes=1", "#SBATCH hetjob", "#SBATCH --partition=cpu50 --nodes=1"),
+    )
+    assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
+    profiled = load_cluster(tmp_path / "cluster.yaml")
+    assert profiled.name == f"felactl-{cluster.name}"  # Slurm's cluster name
+    by_node = {d.name: d.model for d in profiled.devices}
+    assert set(by_node) == {"na-cpu0", "nb-cpu0"}
+    assert by_node["na-cpu0"].endswith("@ 0.9 cores") and by_node["nb-cpu0"].endswith("@ 0.5 cores")
+    assert {(link.src, link.dst) for link in profiled.links} == {("na-cpu0", "nb-cpu0"), ("nb-cpu0", "na-cpu0")}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and len(summary["workers"]) == 2
 
 
 # --- the allocation, read from a job step's environment ------------------------------------------

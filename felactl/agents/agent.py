@@ -420,16 +420,18 @@ def _existing(pids: set[int]) -> list[psutil.Process]:
 def agent_argv(
     endpoint: str,
     *,
-    nproc: int,
+    nproc: int | None,
     node_name: str,
     job: str,
     log_dir: str | None = None,
     felactl: tuple[str, ...] = (sys.executable, "-m", "felactl"),
 ) -> list[str]:
-    """``felactl agent`` joining ``endpoint`` as ``node_name`` with ``nproc`` worker slots for
-    ``job``; it reads the job secret from stdin (:func:`start_agent` writes it there)."""
+    """``felactl agent`` joining ``endpoint`` as ``node_name`` with ``nproc`` worker slots (None:
+    the agent's default on its node) for ``job``; it reads the job secret from stdin
+    (:func:`start_agent` writes it there)."""
     argv = [*felactl, "agent", "--rdzv-endpoint", endpoint, "--secret-file", "-"]
-    argv += ["--nproc-per-node", str(nproc), "--node-name", node_name, "--job", job]
+    argv += ["--nproc-per-node", str(nproc)] if nproc is not None else []
+    argv += ["--node-name", node_name, "--job", job]
     return argv + (["--log-dir", log_dir] if log_dir else [])
 
 

@@ -86,6 +86,7 @@ class ClusterFlags:
     name: str | None
     log_dir: Path | None
     testbed: str | None
+    slurm: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +135,15 @@ class ProfileCommandOptions:
             "every node at once, each node's timings keyed by its CPU share."
         ),
     ] = None
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm/--no-slurm",
+            help="Inside a Slurm allocation (SLURM_JOB_ID set): profile its nodes, an agent per node as a job step "
+            "(srun), --nproc-per-node slots each (default: the node's GPUs, else 2); a heterogeneous job's "
+            "components are one cluster. --no-slurm: this machine only.",
+        ),
+    ] = True
     secret_file: Annotated[Path | None, typer.Option(help="Job secret (created with mode 0600 if missing).")] = None
     log_dir: Annotated[Path | None, typer.Option(help="Worker logs (default: a new temp dir).")] = None
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for agents.")] = 60.0
@@ -215,6 +225,7 @@ def profile(ctx: typer.Context, options: ProfileCommandOptions) -> None:
         name=options.name,
         log_dir=options.log_dir,
         testbed=options.testbed,
+        slurm=options.slurm,
     )
     _profile_cluster(where, measurement, options.out, options.as_json)
 
@@ -258,10 +269,13 @@ def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:
 def _profile_cluster(where: ClusterFlags, options: ProfileOptions, out: Path | None, as_json: bool) -> None:
     """Profile the cluster ``where`` says with ``options``, write it, show it."""
     from felactl.launcher.profile import check_profile_flags, profile_cluster
+    from felactl.launcher.slurm import current_allocation
     from felactl.spec import save, to_dict
 
     # Bad input is said before the progress bar opens (a transient bar leaves a blank line).
     check_profile_flags(where.nproc_per_node, where.nnodes, where.rdzv_endpoint, where.hostfile, where.testbed)
+    elsewhere = where.testbed or where.hostfile or where.rdzv_endpoint
+    slurm = current_allocation() if where.slurm and not elsewhere else None
     with output.progress() as bar:
         task = bar.add_task("starting", total=None)
 
@@ -280,6 +294,7 @@ def _profile_cluster(where: ClusterFlags, options: ProfileOptions, out: Path | N
             options=options,
             on_progress=on_progress,
             testbed=where.testbed,
+            slurm=slurm,
         )
     path = save(result.cluster, out or Path("cluster.yaml"))
     payload = {**to_dict(result.cluster), "profile_s": round(result.profile_s, 3)}

@@ -113,7 +113,7 @@ class Agents:
         join_timeout_s: float,
         testbed: str | None = None,
         slurm: Allocation | None = None,
-        node_slots: dict[str, int] | None = None,
+        node_slots: dict[str, int | None] | None = None,
     ):
         """``testbed``: a testbed that is up; one agent runs in each of its nodes (namespace and
         cgroup) with ``node_slots[node]`` workers. ``slurm``: the allocation this runs in; one

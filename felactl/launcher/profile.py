@@ -27,6 +27,7 @@ from felactl.errors import InputError, ProfilingError
 from felactl.launcher import hosts as hostfile
 from felactl.launcher.controlplane import Coordinator, Member, read_secret_file, write_secret_file
 from felactl.launcher.node_agents import Agents, removed_if_it_fails
+from felactl.launcher.slurm import Allocation
 from felactl.limits import check_flag
 from felactl.machine import available_cores, default_node_name, num_gpus
 from felactl.profiling.cluster import assemble_cluster, peer_copies
@@ -95,18 +96,26 @@ def profile_cluster(
     options: ProfileOptions = ProfileOptions(),
     on_progress: Progress = lambda *a: None,
     testbed: str | None = None,
+    slurm: Allocation | None = None,
 ) -> ProfileResult:
-    """Profile this machine (no endpoint/hostfile), the agents that join ``endpoint``, or the nodes
-    of ``testbed`` (an agent in each node's namespace and cgroup, ``nproc_per_node`` slots each)."""
+    """Profile this machine (no endpoint/hostfile), the agents that join ``endpoint``, the nodes
+    of ``testbed`` (an agent in each node's namespace and cgroup, ``nproc_per_node`` slots each,
+    default 1), or the nodes of the Slurm allocation ``slurm`` (an agent per node as a job step,
+    ``nproc_per_node`` slots each, default the node's own)."""
     started = time.perf_counter()
     hosts = check_profile_flags(nproc_per_node, nnodes, endpoint, hostfile_path, testbed)
-    bed = None
+    placed: dict[str, int | None] | None = None
     if testbed is not None:
         from felactl.testbed import read_state
 
         bed = read_state(testbed)
         endpoint, nnodes = f"{bed.host_address}:0", len(bed.nodes)
         name = name or bed.spec.get("name")
+        placed = {node: nproc_per_node or 1 for node in bed.nodes}
+    elif slurm is not None:
+        endpoint, nnodes = slurm.coordinator_endpoint(), len(slurm.nodes)
+        name = name or slurm.cluster_name
+        placed = {node: nproc_per_node for node in slurm.nodes}
     logs, secret_path, secret, coordinator = _start_coordinator(log_dir, secret_file, endpoint)
     agents = Agents(
         coordinator,
@@ -118,7 +127,8 @@ def profile_cluster(
         hostfile=Path(hostfile_path) if hosts is not None else None,
         join_timeout_s=options.join_timeout_s,
         testbed=testbed,
-        node_slots={node: nproc_per_node or 1 for node in bed.nodes} if bed else None,
+        slurm=slurm,
+        node_slots=placed,
     )
     cluster, copies = _measure_cluster(
         coordinator,

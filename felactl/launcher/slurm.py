@@ -43,9 +43,15 @@ class Allocation:
     """``SLURMD_NODENAME``: the node this process runs on (None: outside a job step or batch script)."""
     components: Mapping[str, int]
     """Node -> its heterogeneous job component (0 in a plain allocation)."""
+    cluster_name: str = "slurm"
+    """``SLURM_CLUSTER_NAME``: what a profile of the allocation is named by default."""
 
     def __str__(self) -> str:
         return f"Slurm job {self.job_id} ({len(self.nodes)} node(s): {', '.join(self.nodes)})"
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(set(self.components.values())) > 1
 
     def coordinator_endpoint(self) -> str:
         """Where a coordinator on this node listens (a free port on its address): the other
@@ -86,7 +92,11 @@ def current_allocation(env: Mapping[str, str] | None = None) -> Allocation | Non
         for node in hostnames(nodelist):
             components.setdefault(node, component)
     return Allocation(
-        job_id=job_id, nodes=tuple(components), this_node=env.get("SLURMD_NODENAME"), components=components
+        job_id=job_id,
+        nodes=tuple(components),
+        this_node=env.get("SLURMD_NODENAME"),
+        components=components,
+        cluster_name=env.get("SLURM_CLUSTER_NAME") or "slurm",
     )
 
 
@@ -115,12 +125,14 @@ def node_address(node: str) -> str:
     return found.group(1) if found else node
 
 
-def agent_step_command(node: str, argv: list[str], job_id: str) -> list[str]:
+def agent_step_command(node: str, argv: list[str], job_id: str, het_group: int | None = None) -> list[str]:
     """``argv`` (an agent's command line) as a job step of one task on ``node``: beside the batch
-    script's own step (``--overlap``), outliving a failed task elsewhere (``--kill-on-bad-exit=0``)."""
+    script's own step (``--overlap``), outliving a failed task elsewhere (``--kill-on-bad-exit=0``);
+    in a heterogeneous job, in the node's component (``het_group``: srun's default is the first)."""
     return [
         "srun",
         f"--jobid={job_id}",
+        *([f"--het-group={het_group}"] if het_group is not None else []),
         "--overlap",
         "--nodes=1",
         "--ntasks=1",
@@ -132,11 +144,11 @@ def agent_step_command(node: str, argv: list[str], job_id: str) -> list[str]:
 
 
 def start_step_agents(
-    allocation: Allocation, slots: dict[str, int], endpoint: str, secret: str, log_dir: Path, job: str
+    allocation: Allocation, slots: dict[str, int | None], endpoint: str, secret: str, log_dir: Path, job: str
 ) -> list[subprocess.Popen]:
-    """``felactl agent`` on each node of ``slots`` (node -> worker slots) as a job step of
-    ``allocation``, joining ``endpoint``; the secret on the step's stdin; each agent's output in
-    ``log_dir/slurm-<node>.log``."""
+    """``felactl agent`` on each node of ``slots`` (node -> worker slots; None: the agent's
+    default there, the node's GPUs) as a job step of ``allocation``, joining ``endpoint``; the
+    secret on the step's stdin; each agent's output in ``log_dir/slurm-<node>.log``."""
     from felactl.agents.agent import agent_argv, start_agent
     from felactl.machine import stop_processes
 
@@ -153,9 +165,9 @@ def start_step_agents(
                 log_dir=str(log_dir / node),
                 felactl=(sys.executable, "-m", "felactl"),
             )
-            procs.append(
-                start_agent(agent_step_command(node, argv, allocation.job_id), secret, log_dir / f"slurm-{node}.log")
-            )
+            het_group = allocation.components[node] if allocation.heterogeneous else None
+            command = agent_step_command(node, argv, allocation.job_id, het_group)
+            procs.append(start_agent(command, secret, log_dir / f"slurm-{node}.log"))
     except BaseException:
         stop_processes(procs)
         raise
