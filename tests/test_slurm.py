@@ -6,6 +6,7 @@ Slurm, from the environment a job step sees."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -170,6 +171,46 @@ def test_a_heterogeneous_job_is_one_cluster_of_both_kinds_and_trains_on_both(clu
     assert summary["steps"] == 2 and len(summary["workers"]) == 2
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeued(cluster, tmp_path):
+    """Preemption as Slurm does it: SIGTERM to the batch script and every step (``scancel
+    --signal=TERM --full``); the launch drains, every worker checkpoints the step they agree on;
+    ``scontrol requeue`` starts the job again (``SLURM_RESTART_COUNT`` 1) and the run, named after
+    the job, resumes from that checkpoint and completes every step: no completed step is lost."""
+    job = _sbatch(
+        cluster,
+        tmp_path,
+        "exec $FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 600 "
+        "--checkpoint-every 50 --json > summary.json",
+        header=("#SBATCH --nodes=2 --requeue --open-mode=append",),
+    )
+    run = tmp_path / "runs" / f"slurm-{job}"
+    deadline = time.monotonic() + JOB_S
+    while not (run / "checkpoints" / "step000050").is_dir():
+        assert time.monotonic() < deadline, (tmp_path / f"out-{job}.txt").read_text()
+        time.sleep(0.2)
+    _slurm(cluster, "scancel", "--signal=TERM", "--full", job)
+    _wait_job(cluster, job)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    (stopped,) = [e for e in events if e["kind"] == "stopped"]
+    assert stopped["checkpoint_step"] >= 50 and not (tmp_path / "summary.json").read_text().strip()
+    _slurm(cluster, "scontrol", "requeue", job)
+    _slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")  # a requeued job waits 2 min else
+    assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    (resumed,) = [e for e in events if e["kind"] == "resume"]
+    assert resumed["from_step"] == stopped["checkpoint_step"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["run"] == f"slurm-{job}" and summary["steps"] == 600
+    assert "Slurm requeued job" in (tmp_path / f"out-{job}.txt").read_text()
+
+
+def _slurm(state, *argv: str) -> None:
+    done = subprocess.run(argv, env=client_env(state.name), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
 # --- the allocation, read from a job step's environment ------------------------------------------
 
 
@@ -200,3 +241,13 @@ def test_an_agent_step_keeps_the_secret_off_its_command_line():
     argv = slurm.agent_step_command("n2", ["felactl", "agent", "--secret-file", "-"], "7")
     assert argv[:2] == ["srun", "--jobid=7"] and "--overlap" in argv and "--nodelist=n2" in argv
     assert "--kill-on-bad-exit=0" in argv and argv[-2:] == ["--secret-file", "-"]
+
+
+def test_a_run_is_named_after_its_job_and_a_requeued_job_resumes_it_or_starts_again(tmp_path):
+    first = slurm.Allocation(job_id="42", nodes=("n1",), this_node="n1", components={"n1": 0})
+    assert slurm.requeued_run(first, None, tmp_path) == ("slurm-42", None)
+    assert slurm.requeued_run(first, "mine", tmp_path) == ("mine", None)
+    again = dataclasses.replace(first, restart_count=1)
+    assert slurm.requeued_run(again, None, tmp_path) == ("slurm-42", None)  # nothing ran before: a new run
+    (tmp_path / "slurm-42" / "checkpoints").mkdir(parents=True)
+    assert slurm.requeued_run(again, None, tmp_path) == ("slurm-42-r1", None)  # no checkpoint to resume from

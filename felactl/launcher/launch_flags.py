@@ -5,14 +5,14 @@ apply to is refused with one line that names it, before anything starts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from felactl.errors import InputError
 from felactl.launcher.prepare import LaunchOptions
 from felactl.launcher.resume import run_counts
 from felactl.launcher.script import ScriptOptions
-from felactl.launcher.slurm import Allocation, current_allocation
+from felactl.launcher.slurm import Allocation, current_allocation, requeued_run
 from felactl.limits import parse_count_range
 from felactl.spec import SyncMode
 
@@ -141,8 +141,15 @@ def check_plan_flags(flags: LaunchFlags) -> None:
 
 def plan_options(flags: LaunchFlags, plan: Path | None) -> LaunchOptions:
     """The options of a plan's launch of ``plan`` (None: the ``--resume``'d run's); the counts a
-    ``--resume`` does not restate are the run's own (:func:`~felactl.launcher.resume.run_counts`)."""
+    ``--resume`` does not restate are the run's own (:func:`~felactl.launcher.resume.run_counts`).
+    In a Slurm allocation the run is named after the job unless ``--run-id`` says otherwise, and a
+    requeued job resumes it (:func:`~felactl.launcher.slurm.requeued_run`)."""
     min_nodes, max_nodes = parse_count_range("--nnodes", flags.nnodes)
+    slurm = allocation(flags)
+    if slurm is not None and flags.resume is None:
+        run_id, resume = requeued_run(slurm, flags.run_id, flags.runs_root)
+        flags = replace(flags, run_id=run_id, resume=resume)
+        plan = None if resume is not None else plan
     counts = run_counts(
         flags.resume,
         flags.runs_root,
@@ -164,7 +171,7 @@ def plan_options(flags: LaunchFlags, plan: Path | None) -> LaunchOptions:
         hostfile=flags.hostfile,
         node_name=flags.node_name,
         testbed=flags.testbed,
-        slurm=allocation(flags),
+        slurm=slurm,
         resume=flags.resume,
         max_nproc_per_node=flags.max_nproc_per_node,
         scaling_policy=flags.scaling_policy,

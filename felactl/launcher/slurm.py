@@ -18,6 +18,7 @@ nodes as Slurm lets them, with job steps, as ``srun torchrun`` does:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from felactl.errors import InputError
 
+log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 30.0
 
 
@@ -45,6 +47,8 @@ class Allocation:
     """Node -> its heterogeneous job component (0 in a plain allocation)."""
     cluster_name: str = "slurm"
     """``SLURM_CLUSTER_NAME``: what a profile of the allocation is named by default."""
+    restart_count: int = 0
+    """``SLURM_RESTART_COUNT``: how often the job was requeued (preempted, a node failed, ``scontrol requeue``)."""
 
     def __str__(self) -> str:
         return f"Slurm job {self.job_id} ({len(self.nodes)} node(s): {', '.join(self.nodes)})"
@@ -97,7 +101,31 @@ def current_allocation(env: Mapping[str, str] | None = None) -> Allocation | Non
         this_node=env.get("SLURMD_NODENAME"),
         components=components,
         cluster_name=env.get("SLURM_CLUSTER_NAME") or "slurm",
+        restart_count=int(restarts) if (restarts := env.get("SLURM_RESTART_COUNT", "")).isdigit() else 0,
     )
+
+
+def requeued_run(allocation: Allocation, run_id: str | None, runs_root: Path) -> tuple[str, str | None]:
+    """The run a launch in ``allocation`` writes and the run it resumes (None: it starts one).
+    The run is named after the job (``slurm-<job id>``) unless ``run_id`` is given, so a requeued
+    job (preempted, or its node lost, and started again by Slurm with the same id) finds it: from
+    its newest complete checkpoint the run goes on. A requeued job whose run has none yet starts
+    again as ``<run>-r<restart count>``."""
+    from felactl.launcher.resume import pick_checkpoint
+    from felactl.launcher.rundir import RunDir
+
+    run_id = run_id or f"slurm-{allocation.job_id}"
+    if allocation.restart_count == 0 or not (Path(runs_root) / run_id).is_dir():
+        return run_id, None
+    try:
+        pick_checkpoint(RunDir.find(run_id, root=runs_root))
+    except InputError:
+        log.warning("run %s has no complete checkpoint to resume: starting again", run_id)
+        return f"{run_id}-r{allocation.restart_count}", None
+    log.warning(
+        "Slurm requeued job %s (restart %d): resuming run %s", allocation.job_id, allocation.restart_count, run_id
+    )
+    return run_id, run_id
 
 
 def _scontrol(*args: str) -> str:
