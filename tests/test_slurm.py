@@ -86,14 +86,18 @@ def _sbatch(state, tmp_path: Path, *lines: str, header: tuple[str, ...] = ("#SBA
     return done.stdout.strip().split(";")[0]
 
 
+def _job_state(state, job_id: str) -> str:
+    shown = subprocess.run(
+        ["scontrol", "show", "job", job_id], env=client_env(state.name), capture_output=True, text=True, timeout=30
+    ).stdout
+    return next((w.split("=", 1)[1] for w in shown.split() if w.startswith("JobState=")), "")
+
+
 def _wait_job(state, job_id: str) -> str:
     """Wait for the job to end; its final state (COMPLETED, FAILED, ...)."""
     deadline = time.monotonic() + JOB_S
     while time.monotonic() < deadline:
-        shown = subprocess.run(
-            ["scontrol", "show", "job", job_id], env=client_env(state.name), capture_output=True, text=True, timeout=30
-        ).stdout
-        job_state = next((w.split("=", 1)[1] for w in shown.split() if w.startswith("JobState=")), "")
+        job_state = _job_state(state, job_id)
         if job_state and job_state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
             return job_state
         time.sleep(0.5)
@@ -112,17 +116,21 @@ def test_the_testbed_is_a_slurm_cluster_with_a_partition_per_cpu_share(cluster):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_batch_job_of_two_nodes_trains_on_both_with_felactl_launch_job(cluster, tmp_path):
-    """``sbatch -N 2`` of ``felactl launch --job``: one agent per node as a job step, each in its
-    node (its namespace: the workers' gloo reaches the other node over the emulated link), the
-    coordinator on the batch node's address; the run finishes its steps."""
+def test_a_heterogeneous_job_is_one_cluster_of_both_kinds_and_trains_on_both(cluster, tmp_path):
+    """A hetjob of a node of partition cpu90 and one of cpu50 (as a cluster's partitions of two
+    GPU types): ``felactl profile`` inside it measures both components as one cluster, each node
+    its own kind, with the links between them; ``felactl launch`` runs a step in each component;
+    a plan of a node the allocation lacks is refused in one line."""
     elsewhere = job_plan("examples.cnn:job", {}, 1, 16, None, nodes=("na", "nc"))
     save(elsewhere, tmp_path / "elsewhere.yaml")
     job = _sbatch(
         cluster,
         tmp_path,
         "$FELACTL launch elsewhere.yaml --steps 2 2> refused.txt; echo $? > refused.rc",
-        "$FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 4 --json > summary.json",
+        "$FELACTL profile --nproc-per-node 1 --repetitions 2 --message-bytes 1000000 --matmul-size 128 "
+        "-o cluster.yaml > /dev/null",
+        "$FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 2 --json > summary.json",
+        header=("#SBATCH --partition=cpu90 --nodes=1", "#SBATCH hetjob", "#SBATCH --partition=cpu50 --nodes=1"),
     )
     assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
     # a plan of a node the allocation lacks: refused before anything starts, saying which
@@ -132,35 +140,6 @@ def test_a_batch_job_of_two_nodes_trains_on_both_with_felactl_launch_job(cluster
         "for a cluster profiled with `felactl profile` inside this allocation, or ask Slurm for those nodes "
         "(sbatch --nodelist)"
     ]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 4 and len(summary["workers"]) == 2
-    run_dir = tmp_path / summary["run_dir"]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    (start,) = [e for e in events if e["kind"] == "start"]
-    assert sorted(start["members"]) == ["na", "nb"]
-    (launched,) = [e for e in events if e["kind"] == "launch"]
-    assert launched["endpoint"].startswith(cluster.nodes["na"].address + ":")  # the batch node's address
-    assert sorted(p.name for p in (run_dir / "logs").glob("slurm-*.log")) == [
-        "slurm-na.log",
-        "slurm-nb.log",
-    ]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_a_heterogeneous_job_is_one_cluster_of_both_kinds_and_trains_on_both(cluster, tmp_path):
-    """A hetjob of a node of partition cpu90 and one of cpu50 (as a cluster's partitions of two
-    GPU types): ``felactl profile`` inside it measures both components as one cluster, each node
-    its own kind, with the links between them; ``felactl launch`` runs a step in each component."""
-    job = _sbatch(
-        cluster,
-        tmp_path,
-        "$FELACTL profile --nproc-per-node 1 --repetitions 2 --message-bytes 1000000 --matmul-size 128 "
-        "-o cluster.yaml > /dev/null",
-        "$FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 2 --json > summary.json",
-        header=("#SBATCH --partition=cpu90 --nodes=1", "#SBATCH hetjob", "#SBATCH --partition=cpu50 --nodes=1"),
-    )
-    assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
     profiled = load_cluster(tmp_path / "cluster.yaml")
     assert profiled.name == f"felactl-{cluster.name}"  # Slurm's cluster name
     by_node = {d.name: d.model for d in profiled.devices}
@@ -204,6 +183,59 @@ def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeue
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["run"] == f"slurm-{job}" and summary["steps"] == 600
     assert "Slurm requeued job" in (tmp_path / f"out-{job}.txt").read_text()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_batch_job_trains_on_both_nodes_and_survives_one_that_slurm_loses(cluster, tmp_path):
+    """``sbatch -N 2`` of ``felactl launch --job``: one agent per node as a job step, each in its
+    node (the workers' gloo crosses the emulated link), the coordinator on the batch node's
+    address. Then nb loses power mid-run (every process there killed: its slurmd, the step's
+    slurmstepd, its agent and worker): Slurm marks it down, the job (``--no-kill``) is not ended
+    for it, and the elastic launch drops nb's worker and completes every step on na, none lost.
+    (Last of the module: nb stays down.)"""
+    from felactl.testbed.faults import crash_node
+
+    job = _sbatch(
+        cluster,
+        tmp_path,
+        # rank 0 (na) at a third of its pace: the job outlasts the ~10 s Slurm takes to mark nb down
+        "exec $FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 1200 --json "
+        "--heartbeat-timeout 3 --collective-timeout 5 --slowdown 0=3 > summary.json",
+        header=("#SBATCH --nodes=2 --no-kill",),
+    )
+    run = tmp_path / "runs" / f"slurm-{job}"
+    deadline = time.monotonic() + JOB_S
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().count("\n") > 20:
+        assert time.monotonic() < deadline, (tmp_path / f"out-{job}.txt").read_text()
+        time.sleep(0.2)
+    assert crash_node(cluster.name, "nb")
+    while "down" not in _node_state(cluster, "nb"):
+        assert time.monotonic() < deadline, "Slurm did not mark the lost node down"
+        time.sleep(0.5)
+    assert _job_state(cluster, job) == "RUNNING", (  # not ended for one node
+        (tmp_path / f"out-{job}.txt").read_text() + (tmp_path / "summary.json").read_text()
+    )
+    assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 1200 and len(summary["workers"]) == 2
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    (start,) = [e for e in events if e["kind"] == "start"]
+    assert sorted(start["members"]) == ["na", "nb"]
+    (launched,) = [e for e in events if e["kind"] == "launch"]
+    assert launched["endpoint"].startswith(cluster.nodes["na"].address + ":")  # the batch node's address
+    assert sorted(p.name for p in (run / "logs").glob("slurm-*.log")) == ["slurm-na.log", "slurm-nb.log"]
+    assert [e["members_after"] for e in events if e["kind"] == "failure"] == [[0]]
+
+
+def _node_state(state, node: str) -> str:
+    return subprocess.run(
+        ["sinfo", "--noheader", "--Node", f"--nodes={node}", "--format=%t"],
+        env=client_env(state.name),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.strip()
 
 
 def _slurm(state, *argv: str) -> None:

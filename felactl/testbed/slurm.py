@@ -108,8 +108,9 @@ def write_conf(doc: dict[str, Any], controller_port: int) -> Path:
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_CPU",
         "SchedulerType=sched/backfill",
+        "SchedulerParameters=bf_interval=1",  # heterogeneous jobs start from the backfill pass only
         "ReturnToService=2",
-        "SlurmdTimeout=30",
+        "SlurmdTimeout=10",  # a lost node is marked down within seconds (its jobs decide what follows)
         "InactiveLimit=0",
         "KillWait=5",
         f"TaskProlog={prolog}",
