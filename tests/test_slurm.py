@@ -25,6 +25,7 @@ from felactl.testbed import TestbedSpec, TestbedUnavailable, down, leftovers, pr
 from felactl.testbed.slurm import client_env, require_slurm
 
 ROOT = Path(__file__).resolve().parent.parent
+FELACTL = [sys.executable, "-m", "felactl"]
 JOB_S = 120.0
 """A two-node job of a few steps takes ~15 s on an idle 2-core machine (agents and workers
 importing torch on half a core); this bounds it under a loaded CI machine."""
@@ -183,6 +184,47 @@ def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeue
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["run"] == f"slurm-{job}" and summary["steps"] == 600
     assert "Slurm requeued job" in (tmp_path / f"out-{job}.txt").read_text()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_scale_asks_slurm_for_a_node_that_joins_the_running_job_and_gives_it_back(cluster, tmp_path):
+    """A job on na alone; ``felactl scale --slurm-nodes 1`` (from outside the job, as from a login
+    node) submits a batch job of an agent, which Slurm runs on nb; it joins and a worker starts
+    there (a live scale-out, replicas equal); ``--remove`` of that worker cancels nb's Slurm job."""
+    job = _sbatch(
+        cluster,
+        tmp_path,
+        "exec $FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 100000 "
+        "--slowdown 0=3 --json > summary.json",
+        header=("#SBATCH --nodes=1 --nodelist=na",),
+    )
+    run = tmp_path / "runs" / f"slurm-{job}"
+    deadline = time.monotonic() + JOB_S
+    while not (run / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline, (tmp_path / f"out-{job}.txt").read_text()
+        time.sleep(0.2)
+    scale = [*FELACTL, "scale", f"slurm-{job}", "--runs-root", str(tmp_path / "runs"), "--json"]
+    env = {**client_env(cluster.name), "PYTHONPATH": str(ROOT)}
+    try:
+        grown = subprocess.run(
+            [*scale, "--slurm-nodes", "1", "--sbatch-arg=--nodelist=nb"], env=env, capture_output=True, text=True
+        )
+        assert grown.returncode == 0, grown.stderr
+        out = json.loads(grown.stdout)
+        assert out["kind"] == "scale-out" and out["members_after"] == [0, 1] and out["nodes"] == ["nb"]
+        checksums = {s["param_checksum"] for s in out["switch_s"].values()}
+        assert len(checksums) == 1  # the newcomer starts from the running replica's weights
+        assert _job_state(cluster, out["slurm_job"]) == "RUNNING"
+        shrunk = subprocess.run([*scale, "--remove", "1"], env=env, capture_output=True, text=True)
+        assert shrunk.returncode == 0, shrunk.stderr
+        assert json.loads(shrunk.stdout)["slurm_released"] == [out["slurm_job"]]
+        assert _wait_job(cluster, out["slurm_job"]) == "CANCELLED"
+    finally:
+        _slurm(cluster, "scancel", "--signal=TERM", "--full", job)  # drains the launch: the test is over
+    _wait_job(cluster, job)
+    kinds = [json.loads(line)["kind"] for line in (run / "events.jsonl").read_text().splitlines()]
+    assert "slurm-nodes" in kinds and "slurm-released" in kinds and kinds[-1] == "stopped"
 
 
 @pytest.mark.multiprocess

@@ -33,6 +33,10 @@ class EventKind(str, enum.Enum):
     FAILED = "failed"
     CHECKPOINT_FAILED = "checkpoint-failed"
     """A worker could not write a checkpoint (the storage failed); training went on."""
+    SLURM_NODES = "slurm-nodes"
+    """``felactl scale --slurm-nodes``: Slurm granted a job of nodes, whose workers joined (``job``, ``nodes``, ``workers``)."""
+    SLURM_RELEASED = "slurm-released"
+    """Those nodes' workers were all removed and their Slurm job cancelled (``job``, ``nodes``)."""
 
     def __str__(self) -> str:
         return self.value

@@ -104,18 +104,7 @@ def profile_cluster(
     ``nproc_per_node`` slots each, default the node's own)."""
     started = time.perf_counter()
     hosts = check_profile_flags(nproc_per_node, nnodes, endpoint, hostfile_path, testbed)
-    placed: dict[str, int | None] | None = None
-    if testbed is not None:
-        from felactl.testbed import read_state
-
-        bed = read_state(testbed)
-        endpoint, nnodes = f"{bed.host_address}:0", len(bed.nodes)
-        name = name or bed.spec.get("name")
-        placed = {node: nproc_per_node or 1 for node in bed.nodes}
-    elif slurm is not None:
-        endpoint, nnodes = slurm.coordinator_endpoint(), len(slurm.nodes)
-        name = name or slurm.cluster_name
-        placed = {node: nproc_per_node for node in slurm.nodes}
+    endpoint, nnodes, name, placed = _where_agents_run(testbed, slurm, nproc_per_node, endpoint, nnodes, name)
     logs, secret_path, secret, coordinator = _start_coordinator(log_dir, secret_file, endpoint)
     agents = Agents(
         coordinator,
@@ -148,6 +137,37 @@ def profile_cluster(
         log_dir=Path(log_dir) if log_dir else None,
         peer_copy_gbps=copies,
     )
+
+
+def _where_agents_run(
+    testbed: str | None,
+    slurm: Allocation | None,
+    nproc_per_node: int | None,
+    endpoint: str | None,
+    nnodes: int,
+    name: str | None,
+) -> tuple[str | None, int, str | None, dict[str, int | None] | None]:
+    """Where the coordinator listens, how many agents join, the cluster's name and the agents
+    felactl starts itself (node -> slots): a testbed's nodes (default 1 slot each) or a Slurm
+    allocation's (default: each node's own); else as given, no agent placed."""
+    if testbed is not None:
+        from felactl.testbed import read_state
+
+        bed = read_state(testbed)
+        return (
+            f"{bed.host_address}:0",
+            len(bed.nodes),
+            name or bed.spec.get("name"),
+            dict.fromkeys(bed.nodes, nproc_per_node or 1),
+        )
+    if slurm is not None:
+        return (
+            slurm.coordinator_endpoint(),
+            len(slurm.nodes),
+            name or slurm.cluster_name,
+            dict.fromkeys(slurm.nodes, nproc_per_node),
+        )
+    return endpoint, nnodes, name, None
 
 
 def _measure_cluster(
