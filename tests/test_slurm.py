@@ -87,19 +87,26 @@ def _sbatch(state, tmp_path: Path, *lines: str, header: tuple[str, ...] = ("#SBA
     return done.stdout.strip().split(";")[0]
 
 
-def _job_state(state, job_id: str) -> str:
+def _job_fields(state, job_id: str) -> dict[str, str]:
     shown = subprocess.run(
         ["scontrol", "show", "job", job_id], env=client_env(state.name), capture_output=True, text=True, timeout=30
     ).stdout
-    return next((w.split("=", 1)[1] for w in shown.split() if w.startswith("JobState=")), "")
+    return dict(w.split("=", 1) for w in shown.split() if "=" in w)
 
 
-def _wait_job(state, job_id: str) -> str:
-    """Wait for the job to end; its final state (COMPLETED, FAILED, ...)."""
+def _job_state(state, job_id: str) -> str:
+    return _job_fields(state, job_id).get("JobState", "")
+
+
+def _wait_job(state, job_id: str, restarts: int = 0) -> str:
+    """Wait for the job (its ``restarts``-th requeued run) to end; its final state (COMPLETED,
+    FAILED, ...). A job just requeued still shows its last run's end for a moment."""
     deadline = time.monotonic() + JOB_S
     while time.monotonic() < deadline:
-        job_state = _job_state(state, job_id)
-        if job_state and job_state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        fields = _job_fields(state, job_id)
+        job_state = fields.get("JobState", "")
+        done = job_state and job_state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED")
+        if done and int(fields.get("Restarts", "0")) >= restarts:
             return job_state
         time.sleep(0.5)
     subprocess.run(["scancel", job_id], env=client_env(state.name), timeout=30)
@@ -120,8 +127,9 @@ def test_the_testbed_is_a_slurm_cluster_with_a_partition_per_cpu_share(cluster):
 def test_a_heterogeneous_job_is_one_cluster_of_both_kinds_and_trains_on_both(cluster, tmp_path):
     """A hetjob of a node of partition cpu90 and one of cpu50 (as a cluster's partitions of two
     GPU types): ``felactl profile`` inside it measures both components as one cluster, each node
-    its own kind, with the links between them; ``felactl launch`` runs a step in each component;
-    a plan of a node the allocation lacks is refused in one line."""
+    its own kind, with the links between them; ``felactl launch`` runs a step in each component,
+    for a ``--job`` and for a torchrun-style ``--script``; a plan of a node the allocation lacks is
+    refused in one line."""
     elsewhere = job_plan("examples.cnn:job", {}, 1, 16, None, nodes=("na", "nc"))
     save(elsewhere, tmp_path / "elsewhere.yaml")
     job = _sbatch(
@@ -131,6 +139,8 @@ def test_a_heterogeneous_job_is_one_cluster_of_both_kinds_and_trains_on_both(clu
         "$FELACTL profile --nproc-per-node 1 --repetitions 2 --message-bytes 1000000 --matmul-size 128 "
         "-o cluster.yaml > /dev/null",
         "$FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 2 --json > summary.json",
+        f"$FELACTL launch --script {ROOT}/tests/_torchrun_script.py --nproc-per-node 1 --json > script.json -- "
+        "--steps 3",
         header=("#SBATCH --partition=cpu90 --nodes=1", "#SBATCH hetjob", "#SBATCH --partition=cpu50 --nodes=1"),
     )
     assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
@@ -149,6 +159,8 @@ def test_a_heterogeneous_job_is_one_cluster_of_both_kinds_and_trains_on_both(clu
     assert {(link.src, link.dst) for link in profiled.links} == {("na-cpu0", "nb-cpu0"), ("nb-cpu0", "na-cpu0")}
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 2 and len(summary["workers"]) == 2
+    script = json.loads((tmp_path / "script.json").read_text())  # a torchrun-style script, a rank per node
+    assert script["exit_code"] == 0 and script["num_workers"] == 2
 
 
 @pytest.mark.multiprocess
@@ -177,7 +189,7 @@ def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeue
     assert stopped["checkpoint_step"] >= 50 and not (tmp_path / "summary.json").read_text().strip()
     _slurm(cluster, "scontrol", "requeue", job)
     _slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")  # a requeued job waits 2 min else
-    assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
+    assert _wait_job(cluster, job, restarts=1) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     (resumed,) = [e for e in events if e["kind"] == "resume"]
     assert resumed["from_step"] == stopped["checkpoint_step"]

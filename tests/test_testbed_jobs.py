@@ -132,6 +132,9 @@ def _launch_elastic(
     command = [*FELACTL, "launch", str(_plan_file(tmp_path, nodes)), "--testbed", bed.name]
     command += ["--steps", str(steps), "--json", "--run-id", run_id, "--runs-root", str(tmp_path / "runs")]
     command += ["--elastic", "--heartbeat-timeout", "3", "--collective-timeout", "5", "--max-nproc-per-node", "1"]
+    # a worker `scale --add` starts in nb (half a core) took over the default 60 s to be ready once,
+    # with another testbed's jobs (tests/test_slurm.py) beside it on the 2-core machine
+    command += ["--join-timeout", "150"]
     return subprocess.Popen(command, env=ENV, stdout=stdout, stderr=stderr or subprocess.PIPE, text=True)
 
 

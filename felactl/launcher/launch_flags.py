@@ -100,6 +100,7 @@ def script_options(flags: LaunchFlags) -> ScriptOptions:
         nnodes=max_nodes,
         hostfile=flags.hostfile,
         node_name=flags.node_name,
+        slurm=allocation(flags),
     )
 
 

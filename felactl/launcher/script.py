@@ -43,6 +43,7 @@ from felactl.launcher.node_agents import Agents, assign_ranks, start_coordinator
 from felactl.launcher.prepare import check_nodes, node_devices
 from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RunDir
 from felactl.launcher.scale_requests import refuse_requests
+from felactl.launcher.slurm import Allocation
 from felactl.machine import default_node_name
 from felactl.spec import Plan, load_plan, save
 
@@ -76,6 +77,8 @@ class ScriptOptions:
     hostfile: Path | None = None
     node_name: str | None = None
     join_timeout_s: float = JOIN_TIMEOUT_S
+    slurm: Allocation | None = None
+    """The Slurm allocation the script runs on (an agent per node as a job step)."""
 
     def __post_init__(self) -> None:
         if not self.script.is_file():
@@ -90,7 +93,7 @@ class ScriptOptions:
             raise InputError(f"{self.plan_path}: no such plan file")
         if self.nnodes < 1:
             raise InputError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if self.nnodes > 1 and not (self.rdzv_endpoint or self.hostfile):
+        if self.nnodes > 1 and not (self.rdzv_endpoint or self.hostfile or self.slurm):
             raise InputError("--nnodes > 1 needs --rdzv-endpoint (agents join there) or --hostfile")
         if self.rdzv_endpoint is not None:
             parse_endpoint(self.rdzv_endpoint)
@@ -160,11 +163,9 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
     local_node = options.node_name or default_node_name()
     plan = load_plan(options.plan_path) if options.plan_path is not None else None
     nodes = node_devices(plan, local_node) if plan is not None else None
-    if nodes is not None:
-        check_nodes(options, nodes, local_node, options.plan_path)
-    local_slots = len(nodes.get(local_node, ())) if nodes is not None else _default_nproc(options)
+    endpoint, local_slots, placed, num_agents = _agents_layout(options, nodes, local_node)
     run, secret = _prepare_run(options, plan)
-    coordinator = start_coordinator(secret, options.rdzv_endpoint, run)
+    coordinator = start_coordinator(secret, endpoint, run)
     heartbeat = Heartbeat(run.heartbeat)
     started = time.monotonic()
     record(
@@ -186,11 +187,12 @@ def launch_script(options: ScriptOptions) -> dict[str, Any]:
         job=run.run_id,
         hostfile=options.hostfile,
         join_timeout_s=options.join_timeout_s,
+        slurm=options.slurm,
+        node_slots=placed,
     )
     # A stop gives each worker SIGINT, as torchrun forwards it: the script may clean up.
     with supervised(coordinator, agents, run, heartbeat, drain_s=SCRIPT_STOP_S, late_requests=NOT_ELASTIC):
         agents.start()
-        num_agents = len(nodes) if nodes is not None else _num_agents(options)
         members = coordinator.wait_members(num_agents, options.join_timeout_s, alive=agents.check)
         base = _assignments(options, run, plan, nodes, members, local_node)
         attempts, failure = _run_attempts(coordinator, run, agents, members, base, options.max_restarts)
@@ -225,6 +227,27 @@ def _end(
         raise ScriptFailed(message, failure.exit_code)
     record(run.events, EventKind.FINISHED, attempts=attempts)
     return summary
+
+
+def _agents_layout(
+    options: ScriptOptions, nodes: dict[str, tuple[str, ...]] | None, local_node: str
+) -> tuple[str | None, int, dict[str, int | None] | None, int]:
+    """Where the coordinator listens, this machine's worker slots, the agents felactl starts on
+    other nodes (node -> slots; None: none) and how many agents join: a plan's nodes say the
+    workers; in a Slurm allocation an agent per node runs as a job step (``--nproc-per-node`` or
+    the node's own slots without a plan)."""
+    if options.slurm is not None:
+        if nodes is not None:
+            options.slurm.check_holds(nodes, str(options.plan_path))
+            placed = {node: len(devices) for node, devices in nodes.items()}
+        else:
+            placed = dict.fromkeys(options.slurm.nodes, options.nproc_per_node)
+        endpoint = options.rdzv_endpoint or options.slurm.coordinator_endpoint()
+        return endpoint, 0, placed, len(placed)
+    if nodes is not None:
+        check_nodes(options, nodes, local_node, options.plan_path)
+        return options.rdzv_endpoint, len(nodes.get(local_node, ())), None, len(nodes)
+    return options.rdzv_endpoint, _default_nproc(options), None, _num_agents(options)
 
 
 def _default_nproc(options: ScriptOptions) -> int:
