@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 from felactl.launcher.prepare import job_plan  # noqa: E402
 from felactl.launcher.rundir import read_jsonl  # noqa: E402
 from felactl.spec import save  # noqa: E402
-from felactl.spec.io import from_dict  # noqa: E402
-from felactl.testbed import TestbedSpec, down, probe_host, up  # noqa: E402
+from felactl.testbed import down, probe_host, up  # noqa: E402
 from felactl.testbed.slurm import client_env  # noqa: E402
+from tests.testbed_fixtures import pair  # noqa: E402
 
 PYTHON = sys.executable
 JOB = ["--job", "examples.cnn:job", "--nproc-per-node", "1", "--global-batch", "16"]
@@ -87,17 +87,22 @@ def start_slurm(name: str, work: Path) -> float:
         scancel(name, job)
 
 
-def start_testbed(name: str, work: Path) -> float:
-    plan = save(job_plan("examples.cnn:job", {}, 1, 16, None, nodes=("na", "nb")), work / "plan.yaml")
-    began = time.time()
-    launch = subprocess.Popen(
-        [PYTHON, "-m", "felactl", "launch", str(plan), "--testbed", name, "--run-id", "start", "--steps", "100000"],
+def launch_in_testbed(name: str, work: Path, nodes: tuple[str, ...], run_id: str) -> subprocess.Popen:
+    """``felactl launch --testbed`` of the job's data-parallel plan on ``nodes``, in a session of its own."""
+    plan = save(job_plan("examples.cnn:job", {}, 1, 16, None, nodes=nodes), work / f"plan-{run_id}.yaml")
+    return subprocess.Popen(
+        [PYTHON, "-m", "felactl", "launch", str(plan), "--testbed", name, "--run-id", run_id, "--steps", "100000"],
         cwd=work,
         env=env(name),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+
+
+def start_testbed(name: str, work: Path) -> float:
+    began = time.time()
+    launch = launch_in_testbed(name, work, ("na", "nb"), "start")
     try:
         return first_step_time(work / "runs" / "start" / "metrics.jsonl", time.monotonic() + TIMEOUT_S) - began
     finally:
@@ -130,15 +135,7 @@ def grow_slurm(name: str, work: Path) -> tuple[float, float]:
 
 
 def grow_testbed(name: str, work: Path) -> tuple[float, float]:
-    plan = save(job_plan("examples.cnn:job", {}, 1, 16, None, nodes=("na",)), work / "plan-na.yaml")
-    launch = subprocess.Popen(
-        [PYTHON, "-m", "felactl", "launch", str(plan), "--testbed", name, "--run-id", "grow", "--steps", "100000"],
-        cwd=work,
-        env=env(name),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    launch = launch_in_testbed(name, work, ("na",), "grow")
     agent = None
     try:
         run = work / "runs" / "grow"
@@ -174,21 +171,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     host = probe_host()
-    spec = from_dict(
-        TestbedSpec,
-        {
-            "kind": "Testbed",
-            "schema_version": 1,
-            "name": "slurm-pair",
-            "nodes": [
-                {"name": "na", "cpus": 0.9, "cores": [host.cores[0]]},
-                {"name": "nb", "cpus": 0.5, "cores": [host.cores[-1]]},
-            ],
-            "default_link": {"bandwidth_gbps": 0.2},
-        },
-        "slurm-pair.yaml",
-    )
-    up(spec, "slurm-pair.yaml", name=args.name, host=host, allow_no_latency=True, slurm=True)
+    spec = pair(host, (0.9, 0.5), (0.2, 0.2))
+    up(spec, "pair.yaml", name=args.name, host=host, allow_no_latency=True, slurm=True)
     rows: dict[str, list[float]] = {}
     try:
         for round_ in range(args.repeat):

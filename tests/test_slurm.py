@@ -20,9 +20,9 @@ from felactl.errors import InputError
 from felactl.launcher import slurm
 from felactl.launcher.prepare import job_plan
 from felactl.spec import load_cluster, save
-from felactl.spec.io import from_dict
-from felactl.testbed import TestbedSpec, TestbedUnavailable, down, leftovers, probe_host, up
+from felactl.testbed import TestbedUnavailable, down, leftovers, probe_host, up
 from felactl.testbed.slurm import client_env, require_slurm
+from tests.testbed_fixtures import pair
 
 ROOT = Path(__file__).resolve().parent.parent
 FELACTL = [sys.executable, "-m", "felactl"]
@@ -40,21 +40,8 @@ def cluster():
     except TestbedUnavailable as exc:
         pytest.skip(str(exc))
     name = f"u{os.getpid() % 1000000}"[:8]
-    spec = from_dict(
-        TestbedSpec,
-        {
-            "kind": "Testbed",
-            "schema_version": 1,
-            "name": "slurm-pair",
-            "nodes": [
-                {"name": "na", "cpus": 0.9, "cores": [host.cores[0]]},
-                {"name": "nb", "cpus": 0.5, "cores": [host.cores[-1]]},
-            ],
-            "default_link": {"bandwidth_gbps": 0.2},
-        },
-        "slurm-pair.yaml",
-    )
-    state = up(spec, "slurm-pair.yaml", name=name, host=host, allow_no_latency=True, slurm=True)
+    spec = pair(host, (0.9, 0.5), (0.2, 0.2))
+    state = up(spec, "pair.yaml", name=name, host=host, allow_no_latency=True, slurm=True)
     try:
         yield state
     finally:
@@ -85,6 +72,14 @@ def _sbatch(state, tmp_path: Path, *lines: str, header: tuple[str, ...] = ("#SBA
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
+
+
+def _wait_for(condition, output: Path) -> None:
+    """Until ``condition()`` holds (a job's progress); else fail, showing the job's ``output``."""
+    deadline = time.monotonic() + JOB_S
+    while not condition():
+        assert time.monotonic() < deadline, output.read_text() if output.exists() else f"no {output}"
+        time.sleep(0.2)
 
 
 def _job_fields(state, job_id: str) -> dict[str, str]:
@@ -178,10 +173,7 @@ def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeue
         header=("#SBATCH --nodes=2 --requeue --open-mode=append",),
     )
     run = tmp_path / "runs" / f"slurm-{job}"
-    deadline = time.monotonic() + JOB_S
-    while not (run / "checkpoints" / "step000050").is_dir():
-        assert time.monotonic() < deadline, (tmp_path / f"out-{job}.txt").read_text()
-        time.sleep(0.2)
+    _wait_for(lambda: (run / "checkpoints" / "step000050").is_dir(), tmp_path / f"out-{job}.txt")
     _slurm(cluster, "scancel", "--signal=TERM", "--full", job)
     _wait_job(cluster, job)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
@@ -212,10 +204,7 @@ def test_scale_asks_slurm_for_a_node_that_joins_the_running_job_and_gives_it_bac
         header=("#SBATCH --nodes=1 --nodelist=na",),
     )
     run = tmp_path / "runs" / f"slurm-{job}"
-    deadline = time.monotonic() + JOB_S
-    while not (run / "metrics.jsonl").exists():
-        assert time.monotonic() < deadline, (tmp_path / f"out-{job}.txt").read_text()
-        time.sleep(0.2)
+    _wait_for(lambda: (run / "metrics.jsonl").exists(), tmp_path / f"out-{job}.txt")
     scale = [*FELACTL, "scale", f"slurm-{job}", "--runs-root", str(tmp_path / "runs"), "--json"]
     env = {**client_env(cluster.name), "PYTHONPATH": str(ROOT)}
     try:
@@ -259,14 +248,10 @@ def test_a_batch_job_trains_on_both_nodes_and_survives_one_that_slurm_loses(clus
         header=("#SBATCH --nodes=2 --no-kill",),
     )
     run = tmp_path / "runs" / f"slurm-{job}"
-    deadline = time.monotonic() + JOB_S
-    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().count("\n") > 20:
-        assert time.monotonic() < deadline, (tmp_path / f"out-{job}.txt").read_text()
-        time.sleep(0.2)
+    metrics = run / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") > 20, tmp_path / f"out-{job}.txt")
     assert crash_node(cluster.name, "nb")
-    while "down" not in _node_state(cluster, "nb"):
-        assert time.monotonic() < deadline, "Slurm did not mark the lost node down"
-        time.sleep(0.5)
+    _wait_for(lambda: "down" in _node_state(cluster, "nb"), tmp_path / f"out-{job}.txt")
     assert _job_state(cluster, job) == "RUNNING", (  # not ended for one node
         (tmp_path / f"out-{job}.txt").read_text() + (tmp_path / "summary.json").read_text()
     )

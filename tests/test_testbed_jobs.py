@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from felactl.spec.io import from_dict
-from felactl.testbed import TestbedSpec, TestbedUnavailable, down, probe_host, up
+from felactl.testbed import TestbedUnavailable, down, probe_host, up
 from felactl.testbed.faults import crash_node, cut_node, partition_nodes, partitioned
+from tests.testbed_fixtures import pair
 
 ROOT = Path(__file__).resolve().parent.parent
 FELACTL = [sys.executable, "-m", "felactl"]
@@ -50,23 +50,7 @@ def _pair(host, tag: str, cpus: tuple[float, float], gbps: tuple[float, float], 
     """Two nodes na and nb with ``cpus`` of a core each, on one core (``one_core``) or on two, and
     links of ``gbps`` na -> nb and back; removed afterwards whatever happened."""
     name = f"{tag}{os.getpid() % 1000000}"[:8]
-    spec = from_dict(
-        TestbedSpec,
-        {
-            "kind": "Testbed",
-            "schema_version": 1,
-            "name": "pair",
-            "nodes": [
-                {"name": "na", "cpus": cpus[0], "cores": [host.cores[0]]},
-                {"name": "nb", "cpus": cpus[1], "cores": [host.cores[0 if one_core else -1]]},
-            ],
-            "links": [
-                {"src": "na", "dst": "nb", "bandwidth_gbps": gbps[0]},
-                {"src": "nb", "dst": "na", "bandwidth_gbps": gbps[1]},
-            ],
-        },
-        "pair.yaml",
-    )
+    spec = pair(host, cpus, gbps, one_core=one_core)
     state = up(spec, "pair.yaml", name=name, host=host, allow_no_latency=True)
     try:
         yield state
