@@ -79,7 +79,8 @@ def history_table(history: list[dict]) -> Table:
             sources
             or (f"{e['key']}: " if e.get("key") else "") + e.get("reason", "")
             or (f"from step {e['from_step']}" if "from_step" in e else "")
-            or (f"agent of node {e['node']} joined" if "node" in e else ""),
+            or (f"agent of node {e['node']} joined" if "node" in e else "")
+            or (f"Slurm job {e['job']}: {', '.join(e.get('nodes', []))}" if "job" in e else ""),
         )
     return table
 

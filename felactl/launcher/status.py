@@ -22,10 +22,12 @@ HISTORY_KINDS = tuple(
         EventKind.RESUME,
         EventKind.RESTART,
         EventKind.NODE_JOINED,
+        EventKind.SLURM_NODES,
+        EventKind.SLURM_RELEASED,
     )
 )
-"""The events that changed (or were refused to change) the job's membership, and tampering with
-its control plane (forgeries refused, keys written back)."""
+"""The events that changed (or were refused to change) the job's membership (nodes Slurm granted
+and took back included), and tampering with its control plane (forgeries refused, keys written back)."""
 
 
 def run_status(run: str, runs_root: Path) -> dict[str, Any]:
