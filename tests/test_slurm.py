@@ -308,10 +308,38 @@ def test_an_allocation_is_read_from_the_environment_and_a_plan_outside_it_is_ref
         het.coordinator_endpoint()
 
 
-def test_an_agent_step_keeps_the_secret_off_its_command_line():
-    argv = slurm.agent_step_command("n2", ["felactl", "agent", "--secret-file", "-"], "7")
-    assert argv[:2] == ["srun", "--jobid=7"] and "--overlap" in argv and "--nodelist=n2" in argv
-    assert "--kill-on-bad-exit=0" in argv and argv[-2:] == ["--secret-file", "-"]
+def test_an_agent_step_per_node_gets_the_secret_on_its_stdin_never_on_a_command_line(monkeypatch, tmp_path):
+    """``start_step_agents`` as it runs: one srun step per node (in its heterogeneous component),
+    each handed the secret on stdin; no argv holds it."""
+    started = []
+
+    class FakeStep:
+        def __init__(self, argv, **kwargs):
+            self.argv, self.stdin, self.written = argv, self, b""
+            started.append(self)
+
+        def write(self, data):
+            self.written += data
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("felactl.agents.agent.subprocess.Popen", FakeStep)
+    monkeypatch.setattr(slurm.shutil, "which", lambda tool: f"/usr/bin/{tool}")  # runs without Slurm too
+    het = slurm.Allocation(job_id="9", nodes=("h1", "a1"), this_node="h1", components={"h1": 0, "a1": 1})
+    secret = "s3cret-of-the-job"
+    slurm.start_step_agents(het, {"h1": 2, "a1": None}, "10.0.0.1:1234", secret, tmp_path, "run9")
+    assert [step.argv[:4] for step in started] == [
+        ["srun", "--jobid=9", "--het-group=0", "--overlap"],
+        ["srun", "--jobid=9", "--het-group=1", "--overlap"],
+    ]
+    assert ["--nodelist=h1", "--nodelist=a1"] == [
+        next(a for a in s.argv if a.startswith("--nodelist")) for s in started
+    ]
+    assert "--nproc-per-node" in started[0].argv and "--nproc-per-node" not in started[1].argv  # a1: its own GPUs
+    for step in started:
+        assert step.written == (secret + "\n").encode() and not any(secret in arg for arg in step.argv)
+        assert step.argv[step.argv.index("--secret-file") + 1] == "-"
 
 
 def test_a_run_is_named_after_its_job_and_a_requeued_job_resumes_it_or_starts_again(tmp_path):
@@ -322,3 +350,33 @@ def test_a_run_is_named_after_its_job_and_a_requeued_job_resumes_it_or_starts_ag
     assert slurm.requeued_run(again, None, tmp_path) == ("slurm-42", None)  # nothing ran before: a new run
     (tmp_path / "slurm-42" / "checkpoints").mkdir(parents=True)
     assert slurm.requeued_run(again, None, tmp_path) == ("slurm-42-r1", None)  # no checkpoint to resume from
+
+
+def test_growing_through_slurm_takes_only_its_own_agents_and_gives_up_when_its_job_ends(monkeypatch, tmp_path):
+    """``scale --slurm-nodes``' waits, without Slurm: a job Slurm ends before it runs, or whose
+    agents never join, is one line (and cancelled by the caller); an agent's join recorded before
+    the request does not count as the new node's."""
+    from felactl.launcher import slurm_scale
+    from felactl.launcher.rundir import RunDir
+
+    states = iter([("PENDING", ""), ("BOOT_FAIL", "")])
+    monkeypatch.setattr(slurm_scale, "_job", lambda job_id: next(states))
+    monkeypatch.setattr(slurm_scale, "POLL_S", 0.0)
+    with pytest.raises(
+        InputError, match=r"Slurm job 5 for the new nodes ended before it ran \(BOOT_FAIL\); nothing changed"
+    ):
+        slurm_scale._wait_granted("5", time.monotonic() + 60)
+
+    run = RunDir.create("r", root=tmp_path)
+    joined = {"kind": "node-joined", "node": "nb"}
+    run.events.write_text(json.dumps(joined) + "\n")  # nb's agent of an earlier grow
+    monkeypatch.setattr(slurm_scale, "_job", lambda job_id: ("RUNNING", "nb") if not ended else ("", ""))
+    ended = False
+    with pytest.raises(InputError, match="the agents on nb did not join: in time"):
+        slurm_scale._wait_joined(run, "6", ["nb"], seen=1, deadline=time.monotonic() + 0.3)
+    ended = True
+    with pytest.raises(InputError, match=r"their Slurm job 6 ended \(gone\)"):
+        slurm_scale._wait_joined(run, "6", ["nb"], seen=1, deadline=time.monotonic() + 60)
+    with run.events.open("a") as events:
+        events.write(json.dumps(joined) + "\n")
+    slurm_scale._wait_joined(run, "6", ["nb"], seen=1, deadline=time.monotonic() + 60)  # its own join: done

@@ -421,17 +421,19 @@ def agent_argv(
     endpoint: str,
     *,
     nproc: int | None,
-    node_name: str,
+    node_name: str | None,
     job: str,
     log_dir: str | None = None,
     felactl: tuple[str, ...] = (sys.executable, "-m", "felactl"),
+    secret_file: str = "-",
 ) -> list[str]:
-    """``felactl agent`` joining ``endpoint`` as ``node_name`` with ``nproc`` worker slots (None:
-    the agent's default on its node) for ``job``; it reads the job secret from stdin
-    (:func:`start_agent` writes it there)."""
-    argv = [*felactl, "agent", "--rdzv-endpoint", endpoint, "--secret-file", "-"]
+    """``felactl agent`` joining ``endpoint`` as ``node_name`` (None: the name its node gives it)
+    with ``nproc`` worker slots (None: the agent's default on its node) for ``job``; it reads the
+    job secret from stdin (:func:`start_agent` writes it there), or from ``secret_file``."""
+    argv = [*felactl, "agent", "--rdzv-endpoint", endpoint, "--secret-file", secret_file]
     argv += ["--nproc-per-node", str(nproc)] if nproc is not None else []
-    argv += ["--node-name", node_name, "--job", job]
+    argv += ["--node-name", node_name] if node_name is not None else []
+    argv += ["--job", job]
     return argv + (["--log-dir", log_dir] if log_dir else [])
 
 

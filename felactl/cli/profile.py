@@ -269,13 +269,13 @@ def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:
 def _profile_cluster(where: ClusterFlags, options: ProfileOptions, out: Path | None, as_json: bool) -> None:
     """Profile the cluster ``where`` says with ``options``, write it, show it."""
     from felactl.launcher.profile import check_profile_flags, profile_cluster
-    from felactl.launcher.slurm import current_allocation
+    from felactl.launcher.slurm import current_allocation, slurm_applies
     from felactl.spec import save, to_dict
 
     # Bad input is said before the progress bar opens (a transient bar leaves a blank line).
     check_profile_flags(where.nproc_per_node, where.nnodes, where.rdzv_endpoint, where.hostfile, where.testbed)
-    elsewhere = where.testbed or where.hostfile or where.rdzv_endpoint
-    slurm = current_allocation() if where.slurm and not elsewhere else None
+    applies = slurm_applies(where.slurm, where.testbed, where.hostfile, where.rdzv_endpoint)
+    slurm = current_allocation() if applies else None
     with output.progress() as bar:
         task = bar.add_task("starting", total=None)
 

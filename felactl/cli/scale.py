@@ -60,16 +60,43 @@ def scale(options: ScaleCommandOptions) -> None:
     if len([name for name, value in ops if value is not None]) != 1:
         raise InputError("give exactly one of --add N, --remove RANK[,RANK...], --to N, --slurm-nodes N")
     check_flag("--timeout", o.timeout, limits.SECONDS, above=0)
+    _refuse_flags_of_the_other_kind(o)
     if o.slurm_nodes is not None:
         result = _grow_through_slurm(o)
     else:
         command = _command(o)
         result = request_scale(o.run, command, runs_root=o.runs_root, secret_file=o.secret_file, timeout_s=o.timeout)
-        if command["op"] == "remove" and "members_after" in result:
+        if command["op"] in ("remove", "to") and "members_after" in result:
             from felactl.launcher.slurm_scale import release_emptied
 
             result["slurm_released"] = release_emptied(o.run, result["members_after"], runs_root=o.runs_root)
     output.emit(result, o.as_json, lambda console: console.print(describe(result)))
+
+
+def _refuse_flags_of_the_other_kind(o: ScaleCommandOptions) -> None:
+    """A flag of ``--slurm-nodes`` without it, or one it does not take with it: one line, not ignored."""
+    if o.slurm_nodes is None:
+        given = [
+            flag
+            for flag, value in (("--nproc-per-node", o.nproc_per_node != 1 or None), ("--sbatch-arg", o.sbatch_arg))
+            if value
+        ]
+        if given:
+            raise InputError(f"{given[0]}: only with --slurm-nodes (the workers of --add go to a node's agent)")
+        return
+    given = [
+        flag
+        for flag, value in (
+            ("--node", o.node),
+            ("--secret-file", o.secret_file),
+            ("--scaling-policy", o.scaling_policy),
+        )
+        if value is not None
+    ]
+    if given:
+        raise InputError(
+            f"{given[0]}: not with --slurm-nodes (Slurm chooses the nodes; the run's own secret file is used)"
+        )
 
 
 def _command(o: ScaleCommandOptions) -> dict:

@@ -12,7 +12,7 @@ from felactl.errors import InputError
 from felactl.launcher.prepare import LaunchOptions
 from felactl.launcher.resume import run_counts
 from felactl.launcher.script import ScriptOptions
-from felactl.launcher.slurm import Allocation, current_allocation, requeued_run
+from felactl.launcher.slurm import Allocation, current_allocation, requeued_run, slurm_applies
 from felactl.limits import parse_count_range
 from felactl.spec import SyncMode
 
@@ -106,10 +106,11 @@ def script_options(flags: LaunchFlags) -> ScriptOptions:
 
 def allocation(flags: LaunchFlags) -> Allocation | None:
     """The Slurm allocation a launch runs on: the one this process is in (``SLURM_JOB_ID``),
-    unless ``--no-slurm``, or ``--testbed`` or ``--hostfile`` say where the nodes are."""
-    if not flags.slurm or flags.testbed is not None or flags.hostfile is not None:
-        return None
-    return current_allocation()
+    unless ``--no-slurm``, or ``--testbed``, ``--hostfile`` or ``--rdzv-endpoint`` (agents started
+    by hand join there) say where the nodes are, as for ``felactl profile``."""
+    return (
+        current_allocation() if slurm_applies(flags.slurm, flags.testbed, flags.hostfile, flags.rdzv_endpoint) else None
+    )
 
 
 def check_plan_flags(flags: LaunchFlags) -> None:

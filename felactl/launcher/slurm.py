@@ -1,4 +1,4 @@
-"""felactl inside a Slurm allocation (``salloc`` or ``sbatch``): the allocation is the cluster.
+"""felactl inside a Slurm allocation (a batch script, or ``srun`` in ``salloc``'s): the allocation is the cluster.
 
 Where ``SLURM_JOB_ID`` is set, ``felactl profile``, ``launch`` and ``scale`` reach the allocation's
 nodes as Slurm lets them, with job steps, as ``srun torchrun`` does:
@@ -63,7 +63,7 @@ class Allocation:
         if self.this_node is None:
             raise InputError(
                 f"{self}: SLURMD_NODENAME is not set; run felactl inside the batch script or a job step "
-                "(srun), not beside the allocation"
+                "(srun; in salloc's shell: srun --pty), not beside the allocation"
             )
         return f"{node_address(self.this_node)}:0"
 
@@ -75,6 +75,13 @@ class Allocation:
                 f"{where}: placement: node {missing[0]!r} is not in {self}; plan for a cluster profiled with "
                 "`felactl profile` inside this allocation, or ask Slurm for those nodes (sbatch --nodelist)"
             )
+
+
+def slurm_applies(slurm: bool, *elsewhere: object) -> bool:
+    """Whether a command runs on the allocation it may be in: ``--slurm`` (the default), and no
+    flag given of ``elsewhere`` (``--testbed``, ``--hostfile``, ``--rdzv-endpoint``: the nodes are
+    said another way)."""
+    return slurm and all(flag is None for flag in elsewhere)
 
 
 def current_allocation(env: Mapping[str, str] | None = None) -> Allocation | None:
@@ -108,37 +115,54 @@ def current_allocation(env: Mapping[str, str] | None = None) -> Allocation | Non
 def requeued_run(allocation: Allocation, run_id: str | None, runs_root: Path) -> tuple[str, str | None]:
     """The run a launch in ``allocation`` writes and the run it resumes (None: it starts one).
     The run is named after the job (``slurm-<job id>``) unless ``run_id`` is given, so a requeued
-    job (preempted, or its node lost, and started again by Slurm with the same id) finds it: from
-    its newest complete checkpoint the run goes on. A requeued job whose run has none yet starts
-    again as ``<run>-r<restart count>``."""
+    job (preempted, and started again by Slurm with the same id) finds it and goes on from its
+    newest complete checkpoint. A requeued job whose run has none yet starts again as
+    ``<run>-r<restart count>``, and a later restart resumes the newest of those that has one. (The
+    run's plan places its workers on the nodes it ran on: a requeued job must get them again.)"""
     from felactl.launcher.resume import pick_checkpoint
     from felactl.launcher.rundir import RunDir
 
     run_id = run_id or f"slurm-{allocation.job_id}"
-    if allocation.restart_count == 0 or not (Path(runs_root) / run_id).is_dir():
+    if allocation.restart_count == 0:
         return run_id, None
-    try:
-        pick_checkpoint(RunDir.find(run_id, root=runs_root))
-    except InputError:
-        log.warning("run %s has no complete checkpoint to resume: starting again", run_id)
-        return f"{run_id}-r{allocation.restart_count}", None
-    log.warning(
-        "Slurm requeued job %s (restart %d): resuming run %s", allocation.job_id, allocation.restart_count, run_id
-    )
-    return run_id, run_id
+    earlier = [run_id] + [f"{run_id}-r{n}" for n in range(1, allocation.restart_count)]
+    for candidate in reversed(earlier):
+        if not (Path(runs_root) / candidate).is_dir():
+            continue
+        try:
+            pick_checkpoint(RunDir.find(candidate, root=runs_root))
+        except InputError:
+            continue
+        log.warning(
+            "Slurm requeued job %s (restart %d): resuming run %s",
+            allocation.job_id,
+            allocation.restart_count,
+            candidate,
+        )
+        return candidate, candidate
+    if not (Path(runs_root) / run_id).is_dir():
+        return run_id, None
+    log.warning("run %s has no complete checkpoint to resume: starting again", run_id)
+    return f"{run_id}-r{allocation.restart_count}", None
 
 
 def _scontrol(*args: str) -> str:
     if shutil.which("scontrol") is None:
-        raise InputError("SLURM_JOB_ID is set but scontrol is not on PATH: run felactl where Slurm's commands are")
+        raise InputError(
+            "scontrol is not on PATH: run felactl where Slurm's commands are (or, inside an allocation, with "
+            "--no-slurm to use this machine only)"
+        )
     try:
         done = subprocess.run(
             ["scontrol", *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL
         )
     except subprocess.TimeoutExpired:
         raise InputError(f"scontrol {' '.join(args)}: no answer in {COMMAND_TIMEOUT_S:g} s") from None
+    except FileNotFoundError:
+        raise InputError("scontrol is not on PATH") from None
     if done.returncode != 0:
-        raise InputError(f"scontrol {' '.join(args)}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise InputError(f"scontrol {' '.join(args)}: {said[-1] if said else f'exit {done.returncode}'}")
     return done.stdout
 
 
@@ -181,6 +205,8 @@ def start_step_agents(
     from felactl.machine import stop_processes
 
     allocation.check_holds(slots, "the job")
+    if shutil.which("srun") is None:
+        raise InputError(f"{allocation}: srun is not on PATH, so no agent can start on the nodes (or give --no-slurm)")
     procs: list[subprocess.Popen] = []
     log_dir.mkdir(parents=True, exist_ok=True)
     try:

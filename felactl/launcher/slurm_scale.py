@@ -7,28 +7,33 @@ run's secret file (a path on the command line, the secret itself never), named a
 node. Once every granted node's agent has joined, each gets ``--nproc-per-node`` workers through
 the ordinary signed scale request (:func:`~felactl.launcher.scale.request_scale`), so the job
 rescales as for any new node. The run records the Slurm job and the workers it holds
-(``slurm-nodes``). Slurm not granting the nodes within ``--timeout`` cancels the request's job:
-nothing changes. When ``felactl scale --remove`` leaves a granted job's nodes without workers,
+(``slurm-nodes``). Slurm not granting the nodes within ``--timeout``, or their agents not joining,
+cancels the request's job: nothing changes. Only joins after the request count (a node the run
+has already, granted again, is another agent's). When ``felactl scale --remove`` leaves a granted job's nodes without workers,
 that job is cancelled (``scancel``) and the run records it (``slurm-released``).
 """
 
 from __future__ import annotations
 
-import json
 import shlex
+import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from felactl.agents.agent import agent_argv
 from felactl.control import EventKind
 from felactl.control.events import record
 from felactl.errors import InputError
+from felactl.fsutil import atomic_write_text, read_jsonl
 from felactl.launcher.rundir import RunDir
 from felactl.launcher.scale import coordinator_endpoint, request_scale
-from felactl.launcher.slurm import hostnames
+from felactl.launcher.slurm import COMMAND_TIMEOUT_S, hostnames
 
 POLL_S = 0.5
+TOOLS = ("sbatch", "squeue", "scontrol", "scancel")
+WAITING = ("PENDING", "CONFIGURING", "RUNNING")
+"""A Slurm job in any other state has ended (or is ending) for good."""
 
 
 def grow(
@@ -41,42 +46,44 @@ def grow(
     timeout_s: float,
 ) -> dict:
     """Ask Slurm for ``nodes`` more nodes for ``run`` and put ``nproc_per_node`` workers on each
-    (module doc); what changed."""
+    (module doc); what changed. Anything going wrong before the workers are in cancels the Slurm
+    job (nothing changed); once some are in, the run records them, so ``--remove`` releases it."""
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise InputError(
+            f"--slurm-nodes: {', '.join(missing)} not on PATH (run felactl scale where Slurm's commands are)"
+        )
     rundir = RunDir.find(run, root=runs_root)
     endpoint = coordinator_endpoint(rundir)
     deadline = time.monotonic() + timeout_s
+    seen = len(read_jsonl(rundir.events))  # joins before the request are other agents'
     job_id = _submit(rundir, endpoint, nodes, nproc_per_node, sbatch_args)
+    results: list[dict] = []
     try:
         granted = _wait_granted(job_id, deadline)
-        _wait_joined(rundir, granted, deadline)
+        _wait_joined(rundir, job_id, granted, seen, deadline)
+        for node in granted:
+            command = {"op": "add", "count": nproc_per_node, "node": node}
+            left = max(1.0, deadline - time.monotonic())
+            results.append(request_scale(rundir.run_id, command, runs_root=runs_root, timeout_s=left))
     except BaseException:
-        _scancel(job_id)
+        if not results:
+            _scancel(job_id)
         raise
-    results = [
-        request_scale(
-            rundir.run_id,
-            {"op": "add", "count": nproc_per_node, "node": node},
-            runs_root=runs_root,
-            timeout_s=max(1.0, deadline - time.monotonic()),
-        )
-        for node in granted
-    ]
-    added = sorted(set(results[-1]["members_after"]) - set(results[0]["members_before"]))
-    record(rundir.events, EventKind.SLURM_NODES, job=job_id, nodes=granted, workers=added)
+    finally:
+        if results:  # whatever came after, these workers run on the granted nodes: --remove releases them
+            added = sorted(set(results[-1]["members_after"]) - set(results[0]["members_before"]))
+            record(rundir.events, EventKind.SLURM_NODES, job=job_id, nodes=granted, workers=added)
     return {**results[-1], "members_before": results[0]["members_before"], "slurm_job": job_id, "nodes": granted}
 
 
 def release_emptied(run: str, members_after: list[int], *, runs_root: Path) -> list[str]:
     """Cancel the Slurm jobs :func:`grow` submitted for ``run`` none of whose workers is among
-    ``members_after``; the job ids cancelled."""
+    ``members_after``; the job ids cancelled (each recorded once it is)."""
     rundir = RunDir.find(run, root=runs_root)
-    granted, released = {}, set()
-    for line in rundir.events.read_text().splitlines() if rundir.events.exists() else ():
-        event = json.loads(line)
-        if event.get("kind") == EventKind.SLURM_NODES.value:
-            granted[event["job"]] = event
-        elif event.get("kind") == EventKind.SLURM_RELEASED.value:
-            released.add(event["job"])
+    events = read_jsonl(rundir.events)
+    released = {e["job"] for e in events if e.get("kind") == EventKind.SLURM_RELEASED.value}
+    granted = {e["job"]: e for e in events if e.get("kind") == EventKind.SLURM_NODES.value}
     cancelled = []
     for job_id, event in granted.items():
         if job_id not in released and not set(event["workers"]) & set(members_after):
@@ -87,27 +94,20 @@ def release_emptied(run: str, members_after: list[int], *, runs_root: Path) -> l
 
 
 def _submit(rundir: RunDir, endpoint: str, nodes: int, nproc: int, sbatch_args: tuple[str, ...]) -> str:
-    agent = [
-        sys.executable,
-        "-m",
-        "felactl",
-        "agent",
-        "--rdzv-endpoint",
+    agent = agent_argv(
         endpoint,
-        "--secret-file",
-        str(rundir.secret.resolve()),
-        "--job",
-        rundir.run_id,
-        "--nproc-per-node",
-        str(nproc),
-        "--log-dir",
-        str(rundir.logs.resolve()),
-    ]
+        nproc=nproc,
+        node_name=None,  # each takes its node's Slurm name
+        job=rundir.run_id,
+        log_dir=str(rundir.logs.resolve()),
+        secret_file=str(rundir.secret.resolve()),
+    )
     script = rundir.path / "slurm-grow.sh"
-    script.write_text(
+    atomic_write_text(
+        script,
         "#!/bin/sh\n"
         f"# felactl scale {rundir.run_id} --slurm-nodes: an agent on each granted node joins the running job\n"
-        f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(agent)}\n"
+        f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(agent)}\n",
     )
     argv = [
         "sbatch",
@@ -118,18 +118,16 @@ def _submit(rundir: RunDir, endpoint: str, nodes: int, nproc: int, sbatch_args: 
         *sbatch_args,
         str(script),
     ]
-    done = _slurm(argv)
-    return done.split(";")[0].strip()
+    return _slurm(argv).split(";")[0].strip()
 
 
 def _wait_granted(job_id: str, deadline: float) -> list[str]:
-    """The nodes of ``job_id`` once it runs; InputError if Slurm has not started it by ``deadline``."""
+    """The nodes of ``job_id`` once it runs; InputError if it ends first or has not started by ``deadline``."""
     while True:
-        shown = _slurm(["squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%N"]).strip()
-        state, _, nodelist = shown.partition("|")
+        state, nodelist = _job(job_id)
         if state == "RUNNING" and nodelist:
             return hostnames(nodelist)
-        if state in ("", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "COMPLETED"):
+        if state not in WAITING:
             raise InputError(
                 f"Slurm job {job_id} for the new nodes ended before it ran ({state or 'gone'}); nothing changed"
             )
@@ -140,35 +138,44 @@ def _wait_granted(job_id: str, deadline: float) -> list[str]:
         time.sleep(POLL_S)
 
 
-def _wait_joined(rundir: RunDir, nodes: list[str], deadline: float) -> None:
-    """Until every node of ``nodes`` has an agent in the job (its ``node-joined`` event)."""
+def _wait_joined(rundir: RunDir, job_id: str, nodes: list[str], seen: int, deadline: float) -> None:
+    """Until every node of ``nodes`` has an agent in the job (a ``node-joined`` event after the
+    first ``seen`` events); InputError if the Slurm job ends or ``deadline`` passes first."""
     while True:
-        text = rundir.events.read_text() if rundir.events.exists() else ""
         joined = {
-            json.loads(line).get("node") for line in text.splitlines() if f'"{EventKind.NODE_JOINED.value}"' in line
+            e.get("node") for e in read_jsonl(rundir.events)[seen:] if e.get("kind") == EventKind.NODE_JOINED.value
         }
         missing = [node for node in nodes if node not in joined]
         if not missing:
             return
-        if time.monotonic() > deadline:
+        state, _ = _job(job_id)
+        if state not in WAITING or time.monotonic() > deadline:
+            why = f"their Slurm job {job_id} ended ({state or 'gone'})" if state not in WAITING else "in time"
             raise InputError(
-                f"the agents on {', '.join(missing)} did not join in time (see {rundir.logs}/slurm-grow-*.out); "
-                "cancelled their Slurm job, nothing changed"
+                f"the agents on {', '.join(missing)} did not join: {why} (see {rundir.logs}/slurm-grow-{job_id}.out); "
+                "cancelled it, nothing changed"
             )
         time.sleep(POLL_S)
 
 
+def _job(job_id: str) -> tuple[str, str]:
+    """(state, node list) of a Slurm job; ("", "") once Slurm no longer lists it."""
+    state, _, nodelist = _slurm(["squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%N"]).strip().partition("|")
+    return state, nodelist
+
+
 def _scancel(job_id: str) -> None:
-    subprocess.run(["scancel", job_id], capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+    _slurm(["scancel", job_id])
 
 
 def _slurm(argv: list[str]) -> str:
+    """Run a Slurm command; its stdout, or one InputError line."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
-        raise InputError(
-            f"--slurm-nodes: {argv[0]} is not on PATH (run felactl scale where Slurm's commands are)"
-        ) from None
+        raise InputError(f"{argv[0]} is not on PATH (run felactl scale where Slurm's commands are)") from None
+    except subprocess.TimeoutExpired:
+        raise InputError(f"{argv[0]}: no answer in {COMMAND_TIMEOUT_S:g} s") from None
     if done.returncode != 0:
         raise InputError(f"{argv[0]}: {(done.stderr or done.stdout).strip() or f'exit {done.returncode}'}")
     return done.stdout

@@ -166,8 +166,9 @@ def _daemon(argv: list[str], log: Path) -> int:
 
 def start(doc: dict[str, Any], record) -> None:
     """Start munge, the controller and every node's slurmd for the testbed ``doc`` describes (its
-    nodes made already), each recorded (``record(kind, what)``) before it starts; wait until every
-    node is idle. A failure raises :class:`TestbedError` naming the log to read."""
+    nodes made already), the Slurm directory recorded (``record(kind, what)``) before anything is
+    made there and each daemon once started (:func:`stop` finds them by that directory); wait
+    until every node is idle. A failure raises :class:`TestbedError` naming the log to read."""
     from felactl.testbed.processes import node_command_net
 
     require_slurm()
@@ -232,30 +233,36 @@ def _wait_for(ready, log: Path, what: str) -> None:
 
 
 def stop(doc: dict[str, Any]) -> list[str]:
-    """Stop the daemons ``doc`` records (a slurmd dies with its node's processes anyway) and remove
-    the Slurm directory; what was stopped or removed."""
+    """Stop this testbed's daemons and remove its Slurm directory; what was stopped or removed.
+    The daemons are found by their command lines, which all name the directory (the state file
+    may be gone: an ``up`` killed half-way); a slurmd also dies with its node's processes."""
     slurm = doc.get("slurm") or {}
     where = Path(slurm.get("dir") or slurm_dir(doc["name"]))
     stopped = []
-    for what, pid in (slurm.get("pids") or {}).items():
-        if _is_ours(pid, where):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            stopped.append(f"{what} (pid {pid})")
+    for pid in _daemons_of(where):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        stopped.append(f"pid {pid}")
     if where.exists():
         shutil.rmtree(where, ignore_errors=True)
         stopped.append(str(where))
     return stopped
 
 
-def _is_ours(pid: int, where: Path) -> bool:
-    """Whether ``pid`` still runs one of this testbed's daemons (its command line names its
-    directory): a recorded pid may be another process's by now."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return str(where) in cmdline
+def _daemons_of(where: Path) -> list[int]:
+    """The processes whose command line names a file in ``where`` (munged's socket, the daemons'
+    ``slurm.conf``), this one aside."""
+    inside = f"{where}/".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if inside in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def install() -> int:
