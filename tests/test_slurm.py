@@ -74,6 +74,13 @@ def _sbatch(state, tmp_path: Path, *lines: str, header: tuple[str, ...] = ("#SBA
     return done.stdout.strip().split(";")[0]
 
 
+def _said(output: Path, state) -> str:
+    """A failed job's output and the end of Slurm's logs: what a failure's report needs."""
+    where = Path(state.slurm_conf).parent
+    logs = [output, where / "slurmctld.log", *sorted(where.glob("slurmd-*.log"))]
+    return "\n".join(f"--- {log}\n" + "\n".join(log.read_text().splitlines()[-25:]) for log in logs if log.exists())
+
+
 def _wait_for(condition, output: Path) -> None:
     """Until ``condition()`` holds (a job's progress); else fail, showing the job's ``output``."""
     deadline = time.monotonic() + JOB_S
@@ -179,9 +186,11 @@ def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeue
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     (stopped,) = [e for e in events if e["kind"] == "stopped"]
     assert stopped["checkpoint_step"] >= 50 and not (tmp_path / "summary.json").read_text().strip()
+    # as Slurm requeues a preempted job: once its nodes are free again (its steps' clean-up done)
+    _wait_for(lambda: all(_node_state(cluster, node) == "idle" for node in ("na", "nb")), tmp_path / f"out-{job}.txt")
     _slurm(cluster, "scontrol", "requeue", job)
     _slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")  # a requeued job waits 2 min else
-    assert _wait_job(cluster, job, restarts=1) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
+    assert _wait_job(cluster, job, restarts=1) == "COMPLETED", _said(tmp_path / f"out-{job}.txt", cluster)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     (resumed,) = [e for e in events if e["kind"] == "resume"]
     assert resumed["from_step"] == stopped["checkpoint_step"]
@@ -268,13 +277,15 @@ def test_a_batch_job_trains_on_both_nodes_and_survives_one_that_slurm_loses(clus
 
 
 def _node_state(state, node: str) -> str:
-    return subprocess.run(
+    """``node``'s state in Slurm (``idle``, ``alloc``, ``down*`` ...; sinfo lists it once per partition)."""
+    shown = subprocess.run(
         ["sinfo", "--noheader", "--Node", f"--nodes={node}", "--format=%t"],
         env=client_env(state.name),
         capture_output=True,
         text=True,
         timeout=30,
-    ).stdout.strip()
+    ).stdout.split()
+    return shown[0] if shown else ""
 
 
 def _slurm(state, *argv: str) -> None:
