@@ -22,7 +22,7 @@ from felactl.launcher.prepare import job_plan
 from felactl.spec import load_cluster, save
 from felactl.testbed import TestbedUnavailable, down, leftovers, probe_host, up
 from felactl.testbed.slurm import client_env, require_slurm
-from tests.testbed_fixtures import pair
+from tests.testbed_fixtures import jobs_alone, pair
 
 ROOT = Path(__file__).resolve().parent.parent
 FELACTL = [sys.executable, "-m", "felactl"]
@@ -41,12 +41,13 @@ def cluster():
         pytest.skip(str(exc))
     name = f"u{os.getpid() % 1000000}"[:8]
     spec = pair(host, (0.9, 0.5), (0.2, 0.2))
-    state = up(spec, "pair.yaml", name=name, host=host, allow_no_latency=True, slurm=True)
-    try:
-        yield state
-    finally:
-        down(name)
-        assert not leftovers(name)
+    with jobs_alone():
+        state = up(spec, "pair.yaml", name=name, host=host, allow_no_latency=True, slurm=True)
+        try:
+            yield state
+        finally:
+            down(name)
+            assert not leftovers(name)
 
 
 def _sbatch(state, tmp_path: Path, *lines: str, header: tuple[str, ...] = ("#SBATCH --nodes=2",)) -> str:

@@ -24,7 +24,7 @@ import yaml
 
 from felactl.testbed import TestbedUnavailable, down, probe_host, up
 from felactl.testbed.faults import crash_node, cut_node, partition_nodes, partitioned
-from tests.testbed_fixtures import pair
+from tests.testbed_fixtures import jobs_alone, pair
 
 ROOT = Path(__file__).resolve().parent.parent
 FELACTL = [sys.executable, "-m", "felactl"]
@@ -41,9 +41,11 @@ NOTICED_S = 3 + 5 + 5
 @pytest.fixture(scope="module")
 def host():
     try:
-        return probe_host()
+        found = probe_host()
     except TestbedUnavailable as exc:
         pytest.skip(str(exc))
+    with jobs_alone():
+        yield found
 
 
 def _pair(host, tag: str, cpus: tuple[float, float], gbps: tuple[float, float], *, one_core: bool):
@@ -116,9 +118,9 @@ def _launch_elastic(
     command = [*FELACTL, "launch", str(_plan_file(tmp_path, nodes)), "--testbed", bed.name]
     command += ["--steps", str(steps), "--json", "--run-id", run_id, "--runs-root", str(tmp_path / "runs")]
     command += ["--elastic", "--heartbeat-timeout", "3", "--collective-timeout", "5", "--max-nproc-per-node", "1"]
-    # a worker `scale --add` starts in nb (half a core) took over the default 60 s to be ready once,
-    # with another testbed's jobs (tests/test_slurm.py) beside it on the 2-core machine
-    command += ["--join-timeout", "150"]
+    # a worker `scale --add` starts in nb (half a core) took over the default 60 s to be ready once
+    # under the full suite's load; below `_scale_onto_nb`'s 150 s, so that a refusal still arrives
+    command += ["--join-timeout", "120"]
     return subprocess.Popen(command, env=ENV, stdout=stdout, stderr=stderr or subprocess.PIPE, text=True)
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from pathlib import Path
+
 from felactl.spec.io import from_dict
 from felactl.testbed import TestbedSpec
 
@@ -26,3 +30,17 @@ def pair(host, cpus: tuple[float, float], gbps: tuple[float, float], *, one_core
         },
         "pair.yaml",
     )
+
+
+JOBS_LOCK = Path("/tmp/felactl-testbed.lock")
+"""Held while a test module runs jobs in testbeds (the lock ``bench_testbed_plans.py`` measures under)."""
+
+
+@contextlib.contextmanager
+def jobs_alone():
+    """Run one module's testbed jobs at a time: two such modules side by side (the suite's two
+    workers) starve each other's half-core nodes, and a worker started there took over 150 s to
+    be ready (the job tests beside the Slurm tests)."""
+    with open(JOBS_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
