@@ -392,3 +392,76 @@ def test_growing_through_slurm_takes_only_its_own_agents_and_gives_up_when_its_j
     with run.events.open("a") as events:
         events.write(json.dumps(joined) + "\n")
     slurm_scale._wait_joined(run, "6", ["nb"], seen=1, deadline=time.monotonic() + 60)  # its own join: done
+
+
+def test_a_second_requeue_resumes_the_run_the_first_one_started_again(monkeypatch, tmp_path):
+    """Restart 1 found no checkpoint and started ``slurm-42-r1``, which checkpointed; restart 2
+    resumes that one (it started ``slurm-42-r2`` from nothing, losing r1's steps)."""
+    from felactl.launcher import resume
+    from felactl.launcher.rundir import RunDir
+
+    for run in ("slurm-42", "slurm-42-r1"):
+        (RunDir.create(run, root=tmp_path).path / "launch.json").write_text("{}")
+
+    def newest(rundir):
+        if rundir.run_id != "slurm-42-r1":
+            raise InputError(f"run {rundir.run_id} has no complete checkpoint")
+
+    monkeypatch.setattr(resume, "pick_checkpoint", newest)
+    second = slurm.Allocation(job_id="42", nodes=("n1",), this_node="n1", components={"n1": 0}, restart_count=2)
+    assert slurm.requeued_run(second, None, tmp_path) == ("slurm-42-r1", "slurm-42-r1")
+
+
+def test_a_shrink_that_empties_the_nodes_slurm_granted_gives_them_back(monkeypatch, tmp_path):
+    """``felactl scale --to 1`` (as ``--remove``) leaving no worker on the nodes of a Slurm job
+    ``--slurm-nodes`` got: that job is cancelled, once, and the run records it."""
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+    from felactl.launcher import slurm_scale
+    from felactl.launcher.rundir import RunDir
+
+    run = RunDir.create("r", root=tmp_path)
+    (run.path / "launch.json").write_text("{}")
+    run.events.write_text(json.dumps({"kind": "slurm-nodes", "job": "77", "nodes": ["nb"], "workers": [1]}) + "\n")
+    cancelled = []
+    monkeypatch.setattr(slurm_scale, "request_scale", lambda *a, **k: {"kind": "scale-in", "members_after": [0]})
+    monkeypatch.setattr(slurm_scale, "run_slurm", lambda *argv: cancelled.append(argv) or "")
+    for _ in range(2):
+        done = CliRunner().invoke(app, ["scale", "r", "--to", "1", "--runs-root", str(tmp_path), "--json"])
+        assert done.exit_code == 0, done.output
+    assert cancelled == [("scancel", "77")]
+    assert [e["kind"] for e in map(json.loads, run.events.read_text().splitlines())] == [
+        "slurm-nodes",
+        "slurm-released",
+    ]
+
+
+def test_scale_refuses_a_flag_of_the_other_kind_in_one_line():
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+
+    for argv, said in (
+        (["--add", "1", "--sbatch-arg=--partition=a"], "--sbatch-arg: only with --slurm-nodes"),
+        (["--slurm-nodes", "1", "--node", "n2"], "--node: not with --slurm-nodes"),
+    ):
+        done = CliRunner().invoke(app, ["scale", "r", *argv])
+        assert done.exit_code == 2 and said in done.output, done.output
+
+
+def test_testbed_down_finds_its_slurm_daemons_by_their_directory_and_no_other_testbeds(tmp_path):
+    """By command line, even without a state file: ``/x/a-slurm`` is not ``/x/a-slurm-slurm``."""
+    from felactl.testbed.slurm import _daemons_of
+
+    ours, theirs = tmp_path / "a-slurm", tmp_path / "a-slurm-slurm"
+    sleepers = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--conf={where}/slurm.conf"])
+        for where in (ours, theirs)
+    ]
+    try:
+        assert _daemons_of(ours) == [sleepers[0].pid]
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()

@@ -53,7 +53,7 @@ def scale(options: ScaleCommandOptions) -> None:
     memory. A pipeline or a sharded stage: it checkpoints a step its workers agree on and restarts
     on the plan for the new workers."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d's connect retries are not the user's news
-    from felactl.launcher.scale import request_scale
+    from felactl.launcher.slurm_scale import rescale
 
     o = options
     ops = (("--add", o.add), ("--remove", o.remove), ("--to", o.to), ("--slurm-nodes", o.slurm_nodes))
@@ -64,12 +64,7 @@ def scale(options: ScaleCommandOptions) -> None:
     if o.slurm_nodes is not None:
         result = _grow_through_slurm(o)
     else:
-        command = _command(o)
-        result = request_scale(o.run, command, runs_root=o.runs_root, secret_file=o.secret_file, timeout_s=o.timeout)
-        if command["op"] in ("remove", "to") and "members_after" in result:
-            from felactl.launcher.slurm_scale import release_emptied
-
-            result["slurm_released"] = release_emptied(o.run, result["members_after"], runs_root=o.runs_root)
+        result = rescale(o.run, _command(o), runs_root=o.runs_root, secret_file=o.secret_file, timeout_s=o.timeout)
     output.emit(result, o.as_json, lambda console: console.print(describe(result)))
 
 

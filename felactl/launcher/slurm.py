@@ -146,34 +146,34 @@ def requeued_run(allocation: Allocation, run_id: str | None, runs_root: Path) ->
     return f"{run_id}-r{allocation.restart_count}", None
 
 
-def _scontrol(*args: str) -> str:
-    if shutil.which("scontrol") is None:
-        raise InputError(
-            "scontrol is not on PATH: run felactl where Slurm's commands are (or, inside an allocation, with "
-            "--no-slurm to use this machine only)"
-        )
+def run_slurm(*argv: str) -> str:
+    """Run a Slurm command (``scontrol``, ``sbatch``, ``squeue``, ``scancel``); its stdout, or
+    one :class:`InputError` line: not installed, no answer in time, or what it said failing."""
     try:
         done = subprocess.run(
-            ["scontrol", *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL
+            list(argv), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL
         )
-    except subprocess.TimeoutExpired:
-        raise InputError(f"scontrol {' '.join(args)}: no answer in {COMMAND_TIMEOUT_S:g} s") from None
     except FileNotFoundError:
-        raise InputError("scontrol is not on PATH") from None
+        raise InputError(
+            f"{argv[0]} is not on PATH: run felactl where Slurm's commands are (or, inside an allocation, with "
+            "--no-slurm to use this machine only)"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise InputError(f"{' '.join(argv[:3])}: no answer in {COMMAND_TIMEOUT_S:g} s") from None
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
-        raise InputError(f"scontrol {' '.join(args)}: {said[-1] if said else f'exit {done.returncode}'}")
+        raise InputError(f"{' '.join(argv[:3])}: {said[-1] if said else f'exit {done.returncode}'}")
     return done.stdout
 
 
 def hostnames(nodelist: str) -> list[str]:
     """A Slurm node list (``n[0-3],gpu7``) as node names: ``scontrol show hostnames``."""
-    return _scontrol("show", "hostnames", nodelist).split()
+    return run_slurm("scontrol", "show", "hostnames", nodelist).split()
 
 
 def node_address(node: str) -> str:
     """Where ``node`` listens: its ``NodeAddr`` in Slurm (its name, where the cluster resolves it)."""
-    found = re.search(r"\bNodeAddr=(\S+)", _scontrol("show", "node", node))
+    found = re.search(r"\bNodeAddr=(\S+)", run_slurm("scontrol", "show", "node", node))
     return found.group(1) if found else node
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from felactl.errors import InputError
 from felactl.fsutil import atomic_write_text, read_jsonl
 from felactl.launcher.rundir import RunDir
 from felactl.launcher.scale import coordinator_endpoint, request_scale
-from felactl.launcher.slurm import COMMAND_TIMEOUT_S, hostnames
+from felactl.launcher.slurm import hostnames, run_slurm
 
 POLL_S = 0.5
 TOOLS = ("sbatch", "squeue", "scontrol", "scancel")
@@ -77,6 +76,16 @@ def grow(
     return {**results[-1], "members_before": results[0]["members_before"], "slurm_job": job_id, "nodes": granted}
 
 
+def rescale(run: str, command: dict, *, runs_root: Path, secret_file: Path | None, timeout_s: float) -> dict:
+    """``felactl scale``'s signed request (:func:`~felactl.launcher.scale.request_scale`); a
+    shrink that leaves nodes Slurm granted the run without workers gives them back
+    (:func:`release_emptied`: ``slurm_released`` in the answer)."""
+    result = request_scale(run, command, runs_root=runs_root, secret_file=secret_file, timeout_s=timeout_s)
+    if command["op"] in ("remove", "to") and "members_after" in result:
+        result["slurm_released"] = release_emptied(run, result["members_after"], runs_root=runs_root)
+    return result
+
+
 def release_emptied(run: str, members_after: list[int], *, runs_root: Path) -> list[str]:
     """Cancel the Slurm jobs :func:`grow` submitted for ``run`` none of whose workers is among
     ``members_after``; the job ids cancelled (each recorded once it is)."""
@@ -118,7 +127,7 @@ def _submit(rundir: RunDir, endpoint: str, nodes: int, nproc: int, sbatch_args: 
         *sbatch_args,
         str(script),
     ]
-    return _slurm(argv).split(";")[0].strip()
+    return run_slurm(*argv).split(";")[0].strip()
 
 
 def _wait_granted(job_id: str, deadline: float) -> list[str]:
@@ -160,22 +169,9 @@ def _wait_joined(rundir: RunDir, job_id: str, nodes: list[str], seen: int, deadl
 
 def _job(job_id: str) -> tuple[str, str]:
     """(state, node list) of a Slurm job; ("", "") once Slurm no longer lists it."""
-    state, _, nodelist = _slurm(["squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%N"]).strip().partition("|")
+    state, _, nodelist = run_slurm("squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%N").strip().partition("|")
     return state, nodelist
 
 
 def _scancel(job_id: str) -> None:
-    _slurm(["scancel", job_id])
-
-
-def _slurm(argv: list[str]) -> str:
-    """Run a Slurm command; its stdout, or one InputError line."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise InputError(f"{argv[0]} is not on PATH (run felactl scale where Slurm's commands are)") from None
-    except subprocess.TimeoutExpired:
-        raise InputError(f"{argv[0]}: no answer in {COMMAND_TIMEOUT_S:g} s") from None
-    if done.returncode != 0:
-        raise InputError(f"{argv[0]}: {(done.stderr or done.stdout).strip() or f'exit {done.returncode}'}")
-    return done.stdout
+    run_slurm("scancel", job_id)
