@@ -189,8 +189,7 @@ def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeue
     assert stopped["checkpoint_step"] >= 50 and not (tmp_path / "summary.json").read_text().strip()
     # as Slurm requeues a preempted job: once its nodes are free again (its steps' clean-up done)
     _wait_for(lambda: all(_node_state(cluster, node) == "idle" for node in ("na", "nb")), tmp_path / f"out-{job}.txt")
-    _slurm(cluster, "scontrol", "requeue", job)
-    _slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")  # a requeued job waits 2 min else
+    _slurm(cluster, "scontrol", "requeue", job)  # it starts once its last run's credential expires (10 s here)
     assert _wait_job(cluster, job, restarts=1) == "COMPLETED", _said(tmp_path / f"out-{job}.txt", cluster)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     (resumed,) = [e for e in events if e["kind"] == "resume"]

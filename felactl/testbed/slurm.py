@@ -89,7 +89,9 @@ def write_conf(doc: dict[str, Any], controller_port: int) -> Path:
         f"SlurmdPort={SLURMD_PORT}",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={where / 'munge.sock'}",
+        # a job's credential stays revoked cred_expire s after it ends, and a requeued job waits as long
+        # (Slurm's 120 s would hold a requeue test for two minutes; started sooner, slurmd refuses it)
+        f"AuthInfo=socket={where / 'munge.sock'},cred_expire=10",
         "SlurmUser=root",
         "SlurmdUser=root",
         f"StateSaveLocation={where / 'ctld'}",
