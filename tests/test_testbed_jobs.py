@@ -119,16 +119,18 @@ def _launch_elastic(
     command += ["--steps", str(steps), "--json", "--run-id", run_id, "--runs-root", str(tmp_path / "runs")]
     command += ["--elastic", "--heartbeat-timeout", "3", "--collective-timeout", "5", "--max-nproc-per-node", "1"]
     # a worker `scale --add` starts in nb (half a core) took over the default 60 s to be ready once
-    # under the full suite's load; below `_scale_onto_nb`'s 150 s, so that a refusal still arrives
-    command += ["--join-timeout", "120"]
+    # under the full suite's load, and over 120 s once in CI; below `_scale_onto_nb`'s 270 s, so
+    # that a refusal still arrives
+    command += ["--join-timeout", "240"]
     return subprocess.Popen(command, env=ENV, stdout=stdout, stderr=stderr or subprocess.PIPE, text=True)
 
 
 def _scale_onto_nb(runs: Path, run_id: str) -> subprocess.CompletedProcess:
     """`felactl scale RUN --add 1 --node nb`, as a user types it. The answer comes once the newcomer
-    started in nb and joined: about 15 s on an idle machine; 60 s ran out once under CI's load."""
+    started in nb and joined: about 15 s on an idle machine, 20 s beside six busy loops; 60 s ran
+    out once under CI's load, and a join timeout of 120 s once too."""
     command = [*FELACTL, "scale", run_id, "--runs-root", str(runs), "--add", "1", "--node", "nb", "--json"]
-    return subprocess.run([*command, "--timeout", "150"], env=ENV, capture_output=True, text=True, timeout=180)
+    return subprocess.run([*command, "--timeout", "270"], env=ENV, capture_output=True, text=True, timeout=300)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -343,7 +345,7 @@ class Grown:
         _wait_event(self.run, ("start",), timeout_s=60)
         self.endpoint = _events(self.run)[0]["endpoint"]  # the launch event's
         agent = [*FELACTL, "agent", "--rdzv-endpoint", self.endpoint, "--secret-file", str(self.run / "secret")]
-        agent += ["--nproc-per-node", "1", "--job", "grow"]
+        agent += ["--nproc-per-node", "1", "--job", "grow", "--log-dir", str(self.tmp / "agent-nb-logs")]
         with (self.tmp / "agent-nb.log").open("w") as log:
             self.agent = subprocess.Popen(
                 [*FELACTL, "testbed", "exec", "nb", "--name", self.bed.name, "--", *agent],
@@ -353,9 +355,23 @@ class Grown:
             )
         self.joined = _wait_event(self.run, ("node-joined",), timeout_s=60)
         scaled = _scale_onto_nb(self.runs, "grow")
-        assert scaled.returncode == 0, scaled.stderr
+        assert scaled.returncode == 0, f"{scaled.stderr}{self.why_slow()}"
         self.scaled = json.loads(scaled.stdout)
         self.generation = self.scaled["generation"]
+
+    def why_slow(self) -> str:
+        """What a grow that timed out leaves to read: the run's events with their times, the load,
+        how often nb's cgroup was throttled, and the ends of nb's agent and worker logs."""
+        start = _events(self.run)[0]["time"]
+        lines = [f"{e['time'] - start:7.1f} s  {e['kind']}" for e in _events(self.run)]
+        lines.append(f"loadavg: {Path('/proc/loadavg').read_text().strip()}")
+        lines += [
+            f"{p}: {p.read_text().split()}" for p in Path("/sys/fs/cgroup").rglob(f"*{self.bed.name}/nb/cpu.stat")
+        ]
+        for log in [self.tmp / "agent-nb.log", *sorted((self.tmp / "agent-nb-logs").glob("*.log"))]:
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else "(none)"
+            lines.append(f"--- {log.name}:\n{tail}")
+        return "\n" + "\n".join(lines)
 
     def said(self) -> str:
         """The end of the launch's stderr."""

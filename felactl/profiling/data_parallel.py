@@ -201,9 +201,12 @@ def _time_steps(
     from felactl.parallel.ddp import wrap_replica
 
     pin_to_cores(cores, strict=True)
+    # The model is built before the rendezvous: a slot whose model fails says so alone, and its
+    # peers are stopped while they wait there (built after it, a peer's 'connection closed by
+    # peer' could reach the parent first and hide the cause).
+    bundle = build(model, config, seed=0)
     dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
     try:
-        bundle = build(model, config, seed=0)
         replica = wrap_replica(bundle.model)  # as the runtime wraps a one-stage plan's: the user's module whole
         # Training steps the optimizer after the sync, and a step after DDP's sync was measured
         # slower (~4 ms vs ~2 ms here): time it in both, so the difference holds what sync costs

@@ -39,9 +39,11 @@ import datetime
 import gc
 import logging
 import os
+import sys
 import time
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 
 from felactl.agents.worker.config import WorkerConfig
@@ -231,6 +233,10 @@ class ElasticMembership(Membership):
         template = load_plan(self.cfg.plan_path)
         self.trainer = Trainer(self._placeholder_runtime(template), template, membership=self, metrics_rank=self.wid)
         _warm_up(self.trainer)
+        # its log says how long a scale-out waited on it, imports included (the launch gives up after
+        # --join-timeout)
+        since_start = time.time() - psutil.Process().create_time()
+        print(f"worker {self.wid}: ready to join {since_start:.1f} s after it started", file=sys.stderr, flush=True)
         self.reader.write(
             keys.ready(self.wid), ReadyDoc.KIND.value, ReadyDoc(pid=os.getpid(), time=time.time()).to_body()
         )
