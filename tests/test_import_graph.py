@@ -35,6 +35,7 @@ LEVEL = {
     "testbed": 6,
     "launcher": 7,
     "quickstart": 8,
+    "report": 8,  # draws a run from its directory (the launcher's) and its plan (the simulator's)
     "cli": 9,
     "__main__": 10,
 }

@@ -20,7 +20,9 @@ from felactl.control import Reader, keys
 from felactl.errors import InputError
 from felactl.launcher.rundir import read_jsonl
 from felactl.launcher.scale_plan import ScalingPolicy, replan
+from felactl.report.series import read_run
 from felactl.spec import Plan, SyncMode, SyncSpec, Training, save
+from tests.test_report import check_report
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _worker_helpers import Job, one_node_controller, rescale  # noqa: E402
@@ -561,7 +563,8 @@ def _local_profiles(tmp_path: Path, num_devices: int, pace: Pace):
 def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftovers):
     """Launched with --cluster/--model, a scale-out names the newcomer after a free device of the
     profile, and the new generation's plan is the planner's: its micro-batch, shares, packed
-    trees and prediction for the three devices. Beyond the profile's devices: refused. (linear-lr:
+    trees and prediction for the three devices. ``felactl report`` draws the run while it trains
+    and once it finished rescaled, what it recorded (:func:`tests.test_report.check_report`). Beyond the profile's devices: refused. (linear-lr:
     the batch grows to 24 with the third worker; at 16, two micro-batches of gpt-mini's profiled 8
     are cheaper on two devices than smaller ones on three, and the planner says so.)"""
     from felactl.optimizer.planner import make_plan
@@ -592,6 +595,7 @@ def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftove
     )
     try:
         job.wait_step("p", 20)
+        running = check_report(tmp_path / "runs" / "p", tmp_path / "running")  # felactl report while it trains
         grown = job.scale("p", "--add", "1")
         assert grown.exit_code == 0, grown.output
         event = json.loads(grown.stdout)
@@ -600,6 +604,10 @@ def test_with_its_profiles_a_rescale_runs_the_planner_again(tmp_path, no_leftove
         summary = job.finish()
     finally:
         job.stop()
+    assert running["state"] == "running" and not running["left_out"]  # its profiles: the Gantt drawn too
+    finished = check_report(tmp_path / "runs" / "p", tmp_path / "finished")
+    assert finished["state"] == "finished"
+    assert [m.kind for m in read_run(str(tmp_path / "runs" / "p"), tmp_path / "runs").marks] == ["scale-out"]
     assert event["planned_by"] == "planner" and event["predicted_iteration_s"] > 0
     assert full.exit_code == 2 and "cluster profile" in full.stderr + full.stdout, full.output
     from felactl.spec import load_plan

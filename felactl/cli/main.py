@@ -108,6 +108,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "agent",
     "launch",
     "status",
+    "report",
     "plan",
     "demo",
     "scale",

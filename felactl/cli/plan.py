@@ -241,6 +241,10 @@ class PlanCommandOptions:
     explain: Annotated[bool, typer.Option("--explain", help="Stages, trees and a Gantt chart of one iteration.")] = (
         False
     )
+    figure: Annotated[
+        Path | None,
+        typer.Option("--figure", help="Draw the plan (stages, a simulated iteration's Gantt, trees) as a PNG here."),
+    ] = None
     time_limit_s: Annotated[
         float | None,
         typer.Option("--time-limit", help="Seconds each ILP solve may take; the plan records the gap where it stops."),
@@ -259,8 +263,9 @@ class PlanCommandOptions:
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False
 
     def plan_flags(self) -> PlanFlags:
-        """What the plan is solved for: every option but ``--compare``, ``--explain`` and ``--json``."""
-        shown = ("compare", "explain", "as_json")
+        """What the plan is solved for: every option but how it is shown (``--compare``, ``--explain``,
+        ``--figure``, ``--json``)."""
+        shown = ("compare", "explain", "figure", "as_json")
         return PlanFlags(**{field.name: getattr(self, field.name) for field in fields(self) if field.name not in shown})
 
 
@@ -271,6 +276,8 @@ def plan(ctx: typer.Context, options: PlanCommandOptions) -> None:
     if ctx.invoked_subcommand is not None:
         return
     flags = options.plan_flags()
+    if options.figure is not None:
+        check_output_file(options.figure)
     cluster_spec, model_spec = load_cluster(flags.cluster), load_model(flags.model)
     debug = output.debug_enabled(ctx)
     lp_path = str((flags.out or Path("plan.yaml")).with_suffix(".lp")) if debug and flags.baseline is None else None
@@ -279,6 +286,8 @@ def plan(ctx: typer.Context, options: PlanCommandOptions) -> None:
         save(result, flags.out)
     cost = plan_cost_model(result, cluster_spec, model_spec, use_trees=flags.use_trees)
     _say_rough_prices(cost, result, cluster_spec, model_spec, flags.cluster, flags.model)
+    if options.figure is not None:
+        _draw(result, cost, options.figure)
 
     def render(console) -> None:
         render_summary(console, result, flags.out)
@@ -290,6 +299,13 @@ def plan(ctx: typer.Context, options: PlanCommandOptions) -> None:
             console.print(f"wrote the ILP to {lp_path}")
 
     output.emit(plan_result(result), options.as_json, render)
+
+
+def _draw(plan: Plan, cost: CostModel, path: Path) -> None:
+    """The plan as ``felactl report`` draws a run's (:func:`felactl.report.figures.plan_figure`)."""
+    from felactl.report.figures import plan_figure, save_png
+
+    save_png(plan_figure(plan, simulate(plan, cost)), path)
 
 
 @dataclass(frozen=True, kw_only=True)
