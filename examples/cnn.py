@@ -12,6 +12,7 @@ import functools
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import default_collate
 
 from felactl import TrainJob
 
@@ -38,7 +39,23 @@ class Stripes(torch.utils.data.Dataset):
         return image[None], label
 
 
-def job(width: int = 8, lr: float = 0.05) -> TrainJob:
+HELD_OUT = Stripes(num_samples=256)
+"""Images the job never trains on: ``Stripes`` seeds sample ``i`` by ``i``, and training reads
+indices below 4096, so these are drawn from indices 1_000_000 on."""
+
+
+def accuracy(model: nn.Module, step: int) -> dict[str, float]:
+    """The evaluate hook: loss and accuracy on held-out images (felactl calls it in eval mode,
+    under no_grad, on one worker). A user would log to W&B or MLflow here too."""
+    images, labels = default_collate([HELD_OUT[1_000_000 + i] for i in range(len(HELD_OUT))])
+    logits = model(images)
+    return {
+        "val_loss": F.cross_entropy(logits, labels).item(),
+        "val_accuracy": (logits.argmax(1) == labels).float().mean().item(),
+    }
+
+
+def job(width: int = 8, lr: float = 0.05, evaluate_every: int = 10) -> TrainJob:
     model = nn.Sequential(
         nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
         nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
@@ -49,4 +66,6 @@ def job(width: int = 8, lr: float = 0.05) -> TrainJob:
         dataset=Stripes(),
         loss_fn=F.cross_entropy,
         optimizer=functools.partial(torch.optim.SGD, lr=lr, momentum=0.9),
+        evaluate=accuracy,
+        evaluate_every=evaluate_every,
     )

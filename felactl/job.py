@@ -8,7 +8,7 @@ the loss is ``loss_fn(model(inputs), targets)``, a mean over the batch's samples
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,15 @@ class TrainJob:
     precision: str = "fp32"
     """``fp32``, or ``bf16``: forward and loss under ``torch.autocast`` in bfloat16 on CUDA workers
     (CPU workers run fp32)."""
+    evaluate: Callable[[nn.Module, int], Mapping[str, float] | None] | None = None
+    """``evaluate(model, step)``: called after every ``evaluate_every``-th step on one worker (rank
+    0), the whole model in eval mode under ``torch.no_grad()``. The numbers it returns (name ->
+    number, e.g. ``{"val_loss": 1.9}``) go into that step's metrics record (``eval``), ``felactl
+    report``'s figures and ``--tensorboard``; it is also the place for the user's own logging
+    (W&B, MLflow), which felactl does not depend on. For plans that keep the whole model on each
+    worker (one stage, not sharded); the others train while it runs, and wait for it at the next
+    synchronisation."""
+    evaluate_every: int = 100
     split_points: Sequence[str] | None = None
     """Module paths where a pipeline stage may begin, in the order the forward runs them
     (``["model.layers.4", "model.layers.8"]``): the layers are then what runs before the first,
@@ -74,6 +83,11 @@ class TrainJob:
         for name in ("optimizer", "lr_scheduler"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise InputError(f"TrainJob.{name}: must be a factory (callable) or None")
+        if self.evaluate is not None and not callable(self.evaluate):
+            raise InputError("TrainJob.evaluate: must be callable (model, step) -> {name: number}, or None")
+        every = self.evaluate_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise InputError(f"TrainJob.evaluate_every: must be a whole number of steps >= 1, got {every!r}")
         norm = self.max_grad_norm
         if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0):
             raise InputError(f"TrainJob.max_grad_norm: must be a number > 0 or None, got {norm!r}")

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 from matplotlib.image import imread
 from typer.testing import CliRunner
 
@@ -111,6 +112,7 @@ def _lost_run(tmp_path: Path) -> Path:
                     "wait_s": 0.5 - compute if rank == 0 else 0.0,
                     "duration_s": 1.0,
                     "generation": int(step >= 20),
+                    **({"eval": {"val_loss": 2.0 - step / 100}} if rank == 0 and step % 10 == 9 else {}),
                 }
             )
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"time": 1')  # torn last line
@@ -125,6 +127,8 @@ def test_a_lost_run_is_drawn_from_what_it_recorded(tmp_path):
     assert "schedule" in result["left_out"]  # no profiles kept: no simulated iteration
     series = read_run(str(run), run.parent)
     assert [m.label for m in series.marks] == ["scale-in -> 1"]
+    evaluated = progress_figure(series).axes[2].lines[0]
+    assert evaluated.get_label() == "val_loss" and list(evaluated.get_ydata()) == [1.91, 1.81, 1.71]
     assert series.shares == {0: (20 * 8 + 10 * 16) / (40 * 8 + 10 * 16), 1: 20 * 8 / (40 * 8 + 10 * 16)}
 
 
@@ -177,3 +181,50 @@ def test_plan_figure_draws_the_planners_gantt(tmp_path):
     stages_ax, gantt_ax = plan_figure(plan, simulated).axes[:2]
     assert sum(len(c.get_paths()) for c in gantt_ax.collections) == len(simulated.intervals)
     assert sum(len(c.get_paths()) for c in stages_ax.collections) == sum(len(s.workers) for s in plan.stages)
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The scalars TensorBoard's own reader finds in ``log_dir``: tag -> (step, value)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_gets_each_steps_loss_shares_waits_and_evaluation(tmp_path):
+    """What ``--tensorboard`` writes as a launch follows its run (here the lost run's records, read
+    in two parts as they would arrive): TensorBoard reads back each step's loss, each worker's
+    share and wait, and the evaluate hook's numbers."""
+    from felactl.report.tensorboard import TensorBoardFollower
+
+    run = _lost_run(tmp_path)
+    text = (run / "metrics.jsonl").read_text()
+    growing = tmp_path / "metrics.jsonl"
+    follower = TensorBoardFollower(tmp_path / "tb")
+    growing.write_text(text[: len(text) // 2])  # a record cut in the middle waits for its end
+    follower.follow(growing)
+    growing.write_text(text)
+    follower.follow(growing)
+    follower.close()
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    records = _records(run)
+    expected = {
+        s: sum(r["loss"] * r["samples"] for r in records if r["step"] == s)
+        / sum(r["samples"] for r in records if r["step"] == s)
+        for s in range(30)
+    }
+    assert [step for step, _ in scalars["train/loss"]] == list(range(30))
+    assert all(math.isclose(v, expected[s], rel_tol=1e-6) for s, v in scalars["train/loss"])
+    assert scalars["worker/1/share"] == [(s, 0.5) for s in range(20)]
+    assert [v for _, v in scalars["worker/0/wait_s"]] == pytest.approx([0.1] * 30)
+    assert scalars["eval/val_loss"] == [(9, pytest.approx(1.91)), (19, pytest.approx(1.81)), (29, pytest.approx(1.71))]
+    assert [s for s, _ in scalars["train/samples_per_s"]] == list(range(1, 30))
+
+
+def test_tensorboard_refuses_a_file_for_its_directory(tmp_path):
+    taken = tmp_path / "tb"
+    taken.write_text("mine")
+    command = ["launch", "--job", "examples.cnn:job", "--nproc-per-node", "1", "--global-batch", "8"]
+    done = CliRunner().invoke(app, [*command, "--tensorboard", str(taken)])
+    assert done.exit_code == 2 and "--tensorboard" in done.output and "not a directory" in done.output, done.output

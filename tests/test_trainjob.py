@@ -44,6 +44,8 @@ runner = CliRunner()
         ("optimizer", "adamw", "TrainJob.optimizer: must be a factory"),
         ("max_grad_norm", -1.0, "TrainJob.max_grad_norm: must be a number > 0"),
         ("precision", "fp16", "TrainJob.precision: must be one of fp32, bf16"),
+        ("evaluate", "val", "TrainJob.evaluate: must be callable"),
+        ("evaluate_every", 0, "TrainJob.evaluate_every: must be a whole number of steps >= 1"),
     ],
 )
 def test_a_bad_field_is_named(field, value, words):
@@ -168,12 +170,27 @@ def test_the_cnn_example_trains_with_its_readme_command_and_exports(tmp_path):
         "--runs-root",
         str(runs),
         "--json",
+        "--tensorboard",
+        str(tmp_path / "tb"),
     ]
     done = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
     assert summary["steps"] == 40 and summary["first_loss"] > 1.2 and summary["final_loss"] < 0.3
     assert [p.name for p in runs.iterdir()] == [summary["run"]]  # no plan file shared by every --job launch
+    records = [json.loads(line) for line in (runs / summary["run"] / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [(r["rank"], r["step"]) for r in records if "eval" in r]  # its evaluate hook, every 10 steps
+    assert evaluated == [(0, 9), (0, 19), (0, 29), (0, 39)]
+    accuracy = [r["eval"]["val_accuracy"] for r in records if "eval" in r]
+    assert accuracy[-1] > 0.8 and accuracy[-1] > accuracy[0], accuracy  # on images it never trained on
+    assert all(r["lr"] == 0.05 for r in records)
+    from felactl.control.metrics import step_losses
+    from tests.test_report import tensorboard_scalars
+
+    scalars = tensorboard_scalars(tmp_path / "tb")  # what --tensorboard wrote, as TensorBoard reads it
+    assert [s for s, _ in scalars["train/loss"]] == list(range(40))
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx(list(step_losses(records).values()), rel=1e-6)
+    assert [s for s, _ in scalars["eval/val_accuracy"]] == [9, 19, 29, 39]
     exported = runner.invoke(app, ["export", summary["run"], "--runs-root", str(runs), "--json"])
     assert exported.exit_code == 0, exported.output
     from examples.cnn import job
@@ -216,3 +233,39 @@ def test_a_config_value_the_jobs_function_cannot_take_exits_2(command, value, wo
     result = runner.invoke(app, [command, *args, "--config", f"width={value}"])
     assert result.exit_code == 2, result.output
     assert words in result.output and "width" in result.output
+
+
+def test_the_evaluate_hook_runs_on_rank_0_in_eval_mode_and_its_numbers_are_checked():
+    from types import SimpleNamespace
+
+    from felactl.agents.worker.hooks import evaluation
+
+    seen, answers = [], [{"val_loss": torch.tensor(0.5), "acc": 1}]
+
+    def evaluate(model, step):
+        seen.append((model.training, torch.is_grad_enabled(), step))
+        return answers[-1]
+
+    net = nn.Linear(2, 2)
+    job = TrainJob(model=net, dataset=[0], loss_fn=lambda o, t: o, evaluate=evaluate, evaluate_every=5)
+    one_stage = SimpleNamespace(stages=[SimpleNamespace(shard=False)])
+    trainer = SimpleNamespace(job=job, plan=one_stage, runtime=SimpleNamespace(rank=0))
+    assert evaluation(trainer, 3) == {}  # not an evaluate_every-th step
+    done = evaluation(trainer, 4)
+    assert done["eval"] == {"val_loss": 0.5, "acc": 1.0} and seen == [(False, False, 4)] and net.training
+    assert evaluation(SimpleNamespace(job=job, plan=one_stage, runtime=SimpleNamespace(rank=1)), 4) == {}
+    for answer, words in (
+        ([1.0], "must return {name: number}"),
+        ({"x": float("nan")}, "'x' is nan"),
+        ({"x": "a"}, "'x'"),
+    ):
+        answers.append(answer)
+        with pytest.raises(InputError, match=words):
+            evaluation(trainer, 9)
+    answers.append(None)
+    assert evaluation(trainer, 9)["eval"] == {}
+    split = SimpleNamespace(stages=[SimpleNamespace(shard=False)] * 2)
+    with pytest.raises(
+        InputError, match=r"TrainJob.evaluate: runs on one worker that holds the whole model; .*2 stage"
+    ):
+        evaluation(SimpleNamespace(job=job, plan=split, runtime=SimpleNamespace(rank=0)), 4)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import typer.core
@@ -16,6 +17,7 @@ import typer.core
 from felactl.cli import output
 from felactl.cli.options import takes_options
 from felactl.cli.runview import live_run
+from felactl.errors import InputError
 from felactl.launcher.launch_defaults import (
     COLLECTIVE_TIMEOUT_S,
     HEARTBEAT_TIMEOUT_S,
@@ -194,13 +196,23 @@ class LaunchCommandOptions:
     model: Annotated[Path | None, typer.Option(help="The model profile the plan was made from (with --cluster).")] = (
         None
     )
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option(
+            "--tensorboard",
+            help="Write loss, samples/s, lr, each worker's share and waits, and the job's evaluate "
+            "numbers here for TensorBoard as the run trains.",
+        ),
+    ] = None
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")] = False
 
     def launch_flags(self, script_args: tuple[str, ...] | None) -> LaunchFlags:
-        """The launcher's flags: every option but ``--json``, and what followed ``--`` (None: no ``--``)."""
+        """The launcher's flags: every option but how the run is shown (``--tensorboard``,
+        ``--json``), and what followed ``--`` (None: no ``--``)."""
         from felactl.launcher.launch_flags import LaunchFlags
 
-        given = {field.name: getattr(self, field.name) for field in fields(self) if field.name != "as_json"}
+        shown = ("tensorboard", "as_json")
+        given = {field.name: getattr(self, field.name) for field in fields(self) if field.name not in shown}
         return LaunchFlags(**given, script_args=script_args)
 
 
@@ -209,21 +221,27 @@ def launch(ctx: typer.Context, options: LaunchCommandOptions) -> None:
     """Train: start the coordinator and this machine's agent, run the plan (or --script), write runs/<id>/."""
     flags = options.launch_flags(script_args=ctx.meta.get(SCRIPT_ARGS))
     if options.script is not None:
+        if options.tensorboard is not None:
+            raise InputError("--tensorboard: a --script run records no metrics of felactl's to show")
         _launch_script(flags, options.as_json)
     else:
-        _launch_plan(flags, options.as_json)
+        _launch_plan(flags, options.as_json, options.tensorboard)
 
 
-def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:
+def _launch_plan(flags: LaunchFlags, as_json: bool, tensorboard: Path | None = None) -> None:
     """A plan's launch (a ``--job``'s plan made first), followed in the live view, then its summary."""
     from felactl.cli.model_profile import parse_config
     from felactl.launcher.launch import launch as run_launch
     from felactl.launcher.launch_flags import allocation, check_plan_flags, plan_options
     from felactl.launcher.prepare import job_plan
+    from felactl.report.tensorboard import TensorBoardFollower
     from felactl.spec import save
 
     check_plan_flags(flags)
     with contextlib.ExitStack() as scratch:
+        followers = [TensorBoardFollower(tensorboard)] if tensorboard is not None else []
+        for follower in followers:  # the last steps written, whatever ends the launch
+            scratch.callback(follower.close)
         plan = flags.plan
         if flags.job is not None:  # the run keeps its own copy of the plan: this one only has to outlive the start
             made = job_plan(
@@ -242,7 +260,7 @@ def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:
         with live_run(
             output.stderr, lambda run_id: f"run {run_id} (of {options.steps} steps)", options.steps
         ) as update:
-            summary = run_launch(options, on_update=update)
+            summary = run_launch(options, on_update=_each(update, *followers))
     output.emit(
         summary,
         as_json,
@@ -251,6 +269,16 @@ def _launch_plan(flags: LaunchFlags, as_json: bool) -> None:
             f"{summary['samples_per_s']:.1f} samples/s{_restarts(summary)}; results in {summary['run_dir']}"
         ),
     )
+
+
+def _each(*callbacks: Callable[[Any], None]) -> Callable[[Any], None]:
+    """One ``on_update`` that calls each of ``callbacks`` in turn (the live view, TensorBoard)."""
+
+    def call(state) -> None:
+        for callback in callbacks:
+            callback(state)
+
+    return call
 
 
 def _restarts(summary: dict) -> str:

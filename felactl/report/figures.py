@@ -36,9 +36,11 @@ MAX_WORKER_ROWS = 8
 
 
 def progress_figure(series: RunSeries) -> Figure:
-    """Loss per step and samples/s per time bin over the run's time, every event marked."""
-    fig = Figure(figsize=(10, 6), layout="constrained")
-    loss_ax, rate_ax = fig.subplots(2, 1, sharex=True)
+    """Loss per step and samples/s per time bin over the run's time (and what the job's evaluate
+    hook returned, where it has one), every event marked."""
+    rows = 3 if series.evaluations else 2
+    fig = Figure(figsize=(10, 3 * rows), layout="constrained")
+    loss_ax, rate_ax, *eval_ax = fig.subplots(rows, 1, sharex=True)
     times, losses = with_gaps(series.step_t_s, series.loss)
     loss_ax.plot(times, losses, color="tab:blue", linewidth=0.8, alpha=0.4, label="loss")
     window = max(1, len(series.loss) // 50)
@@ -51,8 +53,13 @@ def progress_figure(series: RunSeries) -> Figure:
     loss_ax.set_title(f"run {series.run} ({series.state})")
     rate_ax.step(series.bin_t_s, series.samples_per_s, where="mid", color="tab:green", label="samples/s")
     rate_ax.set_ylabel(f"samples/s (per {series.bin_s:.3g} s)")
-    rate_ax.set_xlabel("seconds since the first step")
-    for ax in (loss_ax, rate_ax):
+    for ax in eval_ax:
+        for name, points in series.evaluations.items():
+            ax.plot([t for t, _ in points], [v for _, v in points], marker="o", markersize=3, label=name)
+        ax.set_ylabel("evaluate hook")
+        ax.legend(loc="lower left", fontsize=8)
+    (eval_ax or [rate_ax])[0].set_xlabel("seconds since the first step")
+    for ax in (loss_ax, rate_ax, *eval_ax):
         _mark_events(ax, series, labelled=ax is loss_ax)
         ax.grid(alpha=0.3)
     return fig

@@ -9,6 +9,7 @@ launcher was lost read alike. Times are seconds since the run's first step start
 * **samples/s**: the first stage's samples whose step ended in each time bin, over the bin;
 * **each worker's time**: the compute, communication and waiting its records ended in each bin
   hold, as shares of the bin (a straggler computes while the others wait);
+* **evaluation**: what the job's ``evaluate`` hook returned, each number where its step ended;
 * **events**: what changed the job (scale, failure, re-form, restart, resume, stop), each where it
   happened;
 * **prediction**: each generation's plan's predicted samples/s next to what that generation measured.
@@ -77,6 +78,8 @@ class RunSeries:
     generations: tuple[GenerationPace, ...]
     plan: Plan | None
     summary: dict[str, Any] = field(default_factory=dict)
+    evaluations: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """What the job's ``evaluate`` hook returned: name -> (time, value) at each step it ran."""
 
     @property
     def shares(self) -> dict[int, float]:
@@ -115,6 +118,7 @@ def read_run(run: str, runs_root: Path) -> RunSeries:
         generations=_generations(rundir, records),
         plan=_plan(rundir.plan),
         summary=rundir.read_summary() or {},
+        evaluations=_evaluations(records, start),
     )
 
 
@@ -168,6 +172,15 @@ def _worker_times(records: list[dict[str, Any]], start: float, bin_s: float, bin
         )
         for rank, w in sorted(by_rank.items())
     )
+
+
+def _evaluations(records: list[dict[str, Any]], start: float) -> dict[str, tuple[tuple[float, float], ...]]:
+    found: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        for name, value in (r.get("eval") or {}).items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                found.setdefault(name, []).append((r["time"] - start, float(value)))
+    return {name: tuple(points) for name, points in found.items()}
 
 
 def _marks(events: list[dict[str, Any]], start: float) -> tuple[Mark, ...]:

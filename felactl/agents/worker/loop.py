@@ -22,6 +22,7 @@ import traceback
 from typing import Any
 
 from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.hooks import evaluation, learning_rate
 from felactl.agents.worker.membership import Membership
 from felactl.agents.worker.strategy import Strategy
 from felactl.errors import FelactlError
@@ -69,6 +70,7 @@ def _steps(trainer: Trainer, strategy: Strategy, membership: Membership) -> Any 
         start = time.perf_counter()
         pattern_s = trainer.straggler.at_iteration(work.local_step)
         result = strategy.step(work)
+        duration_s = time.perf_counter() - start
         trainer.record(
             step=work.step,
             samples=result.samples,
@@ -77,10 +79,12 @@ def _steps(trainer: Trainer, strategy: Strategy, membership: Membership) -> Any 
             compute_s=result.compute_s + pattern_s,
             comm_s=result.comm_s,
             wait_s=result.wait_s,
-            duration_s=time.perf_counter() - start,
+            duration_s=duration_s,
             **({"local_step": work.local_step} if strategy.records_local_step else {}),
             **result.extra,
             **membership.record_extra(),
+            **learning_rate(trainer),
+            **evaluation(trainer, work.step),
         )
         if result.sync_failed is not None:
             raise RuntimeError(result.sync_failed)

@@ -1,0 +1,94 @@
+"""``felactl launch --tensorboard DIR``: the run's scalars for TensorBoard, written as its workers
+record them (``torch.utils.tensorboard``; the ``tensorboard`` package, ``pip install
+'felactl[tensorboard]'``).
+
+Per step, at the step's end: ``train/loss`` (sample-weighted over the step's records),
+``train/samples_per_s`` (the first stage's samples over the time since the previous step ended),
+``train/lr``; per worker ``worker/<rank>/share`` (its part of the step's samples),
+``worker/<rank>/wait_s`` and ``worker/<rank>/compute_s``; and ``eval/<name>`` for what the job's
+``evaluate`` hook returned. A step is written once a later one has begun to be recorded (workers
+record a step one after another), the rest when the launch ends.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from felactl.errors import InputError
+from felactl.fsutil import check_directory
+
+
+class TensorBoardFollower:
+    """Follows a run's ``metrics.jsonl`` into TensorBoard event files in ``log_dir``; call it with
+    the launcher's state on every update (the launch's ``on_update``), :meth:`close` at its end."""
+
+    def __init__(self, log_dir: Path):
+        check_directory("--tensorboard", log_dir)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise InputError(
+                "--tensorboard: the tensorboard package is not installed (pip install 'felactl[tensorboard]')"
+            ) from None
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.metrics: Path | None = None
+        self.offset = 0
+        self.pending: dict[int, list[dict[str, Any]]] = {}
+        self.last_end: float | None = None
+
+    def __call__(self, state) -> None:
+        self.follow(state.run.metrics)
+
+    def follow(self, metrics: Path, final: bool = False) -> None:
+        """Read the records added since the last call; write the steps now complete (all: ``final``)."""
+        self.metrics = metrics
+        for record in self._new_records(metrics):
+            self.pending.setdefault(record["step"], []).append(record)
+        newest = max(self.pending, default=None)
+        for step in sorted(self.pending):
+            if final or step < newest:
+                self._write_step(step, self.pending.pop(step))
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.follow(self.metrics, final=True)
+        self.writer.close()
+
+    def _new_records(self, metrics: Path) -> list[dict[str, Any]]:
+        try:
+            with open(metrics, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next call
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.decode("utf-8", errors="replace").splitlines() if line.strip()]
+
+    def _write_step(self, step: int, records: list[dict[str, Any]]) -> None:
+        end = max(r["time"] for r in records)
+        first = min(r.get("stage", 0) for r in records)
+        counted = [r for r in records if r.get("stage", 0) == first]
+        samples = sum(r["samples"] for r in counted)
+        scalars: dict[str, float] = {}
+        with_loss = [r for r in records if r.get("loss") is not None]
+        if with_loss:
+            weight = sum(max(r["samples"], 1) for r in with_loss)
+            scalars["train/loss"] = sum(r["loss"] * max(r["samples"], 1) for r in with_loss) / weight
+        if self.last_end is not None and end > self.last_end:
+            scalars["train/samples_per_s"] = samples / (end - self.last_end)
+        self.last_end = max(end, self.last_end or end)
+        if (lr := next((r["lr"] for r in records if "lr" in r), None)) is not None:
+            scalars["train/lr"] = lr
+        for r in records:
+            rank = f"worker/{r['rank']}"
+            if r in counted and samples:
+                scalars[f"{rank}/share"] = r["samples"] / samples
+            scalars[f"{rank}/wait_s"] = r["wait_s"]
+            scalars[f"{rank}/compute_s"] = r["compute_s"]
+            for name, value in (r.get("eval") or {}).items():
+                scalars[f"eval/{name}"] = value
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, global_step=step, walltime=end)
