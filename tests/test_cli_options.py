@@ -59,3 +59,22 @@ def test_help_lists_every_field_as_an_option_with_its_help():
     for line in ("--name", "Whom to greet.", "--times", "How often.", "[default: 1]"):
         assert line in result.output
     assert "--ctx" not in result.output and "--options" not in result.output
+
+
+def test_every_commands_help_reads_at_80_columns():
+    """Each command's ``--help`` in an 80-column terminal: no line past 80, and an option's help
+    starts by column 34 (click's layout, as argparse's), where rich's boxed table left it a
+    column of a few words on the right."""
+    from felactl.cli.main import app
+
+    commands = [[], ["launch"], ["plan"], ["plan", "collectives"], ["scale"], ["profile"], ["agent"], ["status"]]
+    commands += [["report"], ["export"], ["testbed"], ["testbed", "up"], ["demo"], ["check"]]
+    for command in commands:
+        result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+        assert result.exit_code == 0, (command, result.output)
+        lines = result.output.splitlines()
+        assert max(map(len, lines)) <= 80, (command, max(lines, key=len))
+        helped = [line for line in lines if line.startswith("  --") and "  " in line.strip()]
+        starts = [len(line) - len(line.lstrip()) for line in lines if line.startswith(" " * 20) and line.strip()]
+        assert all(start <= 34 for start in starts), (command, result.output)
+        assert helped or command in ([], ["testbed"]), (command, result.output)

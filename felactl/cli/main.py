@@ -14,6 +14,8 @@ from typing import Annotated
 import typer
 import typer.core
 
+from felactl.cli.options import HELP_SETTINGS
+
 try:  # typer >= 0.2x runs on its own vendored copy of click
     from typer._click.exceptions import ClickException, UsageError
 except ImportError:  # older typer runs on click itself
@@ -79,7 +81,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    **HELP_SETTINGS,
 )
 
 

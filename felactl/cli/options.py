@@ -56,3 +56,12 @@ def takes_options(options_class: type, *, context: bool = False) -> Callable[[Ca
         return with_options
 
     return decorate
+
+
+HELP_SETTINGS = {
+    "context_settings": {"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    "rich_markup_mode": None,
+}
+"""How every command's ``--help`` reads: click's plain layout, as argparse and torchrun print
+theirs (an option on its line, its help beside it or below a long one), not rich's boxed table,
+whose columns left a few words a line for the help at 80 columns."""

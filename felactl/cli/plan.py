@@ -15,7 +15,7 @@ from rich.table import Table
 
 from felactl import limits
 from felactl.cli import output
-from felactl.cli.options import takes_options
+from felactl.cli.options import HELP_SETTINGS, takes_options
 from felactl.cli.plan_collectives import collective_result, register_collectives, resolve_devices
 from felactl.errors import InputError
 from felactl.fsutil import check_output_file
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 plan_app = typer.Typer(
     help="Plan a training job: stages, degrees, micro-batches, collective trees.",
     no_args_is_help=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    **HELP_SETTINGS,
 )
 
 

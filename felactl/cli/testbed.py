@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from felactl.cli import output
+from felactl.cli.options import HELP_SETTINGS
 from felactl.errors import InputError
 from felactl.testbed.state import DEFAULT_NAME
 
@@ -20,7 +21,7 @@ testbed_app = typer.Typer(
     help="An emulated uneven cluster on this machine: nodes as network namespaces with shaped links "
     "(bandwidth, latency, loss per direction) and their own CPU shares. Needs root.",
     no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    **HELP_SETTINGS,
 )
 
 NameOption = Annotated[
