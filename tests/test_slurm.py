@@ -7,6 +7,7 @@ Slurm, from the environment a job step sees."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -171,14 +172,15 @@ def test_a_heterogeneous_job_is_one_cluster_of_both_kinds_and_trains_on_both(clu
 def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeued(cluster, tmp_path):
     """Preemption as Slurm does it: SIGTERM to the batch script and every step (``scancel
     --signal=TERM --full``); the launch drains, every worker checkpoints the step they agree on;
-    ``scontrol requeue`` starts the job again (``SLURM_RESTART_COUNT`` 1) and the run, named after
-    the job, resumes from that checkpoint and completes every step: no completed step is lost."""
+    ``scontrol requeue`` starts the job again (``SLURM_RESTART_COUNT`` 1), here on the other node,
+    and the run, named after the job, resumes from that checkpoint there and completes every step:
+    no completed step is lost."""
     job = _sbatch(
         cluster,
         tmp_path,
         "exec $FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 600 "
         "--checkpoint-every 50 --json > summary.json",
-        header=("#SBATCH --nodes=2 --requeue --open-mode=append",),
+        header=("#SBATCH --nodes=1 --nodelist=na --requeue --open-mode=append",),
     )
     run = tmp_path / "runs" / f"slurm-{job}"
     _wait_for(lambda: (run / "checkpoints" / "step000050").is_dir(), tmp_path / f"out-{job}.txt")
@@ -188,12 +190,14 @@ def test_a_job_slurm_stops_checkpoints_and_resumes_where_it_stopped_when_requeue
     (stopped,) = [e for e in events if e["kind"] == "stopped"]
     assert stopped["checkpoint_step"] >= 50 and not (tmp_path / "summary.json").read_text().strip()
     # as Slurm requeues a preempted job: once its nodes are free again (its steps' clean-up done)
-    _wait_for(lambda: all(_node_state(cluster, node) == "idle" for node in ("na", "nb")), tmp_path / f"out-{job}.txt")
+    _wait_for(lambda: _node_state(cluster, "na") == "idle", tmp_path / f"out-{job}.txt")
     _slurm(cluster, "scontrol", "requeue", job)  # it starts once its last run's credential expires (10 s here)
+    _slurm(cluster, "scontrol", "update", f"JobId={job}", "ReqNodeList=nb")  # na is gone, say
     assert _wait_job(cluster, job, restarts=1) == "COMPLETED", _said(tmp_path / f"out-{job}.txt", cluster)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     (resumed,) = [e for e in events if e["kind"] == "resume"]
     assert resumed["from_step"] == stopped["checkpoint_step"]
+    assert [e["members"] for e in events if e["kind"] == "start"] == [["na"], ["nb"]]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["run"] == f"slurm-{job}" and summary["steps"] == 600
     assert "Slurm requeued job" in (tmp_path / f"out-{job}.txt").read_text()
@@ -235,6 +239,39 @@ def test_scale_asks_slurm_for_a_node_that_joins_the_running_job_and_gives_it_bac
     _wait_job(cluster, job)
     kinds = [json.loads(line)["kind"] for line in (run / "events.jsonl").read_text().splitlines()]
     assert "slurm-nodes" in kinds and "slurm-released" in kinds and kinds[-1] == "stopped"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_scale_inside_the_allocation_starts_an_agent_on_a_node_the_plan_left_spare(cluster, tmp_path):
+    """A two-node allocation whose plan runs on na alone; ``felactl scale --add 1 --node nb`` run
+    inside the allocation (a job step, as from salloc's shell) starts an agent on nb as a step of
+    the job, the run's secret on its stdin, and a worker there joins the running job."""
+    save(job_plan("examples.cnn:job", {}, 1, 16, None, nodes=("na",)), tmp_path / "na.yaml")
+    job = _sbatch(
+        cluster,
+        tmp_path,
+        "exec $FELACTL launch na.yaml --steps 100000 --slowdown 0=3 --json > summary.json",
+        header=("#SBATCH --nodes=2",),
+    )
+    run = tmp_path / "runs" / f"slurm-{job}"
+    _wait_for(lambda: (run / "metrics.jsonl").exists(), tmp_path / f"out-{job}.txt")
+    scale = [*FELACTL, "scale", f"slurm-{job}", "--runs-root", str(tmp_path / "runs"), "--json"]
+    step = ["srun", f"--jobid={job}", "--overlap", "--nodes=1", "--nodelist=na", "--chdir", str(tmp_path)]
+    env = {**client_env(cluster.name), "PYTHONPATH": str(ROOT)}
+    try:
+        grown = subprocess.run([*step, *scale, "--add", "1", "--node", "nb"], env=env, capture_output=True, text=True)
+        assert grown.returncode == 0, grown.stderr + _said(tmp_path / f"out-{job}.txt", cluster)
+        out = json.loads(grown.stdout)
+        assert out["kind"] == "scale-out" and out["members_after"] == [0, 1]
+        assert len({s["param_checksum"] for s in out["switch_s"].values()}) == 1
+    finally:
+        _slurm(cluster, "scancel", "--signal=TERM", "--full", job)  # drains the launch: the test is over
+    _wait_job(cluster, job)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["node"] for e in events if e["kind"] == "node-joined"] == ["nb"]
+    assert sorted(p.name for p in (run / "logs").glob("slurm-*.log")) == ["slurm-na.log", "slurm-nb.log"]
+    assert events[-1]["kind"] == "stopped"
 
 
 @pytest.mark.multiprocess
@@ -302,6 +339,9 @@ def test_an_allocation_is_read_from_the_environment_and_a_plan_outside_it_is_ref
     assert slurm.current_allocation({}) is None
     plain = slurm.current_allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n1"})
     assert plain.nodes == ("n1", "n2") and plain.this_node == "n1" and set(plain.components.values()) == {0}
+    # a step srun started from outside the job (-w n1): Slurm sets SLURM_JOB_NODELIST to the step's nodes
+    step = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "h100x", "SLURM_NODELIST": "n[1-2]", "SLURM_STEP_ID": "0"}
+    assert slurm.current_allocation(step).nodes == ("n1", "n2")
     het = slurm.current_allocation(
         {
             "SLURM_JOB_ID": "8",
@@ -383,14 +423,30 @@ def test_growing_through_slurm_takes_only_its_own_agents_and_gives_up_when_its_j
     run.events.write_text(json.dumps(joined) + "\n")  # nb's agent of an earlier grow
     monkeypatch.setattr(slurm_scale, "_job", lambda job_id: ("RUNNING", "nb") if not ended else ("", ""))
     ended = False
+    job_ended = functools.partial(slurm_scale._job_ended, "6")
     with pytest.raises(InputError, match="the agents on nb did not join: in time"):
-        slurm_scale._wait_joined(run, "6", ["nb"], seen=1, deadline=time.monotonic() + 0.3)
+        slurm_scale._wait_joined(run, ["nb"], 1, time.monotonic() + 0.3, job_ended, "the log")
     ended = True
-    with pytest.raises(InputError, match=r"their Slurm job 6 ended \(gone\)"):
-        slurm_scale._wait_joined(run, "6", ["nb"], seen=1, deadline=time.monotonic() + 60)
+    with pytest.raises(InputError, match=r"their Slurm job 6 ended \(gone\) \(see the log\); nothing changed"):
+        slurm_scale._wait_joined(run, ["nb"], 1, time.monotonic() + 60, job_ended, "the log")
     with run.events.open("a") as events:
         events.write(json.dumps(joined) + "\n")
-    slurm_scale._wait_joined(run, "6", ["nb"], seen=1, deadline=time.monotonic() + 60)  # its own join: done
+    slurm_scale._wait_joined(run, ["nb"], 1, time.monotonic() + 60, job_ended, "the log")  # its own join: done
+
+
+def test_a_job_requeued_onto_other_nodes_moves_the_workers_of_the_nodes_it_lost_there(caplog):
+    from felactl.spec import Placement
+
+    plan = job_plan("examples.cnn:job", {}, 1, 16, None, nodes=("n1", "n2"))
+    again = slurm.Allocation(job_id="9", nodes=("n2", "n7"), this_node="n2", components={"n2": 0, "n7": 0})
+    moved = slurm.requeued_onto(again, plan)
+    assert [p.node for p in moved.placement] == ["n7", "n2"]  # n2 kept its worker, n1's went to n7
+    assert "Slurm requeued job 9 onto other nodes: its workers on n1 run on n7" in caplog.text
+    assert moved.devices == plan.devices and isinstance(moved.placement[0], Placement)
+    fewer = dataclasses.replace(again, nodes=("n2",), components={"n2": 0})
+    assert slurm.requeued_onto(fewer, plan) is plan  # refused by check_holds, naming n1
+    het = dataclasses.replace(again, components={"n2": 0, "n7": 1})
+    assert slurm.requeued_onto(het, plan) is plan
 
 
 def test_a_second_requeue_resumes_the_run_the_first_one_started_again(monkeypatch, tmp_path):

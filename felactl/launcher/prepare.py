@@ -26,7 +26,7 @@ from felactl.launcher.launch_defaults import (
 from felactl.launcher.resume import ResumePoint, find_resume_point
 from felactl.launcher.rundir import DEFAULT_RUNS_ROOT, RunDir
 from felactl.launcher.scale_plan import ScalingPolicy
-from felactl.launcher.slurm import Allocation
+from felactl.launcher.slurm import Allocation, requeued_onto
 from felactl.limits import check_flag
 from felactl.machine import num_gpus
 from felactl.spec import (
@@ -182,6 +182,8 @@ def runnable_plan(options: LaunchOptions, resume: ResumePoint | None) -> Plan:
     once every check has passed."""
     plan_path = resume.plan_path if resume else options.plan_path
     plan = load_plan(plan_path)
+    if resume is not None and options.slurm is not None:
+        plan = requeued_onto(options.slurm, plan)
     if options.sync is not None:  # the run's plan says the mode it runs with, so a resume runs it too
         plan = dataclasses.replace(plan, sync=dataclasses.replace(plan.sync, mode=options.sync))
     check_runnable(plan, where=str(plan_path))

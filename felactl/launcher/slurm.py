@@ -18,6 +18,7 @@ nodes as Slurm lets them, with job steps, as ``srun torchrun`` does:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from felactl.errors import InputError
+from felactl.spec import Plan
 
 log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 30.0
@@ -77,6 +79,29 @@ class Allocation:
             )
 
 
+def requeued_onto(allocation: Allocation, plan: Plan) -> Plan:
+    """A requeued job's plan on the nodes Slurm gave it this time: each node of the plan the
+    allocation lacks becomes one of the allocation's nodes the plan does not use, in the
+    allocation's order (a requeue gets as many nodes of the job's partitions; a node it got again
+    keeps its workers). Unchanged where there are too few such nodes, or the job is heterogeneous
+    (which component a lost node was of is not known): :meth:`Allocation.check_holds` then refuses
+    it, naming the node."""
+    used = list(dict.fromkeys(placed.node for placed in plan.placement))
+    lost = [node for node in used if node not in allocation.nodes]
+    spare = [node for node in allocation.nodes if node not in used]
+    if not lost or len(spare) < len(lost) or allocation.heterogeneous:
+        return plan
+    onto = dict(zip(lost, spare))
+    log.warning(
+        "Slurm requeued job %s onto other nodes: its workers on %s run on %s",
+        allocation.job_id,
+        ", ".join(onto),
+        ", ".join(onto.values()),
+    )
+    placement = tuple(dataclasses.replace(p, node=onto.get(p.node, p.node)) for p in plan.placement)
+    return dataclasses.replace(plan, placement=placement)
+
+
 def slurm_applies(slurm: bool, *elsewhere: object) -> bool:
     """Whether a command runs on the allocation it may be in: ``--slurm`` (the default), and no
     flag given of ``elsewhere`` (``--testbed``, ``--hostfile``, ``--rdzv-endpoint``: the nodes are
@@ -96,7 +121,10 @@ def current_allocation(env: Mapping[str, str] | None = None) -> Allocation | Non
         for key, value in env.items()
         if (m := re.fullmatch(r"SLURM_JOB_NODELIST_HET_GROUP_(\d+)", key))
     )
-    lists = het or [(0, env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")]
+    # SLURM_NODELIST first: in a step srun starts from outside the job (`srun --jobid=J -w n1`),
+    # Slurm 22.05 sets SLURM_JOB_NODELIST to the step's nodes and SLURM_NODELIST to the job's
+    # (inside the batch script and its steps the two agree)
+    lists = het or [(0, env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST") or "")]
     for component, nodelist in lists:
         if not nodelist:
             raise InputError(f"Slurm job {job_id}: SLURM_JOB_NODELIST is not set; run felactl inside the job")
@@ -117,8 +145,8 @@ def requeued_run(allocation: Allocation, run_id: str | None, runs_root: Path) ->
     The run is named after the job (``slurm-<job id>``) unless ``run_id`` is given, so a requeued
     job (preempted, and started again by Slurm with the same id) finds it and goes on from its
     newest complete checkpoint. A requeued job whose run has none yet starts again as
-    ``<run>-r<restart count>``, and a later restart resumes the newest of those that has one. (The
-    run's plan places its workers on the nodes it ran on: a requeued job must get them again.)"""
+    ``<run>-r<restart count>``, and a later restart resumes the newest of those that has one. (A
+    requeue onto other nodes moves the plan's workers there: :func:`requeued_onto`.)"""
     from felactl.launcher.resume import pick_checkpoint
     from felactl.launcher.rundir import RunDir
 

@@ -15,9 +15,12 @@ that job is cancelled (``scancel``) and the run records it (``slurm-released``).
 
 from __future__ import annotations
 
+import functools
+import logging
 import shlex
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from felactl.agents.agent import agent_argv
@@ -25,9 +28,14 @@ from felactl.control import EventKind
 from felactl.control.events import record
 from felactl.errors import InputError
 from felactl.fsutil import atomic_write_text, read_jsonl
+from felactl.launcher.controlplane import read_secret_file
+from felactl.launcher.membership.requests import NO_AGENT_THERE
 from felactl.launcher.rundir import RunDir
 from felactl.launcher.scale import coordinator_endpoint, request_scale
-from felactl.launcher.slurm import hostnames, run_slurm
+from felactl.launcher.slurm import current_allocation, hostnames, run_slurm, start_step_agents
+from felactl.machine import stop_processes
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 TOOLS = ("sbatch", "squeue", "scontrol", "scancel")
@@ -58,9 +66,11 @@ def grow(
     seen = len(read_jsonl(rundir.events))  # joins before the request are other agents'
     job_id = _submit(rundir, endpoint, nodes, nproc_per_node, sbatch_args)
     results: list[dict] = []
+
     try:
         granted = _wait_granted(job_id, deadline)
-        _wait_joined(rundir, job_id, granted, seen, deadline)
+        ended = functools.partial(_job_ended, job_id)
+        _wait_joined(rundir, granted, seen, deadline, ended, see=f"{rundir.logs}/slurm-grow-{job_id}.out")
         for node in granted:
             command = {"op": "add", "count": nproc_per_node, "node": node}
             left = max(1.0, deadline - time.monotonic())
@@ -77,13 +87,54 @@ def grow(
 
 
 def rescale(run: str, command: dict, *, runs_root: Path, secret_file: Path | None, timeout_s: float) -> dict:
-    """``felactl scale``'s signed request (:func:`~felactl.launcher.scale.request_scale`); a
-    shrink that leaves nodes Slurm granted the run without workers gives them back
-    (:func:`release_emptied`: ``slurm_released`` in the answer)."""
-    result = request_scale(run, command, runs_root=runs_root, secret_file=secret_file, timeout_s=timeout_s)
+    """``felactl scale``'s signed request (:func:`~felactl.launcher.scale.request_scale`). Inside
+    an allocation, ``--add N --node NODE`` onto a node of it with no agent in the job starts one
+    there first (:func:`_start_allocation_agent`). A shrink that leaves nodes Slurm granted the
+    run without workers gives them back (:func:`release_emptied`: ``slurm_released`` in the answer)."""
+    deadline = time.monotonic() + timeout_s
+
+    def ask() -> dict:
+        left = max(1.0, deadline - time.monotonic())
+        return request_scale(run, command, runs_root=runs_root, secret_file=secret_file, timeout_s=left)
+
+    try:
+        result = ask()
+    except InputError as refused:
+        if not _start_allocation_agent(run, command, refused, runs_root=runs_root, deadline=deadline):
+            raise
+        result = ask()
     if command["op"] in ("remove", "to") and "members_after" in result:
         result["slurm_released"] = release_emptied(run, result["members_after"], runs_root=runs_root)
     return result
+
+
+def _start_allocation_agent(run: str, command: dict, refused: InputError, *, runs_root: Path, deadline: float) -> bool:
+    """Whether an agent was started for a ``--node`` the job has none on, because it is a node of
+    the Slurm allocation this runs in (as the launch starts its own: a job step, the run's secret
+    on its stdin), and joined the job. The nodes of an allocation the launch's plan left spare
+    are how a job inside it grows."""
+    allocation = current_allocation()
+    node = command.get("node")
+    spare = allocation is not None and node in allocation.nodes and NO_AGENT_THERE in str(refused)
+    if command["op"] != "add" or not spare:
+        return False
+    rundir = RunDir.find(run, root=runs_root)
+    seen = len(read_jsonl(rundir.events))
+    secret = read_secret_file(rundir.secret)
+    (step,) = start_step_agents(
+        allocation, {node: command["count"]}, coordinator_endpoint(rundir), secret, rundir.logs, rundir.run_id
+    )
+    log.warning("no agent of run %s on %s: started one as a step of %s", rundir.run_id, node, allocation)
+
+    def ended() -> str | None:
+        return None if step.poll() is None else f"its job step ended (exit code {step.returncode})"
+
+    try:
+        _wait_joined(rundir, [node], seen, deadline, ended, see=f"{rundir.logs}/slurm-{node}.log")
+    except BaseException:
+        stop_processes([step])
+        raise
+    return True
 
 
 def release_emptied(run: str, members_after: list[int], *, runs_root: Path) -> list[str]:
@@ -147,9 +198,12 @@ def _wait_granted(job_id: str, deadline: float) -> list[str]:
         time.sleep(POLL_S)
 
 
-def _wait_joined(rundir: RunDir, job_id: str, nodes: list[str], seen: int, deadline: float) -> None:
+def _wait_joined(
+    rundir: RunDir, nodes: list[str], seen: int, deadline: float, ended: Callable[[], str | None], see: str
+) -> None:
     """Until every node of ``nodes`` has an agent in the job (a ``node-joined`` event after the
-    first ``seen`` events); InputError if the Slurm job ends or ``deadline`` passes first."""
+    first ``seen`` events); InputError (the caller undoes what it started) if ``ended()`` says
+    why the agents cannot come any more, or ``deadline`` passes first."""
     while True:
         joined = {
             e.get("node") for e in read_jsonl(rundir.events)[seen:] if e.get("kind") == EventKind.NODE_JOINED.value
@@ -157,14 +211,18 @@ def _wait_joined(rundir: RunDir, job_id: str, nodes: list[str], seen: int, deadl
         missing = [node for node in nodes if node not in joined]
         if not missing:
             return
-        state, _ = _job(job_id)
-        if state not in WAITING or time.monotonic() > deadline:
-            why = f"their Slurm job {job_id} ended ({state or 'gone'})" if state not in WAITING else "in time"
+        why = ended()
+        if why is not None or time.monotonic() > deadline:
             raise InputError(
-                f"the agents on {', '.join(missing)} did not join: {why} (see {rundir.logs}/slurm-grow-{job_id}.out); "
-                "cancelled it, nothing changed"
+                f"the agents on {', '.join(missing)} did not join: {why or 'in time'} (see {see}); nothing changed"
             )
         time.sleep(POLL_S)
+
+
+def _job_ended(job_id: str) -> str | None:
+    """Why the agents of Slurm job ``job_id`` cannot join any more (None: they still may)."""
+    state, _ = _job(job_id)
+    return None if state in WAITING else f"their Slurm job {job_id} ended ({state or 'gone'})"
 
 
 def _job(job_id: str) -> tuple[str, str]:

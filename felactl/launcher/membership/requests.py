@@ -25,6 +25,10 @@ from felactl.launcher.membership.state import (
 from felactl.launcher.membership.transitions import all_done, begin_switch, mark_answered
 from felactl.launcher.scale_plan import ScalingPolicy
 
+NO_AGENT_THERE = "no agent of this job runs there"
+"""How a scale-out onto a node without an agent is refused (inside a Slurm allocation, felactl
+scale then starts one: :mod:`felactl.launcher.slurm_scale`)."""
+
 
 def serve_requests(state: State, requests: tuple[Request, ...], now: float, actions: list[Action]) -> State:
     state = dataclasses.replace(state, deferred=())
@@ -120,7 +124,7 @@ def _scale_out(
         raise InputError(f"--add {count}: add at least one worker")
     node = node or next(iter(state.agents))
     if node not in state.agents:
-        raise InputError(f"--node {node!r}: no agent of this job runs there (nodes: {', '.join(state.agents)})")
+        raise InputError(f"--node {node!r}: {NO_AGENT_THERE} (nodes: {', '.join(state.agents)})")
     silent_s = agent_silent_s(state, node, now)
     if silent_s is not None:
         raise InputError(
