@@ -552,3 +552,41 @@ def test_a_workers_failure_is_said_from_this_run_of_it_and_a_kill_as_a_kill(tmp_
     finally:
         agent.stop()
     assert result.failures == {0: "killed by SIGKILL", 1: "ValueError: this run raised this"}, result.failures
+
+
+def test_an_elastic_agent_whose_coordinator_is_gone_says_so_and_a_finished_one_succeeds():
+    """The launch may close its store between a job's end and this agent's next beat (a late
+    agent, a busy machine): its workers having succeeded, the agent succeeds; with workers still
+    running it is one line, "lost the coordinator" (was: an internal DistNetworkError)."""
+    import torch.distributed as dist
+
+    from felactl.agents import node
+    from felactl.agents.agent import RunResult
+    from felactl.control.documents import WorkerState
+    from felactl.errors import ControlPlaneError
+
+    class Session:
+        host, port = "10.0.0.1", 29500
+
+        def beat(self):
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes")
+
+    class Workers:
+        def __init__(self, state):
+            self.state, self.stopped = state, False
+
+        def start(self):
+            pass
+
+        def monitor(self):
+            return RunResult(state=self.state, exit_codes={0: 0}, failures={})
+
+        def stop(self, drain_s: float = 0.0):
+            self.stopped = True
+
+    done = Workers(WorkerState.SUCCEEDED)
+    assert node._supervise_elastic(done, Session()).state is WorkerState.SUCCEEDED and done.stopped
+    running = Workers(WorkerState.HEALTHY)
+    with pytest.raises(ControlPlaneError, match=r"lost the coordinator at 10.0.0.1:29500: Failed to recv"):
+        node._supervise_elastic(running, Session())
+    assert running.stopped

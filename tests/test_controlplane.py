@@ -363,3 +363,30 @@ def test_a_bumped_generation_s_forged_document_is_refused_and_removed_by_the_coo
         assert attacker.get(coordinator.prefix + keys.GENERATION) == b"0"
     finally:
         coordinator.close()
+
+
+def test_a_second_agent_of_a_node_name_is_refused_while_the_job_gathers_saying_what_to_do():
+    """Two agents on one host both take its name: the second is refused with what to give it
+    (was: admitted, and the launch ended in an internal KeyError over the node it never got)."""
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    try:
+        first, _ = _join_in_thread(coordinator.endpoint, secret, "vm", 1)
+        second, refused = None, {}
+        gathered: list = []
+
+        def gather() -> None:
+            gathered.extend(coordinator.wait_members(2, timeout_s=8))
+
+        waiting = threading.Thread(target=gather, daemon=True)
+        waiting.start()
+        first.join(timeout=10)
+        second, refused = _join_in_thread(coordinator.endpoint, secret, "vm", 1, timeout_s=5)
+        second.join(timeout=10)
+        assert isinstance(refused.get("error"), InputError), refused  # at once: trying again changes nothing
+        assert "node name taken: 'vm' is agent" in str(refused["error"]) and "--node-name" in str(refused["error"])
+        third, joined = _join_in_thread(coordinator.endpoint, secret, "other", 1)
+        waiting.join(timeout=10)
+        assert sorted(m.node_name for m in gathered) == ["other", "vm"] and "error" not in joined
+    finally:
+        coordinator.close()

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from felactl.launcher.controlplane import write_secret_file
+from felactl.spec import load_cluster
 
 FELACTL = [sys.executable, "-m", "felactl"]
 SMALL = ["--matmul-size", "128", "--message-bytes", "262144", "--repetitions", "3"]
@@ -118,62 +119,36 @@ def test_two_agents_as_two_nodes_measure_every_pair(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_two_agents_with_one_node_name_are_refused_with_exit_2(tmp_path):
+def test_a_second_agent_of_a_node_name_is_refused_at_once_and_the_profile_waits_for_the_right_one(tmp_path):
+    """Two agents on one host take its name: the second is refused at once (exit 2), told to give
+    --node-name; the coordinator waits on, and an agent with a name of its own completes it."""
     secret = tmp_path / "secret"
     write_secret_file(secret)
     endpoint = f"127.0.0.1:{_free_port()}"
     procs: list[subprocess.Popen] = []
+
+    def agent(name: str, log: str) -> subprocess.Popen:
+        argv = ["agent", "--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--node-name", name]
+        procs.append(_start([*argv, "--nproc-per-node", "1", "--join-timeout", "25"], tmp_path / log))
+        return procs[-1]
+
     try:
+        profile = ["profile", "--rdzv-endpoint", endpoint, "--nnodes", "2", "--secret-file", str(secret)]
         coordinator = _start(
-            [
-                "profile",
-                "--rdzv-endpoint",
-                endpoint,
-                "--nnodes",
-                "2",
-                "--secret-file",
-                str(secret),
-                "-o",
-                str(tmp_path / "c.yaml"),
-                "--join-timeout",
-                "25",
-            ],
-            tmp_path / "coordinator.log",
+            [*profile, "-o", str(tmp_path / "c.yaml"), "--join-timeout", "25", *SMALL], tmp_path / "coordinator.log"
         )
         procs.append(coordinator)
-        for i in range(2):
-            procs.append(
-                _start(
-                    [
-                        "agent",
-                        "--rdzv-endpoint",
-                        endpoint,
-                        "--secret-file",
-                        str(secret),
-                        "--node-name",
-                        "same",
-                        "--nproc-per-node",
-                        "1",
-                        "--join-timeout",
-                        "25",
-                    ],
-                    tmp_path / f"agent{i}.log",
-                )
-            )
-        assert coordinator.wait(timeout=40) == 2
-        assert (
-            "2 agents call their node 'same'; give each its own --node-name"
-            in (tmp_path / "coordinator.log").read_text()
-        )
-        for agent in procs[1:]:
-            assert agent.wait(timeout=20) == 1  # told to stop before any worker started
-        assert (
-            "the coordinator stopped the job before it started: the coordinator gave up: 2 agents call"
-            in (tmp_path / "agent0.log").read_text()
-        )
+        agent("same", "agent0.log")
+        second = agent("same", "agent1.log")
+        assert second.wait(timeout=30) == 2
+        said = (tmp_path / "agent1.log").read_text()
+        assert "refused this agent: node name taken: 'same' is agent" in said and "--node-name" in said, said
+        agent("other", "agent2.log")
+        assert coordinator.wait(timeout=60) == 0, (tmp_path / "coordinator.log").read_text()[-2000:]
+        assert "node name taken" in (tmp_path / "coordinator.log").read_text()
     finally:
         _kill_all(procs)
-    assert not (tmp_path / "c.yaml").exists()
+    assert [n.name for n in load_cluster(tmp_path / "c.yaml").nodes] == ["other", "same"]
 
 
 @pytest.mark.multiprocess

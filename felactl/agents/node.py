@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torch.distributed import DistError
+
 from felactl.agents.agent import LocalWorkerAgent, RunResult, WorkerSpec
 from felactl.control import keys
 from felactl.control.documents import CommandDoc, WorkerState
+from felactl.control.store import first_line
 from felactl.errors import ControlPlaneError
 
 if TYPE_CHECKING:
@@ -168,30 +171,40 @@ def _supervise_elastic(agent: LocalWorkerAgent, session) -> RunResult:
     re-forms the job without it — and the agent runs until the coordinator says stop."""
     try:
         agent.start()
-        reported, last_beat = None, 0.0
-        while True:
-            if time.monotonic() - last_beat >= keys.AGENT_BEAT_S:
-                session.beat()
-                last_beat = time.monotonic()
-            for command in _pop_commands(session):
-                if command.get("op") == "add":
-                    agent.add_worker(int(command["worker_id"]), dict(command.get("env", {})))
-                elif command.get("op") == "kill":
-                    agent.kill_worker(int(command["worker_id"]))
-            agent.monitor()
-            table = agent.worker_table()
-            if table != reported:
-                session.report(WorkerState.HEALTHY.value, workers=table)
-                reported = table
-            order = session.stop_requested()
-            if order is not None:
-                agent.stop(drain_s=order.drain_s)
-                result = agent._result()
-                state = WorkerState.SUCCEEDED if order.reason == "finished" else result.state
-                return RunResult(state=state, exit_codes=result.exit_codes, failures=result.failures)
-            time.sleep(agent.spec.monitor_interval_s)
+        return _follow_coordinator(agent, session)
+    except (DistError, ControlPlaneError) as exc:  # the store went away under a beat, a report or a read
+        ended = agent.monitor()
+        if ended.state is WorkerState.SUCCEEDED:  # the job ended and its launch closed before this agent heard
+            return ended
+        raise ControlPlaneError(f"lost the coordinator at {session.host}:{session.port}: {first_line(exc)}") from exc
     finally:
         agent.stop()
+
+
+def _follow_coordinator(agent: LocalWorkerAgent, session) -> RunResult:
+    """:func:`_supervise_elastic`'s loop, until the coordinator says stop."""
+    reported, last_beat = None, 0.0
+    while True:
+        if time.monotonic() - last_beat >= keys.AGENT_BEAT_S:
+            session.beat()
+            last_beat = time.monotonic()
+        for command in _pop_commands(session):
+            if command.get("op") == "add":
+                agent.add_worker(int(command["worker_id"]), dict(command.get("env", {})))
+            elif command.get("op") == "kill":
+                agent.kill_worker(int(command["worker_id"]))
+        agent.monitor()
+        table = agent.worker_table()
+        if table != reported:
+            session.report(WorkerState.HEALTHY.value, workers=table)
+            reported = table
+        order = session.stop_requested()
+        if order is not None:
+            agent.stop(drain_s=order.drain_s)
+            result = agent._result()
+            state = WorkerState.SUCCEEDED if order.reason == "finished" else result.state
+            return RunResult(state=state, exit_codes=result.exit_codes, failures=result.failures)
+        time.sleep(agent.spec.monitor_interval_s)
 
 
 def _pop_commands(session) -> list[dict]:

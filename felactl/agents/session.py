@@ -18,7 +18,7 @@ from typing import Any
 
 from felactl.control import Reader, Seal, job_binding, keys
 from felactl.control.documents import AgentStateDoc, Assignment, JobDoc, StopDoc
-from felactl.control.join import HELLO_AGAIN_S, admit_message, join_message, refuse_message, sign, verify
+from felactl.control.join import HELLO_AGAIN_S, NAME_TAKEN, admit_message, join_message, refuse_message, sign, verify
 from felactl.control.store import (
     DEFAULT_CONNECT_TIMEOUT_S,
     POLL_INTERVAL_S,
@@ -27,7 +27,7 @@ from felactl.control.store import (
     parse_endpoint,
     wait_key,
 )
-from felactl.errors import AuthError, ControlPlaneError
+from felactl.errors import AuthError, ControlPlaneError, InputError
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,8 @@ class AgentSession:
             if admitted is False and verify(
                 self.secret, refuse_message(self.job, agent_id, client_nonce, reason), proof
             ):
+                if reason.startswith(NAME_TAKEN):  # what this agent asked for: trying again changes nothing
+                    raise InputError(f"the coordinator at {self.host}:{self.port} refused this agent: {reason}")
                 tally.refused(reason)
                 return None
             tally.unverified(reply_name)  # not from the coordinator, or this agent's secret is not the job's

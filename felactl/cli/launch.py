@@ -68,6 +68,14 @@ class LaunchCommandOptions:
             "--nproc-per-node local CPU workers, without profiling."
         ),
     ] = None
+    nodes: Annotated[
+        str | None,
+        typer.Option(
+            "--nodes",
+            help="--job: the nodes its workers go on, NODE[,NODE...] (each agent's --node-name, its "
+            "hostname by default; default: this machine, or a Slurm allocation's nodes).",
+        ),
+    ] = None
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
@@ -232,7 +240,7 @@ def _launch_plan(flags: LaunchFlags, as_json: bool, tensorboard: Path | None = N
     """A plan's launch (a ``--job``'s plan made first), followed in the live view, then its summary."""
     from felactl.cli.model_profile import parse_config
     from felactl.launcher.launch import launch as run_launch
-    from felactl.launcher.launch_flags import allocation, check_plan_flags, plan_options
+    from felactl.launcher.launch_flags import check_plan_flags, job_nodes, plan_options
     from felactl.launcher.prepare import job_plan
     from felactl.report.tensorboard import TensorBoardFollower
     from felactl.spec import save
@@ -251,7 +259,7 @@ def _launch_plan(flags: LaunchFlags, as_json: bool, tensorboard: Path | None = N
                 flags.global_batch,
                 flags.micro_batch,
                 shard=flags.shard,
-                nodes=slurm.nodes if (slurm := allocation(flags)) is not None else (),
+                nodes=job_nodes(flags),
             )
             plan = save(
                 made, Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="felactl-job-"))) / "plan.yaml"

@@ -8,6 +8,11 @@ import json
 
 from felactl.control.seal import mac
 
+NAME_TAKEN = "node name taken"
+"""How a refusal that ends the agent begins: its (signed) request names a node another agent of
+the job has joined as. Other refusals spoil one attempt (a request replayed or altered on the
+store); this one says what the agent itself asked for, which trying again cannot change."""
+
 HELLO_AGAIN_S = 2.0
 """A joining agent that has seen no valid challenge or reply this long says hello again."""
 

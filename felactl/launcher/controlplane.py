@@ -41,7 +41,7 @@ from pathlib import Path
 from felactl.control import EventKind, Reader, Seal, job_binding, keys
 from felactl.control.documents import AgentStateDoc, Assignment, JobDoc, StopDoc
 from felactl.control.events import RefusalLog, record
-from felactl.control.join import admit_reply, join_message, refuse_reply, verify
+from felactl.control.join import NAME_TAKEN, admit_reply, join_message, refuse_reply, verify
 from felactl.control.store import DEFAULT_HOST, POLL_INTERVAL_S, parse_endpoint, serve_store
 from felactl.errors import ControlPlaneError, InputError
 from felactl.fsutil import atomic_write_text
@@ -132,6 +132,10 @@ class Coordinator:
         self.owned: dict[str, str] = {}
         """Keys this coordinator wrote and must find unchanged: name -> the value it wrote."""
         self.audited_at = 0.0
+        self.names_taken: list[str] = []
+        self.gathering = False
+        """While the job's first agents gather (:meth:`wait_members`): a node name joins once. (An
+        elastic job's agent that rejoins later, its node's name again, replaces the lost one.)"""
         self.store.set(keys.JOB_NAME, job)
 
     @property
@@ -192,13 +196,8 @@ class Coordinator:
         else:
             reason = ""
         if reason:
-            log.warning("control plane: refused agent %r: %s", agent_id, reason)
             self.refused.append(agent_id)
-            self.refuse(keys.JOIN_REQUESTS, f"agent {agent_id!r}: {reason}")
-            self.store.set(
-                self.prefix + reply_name, refuse_reply(self.secret, self.job, agent_id, client_nonce, reason)
-            )
-            return None
+            return self._refuse_agent(agent_id, client_nonce, reason)
         try:
             data = json.loads(payload)
             member = Member(
@@ -211,6 +210,8 @@ class Coordinator:
         except (ValueError, KeyError, TypeError):
             self.refuse(keys.JOIN_REQUESTS, f"agent {agent_id!r}: a malformed join payload")
             return None
+        if (reason := self._name_taken(member.node_name)) is not None:
+            return self._refuse_agent(agent_id, client_nonce, reason)
         self.members[agent_id] = member
         self.store.set(
             self.prefix + reply_name, admit_reply(self.secret, self.job, agent_id, client_nonce, nonce, self.session)
@@ -218,18 +219,45 @@ class Coordinator:
         log.info("control plane: admitted %s (%d slots)", member.node_name, member.num_slots)
         return member
 
+    def _refuse_agent(self, agent_id: str, client_nonce: str, reason: str) -> None:
+        """Refuse a join: recorded, logged, and told to the agent (signed, so that it believes it)."""
+        log.warning("control plane: refused agent %r: %s", agent_id, reason)
+        self.refuse(keys.JOIN_REQUESTS, f"agent {agent_id!r}: {reason}")
+        reply = refuse_reply(self.secret, self.job, agent_id, client_nonce, reason)
+        self.store.set(self.prefix + keys.join_reply(agent_id, client_nonce), reply)
+
+    def _name_taken(self, node_name: str) -> str | None:
+        """Why a joining agent named ``node_name`` is refused while the job gathers: a member has
+        that name (None: it has not, or the job runs and a lost node's agent may come back)."""
+        taken = next((m.agent_id for m in self.members.values() if m.node_name == node_name), None)
+        if not self.gathering or taken is None:
+            return None
+        self.names_taken.append(node_name)
+        return (
+            f"{NAME_TAKEN}: {node_name!r} is agent {taken}'s in this job: start this agent with --node-name "
+            "NAME, the plan's name of its node (an agent is named after its host by default)"
+        )
+
     def wait_members(self, num_agents: int, timeout_s: float, alive=None) -> list[Member]:
-        """Admit agents until ``num_agents`` have joined; ``alive()`` may raise to give up early."""
+        """Admit agents until ``num_agents`` have joined, one per node name (a second agent that
+        takes a name already in is refused, saying so: two agents on one host both take its
+        name); ``alive()`` may raise to give up early."""
         deadline = time.monotonic() + timeout_s
-        while len(self.members) < num_agents:
-            self.poll_joins()
-            if alive is not None:
-                alive()
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"only {len(self.members)} of {num_agents} agents joined {self.endpoint} within {timeout_s:g} s"
-                )
-            time.sleep(POLL_INTERVAL_S)
+        self.gathering = True
+        try:
+            while len(self.members) < num_agents:
+                self.poll_joins()
+                if alive is not None:
+                    alive()
+                if time.monotonic() > deadline:
+                    taken = f"; refused {', '.join(self.names_taken)} (a node name taken)" if self.names_taken else ""
+                    raise ControlPlaneError(
+                        f"only {len(self.members)} of {num_agents} agents joined {self.endpoint} within "
+                        f"{timeout_s:g} s{taken}"
+                    )
+                time.sleep(POLL_INTERVAL_S)
+        finally:
+            self.gathering = False
         return list(self.members.values())
 
     # --- documents ---------------------------------------------------------------------------------

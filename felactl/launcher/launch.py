@@ -130,11 +130,34 @@ def launch(options: LaunchOptions, on_update: Callable[[LaunchState], None] = la
         slurm=options.slurm,
         node_slots={node: len(devs) for node, devs in nodes.items()},
     )
+    if (waiting := _agents_to_start(options, nodes, local_node, coordinator.endpoint, run, plan)) is not None:
+        log.warning(waiting)
     with supervised(coordinator, agents, run, heartbeat, drain_s=options.drain_s):
         summary = _run(options, coordinator, agents, state, nodes, resume, on_update)
     run.write_summary(summary)
     record(run.events, EventKind.FINISHED, steps=summary["steps"])
     return summary
+
+
+def _agents_to_start(
+    options: LaunchOptions,
+    nodes: dict[str, tuple[str, ...]],
+    local_node: str,
+    endpoint: str,
+    run: RunDir,
+    plan: Plan,
+) -> str | None:
+    """What the user must do now for a job whose other nodes' agents are started by hand
+    (``--rdzv-endpoint``): the command for each, said once the secret file it needs exists."""
+    others = sorted(node for node in nodes if node != local_node)
+    if options.rdzv_endpoint is None or options.hostfile or options.testbed or options.slurm or not others:
+        return None
+    return (
+        f"waiting {options.join_timeout_s:g} s for the agents of {', '.join(others)}: on each, run "
+        f"`felactl agent --rdzv-endpoint {endpoint} --secret-file {run.secret} --node-name NODE` "
+        f"(with that file copied there; {plan.model.source} must import there: the same code and "
+        "environment on every node)"
+    )
 
 
 def _record_launch(

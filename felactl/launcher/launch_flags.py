@@ -13,7 +13,7 @@ from felactl.launcher.prepare import LaunchOptions
 from felactl.launcher.resume import run_counts
 from felactl.launcher.script import ScriptOptions
 from felactl.launcher.slurm import Allocation, current_allocation, requeued_run, slurm_applies
-from felactl.limits import parse_count_range
+from felactl.limits import parse_count_range, split_items
 from felactl.spec import SyncMode
 
 
@@ -33,6 +33,8 @@ class LaunchFlags:
     config: list[str] | None
     """``--config key=value``, unparsed (only a ``--job`` reads it)."""
     shard: bool
+    nodes: str | None
+    """``--nodes NODE[,NODE...]``: the nodes a ``--job``'s workers go on (their agents' names)."""
     run_id: str | None
     steps: int | None
     sync: SyncMode | None
@@ -83,6 +85,7 @@ def script_options(flags: LaunchFlags) -> ScriptOptions:
         "--micro-batch": flags.micro_batch,
         "--config": flags.config,
         "--shard": flags.shard or None,
+        "--nodes": flags.nodes,
         "--nnodes MIN:MAX": None if min_nodes == max_nodes else flags.nnodes,
     }
     given = [name for name, value in plan_only.items() if value is not None]
@@ -102,6 +105,15 @@ def script_options(flags: LaunchFlags) -> ScriptOptions:
         node_name=flags.node_name,
         slurm=allocation(flags),
     )
+
+
+def job_nodes(flags: LaunchFlags) -> tuple[str, ...]:
+    """The nodes a ``--job``'s workers go on: ``--nodes``, else the Slurm allocation's, else ()
+    (this machine)."""
+    if flags.nodes is not None:
+        return tuple(split_items("--nodes", flags.nodes, "NODE[,NODE...]"))
+    slurm = allocation(flags)
+    return slurm.nodes if slurm is not None else ()
 
 
 def allocation(flags: LaunchFlags) -> Allocation | None:
@@ -126,6 +138,7 @@ def check_plan_flags(flags: LaunchFlags) -> None:
         "--micro-batch": flags.micro_batch,
         "--config": flags.config,
         "--shard": flags.shard or None,
+        "--nodes": flags.nodes,
     }
     for name, value in job_only.items():
         if value is not None and flags.job is None:
@@ -134,6 +147,13 @@ def check_plan_flags(flags: LaunchFlags) -> None:
         raise InputError(
             f"--shard runs under sync bsp (its workers gather every block together, step by step), not --sync {flags.sync.value}"
         )
+    if flags.job is not None and flags.nodes is None and parse_count_range("--nnodes", flags.nnodes)[1] > 1:
+        if allocation(flags) is None:
+            raise InputError(
+                f"--nnodes {flags.nnodes}: --job places its workers on this machine unless --nodes names "
+                "the nodes (--nodes NODE,NODE...: the names their `felactl agent`s join with, each its "
+                "hostname unless --node-name; inside a Slurm allocation, its nodes)"
+            )
     if sum(x is not None for x in (flags.plan, flags.resume, flags.job)) != 1:
         raise InputError(
             "give a PLAN to launch, --job SOURCE to train on local workers, or --resume RUN "

@@ -196,7 +196,6 @@ def _measure_cluster(
         on_progress(waiting, 0, nnodes)
         members = coordinator.wait_members(nnodes, options.join_timeout_s, alive)
         members.sort(key=lambda m: m.node_name)
-        _check_unique_node_names(members)
         results = _run_workers(coordinator, members, options, alive, on_progress)
         cluster = assemble_cluster(name or (members[0].node_name if len(members) == 1 else "cluster"), members, results)
         _wait_agents_done(coordinator, members, alive)
@@ -267,13 +266,6 @@ def check_profile_flags(
     if with_hostfile and nnodes != 1:
         raise InputError("--nnodes comes from the hostfile (one node per line); leave it out")
     return hosts
-
-
-def _check_unique_node_names(members: list[Member]) -> None:
-    names = [m.node_name for m in members]
-    for name in names:
-        if names.count(name) > 1:
-            raise InputError(f"{names.count(name)} agents call their node {name!r}; give each its own --node-name")
 
 
 def _job_secret(path: Path) -> str:
