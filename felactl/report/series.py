@@ -6,9 +6,10 @@ launcher was lost read alike. Times are seconds since the run's first step start
 
 * **loss**: each step's (:func:`~felactl.control.metrics.step_losses`: sample-weighted over the
   workers, a redone step's newest), at the time the step's last record was written;
-* **samples/s**: the first stage's samples whose step ended in each time bin, over the bin;
-* **each worker's time**: the compute, communication and waiting its records ended in each bin
-  hold, as shares of the bin (a straggler computes while the others wait);
+* **samples/s**: the first stage's samples trained in each time bin, over the bin (a step's
+  samples spread over the time it took);
+* **each worker's time**: the compute, communication and waiting of its steps in each bin, as
+  shares of the bin, each step's spread over its time (a straggler computes while the others wait);
 * **evaluation**: what the job's ``evaluate`` hook returned, each number where its step ended;
 * **events**: what changed the job (scale, failure, re-form, restart, resume, stop), each where it
   happened;
@@ -143,10 +144,23 @@ def _first_stage(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("stage", 0) == first]
 
 
+def _spread(total: float, record: dict[str, Any], start: float, bin_s: float, into: list[float]) -> None:
+    """Add ``total`` (a record's samples or seconds) to the bins its step spans, each its share of
+    the step's time (a step of several bins is not all in the bin where it ended)."""
+    began, ended = record["time"] - record["duration_s"] - start, record["time"] - start
+    if ended - began <= 0:
+        into[_bin(record["time"], start, bin_s, len(into))] += total
+        return
+    first, last = _bin(began + start, start, bin_s, len(into)), _bin(ended + start, start, bin_s, len(into))
+    for b in range(first, last + 1):
+        overlap = min(ended, (b + 1) * bin_s) - max(began, b * bin_s)
+        into[b] += total * max(0.0, overlap) / (ended - began)
+
+
 def _throughput(records: list[dict[str, Any]], start: float, bin_s: float, bins: int) -> tuple[float, ...]:
     samples = [0.0] * bins
     for r in _first_stage(records):
-        samples[_bin(r["time"], start, bin_s, bins)] += r["samples"]
+        _spread(r["samples"], r, start, bin_s, samples)
     return tuple(s / bin_s for s in samples)
 
 
@@ -158,9 +172,8 @@ def _worker_times(records: list[dict[str, Any]], start: float, bin_s: float, bin
             {"stage": r.get("stage", 0), "samples": 0, **{k: [0.0] * bins for k in ("compute", "comm", "wait")}},
         )
         w["samples"] += r["samples"]
-        b = _bin(r["time"], start, bin_s, bins)
         for key in ("compute", "comm", "wait"):
-            w[key][b] += r[f"{key}_s"] / bin_s
+            _spread(r[f"{key}_s"] / bin_s, r, start, bin_s, w[key])
     return tuple(
         WorkerTime(
             rank=rank,
