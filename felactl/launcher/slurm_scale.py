@@ -66,7 +66,6 @@ def grow(
     seen = len(read_jsonl(rundir.events))  # joins before the request are other agents'
     job_id = _submit(rundir, endpoint, nodes, nproc_per_node, sbatch_args)
     results: list[dict] = []
-
     try:
         granted = _wait_granted(job_id, deadline)
         ended = functools.partial(_job_ended, job_id)
@@ -100,7 +99,7 @@ def rescale(run: str, command: dict, *, runs_root: Path, secret_file: Path | Non
     try:
         result = ask()
     except InputError as refused:
-        if not _start_allocation_agent(run, command, refused, runs_root=runs_root, deadline=deadline):
+        if not _start_allocation_agent(run, command, refused, runs_root, secret_file, deadline):
             raise
         result = ask()
     if command["op"] in ("remove", "to") and "members_after" in result:
@@ -108,7 +107,9 @@ def rescale(run: str, command: dict, *, runs_root: Path, secret_file: Path | Non
     return result
 
 
-def _start_allocation_agent(run: str, command: dict, refused: InputError, *, runs_root: Path, deadline: float) -> bool:
+def _start_allocation_agent(
+    run: str, command: dict, refused: InputError, runs_root: Path, secret_file: Path | None, deadline: float
+) -> bool:
     """Whether an agent was started for a ``--node`` the job has none on, because it is a node of
     the Slurm allocation this runs in (as the launch starts its own: a job step, the run's secret
     on its stdin), and joined the job. The nodes of an allocation the launch's plan left spare
@@ -120,7 +121,7 @@ def _start_allocation_agent(run: str, command: dict, refused: InputError, *, run
         return False
     rundir = RunDir.find(run, root=runs_root)
     seen = len(read_jsonl(rundir.events))
-    secret = read_secret_file(rundir.secret)
+    secret = read_secret_file(secret_file or rundir.secret)
     (step,) = start_step_agents(
         allocation, {node: command["count"]}, coordinator_endpoint(rundir), secret, rundir.logs, rundir.run_id
     )
