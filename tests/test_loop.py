@@ -24,12 +24,15 @@ BATCH = 8
 
 
 class FakeTrainer:
-    """What the loop asks of a trainer: the injected stragglers, and the metrics record."""
+    """What the loop asks of a trainer: the injected stragglers, the metrics record, and what a
+    record carries for the user (the optimizer's lr, the job's evaluate hook: none here)."""
 
     def __init__(self, calls: list):
         self.calls = calls
         self.records: list[dict] = []
         self.straggler = SimpleNamespace(at_iteration=lambda local_step: 0.0)
+        self.optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}])
+        self.job = SimpleNamespace(evaluate=None)
 
     def record(self, **fields) -> None:
         self.calls.append(("record", fields["step"]))
