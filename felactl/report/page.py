@@ -51,7 +51,7 @@ def write_report(run: str, runs_root: Path, out_dir: Path | None = None) -> dict
 def simulated_iteration(plan, profiles) -> tuple[Any, str]:
     """One simulated iteration of ``plan`` (None where its profiles are unknown, with why)."""
     if profiles is None:
-        return None, "no schedule: the launch was not given the profiles the plan was made from (--cluster, --model)"
+        return None, "the launch was not given the profiles the plan was made from (--cluster, --model)"
     from felactl.optimizer.planner import plan_cost_model
     from felactl.optimizer.simulator import simulate
 
