@@ -32,6 +32,10 @@ class InputError(FelactlError):
     exit_code = EXIT_BAD_INPUT
 
 
+class NodeNameTaken(InputError):
+    """A gathering job refused an agent: another agent of the job joined under its node name."""
+
+
 class SpecError(InputError):
     """A cluster, model or plan file (or dict) is malformed. The message names file and key path."""
 

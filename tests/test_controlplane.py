@@ -8,6 +8,7 @@ import stat
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import psutil
 import pytest
@@ -388,5 +389,45 @@ def test_a_second_agent_of_a_node_name_is_refused_while_the_job_gathers_saying_w
         third, joined = _join_in_thread(coordinator.endpoint, secret, "other", 1)
         waiting.join(timeout=10)
         assert sorted(m.node_name for m in gathered) == ["other", "vm"] and "error" not in joined
+    finally:
+        coordinator.close()
+
+
+def test_agents_on_one_host_without_node_names_take_distinct_ones():
+    """Two `felactl agent`s on one machine, no --node-name: the first is the host's name, the
+    second joins as ``<host>-2`` (the launch's --nodes names them so); a name given is not changed."""
+    from felactl.agents.node import NodeAgentConfig, _join
+    from felactl.agents.session import AgentSession
+
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    joined: list = []
+    try:
+        gathering = threading.Thread(target=lambda: joined.extend(coordinator.wait_members(2, 20)), daemon=True)
+        gathering.start()
+
+        def config(given: bool) -> NodeAgentConfig:
+            return NodeAgentConfig(
+                endpoint=coordinator.endpoint,
+                secret=secret,
+                node_name="box",
+                nproc=1,
+                log_dir=Path("."),
+                name_given=given,
+            )
+
+        names = [
+            _join(AgentSession(coordinator.endpoint, secret, timeout_s=10), config(False))[1].node_name
+            for _ in range(2)
+        ]
+        gathering.join(timeout=10)
+        assert names == ["box", "box-2"] and sorted(m.node_name for m in joined) == names
+        with pytest.raises(InputError, match="node name taken"):
+            coordinator.gathering = True
+            pending = threading.Thread(
+                target=lambda: [coordinator.poll_joins() or time.sleep(0.05) for _ in range(100)], daemon=True
+            )
+            pending.start()
+            _join(AgentSession(coordinator.endpoint, secret, timeout_s=5), config(True))
     finally:
         coordinator.close()

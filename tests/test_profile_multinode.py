@@ -139,6 +139,10 @@ def test_a_second_agent_of_a_node_name_is_refused_at_once_and_the_profile_waits_
         )
         procs.append(coordinator)
         agent("same", "agent0.log")
+        deadline = time.monotonic() + 30  # the first is in before the second asks
+        while "joined as" not in (tmp_path / "agent0.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "agent0.log").read_text()
+            time.sleep(0.1)
         second = agent("same", "agent1.log")
         assert second.wait(timeout=30) == 2
         said = (tmp_path / "agent1.log").read_text()

@@ -42,6 +42,7 @@ def local_agent_config(
         cpu_affinity=affinity,
         job=job,
         join_timeout_s=join_timeout_s,
+        name_given=node_name is not None,
     )
 
 

@@ -11,6 +11,7 @@ on its signed commands, and its workers are told to run the elastic membership.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -25,7 +26,7 @@ from felactl.agents.agent import LocalWorkerAgent, RunResult, WorkerSpec
 from felactl.control import keys
 from felactl.control.documents import CommandDoc, WorkerState
 from felactl.control.store import first_line
-from felactl.errors import ControlPlaneError
+from felactl.errors import ControlPlaneError, NodeNameTaken
 
 if TYPE_CHECKING:
     from felactl.agents.session import StopOrder
@@ -46,6 +47,9 @@ class NodeAgentConfig:
     """The job's name on the control plane; None: the one the coordinator runs."""
     generation: int = 0
     join_timeout_s: float = 60.0
+    name_given: bool = True
+    """False: ``node_name`` is this host's default, and a second agent on the host (its name
+    taken in a gathering job) joins as ``<name>-2``, a third as ``<name>-3`` (:func:`_join`)."""
 
 
 def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = lambda agent_id: None) -> RunResult:
@@ -62,7 +66,7 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
     session = AgentSession(
         config.endpoint, config.secret, job=config.job, generation=config.generation, timeout_s=config.join_timeout_s
     )
-    agent_id = session.join(config.node_name, config.nproc, config.node_info)
+    agent_id, config = _join(session, config)
     session.reader.on_refused = _refusal_log(config.log_dir, session.reader.on_refused)
     on_joined(agent_id)
     try:
@@ -94,6 +98,26 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
         assignment = session.wait_attempt(assignment.attempt + 1, math.inf)
         if assignment is None:  # the coordinator stopped the job
             return result
+
+
+SAME_HOST_NAMES = 16
+"""Agents on one host that take distinct default names (``host``, ``host-2`` ... ``host-16``)."""
+
+
+def _join(session, config: NodeAgentConfig) -> tuple[str, NodeAgentConfig]:
+    """Join as the node's name; where that name is this host's default and another agent of the
+    job has it (two agents on one machine), as the next free ``<name>-<n>``. The agent id and the
+    config with the name it joined as."""
+    names = [config.node_name]
+    if not config.name_given:
+        names += [f"{config.node_name}-{n}" for n in range(2, SAME_HOST_NAMES + 1)]
+    for i, name in enumerate(names):
+        try:
+            return session.join(name, config.nproc, config.node_info), dataclasses.replace(config, node_name=name)
+        except NodeNameTaken:
+            if i == len(names) - 1:
+                raise
+    raise AssertionError("names is never empty")
 
 
 def _worker_spec(config: NodeAgentConfig, session, assignment) -> WorkerSpec:

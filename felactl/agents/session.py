@@ -27,7 +27,7 @@ from felactl.control.store import (
     parse_endpoint,
     wait_key,
 )
-from felactl.errors import AuthError, ControlPlaneError, InputError
+from felactl.errors import AuthError, ControlPlaneError, NodeNameTaken
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class AgentSession:
                 self.secret, refuse_message(self.job, agent_id, client_nonce, reason), proof
             ):
                 if reason.startswith(NAME_TAKEN):  # what this agent asked for: trying again changes nothing
-                    raise InputError(f"the coordinator at {self.host}:{self.port} refused this agent: {reason}")
+                    raise NodeNameTaken(f"the coordinator at {self.host}:{self.port} refused this agent: {reason}")
                 tally.refused(reason)
                 return None
             tally.unverified(reply_name)  # not from the coordinator, or this agent's secret is not the job's
