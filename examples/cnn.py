@@ -48,7 +48,8 @@ def accuracy(model: nn.Module, step: int) -> dict[str, float]:
     """The evaluate hook: loss and accuracy on held-out images (felactl calls it in eval mode,
     under no_grad, on one worker). A user would log to W&B or MLflow here too."""
     images, labels = default_collate([HELD_OUT[1_000_000 + i] for i in range(len(HELD_OUT))])
-    logits = model(images)
+    device = next(model.parameters()).device  # the worker's: a GPU in a plan of GPUs
+    logits, labels = model(images.to(device)), labels.to(device)
     return {
         "val_loss": F.cross_entropy(logits, labels).item(),
         "val_accuracy": (logits.argmax(1) == labels).float().mean().item(),

@@ -55,9 +55,11 @@ class TrainJob:
     0), the whole model in eval mode under ``torch.no_grad()``. The numbers it returns (name ->
     number, e.g. ``{"val_loss": 1.9}``) go into that step's metrics record (``eval``), ``felactl
     report``'s figures and ``--tensorboard``; it is also the place for the user's own logging
-    (W&B, MLflow), which felactl does not depend on. For plans that keep the whole model on each
-    worker (one stage, not sharded); the others train while it runs, and wait for it at the next
-    synchronisation."""
+    (W&B, MLflow), which felactl does not depend on. The model is on the worker's device. For plans
+    that keep the whole model on each worker (one stage, not sharded; refused at the start
+    otherwise). The others wait for it at the next synchronisation, for the job's collective
+    timeout at most (an elastic job's ``--collective-timeout``, 10 s by default): a longer
+    evaluation fails their step, so keep it short or raise the timeout."""
     evaluate_every: int = 100
     split_points: Sequence[str] | None = None
     """Module paths where a pipeline stage may begin, in the order the forward runs them

@@ -554,7 +554,7 @@ def test_a_workers_failure_is_said_from_this_run_of_it_and_a_kill_as_a_kill(tmp_
     assert result.failures == {0: "killed by SIGKILL", 1: "ValueError: this run raised this"}, result.failures
 
 
-def test_an_elastic_agent_whose_coordinator_is_gone_says_so_and_a_finished_one_succeeds():
+def test_an_elastic_agent_whose_coordinator_is_gone_says_so_and_a_finished_one_succeeds(monkeypatch):
     """The launch may close its store between a job's end and this agent's next beat (a late
     agent, a busy machine): its workers having succeeded, the agent succeeds; with workers still
     running it is one line, "lost the coordinator" (was: an internal DistNetworkError)."""
@@ -584,6 +584,7 @@ def test_an_elastic_agent_whose_coordinator_is_gone_says_so_and_a_finished_one_s
         def stop(self, drain_s: float = 0.0):
             self.stopped = True
 
+    monkeypatch.setattr(node, "LOST_COORDINATOR_GRACE_S", 0.3)  # how long workers still running get to end
     done = Workers(WorkerState.SUCCEEDED)
     assert node._supervise_elastic(done, Session()).state is WorkerState.SUCCEEDED and done.stopped
     running = Workers(WorkerState.HEALTHY)

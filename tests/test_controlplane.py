@@ -422,12 +422,21 @@ def test_agents_on_one_host_without_node_names_take_distinct_ones():
         ]
         gathering.join(timeout=10)
         assert names == ["box", "box-2"] and sorted(m.node_name for m in joined) == names
-        with pytest.raises(InputError, match="node name taken"):
-            coordinator.gathering = True
-            pending = threading.Thread(
-                target=lambda: [coordinator.poll_joins() or time.sleep(0.05) for _ in range(100)], daemon=True
-            )
-            pending.start()
-            _join(AgentSession(coordinator.endpoint, secret, timeout_s=5), config(True))
+        coordinator.gathering = True  # as while a job's first agents gather
+        done = threading.Event()
+
+        def serve() -> None:
+            while not done.is_set():
+                coordinator.poll_joins()
+                time.sleep(0.05)
+
+        serving = threading.Thread(target=serve, daemon=True)
+        serving.start()
+        try:
+            with pytest.raises(InputError, match="node name taken"):
+                _join(AgentSession(coordinator.endpoint, secret, timeout_s=5), config(True))
+        finally:
+            done.set()
+            serving.join(timeout=5)
     finally:
         coordinator.close()

@@ -33,6 +33,7 @@ class FakeTrainer:
         self.straggler = SimpleNamespace(at_iteration=lambda local_step: 0.0)
         self.optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}])
         self.job = SimpleNamespace(evaluate=None)
+        self.plan = SimpleNamespace(stages=[SimpleNamespace(shard=False)])
 
     def record(self, **fields) -> None:
         self.calls.append(("record", fields["step"]))

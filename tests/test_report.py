@@ -53,6 +53,7 @@ def check_report(run: Path, out: Path) -> dict:
     loss_line = next(line for line in progress.axes[0].lines if line.get_label() == "loss")
     ys, xs = np.asarray(loss_line.get_ydata(), float), np.asarray(loss_line.get_xdata(), float)
     plotted = ~np.isnan(ys)  # a pause breaks the line with a NaN
+    assert plotted.sum() == len(expected_loss)  # every step drawn
     assert np.allclose(ys[plotted], expected_loss[: plotted.sum()], rtol=1e-9)
     assert np.allclose(xs[plotted], expected_t[: plotted.sum()], rtol=1e-9)
     rate = next(line for line in progress.axes[1].lines if line.get_label() == "samples/s")
@@ -228,3 +229,39 @@ def test_tensorboard_refuses_a_file_for_its_directory(tmp_path):
     command = ["launch", "--job", "examples.cnn:job", "--nproc-per-node", "1", "--global-batch", "8"]
     done = CliRunner().invoke(app, [*command, "--tensorboard", str(taken)])
     assert done.exit_code == 2 and "--tensorboard" in done.output and "not a directory" in done.output, done.output
+
+
+def test_tensorboard_waits_for_every_worker_of_a_step_and_skips_a_damaged_line(tmp_path):
+    """Workers at their own pace record steps out of order: a step is written once, after every
+    worker recording has passed it, with its mean over all of them; a damaged line is skipped
+    and the run's scalars go on (the follower never stops the training)."""
+    from felactl.report.tensorboard import TensorBoardFollower
+
+    def record(rank, step, loss, t):
+        return (
+            json.dumps(
+                {
+                    "time": t,
+                    "rank": rank,
+                    "step": step,
+                    "samples": 8,
+                    "loss": loss,
+                    "compute_s": 0.1,
+                    "comm_s": 0.0,
+                    "wait_s": 0.0,
+                    "duration_s": 0.1,
+                }
+            )
+            + "\n"
+        )
+
+    metrics = tmp_path / "metrics.jsonl"
+    first = record(0, 0, 1.0, 1) + record(1, 0, 3.0, 1.5) + record(0, 1, 1.0, 2) + record(0, 2, 1.0, 3)
+    metrics.write_text(first + '{"time": 1, "ra\n')
+    follower = TensorBoardFollower(tmp_path / "tb")
+    follower.follow(metrics)
+    assert follower.pending.keys() == {0, 1, 2}  # worker 1 is still at step 0: nothing written yet
+    metrics.write_text(metrics.read_text() + record(1, 1, 3.0, 4) + record(1, 2, 3.0, 5))
+    follower.follow(metrics)
+    follower.close()
+    assert tensorboard_scalars(tmp_path / "tb")["train/loss"] == [(0, 2.0), (1, 2.0), (2, 2.0)]

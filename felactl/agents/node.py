@@ -100,6 +100,10 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
             return result
 
 
+LOST_COORDINATOR_GRACE_S = 5.0
+"""How long an elastic agent that lost its coordinator waits for its workers to end by themselves
+(a finished job's do) before it says the coordinator was lost."""
+
 SAME_HOST_NAMES = 16
 """Agents on one host that take distinct default names (``host``, ``host-2`` ... ``host-16``)."""
 
@@ -197,7 +201,9 @@ def _supervise_elastic(agent: LocalWorkerAgent, session) -> RunResult:
         agent.start()
         return _follow_coordinator(agent, session)
     except (DistError, ControlPlaneError) as exc:  # the store went away under a beat, a report or a read
-        ended = agent.monitor()
+        deadline = time.monotonic() + LOST_COORDINATOR_GRACE_S  # workers of a finished job are exiting
+        while (ended := agent.monitor()).state is WorkerState.HEALTHY and time.monotonic() < deadline:
+            time.sleep(0.1)
         if ended.state is WorkerState.SUCCEEDED:  # the job ended and its launch closed before this agent heard
             return ended
         raise ControlPlaneError(f"lost the coordinator at {session.host}:{session.port}: {first_line(exc)}") from exc

@@ -154,7 +154,8 @@ def _agents_to_start(
         return None
     return (
         f"waiting {options.join_timeout_s:g} s for the agents of {', '.join(others)}: on each, run "
-        f"`felactl agent --rdzv-endpoint {endpoint} --secret-file {run.secret} --node-name NODE` "
+        f"`felactl agent --rdzv-endpoint {endpoint} --secret-file {run.secret} "
+        f"--node-name {others[0] if len(others) == 1 else 'NODE'}` "
         f"(with that file copied there; {plan.model.source} must import there: the same code and "
         "environment on every node)"
     )

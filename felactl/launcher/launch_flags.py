@@ -111,7 +111,10 @@ def job_nodes(flags: LaunchFlags) -> tuple[str, ...]:
     """The nodes a ``--job``'s workers go on: ``--nodes``, else the Slurm allocation's, else ()
     (this machine)."""
     if flags.nodes is not None:
-        return tuple(split_items("--nodes", flags.nodes, "NODE[,NODE...]"))
+        nodes = split_items("--nodes", flags.nodes, "NODE[,NODE...]")
+        if len(set(nodes)) != len(nodes):
+            raise InputError(f"--nodes {flags.nodes}: a node is named twice (each node's agent runs its workers)")
+        return tuple(nodes)
     slurm = allocation(flags)
     return slurm.nodes if slurm is not None else ()
 

@@ -76,7 +76,7 @@ class RunDir:
     def find(cls, run: str, root: Path = DEFAULT_RUNS_ROOT) -> RunDir:
         """A run by id (under ``root``) or by path; the newest run when ``run`` is empty."""
         if not run:
-            runs = sorted((p for p in Path(root).glob("*") if _is_run(p)), key=lambda p: p.stat().st_mtime)
+            runs = sorted((p for p in Path(root).glob("*") if _is_run(p)), key=_last_written)
             if not runs:
                 raise InputError(f"no runs in {root}/")
             return cls(runs[-1])
@@ -194,6 +194,13 @@ class RunDir:
             return RunState(last["kind"])
         liveness = check(LaunchIdentity.from_dict(last.get("launcher")), self.heartbeat)
         return RunState({"alive": "running", "gone": "lost", "unknown": "unknown"}[liveness.verdict], liveness.reason)
+
+
+def _last_written(path: Path) -> float:
+    """When a run last recorded something: its newest metrics or events (the directory's own
+    mtime also moves when `felactl report` adds its report/ there)."""
+    stamps = [f.stat().st_mtime for f in (path / "metrics.jsonl", path / "events.jsonl") if f.exists()]
+    return max(stamps, default=path.stat().st_mtime)
 
 
 def _is_run(path: Path) -> bool:

@@ -19,6 +19,7 @@ import functools
 import logging
 import shlex
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,9 +100,14 @@ def rescale(run: str, command: dict, *, runs_root: Path, secret_file: Path | Non
     try:
         result = ask()
     except InputError as refused:
-        if not _start_allocation_agent(run, command, refused, runs_root, secret_file, deadline):
+        step = _start_allocation_agent(run, command, refused, runs_root, secret_file, deadline)
+        if step is None:
             raise
-        result = ask()
+        try:
+            result = ask()
+        except BaseException:  # nothing changed: the agent it started goes too
+            stop_processes([step])
+            raise
     if command["op"] in ("remove", "to") and "members_after" in result:
         result["slurm_released"] = release_emptied(run, result["members_after"], runs_root=runs_root)
     return result
@@ -109,16 +115,16 @@ def rescale(run: str, command: dict, *, runs_root: Path, secret_file: Path | Non
 
 def _start_allocation_agent(
     run: str, command: dict, refused: InputError, runs_root: Path, secret_file: Path | None, deadline: float
-) -> bool:
-    """Whether an agent was started for a ``--node`` the job has none on, because it is a node of
-    the Slurm allocation this runs in (as the launch starts its own: a job step, the run's secret
-    on its stdin), and joined the job. The nodes of an allocation the launch's plan left spare
+) -> subprocess.Popen | None:
+    """The job step of an agent started for a ``--node`` the job has none on, because it is a
+    node of the Slurm allocation this runs in (as the launch starts its own: a job step, the run's
+    secret on its stdin), once it joined the job; None where none was started. The nodes of an allocation the launch's plan left spare
     are how a job inside it grows."""
     allocation = current_allocation()
     node = command.get("node")
     spare = allocation is not None and node in allocation.nodes and NO_AGENT_THERE in str(refused)
     if command["op"] != "add" or not spare:
-        return False
+        return None
     rundir = RunDir.find(run, root=runs_root)
     seen = len(read_jsonl(rundir.events))
     secret = read_secret_file(secret_file or rundir.secret)
@@ -135,7 +141,7 @@ def _start_allocation_agent(
     except BaseException:
         stop_processes([step])
         raise
-    return True
+    return step
 
 
 def release_emptied(run: str, members_after: list[int], *, runs_root: Path) -> list[str]:

@@ -195,19 +195,21 @@ def draw_gantt(ax, plan: Plan, simulated: SimResult) -> None:
     optimizer step (O) and sleeps, by stage."""
     row = {device: i for i, device in enumerate(plan.devices)}
     for interval in simulated.intervals:
-        kind, stage = interval.label[0], interval.label[1:]
-        color = {"F": f"C{int(stage or 0) % 10}", "B": f"C{int(stage or 0) % 10}", "S": "black", "O": "gray"}
+        kind = interval.label[0] if interval.label != "sleep" else "z"
+        stage_color = f"C{int(interval.label[1:]) % 10}" if kind in "FB" else "lightgray"
         ax.broken_barh(
             [(interval.start_s, interval.end_s - interval.start_s)],
             (row[interval.device] - 0.4, 0.8),
-            color=color.get(kind, "lightgray"),
+            color={"S": "black", "O": "gray"}.get(kind, stage_color),
             alpha=1.0 if kind == "F" else 0.55,
             edgecolor="white",
             linewidth=0.3,
         )
     ax.set_yticks(range(len(plan.devices)), plan.devices)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds (one simulated iteration; solid forward, pale backward, black sync, gray optimizer)")
+    ax.set_xlabel(
+        "seconds (one simulated iteration; solid forward, pale backward, black sync, gray optimizer, light gray sleep)"
+    )
     ax.set_title(f"schedule: {plan.schedule.value}, {simulated.iteration_s:.4g} s an iteration")
 
 

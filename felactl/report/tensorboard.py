@@ -6,18 +6,25 @@ Per step, at the step's end: ``train/loss`` (sample-weighted over the step's rec
 ``train/samples_per_s`` (the first stage's samples over the time since the previous step ended),
 ``train/lr``; per worker ``worker/<rank>/share`` (its part of the step's samples),
 ``worker/<rank>/wait_s`` and ``worker/<rank>/compute_s``; and ``eval/<name>`` for what the job's
-``evaluate`` hook returned. A step is written once a later one has begun to be recorded (workers
-record a step one after another), the rest when the launch ends.
+``evaluate`` hook returned. A step is written once every worker recording has passed it (workers
+at their own pace, under wbsp and sdpipe, record steps out of order; a worker counts from its
+first record), the rest when the launch
+ends. Anything going wrong here is said once and ends the following, never the training.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from felactl.errors import InputError
 from felactl.fsutil import check_directory
+
+log = logging.getLogger(__name__)
+RECENT_S = 30.0
+"""A worker that recorded nothing for this long no longer holds a step back from being written."""
 
 
 class TensorBoardFollower:
@@ -37,24 +44,47 @@ class TensorBoardFollower:
         self.offset = 0
         self.pending: dict[int, list[dict[str, Any]]] = {}
         self.last_end: float | None = None
+        self.latest: dict[int, tuple[int, float]] = {}
+        """Each worker's newest step and when it recorded it."""
+        self.failed = False
 
     def __call__(self, state) -> None:
-        self.follow(state.run.metrics)
+        """Follow the run; whatever goes wrong here (a damaged record, a full disk) is said once
+        and ends the following, never the training."""
+        if self.failed:
+            return
+        try:
+            self.follow(state.run.metrics)
+        except Exception as exc:  # TensorBoard is a view: the run goes on without it
+            self.failed = True
+            log.warning("--tensorboard: stopped writing (%s: %s); the run goes on", type(exc).__name__, exc)
 
     def follow(self, metrics: Path, final: bool = False) -> None:
-        """Read the records added since the last call; write the steps now complete (all: ``final``)."""
+        """Read the records added since the last call; write the steps every worker recording
+        now has passed (all: ``final``)."""
         self.metrics = metrics
         for record in self._new_records(metrics):
             self.pending.setdefault(record["step"], []).append(record)
-        newest = max(self.pending, default=None)
+            self.latest[record["rank"]] = (
+                max(self.latest.get(record["rank"], (-1, 0.0))[0], record["step"]),
+                record["time"],
+            )
+        newest_time = max((t for _, t in self.latest.values()), default=0.0)
+        # a worker silent for RECENT_S has left (or lags far behind): it holds no step back
+        recording = [step for step, t in self.latest.values() if newest_time - t <= RECENT_S]
+        passed = min(recording, default=-1)
         for step in sorted(self.pending):
-            if final or step < newest:
+            if final or step < passed:
                 self._write_step(step, self.pending.pop(step))
 
     def close(self) -> None:
-        if self.metrics is not None:
-            self.follow(self.metrics, final=True)
-        self.writer.close()
+        try:
+            if self.metrics is not None and not self.failed:
+                self.follow(self.metrics, final=True)
+        except Exception as exc:
+            log.warning("--tensorboard: the last steps were not written (%s: %s)", type(exc).__name__, exc)
+        finally:
+            self.writer.close()
 
     def _new_records(self, metrics: Path) -> list[dict[str, Any]]:
         try:
@@ -65,7 +95,15 @@ class TensorBoardFollower:
             return []
         complete = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next call
         self.offset += len(complete)
-        return [json.loads(line) for line in complete.decode("utf-8", errors="replace").splitlines() if line.strip()]
+        records = []
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a damaged line: `felactl status` names it; TensorBoard shows the rest
+            if isinstance(record, dict) and all(k in record for k in ("step", "rank", "time", "samples")):
+                records.append(record)
+        return records
 
     def _write_step(self, step: int, records: list[dict[str, Any]]) -> None:
         end = max(r["time"] for r in records)

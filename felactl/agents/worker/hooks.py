@@ -28,13 +28,7 @@ def evaluation(trainer: Trainer, step: int) -> dict[str, Any]:
     job = trainer.job
     if job.evaluate is None or trainer.runtime.rank != 0 or (step + 1) % job.evaluate_every:
         return {}
-    plan = trainer.plan
-    if len(plan.stages) > 1 or plan.stages[0].shard:
-        raise InputError(
-            "TrainJob.evaluate: runs on one worker that holds the whole model; this plan splits it "
-            f"({len(plan.stages)} stage(s){', sharded' if plan.stages[0].shard else ''}): evaluate in "
-            "your own process from `felactl export`, or plan one replicated stage"
-        )
+    check_evaluable(trainer)
     model = job.model
     was_training = model.training
     started = time.perf_counter()
@@ -45,6 +39,18 @@ def evaluation(trainer: Trainer, step: int) -> dict[str, Any]:
     finally:
         model.train(was_training)
     return {"eval": _checked(numbers), "eval_s": round(time.perf_counter() - started, 6)}
+
+
+def check_evaluable(trainer: Trainer) -> None:
+    """Refuse (one line) a job's evaluate hook on a plan that splits or shards the model: said
+    when the worker starts, not ``evaluate_every`` steps into the run."""
+    plan = trainer.plan
+    if trainer.job.evaluate is not None and (len(plan.stages) > 1 or plan.stages[0].shard):
+        raise InputError(
+            "TrainJob.evaluate: runs on one worker that holds the whole model; this plan splits it "
+            f"({len(plan.stages)} stage(s){', sharded' if plan.stages[0].shard else ''}): evaluate in "
+            "your own process from `felactl export`, or plan one replicated stage"
+        )
 
 
 def _checked(numbers: Any) -> dict[str, float]:

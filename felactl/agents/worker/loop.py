@@ -22,7 +22,7 @@ import traceback
 from typing import Any
 
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.hooks import evaluation, learning_rate
+from felactl.agents.worker.hooks import check_evaluable, evaluation, learning_rate
 from felactl.agents.worker.membership import Membership
 from felactl.agents.worker.strategy import Strategy
 from felactl.errors import FelactlError
@@ -36,6 +36,7 @@ def train(trainer: Trainer, strategy: Strategy, membership: Membership) -> bool:
     own (which end the worker): a collective's RuntimeError (a peer died or hung) looks like the
     user's own ``RuntimeError`` (a shape slip in ``loss_fn``), and which it was is not told here
     but by whether it repeats (the coordinator's decision)."""
+    check_evaluable(trainer)
     while True:
         failed = None
         try:
