@@ -59,3 +59,33 @@ def test_a_resumed_run_on_another_machine_names_its_plan_file(tmp_path):
         " ".join(result.stderr.split())
     )
     assert not (run.path / "plan.1.yaml").exists(), "a refused resume leaves no generation of its own behind"
+
+
+def test_a_launch_waiting_for_hand_started_agents_names_the_command_once_its_secret_exists(tmp_path):
+    """What `felactl launch --rdzv-endpoint` says while the other nodes' agents are to be started
+    by hand: the agent command with the run's secret file (written by then) and the node's name;
+    nothing where the launch starts them itself."""
+    from felactl.launcher.launch import _agents_to_start
+    from felactl.launcher.prepare import LaunchOptions, job_plan, prepare_run
+
+    plan = job_plan("examples.cnn:job", {}, 1, 16, None, nodes=("a", "b"))
+    options = LaunchOptions(plan_path=None, rdzv_endpoint="a:29500", runs_root=tmp_path)
+    run, _, _ = prepare_run(options, plan)
+    said = _agents_to_start(options, plan.nodes(), "a", "10.0.0.1:29500", run, plan)
+    assert run.secret.exists()
+    assert f"--rdzv-endpoint 10.0.0.1:29500 --secret-file {run.secret} --node-name b" in said
+    assert "examples.cnn:job must import there" in said
+    import dataclasses
+
+    assert _agents_to_start(dataclasses.replace(options, rdzv_endpoint=None), plan.nodes(), "a", "e", run, plan) is None
+
+
+def test_job_nodes_named_twice_are_one_line():
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+
+    done = CliRunner().invoke(
+        app, ["launch", "--job", "examples.cnn:job", "--nproc-per-node", "1", "--global-batch", "8", "--nodes", "a,a"]
+    )
+    assert done.exit_code == 2 and "--nodes a,a: a node is named twice" in done.output, done.output

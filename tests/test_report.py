@@ -265,3 +265,19 @@ def test_tensorboard_waits_for_every_worker_of_a_step_and_skips_a_damaged_line(t
     follower.follow(metrics)
     follower.close()
     assert tensorboard_scalars(tmp_path / "tb")["train/loss"] == [(0, 2.0), (1, 2.0), (2, 2.0)]
+
+
+def test_the_gantt_draws_a_stragglers_sleep():
+    """A simulated iteration with a device asleep (``--straggler``): the sleep is drawn in light
+    gray (its label, ``sleep``, once made the colour table read a stage number from it)."""
+    from matplotlib.figure import Figure
+
+    from felactl.optimizer.simulator import Interval, SimResult
+    from felactl.report.figures import draw_gantt
+
+    plan = job_plan("examples.cnn:job", {}, 2, 16, None)
+    dev0, dev1 = plan.devices
+    intervals = (Interval(dev0, 0.0, 1.0, "sleep"), Interval(dev1, 0.0, 0.5, "F0"), Interval(dev1, 0.5, 1.0, "B0"))
+    ax = Figure().subplots()
+    draw_gantt(ax, plan, SimResult(iteration_s=1.0, intervals=intervals))
+    assert len(ax.collections) == 3

@@ -283,3 +283,15 @@ def test_status_reads_runs_without_importing_torch():
     code = "import sys, felactl.launcher.status; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_newest_run_is_the_one_that_last_recorded_not_the_one_last_reported(tmp_path):
+    """`felactl report A` writes A/report/, which moves A's directory mtime: `felactl status`
+    without a run then took A for the newest (was: sorted by the directory's mtime)."""
+    older, newer = RunDir.create("a", root=tmp_path), RunDir.create("b", root=tmp_path)
+    for run, at in ((older, 1000.0), (newer, 2000.0)):
+        (run.path / "launch.json").write_text("{}")
+        append_jsonl(run.events, {"time": at, "kind": "launch"})
+        os.utime(run.events, (at, at))
+    (older.path / "report").mkdir()  # what felactl report a leaves
+    assert RunDir.find("", root=tmp_path).run_id == "b"

@@ -520,3 +520,27 @@ def test_testbed_down_finds_its_slurm_daemons_by_their_directory_and_no_other_te
         for sleeper in sleepers:
             sleeper.kill()
             sleeper.wait()
+
+
+def test_an_agent_scale_started_on_a_spare_node_goes_when_the_request_after_it_fails(monkeypatch, tmp_path):
+    """``scale --add 1 --node nb`` inside an allocation: nb had no agent, scale started one; the
+    request then refused anyway: nothing changed, so the agent's step is stopped too."""
+    from felactl.launcher import slurm_scale
+
+    class Step:
+        stopped = False
+
+    step = Step()
+    refusals = iter(["refused: --node 'nb': no agent of this job runs there", "refused: the job is finishing"])
+
+    def refuse(*args, **kwargs):
+        raise InputError(next(refusals))
+
+    monkeypatch.setattr(slurm_scale, "request_scale", refuse)
+    monkeypatch.setattr(slurm_scale, "_start_allocation_agent", lambda *args: step)
+    monkeypatch.setattr(slurm_scale, "stop_processes", lambda procs: setattr(procs[0], "stopped", True))
+    with pytest.raises(InputError, match="the job is finishing"):
+        slurm_scale.rescale(
+            "r", {"op": "add", "count": 1, "node": "nb"}, runs_root=tmp_path, secret_file=None, timeout_s=5
+        )
+    assert step.stopped

@@ -218,13 +218,18 @@ RECENT_STEPS = 20
 a rescale or a straggler, long enough not to jump with every step."""
 
 
-def recent_step_rate(records: Iterable[dict[str, Any]]) -> float | None:
-    """Steps a second over the newest :data:`RECENT_STEPS` steps, each ending with its last
-    record; None until two steps have ended (or when they ended at the same instant)."""
+def step_ends(records: Iterable[dict[str, Any]]) -> dict[int, float]:
+    """When each step ended: its newest record's time (its last worker's)."""
     ends: dict[int, float] = {}
     for r in records:
         ends[r["step"]] = max(ends.get(r["step"], -math.inf), r["time"])
-    newest = sorted(ends.items())[-RECENT_STEPS:]
+    return ends
+
+
+def recent_step_rate(records: Iterable[dict[str, Any]]) -> float | None:
+    """Steps a second over the newest :data:`RECENT_STEPS` steps, each ending with its last
+    record; None until two steps have ended (or when they ended at the same instant)."""
+    newest = sorted(step_ends(records).items())[-RECENT_STEPS:]
     span = newest[-1][1] - newest[0][1] if len(newest) > 1 else 0.0
     return (len(newest) - 1) / span if span > 0 else None
 

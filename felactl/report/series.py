@@ -19,12 +19,11 @@ launcher was lost read alike. Times are seconds since the run's first step start
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from felactl.control.metrics import check_records, step_losses, without_redone
+from felactl.control.metrics import check_records, step_ends, step_losses, without_redone
 from felactl.errors import InputError
 from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.spec import Plan, load_plan
@@ -101,7 +100,7 @@ def read_run(run: str, runs_root: Path) -> RunSeries:
     bin_s = max((end - start) / BINS, 1e-3)
     bins = max(1, math.ceil((end - start) / bin_s - 1e-9))
     losses = step_losses(records)
-    step_end = _step_ends(records)
+    step_end = step_ends(records)
     steps = tuple(s for s in sorted(losses) if s in step_end)
     state = rundir.run_state()
     return RunSeries(
@@ -125,14 +124,6 @@ def read_run(run: str, runs_root: Path) -> RunSeries:
 
 def _first_time(events: list[dict[str, Any]]) -> float:
     return min((e["time"] for e in events if isinstance(e.get("time"), (int, float))), default=0.0)
-
-
-def _step_ends(records: Iterable[dict[str, Any]]) -> dict[int, float]:
-    """When each step ended: its newest record (its last worker's)."""
-    ends: dict[int, float] = {}
-    for r in records:
-        ends[r["step"]] = max(ends.get(r["step"], -math.inf), r["time"])
-    return ends
 
 
 def _bin(t: float, start: float, bin_s: float, bins: int) -> int:

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from felactl.control.metrics import step_losses
 from felactl.errors import InputError
 from felactl.fsutil import check_directory
 
@@ -111,10 +112,8 @@ class TensorBoardFollower:
         counted = [r for r in records if r.get("stage", 0) == first]
         samples = sum(r["samples"] for r in counted)
         scalars: dict[str, float] = {}
-        with_loss = [r for r in records if r.get("loss") is not None]
-        if with_loss:
-            weight = sum(max(r["samples"], 1) for r in with_loss)
-            scalars["train/loss"] = sum(r["loss"] * max(r["samples"], 1) for r in with_loss) / weight
+        if (loss := step_losses(records).get(step)) is not None:  # as felactl status and report weigh it
+            scalars["train/loss"] = loss
         if self.last_end is not None and end > self.last_end:
             scalars["train/samples_per_s"] = samples / (end - self.last_end)
         self.last_end = max(end, self.last_end or end)
