@@ -150,20 +150,32 @@ def final_params(run_dir: Path, steps: int, stage: int = 0) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for k, v in state["model"].items()])
 
 
-def single_process(plan: Plan, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def single_process(
+    plan: Plan, steps: int, micro_batch: int | None = None
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process training on the same global batches: what BSP must reproduce (the job's
     optimizer, LR scheduler and gradient clipping included): the model's state after ``steps``
-    and each step's loss."""
+    and each step's loss. ``micro_batch``: accumulate each step's gradient over micro-batches of
+    that size in sample order (each loss weighted by its share of the batch), as a run that splits
+    the batch so sums it: the same sum in the same float order. (A whole batch's gradient differs
+    from two halves' in the last bits, and some CPUs' kernels make that 2e-5 in a weight after 8
+    SGD steps: a bound on that would measure the CPU, not the runtime.)"""
     job = models.build(plan.model.source, plan.model.config, seed=plan.training.seed).job
     model = job.model
     optimizer = make_optimizer(plan, list(model.parameters()), job)
     scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
     losses = []
+    size = micro_batch or plan.global_batch
     for step in range(steps):
-        inputs, targets = job.batch(range(step * plan.global_batch, (step + 1) * plan.global_batch))
-        loss = job.loss_fn(model(inputs), targets)
-        loss.backward()
-        losses.append(loss.item())
+        first, end = step * plan.global_batch, (step + 1) * plan.global_batch
+        loss_sum = 0.0
+        for start in range(first, end, size):
+            inputs, targets = job.batch(range(start, min(start + size, end)))
+            weight = (min(start + size, end) - start) / plan.global_batch
+            loss = job.loss_fn(model(inputs), targets)
+            (loss * weight if micro_batch else loss).backward()
+            loss_sum += loss.item() * weight
+        losses.append(loss_sum)
         if job.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
         optimizer.step()
@@ -173,9 +185,9 @@ def single_process(plan: Plan, steps: int) -> tuple[dict[str, torch.Tensor], lis
     return model.state_dict(), losses
 
 
-def reference_params(plan: Plan, steps: int) -> torch.Tensor:
+def reference_params(plan: Plan, steps: int, micro_batch: int | None = None) -> torch.Tensor:
     """:func:`single_process`'s weights, flat."""
-    return torch.cat([v.reshape(-1) for v in single_process(plan, steps)[0].values()])
+    return torch.cat([v.reshape(-1) for v in single_process(plan, steps, micro_batch)[0].values()])
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -288,9 +288,11 @@ def test_a_batch_job_trains_on_both_nodes_and_survives_one_that_slurm_loses(clus
     job = _sbatch(
         cluster,
         tmp_path,
-        # rank 0 (na) at a third of its pace: the job outlasts the ~10 s Slurm takes to mark nb down
-        "exec $FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 1200 --json "
-        "--heartbeat-timeout 3 --collective-timeout 5 --slowdown 0=3 > summary.json",
+        # every step at least 25 ms (each worker sleeps that long in every iteration): 800 steps
+        # outlast the ~10 s Slurm takes to mark nb down on any CPU (a rank slowed 3x by compute
+        # finished 1200 steps in 20 s on a fast one, before the check that the job still ran)
+        "exec $FELACTL launch --job examples.cnn:job --nproc-per-node 1 --global-batch 16 --steps 800 --json "
+        "--heartbeat-timeout 3 --collective-timeout 5 --straggler prob:1:0.025 > summary.json",
         header=("#SBATCH --nodes=2 --no-kill",),
     )
     run = tmp_path / "runs" / f"slurm-{job}"
@@ -303,7 +305,7 @@ def test_a_batch_job_trains_on_both_nodes_and_survives_one_that_slurm_loses(clus
     )
     assert _wait_job(cluster, job) == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 1200 and len(summary["workers"]) == 2
+    assert summary["steps"] == 800 and len(summary["workers"]) == 2
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     (start,) = [e for e in events if e["kind"] == "start"]
     assert sorted(start["members"]) == ["na", "nb"]

@@ -170,7 +170,7 @@ def test_a_llama_shaped_pipeline_trains_to_the_single_process_result(tmp_path, c
     boundary, a dict output; AdamW, a warmup-cosine schedule and clipping, 20 steps."""
     steps = 20
     plan, run_dir = _run_pipeline(tmp_path, LLAMA, SMALL, cuts, steps)
-    want, losses = single_process(plan, steps)
+    want, losses = single_process(plan, steps, micro_batch=plan.stages[0].micro_batch)  # summed as 1F1B sums
     got = _trained(plan, run_dir, steps)
     assert _largest_difference(got, want) < 1e-5
 
