@@ -1,0 +1,88 @@
+"""A flexible plan that is one chain of devices is written as one static 1F1B pipeline
+(:mod:`felactl.optimizer.one_chain`): on two-servers its tokens runtime measured 0.55 of the
+prediction, the same stages as 1F1B 0.90 (BENCHMARKS.md). No processes: the planner and the
+plan's checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from felactl.optimizer.cost import GB, CostModel, MemoryHeadroom, stage_memory_bytes
+from felactl.optimizer.one_chain import as_one_pipeline
+from felactl.optimizer.planner import make_plan
+from felactl.spec import Schedule, load_cluster, load_model
+from felactl.spec.executable import check_executable
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _two_servers():
+    """The must-shard benchmark's profiles of two-servers (the LLaMA example, width 128, depth 4,
+    timed in every node; each node's memory capped at 0.75 of the model's training state)."""
+    return load_cluster(DATA / "two-servers-capped.cluster.yaml"), load_model(DATA / "llama-two-servers.model.yaml")
+
+
+def test_the_planners_chain_of_one_device_stages_is_one_static_1f1b_pipeline():
+    cluster, llama = _two_servers()
+    plan = make_plan(cluster, llama, 64, sync="bsp")
+    assert plan.schedule is Schedule.ONE_F_ONE_B, "a chain runs as 1F1B, not on the token server"
+    assert len(plan.stages) == 4 and all(len(stage.workers) == 1 for stage in plan.stages)
+    (chain,) = plan.pipelines
+    assert list(chain) == [stage.devices[0] for stage in plan.stages]
+    assert sorted(chain) == sorted(plan.devices)
+    check_executable(plan, [layer.params for layer in llama.layers])
+    cost = CostModel(cluster, llama)
+    for s, stage in enumerate(plan.stages):
+        assert stage.max_in_flight == 4 - s  # what 1F1B holds there
+        held = stage_memory_bytes(llama, stage.layer_start, stage.layer_end, stage.micro_batch, 4 - s)
+        assert stage.workers[0].predicted_memory_gb == round(held / 1e9, 4)
+        assert held <= cost.usable_memory_bytes(chain[s])
+    # the simulator runs it as 1F1B, within the memory every device may fill
+    assert plan.predicted.simulated_iteration_s > 0
+    assert all(
+        gb * 1e9 <= cost.usable_memory_bytes(device) for device, gb in plan.predicted.simulated_peak_memory_gb.items()
+    )
+
+
+def test_a_chain_whose_1f1b_activations_do_not_fit_stays_a_flexible_plan():
+    cluster, llama = _two_servers()
+    piped = make_plan(cluster, llama, 64, sync="bsp")
+    flexible = dataclasses.replace(piped, schedule=Schedule.TOKENS, pipelines=())
+    first = piped.stages[0]
+    needs = stage_memory_bytes(llama, first.layer_start, first.layer_end, first.micro_batch, 4)
+    # the first stage's device a byte short of 1F1B's four micro-batches in flight
+    short = CostModel(_with_memory(cluster, first.devices[0], needs - 1), llama)
+    assert short.usable_memory_bytes(first.devices[0]) < needs
+    assert as_one_pipeline(flexible, short) is flexible
+    assert as_one_pipeline(flexible, CostModel(cluster, llama)).schedule is Schedule.ONE_F_ONE_B
+
+
+def test_stages_that_share_a_device_or_hold_several_are_not_a_chain():
+    cluster, llama = _two_servers()
+    piped = make_plan(cluster, llama, 64, sync="bsp")
+    flexible = dataclasses.replace(piped, schedule=Schedule.TOKENS, pipelines=())
+    cost = CostModel(cluster, llama)
+    one, two = flexible.stages[0], flexible.stages[1]
+    # stage 1 on its device and stage 0's: one device serves two stages, a stage has two
+    both = (dataclasses.replace(two.workers[0], share=0.5), dataclasses.replace(one.workers[0], share=0.5))
+    shared = dataclasses.replace(two, workers=both)
+    assert as_one_pipeline(
+        dataclasses.replace(flexible, stages=(one, shared, *flexible.stages[2:])), cost
+    ).schedule is (Schedule.TOKENS)
+    wider = dataclasses.replace(two, micro_batch=2 * two.micro_batch)
+    assert as_one_pipeline(dataclasses.replace(flexible, stages=(one, wider, *flexible.stages[2:])), cost).schedule is (
+        Schedule.TOKENS
+    )
+
+
+def _with_memory(cluster, device_name: str, usable_bytes: float):
+    """``cluster`` with ``device_name`` (a CPU slot: no reserve, a tenth kept free) letting the
+    planner fill ``usable_bytes`` of it."""
+    memory_gb = usable_bytes / (1 - MemoryHeadroom().fraction) / GB
+
+    def resized(device):
+        return dataclasses.replace(device, memory_gb=memory_gb) if device.name == device_name else device
+
+    nodes = tuple(dataclasses.replace(n, devices=tuple(resized(d) for d in n.devices)) for n in cluster.nodes)
+    return dataclasses.replace(cluster, nodes=nodes)
