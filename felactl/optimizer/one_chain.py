@@ -8,21 +8,94 @@ a 2 ms link) that runtime measured 61 samples/s where the same stages as a stati
 (point-to-point sends, no server) measured 99, 0.55 and 0.90 of the plan's prediction (BENCHMARKS.md,
 "One chain as a static pipeline"). Such a plan is therefore written as one static pipeline, where
 1F1B's in-flight micro-batches (``S - s`` at stage ``s``) fit every device's memory; else it stays a
-flexible plan, whose in-flight limits the memory model set. Pure: stage arithmetic only.
+flexible plan, whose in-flight limits the memory model set.
+
+The ILP prices a stage's devices by their speed and memory, not the order the chain visits them
+in: on two-servers it chained its four equal nodes across the thin link three times where once
+would do. :func:`in_chain_order` deals a chain's devices again among the stages whose devices time
+and hold them alike, for the fewest seconds on the links between neighbours. Pure: stage
+arithmetic only.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
-from felactl.optimizer.cost import CostModel, stage_memory_bytes
+from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_memory_bytes
+from felactl.optimizer.evaluate import StageChoice
 from felactl.spec import Plan, Schedule
 
 
 def one_f_one_b_in_flight(num_stages: int, stage: int, global_batch: int, micro_batch: int) -> int:
     """Micro-batches 1F1B holds at ``stage``: its warm-up forwards and one more, at most all of them."""
     return min(num_stages - stage, math.ceil(global_batch / micro_batch))
+
+
+MAX_ORDERS = 5040
+"""Orders of a chain's devices :func:`in_chain_order` weighs at most (7!: seven alike devices);
+a chain with more keeps the ILP's."""
+
+
+ALIKE = 1.05
+"""Devices of one kind and memory whose times for the chain's stages differ by at most this
+factor are alike (the same GPU, or CPU share, measured a few percent apart)."""
+
+
+def _alike(cost: CostModel, stages: Sequence[StageChoice], devices: Sequence[str]) -> list[list[int]]:
+    """The chain's positions in classes whose devices could swap stages: one kind and memory, and
+    times for the chain's stages within :data:`ALIKE` of each other; a kind whose devices differ
+    more (one throttled, one straggling) is no class: each of its devices keeps its stage."""
+    kinds: dict[tuple, list[int]] = {}
+    for position, device in enumerate(devices):
+        kinds.setdefault((cost.cluster.device(device).model, cost.usable_memory_bytes(device)), []).append(position)
+
+    def total_s(device: str) -> float:
+        return sum(sum(cost.stage_times_s(st.start, st.end, device, st.micro_batch)) for st in stages)
+
+    classes = []
+    for positions in kinds.values():
+        times = [total_s(devices[p]) for p in positions]
+        alike = max(times) <= ALIKE * min(times)
+        classes += [positions] if alike else [[p] for p in positions]
+    return classes
+
+
+def in_chain_order(cost: CostModel, stages: Sequence[StageChoice]) -> tuple[StageChoice, ...]:
+    """``stages`` (the ILP's) with a chain's devices re-dealt (module doc): each stage keeps a
+    device that times its layers and holds as much as the one the ILP gave it, and the order chosen
+    spends the fewest seconds sending each micro-batch's activations forward and its gradients
+    back between neighbours; the ILP's order where no other is faster, or where it is no chain."""
+    stages = tuple(stages)
+    chain = [st.devices for st in stages]
+    if len(stages) < 2 or any(len(d) != 1 or st.shard for d, st in zip(chain, stages)):
+        return stages
+    devices = [d[0] for d in chain]
+    if len(set(devices)) != len(devices):
+        return stages
+
+    classes = _alike(cost, stages, devices)
+    if math.prod(math.factorial(len(p)) for p in classes) > MAX_ORDERS:
+        return stages
+
+    def hops_s(order: Sequence[str]) -> float:
+        total = 0.0
+        for s, (a, b) in enumerate(zip(order, order[1:])):
+            nbytes = boundary_bytes_per_sample(cost.model, stages[s].end) * stages[s].micro_batch
+            total += cost.link_time_s(a, b, nbytes) + cost.link_time_s(b, a, nbytes)
+        return total
+
+    best, best_s = devices, hops_s(devices)
+    for dealt in itertools.product(*(itertools.permutations(p) for p in classes)):
+        order = list(devices)
+        for places, shuffled in zip(classes, dealt):
+            for place, source in zip(places, shuffled):
+                order[place] = devices[source]
+        if (seconds := hops_s(order)) < best_s - 1e-12:
+            best, best_s = order, seconds
+    return tuple(replace(st, shares=((d, 1.0),)) for st, d in zip(stages, best))
 
 
 def as_one_pipeline(plan: Plan, cost: CostModel) -> Plan:
