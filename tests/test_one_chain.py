@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from felactl.cli.main import app
 from felactl.optimizer.cost import GB, CostModel, MemoryHeadroom, stage_memory_bytes
 from felactl.optimizer.evaluate import StageChoice
 from felactl.optimizer.one_chain import as_one_pipeline, in_chain_order
@@ -43,6 +46,17 @@ def test_the_planners_chain_of_one_device_stages_is_one_static_1f1b_pipeline():
     assert plan.predicted.simulated_iteration_s > 0
     assert all(
         gb * 1e9 <= cost.usable_memory_bytes(device) for device, gb in plan.predicted.simulated_peak_memory_gb.items()
+    )
+
+
+def test_felactl_plan_says_a_chain_runs_as_one_1f1b_pipeline(tmp_path):
+    out = tmp_path / "plan.yaml"
+    args = ["plan", "--cluster", str(DATA / "two-servers-capped.cluster.yaml")]
+    args += ["--model", str(DATA / "llama-two-servers.model.yaml"), "--global-batch", "64", "-o", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "one chain of devices, so it runs as one static 1F1B pipeline (sync tokens" in " ".join(
+        result.output.split()
     )
 
 

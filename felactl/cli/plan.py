@@ -29,9 +29,9 @@ from felactl.optimizer.planner import (
     plan_cost_model,
 )
 from felactl.optimizer.simulator import simulate
-from felactl.spec import DeviceKind, Plan, load_cluster, load_model, save
+from felactl.spec import DeviceKind, Plan, Schedule, load_cluster, load_model, save
 from felactl.spec.plan import SIMULATION_TOLERANCE
-from felactl.spec.sync_modes import sync_help, sync_support
+from felactl.spec.sync_modes import Execution, sync_help, sync_support
 
 if TYPE_CHECKING:
     from felactl.spec import ClusterSpec, ModelSpec
@@ -106,6 +106,11 @@ def render_summary(console, plan: Plan, out: Path | None) -> None:
         )
     if any(stage.shard for stage in plan.stages):
         console.print(f"note: {_why_sharded(plan)}")
+    elif plan.schedule is not Schedule.TOKENS and sync_support(plan.sync.mode).planned_as is not Execution.PIPELINE:
+        console.print(
+            f"note: its stages are one chain of devices, so it runs as one static 1F1B pipeline "
+            f"(sync {plan.sync.mode.value}; no worker could take another's micro-batch)"
+        )
     if out is not None:
         console.print(f"wrote {out}")
 
