@@ -38,3 +38,23 @@ def pytest_collection_modifyitems(config, items):
     weight = Counter(item.path for item in items if item.get_closest_marker("multiprocess"))
     first_seen = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
     items.sort(key=lambda item: (-weight[item.path], first_seen[item.path]))
+
+
+JOBS_ALONE_FILES = ("tests/test_slurm.py", "tests/test_testbed_jobs.py")
+"""The modules whose testbed jobs run one module at a time (``testbed_fixtures.jobs_alone``)."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, but the :data:`JOBS_ALONE_FILES` are one unit, sent to one worker: on
+    two workers the second of them waited up to 70 s for the first's lock while its worker idled
+    (the suite's slowest setup)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class JobsAloneTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "testbed jobs" if scope in JOBS_ALONE_FILES else scope
+
+    return JobsAloneTogether(config, log)
