@@ -256,7 +256,29 @@ def make_plans(cluster: Path, model_yaml: Path, args, out: Path) -> dict:
 
     names = args.plans.split(",")
     capped = cluster if not args.memory_fraction else cap_memory(cluster, model_yaml, args, out)
-    return {name: plan(name, cluster if name == "dp" else capped) for name in names}
+    plans = {name: plan(name, cluster if name == "dp" else capped) for name in names if name != TOKENS_CHAIN}
+    if TOKENS_CHAIN in names:
+        chain = as_tokens(plans["felactl"][1], out / f"{TOKENS_CHAIN}.yaml")
+        if chain is None:
+            print(f"{TOKENS_CHAIN}: felactl's plan here is no one-chain 1F1B pipeline: not run", file=sys.stderr)
+        else:
+            plans[TOKENS_CHAIN] = chain
+    return plans
+
+
+TOKENS_CHAIN = "felactl-tokens"
+"""``--plans`` name of felactl's plan run by the tokens runtime, where the planner wrote one chain
+of devices as a static 1F1B pipeline (``optimizer/one_chain.py``): the same stages, in-flight
+limits and ranks, schedule ``tokens``: what the planner wrote before, measured beside it."""
+
+
+def as_tokens(plan, path: Path) -> tuple[Path, object] | None:
+    from felactl.spec import Schedule, save
+
+    if plan.schedule is Schedule.TOKENS or len(plan.pipelines) != 1 or any(st.shard for st in plan.stages):
+        return None
+    flexible = dataclasses.replace(plan, schedule=Schedule.TOKENS, pipelines=())
+    return save(flexible, path), flexible
 
 
 def cap_memory(cluster: Path, model_yaml: Path, args, out: Path) -> Path:
@@ -362,7 +384,11 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds: each plan launched this many times in turn; medians reported"
     )
-    parser.add_argument("--plans", default=",".join(PLANS), help="felactl and baselines (dp, hp, fsdp, ...)")
+    parser.add_argument(
+        "--plans",
+        default=",".join(PLANS),
+        help=f"felactl and baselines (dp, hp, fsdp, ...); {TOKENS_CHAIN}: felactl's one-chain pipeline as tokens",
+    )
     parser.add_argument("--sync", default=None, help="the plans' sync mode (default: the planner's)")
     parser.add_argument(
         "--memory-fraction",
