@@ -58,7 +58,10 @@ def test_a_data_parallel_stage_sums_over_two_packed_trees_and_matches_single_pro
         ["cpu0", "cpu1", "cpu2"],
         THREE_WORKER_TREES,
     )
-    run_dir = run_plan(plan, tmp_path, STEPS)
+    # Every token 10x slower (a sleep after its compute): an iteration of this tiny model took
+    # ~3 ms on a fast CPU, and under the suite's load one worker was late for every one of them
+    slower = {"FELACTL_SLOWDOWN": "0=10,1=10,2=10"} if sync == "tokens" else {}
+    run_dir = run_plan(plan, tmp_path, STEPS, env=slower)
     assert (final_params(run_dir, STEPS) - reference_params(plan, STEPS)).abs().max().item() < 1e-5
     if sync == "tokens":
         records = read_metrics(run_dir)
