@@ -130,3 +130,34 @@ def test_after_a_worker_failure_each_step_has_the_single_process_loss_past_the_d
     differ = [s for s in compared if got[s] != pytest.approx(expected[s], rel=1e-4)]
     assert differ == [], [(s, expected[s], got[s]) for s in differ]
     assert summary["final_loss"] == pytest.approx(expected[-1], rel=1e-4)
+
+
+def test_the_run_table_gives_each_worker_its_share_of_its_own_stages_samples():
+    """A pipeline's stages each compute every sample: each is 100% of its stage (the table said 50%
+    for both stages of a 2-stage pipeline, as if they had split the batch). Data parallel workers
+    split theirs; a flexible plan's later stages, which record no samples, show none."""
+    from rich.console import Console
+
+    from felactl.cli.runview import run_table
+
+    def shares(workers: list[dict]) -> list[str]:
+        console = Console(width=200, record=True)
+        summary = {"steps": 1, "samples_per_s": 1.0, "compute_fraction": 1.0, "workers": workers}
+        console.print(run_table(summary, "run"))
+        rows = [line.split("│") for line in console.export_text().splitlines() if line.startswith("│")]
+        return [cells[5].strip() for cells in rows]
+
+    def worker(rank: int, stage: int, samples: int) -> dict:
+        return {
+            "rank": rank,
+            "stage": stage,
+            "steps": 1,
+            "samples": samples,
+            "compute_s": 0.0,
+            "comm_s": 0.0,
+            "wait_s": 0.0,
+        }
+
+    assert shares([worker(0, 0, 960), worker(1, 1, 960)]) == ["100%", "100%"]
+    assert shares([worker(0, 0, 720), worker(1, 0, 240)]) == ["75%", "25%"]
+    assert shares([worker(0, 0, 64), worker(1, 1, 0)]) == ["100%", "-"]

@@ -121,14 +121,18 @@ def run_table(summary: dict[str, Any], title: str) -> Table:
     for col in ("rank", "stage", "steps", "samples", "share", "tokens", "compute s", "comm s", "wait s"):
         table.add_column(col, justify="right")
     workers = summary.get("workers", [])
-    total_samples = sum(w["samples"] for w in workers) or 1
+    # each worker's share of its own stage's samples: a pipeline's stages each compute every sample
+    stage_samples: dict[int, int] = {}
     for w in workers:
+        stage_samples[w.get("stage", 0)] = stage_samples.get(w.get("stage", 0), 0) + w["samples"]
+    for w in workers:
+        of_stage = stage_samples[w.get("stage", 0)]
         table.add_row(
             str(w["rank"]),
             str(w.get("stage", 0)),
             str(w["steps"]),
             str(w["samples"]),
-            f"{w['samples'] / total_samples:.0%}",
+            f"{w['samples'] / of_stage:.0%}" if of_stage else "-",
             str(w.get("tokens", 0)),
             f"{w['compute_s']:.2f}",
             f"{w['comm_s']:.2f}",
