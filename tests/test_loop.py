@@ -313,3 +313,35 @@ def test_a_mode_at_its_own_pace_settles_only_for_a_planned_generation(newest, pl
     else:
         with pytest.raises(RuntimeError, match=f"worker 7: generation {newest} {expected}"):
             strategy.generation_to_switch_to(membership)
+
+
+def _claiming_trainer(offsets: range, counter: list[int], steps: int = 10, global_batch: int = 32):
+    """What :meth:`AtOwnPace.claim` reads of a trainer: the data counter (a store's ``add``), the
+    worker's share of a batch, the run's length and the drain."""
+
+    def add(key, amount):
+        counter[0] += amount
+        return counter[0]
+
+    runtime = SimpleNamespace(cfg=SimpleNamespace(steps=steps), store=SimpleNamespace(add=add))
+    return SimpleNamespace(
+        runtime=runtime,
+        global_batch=global_batch,
+        placement=SimpleNamespace(offsets=offsets),
+        start_position=0,
+        drain=SimpleNamespace(requested=lambda: False),
+    )
+
+
+def test_a_member_at_its_own_pace_whose_share_rounds_to_no_sample_still_claims_one():
+    """A re-plan by measured speeds gave a member a share of 0.0156 of a 32-sample batch: no sample
+    of its own. It took "nothing to claim" for "the data is handed out", left the loop at step 33
+    of 110 and sat in the job's final barrier while the others waited in their switch's all-reduce
+    (tests/test_scale.py's SDPipe rescale, 1 run in 5). It claims one sample at a time instead,
+    until the data is handed out."""
+    counter = [0]
+    strategy = AtOwnPace(trainer=_claiming_trainer(range(0), counter, steps=1, global_batch=2))
+    assert [work.indices for work in strategy.work()] == [[0], [1]]
+    counter = [0]
+    sharing = AtOwnPace(trainer=_claiming_trainer(range(0, 8), counter, steps=2, global_batch=32))
+    assert [len(work.indices) for work in sharing.work()] == [8] * 8  # its share, as before

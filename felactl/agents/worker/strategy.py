@@ -152,12 +152,14 @@ class AtOwnPace(Strategy):
             local_step += 1
 
     def claim(self) -> list[int]:
-        """This worker's next samples; none once the data is handed out or a graceful stop began."""
+        """This worker's next samples: its share of a batch, at least one (a share a re-plan by
+        measured speeds rounded to no sample ended its loop as if the data were handed out, and the
+        job hung at its next switch); none once the data is handed out or a graceful stop began."""
         t = self.trainer
         total = t.runtime.cfg.steps * t.global_batch
         if t.drain.requested():
             return []
-        size = len(t.placement.offsets)
+        size = max(1, len(t.placement.offsets))
         end = t.start_position + t.runtime.store.add(DATA_KEY, size)
         start = end - size
         return list(range(start, min(end, total))) if start < total else []
