@@ -786,3 +786,22 @@ def test_workers_that_all_refuse_their_input_at_start_fail_the_job_as_bad_input_
     assert actions == [Fail(f"node 'n' could not start: workers 0, 1 exited with code 2: {SHORT}", 0, bad_input=True)]
     _, actions = decide(state, seen(exits={0: Exit(2, SHORT), 1: Exit(1, SLIP)}))
     assert [a.bad_input for a in actions] == [False]  # one of them failed otherwise
+
+
+def test_a_re_plan_by_measured_speeds_gives_every_member_a_sample():
+    """A member measured 25x slower than its peers (it had trained paced samples) got 0.0156 of a
+    32-sample batch: no sample at all. A member at its own pace then left the loop as if the data
+    were handed out (the job hung at its next switch); a lockstep one would skip the step's
+    collectives. Every member now gets at least one sample, the others' shares still by speed."""
+    from felactl.launcher.scale_plan import replan
+    from felactl.spec.stages import split_by_shares
+    from tests.test_scale import gpt_plan
+
+    devices = ["cpu0", "cpu1", "cpu2", "cpu3", "cpu4"]
+    speeds = {"cpu0": 100.0, "cpu1": 96.0, "cpu2": 4.0, "cpu3": 4.0, "cpu4": 51.0}
+    for batch in (5, 6, 8, 32, 33, 1000):
+        plan = replan(gpt_plan(5), devices, speeds, {}, global_batch=batch, lr=1e-3)
+        sizes = [len(r) for r in split_by_shares(batch, [w.share for w in plan.stages[0].workers])]
+        assert sum(sizes) == batch and min(sizes) >= 1, (batch, sizes)
+        if batch == 1000:  # far from the floor: by speed as before
+            assert sizes[0] > sizes[4] > sizes[2] >= 1

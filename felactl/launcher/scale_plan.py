@@ -68,6 +68,22 @@ def shares_by_speed(devices: list[str], speeds: dict[str, float]) -> list[float]
     return [w / total for w in weights]
 
 
+def with_a_sample_each(shares: list[float], total: int) -> list[float]:
+    """``shares`` lifted so that :func:`~felactl.spec.stages.split_by_shares` gives every member at
+    least one of ``total`` samples (a member measured 25x slower than its peers got none: one at
+    its own pace took that for the data handed out and left the loop; a lockstep one would skip
+    its step's collectives). 1.5 samples' worth each: the cumulative rounding then never gives two
+    members the same bound. What a lifted member gains is taken from the others in proportion to
+    what they hold above the floor; equal shares where the floor leaves nothing above it."""
+    floor = 1.5 / total
+    if floor * len(shares) >= 1:
+        return [1 / len(shares)] * len(shares)
+    lifted = [max(share, floor) for share in shares]
+    excess = sum(lifted) - 1.0
+    above = sum(share - floor for share in lifted)
+    return [share - excess * (share - floor) / above for share in lifted]
+
+
 def place_devices(plan: Plan, devices: Sequence[str], nodes: Mapping[str, str]) -> tuple[Placement, ...]:
     """Where ``devices`` (rank order) go when ``plan``'s job is rescaled without a cluster profile:
     a device of ``plan`` keeps its place; a new one goes on its node (``nodes``) at the lowest index
@@ -107,7 +123,7 @@ def replan(
     if global_batch < len(devices):
         raise InputError(f"a global batch of {global_batch} cannot feed {len(devices)} workers")
     stage = plan.stages[0]
-    shares = shares_by_speed(devices, speeds)
+    shares = with_a_sample_each(shares_by_speed(devices, speeds), global_batch)
     new_stage = Stage(
         layer_start=stage.layer_start,
         layer_end=stage.layer_end,
