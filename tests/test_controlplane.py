@@ -440,3 +440,28 @@ def test_agents_on_one_host_without_node_names_take_distinct_ones():
             serving.join(timeout=5)
     finally:
         coordinator.close()
+
+
+def test_an_agent_joining_a_running_job_waits_for_its_place_in_the_job_document():
+    """A running elastic job's document lists the agents it started with; a newcomer's place is
+    added once the coordinator admits it (``ElasticController._admit_agent``). An agent that read
+    the document first exited 2, "the job has no place for agent" (tests/test_testbed_jobs.py's
+    newcomer, 'not ready within 240 s' in CI): it now waits for its place until its timeout."""
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    try:
+        first = Assignment(rank_offset=0, world_size=1, module="m", env={})
+        coordinator.publish_assignments({"someone-else": first})  # the job's start, before the newcomer
+        thread, outcome = _join_in_thread(coordinator.endpoint, secret, "nb", 1)
+        _serve_until(coordinator, thread)
+        session = outcome["session"]
+        found = {}
+        waiter = threading.Thread(target=lambda: found.setdefault("a", session.wait_assignment(5)), daemon=True)
+        waiter.start()
+        time.sleep(0.5)  # the agent reads the start's document, without its place, meanwhile
+        admitted = Assignment(rank_offset=0, world_size=1, module="m", env={}, num_workers=0, elastic=True)
+        coordinator.publish_assignments({"someone-else": first, outcome["agent_id"]: admitted})
+        waiter.join(timeout=5)
+        assert not waiter.is_alive() and found["a"].num_workers == 0 and found["a"].elastic
+    finally:
+        coordinator.close()

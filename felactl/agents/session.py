@@ -154,20 +154,30 @@ class AgentSession:
         return None if opened is None else opened.body
 
     def wait_assignment(self, timeout_s: float, alive=None, attempt: int = 0) -> Assignment:
+        """This agent's place in the job document of ``attempt``. An agent that joins a running job
+        may read the document before the coordinator has added it (``_admit_agent``): it waits for
+        its place until ``timeout_s``, as for the document itself."""
         deadline = time.monotonic() + timeout_s
         name = keys.job_document(attempt)
         while True:
             wait_key(self.store, self.prefix + name, deadline, "the job", alive)
             body = self.read_signed(name, JobDoc.KIND.value)
             if body is not None:
-                break
+                try:
+                    mine = JobDoc.from_body(body).assignments.get(self.agent_id)
+                except (TypeError, ValueError):
+                    raise ControlPlaneError(f"the job document has no place for agent {self.agent_id}") from None
+                if mine is not None:
+                    break
             if alive is not None:
                 alive()
             if time.monotonic() > deadline:
-                raise ControlPlaneError("timed out waiting for the job (only forged job documents came)")
+                if body is None:
+                    raise ControlPlaneError("timed out waiting for the job (only forged job documents came)")
+                raise ControlPlaneError(f"the job has no place for agent {self.agent_id}")
             time.sleep(POLL_INTERVAL_S)
         try:
-            mine = dict(JobDoc.from_body(body).assignments.get(self.agent_id))
+            mine = dict(mine)
         except (TypeError, ValueError):
             raise ControlPlaneError(f"the job has no place for agent {self.agent_id}") from None
         mine["args"] = tuple(mine.get("args", ()))
