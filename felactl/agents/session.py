@@ -164,9 +164,10 @@ class AgentSession:
             body = self.read_signed(name, JobDoc.KIND.value)
             if body is not None:
                 try:
-                    mine = JobDoc.from_body(body).assignments.get(self.agent_id)
+                    found = JobDoc.from_body(body).assignments.get(self.agent_id)
+                    mine = None if found is None else dict(found)
                 except (TypeError, ValueError):
-                    raise ControlPlaneError(f"the job document has no place for agent {self.agent_id}") from None
+                    raise ControlPlaneError(f"the job has no place for agent {self.agent_id}") from None
                 if mine is not None:
                     break
             if alive is not None:
@@ -176,10 +177,6 @@ class AgentSession:
                     raise ControlPlaneError("timed out waiting for the job (only forged job documents came)")
                 raise ControlPlaneError(f"the job has no place for agent {self.agent_id}")
             time.sleep(POLL_INTERVAL_S)
-        try:
-            mine = dict(mine)
-        except (TypeError, ValueError):
-            raise ControlPlaneError(f"the job has no place for agent {self.agent_id}") from None
         mine["args"] = tuple(mine.get("args", ()))
         return Assignment(**mine)
 

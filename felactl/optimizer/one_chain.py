@@ -34,6 +34,15 @@ def one_f_one_b_in_flight(num_stages: int, stage: int, global_batch: int, micro_
     return min(num_stages - stage, math.ceil(global_batch / micro_batch))
 
 
+def chain_devices(stages: Sequence) -> list[str] | None:
+    """The devices of ``stages`` (a plan's or the ILP's) where they are a chain: two or more
+    stages, none sharded, each on one device, each device in one stage; else None."""
+    if len(stages) < 2 or any(len(st.devices) != 1 or st.shard for st in stages):
+        return None
+    devices = [st.devices[0] for st in stages]
+    return devices if len(set(devices)) == len(devices) else None
+
+
 MAX_ORDERS = 5040
 """Orders of a chain's devices :func:`in_chain_order` weighs at most (7!: seven alike devices);
 a chain with more keeps the ILP's."""
@@ -69,11 +78,8 @@ def in_chain_order(cost: CostModel, stages: Sequence[StageChoice]) -> tuple[Stag
     spends the fewest seconds sending each micro-batch's activations forward and its gradients
     back between neighbours; the ILP's order where no other is faster, or where it is no chain."""
     stages = tuple(stages)
-    chain = [st.devices for st in stages]
-    if len(stages) < 2 or any(len(d) != 1 or st.shard for d, st in zip(chain, stages)):
-        return stages
-    devices = [d[0] for d in chain]
-    if len(set(devices)) != len(devices):
+    devices = chain_devices(stages)
+    if devices is None:
         return stages
 
     classes = _alike(cost, stages, devices)
@@ -104,12 +110,8 @@ def as_one_pipeline(plan: Plan, cost: CostModel) -> Plan:
     a stage or one device in several, micro-batches that differ, a sharded stage, or 1F1B's
     activations more than a device's usable memory."""
     stages = plan.stages
-    devices = [stage.devices for stage in stages]
-    if plan.schedule is not Schedule.TOKENS or len(stages) < 2 or any(len(d) != 1 for d in devices):
-        return plan
-    if len({d[0] for d in devices}) != len(stages) or len({stage.micro_batch for stage in stages}) != 1:
-        return plan
-    if any(stage.shard for stage in stages):
+    devices = chain_devices(stages)
+    if plan.schedule is not Schedule.TOKENS or devices is None or len({st.micro_batch for st in stages}) != 1:
         return plan
     piped = []
     for s, stage in enumerate(stages):
@@ -119,5 +121,4 @@ def as_one_pipeline(plan: Plan, cost: CostModel) -> Plan:
             return plan
         worker = replace(stage.workers[0], share=1.0, predicted_memory_gb=round(memory / 1e9, 4))
         piped.append(replace(stage, workers=(worker,), max_in_flight=flight))
-    chain = (tuple(d[0] for d in devices),)
-    return replace(plan, stages=tuple(piped), schedule=Schedule.ONE_F_ONE_B, pipelines=chain)
+    return replace(plan, stages=tuple(piped), schedule=Schedule.ONE_F_ONE_B, pipelines=(tuple(devices),))
