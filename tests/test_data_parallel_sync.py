@@ -100,6 +100,54 @@ def test_a_slot_that_fails_is_named_and_the_others_are_stopped():
     assert _no_children_left()
 
 
+def test_a_slot_frees_its_ddp_before_it_destroys_the_group(tmp_path, monkeypatch):
+    """A slot's DDP must be gone before its gloo group is destroyed: else the DDP's dealloc frees
+    the group's last reference holding the GIL, while the group's destructor joins a thread that
+    may need the GIL to free the last collective's tensors (torch issue 56297). That hung 1 slot
+    process in 15 right after its last barrier, and the profile waited 360 s for it (CI, stop 40).
+    Checked in this process, on a group of one: the order, not the race."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from felactl.parallel import ddp as ddp_module
+    from felactl.profiling import data_parallel
+
+    replicas, alive_at_destroy = [], []
+    wrap, destroy = ddp_module.wrap_replica, dist.destroy_process_group
+
+    def wrap_and_watch(*args, **kwargs):
+        replica = wrap(*args, **kwargs)
+        replicas.append(weakref.ref(replica))
+        return replica
+
+    def watched_destroy(*args, **kwargs):
+        alive_at_destroy.append([r() is not None for r in replicas])
+        destroy(*args, **kwargs)
+
+    monkeypatch.setattr(ddp_module, "wrap_replica", wrap_and_watch)
+    monkeypatch.setattr(dist, "destroy_process_group", watched_destroy)
+    pairs = data_parallel._time_steps(
+        0, 1, str(tmp_path / "store"), "gloo", "mlp", {"hidden": 8, "depth": 1}, 4, [], (1, 1), 2, 1
+    )
+    assert len(pairs) == 1 and not dist.is_initialized()
+    assert alive_at_destroy == [[False]], "the DDP is freed while its group is still registered"
+
+
+def test_reap_passes_over_a_process_that_never_started():
+    """A slot whose start failed (the one before it started) is passed over, so that the start's
+    own error is what the caller sees, not multiprocessing's 'can only join a started process'."""
+    import multiprocessing
+
+    from felactl.profiling.data_parallel import reap
+
+    ctx = multiprocessing.get_context("spawn")
+    started, never = ctx.Process(target=int, daemon=True), ctx.Process(target=int, daemon=True)
+    started.start()
+    reap([started, never], grace_s=10.0)
+    assert started.exitcode == 0 and never.exitcode is None
+
+
 def test_a_sync_timing_round_trips_and_needs_a_group():
     timing = SyncTiming(cluster="c", devices=("a", "b"), backend="gloo", micro_batch=16, sync_ms=6.2)
     assert decode(SyncTiming, encode(timing), "test") == timing

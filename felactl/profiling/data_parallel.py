@@ -124,8 +124,10 @@ def sync_settled(pairs: Sequence[tuple[Sequence[float], Sequence[float]]]) -> bo
 
 def reap(procs, grace_s: float) -> None:
     """Wait up to ``grace_s`` in all for ``multiprocessing`` processes to end, then kill the rest:
-    a slot stuck in a collective with a peer that failed never ends by itself."""
+    a slot stuck in a collective with a peer that failed never ends by itself. A process that
+    never started (its start failed, or one before it) is passed over."""
     deadline = time.monotonic() + grace_s
+    procs = [proc for proc in procs if proc.pid is not None]
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
     for proc in procs:
@@ -194,11 +196,9 @@ def _time_steps(
 ) -> list[tuple[list[float], list[float]]]:
     """Pairs of blocks (synced, local) of step times, each step its slowest rank's: the same on
     every rank, so every rank decides alike when the pairs are enough."""
-    import torch
     import torch.distributed as dist
 
     from felactl.models import build
-    from felactl.parallel.ddp import wrap_replica
 
     pin_to_cores(cores, strict=True)
     # The model is built before the rendezvous: a slot whose model fails says so alone, and its
@@ -207,38 +207,53 @@ def _time_steps(
     bundle = build(model, config, seed=0)
     dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
     try:
-        replica = wrap_replica(bundle.model)  # as the runtime wraps a one-stage plan's: the user's module whole
-        # Training steps the optimizer after the sync, and a step after DDP's sync was measured
-        # slower (~4 ms vs ~2 ms here): time it in both, so the difference holds what sync costs
-        # it too. lr 0 keeps the replicas equal while no_sync steps skip the allreduce.
-        optimizer = torch.optim.AdamW(replica.parameters(), lr=0.0)
-        inputs, targets = bundle.data.batch(range(rank * micro_batch, (rank + 1) * micro_batch))
-
-        def block(context) -> list[float]:
-            # each block of one kind, like training, and its first steps not counted
-            times = []
-            for i in range(warmup + per_block):
-                dist.barrier()
-                started = time.perf_counter()
-                replica.zero_grad(set_to_none=True)
-                with context():
-                    bundle.loss(replica(inputs), targets).backward()
-                optimizer.step()
-                if i >= warmup:
-                    times.append(time.perf_counter() - started)
-            return times
-
-        def pair() -> tuple[list[float], list[float]]:
-            # adjacent blocks of both kinds, so drift of a shared machine falls on both alike
-            steps = torch.tensor(block(nullcontext) + block(replica.no_sync), dtype=torch.float64)
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-            return steps[:per_block].tolist(), steps[per_block:].tolist()
-
-        timed, _settled = repeat_until(pair, sync_settled, min_blocks=pairs[0], max_blocks=pairs[1])
-        dist.barrier()
-        return timed
+        return _timed_pairs(bundle, rank, micro_batch, pairs, per_block, warmup)
     finally:
+        # After _timed_pairs returned, its DDP is gone: freed by then (on a failure its traceback
+        # may keep it, and the parent reaps the slot). A DDP freed after this would drop the
+        # group's last reference in its own dealloc, holding the GIL while the group's destructor
+        # joins a gloo thread that may need the GIL (torch issue 56297): 1 slot in 15 hung so,
+        # right after the last barrier.
         dist.destroy_process_group()
+
+
+def _timed_pairs(bundle, rank: int, micro_batch: int, pairs: tuple[int, int], per_block: int, warmup: int):
+    """:func:`_time_steps` in the formed group, with the DDP replica living only in this frame."""
+    import torch
+    import torch.distributed as dist
+
+    from felactl.parallel.ddp import wrap_replica
+
+    replica = wrap_replica(bundle.model)  # as the runtime wraps a one-stage plan's: the user's module whole
+    # Training steps the optimizer after the sync, and a step after DDP's sync was measured
+    # slower (~4 ms vs ~2 ms here): time it in both, so the difference holds what sync costs
+    # it too. lr 0 keeps the replicas equal while no_sync steps skip the allreduce.
+    optimizer = torch.optim.AdamW(replica.parameters(), lr=0.0)
+    inputs, targets = bundle.data.batch(range(rank * micro_batch, (rank + 1) * micro_batch))
+
+    def block(context) -> list[float]:
+        # each block of one kind, like training, and its first steps not counted
+        times = []
+        for i in range(warmup + per_block):
+            dist.barrier()
+            started = time.perf_counter()
+            replica.zero_grad(set_to_none=True)
+            with context():
+                bundle.loss(replica(inputs), targets).backward()
+            optimizer.step()
+            if i >= warmup:
+                times.append(time.perf_counter() - started)
+        return times
+
+    def pair() -> tuple[list[float], list[float]]:
+        # adjacent blocks of both kinds, so drift of a shared machine falls on both alike
+        steps = torch.tensor(block(nullcontext) + block(replica.no_sync), dtype=torch.float64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        return steps[:per_block].tolist(), steps[per_block:].tolist()
+
+    timed, _settled = repeat_until(pair, sync_settled, min_blocks=pairs[0], max_blocks=pairs[1])
+    dist.barrier()
+    return timed
 
 
 __all__ = ["Slot", "measure_data_parallel_sync", "reap", "sync_settled", "sync_timing"]
