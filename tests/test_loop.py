@@ -69,6 +69,9 @@ class FakeStrategy(Strategy):
     def finish(self) -> None:
         self.calls.append((self.name, "finish"))
 
+    def close(self) -> None:
+        self.calls.append((self.name, "close"))
+
 
 class FakeMembership(Membership):
     """A scripted membership: ``changes`` maps a completed step to the change agreed after it; a
@@ -165,7 +168,7 @@ def test_a_fixed_job_runs_every_step_once_then_finishes_its_strategy():
     calls, trainer, membership = _job(steps=4)
     assert _train(trainer, membership) is True
     per_step = lambda s: [("g0", "step", s), ("record", s), ("g0", "end", s), ("after_step", s)]
-    assert calls == [*per_step(0), *per_step(1), *per_step(2), *per_step(3), ("g0", "finish")]
+    assert calls == [*per_step(0), *per_step(1), *per_step(2), *per_step(3), ("g0", "finish"), ("g0", "close")]
     assert [r["samples"] for r in trainer.records] == [BATCH] * 4
     assert [r["generation"] for r in trainer.records] == [0] * 4, "the membership's fields are in each record"
 
@@ -176,8 +179,17 @@ def test_a_join_after_step_k_switches_there_and_the_new_strategy_goes_on_from_k_
     assert _train(trainer, membership) is True
     assert _steps_of(calls, "g0") == [0, 1, 2] and _steps_of(calls, "g1") == [3, 4, 5]
     switch = calls.index(("switch", "scale-out"))
-    assert calls[switch - 1] == ("after_step", k) and calls[switch + 1] == ("g1", "step", k + 1)
-    assert ("g0", "finish") not in calls and calls[-1] == ("g1", "finish"), "only the strategy that ends finishes"
+    assert calls[switch - 2 : switch] == [("after_step", k), ("g0", "close")] and calls[switch + 1] == (
+        "g1",
+        "step",
+        k + 1,
+    )
+    # A DDP that outlives its gloo group frees the group's last reference in its own dealloc,
+    # which holds the GIL while the group's destructor joins a thread that may need it (torch
+    # issue 56297): the old strategy lets go of its DDP before the membership switches.
+    assert ("g0", "finish") not in calls and calls[-2:] == [("g1", "finish"), ("g1", "close")], (
+        "only the strategy that ends finishes"
+    )
     assert [r["step"] for r in trainer.records] == list(range(6))
     assert [r["samples"] for r in trainer.records] == [BATCH] * 3 + [BATCH // 2] * 3, "the share halves after the join"
     assert [r["generation"] for r in trainer.records] == [0, 0, 0, 1, 1, 1]
@@ -189,7 +201,9 @@ def test_a_failure_at_step_j_is_told_in_one_line_and_the_step_is_trained_again_i
     assert _train(trainer, membership) is True
     failure = next(c for c in calls if c[0] == "after_failure")
     assert failure == ("after_failure", f"RuntimeError: Connection closed by peer (step {j})")
-    assert calls[calls.index(failure) - 1] == ("g0", "step", j), "nothing of the failed step is recorded or ended"
+    assert calls[calls.index(failure) - 2 : calls.index(failure)] == [("g0", "step", j), ("g0", "close")], (
+        "nothing of the failed step is recorded or ended, and the strategy lets go of its groups first"
+    )
     assert calls[calls.index(failure) + 1] == ("switch", "failure")
     assert membership.dropped == [True], "the failed strategy (its DDP, its group) is freed before the job re-forms"
     assert [r["step"] for r in trainer.records] == list(range(6)), "every step recorded once, the failed one again"
@@ -201,6 +215,7 @@ def test_a_failure_in_a_fixed_job_fails_the_worker():
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         _train(trainer, membership)
     assert not any(c[0] in ("after_failure", "switch") for c in calls) and ("g0", "finish") not in calls
+    assert calls[-1] == ("g0", "close"), "the worker's close() destroys the groups next"
 
 
 def test_felactls_own_errors_end_even_a_worker_that_survives_failures():
@@ -219,14 +234,14 @@ def test_a_graceful_stop_at_step_n_ends_there_without_asking_the_membership():
     n = 2
     calls, trainer, membership = _job(steps=6, stop_at=n, changes={n: ("scale-out", 2, n + 1)})
     assert _train(trainer, membership) is True
-    assert calls[-3:] == [("record", n), ("g0", "end", n), ("g0", "finish")]
+    assert calls[-4:] == [("record", n), ("g0", "end", n), ("g0", "finish"), ("g0", "close")]
     assert ("after_step", n) not in calls and [r["step"] for r in trainer.records] == [0, 1, 2]
 
 
 def test_a_worker_that_a_scale_in_removes_leaves_without_finishing():
     calls, trainer, membership = _job(steps=6, changes={1: ("scale-in", 0, 2)})
     assert _train(trainer, membership) is False
-    assert calls[-2:] == [("after_step", 1), ("switch", "scale-in")]
+    assert calls[-3:] == [("after_step", 1), ("g0", "close"), ("switch", "scale-in")]
     assert not any(c[-1] == "finish" for c in calls)
 
 
@@ -236,9 +251,10 @@ def test_a_step_trained_then_unsynced_is_recorded_before_it_fails():
     calls, trainer, membership = _job(steps=4, unsynced_at={1}, failure_change=("failure", 1, 2))
     assert _train(trainer, membership) is True
     failure = next(i for i, c in enumerate(calls) if c[0] == "after_failure")
-    assert calls[failure - 2 : failure + 1] == [
+    assert calls[failure - 3 : failure + 1] == [
         ("g0", "step", 1),
         ("record", 1),
+        ("g0", "close"),
         ("after_failure", "RuntimeError: sync failed"),
     ]
     assert [r["step"] for r in trainer.records] == [0, 1, 2, 3]
@@ -276,7 +292,8 @@ def test_join_failure_and_stop_in_one_run():
         (4, 8, 2),
         (5, 8, 2),
     ]
-    assert calls[-1] == ("g2", "finish") and membership.dropped == [True]
+    assert calls[-2:] == [("g2", "finish"), ("g2", "close")] and membership.dropped == [True]
+    assert [c[0] for c in calls if c[1:] == ("close",)] == ["g0", "g1", "g2"], "each strategy closed once"
 
 
 def test_every_worker_runs_one_sequence_start_train_finish_then_close(monkeypatch):
@@ -284,7 +301,8 @@ def test_every_worker_runs_one_sequence_start_train_finish_then_close(monkeypatc
     monkeypatch.setattr(main.faulthandler, "register", lambda *args: None)
     monkeypatch.setattr(main, "membership_for", lambda cfg: membership)
     assert main.run_worker(cfg=None) == {"steps": 2, "left": False}
-    assert calls[0] == ("start",) and calls[-3:] == [("g0", "finish"), ("finish", True), ("close",)]
+    assert calls[0] == ("start",)
+    assert calls[-4:] == [("g0", "finish"), ("g0", "close"), ("finish", True), ("close",)]
 
 
 def test_the_membership_is_closed_when_the_run_fails(monkeypatch):
@@ -293,7 +311,7 @@ def test_the_membership_is_closed_when_the_run_fails(monkeypatch):
     monkeypatch.setattr(main, "membership_for", lambda cfg: membership)
     with pytest.raises(RuntimeError):
         main.run_worker(cfg=None)
-    assert calls[-1] == ("close",) and not any(c[0] == "finish" for c in calls)
+    assert calls[-2:] == [("g0", "close"), ("close",)] and not any(c[0] == "finish" for c in calls)
 
 
 def test_a_lockstep_mode_switches_where_the_members_agreed_on_the_store():

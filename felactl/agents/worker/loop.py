@@ -11,6 +11,8 @@ The loop calls the membership at named points: :meth:`~Membership.record_extra` 
 :meth:`~Membership.after_step` after each completed step (the change every member agreed to make
 now, if any), :meth:`~Membership.after_failure` when a step failed (in a membership that survives
 failures), and :meth:`~Membership.switch` to make a change and get the strategy to go on with.
+Before any of the last two, and before the run ends, the strategy is closed
+(:meth:`~Strategy.close`): the groups it used are about to be destroyed.
 """
 
 from __future__ import annotations
@@ -43,17 +45,21 @@ def train(trainer: Trainer, strategy: Strategy, membership: Membership) -> bool:
             change = _steps(trainer, strategy, membership)
         except Exception as exc:  # this step did not complete here
             if not membership.survives_failures or isinstance(exc, FelactlError):
+                strategy.close()  # the membership's close() destroys the groups next
                 raise
             failed = failure_line(exc)
             # Indented, so that the log's last traceback stays the one the worker may end with.
             print(textwrap.indent(traceback.format_exc(), "  "), file=sys.stderr, end="", flush=True)
+        if failed is None and change is None:
+            strategy.finish()
+        # Before the membership destroys this generation's groups (a switch, a failure, the end).
+        strategy.close()
         if failed is not None:
             # Outside the ``except`` and with the strategy dropped, so that neither the traceback
-            # nor this frame keeps the failed group's DDP alive while the job re-forms.
+            # nor this frame keeps the failed group's tensors alive while the job re-forms.
             strategy = None
             change = membership.after_failure(failed)
-        if change is None:
-            strategy.finish()
+        elif change is None:
             return True
         strategy = membership.switch(change)
         if strategy is None:

@@ -95,6 +95,10 @@ class Strategy:
     def finish(self) -> None:
         """After the last iteration (also after a graceful stop)."""
 
+    def close(self) -> None:
+        """Let go of what holds this generation's groups: the membership destroys them next (a
+        switch, a failure, the end of the run). Called once, after :meth:`finish` if that ran."""
+
     def generation_to_switch_to(self, membership: MembershipView) -> int | None:
         """After a completed step of an elastic job: the newer generation every member agreed to
         switch to now, or None. Members that train in lockstep switch after the same step: the

@@ -105,6 +105,13 @@ class BSP(Lockstep):
             self.buckets_settled = True
         return StepResult(result.samples, result.loss_sum, result.compute_s, comm_s, wait_s)
 
+    def close(self) -> None:
+        # A DDP that outlives its gloo group frees the group's last reference in its own dealloc,
+        # which holds the GIL while the group's destructor joins a gloo thread that may need the
+        # GIL to free the last collective's tensors (torch issue 56297): a hang, 1 process in 15
+        # right after a collective in the profiler's sync timing. Dropped while the group lives.
+        self.ddp = None
+
     def _arrive(self) -> float:
         """The arrival before the step's gradients are summed, proposing the newest generation
         this member has seen; returns the seconds waited."""
