@@ -56,8 +56,10 @@ def test_sdpipe_pipelines_train_and_stage_replicas_end_equal(tmp_path):
         sync="sdpipe",
         config={"input_dim": 256, "hidden": 1024, "depth": 2},
     )  # compute >> the 10 ms max wait
-    # stage 0 holds the heavy layers; 20 slowed steps took over the 60 s default on a loaded machine
-    run_dir = run_plan(plan, tmp_path, steps, env={"FELACTL_SLOWDOWN": "0=3"}, timeout_s=150)
+    # stage 0 holds the heavy layers; 20 slowed steps took over the 60 s default on a loaded machine.
+    # 20x: each iteration also pays ~0.1 s of point-to-point and group waits whatever the compute,
+    # and on a fast CPU rank 0's ~15 ms of compute made 3x a 25% difference, 0 on a CI run (20 and 20)
+    run_dir = run_plan(plan, tmp_path, steps, env={"FELACTL_SLOWDOWN": "0=20"}, timeout_s=150)
     records = metrics(run_dir)
     assert sum(r["samples"] for r in records if r["stage"] == 0) == steps * 32, "every sample trained once"
     assert sum(r["samples"] for r in records if r["stage"] == 1) == steps * 32
@@ -67,6 +69,7 @@ def test_sdpipe_pipelines_train_and_stage_replicas_end_equal(tmp_path):
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, f"loss should fall: {losses[:4]} .. {losses[-4:]}"
     slow_pipeline = sum(1 for r in records if r["rank"] == 0)
     fast_pipeline = sum(1 for r in records if r["rank"] == 2)
+    print("iterations of the slowed and the other pipeline:", slow_pipeline, fast_pipeline)
     assert fast_pipeline > slow_pipeline, "pipelines run at their own pace: the one without the straggler does more"
 
 
