@@ -243,6 +243,48 @@ def test_where_nodes_are_joined_by_a_slow_link_the_planner_pipelines_sharded_sta
     assert _why_sharded(plan).startswith(f"each of its {len(plan.stages)} stages is sharded over")
 
 
+def test_pipelines_shard_only_the_stage_whose_replica_does_not_fit():
+    """A model whose first layer holds 1.3B parameters (an embedding-sized table: 20.8 GB of
+    weights, gradients and AdamW state) before four 50M-parameter blocks, on two nodes of four
+    24 GB devices joined at 1 GB/s: no replica of the first stage fits, so it is sharded over its
+    node's four; the second stage's replica (1.6 GB) fits, and it is replicated (one all-reduce a
+    step instead of gathers in every micro-batch). The plan runs (executable) and fits in
+    simulation; every stage sharded is no faster; a tied weight across the stages shards both."""
+    from felactl.optimizer import sharded_plans
+
+    nodes = cluster([[("a10g", 125.0, 24.0)] * 4] * 2, intra_gbps=16.0, inter_gbps=1.0)
+    net = model([(1_300_000_000, 16_000, 1e6)] + [(50_000_000, 16_000, 3e8)] * 4)
+    said: list[str] = []
+    plan = make_plan(nodes, net, 64, sync="bsp", max_stages=4, progress=said.append)
+    assert [stage.shard for stage in plan.stages] == [True, False] and plan.solver.name == "sharded"
+    assert any("stage(s) 0 sharded over 4" in line for line in said), said
+    check_executable(plan)
+    cost = CostModel(nodes, net)
+    peaks = plan.predicted.simulated_peak_memory_gb
+    assert all(0 < peaks[d] * 1e9 <= cost.usable_memory_bytes(d) for d in plan.devices)
+    stage1 = plan.stages[1]
+    replica = stage_memory_bytes(net, stage1.layer_start, stage1.layer_end, stage1.micro_batch, stage1.max_in_flight)
+    assert stage1.workers[0].predicted_memory_gb == pytest.approx(replica / 1e9, rel=1e-3), "its whole replica"
+    why = _why_sharded(plan)
+    assert why.startswith("stage 0 of its 2 stages is sharded over 4 devices") and "stage 1 is replicated" in why
+    groups = [list(stage.devices) for stage in plan.stages]
+    cuts = [plan.stages[0].layer_start, plan.stages[1].layer_start, plan.stages[1].layer_end]
+    mb = plan.stages[0].micro_batch
+    shardings = sharded_plans.stage_shardings(cost, net, 64, groups, cuts, mb)
+    assert shardings == [(True, False), (True, True)]
+    assert plan.predicted.iteration_s <= simulate_sharded(cost, net, groups, cuts, mb, (True, True))
+    tied = dataclasses.replace(net, tied=(TiedWeight(layers=(0, 4), params=1000),))
+    assert sharded_plans.stage_shardings(CostModel(nodes, tied), tied, 64, groups, cuts, mb) == [(True, True)]
+
+
+def simulate_sharded(cost, net, groups, cuts, micro_batch, shard) -> float:
+    """The simulated iteration of the pipelines of ``groups`` cut at ``cuts``, sharded as ``shard``."""
+    from felactl.optimizer import baselines, sharded_plans
+
+    plan = sharded_plans._plan(cost, net, 64, groups, cuts, micro_batch, shard)
+    return simulate(plan, dataclasses.replace(baselines.rings_only(cost), ring_order=plan.devices)).iteration_s
+
+
 def test_a_sharded_stage_pays_each_units_gathers_at_its_slowest_hosts_pace():
     """FSDP's host work per unit gather (FSDP_GATHER_CPU_S) is paid by every gather of the stage,
     at the pace of the slowest member's host: a CPU slot held to 0.12 of a core takes 1/0.12 as

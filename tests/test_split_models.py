@@ -196,18 +196,20 @@ def test_two_pipelines_sum_each_stage_and_a_tied_head_over_stages_too(tmp_path, 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_pipeline_of_sharded_stages_trains_to_the_single_process_result(tmp_path, tied):
+@pytest.mark.parametrize("tied,shard", [(False, (True, True)), (True, (True, True)), (False, (True, False))])
+def test_a_pipeline_of_sharded_stages_trains_to_the_single_process_result(tmp_path, tied, shard):
     """2 stages, each sharded over 2 workers (FSDP2 over the stage's workers, one per pipeline):
     each worker holds half of its stage, the pipelines' micro-batches gather the stage's weights
     together, its gradients are reduce-scattered once a step; tied, the head's gradient is summed
-    with the embedding's shard by shard. AdamW, a schedule and clipping: one process's result."""
+    with the embedding's shard by shard. Or stage 0 sharded and stage 1 replicated (its gradients
+    all-reduced), as the planner shards only the stages that need it. AdamW, a schedule and
+    clipping: one process's result."""
     config = dict(SMALL, tied=tied, rope=tied)
     plan = pipeline_plan([0, 2, 4], 2, "1f1b", micro_batch=2, global_batch=8, config=config)
     plan = dataclasses.replace(
         plan,
         model=ModelRef(name=LLAMA, source=LLAMA, config=config),
-        stages=tuple(dataclasses.replace(stage, shard=True) for stage in plan.stages),
+        stages=tuple(dataclasses.replace(stage, shard=s) for stage, s in zip(plan.stages, shard, strict=True)),
     )
     check_executable(plan)
     steps = 6
@@ -225,6 +227,8 @@ def test_a_pipeline_of_sharded_stages_trains_to_the_single_process_result(tmp_pa
         if k in names
     )
     assert held[0] + held[2] == stage0 and max(held[0], held[2]) < stage0, f"stage 0 split in two: {held}"
+    if not shard[1]:
+        assert held[1] == held[3] == sum(p.numel() for p in names.values()) - stage0, f"stage 1 whole on each: {held}"
 
 
 @pytest.mark.multiprocess

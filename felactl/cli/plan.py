@@ -64,6 +64,7 @@ def plan_result(plan: Plan) -> dict:
             {
                 "layers": [s.layer_start, s.layer_end],
                 "micro_batch": s.micro_batch,
+                "shard": s.shard,
                 "workers": [
                     {"device": w.device, "share": w.share, "memory_gb": w.predicted_memory_gb} for w in s.workers
                 ],
@@ -119,15 +120,25 @@ def _why_sharded(plan: Plan) -> str:
     """Why a plan shards its model: nothing replicated fits (what the baselines said), or it is faster."""
     p, workers = plan.predicted, len(plan.stages[0].workers)
     what = f"the model is sharded over its {workers} devices (FSDP2: each holds 1/{workers} of its weights, gradients and optimizer state)"
+    sharded = [str(s) for s, stage in enumerate(plan.stages) if stage.shard]
     if len(plan.stages) > 1:
+        every = len(sharded) == len(plan.stages)
+        which = (
+            f"each of its {len(plan.stages)} stages is"
+            if every
+            else f"stage {', '.join(sharded)} of its {len(plan.stages)} stages is"
+        )
         what = (
-            f"each of its {len(plan.stages)} stages is sharded over {workers} devices, one per pipeline "
+            f"{which} sharded over {workers} devices, one per pipeline "
             f"(FSDP2: each holds 1/{workers} of its stage's weights, gradients and optimizer state)"
         )
+        if not every:
+            replicated = ", ".join(str(s) for s, stage in enumerate(plan.stages) if not stage.shard)
+            what += f"; stage {replicated} is replicated, as its replicas fit (one all-reduce a step, no gathers)"
     replicated = {name: s for name, s in p.baselines.items() if name not in ("fsdp", "no_trees")}
     if not replicated:
         reasons = "; ".join(f"{name}: {why}" for name, why in p.baselines_missing.items())
-        return f"{what}: nothing replicated fits ({reasons}){_left_out(plan)}"
+        return f"{what}: no plan of whole replicas fits ({reasons}){_left_out(plan)}"
     best = min(replicated, key=replicated.get)
     return f"{what}: predicted faster than {best} ({replicated[best]:.4g} s){_left_out(plan)}"
 

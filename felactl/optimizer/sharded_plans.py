@@ -2,15 +2,20 @@
 
 * **A shard group**: the whole model as one stage sharded over the k fastest devices, for the k
   whose step is shortest (:func:`felactl.optimizer.sharding.best_shard_group`).
-* **Pipelines of sharded stages** (PP x FSDP, as torchtitan composes them): S stages, each sharded
-  over n devices, one per pipeline, the S x n fastest devices in cluster order (a stage's group on
+* **Pipelines of sharded stages** (PP x FSDP, as torchtitan composes them): S stages, each over
+  n devices, one per pipeline, the S x n fastest devices in cluster order (a stage's group on
   neighbouring devices, so its gathers stay on a node's links where they can, and the pipelines'
   activations cross between nodes), the layers cut where each group's slowest device balances the
   stages. A stage cut from a traced model is gathered whole (:mod:`~felactl.optimizer.sharding`),
-  so this pays where a stage's weights fit a device but its optimizer state does not. Priced by
-  the simulator, which runs the plan's 1F1B over its pipelines and each sharded stage's gathers and
-  reduce-scatter after its last backward (none hidden), and kept only where its simulated peak
-  memory fits every device.
+  so this pays where a stage's weights fit a device but its optimizer state does not. Each stage
+  is sharded or replicated: every stage sharded, or only those whose replica does not fit one of
+  their devices (a sharded stage gathers its weights in every micro-batch's forward and backward,
+  where a replicated one sums its gradients once a step) and the stages that hold a weight tied
+  to theirs (its copies sum shard by shard). Each is priced by the simulator, which runs the
+  plan's 1F1B over its pipelines, each sharded stage's gathers and reduce-scatter after its last
+  backward (none hidden) and each replicated stage's all-reduce, and kept only where its simulated
+  peak memory fits every device; the faster one is the candidate, the fewer sharded stages where
+  they tie (a replicated stage's sum is often hidden behind a sharded one's gathers).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from felactl.optimizer import baselines
-from felactl.optimizer.cost import CostModel
+from felactl.optimizer.cost import CostModel, stage_memory_bytes
+from felactl.optimizer.one_chain import one_f_one_b_in_flight
 from felactl.optimizer.sharding import best_shard_group, shard_micro_batches, sharded_memory_bytes
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.spec import ModelRef, ModelSpec, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec
@@ -53,8 +59,12 @@ class ShardedPipelines:
         return self.simulation.iteration_s
 
     def summary(self) -> str:
-        stages, pipelines = len(self.plan.stages), len(self.plan.pipelines)
-        return f"{pipelines} pipelines of {stages} stages, each sharded over {pipelines}: {self.iteration_s:.4g} s"
+        stages, pipelines = self.plan.stages, len(self.plan.pipelines)
+        sharded = [s for s, stage in enumerate(stages) if stage.shard]
+        which = "each" if len(sharded) == len(stages) else f"stage(s) {', '.join(map(str, sharded))}"
+        return (
+            f"{pipelines} pipelines of {len(stages)} stages, {which} sharded over {pipelines}: {self.iteration_s:.4g} s"
+        )
 
 
 def best_sharded_pipelines(
@@ -83,24 +93,65 @@ def _priced(
         for group in groups
     ]
     cuts = baselines.balanced_cuts(times, len(groups))
-    plan = _plan(cost, model, global_batch, groups, cuts, micro_batch)
-    if tied_across_kinds(plan, model, cost.cluster) is not None:
-        return None  # a tied weight's copies would step on devices that differ
-    simulation = simulate(plan, replace(baselines.rings_only(cost), ring_order=plan.devices))
-    if any(simulation.peak_memory_bytes.get(d, 0.0) > cost.usable_memory_bytes(d) for d in plan.devices):
-        return None
-    return ShardedPipelines(plan, simulation)
+    best = None
+    for shard in stage_shardings(cost, model, global_batch, groups, cuts, micro_batch):
+        plan = _plan(cost, model, global_batch, groups, cuts, micro_batch, shard)
+        if tied_across_kinds(plan, model, cost.cluster) is not None:
+            return None  # a tied weight's copies would step on devices that differ
+        simulation = simulate(plan, replace(baselines.rings_only(cost), ring_order=plan.devices))
+        if any(simulation.peak_memory_bytes.get(d, 0.0) > cost.usable_memory_bytes(d) for d in plan.devices):
+            continue
+        if best is None or simulation.iteration_s < best.iteration_s:
+            best = ShardedPipelines(plan, simulation)
+    return best
+
+
+def stage_shardings(
+    cost: CostModel, model: ModelSpec, global_batch: int, groups: list[list[str]], cuts: list[int], micro_batch: int
+) -> list[tuple[bool, ...]]:
+    """Which stages to shard (module doc): only those whose replica (its 1F1B in-flight
+    activations too) does not fit every device of its group, with the stages that share a tied
+    weight with one of those, where that shards any and not all; and all of them."""
+    num_stages, per_pipeline = len(groups), global_batch // len(groups[0])
+
+    def replica_fits(s: int) -> bool:
+        flight = one_f_one_b_in_flight(num_stages, s, per_pipeline, micro_batch)
+        need = stage_memory_bytes(model, cuts[s], cuts[s + 1], micro_batch, flight)
+        return all(need <= cost.usable_memory_bytes(d) for d in groups[s])
+
+    shard = [not replica_fits(s) for s in range(num_stages)]
+    stage_of = [s for s in range(num_stages) for _ in range(cuts[s], cuts[s + 1])]
+    for _ in range(num_stages):  # a tie can chain stages: spread until nothing changes
+        for tied in model.tied:
+            holders = {stage_of[layer] for layer in tied.layers}
+            if any(shard[s] for s in holders):
+                for s in holders:
+                    shard[s] = True
+    every, needed = (True,) * num_stages, tuple(shard)
+    # the fewest sharded first: where it is no slower, it is the one kept (module doc)
+    return [every] if needed == every or not any(needed) else [needed, every]
 
 
 def _plan(
-    cost: CostModel, model: ModelSpec, global_batch: int, groups: list[list[str]], cuts: list[int], micro_batch: int
+    cost: CostModel,
+    model: ModelSpec,
+    global_batch: int,
+    groups: list[list[str]],
+    cuts: list[int],
+    micro_batch: int,
+    shard: tuple[bool, ...],
 ) -> Plan:
     num_stages, shards = len(groups), len(groups[0])
     share = round(1 / shards, 9)
     stages = []
     for s, group in enumerate(groups):
-        # 1F1B keeps up to S - s micro-batches of stage s in flight: their activations count that often
-        memory_gb = sharded_memory_bytes(model, cuts[s], cuts[s + 1], micro_batch * (num_stages - s), shards) / 1e9
+        # 1F1B keeps micro-batches of stage s in flight: their activations count that often
+        flight = one_f_one_b_in_flight(num_stages, s, global_batch // shards, micro_batch)
+        if shard[s]:
+            memory = sharded_memory_bytes(model, cuts[s], cuts[s + 1], micro_batch * flight, shards)
+        else:
+            memory = stage_memory_bytes(model, cuts[s], cuts[s + 1], micro_batch, flight)
+        memory_gb = memory / 1e9
         workers = [StageWorker(device=d, share=share, predicted_memory_gb=round(memory_gb, 4)) for d in group]
         workers[0] = replace(workers[0], share=round(1.0 - share * (shards - 1), 9))
         stages.append(
@@ -109,8 +160,8 @@ def _plan(
                 layer_end=cuts[s + 1],
                 micro_batch=micro_batch,
                 workers=tuple(workers),
-                max_in_flight=num_stages - s,  # what 1F1B holds (the simulator keeps to it too)
-                shard=True,
+                max_in_flight=flight,  # what 1F1B holds (the simulator keeps to it too)
+                shard=shard[s],
             )
         )
     return Plan(
