@@ -277,6 +277,28 @@ def test_pipelines_shard_only_the_stage_whose_replica_does_not_fit():
     assert sharded_plans.stage_shardings(CostModel(nodes, tied), tied, 64, groups, cuts, mb) == [(True, True)]
 
 
+def test_plan_shows_which_stage_is_sharded_and_which_replicated(tmp_path):
+    """The same cluster and model as files, through ``felactl plan``: --explain marks the sharded
+    stage, the note says which stage is replicated and why, --json carries each stage's flag."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+    from felactl.spec import save
+
+    save(cluster([[("a10g", 125.0, 24.0)] * 4] * 2, intra_gbps=16.0, inter_gbps=1.0), tmp_path / "c.yaml")
+    save(model([(1_300_000_000, 16_000, 1e6)] + [(50_000_000, 16_000, 3e8)] * 4), tmp_path / "m.yaml")
+    args = ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml"), "--global-batch", "64"]
+    shown = CliRunner().invoke(app, [*args, "--sync", "bsp", "--explain", "-o", str(tmp_path / "p.yaml")])
+    assert shown.exit_code == 0, shown.output
+    assert "0 (sharded)" in shown.output and "1 (sharded)" not in shown.output
+    assert "stage 1 is replicated, as its replicas fit" in " ".join(shown.output.split())
+    as_json = CliRunner().invoke(app, [*args, "--sync", "bsp", "--json", "-o", str(tmp_path / "q.yaml")])
+    assert as_json.exit_code == 0, as_json.output
+    assert [stage["shard"] for stage in json.loads(as_json.stdout)["stages"]] == [True, False]
+
+
 def simulate_sharded(cost, net, groups, cuts, micro_batch, shard) -> float:
     """The simulated iteration of the pipelines of ``groups`` cut at ``cuts``, sharded as ``shard``."""
     from felactl.optimizer import baselines, sharded_plans

@@ -179,7 +179,7 @@ def _render_explain(console, plan: Plan, cost: CostModel) -> None:
         workers = ", ".join(f"{w.device} ({w.share:.2f})" for w in st.workers)
         memory = max(w.predicted_memory_gb or 0.0 for w in st.workers)
         table.add_row(
-            str(s),
+            f"{s} (sharded)" if st.shard else str(s),
             f"{st.layer_start}-{st.layer_end - 1} ({names[0]}..{names[1]})",
             str(st.micro_batch),
             workers,
