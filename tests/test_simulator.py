@@ -101,3 +101,45 @@ def test_a_producer_serves_its_output_while_it_computes():
     activation_in, gradient_back = request + 4e6 / 1e9, request + 4e6 / 100e9
     expected = first_fwd + activation_in + last_fwd + last_bwd + gradient_back + first_bwd
     assert simulate(plan, cost).iteration_s == pytest.approx(expected)
+
+
+def test_a_static_pipelines_stage_pays_its_messages_to_each_neighbour():
+    """A static pipeline claims no tokens: each forward and backward of a stage handles one message
+    from or to each neighbouring stage, host work (PIPELINE_MESSAGE_CPU_S) a CPU slot under a quota
+    pays over its quota. Measured on the one-slow testbed, an inner stage's host work per
+    micro-batch was twice an end stage's; priced as two tokens at every stage, a 1F1B chain through
+    its 0.12-core node ran 0.66 of its prediction (BENCHMARKS.md, 2026-11-30)."""
+    import dataclasses
+
+    from felactl.optimizer.cost import PIPELINE_MESSAGE_CPU_S
+    from felactl.spec import ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec
+    from tests.planner_fixtures import as_cpu_slots
+
+    slots = as_cpu_slots(cluster([[("Xeon", 1.0, 8.0), ("Xeon @ 0.12 cores", 1.0, 8.0), ("Xeon", 1.0, 8.0)]]))
+    net = model([(1000, 100, 1e6)] * 3)
+    devices = ("n0.d0", "n0.d1", "n0.d2")
+    plan = Plan(
+        cluster=slots.name,
+        model=ModelRef(name=net.name, source=net.source),
+        devices=devices,
+        global_batch=4,
+        schedule=Schedule.ONE_F_ONE_B,
+        sync=SyncSpec(mode=SyncMode.BSP, use_trees=False),
+        stages=tuple(
+            Stage(layer_start=s, layer_end=s + 1, micro_batch=1, workers=(StageWorker(device=d, share=1.0),))
+            for s, d in enumerate(devices)
+        ),
+        pipelines=(devices,),
+    )
+
+    def busy(message_cpu_s: float) -> dict[str, float]:
+        cost = dataclasses.replace(CostModel(slots, net), message_cpu_s=message_cpu_s)
+        intervals = simulate(plan, cost).intervals
+        return {d: sum(i.end_s - i.start_s for i in intervals if i.device == d and i.label[0] in "FB") for d in devices}
+
+    priced, without = busy(PIPELINE_MESSAGE_CPU_S), busy(0.0)
+    paid = {d: priced[d] - without[d] for d in devices}
+    tokens = 2 * plan.global_batch  # a forward and a backward per micro-batch
+    assert paid["n0.d0"] == pytest.approx(tokens * PIPELINE_MESSAGE_CPU_S), "one neighbour: a message a token"
+    assert paid["n0.d2"] == pytest.approx(tokens * PIPELINE_MESSAGE_CPU_S)
+    assert paid["n0.d1"] == pytest.approx(2 * tokens * PIPELINE_MESSAGE_CPU_S / 0.12), "two, over its quota"

@@ -144,6 +144,20 @@ def boundary_bytes_per_sample(model: ModelSpec, boundary: int) -> int:
     return model.layers[boundary - 1].activation_bytes_per_sample
 
 
+PIPELINE_MESSAGE_CPU_S = 1.5e-3
+"""Host CPU seconds a static pipeline's stage spends on one message to or from a neighbour
+(felactl's wire: a size, a header and the tensors, each a gloo send or receive, encoded and
+decoded in Python), at the speed the model was profiled at. A forward receives from the stage
+before and sends to the one after, a backward the reverse: two messages a micro-batch at either
+end of a pipeline, four inside. Measured on the one-slow testbed, a 1F1B chain of its four nodes
+at micro-batch 1 (each node's cgroup CPU less the priced compute, per micro-batch: 3.3 ms on the
+first stage, 7.1 and 6.0 on the inner ones, 5.9 on the last, which also computes the loss;
+BENCHMARKS.md, 2026-11-30): 1.5-1.6 ms a message, charged as a token's
+(:data:`TOKEN_OVERHEAD_S`) before, which priced an inner stage half its host work and ran a chain
+through a 0.12-core node at 0.66 of its prediction. Over loopback without the testbed's network
+namespaces a message costs 0.28 ms (two processes on full cores)."""
+
+
 @dataclass
 class CostModel(SyncCosts):
     """Costs of one model on one cluster, with the per-layer sums cached for fast segment queries."""
@@ -167,6 +181,8 @@ class CostModel(SyncCosts):
     rings on GPUs, whatever the ranks.)"""
     token_cpu_s: float = TOKEN_OVERHEAD_S
     """Host CPU seconds per token beyond compute, at the profiled speed (:meth:`token_overhead_s`)."""
+    message_cpu_s: float = PIPELINE_MESSAGE_CPU_S
+    """Host CPU seconds per message a static pipeline's stage exchanges (:meth:`message_overhead_s`)."""
     gather_cpu_s: float = FSDP_GATHER_CPU_S
     """Host CPU seconds per FSDP unit gather beyond its bytes (:meth:`gather_overhead_s`)."""
     data_parallel_tokens: bool = True
@@ -278,6 +294,12 @@ class CostModel(SyncCosts):
         CostModel's ``token_overhead_s``): host CPU work, so a CPU device held to part of a core
         takes :meth:`host_slowdown` times as long."""
         return self.token_cpu_s * self.host_slowdown(self.cluster.device(device_name))
+
+    def message_overhead_s(self, device_name: str) -> float:
+        """What one message to or from a neighbouring stage of a static pipeline costs
+        ``device_name`` beyond its bytes (:data:`PIPELINE_MESSAGE_CPU_S`): host CPU work, so a CPU
+        device held to part of a core takes :meth:`host_slowdown` times as long."""
+        return self.message_cpu_s * self.host_slowdown(self.cluster.device(device_name))
 
     def gather_overhead_s(self, devices) -> float:
         """What one FSDP unit gather among ``devices`` costs beyond its bytes: the slowest host's

@@ -18,7 +18,8 @@ A token's duration is its compute (cost model, times the device's slowdown) plus
 inputs from the devices that produced them on the actual links (a request there, the tensor
 back); the producer serves them from a thread while it computes, at no cost to its tokens (the
 runtime's, :class:`~felactl.agents.worker.flexible.TensorStore`); and the runtime's own work
-around each token (:meth:`CostModel.token_overhead_s`). A backward token taken by a worker other than the one that ran
+around each token (:meth:`CostModel.token_overhead_s`; a static pipeline's messages to its neighbours,
+:meth:`CostModel.message_overhead_s`). A backward token taken by a worker other than the one that ran
 its forward recomputes that forward first (as the runtime does: the autograd graph lives where
 the forward ran), and the worker that ran it keeps its activations to the iteration's end (the
 runtime frees them there).
@@ -272,8 +273,13 @@ class _Simulation:
     def _overhead_s(self, tok: _Token, device: str) -> float:
         """The runtime's work around a token it claims (:meth:`CostModel.token_overhead_s`): the
         simulator's forward and backward tokens of a stage the runtime claims as one
-        (:meth:`CostModel.tokens_per_micro_batch`) are charged once, with the forward."""
+        (:meth:`CostModel.tokens_per_micro_batch`) are charged once, with the forward. A static
+        pipeline claims nothing: each forward and backward pays its messages from and to the
+        neighbouring stages (:meth:`CostModel.message_overhead_s`)."""
         stage = self.plan.stages[tok.stage]
+        if self.plan.schedule is not Schedule.TOKENS and self.num_stages > 1:
+            neighbours = (tok.stage > 0) + (tok.stage < self.num_stages - 1)
+            return neighbours * self.cost.message_overhead_s(device)
         claims = self.cost.tokens_per_micro_batch(stage.layer_start, stage.layer_end)
         charged = claims == 2 or (claims == 1 and not tok.backward)
         return self.cost.token_overhead_s(device) if charged else 0.0
