@@ -152,7 +152,7 @@ def main() -> None:
     path = save(plan, out / "chain.yaml")
     cuts = [st.layer_start for st in plan.stages] + [plan.stages[-1].layer_end]
     print(f"chain {args.order}, cuts {cuts}, micro-batch {args.micro_batch}: predicted {predicted:.1f} samples/s")
-    bed = f"chain{int(time.time()) % 10000}"
+    bed = f"ch{int(time.time()) % 100000}"
     nodes = sorted({cluster.node_of(d).name for d in plan.devices})
     rounds = []
     try:
