@@ -34,7 +34,9 @@ Formulas (times in seconds, sizes in bytes):
   the quota of a CPU slot a cgroup holds (one thread's work), or the slowdown of another CPU slot
   (:meth:`CostModel.host_slowdown`, :meth:`CostModel.token_overhead_s`), for each
   token a worker claims (:meth:`CostModel.tokens_per_micro_batch`). It is what keeps the planner
-  from micro-batches too small to pay for themselves.
+  from micro-batches too small to pay for themselves. A static pipeline claims no token: its
+  stage pays :data:`PIPELINE_MESSAGE_CPU_S` per message from and to its neighbours instead
+  (:meth:`CostModel.message_overhead_s`, in the simulator, which prices static pipelines).
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
   ``step()`` over the whole model (``ModelSpec.optimizer_step_ms_of`` the device model that
   prices the device, :meth:`CostModel.timed_as`) times the stage's share of the parameters (the
