@@ -299,6 +299,30 @@ def test_plan_shows_which_stage_is_sharded_and_which_replicated(tmp_path):
     assert [stage["shard"] for stage in json.loads(as_json.stdout)["stages"]] == [True, False]
 
 
+def test_a_plan_that_shards_one_holder_of_a_tied_weight_and_not_another_is_refused_at_check(tmp_path):
+    """A tied weight's copies sum shard by shard: a plan (one written by hand, say) that shards the
+    stage holding the embedding and replicates the one holding the tied head cannot run; ``felactl
+    check`` says so with the model profile, exit 2 in one line, before any worker starts."""
+    from typer.testing import CliRunner
+
+    from felactl.cli.main import app
+    from felactl.spec import save
+
+    nodes = cluster([[("a10g", 125.0, 24.0)] * 4] * 2, intra_gbps=16.0, inter_gbps=1.0)
+    net = model([(1_300_000_000, 16_000, 1e6)] + [(50_000_000, 16_000, 3e8)] * 4)
+    plan = make_plan(nodes, net, 64, sync="bsp", max_stages=4)
+    assert [stage.shard for stage in plan.stages] == [True, False]
+    tied = dataclasses.replace(net, tied=(TiedWeight(layers=(0, 4), params=1000),))
+    save(plan, tmp_path / "plan.yaml")
+    save(tied, tmp_path / "model.yaml")
+    result = CliRunner().invoke(app, ["check", str(tmp_path / "plan.yaml"), str(tmp_path / "model.yaml")])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "read one weight (tied), held by stage 0 (sharded over 4), stage 1 (replicated)" in line
+    save(net, tmp_path / "untied.yaml")
+    assert CliRunner().invoke(app, ["check", str(tmp_path / "plan.yaml"), str(tmp_path / "untied.yaml")]).exit_code == 0
+
+
 def simulate_sharded(cost, net, groups, cuts, micro_batch, shard) -> float:
     """The simulated iteration of the pipelines of ``groups`` cut at ``cuts``, sharded as ``shard``."""
     from felactl.optimizer import baselines, sharded_plans

@@ -68,6 +68,38 @@ def check_plan_against_model(plan: Plan, model: ModelSpec, where: str = "plan") 
             "(it is one layer: no nn.Sequential, no block list, no split points): data-parallel plans only",
         )
     check_executable(plan, [layer.params for layer in model.layers], where)
+    problem = tied_across_sharding(plan, model)
+    if problem is not None:
+        raise SpecError(where, "stages", problem)
+
+
+def sharded_unlike(plan: Plan, stages: Sequence[int]) -> bool:
+    """Whether some of ``stages`` are sharded and others not, or over unlike worker counts: a
+    weight they all hold cannot sum shard by shard."""
+    shapes = {(plan.stages[s].shard, len(plan.stages[s].workers)) for s in stages}
+    return len(shapes) > 1 and any(shard for shard, _ in shapes)
+
+
+def tied_across_sharding(plan: Plan, model: ModelSpec) -> str | None:
+    """Where the plan shards some of the stages that hold layers reading one weight and not the
+    others (or over unlike worker counts), what it does: the copies of a tied weight sum shard by
+    shard, which needs every stage holding it sharded alike, or none (the runtime's refusal,
+    ``agents/worker/tied.py:check_sharded_ties``, at plan time)."""
+    for tied in model.tied:
+        holders = sorted(
+            {s for s, st in enumerate(plan.stages) for i in tied.layers if st.layer_start <= i < st.layer_end}
+        )
+        if sharded_unlike(plan, holders):
+            names = " and ".join(f"{i} ({model.layers[i].name})" for i in tied.layers)
+            held = ", ".join(
+                f"stage {s} ({'sharded over ' + str(len(plan.stages[s].workers)) if plan.stages[s].shard else 'replicated'})"
+                for s in holders
+            )
+            return (
+                f"layers {names} read one weight (tied), held by {held}: shard all of these stages over "
+                "as many workers, or none"
+            )
+    return None
 
 
 def tied_across_kinds(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> str | None:

@@ -17,6 +17,7 @@ from felactl.errors import InputError
 from felactl.models import split
 from felactl.parallel.fsdp import local
 from felactl.spec import Plan, Schedule
+from felactl.spec.checks import sharded_unlike
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +40,7 @@ def check_sharded_ties(plan: Plan, tied: list[Tied]) -> None:
     """A tied weight's copies sum shard by shard only where every stage holding it is sharded the
     same way (or none is); refuse (InputError) a plan that shards some of them."""
     for t in tied:
-        shapes = {(plan.stages[s].shard, len(plan.stages[s].workers)) for s in t.stages}
-        if len(shapes) > 1 and any(shard for shard, _ in shapes):
+        if sharded_unlike(plan, t.stages):
             held = ", ".join(f"stage {s} ({'sharded' if plan.stages[s].shard else 'replicated'})" for s in t.stages)
             raise InputError(
                 f"the tied weight {t.name!r} is on {held}: shard all of these stages over as many workers, or none"
