@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import statistics
 import sys
@@ -38,6 +37,7 @@ from benchmarks.bench_testbed_plans import felactl, parts, steady_rate  # noqa: 
 from felactl.control.metrics import read_metrics  # noqa: E402
 from felactl.optimizer import baselines  # noqa: E402
 from felactl.optimizer.cost import CostModel  # noqa: E402
+from felactl.optimizer.one_chain import one_f_one_b_in_flight  # noqa: E402
 from felactl.optimizer.simulator import simulate  # noqa: E402
 from felactl.spec import (  # noqa: E402
     ModelRef,
@@ -52,6 +52,8 @@ from felactl.spec import (  # noqa: E402
     save,
 )
 from felactl.spec.stages import placements_from  # noqa: E402
+from felactl.testbed.cgroups import cgroup_dirs  # noqa: E402
+from felactl.testbed.host import find_cgroups  # noqa: E402
 
 TICKS_PER_S = 100  # /proc/<pid>/stat's utime and stime, in clock ticks (USER_HZ)
 
@@ -67,7 +69,7 @@ def chain_plan(cluster, model, order: list[str], micro_batch: int, global_batch:
             layer_end=cuts[s + 1],
             micro_batch=micro_batch,
             workers=(StageWorker(device=d, share=1.0),),
-            max_in_flight=len(order) - s,
+            max_in_flight=one_f_one_b_in_flight(len(order), s, global_batch, micro_batch),
         )
         for s, d in enumerate(order)
     )
@@ -85,19 +87,22 @@ def chain_plan(cluster, model, order: list[str], micro_batch: int, global_batch:
 
 
 class CgroupSampler(threading.Thread):
-    """Reads every testbed node's ``cpu.stat`` and its processes' CPU ticks until stopped."""
+    """Reads testbed ``bed``'s nodes' ``cpu.stat`` (its CPU controller's cgroup, v1 or v2) and
+    their processes' CPU ticks until stopped."""
 
-    def __init__(self, nodes: list[str]):
+    def __init__(self, bed: str, nodes: list[str]):
         super().__init__(daemon=True)
+        layout = find_cgroups()
+        self.dirs = {node: [d for d in cgroup_dirs(layout, bed, node) if (d / "cpu.stat").exists()] for node in nodes}
         self.nodes, self.samples, self.stopped = nodes, [], threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
-            for base in glob.glob("/sys/fs/cgroup/cpu/felactl-*"):
-                for node in self.nodes:
+            for node, dirs in self.dirs.items():
+                for base in dirs[:1]:
                     try:
-                        stat = dict(line.split() for line in Path(f"{base}/{node}/cpu.stat").read_text().splitlines())
-                        pids = Path(f"{base}/{node}/cgroup.procs").read_text().split()
+                        stat = dict(line.split() for line in (base / "cpu.stat").read_text().splitlines())
+                        pids = (base / "cgroup.procs").read_text().split()
                     except OSError:
                         continue
                     self.samples.append(
@@ -160,7 +165,7 @@ def main() -> None:
             "testbed", "up", str(ROOT / "plans" / "testbeds" / f"{args.testbed}.yaml"), "--name", bed, "--no-latency"
         )
         for r in range(args.repeat):
-            sampler = CgroupSampler(nodes)
+            sampler = CgroupSampler(bed, nodes)
             sampler.start()
             launched = felactl(
                 "launch", str(path), "--testbed", bed, "--steps", str(args.steps), "--json",

@@ -127,6 +127,7 @@ def test_a_slot_frees_its_ddp_before_it_destroys_the_group(tmp_path, monkeypatch
 
     monkeypatch.setattr(ddp_module, "wrap_replica", wrap_and_watch)
     monkeypatch.setattr(dist, "destroy_process_group", watched_destroy)
+    monkeypatch.setattr(data_parallel, "pin_to_cores", lambda cores, strict: None)  # this process's threads stay
     pairs = data_parallel._time_steps(
         0, 1, str(tmp_path / "store"), "gloo", "mlp", {"hidden": 8, "depth": 1}, 4, [], (1, 1), 2, 1
     )

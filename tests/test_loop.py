@@ -363,3 +363,18 @@ def test_a_member_at_its_own_pace_whose_share_rounds_to_no_sample_still_claims_o
     counter = [0]
     sharing = AtOwnPace(trainer=_claiming_trainer(range(0, 8), counter, steps=2, global_batch=32))
     assert [len(work.indices) for work in sharing.work()] == [8] * 8  # its share, as before
+
+
+def test_bsp_lets_go_of_its_ddp_when_closed():
+    """What the loop's close() is for under BSP: the strategy's DDP is freed then (not when the
+    strategy is), while its group still lives (torch issue 56297)."""
+    from felactl.agents.worker.sync.bsp import BSP
+
+    class Replica:  # stands for the DDP wrapper: only its life matters here
+        pass
+
+    strategy = BSP.__new__(BSP)  # no trainer, no group: close() touches neither
+    strategy.ddp = Replica()
+    held = weakref.ref(strategy.ddp)
+    strategy.close()
+    assert held() is None and strategy.ddp is None

@@ -132,14 +132,18 @@ def test_a_static_pipelines_stage_pays_its_messages_to_each_neighbour():
         pipelines=(devices,),
     )
 
-    def busy(message_cpu_s: float) -> dict[str, float]:
+    def busy(message_cpu_s: float) -> dict[str, float]:  # of ``plan`` as it is when called
         cost = dataclasses.replace(CostModel(slots, net), message_cpu_s=message_cpu_s)
         intervals = simulate(plan, cost).intervals
         return {d: sum(i.end_s - i.start_s for i in intervals if i.device == d and i.label[0] in "FB") for d in devices}
 
-    priced, without = busy(PIPELINE_MESSAGE_CPU_S), busy(0.0)
-    paid = {d: priced[d] - without[d] for d in devices}
     tokens = 2 * plan.global_batch  # a forward and a backward per micro-batch
-    assert paid["n0.d0"] == pytest.approx(tokens * PIPELINE_MESSAGE_CPU_S), "one neighbour: a message a token"
-    assert paid["n0.d2"] == pytest.approx(tokens * PIPELINE_MESSAGE_CPU_S)
-    assert paid["n0.d1"] == pytest.approx(2 * tokens * PIPELINE_MESSAGE_CPU_S / 0.12), "two, over its quota"
+    for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
+        plan = dataclasses.replace(plan, schedule=schedule)
+        priced, without = busy(PIPELINE_MESSAGE_CPU_S), busy(0.0)
+        paid = {d: priced[d] - without[d] for d in devices}
+        assert paid["n0.d0"] == pytest.approx(tokens * PIPELINE_MESSAGE_CPU_S), "one neighbour: a message a token"
+        assert paid["n0.d2"] == pytest.approx(tokens * PIPELINE_MESSAGE_CPU_S)
+        assert paid["n0.d1"] == pytest.approx(2 * tokens * PIPELINE_MESSAGE_CPU_S / 0.12), "two, over its quota"
+    plan = dataclasses.replace(plan, schedule=Schedule.TOKENS, pipelines=(), sync=SyncSpec(mode=SyncMode.TOKENS))
+    assert busy(10 * PIPELINE_MESSAGE_CPU_S) == busy(0.0), "the tokens runtime pays its tokens, not messages"

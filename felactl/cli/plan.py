@@ -120,27 +120,30 @@ def _why_sharded(plan: Plan) -> str:
     """Why a plan shards its model: nothing replicated fits (what the baselines said), or it is faster."""
     p, workers = plan.predicted, len(plan.stages[0].workers)
     what = f"the model is sharded over its {workers} devices (FSDP2: each holds 1/{workers} of its weights, gradients and optimizer state)"
-    sharded = [str(s) for s, stage in enumerate(plan.stages) if stage.shard]
     if len(plan.stages) > 1:
-        every = len(sharded) == len(plan.stages)
-        which = (
-            f"each of its {len(plan.stages)} stages is"
-            if every
-            else f"stage {', '.join(sharded)} of its {len(plan.stages)} stages is"
-        )
+        sharded = [s for s, stage in enumerate(plan.stages) if stage.shard]
+        kept_whole = [s for s, stage in enumerate(plan.stages) if not stage.shard]
+        which = f"each of its {len(plan.stages)} stages is" if not kept_whole else _stages(sharded, len(plan.stages))
         what = (
             f"{which} sharded over {workers} devices, one per pipeline "
             f"(FSDP2: each holds 1/{workers} of its stage's weights, gradients and optimizer state)"
         )
-        if not every:
-            replicated = ", ".join(str(s) for s, stage in enumerate(plan.stages) if not stage.shard)
-            what += f"; stage {replicated} is replicated, as its replicas fit (one all-reduce a step, no gathers)"
+        if kept_whole:
+            its = "its" if len(kept_whole) == 1 else "their"
+            what += f"; {_stages(kept_whole)} replicated, as {its} replicas fit (one all-reduce a step, no gathers)"
     replicated = {name: s for name, s in p.baselines.items() if name not in ("fsdp", "no_trees")}
     if not replicated:
         reasons = "; ".join(f"{name}: {why}" for name, why in p.baselines_missing.items())
         return f"{what}: no plan of whole replicas fits ({reasons}){_left_out(plan)}"
     best = min(replicated, key=replicated.get)
     return f"{what}: predicted faster than {best} ({replicated[best]:.4g} s){_left_out(plan)}"
+
+
+def _stages(indices: list[int], of: int | None = None) -> str:
+    """``stage 0 is`` or ``stages 0, 2 are``; with ``of``: ``stage 0 of its 3 stages is``."""
+    named = f"stage {indices[0]}" if len(indices) == 1 else f"stages {', '.join(map(str, indices))}"
+    among = f" of its {of} stages" if of is not None else ""
+    return f"{named}{among} {'is' if len(indices) == 1 else 'are'}"
 
 
 def _left_out(plan: Plan) -> str:

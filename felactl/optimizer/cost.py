@@ -157,7 +157,9 @@ first stage, 7.1 and 6.0 on the inner ones, 5.9 on the last, which also computes
 BENCHMARKS.md, 2026-11-30): 1.5-1.6 ms a message, charged as a token's
 (:data:`TOKEN_OVERHEAD_S`) before, which priced an inner stage half its host work and ran a chain
 through a 0.12-core node at 0.66 of its prediction. Over loopback without the testbed's network
-namespaces a message costs 0.28 ms (two processes on full cores)."""
+namespaces a message costs 0.28 ms (two processes on full cores). Not priced: the last stage's
+loss (2.6 ms more there, at micro-batch 1 of the example LM), so a chain whose slowest node holds
+the last stage is predicted a little fast."""
 
 
 @dataclass
@@ -190,8 +192,9 @@ class CostModel(SyncCosts):
     data_parallel_tokens: bool = True
     """Whether a whole-model stage's micro-batches are tokens claimed through the store (sync
     ``tokens``) and pay :meth:`token_overhead_s`; False for the modes whose workers loop over their
-    own share (``bsp``: DDP, ``wbsp``, ``sdpipe``), which ask nobody. A pipeline's stages always run
-    on tokens (the planner's schedule)."""
+    own share (``bsp``: DDP, ``wbsp``, ``sdpipe``), which ask nobody. A pipeline's stages claim
+    tokens on the flexible schedule the ILP plans; a static pipeline's pay their messages instead
+    (:meth:`message_overhead_s`, in the simulator)."""
     trees_ever_faster: bool = field(default=False, init=False)
     """Whether some sync time asked so far went over trees: if not, rings-only costs are the same."""
     _prefix: dict = field(default_factory=dict, init=False, repr=False)
@@ -284,9 +287,10 @@ class CostModel(SyncCosts):
 
     def tokens_per_micro_batch(self, start: int, end: int) -> int:
         """Tokens a worker claims per micro-batch of a stage of layers [start, end), each paying
-        :meth:`token_overhead_s`: a pipeline's stage runs a forward and a backward token; a
-        whole-model stage one under sync ``tokens``, none where its workers loop over their own
-        share (:attr:`data_parallel_tokens`)."""
+        :meth:`token_overhead_s`: a pipeline's stage on the tokens schedule runs a forward and a
+        backward token (on a static schedule it claims none and pays its messages instead,
+        :meth:`message_overhead_s`); a whole-model stage one under sync ``tokens``, none where its
+        workers loop over their own share (:attr:`data_parallel_tokens`)."""
         if not self.whole_model(start, end):
             return 2
         return 1 if self.data_parallel_tokens else 0

@@ -61,7 +61,11 @@ class ShardedPipelines:
     def summary(self) -> str:
         stages, pipelines = self.plan.stages, len(self.plan.pipelines)
         sharded = [s for s, stage in enumerate(stages) if stage.shard]
-        which = "each" if len(sharded) == len(stages) else f"stage(s) {', '.join(map(str, sharded))}"
+        which = (
+            "each"
+            if len(sharded) == len(stages)
+            else f"stage{'s' if len(sharded) > 1 else ''} {', '.join(map(str, sharded))}"
+        )
         return (
             f"{pipelines} pipelines of {len(stages)} stages, {which} sharded over {pipelines}: {self.iteration_s:.4g} s"
         )
@@ -97,7 +101,7 @@ def _priced(
     for shard in stage_shardings(cost, model, global_batch, groups, cuts, micro_batch):
         plan = _plan(cost, model, global_batch, groups, cuts, micro_batch, shard)
         if tied_across_kinds(plan, model, cost.cluster) is not None:
-            return None  # a tied weight's copies would step on devices that differ
+            return None  # a tied weight's copies would step on devices that differ (whatever is sharded)
         simulation = simulate(plan, replace(baselines.rings_only(cost), ring_order=plan.devices))
         if any(simulation.peak_memory_bytes.get(d, 0.0) > cost.usable_memory_bytes(d) for d in plan.devices):
             continue

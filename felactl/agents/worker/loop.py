@@ -45,15 +45,19 @@ def train(trainer: Trainer, strategy: Strategy, membership: Membership) -> bool:
             change = _steps(trainer, strategy, membership)
         except Exception as exc:  # this step did not complete here
             if not membership.survives_failures or isinstance(exc, FelactlError):
-                strategy.close()  # the membership's close() destroys the groups next
+                # The membership's close() destroys the groups next: let go of the DDP, also of the
+                # frames the traceback keeps (Trainer.compute's ``ddp``), before it does.
+                strategy.close()
+                traceback.clear_frames(exc.__traceback__)
                 raise
             failed = failure_line(exc)
             # Indented, so that the log's last traceback stays the one the worker may end with.
             print(textwrap.indent(traceback.format_exc(), "  "), file=sys.stderr, end="", flush=True)
-        if failed is None and change is None:
-            strategy.finish()
-        # Before the membership destroys this generation's groups (a switch, a failure, the end).
-        strategy.close()
+        try:
+            if failed is None and change is None:
+                strategy.finish()
+        finally:  # before the membership destroys this generation's groups (a switch, a failure, the end)
+            strategy.close()
         if failed is not None:
             # Outside the ``except`` and with the strategy dropped, so that neither the traceback
             # nor this frame keeps the failed group's tensors alive while the job re-forms.
