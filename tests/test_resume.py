@@ -83,9 +83,17 @@ def test_a_killed_run_resumes_at_its_checkpoint_in_every_mode(shape, tmp_path, n
     previous = _mean_loss(before, checkpoint - 1)
     assert resumed_loss < first_loss - 0.5 * (first_loss - previous), (first_loss, previous, resumed_loss)
     redone = _mean_loss(before, checkpoint)
-    if shape in ("bsp", "tokens", "pipeline") and redone is not None:  # the same step from the same state
+    # The kill can fall between two workers' records of that step: compare only a step every worker
+    # recorded before it (one worker's loss against the mean of two failed a loaded suite's run).
+    complete = _loss_records(before, checkpoint) == _loss_records(after, checkpoint)
+    if shape in ("bsp", "tokens", "pipeline") and redone is not None and complete:  # the same step, the same state
         # (the flexible hybrid's records count first-stage samples, not the loss's: not comparable)
         assert _mean_loss(after, checkpoint) == pytest.approx(redone, rel=1e-4)
+
+
+def _loss_records(records: list[dict], step: int) -> int:
+    """How many workers recorded a loss for ``step``."""
+    return sum(1 for r in records if r["step"] == step and r.get("loss") is not None)
 
 
 def _attention_plan(mode: str, **config):
