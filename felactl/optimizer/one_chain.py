@@ -13,8 +13,14 @@ flexible plan, whose in-flight limits the memory model set.
 The ILP prices a stage's devices by their speed and memory, not the order the chain visits them
 in: on two-servers it chained its four equal nodes across the thin link three times where once
 would do. :func:`in_chain_order` deals a chain's devices again among the stages whose devices time
-and hold them alike, for the fewest seconds on the links between neighbours. Pure: stage
-arithmetic only.
+and hold them alike, for the fewest seconds on the links between neighbours.
+
+A flexible plan whose every stage holds R >= 2 devices (R equal chains side by side) may run as R
+static 1F1B pipelines instead, the stages' replicas summing their gradients once a step: the
+token server's round trips go, and so does the tokens runtime's balancing between a stage's
+devices (each pipeline takes an equal share). :func:`as_equal_pipelines` writes it so only where
+the simulator, which prices both runtimes, finds the pipelines faster. Pure: stage arithmetic and
+the simulator.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from felactl.errors import InputError
 from felactl.optimizer.cost import CostModel, boundary_bytes_per_sample, stage_memory_bytes
 from felactl.optimizer.evaluate import StageChoice
-from felactl.spec import Plan, Schedule
+from felactl.optimizer.simulator import simulate
+from felactl.spec import Plan, Schedule, check_executable
 
 
 def one_f_one_b_in_flight(num_stages: int, stage: int, global_batch: int, micro_batch: int) -> int:
@@ -122,3 +130,51 @@ def as_one_pipeline(plan: Plan, cost: CostModel) -> Plan:
         worker = replace(stage.workers[0], share=1.0, predicted_memory_gb=round(memory / 1e9, 4))
         piped.append(replace(stage, workers=(worker,), max_in_flight=flight))
     return replace(plan, stages=tuple(piped), schedule=Schedule.ONE_F_ONE_B, pipelines=(tuple(devices),))
+
+
+def as_equal_pipelines(plan: Plan, cost: CostModel) -> Plan:
+    """``plan`` as R static 1F1B pipelines where it is a flexible plan of R >= 2 devices in every
+    stage (module doc), pipeline r the r-th device of each stage, each an equal share of the batch,
+    1F1B's in-flight micro-batches within every device's memory, and the simulator finds it
+    faster than the tokens runtime; else ``plan`` itself."""
+    stages = plan.stages
+    widths = {len(st.workers) for st in stages}
+    if (
+        plan.schedule is not Schedule.TOKENS
+        or len(stages) < 2
+        or len(widths) != 1
+        or min(widths) < 2
+        or any(st.shard for st in stages)
+        or len({st.micro_batch for st in stages}) != 1
+        or len({d for st in stages for d in st.devices}) != sum(len(st.devices) for st in stages)
+    ):
+        return plan
+    width = widths.pop()
+    share = round(1 / width, 9)
+    piped = []
+    for s, stage in enumerate(stages):
+        flight = one_f_one_b_in_flight(len(stages), s, plan.global_batch // width, stage.micro_batch)
+        memory = stage_memory_bytes(cost.model, stage.layer_start, stage.layer_end, stage.micro_batch, flight)
+        if any(memory > cost.usable_memory_bytes(d) for d in stage.devices):
+            return plan
+        workers = [replace(w, share=share, predicted_memory_gb=round(memory / 1e9, 4)) for w in stage.workers]
+        workers[0] = replace(workers[0], share=round(1.0 - share * (width - 1), 9))
+        piped.append(replace(stage, workers=tuple(workers), max_in_flight=flight))
+    static = replace(
+        plan,
+        stages=tuple(piped),
+        schedule=Schedule.ONE_F_ONE_B,
+        pipelines=tuple(tuple(st.devices[r] for st in stages) for r in range(width)),
+    )
+    try:
+        check_executable(static)
+    except InputError:  # shares the batch does not split into whole micro-batches, say
+        return plan
+    ranked = replace(cost, ring_order=plan.devices)  # as the planner prices it: its rings in its rank order
+    return static if simulate(static, ranked).iteration_s <= simulate(plan, ranked).iteration_s else plan
+
+
+def as_static_pipelines(plan: Plan, cost: CostModel) -> Plan:
+    """``plan`` as the static pipelines it may run as (:func:`as_one_pipeline`, then
+    :func:`as_equal_pipelines`), or itself."""
+    return as_equal_pipelines(as_one_pipeline(plan, cost), cost)

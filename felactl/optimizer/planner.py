@@ -24,7 +24,7 @@ from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, memory_limits, predict, stage_in_flight, token_samples
 from felactl.optimizer.graph import abbreviate_names, best_ring, ring_width
-from felactl.optimizer.one_chain import as_one_pipeline, in_chain_order
+from felactl.optimizer.one_chain import as_static_pipelines, in_chain_order
 from felactl.optimizer.sharding import sharded_memory_bytes, sharding_hint
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.optimizer.space import build_space
@@ -425,7 +425,7 @@ class _Candidate:
         stages = in_chain_order(cost, tuple(o.choice for o in solution.options))
         if sync_support(mode).planned_as is not Execution.PIPELINE:  # 1F1B holds its own count in flight
             stages = memory_limits(cost, stages, global_batch, max_stages)
-        plan = as_one_pipeline(_plan_from(stages, cost, model, global_batch, mode, use_trees, max_stages), cost)
+        plan = as_static_pipelines(_plan_from(stages, cost, model, global_batch, mode, use_trees, max_stages), cost)
         ranked = replace(cost, ring_order=plan.devices)  # priced as it will run: its rings in its rank order
         prediction = predict(ranked, stages, global_batch, max_stages)
         return cls(
