@@ -108,9 +108,13 @@ def render_summary(console, plan: Plan, out: Path | None) -> None:
     if any(stage.shard for stage in plan.stages):
         console.print(f"note: {_why_sharded(plan)}")
     elif plan.schedule is not Schedule.TOKENS and sync_support(plan.sync.mode).planned_as is not Execution.PIPELINE:
+        chains = len(plan.pipelines)
         console.print(
             f"note: its stages are one chain of devices, so it runs as one static 1F1B pipeline "
             f"(sync {plan.sync.mode.value}; no worker could take another's micro-batch)"
+            if chains == 1
+            else f"note: its stages are {chains} chains of devices side by side, so it runs as {chains} static "
+            f"1F1B pipelines (sync {plan.sync.mode.value}; predicted no slower than token scheduling)"
         )
     if out is not None:
         console.print(f"wrote {out}")
