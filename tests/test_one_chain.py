@@ -200,3 +200,26 @@ def test_equal_chains_side_by_side_run_as_static_pipelines_where_the_simulator_f
     assert as_equal_pipelines(_flexible(capped, llama, groups, cuts), CostModel(capped, llama)).schedule is (
         Schedule.TOKENS
     )
+
+
+def test_felactl_plan_says_equal_chains_run_as_as_many_static_pipelines(tmp_path):
+    """two-servers' profiles with 9 MB usable a node: the planner's stages are two chains of two
+    nodes side by side, written as two 1F1B pipelines, and `felactl plan` says so."""
+    from felactl.spec import load_plan, save
+
+    capped, llama = _two_servers()
+    roomier = capped
+    for device in capped.device_names:
+        roomier = _with_memory(roomier, device, 9e6)
+    save(roomier, tmp_path / "cluster.yaml")
+    out = tmp_path / "plan.yaml"
+    args = ["plan", "--cluster", str(tmp_path / "cluster.yaml"), "--model", str(DATA / "llama-two-servers.model.yaml")]
+    result = CliRunner().invoke(app, [*args, "--global-batch", "64", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.schedule is Schedule.ONE_F_ONE_B and len(plan.pipelines) == 2
+    assert [len(stage.workers) for stage in plan.stages] == [2, 2]
+    assert "its stages are 2 chains of devices side by side, so it runs as 2 static 1F1B pipelines" in " ".join(
+        result.output.split()
+    )
+    check_executable(plan, [layer.params for layer in llama.layers])
