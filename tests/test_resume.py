@@ -77,7 +77,11 @@ def test_a_killed_run_resumes_at_its_checkpoint_in_every_mode(shape, tmp_path, n
     assert min(r["step"] for r in after) == checkpoint, "the first step after a resume is the checkpoint's"
     assert summary["steps"] == checkpoint + 3
     if shape in ("bsp", "tokens"):  # every sample once, the redone ones not twice
-        assert summary["samples"] == (checkpoint + 3) * 32
+        # A worker killed between its step's all-reduce and its record leaves that step's record
+        # out (the checkpoint, written by another, holds the step): at most the last step's.
+        recorded = sum(r["samples"] for r in before if r["step"] < checkpoint)
+        assert recorded >= (checkpoint - 1) * 32 + 16, "only a record of the step before the checkpoint may be lost"
+        assert summary["samples"] == recorded + 3 * 32
     first_loss = _mean_loss(before, 0)
     resumed_loss = _mean_loss(after, checkpoint) or _mean_loss(after, checkpoint + 1)
     previous = _mean_loss(before, checkpoint - 1)
