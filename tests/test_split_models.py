@@ -196,7 +196,8 @@ def test_two_pipelines_sum_each_stage_and_a_tied_head_over_stages_too(tmp_path, 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tied,shard", [(False, (True, True)), (True, (True, True)), (False, (True, False))])
+# (untied, both stages sharded: the tied case runs that path and more; one run fewer for the suite's time)
+@pytest.mark.parametrize("tied,shard", [(True, (True, True)), (False, (True, False))])
 def test_a_pipeline_of_sharded_stages_trains_to_the_single_process_result(tmp_path, tied, shard):
     """2 stages, each sharded over 2 workers (FSDP2 over the stage's workers, one per pipeline):
     each worker holds half of its stage, the pipelines' micro-batches gather the stage's weights
