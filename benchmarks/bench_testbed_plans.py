@@ -260,22 +260,23 @@ def make_plans(cluster: Path, model_yaml: Path, args, out: Path) -> dict:
     if TOKENS_CHAIN in names:
         chain = as_tokens(plans["felactl"][1], out / f"{TOKENS_CHAIN}.yaml")
         if chain is None:
-            print(f"{TOKENS_CHAIN}: felactl's plan here is no one-chain 1F1B pipeline: not run", file=sys.stderr)
+            print(f"{TOKENS_CHAIN}: felactl's plan here is no chain of 1F1B pipelines: not run", file=sys.stderr)
         else:
             plans[TOKENS_CHAIN] = chain
     return plans
 
 
 TOKENS_CHAIN = "felactl-tokens"
-"""``--plans`` name of felactl's plan run by the tokens runtime, where the planner wrote one chain
-of devices as a static 1F1B pipeline (``optimizer/one_chain.py``): the same stages, in-flight
-limits and ranks, schedule ``tokens``: what the planner wrote before, measured beside it."""
+"""``--plans`` name of felactl's plan run by the tokens runtime, where the planner wrote chains of
+devices (one, or R side by side) as static 1F1B pipelines (``optimizer/one_chain.py``): the same
+stages, shares, in-flight limits and ranks, schedule ``tokens``: what the planner wrote before,
+measured beside it."""
 
 
 def as_tokens(plan, path: Path) -> tuple[Path, object] | None:
     from felactl.spec import Schedule, save
 
-    if plan.schedule is Schedule.TOKENS or len(plan.pipelines) != 1 or any(st.shard for st in plan.stages):
+    if plan.schedule is Schedule.TOKENS or not plan.pipelines or any(st.shard for st in plan.stages):
         return None
     flexible = dataclasses.replace(plan, schedule=Schedule.TOKENS, pipelines=())
     return save(flexible, path), flexible
