@@ -37,7 +37,7 @@ from benchmarks.bench_testbed_plans import felactl, parts, steady_rate  # noqa: 
 from felactl.control.metrics import read_metrics  # noqa: E402
 from felactl.optimizer import baselines  # noqa: E402
 from felactl.optimizer.cost import CostModel  # noqa: E402
-from felactl.optimizer.one_chain import one_f_one_b_in_flight  # noqa: E402
+from felactl.optimizer.one_chain import as_static_pipelines  # noqa: E402
 from felactl.optimizer.simulator import simulate  # noqa: E402
 from felactl.spec import (  # noqa: E402
     ModelRef,
@@ -59,7 +59,9 @@ TICKS_PER_S = 100  # /proc/<pid>/stat's utime and stime, in clock ticks (USER_HZ
 
 
 def chain_plan(cluster, model, order: list[str], micro_batch: int, global_batch: int) -> Plan:
-    """One 1F1B pipeline over ``order``, one device a stage, cut where the devices balance."""
+    """One 1F1B pipeline over ``order``, one device a stage, cut where the devices balance: the
+    flexible chain the ILP would write, made static as the planner makes it
+    (``one_chain.as_static_pipelines``)."""
     cost = CostModel(cluster, model)
     times = [[cost.per_sample_s(layer, layer + 1, d, micro_batch) for layer in range(model.num_layers)] for d in order]
     cuts = baselines.balanced_cuts(times, len(order))
@@ -69,20 +71,21 @@ def chain_plan(cluster, model, order: list[str], micro_batch: int, global_batch:
             layer_end=cuts[s + 1],
             micro_batch=micro_batch,
             workers=(StageWorker(device=d, share=1.0),),
-            max_in_flight=one_f_one_b_in_flight(len(order), s, global_batch, micro_batch),
         )
         for s, d in enumerate(order)
     )
-    plan = Plan(
+    flexible = Plan(
         cluster=cluster.name,
         model=ModelRef(name=model.name, source=model.source, config=model.config),
         devices=tuple(order),
         global_batch=global_batch,
-        schedule=Schedule.ONE_F_ONE_B,
+        schedule=Schedule.TOKENS,
         sync=SyncSpec(mode=SyncMode.BSP, use_trees=False),
         stages=stages,
-        pipelines=(tuple(order),),
     )
+    plan = as_static_pipelines(flexible, cost)
+    if plan is flexible:
+        raise SystemExit(f"the chain {', '.join(order)} is no static pipeline here: 1F1B's activations do not fit")
     return dataclasses.replace(plan, placement=placements_from(cluster, plan.devices))
 
 

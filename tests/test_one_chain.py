@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from felactl.cli.main import app
 from felactl.optimizer.cost import GB, CostModel, MemoryHeadroom, stage_memory_bytes
 from felactl.optimizer.evaluate import StageChoice
-from felactl.optimizer.one_chain import as_one_pipeline, in_chain_order
+from felactl.optimizer.one_chain import as_static_pipelines, in_chain_order
 from felactl.optimizer.planner import make_plan
 from felactl.spec import Schedule, load_cluster, load_model
 from felactl.spec.executable import check_executable
@@ -69,8 +69,8 @@ def test_a_chain_whose_1f1b_activations_do_not_fit_stays_a_flexible_plan():
     # the first stage's device a byte short of 1F1B's four micro-batches in flight
     short = CostModel(_with_memory(cluster, first.devices[0], needs - 1), llama)
     assert short.usable_memory_bytes(first.devices[0]) < needs
-    assert as_one_pipeline(flexible, short) is flexible
-    assert as_one_pipeline(flexible, CostModel(cluster, llama)).schedule is Schedule.ONE_F_ONE_B
+    assert as_static_pipelines(flexible, short) is flexible
+    assert as_static_pipelines(flexible, CostModel(cluster, llama)).schedule is Schedule.ONE_F_ONE_B
 
 
 def test_stages_that_share_a_device_or_hold_several_are_not_a_chain():
@@ -82,13 +82,13 @@ def test_stages_that_share_a_device_or_hold_several_are_not_a_chain():
     # stage 1 on its device and stage 0's: one device serves two stages, a stage has two
     both = (dataclasses.replace(two.workers[0], share=0.5), dataclasses.replace(one.workers[0], share=0.5))
     shared = dataclasses.replace(two, workers=both)
-    assert as_one_pipeline(
+    assert as_static_pipelines(
         dataclasses.replace(flexible, stages=(one, shared, *flexible.stages[2:])), cost
     ).schedule is (Schedule.TOKENS)
     wider = dataclasses.replace(two, micro_batch=2 * two.micro_batch)
-    assert as_one_pipeline(dataclasses.replace(flexible, stages=(one, wider, *flexible.stages[2:])), cost).schedule is (
-        Schedule.TOKENS
-    )
+    assert as_static_pipelines(
+        dataclasses.replace(flexible, stages=(one, wider, *flexible.stages[2:])), cost
+    ).schedule is (Schedule.TOKENS)
 
 
 def _with_memory(cluster, device_name: str, usable_bytes: float):
@@ -166,7 +166,6 @@ def test_equal_chains_side_by_side_run_as_static_pipelines_where_the_simulator_f
     chain lost 40% to them: 0.55 of its prediction as tokens, 0.90 as 1F1B). With one node four
     times slower the tokens runtime, which lets its stage-mate take more, is kept; where 1F1B's
     in-flight activations do not fit (the capped profile), too."""
-    from felactl.optimizer.one_chain import as_equal_pipelines
     from felactl.optimizer.simulator import simulate
 
     capped, llama = _two_servers()
@@ -176,7 +175,7 @@ def test_equal_chains_side_by_side_run_as_static_pipelines_where_the_simulator_f
     groups, cuts = [["s0a-cpu0", "s0b-cpu0"], ["s1a-cpu0", "s1b-cpu0"]], [0, 3, 6]
     flexible = _flexible(roomy, llama, groups, cuts)
     cost = CostModel(roomy, llama)
-    static = as_equal_pipelines(flexible, cost)
+    static = as_static_pipelines(flexible, cost)
     assert static.schedule is Schedule.ONE_F_ONE_B
     assert static.pipelines == (("s0a-cpu0", "s1a-cpu0"), ("s0b-cpu0", "s1b-cpu0"))
     assert [[w.share for w in stage.workers] for stage in static.stages] == [[0.5, 0.5], [0.5, 0.5]]
@@ -196,8 +195,8 @@ def test_equal_chains_side_by_side_run_as_static_pipelines_where_the_simulator_f
             for n in roomy.nodes
         ),
     )
-    assert as_equal_pipelines(_flexible(slow, llama, groups, cuts), CostModel(slow, llama)).schedule is Schedule.TOKENS
-    assert as_equal_pipelines(_flexible(capped, llama, groups, cuts), CostModel(capped, llama)).schedule is (
+    assert as_static_pipelines(_flexible(slow, llama, groups, cuts), CostModel(slow, llama)).schedule is Schedule.TOKENS
+    assert as_static_pipelines(_flexible(capped, llama, groups, cuts), CostModel(capped, llama)).schedule is (
         Schedule.TOKENS
     )
 

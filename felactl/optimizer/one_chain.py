@@ -18,8 +18,8 @@ and hold them alike, for the fewest seconds on the links between neighbours.
 A flexible plan whose every stage holds R >= 2 devices (R equal chains side by side) may run as R
 static 1F1B pipelines instead, the stages' replicas summing their gradients once a step: the
 token server's round trips go, and so does the tokens runtime's balancing between a stage's
-devices (each pipeline takes an equal share). :func:`as_equal_pipelines` writes it so where the
-simulator, which prices both runtimes, finds the pipelines no slower: a tie goes to them, as the
+devices (each pipeline takes an equal share). :func:`as_static_pipelines` writes one chain so
+always, and R >= 2 where the simulator, which prices both runtimes, finds the pipelines no slower: a tie goes to them, as the
 token server's round trips are not priced (on two-servers two such chains ran 1.37x as pipelines,
 the tokens runtime 0.70 of the same price). Pure: stage arithmetic and the simulator.
 """
@@ -113,43 +113,36 @@ def in_chain_order(cost: CostModel, stages: Sequence[StageChoice]) -> tuple[Stag
     return tuple(replace(st, shares=((d, 1.0),)) for st, d in zip(stages, best))
 
 
-def as_one_pipeline(plan: Plan, cost: CostModel) -> Plan:
-    """``plan`` as one static 1F1B pipeline where it is a flexible chain (module doc): each stage
-    with 1F1B's in-flight count as its limit and memory. Else ``plan`` itself: several devices in
-    a stage or one device in several, micro-batches that differ, a sharded stage, or 1F1B's
-    activations more than a device's usable memory."""
-    stages = plan.stages
-    devices = chain_devices(stages)
-    if plan.schedule is not Schedule.TOKENS or devices is None or len({st.micro_batch for st in stages}) != 1:
+def as_static_pipelines(plan: Plan, cost: CostModel) -> Plan:
+    """``plan`` as R static 1F1B pipelines where it is a flexible plan of R equal chains (module
+    doc): one chain always, R >= 2 where the simulator finds the pipelines no slower than the
+    tokens runtime. Else ``plan`` itself."""
+    static = _as_pipelines(plan, cost)
+    if static is None:
         return plan
-    piped = []
-    for s, stage in enumerate(stages):
-        flight = one_f_one_b_in_flight(len(stages), s, plan.global_batch, stage.micro_batch)
-        memory = stage_memory_bytes(cost.model, stage.layer_start, stage.layer_end, stage.micro_batch, flight)
-        if memory > cost.usable_memory_bytes(stage.devices[0]):
-            return plan
-        worker = replace(stage.workers[0], share=1.0, predicted_memory_gb=round(memory / 1e9, 4))
-        piped.append(replace(stage, workers=(worker,), max_in_flight=flight))
-    return replace(plan, stages=tuple(piped), schedule=Schedule.ONE_F_ONE_B, pipelines=(tuple(devices),))
+    if len(static.pipelines) == 1:
+        return static
+    ranked = replace(cost, ring_order=plan.devices)  # as the planner prices it: its rings in its rank order
+    return static if simulate(static, ranked).iteration_s <= simulate(plan, ranked).iteration_s else plan
 
 
-def as_equal_pipelines(plan: Plan, cost: CostModel) -> Plan:
-    """``plan`` as R static 1F1B pipelines where it is a flexible plan of R >= 2 devices in every
-    stage (module doc), pipeline r the r-th device of each stage, each an equal share of the batch,
-    1F1B's in-flight micro-batches within every device's memory, and the simulator finds it no
-    slower than the tokens runtime; else ``plan`` itself."""
+def _as_pipelines(plan: Plan, cost: CostModel) -> Plan | None:
+    """``plan``'s stages as R static 1F1B pipelines, pipeline r the r-th device of each stage,
+    each an equal share of the batch, each stage with 1F1B's in-flight count as its limit and
+    memory. None where ``plan`` is no R equal chains (a static or sharded plan, stages of unlike
+    widths or micro-batches, a device in two stages), or 1F1B's activations do not fit a device,
+    or the shares do not split the batch into whole micro-batches."""
     stages = plan.stages
     widths = {len(st.workers) for st in stages}
     if (
         plan.schedule is not Schedule.TOKENS
         or len(stages) < 2
         or len(widths) != 1
-        or min(widths) < 2
         or any(st.shard for st in stages)
         or len({st.micro_batch for st in stages}) != 1
         or len({d for st in stages for d in st.devices}) != sum(len(st.devices) for st in stages)
     ):
-        return plan
+        return None
     width = widths.pop()
     share = round(1 / width, 9)
     piped = []
@@ -157,7 +150,7 @@ def as_equal_pipelines(plan: Plan, cost: CostModel) -> Plan:
         flight = one_f_one_b_in_flight(len(stages), s, plan.global_batch // width, stage.micro_batch)
         memory = stage_memory_bytes(cost.model, stage.layer_start, stage.layer_end, stage.micro_batch, flight)
         if any(memory > cost.usable_memory_bytes(d) for d in stage.devices):
-            return plan
+            return None
         workers = [replace(w, share=share, predicted_memory_gb=round(memory / 1e9, 4)) for w in stage.workers]
         workers[0] = replace(workers[0], share=round(1.0 - share * (width - 1), 9))
         piped.append(replace(stage, workers=tuple(workers), max_in_flight=flight))
@@ -169,13 +162,6 @@ def as_equal_pipelines(plan: Plan, cost: CostModel) -> Plan:
     )
     try:
         check_executable(static)
-    except InputError:  # shares the batch does not split into whole micro-batches, say
-        return plan
-    ranked = replace(cost, ring_order=plan.devices)  # as the planner prices it: its rings in its rank order
-    return static if simulate(static, ranked).iteration_s <= simulate(plan, ranked).iteration_s else plan
-
-
-def as_static_pipelines(plan: Plan, cost: CostModel) -> Plan:
-    """``plan`` as the static pipelines it may run as (:func:`as_one_pipeline`, then
-    :func:`as_equal_pipelines`), or itself."""
-    return as_equal_pipelines(as_one_pipeline(plan, cost), cost)
+    except InputError:
+        return None
+    return static
