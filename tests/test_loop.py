@@ -378,3 +378,29 @@ def test_bsp_lets_go_of_its_ddp_when_closed():
     held = weakref.ref(strategy.ddp)
     strategy.close()
     assert held() is None and strategy.ddp is None
+
+
+def test_a_run_that_fails_lets_go_of_what_its_failed_steps_frames_held_before_the_membership_closes(monkeypatch):
+    """felactl's own error leaves the worker through run_worker's close(): the traceback it carries
+    keeps the failed step's frames, and Trainer.compute's frame holds the DDP. Those frames are
+    cleared before close() destroys the group (the torch 56297 order, as for the strategy)."""
+    calls, trainer, membership = _job(steps=4)
+
+    class Replica:  # stands for the DDP a step's frame holds
+        pass
+
+    held = []
+
+    def failing_step(work):
+        ddp = Replica()  # a local of the failing frame, as in Trainer.compute
+        held.append(weakref.ref(ddp))
+        raise InputError("the plan cannot run")
+
+    membership.first_strategy.step = failing_step
+    alive_at_close = []
+    membership.close = lambda: alive_at_close.append(held[0]() is not None)
+    monkeypatch.setattr(main.faulthandler, "register", lambda *args: None)
+    monkeypatch.setattr(main, "membership_for", lambda cfg: membership)
+    with pytest.raises(InputError):
+        main.run_worker(cfg=None)
+    assert alive_at_close == [False]
