@@ -28,7 +28,7 @@ from felactl.optimizer.one_chain import one_f_one_b_in_flight
 from felactl.optimizer.sharding import best_shard_group, shard_micro_batches, sharded_memory_bytes
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.spec import ModelRef, ModelSpec, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec
-from felactl.spec.checks import tied_across_kinds
+from felactl.spec.checks import holding_stages, tied_across_kinds
 from felactl.spec.sync_modes import Execution, sync_support
 
 
@@ -124,10 +124,9 @@ def stage_shardings(
         return all(need <= cost.usable_memory_bytes(d) for d in groups[s])
 
     shard = [not replica_fits(s) for s in range(num_stages)]
-    stage_of = [s for s in range(num_stages) for _ in range(cuts[s], cuts[s + 1])]
     for _ in range(num_stages):  # a tie can chain stages: spread until nothing changes
         for tied in model.tied:
-            holders = {stage_of[layer] for layer in tied.layers}
+            holders = holding_stages(cuts, tied.layers)
             if any(shard[s] for s in holders):
                 for s in holders:
                     shard[s] = True

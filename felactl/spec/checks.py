@@ -80,15 +80,24 @@ def sharded_unlike(plan: Plan, stages: Sequence[int]) -> bool:
     return len(shapes) > 1 and any(shard for shard, _ in shapes)
 
 
+def holding_stages(cuts: Sequence[int], layers: Sequence[int]) -> list[int]:
+    """The stages, cut at ``cuts`` (stage s holds layers ``cuts[s]`` to ``cuts[s + 1] - 1``), that
+    hold any of ``layers`` (a tied weight's readers)."""
+    return sorted({s for s in range(len(cuts) - 1) for i in layers if cuts[s] <= i < cuts[s + 1]})
+
+
+def stage_cuts(plan: Plan) -> list[int]:
+    """Where ``plan`` cuts its layers: each stage's first layer, then the last stage's end."""
+    return [stage.layer_start for stage in plan.stages] + [plan.stages[-1].layer_end]
+
+
 def tied_across_sharding(plan: Plan, model: ModelSpec) -> str | None:
     """Where the plan shards some of the stages that hold layers reading one weight and not the
     others (or over unlike worker counts), what it does: the copies of a tied weight sum shard by
     shard, which needs every stage holding it sharded alike, or none (the runtime's refusal,
     ``agents/worker/tied.py:check_sharded_ties``, at plan time)."""
     for tied in model.tied:
-        holders = sorted(
-            {s for s, st in enumerate(plan.stages) for i in tied.layers if st.layer_start <= i < st.layer_end}
-        )
+        holders = holding_stages(stage_cuts(plan), tied.layers)
         if sharded_unlike(plan, holders):
             names = " and ".join(f"{i} ({model.layers[i].name})" for i in tied.layers)
             held = ", ".join(
@@ -109,12 +118,12 @@ def tied_across_kinds(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> str
     many devices of whatever kinds replicate or shard it: no copies to keep alike)."""
     for tied in model.tied:
         group = tied.layers
-        if len({s for s, st in enumerate(plan.stages) for i in group if st.layer_start <= i < st.layer_end}) < 2:
+        holders = holding_stages(stage_cuts(plan), group)
+        if len(holders) < 2:
             continue
         kinds: dict[str, list[str]] = {}
-        for s, stage in enumerate(plan.stages):
-            held = [i for i in group if stage.layer_start <= i < stage.layer_end]
-            for device in stage.devices if held else ():
+        for s in holders:
+            for device in plan.stages[s].devices:
                 kinds.setdefault(cluster.device(device).model, []).append(f"{device} (stage {s})")
         if len(kinds) > 1:
             names = " and ".join(f"{i} ({model.layers[i].name})" for i in group)
