@@ -105,19 +105,22 @@ def test_a_producer_serves_its_output_while_it_computes():
 
 def test_a_static_pipelines_stage_pays_its_messages_to_each_neighbour():
     """A static pipeline claims no tokens: each forward and backward of a stage handles one message
-    from or to each neighbouring stage, host work (PIPELINE_MESSAGE_CPU_S) a CPU slot under a quota
-    pays over its quota. Measured on the one-slow testbed, an inner stage's host work per
-    micro-batch was twice an end stage's; priced as two tokens at every stage, a 1F1B chain through
-    its 0.12-core node ran 0.66 of its prediction (BENCHMARKS.md, 2026-11-30)."""
+    from or to each neighbouring stage, host work a CPU slot under a quota pays over its quota:
+    PIPELINE_MESSAGE_CPU_S to another node (measured on the one-slow testbed, where an inner
+    stage's host work per micro-batch was twice an end stage's; priced as two tokens at every
+    stage, a 1F1B chain through its 0.12-core node ran 0.66 of its prediction), LOCAL_MESSAGE_CPU_S
+    to one on its own node (over loopback: priced at the testbed's, a chain of two local slots was
+    predicted at half the speed it ran). BENCHMARKS.md, 2026-11-30."""
     import dataclasses
 
-    from felactl.optimizer.cost import PIPELINE_MESSAGE_CPU_S
+    from felactl.optimizer.cost import LOCAL_MESSAGE_CPU_S, PIPELINE_MESSAGE_CPU_S
     from felactl.spec import ModelRef, Plan, Schedule, Stage, StageWorker, SyncMode, SyncSpec
     from tests.planner_fixtures import as_cpu_slots
 
-    slots = as_cpu_slots(cluster([[("Xeon", 1.0, 8.0), ("Xeon @ 0.12 cores", 1.0, 8.0), ("Xeon", 1.0, 8.0)]]))
+    # stage 0 on n0; stages 1 (a 0.12-core slot) and 2 on n1: one remote and one local neighbour
+    slots = as_cpu_slots(cluster([[("Xeon", 1.0, 8.0)], [("Xeon @ 0.12 cores", 1.0, 8.0), ("Xeon", 1.0, 8.0)]]))
     net = model([(1000, 100, 1e6)] * 3)
-    devices = ("n0.d0", "n0.d1", "n0.d2")
+    devices = ("n0.d0", "n1.d0", "n1.d1")
     plan = Plan(
         cluster=slots.name,
         model=ModelRef(name=net.name, source=net.source),
@@ -132,18 +135,19 @@ def test_a_static_pipelines_stage_pays_its_messages_to_each_neighbour():
         pipelines=(devices,),
     )
 
-    def busy(message_cpu_s: float) -> dict[str, float]:  # of ``plan`` as it is when called
-        cost = dataclasses.replace(CostModel(slots, net), message_cpu_s=message_cpu_s)
+    def busy(remote_s: float, local_s: float) -> dict[str, float]:  # of ``plan`` as it is when called
+        cost = dataclasses.replace(CostModel(slots, net), message_cpu_s=remote_s, local_message_cpu_s=local_s)
         intervals = simulate(plan, cost).intervals
         return {d: sum(i.end_s - i.start_s for i in intervals if i.device == d and i.label[0] in "FB") for d in devices}
 
     tokens = 2 * plan.global_batch  # a forward and a backward per micro-batch
+    remote, local = PIPELINE_MESSAGE_CPU_S, LOCAL_MESSAGE_CPU_S
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         plan = dataclasses.replace(plan, schedule=schedule)
-        priced, without = busy(PIPELINE_MESSAGE_CPU_S), busy(0.0)
+        priced, without = busy(remote, local), busy(0.0, 0.0)
         paid = {d: priced[d] - without[d] for d in devices}
-        assert paid["n0.d0"] == pytest.approx(tokens * PIPELINE_MESSAGE_CPU_S), "one neighbour: a message a token"
-        assert paid["n0.d2"] == pytest.approx(tokens * PIPELINE_MESSAGE_CPU_S)
-        assert paid["n0.d1"] == pytest.approx(2 * tokens * PIPELINE_MESSAGE_CPU_S / 0.12), "two, over its quota"
+        assert paid["n0.d0"] == pytest.approx(tokens * remote), "one neighbour, on another node: a message a token"
+        assert paid["n1.d1"] == pytest.approx(tokens * local), "one neighbour, on its node"
+        assert paid["n1.d0"] == pytest.approx(tokens * (remote + local) / 0.12), "both, over its quota"
     plan = dataclasses.replace(plan, schedule=Schedule.TOKENS, pipelines=(), sync=SyncSpec(mode=SyncMode.TOKENS))
-    assert busy(10 * PIPELINE_MESSAGE_CPU_S) == busy(0.0), "the tokens runtime pays its tokens, not messages"
+    assert busy(10 * remote, 10 * local) == busy(0.0, 0.0), "the tokens runtime pays its tokens, not messages"

@@ -157,9 +157,18 @@ first stage, 7.1 and 6.0 on the inner ones, 5.9 on the last, which also computes
 BENCHMARKS.md, 2026-11-30): 1.5-1.6 ms a message, charged as a token's
 (:data:`TOKEN_OVERHEAD_S`) before, which priced an inner stage half its host work and ran a chain
 through a 0.12-core node at 0.66 of its prediction. Over loopback without the testbed's network
-namespaces a message costs 0.28 ms (two processes on full cores). Not priced: the last stage's
+namespaces a message costs 0.28 ms (two processes on full cores): :data:`LOCAL_MESSAGE_CPU_S`, the
+price of a message to a neighbour on the same node. Not priced: the last stage's
 loss (2.6 ms more there, at micro-batch 1 of the example LM), so a chain whose slowest node holds
 the last stage is predicted a little fast."""
+
+
+LOCAL_MESSAGE_CPU_S = 0.28e-3
+"""Host CPU seconds of a static pipeline's message to or from a neighbouring stage on the same
+node (loopback): felactl's wire timed alone between two processes on this project's 2-core
+machine, a 4-item message one way and a tensor back, 0.55 ms a round trip for each process.
+Priced at the testbed's :data:`PIPELINE_MESSAGE_CPU_S`, a chain of two local CPU slots (a
+user's own four-block LM, micro-batch 1) was predicted 83 samples/s and ran 155; at this, 140."""
 
 
 @dataclass
@@ -186,7 +195,10 @@ class CostModel(SyncCosts):
     token_cpu_s: float = TOKEN_OVERHEAD_S
     """Host CPU seconds per token beyond compute, at the profiled speed (:meth:`token_overhead_s`)."""
     message_cpu_s: float = PIPELINE_MESSAGE_CPU_S
-    """Host CPU seconds per message a static pipeline's stage exchanges (:meth:`message_overhead_s`)."""
+    """Host CPU seconds per message a static pipeline's stage exchanges with another node
+    (:meth:`message_overhead_s`)."""
+    local_message_cpu_s: float = LOCAL_MESSAGE_CPU_S
+    """The same with a neighbour on its own node."""
     gather_cpu_s: float = FSDP_GATHER_CPU_S
     """Host CPU seconds per FSDP unit gather beyond its bytes (:meth:`gather_overhead_s`)."""
     data_parallel_tokens: bool = True
@@ -301,11 +313,14 @@ class CostModel(SyncCosts):
         takes :meth:`host_slowdown` times as long."""
         return self.token_cpu_s * self.host_slowdown(self.cluster.device(device_name))
 
-    def message_overhead_s(self, device_name: str) -> float:
-        """What one message to or from a neighbouring stage of a static pipeline costs
-        ``device_name`` beyond its bytes (:data:`PIPELINE_MESSAGE_CPU_S`): host CPU work, so a CPU
-        device held to part of a core takes :meth:`host_slowdown` times as long."""
-        return self.message_cpu_s * self.host_slowdown(self.cluster.device(device_name))
+    def message_overhead_s(self, device_name: str, peer: str) -> float:
+        """What one message to or from ``peer``, a neighbouring stage of a static pipeline, costs
+        ``device_name`` beyond its bytes: :data:`PIPELINE_MESSAGE_CPU_S` across nodes,
+        :data:`LOCAL_MESSAGE_CPU_S` on one; host CPU work, so a CPU device held to part of a core
+        takes :meth:`host_slowdown` times as long."""
+        local = self.cluster.node_of(device_name).name == self.cluster.node_of(peer).name
+        per_message = self.local_message_cpu_s if local else self.message_cpu_s
+        return per_message * self.host_slowdown(self.cluster.device(device_name))
 
     def gather_overhead_s(self, devices) -> float:
         """What one FSDP unit gather among ``devices`` costs beyond its bytes: the slowest host's

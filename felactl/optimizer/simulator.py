@@ -123,6 +123,7 @@ class _Simulation:
     def __init__(self, plan: Plan, cost: CostModel, stragglers: Stragglers):
         self.plan, self.cost, self.stragglers = plan, cost, stragglers
         self.num_stages = len(plan.stages)
+        self.neighbours = _pipeline_neighbours(plan)
         # Stage.devices builds a tuple per call; membership is asked millions of times on big plans.
         self.stage_members = [frozenset(stage.devices) for stage in plan.stages]
         self.events: list = []
@@ -278,8 +279,8 @@ class _Simulation:
         neighbouring stages (:meth:`CostModel.message_overhead_s`)."""
         stage = self.plan.stages[tok.stage]
         if self.plan.schedule is not Schedule.TOKENS and self.num_stages > 1:
-            neighbours = (tok.stage > 0) + (tok.stage < self.num_stages - 1)
-            return neighbours * self.cost.message_overhead_s(device)
+            peers = self.neighbours.get((device, tok.stage), ())
+            return sum(self.cost.message_overhead_s(device, peer) for peer in peers)
         claims = self.cost.tokens_per_micro_batch(stage.layer_start, stage.layer_end)
         charged = claims == 2 or (claims == 1 and not tok.backward)
         return self.cost.token_overhead_s(device) if charged else 0.0
@@ -401,6 +402,15 @@ class _Simulation:
             if step_s > 0:
                 done = max((i.end_s for i in self.intervals if i.device == device), default=0.0)
                 self.intervals.append(Interval(device, done, done + step_s, "O"))
+
+
+def _pipeline_neighbours(plan: Plan) -> dict[tuple[str, int], tuple[str, ...]]:
+    """A static plan's (device, stage) -> the devices of its pipeline's stages before and after."""
+    found = {}
+    for pipe in plan.pipelines:
+        for s, device in enumerate(pipe):
+            found[(device, s)] = tuple(pipe[t] for t in (s - 1, s + 1) if 0 <= t < len(pipe))
+    return found
 
 
 def simulate(plan: Plan, cost: CostModel, stragglers: Stragglers | None = None) -> SimResult:
