@@ -411,9 +411,8 @@ class _Candidate:
     stages: tuple[StageChoice, ...]
     plan: Plan
     ranked: CostModel
-    iteration_s: float
-    held: bool
-    """Whether an in-flight limit binds a worker (:func:`evaluate.held_terms`)."""
+    iteration_s: float  # the cost model's; the simulator's where it runs as static pipelines
+    held: bool  # an in-flight limit binds a worker (evaluate.held_terms)
     simulation: SimResult
 
     @property
@@ -425,12 +424,13 @@ class _Candidate:
         stages = in_chain_order(cost, tuple(o.choice for o in solution.options))
         if sync_support(mode).planned_as is not Execution.PIPELINE:  # 1F1B holds its own count in flight
             stages = memory_limits(cost, stages, global_batch, max_stages)
-        plan = as_static_pipelines(_plan_from(stages, cost, model, global_batch, mode, use_trees, max_stages), cost)
+        flexible = _plan_from(stages, cost, model, global_batch, mode, use_trees, max_stages)
+        plan = as_static_pipelines(flexible, cost)
         ranked = replace(cost, ring_order=plan.devices)  # priced as it will run: its rings in its rank order
-        prediction = predict(ranked, stages, global_batch, max_stages)
-        return cls(
-            solution, stages, plan, ranked, prediction.iteration_s, prediction.held_s > 0, simulate(plan, ranked)
-        )
+        prediction, simulation = predict(ranked, stages, global_batch, max_stages), simulate(plan, ranked)
+        if plan is not flexible:  # static pipelines: predict prices the tokens runtime, the simulator 1F1B
+            return cls(solution, stages, plan, ranked, simulation.iteration_s, False, simulation)
+        return cls(solution, stages, plan, ranked, prediction.iteration_s, prediction.held_s > 0, simulation)
 
 
 BASELINE_NAMES = ("dp", "mp", "hp", "fsdp")
