@@ -517,6 +517,34 @@ def test_a_failed_workers_reason_is_its_exceptions_first_line(tmp_path):
     assert last_line(log) == "felactl worker: error: plan.yaml: no such file"
 
 
+def test_after_a_failure_the_others_get_keep_state_s_to_end_and_count_as_stopped(tmp_path):
+    """A job whose survivors write their state for its restart: the failure is told at once, then
+    the others get ``keep_state_s`` to end by themselves (rank 1 does, failing on its lost peer;
+    rank 2 never does and is killed after it). Only the first failure is the group's: the others'
+    lines (a lost peer) would make the next failure look like the same one."""
+    env = _module(
+        tmp_path,
+        "survivor",
+        "import os, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        "time.sleep({'0': 0.5, '1': 1.5, '2': 60}[rank])\n"
+        "sys.exit(f'rank {rank} failed')\n",
+    )
+    spec = WorkerSpec(module="survivor", nproc=3, world_size=3, log_dir=tmp_path, env=env, stop_grace_s=2)
+    told = []
+    agent = LocalWorkerAgent(dataclasses.replace(spec, keep_state_s=4.0))
+    start = time.monotonic()
+    result = agent.run(on_failure=lambda r: told.append((time.monotonic() - start, dict(r.failures))))
+    assert [failures for _, failures in told] == [{0: "rank 0 failed"}] and told[0][0] < 3, told
+    assert result.failures == {0: "rank 0 failed"}, result.failures
+    assert {w.global_rank: w.state for w in agent.workers} == {
+        0: WorkerState.FAILED,
+        1: WorkerState.STOPPED,
+        2: WorkerState.STOPPED,
+    }
+    assert 4 <= time.monotonic() - start < 15, "rank 2 was given keep_state_s, then stopped"
+
+
 def test_a_workers_failure_is_said_from_this_run_of_it_and_a_kill_as_a_kill(tmp_path):
     """Logs are appended to across restarts: a worker killed by a signal is said to be killed (its
     log's last line was an older attempt's traceback, or any line it printed), and one that raised

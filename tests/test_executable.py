@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from _worker_helpers import pipeline_plan
 from planner_fixtures import model as made_up_model
 from planner_fixtures import random_instance
 
@@ -33,7 +34,7 @@ from felactl.spec import (
     check_executable,
     load_model,
 )
-from felactl.spec.executable import problems, why_not_rescalable
+from felactl.spec.executable import problems, survivors_keep_state, why_not_rescalable
 from felactl.spec.sync_modes import rescalable_mode_names, sync_support
 
 BUILTIN_SPECS = {
@@ -273,3 +274,18 @@ def test_the_planner_refuses_devices_of_both_kinds_and_plans_either_kind_alone()
         make_plan(both, net, 8, sync="bsp")
     assert set(make_plan(both, net, 8, sync="bsp", devices=["cpu0", "cpu1"]).devices) <= {"cpu0", "cpu1"}
     assert make_plan(both, net, 8, sync="bsp", devices=["gpu0"]).devices == ("gpu0",)
+
+
+def test_survivors_keep_every_stage_only_of_lockstep_pipelines_whose_every_stage_has_whole_replicas():
+    """Where one failed worker leaves every stage of one step with the others
+    (felactl.agents.worker.survivors): static pipelines in lockstep of replicated stages. Not one
+    chain (its stages die with their worker), not a sharded stage (its shards), not SDPipe's
+    pipelines (at their own pace, no common step), not one stage (data parallel rescales live)."""
+    two_chains = pipeline_plan([0, 2, 3], num_replicas=2)
+    assert survivors_keep_state(two_chains)
+    assert survivors_keep_state(pipeline_plan([0, 2, 3], num_replicas=2, sync="tokens"))  # runs as bsp
+    assert not survivors_keep_state(pipeline_plan([0, 2, 3]))
+    assert not survivors_keep_state(pipeline_plan([0, 2, 3], num_replicas=2, sync="sdpipe"))
+    sharded = replace(two_chains, stages=(replace(two_chains.stages[0], shard=True), *two_chains.stages[1:]))
+    assert not survivors_keep_state(sharded)
+    assert not survivors_keep_state(pipeline_plan([0, 3], num_replicas=2))

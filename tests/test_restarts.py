@@ -79,6 +79,37 @@ def test_a_killed_worker_of_a_two_stage_pipeline_restarts_from_the_checkpoint_an
         assert losses[(1, step)] == pytest.approx(losses[(0, step)], rel=1e-5, abs=1e-6), step
 
 
+def test_a_killed_worker_of_two_pipelines_restarts_from_what_the_survivors_hold_and_redoes_no_step(
+    tmp_path, no_leftovers
+):
+    """2 stages x 2 pipelines and no checkpoint before the run's last: kill -9 a first stage's
+    worker mid-run. The three left hold every stage of the last step every worker summed (no
+    worker steps its optimizer before all have), write it as that step's checkpoint, and the
+    restart goes on from there: no step redone, each step's loss one process's."""
+    plan = pipeline_plan([0, 2, 3], num_replicas=2, optimizer="adamw", lr=0.01)
+    path = save(plan, tmp_path / "plan.yaml")
+    steps = 40
+    args = ("--run-id", "k", "--steps", str(steps), "--straggler", "roundrobin:0.1", "--max-nproc-per-node", "4")
+    job = Job(tmp_path, str(path), *args)
+    try:
+        job.wait_step("k", 12, timeout_s=STARTUP_S)
+        _worker_process(job, rank=2).send_signal(signal.SIGKILL)  # cpu2: stage 0 of pipeline 1
+        summary = job.finish(timeout_s=STARTUP_S)
+    finally:
+        job.stop()
+    run = tmp_path / "runs" / "k"
+    assert summary["steps"] == steps
+    (restart,) = summary["restarts"]
+    assert restart["from_step"] >= 12 and restart["redone_steps"] == 0, restart
+    (event,) = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "restart"]
+    assert event["kept_by_survivors"] and event["checkpoint"].endswith(f"step{restart['from_step']:06d}"), event
+    records = read_jsonl(run / "metrics.jsonl")
+    assert {r["step"] for r in records if r.get("loss") is not None} == set(range(steps)), "every step trained"
+    _, want = single_process(plan, steps)
+    by_step = step_losses(without_redone(records, read_jsonl(run / "events.jsonl")))
+    assert [by_step[s] for s in range(steps)] == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
 def test_a_failure_that_repeats_after_a_restart_ends_the_job_as_the_jobs_own(tmp_path, no_leftovers):
     """A user's loss that raises fails every attempt at the same step with the same line: one
     restart, then exit 1 saying so, not ``--max-restarts`` rounds of the same failure."""

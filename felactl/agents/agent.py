@@ -71,6 +71,9 @@ class WorkerSpec:
     monitor_interval_s: float = 0.1
     stop_grace_s: float = 3.0
     """How long ``stop`` waits after SIGTERM before SIGKILL."""
+    keep_state_s: float = 0.0
+    """After a worker failed, how long the others get to end by themselves (they write their state
+    for the job's restart: :mod:`felactl.agents.worker.survivors`) before they are stopped."""
 
     @property
     def argv(self) -> list[str]:
@@ -321,12 +324,21 @@ class LocalWorkerAgent:
             },
         )
 
-    def run(self, should_stop: Callable[[], StopOrder | None] = lambda: None) -> RunResult:
-        """Start, then watch until every worker succeeded, one failed, or ``should_stop()`` orders a stop."""
+    def run(
+        self,
+        should_stop: Callable[[], StopOrder | None] = lambda: None,
+        on_failure: Callable[[RunResult], None] = lambda result: None,
+    ) -> RunResult:
+        """Start, then watch until every worker succeeded, one failed, or ``should_stop()`` orders a
+        stop. A failure is told ``on_failure`` at once, also where the others then get
+        :attr:`WorkerSpec.keep_state_s` to end by themselves."""
         try:
             self.start()
             while True:
                 result = self.monitor()
+                if result.state is WorkerState.FAILED and self.spec.keep_state_s > 0:
+                    on_failure(result)  # the coordinator tells the workers elsewhere not to wait for it
+                    self._let_the_others_end(self.spec.keep_state_s)
                 if result.state is not WorkerState.HEALTHY:
                     return result
                 order = should_stop()
@@ -336,6 +348,19 @@ class LocalWorkerAgent:
                 time.sleep(self.spec.monitor_interval_s)
         finally:
             self.stop()
+
+    def _let_the_others_end(self, within_s: float) -> None:
+        """A worker failed: wait up to ``within_s`` for the others to end by themselves (they write
+        their state, then fail too). They count as stopped, not failed: the failure is the first
+        one's, and their lines (a lost peer) say nothing of it."""
+        running = [w for w in self.workers if w.process is not None and w.state is WorkerState.HEALTHY]
+        deadline = time.monotonic() + within_s
+        for w in running:
+            try:
+                w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue  # stop() takes it
+            w.exit_code, w.ended_at, w.state = w.process.returncode, time.time(), WorkerState.STOPPED
 
     def pids(self) -> set[int]:
         """Every live process this agent started, with their descendants."""

@@ -81,16 +81,11 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
         if assignment.elastic:
             result = _supervise_elastic(agent, session)
         else:
-            result = agent.run(should_stop=lambda a=assignment: session.stop_requested() or _superseded(session, a))
-        _report_quietly(
-            session,
-            result.state.value,
-            failures={str(k): v for k, v in result.failures.items()},
-            exit_codes={str(k): v for k, v in result.exit_codes.items()},
-            failed_at={str(k): v for k, v in result.failed_at.items()},
-            attempt=assignment.attempt,
-            log_dir=str(config.log_dir),
-        )
+            result = agent.run(
+                should_stop=lambda a=assignment: session.stop_requested() or _superseded(session, a),
+                on_failure=lambda r, a=assignment: _report_result(session, r, a.attempt, config.log_dir, ending=True),
+            )
+        _report_result(session, result, assignment.attempt, config.log_dir)
         if not assignment.more_may_follow:
             return result
         # No deadline: another node's workers may train on for long; the stop order (or the
@@ -145,6 +140,7 @@ def _worker_spec(config: NodeAgentConfig, session, assignment) -> WorkerSpec:
             **({"FELACTL_ELASTIC": "1"} if assignment.elastic else {}),
         },
         cpu_affinity=config.cpu_affinity,
+        keep_state_s=assignment.keep_state_s,
         local_ranks=tuple(assignment.local_indices) if len(assignment.local_indices) == nproc else (),
     )
 
@@ -177,6 +173,21 @@ def _refusal_log(log_dir: Path, say: Callable[[str, str], None]) -> Callable[[st
         record(key, reason)
 
     return both
+
+
+def _report_result(session, result: RunResult, attempt: int, log_dir: Path, ending: bool = False) -> None:
+    """How an attempt's workers on this node ended. ``ending``: the first failure, as it happens,
+    while the others still end (they write their state; the report of how they ended follows)."""
+    _report_quietly(
+        session,
+        result.state.value,
+        failures={str(k): v for k, v in result.failures.items()},
+        exit_codes={str(k): v for k, v in result.exit_codes.items()},
+        failed_at={str(k): v for k, v in result.failed_at.items()},
+        attempt=attempt,
+        log_dir=str(log_dir),
+        **({"ending": True} if ending else {}),
+    )
 
 
 def _report_quietly(session, state: str, **details) -> None:

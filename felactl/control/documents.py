@@ -102,6 +102,10 @@ class Assignment:
         """Whether the coordinator may publish an attempt after this one."""
         return self.max_restarts is None or self.attempt < self.max_restarts
 
+    keep_state_s: float = 0.0
+    """After one of its workers failed, how long the agent gives the others to end by themselves
+    before it stops them: a job whose survivors write their state for its restart
+    (:mod:`felactl.agents.worker.survivors`). 0: stop them at once."""
     elastic: bool = False
     """The coordinator changes this job's members while it trains (the one place a job says so):
     the agent takes its ``add`` and ``kill`` commands and runs until the stop order, a worker that

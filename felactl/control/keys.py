@@ -145,6 +145,27 @@ def generation_namespace(store_prefix: str, generation: int) -> str:
     return f"{store_prefix}/gen{generation}"
 
 
+ATTEMPT_FAILED = "failed"
+"""Set in an attempt's store by its first worker to fail, in a job whose survivors keep their
+state (:mod:`felactl.agents.worker.survivors`): the others stop waiting to step together."""
+
+
+def step_commit(step: int) -> str:
+    """A counter: the workers that summed step ``step``'s gradients (:mod:`felactl.agents.worker.survivors`)."""
+    return f"commit/{step}"
+
+
+def step_committed(step: int) -> str:
+    """Set by the last worker to sum step ``step``'s gradients: every worker may step its optimizer."""
+    return f"commit/{step}/all"
+
+
+def kept_stage(steps: int, stage: int) -> str:
+    """A counter: the survivors of a failure that offered to write stage ``stage``'s state after
+    ``steps`` steps; the first one writes it."""
+    return f"kept/{steps}/{stage}"
+
+
 def token(step: int, name: str) -> str:
     """The token bucket's key ``name`` of iteration ``step``."""
     return f"tok/{step}/{name}"

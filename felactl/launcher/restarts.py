@@ -43,6 +43,7 @@ from felactl.launcher.resume import Checkpoint, ResumePoint, pick_checkpoint
 from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.launcher.scale_requests import answer, answer_unsigned, open_request, refuse_requests
 from felactl.spec import ClusterSpec, ModelSpec, Plan, save
+from felactl.spec.executable import survivors_keep_state
 
 log = logging.getLogger(__name__)
 DRAIN_FAILED = "a worker failed while the job stopped for the rescale; it restarts on the workers it had"
@@ -51,6 +52,9 @@ RESCALE_DRAIN_S = 30.0
 LOST_AFTER_S = 10.0
 """After a failure, how long a live agent gets to stop its workers (SIGTERM, then SIGKILL after
 3 s) and report; one that has not by then is taken as lost, with its node."""
+KEEP_STATE_S = 20.0
+"""After a failure, how long the workers that survive get to write their state for the restart
+(:mod:`felactl.agents.worker.survivors`) before their agents stop them (each exits once it has)."""
 
 
 @dataclasses.dataclass
@@ -168,15 +172,22 @@ class Restarts:
             save(self.state.plan, plan_path)
         env = self.env_for(checkpoint, plan_path, generation)
         assignments = assign_ranks(self.state.plan, self.state.members, self.nodes, env, any_slots=attempt > 0)
+        keep_s = self._keep_state_s()
         self.coordinator.publish_assignments(
             {
-                a_id: dataclasses.replace(a, attempt=attempt, max_restarts=None)  # a rescale is an attempt too
+                # a rescale is an attempt too
+                a_id: dataclasses.replace(a, attempt=attempt, max_restarts=None, keep_state_s=keep_s)
                 for a_id, a in assignments.items()
             },
             attempt=attempt,
         )
         if self.rescale is not None:
             self.rescale.published_at = time.time()
+
+    def _keep_state_s(self) -> float:
+        """How long the workers that survive a failure get to write their state for the restart
+        (0: the plan's do not hold every stage of one step)."""
+        return KEEP_STATE_S if survivors_keep_state(self.state.plan) else 0.0
 
     def _adopt(self, plan: Plan, nodes: dict[str, str]) -> None:
         """Run ``plan`` from the next attempt on: its devices on their ``nodes``."""
@@ -190,6 +201,8 @@ class Restarts:
         """The event of a restart or rescale, as the next attempt starts: its generation, the
         workers before and after, and the checkpoint it goes on from."""
         checkpoint = _newest(self.state.run)
+        if checkpoint is not None and checkpoint.stage0.get("kept_by_survivors"):
+            details["kept_by_survivors"] = True  # written at the failure from the survivors' memory
         record(
             self.state.run.events,
             kind,
@@ -202,6 +215,8 @@ class Restarts:
             **details,
         )
         start = f"from step {checkpoint.step}" if checkpoint is not None else "from the start (no checkpoint yet)"
+        if details.get("kept_by_survivors"):
+            start += ", the state the workers that survived kept"
         if kind is EventKind.RESTART:
             lost = f"; node(s) {', '.join(details['lost_nodes'])} lost" if details.get("lost_nodes") else ""
             log.warning(
@@ -226,9 +241,13 @@ class Restarts:
         """The nodes whose agent is gone: the attempt's workers are stopped (each live agent
         stops its own and reports, in a few seconds); an agent that does not report within
         :data:`LOST_AFTER_S` is taken as lost with its node."""
-        self.coordinator.publish(keys.attempt_stop(attempt), StopDoc.KIND.value, StopDoc("restart", 0.0).to_body())
+        keep_s = self._keep_state_s()
+        if keep_s:  # the workers that wait to step together stop waiting and write their state
+            generation = keys.generation_namespace(self.coordinator.prefix, self.base_generation + attempt)
+            self.coordinator.store.set(f"{generation}/{keys.ATTEMPT_FAILED}", "1")
+        self.coordinator.publish(keys.attempt_stop(attempt), StopDoc.KIND.value, StopDoc("restart", keep_s).to_body())
         waiting = {m.agent_id: m.node_name for m in self.state.members}
-        deadline = time.monotonic() + LOST_AFTER_S
+        deadline = time.monotonic() + LOST_AFTER_S + keep_s
         while waiting and time.monotonic() < deadline:
             for agent_id in list(waiting):
                 report = self.coordinator.agent_state(agent_id)
@@ -236,6 +255,7 @@ class Restarts:
                     report
                     and int(report.get("attempt", 0)) == attempt
                     and report.get("state") != WorkerState.HEALTHY.value
+                    and not report.get("ending")  # its other workers still write their state
                 ):
                     del waiting[agent_id]
             time.sleep(0.1)

@@ -87,6 +87,18 @@ def why_not_rescalable(plan: Plan) -> str | None:
     )
 
 
+def survivors_keep_state(plan: Plan) -> bool:
+    """Whether the workers that survive a failure in a job of ``plan`` hold every stage's state of
+    one step, to leave for its restart (:mod:`felactl.agents.worker.survivors`): static pipelines in
+    lockstep whose every stage has replicas holding it whole. (A sharded stage's state is lost with
+    any of its workers; a stage of one worker, with it.)"""
+    return (
+        execution(plan) is Execution.PIPELINE
+        and not sync_support(plan.sync.mode).at_own_pace
+        and all(len(stage.workers) >= 2 and not stage.shard for stage in plan.stages)
+    )
+
+
 def stage_trainable(layer_params: Sequence[int], start: int, end: int) -> bool:
     """Rule 1: layers ``[start, end)`` hold at least one trainable parameter."""
     return sum(layer_params[start:end]) > 0

@@ -203,21 +203,20 @@ class Trainer:
         self.data_position = data_position
         self.steps_done = data_position // self.global_batch
 
-    def wait_for_key(self, store: dist.Store, key: str) -> None:
+    def wait_for_key(self, store: dist.Store, key: str, unless: Callable[[], None] = lambda: None) -> None:
         """Block until another worker sets ``key``. A writer that died never sets it: give up as a
-        collective with a dead peer does (RuntimeError) once the members changed under the wait
-        (an elastic job re-forms without a member that died), and fail after the store timeout."""
+        collective with a dead peer does (RuntimeError) once the members changed under the wait (an
+        elastic job re-forms without it) or ``unless()`` raises; fail after the store timeout."""
         deadline = time.monotonic() + self.runtime.cfg.timeout_s
         while True:
             try:
-                store.wait([key], datetime.timedelta(seconds=WAIT_SLICE_S))
-                return
+                return store.wait([key], datetime.timedelta(seconds=WAIT_SLICE_S))
             except RuntimeError:  # this slice timed out
+                unless()
                 self._give_up_if_stuck(deadline, f"nobody wrote {key}")
 
     def join_thread(self, thread, what: str) -> None:
-        """Join a helper thread that waits on the others (a parameter server, a scheduler), giving
-        up as :meth:`wait_for_key` does."""
+        """Join a helper thread that waits on the others (a scheduler), giving up as :meth:`wait_for_key` does."""
         deadline = time.monotonic() + self.runtime.cfg.timeout_s
         while thread.is_alive():
             thread.join(WAIT_SLICE_S)
@@ -437,31 +436,32 @@ class Trainer:
         for part in self.parts:
             state = stage_state(part.module, part.optimizer)  # a sharded stage's workers gather it together
             if self.runtime.rank == part.ranks[0]:
-                written = self._write_checkpoint(part, state) and written
+                written = self.write_checkpoint(part, state) and written
         if written:
             self.checkpointed_at = self.steps_done
 
-    def _write_checkpoint(self, part: Part, state: tuple[dict, dict]) -> bool:
-        cfg = self.runtime.cfg
-        path = checkpoint_path(cfg.run_dir, self.steps_done, part.stage)
+    def write_checkpoint(self, part: Part, state: tuple[dict, dict], steps: int | None = None, **extra) -> bool:
+        """Write ``part``'s ``state`` as the checkpoint of ``steps`` (default: the steps done; a
+        lockstep state of another step, :mod:`~felactl.agents.worker.survivors`); False: not written."""
+        cfg, steps = self.runtime.cfg, self.steps_done if steps is None else steps
+        path = checkpoint_path(cfg.run_dir, steps, part.stage)
         scheduler = {} if part.scheduler is None else {"lr_scheduler": part.scheduler.state_dict()}
         try:
             save_checkpoint(
                 path,
                 state=state,
-                step=self.steps_done,
-                data_position=self.data_position,
+                step=steps,
+                data_position=self.data_position if steps == self.steps_done else self.position_of(steps),
                 layers=self._layers(part),
-                extra={**self.membership.checkpoint_extra(), **scheduler},
+                extra={**self.membership.checkpoint_extra(), **scheduler, **extra},
             )
         except STORAGE_ERRORS as exc:
-            checkpoint_not_written(cfg.events, worker=self.worker_id, step=self.steps_done, path=path, exc=exc)
+            checkpoint_not_written(cfg.events, worker=self.worker_id, step=steps, path=path, exc=exc)
             return False
         return True
 
     def _layers(self, part: Part) -> tuple[int, int]:
-        stage = self.plan.stages[part.stage]
-        return stage.layer_start, stage.layer_end
+        return self.plan.stages[part.stage].layer_start, self.plan.stages[part.stage].layer_end
 
     def final_checkpoint(self) -> None:
         """The run's last completed step (its end, or where a graceful stop ended it), whatever

@@ -18,6 +18,7 @@ from felactl.agents.worker.runtime import Runtime, start
 from felactl.agents.worker.stages import stage_rank_sets
 from felactl.agents.worker.strategies import strategy_for
 from felactl.agents.worker.strategy import Strategy
+from felactl.agents.worker.survivors import leave_state
 from felactl.agents.worker.tied import tied_rank_sets, tied_weights
 from felactl.control import keys
 from felactl.spec.executable import plan_backend
@@ -62,6 +63,11 @@ class FixedMembership(Membership):
 
     def after_step(self, strategy: Strategy) -> None:
         return None
+
+    def failing(self, trainer: Trainer, strategy: Strategy) -> None:
+        """The launcher restarts every worker: leave this one's state where it is of one step at
+        every survivor (:mod:`felactl.agents.worker.survivors`)."""
+        leave_state(trainer, strategy)
 
     def newest_generation(self) -> int:
         return self.generation

@@ -45,6 +45,7 @@ def train(trainer: Trainer, strategy: Strategy, membership: Membership) -> bool:
             change = _steps(trainer, strategy, membership)
         except Exception as exc:  # this step did not complete here
             if not membership.survives_failures or isinstance(exc, FelactlError):
+                membership.failing(trainer, strategy)
                 # The membership's close() destroys the groups next: let go of the DDP, also of the
                 # frames the traceback keeps (Trainer.compute's ``ddp``), before it does.
                 strategy.close()

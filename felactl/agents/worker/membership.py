@@ -67,6 +67,10 @@ class Membership(MembershipView):
         """After a completed step: the change every member agreed to make now, if any (where to
         switch, ``strategy`` decides: :meth:`Strategy.generation_to_switch_to`)."""
 
+    def failing(self, trainer: Trainer, strategy: Strategy) -> None:
+        """A step failed and the failure ends this worker (before the strategy is closed): leave
+        what the job's restart can use. Nothing by default."""
+
     def after_failure(self, why: str) -> Any:
         """A step failed (a peer died or hung, or the user's code raised; ``why``: the exception
         in one line): the change to recover with. Called only where :attr:`survives_failures`."""

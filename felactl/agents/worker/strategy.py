@@ -99,6 +99,12 @@ class Strategy:
         """Let go of what holds this generation's groups: the membership destroys them next (a
         switch, a failure, the end of the run). Called once, after :meth:`finish` if that ran."""
 
+    def kept_steps(self) -> int | None:
+        """The steps this worker's parameters and optimizer state are of, where a failure leaves
+        every survivor's of that one step (their checkpoint for the restart:
+        :mod:`felactl.agents.worker.survivors`); None where it does not."""
+        return None
+
     def generation_to_switch_to(self, membership: MembershipView) -> int | None:
         """After a completed step of an elastic job: the newer generation every member agreed to
         switch to now, or None. Members that train in lockstep switch after the same step: the
