@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from _worker_helpers import pipeline_plan  # noqa: E402
 
 from benchmarks.bench_restart_rescale import ENV  # noqa: E402

@@ -221,7 +221,8 @@ def test_with_its_profiles_a_pipeline_scaled_in_is_re_planned_and_its_stages_re_
 def test_a_pipeline_that_loses_a_node_restarts_without_it_and_trains_as_one_process(tmp_path, no_leftovers):
     """Two pipelines, one per node; the second node's agent and workers killed: the launch finds
     that node gone (its agent does not report), re-plans the two stages on the node left, restarts
-    there from the newest checkpoint and trains every step, as one process would."""
+    there from the state its workers kept (they hold both stages: nothing is redone) and trains
+    every step, as one process would."""
     plan = pipeline_plan([0, 2, 3], num_replicas=2, optimizer="adamw", lr=0.01)
     nodes = ("na", "na", "nb", "nb")
     placement = tuple(
@@ -248,6 +249,7 @@ def test_a_pipeline_that_loses_a_node_restarts_without_it_and_trains_as_one_proc
             agent.wait()
     (restart,) = summary["restarts"]
     assert restart["lost_nodes"] == ["nb"] and summary["steps"] == steps, restart
+    assert restart["redone_steps"] == 0, restart
     run = tmp_path / "runs" / "n"
     assert [len(s.workers) for s in load_plan(run / "plan.1.yaml").stages] == [1, 1]
     records = read_jsonl(run / "metrics.jsonl")

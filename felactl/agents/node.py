@@ -147,14 +147,18 @@ def _worker_spec(config: NodeAgentConfig, session, assignment) -> WorkerSpec:
 
 def _superseded(session, assignment) -> StopOrder | None:
     """A stop order when the coordinator has published the next attempt (a worker failed
-    somewhere), or has stopped this attempt (a job rescaled by a restart: its workers drain)."""
+    somewhere), or has stopped this attempt (a job rescaled by a restart: its workers drain; one
+    that failed elsewhere: they write their state, and the coordinator hears that they are ending)."""
     from felactl.agents.session import StopOrder
 
     if not assignment.more_may_follow:
         return None
     if session.attempt_published(assignment.attempt + 1):
         return StopOrder("restart")
-    return session.attempt_stopped(assignment.attempt)
+    order = session.attempt_stopped(assignment.attempt)
+    if order is not None and order.drain_s > 0:
+        _report_quietly(session, WorkerState.HEALTHY.value, attempt=assignment.attempt, ending=True)
+    return order
 
 
 def _refusal_log(log_dir: Path, say: Callable[[str, str], None]) -> Callable[[str, str], None]:

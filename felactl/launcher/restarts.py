@@ -239,27 +239,34 @@ class Restarts:
 
     def _lost_nodes(self, attempt: int) -> list[str]:
         """The nodes whose agent is gone: the attempt's workers are stopped (each live agent
-        stops its own and reports, in a few seconds); an agent that does not report within
-        :data:`LOST_AFTER_S` is taken as lost with its node."""
+        stops its own and reports, in a few seconds); an agent not heard of within
+        :data:`LOST_AFTER_S` is taken as lost with its node. One that said its workers are still
+        ending (they write their state for the restart) gets :data:`KEEP_STATE_S` more to report
+        how they ended, so that the restart finds what they wrote."""
         keep_s = self._keep_state_s()
         if keep_s:  # the workers that wait to step together stop waiting and write their state
             generation = keys.generation_namespace(self.coordinator.prefix, self.base_generation + attempt)
             self.coordinator.store.set(f"{generation}/{keys.ATTEMPT_FAILED}", "1")
         self.coordinator.publish(keys.attempt_stop(attempt), StopDoc.KIND.value, StopDoc("restart", keep_s).to_body())
-        waiting = {m.agent_id: m.node_name for m in self.state.members}
-        deadline = time.monotonic() + LOST_AFTER_S + keep_s
-        while waiting and time.monotonic() < deadline:
-            for agent_id in list(waiting):
+        unheard = {m.agent_id: m.node_name for m in self.state.members}
+        ending: set[str] = set()
+        start = time.monotonic()
+        while unheard or ending:
+            waited = time.monotonic() - start
+            if waited > LOST_AFTER_S + keep_s or (not ending and waited > LOST_AFTER_S):
+                break
+            for agent_id in [*unheard, *ending]:
                 report = self.coordinator.agent_state(agent_id)
-                if (
-                    report
-                    and int(report.get("attempt", 0)) == attempt
-                    and report.get("state") != WorkerState.HEALTHY.value
-                    and not report.get("ending")  # its other workers still write their state
-                ):
-                    del waiting[agent_id]
+                if not report or int(report.get("attempt", 0)) != attempt:
+                    continue
+                if report.get("ending"):  # its workers still write their state
+                    unheard.pop(agent_id, None)
+                    ending.add(agent_id)
+                elif report.get("state") != WorkerState.HEALTHY.value:  # they ended
+                    unheard.pop(agent_id, None)
+                    ending.discard(agent_id)
             time.sleep(0.1)
-        return sorted(set(waiting.values()))
+        return sorted(set(unheard.values()))
 
     def _go_on_without(self, lost: list[str], failure: WorkerFailed) -> None:
         """Re-plan on the devices of the nodes left (:func:`plan_for_devices`); where none is
