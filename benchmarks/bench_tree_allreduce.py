@@ -118,7 +118,7 @@ def testbed_plan(spec, model: str, global_batch: int, *, trees: bool = True, bes
     placement naming each node, and (``trees``) the trees ``plan_collective`` packs for them as
     the stage's collective; without, the plan syncs with the backend's allreduce, over the ranks
     in node order or (``best_order``) in the order that makes gloo's ring the best ring, as
-    felactl's planner ranks a plan's devices (``planner.rank_order``)."""
+    felactl's planner ranks a plan's devices (``ranks.rank_order``)."""
     import dataclasses
 
     from felactl.models import build

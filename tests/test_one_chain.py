@@ -8,13 +8,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from felactl.cli.main import app
+from felactl.errors import PlanInfeasible
+from felactl.optimizer import ilp
 from felactl.optimizer.cost import GB, CostModel, MemoryHeadroom, stage_memory_bytes
 from felactl.optimizer.evaluate import StageChoice
 from felactl.optimizer.one_chain import as_static_pipelines, in_chain_order
 from felactl.optimizer.planner import make_plan
+from felactl.optimizer.space import build_space
 from felactl.spec import Schedule, load_cluster, load_model
 from felactl.spec.executable import check_executable
 
@@ -61,6 +65,26 @@ def test_felactl_plan_says_a_chain_runs_as_one_1f1b_pipeline(tmp_path):
     assert "one chain of devices, so it runs as one static 1F1B pipeline (sync tokens" in " ".join(
         result.output.split()
     )
+
+
+def test_where_only_fewer_micro_batches_in_flight_fit_the_planner_plans_fewer_stages():
+    """The ILP prices every stage's activations at ``max_stages`` (4) micro-batches in flight; a
+    chain of two stages holds 2 and 1. At 7.5 MB a slot on two of two-servers' slots no cut fits
+    at 4 and the ILP refuses (as the planner did: a user's own LM, whose chain needed 4.6 MB, was
+    refused at 6); the planner, one stage fewer at a time, plans the two-stage 1F1B chain, every
+    device's simulated peak within its memory."""
+    cluster, llama = _two_servers()
+    for device in cluster.device_names:
+        cluster = _with_memory(cluster, device, 7.5e6)
+    two = cluster.device_names[:2]
+    with pytest.raises(PlanInfeasible, match="memory"):
+        ilp.solve(build_space(CostModel(cluster.subset(two), llama), 64, max_stages=4))
+    plan = make_plan(cluster, llama, 64, sync="bsp", devices=two)
+    assert plan.schedule is Schedule.ONE_F_ONE_B and len(plan.stages) == 2
+    cost = CostModel(cluster, llama)
+    peaks = plan.predicted.simulated_peak_memory_gb
+    assert set(peaks) == set(two) and all(gb * 1e9 <= cost.usable_memory_bytes(d) for d, gb in peaks.items())
+    check_executable(plan, [layer.params for layer in llama.layers])
 
 
 def test_a_chain_whose_1f1b_activations_do_not_fit_stays_a_flexible_plan():

@@ -305,7 +305,7 @@ def gloo_ring(ranked: Sequence[str]) -> tuple[str, ...]:
     Measured on the asymmetric testbed (links fast one way round, 8x slower the other): ranks
     n0, n1, n2 took 2.25 s for 16 MiB, the slow ring's time; ranks n0, n2, n1 took 0.29 s, the fast
     one's (BENCHMARKS.md, "Measured plan quality"). Rank order is felactl's to choose
-    (:func:`felactl.optimizer.planner.rank_order`)."""
+    (:func:`felactl.optimizer.ranks.rank_order`)."""
     return tuple(reversed(ranked))
 
 

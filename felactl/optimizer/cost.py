@@ -188,7 +188,7 @@ class CostModel(SyncCosts):
     calibration is worked out there (its measured set may hold devices the part lacks)."""
     ring_order: tuple[str, ...] | None = None
     """The rank order of the plan's devices where it is fixed (a baseline's, or a plan's once
-    :func:`~felactl.optimizer.planner.rank_order` chose it): a group of CPU devices then syncs over
+    :func:`~felactl.optimizer.ranks.rank_order` chose it): a group of CPU devices then syncs over
     gloo's ring in that order (:func:`~felactl.optimizer.collectives.gloo_ring`). None: over the
     group's best ring, which the planner gives the ranks' order to realise. (NCCL builds its own
     rings on GPUs, whatever the ranks.)"""

@@ -20,11 +20,11 @@ from functools import partial
 from felactl import limits
 from felactl.errors import InputError, PlanInfeasible
 from felactl.optimizer import baselines, ilp, sharded_plans
-from felactl.optimizer.collectives import gloo_ring
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, memory_limits, predict, stage_in_flight, token_samples
-from felactl.optimizer.graph import abbreviate_names, best_ring, ring_width
+from felactl.optimizer.graph import abbreviate_names
 from felactl.optimizer.one_chain import as_static_pipelines, in_chain_order
+from felactl.optimizer.ranks import rank_order
 from felactl.optimizer.sharding import sharded_memory_bytes, sharding_hint
 from felactl.optimizer.simulator import SimResult, simulate
 from felactl.optimizer.space import build_space
@@ -210,37 +210,6 @@ def _plan_from(
     )
 
 
-def rank_order(cost: CostModel, stages: Sequence[Stage], over_trees: set[frozenset[str]]) -> tuple[str, ...]:
-    """The plan's devices in the rank order that makes the backend's ring of each stage group the
-    best ring the planner priced it with (``cost.ring_order`` None).
-
-    gloo's allreduce runs round the ranks backwards (:func:`collectives.gloo_ring`), so where links
-    differ by direction the rank order decides between a fast ring and a slow one (the asymmetric
-    testbed: 8x). Groups of CPU devices that sync over the backend's ring (not over trees:
-    ``over_trees``) are taken longest sync first; each places its devices not placed yet in the
-    reverse of its best ring (in cluster order where that ring is as wide), so the first group's
-    ring is its best, and so is a later one's where it shares no device with the earlier ones. The
-    rest keep cluster order. The planner then prices the plan with these ranks
-    (``CostModel.ring_order``)."""
-    ranked: list[str] = []
-    synced = {}
-    for st in stages:
-        if len(st.devices) > 1 and frozenset(st.devices) not in over_trees:
-            nbytes = stage_param_bytes(cost.model, st.layer_start, st.layer_end)
-            synced[st.devices] = max(synced.get(st.devices, 0.0), cost.sync_time_s(st.devices, nbytes))
-    for group in sorted(synced, key=synced.get, reverse=True):
-        if not cost.ranks_decide_ring(group):
-            continue
-        ring, width = best_ring(cost.cluster, group)
-        in_cluster_order = [d for d in cost.cluster.device_names if d in group]
-        if width > 0 and ring_width(cost.cluster, gloo_ring(in_cluster_order)) < width:
-            ranked += [d for d in gloo_ring(ring) if d not in ranked]
-        else:  # cluster order is as good: the ranks stay as a user would number them
-            ranked += [d for d in in_cluster_order if d not in ranked]
-    used = {d for st in stages for d in st.devices}
-    return tuple(ranked) + tuple(d for d in cost.cluster.device_names if d in used and d not in ranked)
-
-
 def _predicted(
     plan: Plan,
     iteration_s: float,
@@ -308,15 +277,8 @@ def make_plan(
     use_trees = use_trees and sync_support(mode).sums_over_trees  # wbsp, sdpipe: a server, groups
     if not model.splittable:
         max_stages = 1  # no cut between its layers: data-parallel plans only
-    sub = cluster.subset(check_devices(cluster, devices))
-    cost = CostModel(
-        sub,
-        model,
-        use_trees=use_trees,
-        sync_reference=cluster,
-        headroom=headroom or MemoryHeadroom(),
-        ring_order=tuple(ranks) if ranks is not None else None,
-        data_parallel_tokens=sync_support(mode).data_parallel_tokens,
+    cost = _cost_model(
+        cluster.subset(check_devices(cluster, devices)), cluster, model, mode, use_trees, headroom, ranks
     )
     found, missing = baselines.baselines_and_missing(cost, global_batch)
     # The baselines' micro-batches join the searched ones, so DP itself is in the space: never worse
@@ -324,12 +286,14 @@ def make_plan(
     # that the DP baseline, DDP, does not: there a plan can come out slower than DP, and says so).
     extra = tuple(sorted({b.micro_batch for b in found.values()}))
     began = time.perf_counter()
-    solve = partial(_solve_best, cost, global_batch, mode, max_stages, time_limit_s, debug_lp_path, progress, extra)
     sharded, piped = sharded_plans.candidates(cost, model, global_batch, max_stages, mode)
+
+    def solved(bound: int) -> _Candidate:
+        solve = partial(_solve_best, cost, global_batch, mode, bound, time_limit_s, debug_lp_path, progress, extra)
+        return _as_simulated(solve, partial(_Candidate.of, cost, model, global_batch, mode, use_trees, bound), progress)
+
     try:
-        chosen = _as_simulated(
-            solve, partial(_Candidate.of, cost, model, global_batch, mode, use_trees, max_stages), progress
-        )
+        chosen, max_stages = _fewest_in_flight(solved, max_stages, progress)
     except PlanInfeasible as exc:
         if sharded is None and piped is None:
             raise PlanInfeasible(f"{exc}{sharding_hint(found, missing, mode)}") from None
@@ -344,6 +308,35 @@ def make_plan(
         progress(f"the model sharded over {len(sharded.stages[0].shares)} devices: {sharded.iteration_s:.4g} s")
         return _baseline_plan(cluster, cost, model, global_batch, sharded, found, missing, solve_s, SHARDED_SOLVER)
     return _solved_plan(cluster, cost, chosen, found, missing, global_batch, max_stages, solve_s)
+
+
+def _cost_model(sub, cluster, model, mode, use_trees, headroom, ranks) -> CostModel:
+    """The cost model ``make_plan`` prices the devices ``sub`` of ``cluster`` with."""
+    return CostModel(
+        sub,
+        model,
+        use_trees=use_trees,
+        sync_reference=cluster,
+        headroom=headroom or MemoryHeadroom(),
+        ring_order=tuple(ranks) if ranks is not None else None,
+        data_parallel_tokens=sync_support(mode).data_parallel_tokens,
+    )
+
+
+def _fewest_in_flight(solved: Callable[[int], _Candidate], max_stages: int, progress) -> tuple[_Candidate, int]:
+    """``solved(max_stages)``, and the bound it was solved under. The ILP prices each stage's
+    activations at ``max_stages`` micro-batches in flight (1F1B's first stage of that many stages
+    holds that many; the tokens runtime is limited to it): where no cut fits the devices' memory so,
+    one stage fewer at most holds fewer at every stage, down to 2 (a user's 1F1B chain of two
+    stages, 4.6 MB a slot, was refused at 6 MB under 4)."""
+    for bound in range(max_stages, 1, -1):
+        try:
+            return solved(bound), bound
+        except PlanInfeasible as exc:
+            if bound == 2 or not str(exc).startswith("memory"):
+                raise
+            progress(f"{exc}: trying at most {bound - 1} stages, fewer micro-batches in flight")
+    return solved(max_stages), max_stages  # one stage: nothing in flight to spare
 
 
 def _solved_plan(
