@@ -19,7 +19,7 @@ from felactl.optimizer.evaluate import StageChoice
 from felactl.optimizer.one_chain import as_static_pipelines, in_chain_order
 from felactl.optimizer.planner import make_plan
 from felactl.optimizer.space import build_space
-from felactl.spec import Schedule, load_cluster, load_model
+from felactl.spec import Schedule, load_cluster, load_model, load_plan
 from felactl.spec.executable import check_executable
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -249,3 +249,14 @@ def test_felactl_plan_says_equal_chains_run_as_as_many_static_pipelines(tmp_path
         result.output.split()
     )
     check_executable(plan, [layer.params for layer in llama.layers])
+
+
+def test_felactl_plan_cuts_at_most_max_stages_and_refuses_a_bound_below_one(tmp_path):
+    args = ["plan", "--cluster", str(DATA / "two-servers-capped.cluster.yaml")]
+    args += ["--model", str(DATA / "llama-two-servers.model.yaml"), "--global-batch", "64"]
+    out = tmp_path / "plan.yaml"
+    result = CliRunner().invoke(app, [*args, "--max-stages", "2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert 1 < len(load_plan(out).stages) <= 2  # the default cuts it into 4 (above)
+    refused = CliRunner().invoke(app, [*args, "--max-stages", "0"])
+    assert refused.exit_code == 2 and "--max-stages must be >= 1, got 0" in refused.output

@@ -23,6 +23,7 @@ from felactl.limits import check_flag
 from felactl.optimizer.cost import CostModel, MemoryHeadroom
 from felactl.optimizer.planner import (
     BASELINE_NAMES,
+    DEFAULT_MAX_STAGES,
     DEFAULT_TIME_LIMIT_S,
     make_baseline_plan,
     make_plan,
@@ -273,6 +274,14 @@ class PlanCommandOptions:
         typer.Option("--time-limit", help="Seconds each ILP solve may take; the plan records the gap where it stops."),
     ] = DEFAULT_TIME_LIMIT_S
     no_trees: Annotated[bool, typer.Option("--no-trees", help="Sync over rings only.")] = False
+    max_stages: Annotated[
+        int,
+        typer.Option(
+            "--max-stages",
+            help="Most stages the model is cut into (1: data parallel, or one sharded stage). Each stage's "
+            "activations are priced at this many micro-batches in flight; where none fits, fewer are tried.",
+        ),
+    ] = DEFAULT_MAX_STAGES
     reserve_gb: Annotated[
         float,
         typer.Option("--reserve-gb", help="GB of each CUDA device the plan leaves to the CUDA context and workspaces."),
@@ -346,6 +355,7 @@ class PlanFlags:
     out: Path | None
     time_limit_s: float | None
     no_trees: bool
+    max_stages: int
     reserve_gb: float
     fragmentation: float
 
@@ -363,6 +373,7 @@ class PlanFlags:
             raise InputError(f"felactl plan needs {', '.join(missing)}")
         check_flag("--global-batch", self.global_batch, limits.BATCH)
         check_flag("--time-limit", self.time_limit_s, limits.SECONDS, above=0)
+        check_flag("--max-stages", self.max_stages, limits.LAYERS)
         check_flag("--reserve-gb", self.reserve_gb, limits.MEMORY_GB)
         check_flag("--fragmentation", self.fragmentation, limits.SHARE)
         if self.fragmentation >= 1:
@@ -402,6 +413,7 @@ def _solve(flags: PlanFlags, cluster_spec: ClusterSpec, model_spec: ModelSpec, l
             debug_lp_path=lp_path,
             progress=lambda msg: status.update(msg),
             headroom=headroom,
+            max_stages=flags.max_stages,
         )
 
 

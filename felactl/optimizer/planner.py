@@ -48,6 +48,8 @@ from felactl.spec.plan import SIMULATION_TOLERANCE, simulation_agrees
 from felactl.spec.sync_modes import SYNC_MODE_SUPPORT, Execution, sync_support
 
 SYNC_MODES = tuple(m.value for m in SYNC_MODE_SUPPORT)
+DEFAULT_MAX_STAGES = 4
+"""Most stages a plan cuts the model into unless told (``felactl plan --max-stages``)."""
 DEFAULT_TIME_LIMIT_S = 30.0
 """Seconds each CBC solve may take by default: the issue's 512-GPU case proves its optimum in a
 few seconds; where a larger one does not, the plan keeps the best found and records the gap."""
@@ -263,7 +265,7 @@ def make_plan(
     time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
     use_trees: bool = True,
     debug_lp_path: str | None = None,
-    max_stages: int = 4,
+    max_stages: int = DEFAULT_MAX_STAGES,
     progress: Callable[[str], None] | None = None,
     headroom: MemoryHeadroom | None = None,
     ranks: Sequence[str] | None = None,
