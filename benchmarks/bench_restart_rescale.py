@@ -35,23 +35,32 @@ def felactl(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "felactl", *args], env=ENV, capture_output=True, text=True, **kwargs)
 
 
-def pause_of(root: Path, plan_path: Path, run_id: str, add: int) -> float:
-    """Launch ``plan_path``, scale it out by ``add`` once it trains, return the pause it answers."""
-    runs = root / "runs"
-    args = ["launch", str(plan_path), "--run-id", run_id, "--steps", "100000", "--runs-root", str(runs)]
-    args += ["--max-nproc-per-node", "4", "--straggler", "roundrobin:0.02"]
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "felactl", *args],
+def launched(runs: Path, plan_path: Path, run_id: str, steps: int, *flags: str) -> subprocess.Popen:
+    """``felactl launch`` of ``plan_path`` in the background, in a session of its own (to kill whole)."""
+    args = ["launch", str(plan_path), "--run-id", run_id, "--steps", str(steps), "--runs-root", str(runs)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "felactl", *args, "--max-nproc-per-node", "4", *flags],
         env=ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+
+
+def wait_for_step(runs: Path, run_id: str, step: int, launch: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until the run's metrics hold step ``step`` (AssertionError when the launch ended first or it times out)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(r["step"] >= step for r in read_jsonl(runs / run_id / "metrics.jsonl")):
+        assert time.monotonic() < deadline and launch.poll() is None, f"{run_id}: no step {step}"
+        time.sleep(0.05)
+
+
+def pause_of(root: Path, plan_path: Path, run_id: str, add: int) -> float:
+    """Launch ``plan_path``, scale it out by ``add`` once it trains, return the pause it answers."""
+    runs = root / "runs"
+    launch = launched(runs, plan_path, run_id, 100000, "--straggler", "roundrobin:0.02")
     try:
-        deadline = time.monotonic() + 120
-        while not any(r["step"] >= 10 for r in read_jsonl(runs / run_id / "metrics.jsonl")):
-            assert time.monotonic() < deadline and launch.poll() is None, f"{run_id}: no step 10"
-            time.sleep(0.2)
+        wait_for_step(runs, run_id, 10, launch)
         done = felactl("scale", run_id, "--add", str(add), "--runs-root", str(runs), "--json", timeout=180)
         if done.returncode != 0:
             raise RuntimeError(f"felactl scale {run_id}: {done.stderr.strip()}")

@@ -22,10 +22,8 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -34,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from _worker_helpers import pipeline_plan  # noqa: E402
 
-from benchmarks.bench_restart_rescale import ENV  # noqa: E402
+from benchmarks.bench_restart_rescale import launched, wait_for_step  # noqa: E402
 from felactl.launcher.rundir import read_jsonl  # noqa: E402
 from felactl.spec import save  # noqa: E402
 
@@ -45,20 +43,10 @@ STEPS = 60
 
 def one_round(root: Path, plan_path: Path, run_id: str) -> dict[str, float]:
     runs = root / "runs"
-    args = ["launch", str(plan_path), "--run-id", run_id, "--steps", str(STEPS), "--runs-root", str(runs)]
-    args += ["--max-nproc-per-node", "4", "--checkpoint-every", str(EVERY), "--straggler", "roundrobin:0.02"]
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "felactl", *args],
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    flags = ("--checkpoint-every", str(EVERY), "--straggler", "roundrobin:0.02")
+    launch = launched(runs, plan_path, run_id, STEPS, *flags)
     try:
-        deadline = time.monotonic() + 180
-        while not any(r["step"] >= KILL_AFTER for r in read_jsonl(runs / run_id / "metrics.jsonl")):
-            assert time.monotonic() < deadline and launch.poll() is None, f"{run_id}: no step {KILL_AFTER}"
-            time.sleep(0.05)
+        wait_for_step(runs, run_id, KILL_AFTER, launch, timeout_s=180)
         _worker(launch.pid, rank=2).send_signal(signal.SIGKILL)
         launch.wait(timeout=300)
     finally:

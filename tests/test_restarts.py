@@ -16,7 +16,7 @@ import pytest
 
 from felactl.control.metrics import step_losses, without_redone
 from felactl.launcher.rundir import read_jsonl
-from felactl.spec import Placement, load_plan, save
+from felactl.spec import Placement, Plan, load_plan, save
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -38,6 +38,13 @@ STARTUP_S = 120.0
 def _step_losses(records: list[dict]) -> dict[tuple[int, int], float]:
     """The last stage's loss of each (generation, step): what each attempt computed."""
     return {(r.get("generation", 0), r["step"]): r["loss"] for r in records if r.get("loss") is not None}
+
+
+def _pipeline_job(tmp_path: Path, run_id: str, steps: int, num_replicas: int = 1) -> tuple[Plan, Job]:
+    """The mlp as 2 stages x ``num_replicas`` pipelines (AdamW) launched, with room for 4 workers."""
+    plan = pipeline_plan([0, 2, 3], num_replicas=num_replicas, optimizer="adamw", lr=0.01)
+    args = ("--run-id", run_id, "--steps", str(steps), "--straggler", "roundrobin:0.1", "--max-nproc-per-node", "4")
+    return plan, Job(tmp_path, str(save(plan, tmp_path / "plan.yaml")), *args)
 
 
 def _worker_process(job: Job, rank: int) -> psutil.Process:
@@ -86,11 +93,8 @@ def test_a_killed_worker_of_two_pipelines_restarts_from_what_the_survivors_hold_
     worker mid-run. The three left hold every stage of the last step every worker summed (no
     worker steps its optimizer before all have), write it as that step's checkpoint, and the
     restart goes on from there: no step redone, each step's loss one process's."""
-    plan = pipeline_plan([0, 2, 3], num_replicas=2, optimizer="adamw", lr=0.01)
-    path = save(plan, tmp_path / "plan.yaml")
     steps = 40
-    args = ("--run-id", "k", "--steps", str(steps), "--straggler", "roundrobin:0.1", "--max-nproc-per-node", "4")
-    job = Job(tmp_path, str(path), *args)
+    plan, job = _pipeline_job(tmp_path, "k", steps, num_replicas=2)
     try:
         job.wait_step("k", 12, timeout_s=STARTUP_S)
         _worker_process(job, rank=2).send_signal(signal.SIGKILL)  # cpu2: stage 0 of pipeline 1
@@ -131,11 +135,8 @@ def test_a_two_stage_pipeline_scaled_out_and_in_restarts_on_each_plan_and_trains
     checkpoint it), restarts on the plan for the new workers (2 stages x 2 pipelines, then back to
     one), each worker taking its stage from the checkpoint; every step is trained once and each
     step's loss is one process's on the same batches."""
-    plan = pipeline_plan([0, 2, 3], optimizer="adamw", lr=0.01)
-    path = save(plan, tmp_path / "plan.yaml")
     steps = 120
-    args = ("--run-id", "s", "--steps", str(steps), "--straggler", "roundrobin:0.1", "--max-nproc-per-node", "4")
-    job = Job(tmp_path, str(path), *args)
+    plan, job = _pipeline_job(tmp_path, "s", steps)
     try:
         job.wait_step("s", 5, timeout_s=STARTUP_S)
         grown = job.scale("s", "--add", "2")
