@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from _worker_helpers import pipeline_plan
+from _worker_helpers import hybrid_plan, pipeline_plan
 from planner_fixtures import model as made_up_model
 from planner_fixtures import random_instance
 
@@ -276,10 +276,10 @@ def test_the_planner_refuses_devices_of_both_kinds_and_plans_either_kind_alone()
     assert make_plan(both, net, 8, sync="bsp", devices=["gpu0"]).devices == ("gpu0",)
 
 
-def test_survivors_keep_every_stage_only_of_lockstep_pipelines_whose_every_stage_has_whole_replicas():
+def test_survivors_keep_every_stage_only_of_lockstep_stages_that_each_have_whole_replicas():
     """Where one failed worker leaves every stage of one step with the others
-    (felactl.agents.worker.survivors): static pipelines in lockstep of replicated stages. Not one
-    chain (its stages die with their worker), not a sharded stage (its shards), not SDPipe's
+    (felactl.agents.worker.survivors): stages in lockstep (static pipelines, the flexible hybrid),
+    each replicated. Not one chain (its stages die with their worker), not a sharded stage (its shards), not SDPipe's
     pipelines (at their own pace, no common step), not one stage (data parallel rescales live)."""
     two_chains = pipeline_plan([0, 2, 3], num_replicas=2)
     assert survivors_keep_state(two_chains)
@@ -289,3 +289,5 @@ def test_survivors_keep_every_stage_only_of_lockstep_pipelines_whose_every_stage
     sharded = replace(two_chains, stages=(replace(two_chains.stages[0], shard=True), *two_chains.stages[1:]))
     assert not survivors_keep_state(sharded)
     assert not survivors_keep_state(pipeline_plan([0, 3], num_replicas=2))
+    assert survivors_keep_state(hybrid_plan([(0, 2, 4, [0, 1]), (2, 3, 4, [2, 3])], 4))  # the flexible hybrid
+    assert not survivors_keep_state(hybrid_plan([(0, 2, 4, [0, 1]), (2, 3, 4, [2])], 3))

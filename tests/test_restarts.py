@@ -16,13 +16,14 @@ import pytest
 
 from felactl.control.metrics import step_losses, without_redone
 from felactl.launcher.rundir import read_jsonl
-from felactl.spec import Placement, Plan, load_plan, save
+from felactl.spec import Placement, load_plan, save
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 from _worker_helpers import (  # noqa: E402
     Job,
     free_endpoint,
+    hybrid_plan,
     pipeline_plan,
     second_node,
     single_process,
@@ -40,9 +41,21 @@ def _step_losses(records: list[dict]) -> dict[tuple[int, int], float]:
     return {(r.get("generation", 0), r["step"]): r["loss"] for r in records if r.get("loss") is not None}
 
 
-def _pipeline_job(tmp_path: Path, run_id: str, steps: int, num_replicas: int = 1) -> tuple[Plan, Job]:
-    """The mlp as 2 stages x ``num_replicas`` pipelines (AdamW) launched, with room for 4 workers."""
-    plan = pipeline_plan([0, 2, 3], num_replicas=num_replicas, optimizer="adamw", lr=0.01)
+TWO_STAGES = {
+    "pipelines": lambda replicas: pipeline_plan([0, 2, 3], num_replicas=replicas, optimizer="adamw", lr=0.01),
+    "flexible": lambda replicas: hybrid_plan(
+        [(0, 2, 4, list(range(replicas))), (2, 3, 4, list(range(replicas, 2 * replicas)))],
+        2 * replicas,
+        optimizer="adamw",
+        lr=0.01,
+    ),
+}
+"""The mlp cut in two stages (AdamW), each on ``replicas`` workers: static pipelines or the flexible hybrid."""
+
+
+def _pipeline_job(tmp_path: Path, run_id: str, steps: int, num_replicas: int = 1, shape="pipelines"):
+    """``TWO_STAGES[shape]`` launched, with room for 4 workers: (its plan, the job)."""
+    plan = TWO_STAGES[shape](num_replicas)
     args = ("--run-id", run_id, "--steps", str(steps), "--straggler", "roundrobin:0.1", "--max-nproc-per-node", "4")
     return plan, Job(tmp_path, str(save(plan, tmp_path / "plan.yaml")), *args)
 
@@ -86,25 +99,27 @@ def test_a_killed_worker_of_a_two_stage_pipeline_restarts_from_the_checkpoint_an
         assert losses[(1, step)] == pytest.approx(losses[(0, step)], rel=1e-5, abs=1e-6), step
 
 
-def test_a_killed_worker_of_two_pipelines_restarts_from_what_the_survivors_hold_and_redoes_no_step(
-    tmp_path, no_leftovers
+@pytest.mark.parametrize("shape", ["pipelines", "flexible"])
+def test_a_killed_worker_of_replicated_stages_restarts_from_what_the_survivors_hold_and_redoes_no_step(
+    tmp_path, no_leftovers, shape
 ):
-    """2 stages x 2 pipelines and no checkpoint before the run's last: kill -9 a first stage's
-    worker mid-run. The three left hold every stage of the last step every worker summed (no
-    worker steps its optimizer before all have), write it as that step's checkpoint, and the
-    restart goes on from there: no step redone, each step's loss one process's."""
-    steps = 40
-    plan, job = _pipeline_job(tmp_path, "k", steps, num_replicas=2)
+    """2 stages of 2 workers each (2 static pipelines, or the flexible hybrid's token-scheduled
+    stages) and no checkpoint before the run's last: kill -9 a worker mid-run. The three left hold
+    every stage of the last step every worker summed (no worker steps its optimizer before all
+    have), write it as that step's checkpoint, and the restart goes on from there: no step
+    redone, each step's loss one process's."""
+    steps = 30
+    plan, job = _pipeline_job(tmp_path, "k", steps, num_replicas=2, shape=shape)
     try:
-        job.wait_step("k", 12, timeout_s=STARTUP_S)
-        _worker_process(job, rank=2).send_signal(signal.SIGKILL)  # cpu2: stage 0 of pipeline 1
+        job.wait_step("k", 10, timeout_s=STARTUP_S)
+        _worker_process(job, rank=2).send_signal(signal.SIGKILL)  # cpu2: stage 0 of pipeline 1; flexible, stage 1
         summary = job.finish(timeout_s=STARTUP_S)
     finally:
         job.stop()
     run = tmp_path / "runs" / "k"
     assert summary["steps"] == steps
     (restart,) = summary["restarts"]
-    assert restart["from_step"] >= 12 and restart["redone_steps"] == 0, restart
+    assert restart["from_step"] >= 10 and restart["redone_steps"] == 0, restart
     (event,) = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "restart"]
     assert event["kept_by_survivors"] and event["checkpoint"].endswith(f"step{restart['from_step']:06d}"), event
     records = read_jsonl(run / "metrics.jsonl")

@@ -124,7 +124,9 @@ def without_redone(records: Iterable[dict[str, Any]], events: Iterable[dict[str,
 
 
 def step_losses(records: Iterable[dict[str, Any]]) -> dict[int, float]:
-    """Each step's loss: the sample-weighted mean of the losses its records carry. A step recorded
+    """Each step's loss: the mean of the losses its records carry, each weighted by the samples it
+    is over (``loss_samples`` where a record says it: a flexible hybrid's worker may compute the
+    loss of other samples than those it took in; else ``samples``). A step recorded
     in several generations was redone: a member finished it and died before the others could,
     and they did it again in the next generation; its loss is the redo's (the newest generation's
     records), never a mean with the dead member's share. (Nor is a worker's last loss the run's:
@@ -137,7 +139,7 @@ def step_losses(records: Iterable[dict[str, Any]]) -> dict[int, float]:
     for r in records:
         if r.get("generation", 0) == newest[r["step"]]:
             loss_sum, samples = sums.get(r["step"], (0.0, 0))
-            weight = max(r["samples"], 1)
+            weight = max(r.get("loss_samples", r["samples"]), 1)
             sums[r["step"]] = (loss_sum + r["loss"] * weight, samples + weight)
     return {step: loss_sum / samples for step, (loss_sum, samples) in sorted(sums.items())}
 

@@ -89,11 +89,12 @@ def why_not_rescalable(plan: Plan) -> str | None:
 
 def survivors_keep_state(plan: Plan) -> bool:
     """Whether the workers that survive a failure in a job of ``plan`` hold every stage's state of
-    one step, to leave for its restart (:mod:`felactl.agents.worker.survivors`): static pipelines in
-    lockstep whose every stage has replicas holding it whole. (A sharded stage's state is lost with
-    any of its workers; a stage of one worker, with it.)"""
+    one step, to leave for its restart (:mod:`felactl.agents.worker.survivors`): stages in lockstep
+    (static pipelines, the flexible hybrid) each of which has replicas holding it whole. (A sharded
+    stage's state is lost with any of its workers; a stage of one worker, with it. Data parallel
+    rescales live, its peers' memory kept without a restart.)"""
     return (
-        execution(plan) is Execution.PIPELINE
+        execution(plan) in (Execution.PIPELINE, Execution.FLEXIBLE)
         and not sync_support(plan.sync.mode).at_own_pace
         and all(len(stage.workers) >= 2 and not stage.shard for stage in plan.stages)
     )

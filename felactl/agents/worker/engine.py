@@ -382,8 +382,9 @@ class Trainer:
         loss_samples: int | None = None,
         **extra,
     ) -> None:
-        """``loss_samples``: the samples ``loss_sum`` is over, where not ``samples`` (a worker of the
-        flexible hybrid may compute the first sub-model of some samples and the loss of others)."""
+        """``loss_samples``: the samples ``loss_sum`` is over, where not ``samples`` (a flexible hybrid's
+        worker): recorded, the weight of its loss (:func:`~felactl.control.metrics.step_losses`)."""
+        extra.update({"loss_samples": loss_samples} if loss_samples not in (None, samples) else {})
         loss_samples = samples if loss_samples is None else loss_samples
         loss = loss_sum / loss_samples if loss_samples and loss_sum is not None else None
         self.metrics.write(
@@ -441,8 +442,7 @@ class Trainer:
             self.checkpointed_at = self.steps_done
 
     def write_checkpoint(self, part: Part, state: tuple[dict, dict], steps: int | None = None, **extra) -> bool:
-        """Write ``part``'s ``state`` as the checkpoint of ``steps`` (default: the steps done; a
-        lockstep state of another step, :mod:`~felactl.agents.worker.survivors`); False: not written."""
+        """Write ``part``'s ``state`` as the checkpoint of ``steps`` (default: the steps done); False: not written."""
         cfg, steps = self.runtime.cfg, self.steps_done if steps is None else steps
         path = checkpoint_path(cfg.run_dir, steps, part.stage)
         scheduler = {} if part.scheduler is None else {"lr_scheduler": part.scheduler.state_dict()}

@@ -19,6 +19,7 @@ stage's gradients (sample-weighted, so the result equals single-process training
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -27,11 +28,13 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker import wire
-from felactl.agents.worker.engine import Trainer
+from felactl.agents.worker.engine import WAIT_SLICE_S, Trainer
 from felactl.agents.worker.strategy import Lockstep, StepResult, Work
+from felactl.agents.worker.survivors import KeptState, stop_if_another_failed
 from felactl.agents.worker.sync.token_policy import Token, TokenDAG, TokenServer, token_samples
 from felactl.agents.worker.tied import sum_tied_over_holders, tied_ids
 from felactl.control import keys
+from felactl.errors import WorkerFailed
 from felactl.models import values
 from felactl.spec import Plan
 from felactl.spec.executable import num_first_tokens
@@ -190,6 +193,9 @@ class FlexibleWorker:
         self.modules = {part.stage: part.module for part in trainer.parts}
         self.saved: dict[tuple[int, int], tuple] = {}
         self.store = TensorStore(rank, trainer.runtime.new_world_group("gloo"), trainer.runtime.new_world_group("gloo"))
+        self.replies = trainer.runtime.new_store_client()
+        """The token server's replies, awaited in slices (:meth:`reply`)."""
+        self.replies.set_timeout(datetime.timedelta(seconds=WAIT_SLICE_S))
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -268,7 +274,7 @@ class FlexibleWorker:
         while True:
             start = time.perf_counter()
             store.queue_push(keys.flexible_requests(step), json.dumps({"rank": rank, "done": done}))
-            reply = json.loads(store.queue_pop(keys.flexible_reply(step, rank), block=True))
+            reply = self.reply(step)
             wait_s += time.perf_counter() - start
             if reply.get("end"):
                 return wait_s
@@ -280,8 +286,21 @@ class FlexibleWorker:
             self.tokens += 1
             done = reply["token"]
 
-    def sync_and_step(self) -> float:
-        """Each stage's workers sum their gradients (stage order: the same on every rank), then step."""
+    def reply(self, step: int) -> dict:
+        """The token server's reply to this worker's request in ``step``. Awaited in slices: a
+        worker of a job whose survivors keep their state stops waiting once another failed (the
+        server may be the one that did); any fails after the store timeout, as a blocking pop did."""
+        deadline = time.monotonic() + self.t.runtime.cfg.timeout_s
+        while True:
+            try:
+                return json.loads(self.replies.queue_pop(keys.flexible_reply(step, self.t.runtime.rank), True))
+            except dist.DistStoreError:  # this slice timed out
+                stop_if_another_failed(self.t)
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"worker {self.t.worker_id}: no token reply in step {step}") from None
+
+    def sync(self) -> float:
+        """Each stage's workers sum their gradients (stage order: the same on every rank)."""
         start = time.perf_counter()
         runtime = self.t.runtime
         tied = tied_ids(self.t, self.t.tied)  # summed over all their holders, once, below
@@ -296,9 +315,7 @@ class FlexibleWorker:
                     p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
                     offset += p.numel()
         sum_tied_over_holders(self.t, self.t.tied)
-        comm_s = time.perf_counter() - start
-        self.t.optimizer_step()  # every stage it holds (clipping, the job's scheduler)
-        return comm_s
+        return time.perf_counter() - start
 
 
 class Flexible(Lockstep):
@@ -309,6 +326,7 @@ class Flexible(Lockstep):
         super().__init__(trainer)
         runtime = trainer.runtime
         self.worker = FlexibleWorker(trainer)
+        self.kept = KeptState(trainer)
         self.service = None
         if runtime.rank == 0:
             self.service = TokenService(
@@ -325,7 +343,8 @@ class Flexible(Lockstep):
         worker.store.forget_before(work.step)
         try:
             wait_s = worker.iteration(work.step)
-            comm_s = worker.sync_and_step()
+            comm_s = worker.sync()
+            committed = self.kept.optimizer_step(work.step)  # every stage it holds (clipping, the scheduler)
         except BaseException:
             self._raise_thread_errors()  # a dead server or data thread is the cause: say so
             raise
@@ -334,10 +353,13 @@ class Flexible(Lockstep):
             worker.loss_sum,
             worker.compute_s,
             comm_s,
-            wait_s,
+            wait_s + committed.get("commit_s", 0.0),
             loss_samples=worker.loss_samples,
-            extra={"tokens": worker.tokens, "recomputed": worker.recomputed},
+            extra={"tokens": worker.tokens, "recomputed": worker.recomputed, **committed},
         )
+
+    def kept_steps(self) -> int | None:
+        return self.kept.kept_steps()
 
     def stopped_before(self, step: int) -> None:
         if self.service is not None and step < self.trainer.runtime.cfg.steps:

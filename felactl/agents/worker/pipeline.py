@@ -26,7 +26,7 @@ from felactl.agents.worker import wire
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.stages import micro_batches, stage_rank_sets
 from felactl.agents.worker.strategy import AtOwnPace, Lockstep, StepResult, Work
-from felactl.agents.worker.survivors import StepCommit
+from felactl.agents.worker.survivors import KeptState
 from felactl.agents.worker.sync.bsp import allreduce_grads, arrive
 from felactl.agents.worker.sync.sdpipe import SDPipeSync
 from felactl.agents.worker.sync.trees import stage_trees
@@ -34,7 +34,6 @@ from felactl.agents.worker.tied import check_sharded_ties, sum_tied_grads
 from felactl.models import values
 from felactl.parallel.fsdp import sum_gradients
 from felactl.spec import Schedule
-from felactl.spec.executable import survivors_keep_state
 
 TAG_ACTIVATION, TAG_GRADIENT, TAG_CHUNK = 21, 22, 23
 
@@ -174,9 +173,7 @@ class Pipeline(Lockstep):
         check_sharded_ties(trainer.plan, trainer.tied)
         if self.sharded:
             sum_gradients(trainer.model)
-        self.commit = StepCommit(trainer) if survivors_keep_state(trainer.plan) else None
-        self.state_steps: int | None = trainer.steps_done
-        """The steps the state is of (None while the optimizer steps)."""
+        self.kept = KeptState(trainer)
 
     def step(self, work: Work) -> StepResult:
         t = self.trainer
@@ -185,21 +182,18 @@ class Pipeline(Lockstep):
         wait_s = it.wait_s + (arrive(self.group, t.runtime.device)[0] if self.replicated else 0.0)
         comm_s = allreduce_grads(t, self.group, self.trees) if self.replicated else 0.0
         comm_s += sum_tied_grads(t, t.tied)
-        commit_s = self.commit.agree(work.step) if self.commit is not None else 0.0
-        self.state_steps = None
-        t.optimizer_step()
-        self.state_steps = work.step + 1
+        committed = self.kept.optimizer_step(work.step)
         return StepResult(
             len(t.placement.offsets),
             it.loss_sum if t.placement.is_last else None,
             it.compute_s,
             comm_s,
-            wait_s + commit_s,
-            extra={"commit_s": commit_s} if self.commit is not None else {},
+            wait_s + committed.get("commit_s", 0.0),
+            extra=committed,
         )
 
     def kept_steps(self) -> int | None:
-        return self.state_steps if self.commit is not None else None
+        return self.kept.kept_steps()
 
 
 class PipelineSDPipe(AtOwnPace):

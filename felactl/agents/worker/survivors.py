@@ -36,8 +36,16 @@ from felactl.spec.executable import survivors_keep_state
 log = logging.getLogger(__name__)
 
 
-class StepNotCommitted(RuntimeError):
-    """Another worker failed before it summed this step's gradients: nobody steps."""
+class AttemptFailed(RuntimeError):
+    """Another worker of this attempt failed: this one stops waiting for it (nobody steps)."""
+
+
+def stop_if_another_failed(trainer: Trainer) -> None:
+    """:class:`AttemptFailed` where, in a job whose survivors keep their state, a worker of this
+    attempt failed (:data:`~felactl.control.keys.ATTEMPT_FAILED`): for a wait on the others
+    (the commit, a token's reply), so that this worker leaves its state instead of waiting on."""
+    if survivors_keep_state(trainer.plan) and trainer.runtime.store.check([keys.ATTEMPT_FAILED]):
+        raise AttemptFailed(f"worker {trainer.worker_id}: another worker of this attempt failed; nothing is stepped")
 
 
 class StepCommit:
@@ -49,20 +57,40 @@ class StepCommit:
 
     def agree(self, step: int) -> float:
         """Before step ``step``'s optimizer step; the seconds this worker waited for the others.
-        :class:`StepNotCommitted` where the coordinator says a worker of this attempt failed."""
+        :class:`AttemptFailed` where a worker of this attempt failed."""
         start = time.perf_counter()
         store, world = self.trainer.runtime.store, self.trainer.runtime.world_size
         if store.add(keys.step_commit(step), 1) >= world:
             store.set(keys.step_committed(step), b"1")
         else:
-            self.trainer.wait_for_key(store, keys.step_committed(step), unless=self._failed)
+            self.trainer.wait_for_key(
+                store, keys.step_committed(step), unless=lambda: stop_if_another_failed(self.trainer)
+            )
         return time.perf_counter() - start
 
-    def _failed(self) -> None:
-        if self.trainer.runtime.store.check([keys.ATTEMPT_FAILED]):
-            raise StepNotCommitted(
-                f"worker {self.trainer.worker_id}: another worker of this attempt failed before the step was summed"
-            )
+
+class KeptState:
+    """A lockstep strategy's optimizer steps where the plan keeps the survivors' state: each after
+    the commit (:class:`StepCommit`), and the step the state is of at any moment."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.commit = StepCommit(trainer) if survivors_keep_state(trainer.plan) else None
+        self.steps: int | None = trainer.steps_done
+        """The steps the state is of (None while the optimizer steps)."""
+
+    def optimizer_step(self, step: int) -> dict[str, float]:
+        """Step ``step``'s optimizer step (after the commit, where there is one); the commit's
+        seconds for the step's record (none without one)."""
+        commit_s = self.commit.agree(step) if self.commit is not None else None
+        self.steps = None
+        self.trainer.optimizer_step()
+        self.steps = step + 1
+        return {} if commit_s is None else {"commit_s": commit_s}
+
+    def kept_steps(self) -> int | None:
+        """:meth:`felactl.agents.worker.strategy.Strategy.kept_steps` of the strategy it steps for."""
+        return self.steps if self.commit is not None else None
 
 
 def leave_state(trainer: Trainer, strategy: Strategy) -> None:
