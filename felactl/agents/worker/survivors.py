@@ -62,6 +62,8 @@ class StepCommit:
         store, world = self.trainer.runtime.store, self.trainer.runtime.world_size
         if store.add(keys.step_commit(step), 1) >= world:
             store.set(keys.step_committed(step), b"1")
+            for key in (keys.step_commit(step - 1), keys.step_committed(step - 1)):
+                store.delete_key(key)  # every worker is past it: a long run leaves no key a step
         else:
             self.trainer.wait_for_key(
                 store, keys.step_committed(step), unless=lambda: stop_if_another_failed(self.trainer)
