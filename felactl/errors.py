@@ -17,6 +17,18 @@ class FelactlError(Exception):
     exit_code = EXIT_FAILED
 
 
+EXIT_AFTER_ANOTHER = 3
+"""A worker that stopped because another worker of its attempt failed, after leaving its state for
+the restart (:mod:`felactl.agents.worker.survivors`): its agent counts it as stopped, not failed,
+so that the failure reported is the first one's."""
+
+
+class AnotherWorkerFailed(FelactlError):
+    """Another worker of this attempt failed: this one stopped waiting for it (exit 3)."""
+
+    exit_code = EXIT_AFTER_ANOTHER
+
+
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C or SIGTERM (the shell's 128 + SIGINT)."""
 

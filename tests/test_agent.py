@@ -545,6 +545,30 @@ def test_after_a_failure_the_others_get_keep_state_s_to_end_and_count_as_stopped
     assert 4 <= time.monotonic() - start < 15, "rank 2 was given keep_state_s, then stopped"
 
 
+def test_a_worker_that_stopped_after_anothers_failure_does_not_hide_that_failure(tmp_path):
+    """A survivor that stops waiting once another failed exits 3 (EXIT_AFTER_ANOTHER), maybe before
+    the failing worker itself, which still writes its state: it counts as stopped, the agent goes
+    on watching, and the failure it reports is the failing worker's own line (not the survivor's,
+    which repeats with every failure and would make the next one look like the same)."""
+    env = _module(
+        tmp_path,
+        "follower",
+        "import os, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        "time.sleep({'0': 1.5, '1': 0.3, '2': 60}[rank])\n"
+        "sys.exit(3 if rank == '1' else 'rank 0 failed')\n",
+    )
+    spec = WorkerSpec(module="follower", nproc=3, world_size=3, log_dir=tmp_path, env=env, stop_grace_s=2)
+    agent = LocalWorkerAgent(dataclasses.replace(spec, keep_state_s=2.0))
+    result = agent.run()
+    assert result.failures == {0: "rank 0 failed"}, result.failures
+    assert {w.global_rank: w.state for w in agent.workers} == {
+        0: WorkerState.FAILED,
+        1: WorkerState.STOPPED,
+        2: WorkerState.STOPPED,
+    }
+
+
 def test_a_workers_failure_is_said_from_this_run_of_it_and_a_kill_as_a_kill(tmp_path):
     """Logs are appended to across restarts: a worker killed by a signal is said to be killed (its
     log's last line was an older attempt's traceback, or any line it printed), and one that raised

@@ -10,12 +10,16 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 from _worker_helpers import pipeline_plan
+from torch import nn
 
+from felactl.agents.worker.checkpoint import checkpoint_path
 from felactl.agents.worker.engine import Trainer
-from felactl.agents.worker.survivors import AttemptFailed, StepCommit
+from felactl.agents.worker.survivors import GIVEN_UP, KeptState, StepCommit, leave_state
 from felactl.control import keys
+from felactl.errors import AnotherWorkerFailed
 
 
 def _worker(store: dist.Store, worker_id: int, world: int = 2, plan=None):
@@ -64,7 +68,7 @@ def test_a_worker_waiting_to_step_stops_once_another_of_its_attempt_failed(clien
     def agree() -> None:
         try:
             waiting.agree(7)
-        except AttemptFailed as exc:
+        except AnotherWorkerFailed as exc:
             raised.append(exc)
 
     thread = threading.Thread(target=agree)
@@ -74,4 +78,117 @@ def test_a_worker_waiting_to_step_stops_once_another_of_its_attempt_failed(clien
     store.set(keys.ATTEMPT_FAILED, "1")  # a failing worker's word, or the launcher's
     thread.join(5)
     assert not thread.is_alive() and raised, "it stopped waiting"
-    assert not store.check([keys.step_committed(7)]), "and nobody may step"
+    assert store.get(keys.step_committed(7)) == GIVEN_UP, "and it gave the step up for everyone"
+
+
+def test_a_step_given_up_by_a_waiter_is_stepped_by_nobody_though_the_last_then_sums_it(client):
+    """Worker 2 summed step 3 and was killed waiting; worker 0, waiting too, sees the failure and
+    gives the step up; worker 1, slower, then sums it last: it must not step either (the first to
+    decide decides for everyone), or the survivors' states would be a step apart."""
+    store = client()
+    store.add(keys.step_commit(3), 1)  # worker 2, dead now
+    store.set(keys.ATTEMPT_FAILED, "1")
+    with pytest.raises(AnotherWorkerFailed):
+        StepCommit(_worker(client(), 0, world=3)).agree(3)  # gives it up
+    with pytest.raises(AnotherWorkerFailed, match="step 3 is given up"):
+        StepCommit(_worker(client(), 1, world=3)).agree(3)
+
+
+def test_a_waiter_that_learns_of_a_failure_after_the_last_summed_steps_with_everyone(client):
+    store = client()
+    store.add(keys.step_commit(5), 1)
+    waiting = StepCommit(_worker(client(), 0, world=3))
+    done = []
+    thread = threading.Thread(target=lambda: done.append(waiting.agree(5)))
+    thread.start()
+    time.sleep(0.1)
+    StepCommit(_worker(client(), 1, world=3)).agree(5)  # the last to sum it: everyone steps
+    store.set(keys.ATTEMPT_FAILED, "1")  # and then a worker fails
+    thread.join(5)
+    assert done, "the step was decided before the failure: it is stepped"
+
+
+class _Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.linear(x))
+
+
+def _trainer_with_one_stage(client, run_dir):
+    """A stand-in trainer holding stage 0 of a 2 x 2 pipeline, with a batch norm; what it writes
+    is recorded."""
+    torch.manual_seed(0)
+    module = _Stage()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    trainer = _worker(client(), 0, world=1)
+    trainer.parts = [SimpleNamespace(stage=0, module=module, optimizer=optimizer)]
+    trainer.steps_done, trainer.runtime.cfg.run_dir = 0, run_dir
+    trainer.written = []
+    trainer.write_checkpoint = lambda part, state, steps, **extra: trainer.written.append((part.stage, state, steps))
+
+    def optimizer_step():
+        optimizer.step()
+        optimizer.zero_grad()
+
+    trainer.optimizer_step = optimizer_step
+    return trainer, module
+
+
+def _train_a_step(module):
+    module(torch.randn(8, 4)).square().mean().backward()
+
+
+def test_the_state_left_is_the_committed_steps_buffers_included(client, tmp_path):
+    """A batch norm's running statistics move in the forwards of the step that then fails; the
+    state left for the restart, which trains that step again, has them as the last step left them."""
+    trainer, module = _trainer_with_one_stage(client, tmp_path)
+    kept = KeptState(trainer)
+    _train_a_step(module)
+    kept.optimizer_step(0)
+    committed = module.norm.running_mean.clone()
+    _train_a_step(module)  # step 1's forward moves the statistics; then the step fails
+    assert not torch.equal(module.norm.running_mean, committed)
+    leave_state(trainer, SimpleNamespace(kept_state=lambda: kept))
+    ((stage, (model_state, _), steps),) = trainer.written
+    assert (stage, steps) == (0, 1)
+    assert torch.equal(model_state["norm.running_mean"], committed)
+    assert trainer.runtime.store.check([keys.ATTEMPT_FAILED]), "the others stop waiting"
+
+
+def test_a_stage_the_regular_checkpoint_of_that_step_holds_is_not_written_again(client, tmp_path):
+    trainer, module = _trainer_with_one_stage(client, tmp_path)
+    kept = KeptState(trainer)
+    _train_a_step(module)
+    kept.optimizer_step(0)
+    checkpoint_path(tmp_path, 1, 0).parent.mkdir(parents=True)
+    checkpoint_path(tmp_path, 1, 0).write_bytes(b"step 1's regular checkpoint of stage 0")
+    leave_state(trainer, SimpleNamespace(kept_state=lambda: kept))
+    assert trainer.written == []
+
+
+def test_an_agent_still_ending_past_its_time_is_lost_with_its_node(monkeypatch):
+    """After a failure the launcher waits for each agent's report of how its workers ended; one
+    that said its workers were still ending (writing their state) and then was heard of no more
+    is gone with its node, as one never heard of is: the next attempt must not count on it."""
+    from felactl.launcher import restarts
+
+    monkeypatch.setattr(restarts, "LOST_AFTER_S", 0.2)
+    monkeypatch.setattr(restarts, "KEEP_STATE_S", 0.4)
+    reports = {
+        "a": {"attempt": 0, "state": "failed", "ending": True},  # and then its node died
+        "b": {"attempt": 0, "state": "stopped"},
+        "c": None,  # never heard of
+    }
+    coordinator = SimpleNamespace(
+        prefix="felactl/j/0/",
+        store=SimpleNamespace(set=lambda key, value: None),
+        publish=lambda *args, **kwargs: None,
+        agent_state=reports.get,
+    )
+    members = [SimpleNamespace(agent_id=a, node_name=f"node-{a}") for a in reports]
+    state = SimpleNamespace(plan=pipeline_plan([0, 2, 3], num_replicas=2), members=members)
+    job = restarts.Restarts(coordinator, state, None, {}, None, 3, 10, None, {}, None)
+    assert job._lost_nodes(0) == ["node-a", "node-c"]

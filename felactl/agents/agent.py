@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from felactl.control.documents import WorkerState, group_state
-from felactl.errors import InputError
+from felactl.errors import EXIT_AFTER_ANOTHER, InputError
 
 if TYPE_CHECKING:
     from felactl.agents.session import StopOrder
@@ -124,6 +124,14 @@ class Worker:
     @property
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
+
+
+def _ended_as(exit_code: int) -> WorkerState:
+    """How a worker that exited with ``exit_code`` ended: one that stopped because another worker
+    of its attempt failed (:data:`~felactl.errors.EXIT_AFTER_ANOTHER`) did not fail itself."""
+    if exit_code == 0:
+        return WorkerState.SUCCEEDED
+    return WorkerState.STOPPED if exit_code == EXIT_AFTER_ANOTHER else WorkerState.FAILED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,7 +316,7 @@ class LocalWorkerAgent:
                 code = w.process.poll()
                 if code is not None:
                     w.exit_code, w.ended_at = code, time.time()
-                    w.state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
+                    w.state = _ended_as(code)
         return self._result()
 
     def _result(self) -> RunResult:
@@ -338,9 +346,10 @@ class LocalWorkerAgent:
                 result = self.monitor()
                 if result.state is WorkerState.FAILED and self.spec.keep_state_s > 0:
                     on_failure(result)  # the coordinator tells the workers elsewhere not to wait for it
-                    self._let_the_others_end(self.spec.keep_state_s)
-                if result.state is not WorkerState.HEALTHY:
-                    return result
+                    self._let_the_others_end(self.spec.keep_state_s, should_stop)
+                running = any(w.state is WorkerState.HEALTHY for w in self.workers)
+                if result.state is WorkerState.FAILED or (result.state is not WorkerState.HEALTHY and not running):
+                    return result  # (one that stopped after another's failure: the failure comes)
                 order = should_stop()
                 if order is not None:
                     self.stop(drain_s=order.drain_s)
@@ -349,18 +358,21 @@ class LocalWorkerAgent:
         finally:
             self.stop()
 
-    def _let_the_others_end(self, within_s: float) -> None:
+    def _let_the_others_end(self, within_s: float, should_stop: Callable[[], StopOrder | None]) -> None:
         """A worker failed: wait up to ``within_s`` for the others to end by themselves (they write
-        their state, then fail too). They count as stopped, not failed: the failure is the first
-        one's, and their lines (a lost peer) say nothing of it."""
-        running = [w for w in self.workers if w.process is not None and w.state is WorkerState.HEALTHY]
+        their state, then fail too), or until an order to stop other than the restart's (the job
+        ends: ``felactl launch`` interrupted, no restart left). They count as stopped, not failed:
+        the failure is the first one's, and their lines (a lost peer) say nothing of it."""
         deadline = time.monotonic() + within_s
-        for w in running:
-            try:
-                w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                continue  # stop() takes it
-            w.exit_code, w.ended_at, w.state = w.process.returncode, time.time(), WorkerState.STOPPED
+        running = [w for w in self.workers if w.process is not None and w.state is WorkerState.HEALTHY]
+        while running and time.monotonic() < deadline:
+            order = should_stop()
+            if order is not None and order.reason != "restart":
+                return  # stop() takes them
+            for w in [w for w in running if w.process.poll() is not None]:
+                w.exit_code, w.ended_at, w.state = w.process.returncode, time.time(), WorkerState.STOPPED
+                running.remove(w)
+            time.sleep(self.spec.monitor_interval_s)
 
     def pids(self) -> set[int]:
         """Every live process this agent started, with their descendants."""

@@ -248,7 +248,8 @@ class Restarts:
             generation = keys.generation_namespace(self.coordinator.prefix, self.base_generation + attempt)
             self.coordinator.store.set(f"{generation}/{keys.ATTEMPT_FAILED}", "1")
         self.coordinator.publish(keys.attempt_stop(attempt), StopDoc.KIND.value, StopDoc("restart", keep_s).to_body())
-        unheard = {m.agent_id: m.node_name for m in self.state.members}
+        node_of = {m.agent_id: m.node_name for m in self.state.members}
+        unheard = dict(node_of)
         ending: set[str] = set()
         start = time.monotonic()
         while unheard or ending:
@@ -266,7 +267,9 @@ class Restarts:
                     unheard.pop(agent_id, None)
                     ending.discard(agent_id)
             time.sleep(0.1)
-        return sorted(set(unheard.values()))
+        # one still ending past its time is gone too (its agent keeps its workers no longer than that)
+        lost = {**unheard, **{agent_id: node_of[agent_id] for agent_id in ending}}
+        return sorted(set(lost.values()))
 
     def _go_on_without(self, lost: list[str], failure: WorkerFailed) -> None:
         """Re-plan on the devices of the nodes left (:func:`plan_for_devices`); where none is

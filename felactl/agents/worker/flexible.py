@@ -358,8 +358,8 @@ class Flexible(Lockstep):
             extra={"tokens": worker.tokens, "recomputed": worker.recomputed, **committed},
         )
 
-    def kept_steps(self) -> int | None:
-        return self.kept.kept_steps()
+    def kept_state(self) -> KeptState:
+        return self.kept
 
     def stopped_before(self, step: int) -> None:
         if self.service is not None and step < self.trainer.runtime.cfg.steps:

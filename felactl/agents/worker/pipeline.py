@@ -192,8 +192,8 @@ class Pipeline(Lockstep):
             extra=committed,
         )
 
-    def kept_steps(self) -> int | None:
-        return self.kept.kept_steps()
+    def kept_state(self) -> KeptState:
+        return self.kept
 
 
 class PipelineSDPipe(AtOwnPace):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ import torch.distributed as dist
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.membership_view import MembershipView
 from felactl.control import keys
+
+if TYPE_CHECKING:
+    from felactl.agents.worker.survivors import KeptState
 
 DATA_KEY = keys.DATA_NEXT
 """The store counter modes at their own pace claim samples from (counted from the start position)."""
@@ -99,10 +102,9 @@ class Strategy:
         """Let go of what holds this generation's groups: the membership destroys them next (a
         switch, a failure, the end of the run). Called once, after :meth:`finish` if that ran."""
 
-    def kept_steps(self) -> int | None:
-        """The steps this worker's parameters and optimizer state are of, where a failure leaves
-        every survivor's of that one step (their checkpoint for the restart:
-        :mod:`felactl.agents.worker.survivors`); None where it does not."""
+    def kept_state(self) -> KeptState | None:
+        """Where a failure leaves every survivor's state of one step (their checkpoint for the
+        restart: :mod:`felactl.agents.worker.survivors`), what tells this worker's step; else None."""
         return None
 
     def generation_to_switch_to(self, membership: MembershipView) -> int | None:

@@ -27,25 +27,32 @@ from __future__ import annotations
 import logging
 import time
 
-from felactl.agents.worker.checkpoint import stage_state
+import torch
+
+from felactl.agents.worker.checkpoint import checkpoint_path, stage_state
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.strategy import Strategy
 from felactl.control import keys
+from felactl.errors import AnotherWorkerFailed
 from felactl.spec.executable import survivors_keep_state
 
 log = logging.getLogger(__name__)
 
 
-class AttemptFailed(RuntimeError):
-    """Another worker of this attempt failed: this one stops waiting for it (nobody steps)."""
-
-
 def stop_if_another_failed(trainer: Trainer) -> None:
-    """:class:`AttemptFailed` where, in a job whose survivors keep their state, a worker of this
+    """:class:`AnotherWorkerFailed` where, in a job whose survivors keep their state, a worker of this
     attempt failed (:data:`~felactl.control.keys.ATTEMPT_FAILED`): for a wait on the others
     (the commit, a token's reply), so that this worker leaves its state instead of waiting on."""
     if survivors_keep_state(trainer.plan) and trainer.runtime.store.check([keys.ATTEMPT_FAILED]):
-        raise AttemptFailed(f"worker {trainer.worker_id}: another worker of this attempt failed; nothing is stepped")
+        raise AnotherWorkerFailed(
+            f"worker {trainer.worker_id}: another worker of this attempt failed; nothing is stepped"
+        )
+
+
+STEP, GIVEN_UP = b"1", b"0"
+"""What :func:`~felactl.control.keys.step_committed` holds: everyone steps, or nobody does. The
+first to write it decides (compare-and-set): the last worker to sum the step, or one that gave up
+waiting because another failed."""
 
 
 class StepCommit:
@@ -57,18 +64,30 @@ class StepCommit:
 
     def agree(self, step: int) -> float:
         """Before step ``step``'s optimizer step; the seconds this worker waited for the others.
-        :class:`AttemptFailed` where a worker of this attempt failed."""
+        :class:`AnotherWorkerFailed` where a worker of this attempt failed."""
         start = time.perf_counter()
-        store, world = self.trainer.runtime.store, self.trainer.runtime.world_size
+        store, world, decided = self.trainer.runtime.store, self.trainer.runtime.world_size, keys.step_committed(step)
         if store.add(keys.step_commit(step), 1) >= world:
-            store.set(keys.step_committed(step), b"1")
+            outcome = store.compare_set(decided, "", STEP)  # unless a waiter gave the step up first
             for key in (keys.step_commit(step - 1), keys.step_committed(step - 1)):
                 store.delete_key(key)  # every worker is past it: a long run leaves no key a step
         else:
-            self.trainer.wait_for_key(
-                store, keys.step_committed(step), unless=lambda: stop_if_another_failed(self.trainer)
+            self.trainer.wait_for_key(store, decided, unless=lambda: self._give_up(decided))
+            outcome = store.get(decided)
+        if outcome != STEP:
+            raise AnotherWorkerFailed(
+                f"worker {self.trainer.worker_id}: another worker of this attempt failed; step {step} is given up"
             )
         return time.perf_counter() - start
+
+    def _give_up(self, decided: str) -> None:
+        """Waiting, and another worker failed: give the step up for everyone, unless the last of
+        the others summed it first (then the wait ends at once, and everyone steps)."""
+        try:
+            stop_if_another_failed(self.trainer)
+        except AnotherWorkerFailed:
+            if self.trainer.runtime.store.compare_set(decided, "", GIVEN_UP) != STEP:
+                raise
 
 
 class KeptState:
@@ -80,6 +99,7 @@ class KeptState:
         self.commit = StepCommit(trainer) if survivors_keep_state(trainer.plan) else None
         self.steps: int | None = trainer.steps_done
         """The steps the state is of (None while the optimizer steps)."""
+        self.buffers = self._buffers() if self.commit is not None else {}
 
     def optimizer_step(self, step: int) -> dict[str, float]:
         """Step ``step``'s optimizer step (after the commit, where there is one); the commit's
@@ -88,10 +108,25 @@ class KeptState:
         self.steps = None
         self.trainer.optimizer_step()
         self.steps = step + 1
-        return {} if commit_s is None else {"commit_s": commit_s}
+        if commit_s is None:
+            return {}
+        self.buffers = self._buffers()
+        return {"commit_s": commit_s}
+
+    def _buffers(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each stage's buffers as they stand (a batch norm's running statistics: the next step's
+        forwards move them before it is summed, and a step that fails there is trained again)."""
+        return {p.stage: {k: b.detach().clone() for k, b in p.module.named_buffers()} for p in self.trainer.parts}
+
+    def restore_buffers(self) -> None:
+        """Put back the buffers of the step the state is of."""
+        with torch.no_grad():
+            for part in self.trainer.parts:
+                for name, buffer in part.module.named_buffers():
+                    buffer.copy_(self.buffers[part.stage][name])
 
     def kept_steps(self) -> int | None:
-        """:meth:`felactl.agents.worker.strategy.Strategy.kept_steps` of the strategy it steps for."""
+        """The steps the state is of, where the survivors keep it; else None (no commit, or mid-step)."""
         return self.steps if self.commit is not None else None
 
 
@@ -103,12 +138,16 @@ def leave_state(trainer: Trainer, strategy: Strategy) -> None:
         return
     try:
         trainer.runtime.store.set(keys.ATTEMPT_FAILED, b"1")  # the others stop waiting to step
-        steps = strategy.kept_steps()
-        if steps is None or steps == 0 or steps == trainer.checkpointed_at:
-            return  # nothing trained since the start or the last checkpoint (or a half-stepped state)
+        kept = strategy.kept_state()
+        steps = kept.kept_steps() if kept is not None else None
+        if steps is None or steps == 0:
+            return  # nothing trained since the start (or a half-stepped state)
+        kept.restore_buffers()
         for part in trainer.parts:
             if trainer.runtime.store.add(keys.kept_stage(steps, part.stage), 1) != 1:
                 continue  # another replica of the stage writes it
+            if checkpoint_path(trainer.runtime.cfg.run_dir, steps, part.stage).exists():
+                continue  # the regular checkpoint of that step holds it already
             state = stage_state(part.module, part.optimizer)
             if trainer.write_checkpoint(part, state, steps=steps, kept_by_survivors=True):
                 log.warning(
