@@ -17,14 +17,15 @@ class FelactlError(Exception):
     exit_code = EXIT_FAILED
 
 
-EXIT_AFTER_ANOTHER = 3
+EXIT_AFTER_ANOTHER = 75
 """A worker that stopped because another worker of its attempt failed, after leaving its state for
 the restart (:mod:`felactl.agents.worker.survivors`): its agent counts it as stopped, not failed,
-so that the failure reported is the first one's."""
+so that the failure reported is the first one's (only in such a job: a user's script may exit so).
+75 is sysexits' EX_TEMPFAIL: the attempt, not this worker, failed."""
 
 
 class AnotherWorkerFailed(FelactlError):
-    """Another worker of this attempt failed: this one stopped waiting for it (exit 3)."""
+    """Another worker of this attempt failed: this one stopped waiting for it (exit 75)."""
 
     exit_code = EXIT_AFTER_ANOTHER
 

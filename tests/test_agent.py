@@ -546,7 +546,7 @@ def test_after_a_failure_the_others_get_keep_state_s_to_end_and_count_as_stopped
 
 
 def test_a_worker_that_stopped_after_anothers_failure_does_not_hide_that_failure(tmp_path):
-    """A survivor that stops waiting once another failed exits 3 (EXIT_AFTER_ANOTHER), maybe before
+    """A survivor that stops waiting once another failed exits 75 (EXIT_AFTER_ANOTHER), maybe before
     the failing worker itself, which still writes its state: it counts as stopped, the agent goes
     on watching, and the failure it reports is the failing worker's own line (not the survivor's,
     which repeats with every failure and would make the next one look like the same)."""
@@ -556,7 +556,7 @@ def test_a_worker_that_stopped_after_anothers_failure_does_not_hide_that_failure
         "import os, sys, time\n"
         "rank = os.environ['RANK']\n"
         "time.sleep({'0': 1.5, '1': 0.3, '2': 60}[rank])\n"
-        "sys.exit(3 if rank == '1' else 'rank 0 failed')\n",
+        "sys.exit(75 if rank == '1' else 'rank 0 failed')\n",
     )
     spec = WorkerSpec(module="follower", nproc=3, world_size=3, log_dir=tmp_path, env=env, stop_grace_s=2)
     agent = LocalWorkerAgent(dataclasses.replace(spec, keep_state_s=2.0))

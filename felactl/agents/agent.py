@@ -126,12 +126,13 @@ class Worker:
         return None if self.process is None else self.process.pid
 
 
-def _ended_as(exit_code: int) -> WorkerState:
-    """How a worker that exited with ``exit_code`` ended: one that stopped because another worker
-    of its attempt failed (:data:`~felactl.errors.EXIT_AFTER_ANOTHER`) did not fail itself."""
+def _ended_as(exit_code: int, keeps_state: bool) -> WorkerState:
+    """How a worker that exited with ``exit_code`` ended: in a job whose survivors keep their
+    state, one that stopped because another worker of its attempt failed
+    (:data:`~felactl.errors.EXIT_AFTER_ANOTHER`) did not fail itself."""
     if exit_code == 0:
         return WorkerState.SUCCEEDED
-    return WorkerState.STOPPED if exit_code == EXIT_AFTER_ANOTHER else WorkerState.FAILED
+    return WorkerState.STOPPED if keeps_state and exit_code == EXIT_AFTER_ANOTHER else WorkerState.FAILED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,7 +317,7 @@ class LocalWorkerAgent:
                 code = w.process.poll()
                 if code is not None:
                     w.exit_code, w.ended_at = code, time.time()
-                    w.state = _ended_as(code)
+                    w.state = _ended_as(code, keeps_state=self.spec.keep_state_s > 0)
         return self._result()
 
     def _result(self) -> RunResult:
