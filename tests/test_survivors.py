@@ -43,7 +43,7 @@ def client():
     return lambda: dist.PrefixStore("gen1", dist.TCPStore("127.0.0.1", server.port, 1, False))
 
 
-def test_nobody_steps_before_every_worker_summed_and_no_key_of_a_step_everyone_is_past_is_kept(client):
+def test_nobody_steps_before_every_worker_summed_and_the_keys_of_a_step_everyone_is_past_are_deleted(client):
     first, last = StepCommit(_worker(client(), 0)), StepCommit(_worker(client(), 1))
     for step in range(3):
         stepped: list[float] = []
@@ -55,8 +55,8 @@ def test_nobody_steps_before_every_worker_summed_and_no_key_of_a_step_everyone_i
         waiter.join(5)
         assert stepped and not waiter.is_alive()
     store = client()
-    assert store.check([keys.step_committed(2)])
-    assert not store.check([keys.step_commit(1)]) and not store.check([keys.step_committed(1)])
+    assert store.check([keys.step_committed(2)]) and store.check([keys.step_committed(1)])
+    assert not store.check([keys.step_commit(0)]) and not store.check([keys.step_committed(0)])
 
 
 def test_a_worker_waiting_to_step_stops_once_another_of_its_attempt_failed(client):

@@ -67,10 +67,12 @@ class StepCommit:
         :class:`AnotherWorkerFailed` where a worker of this attempt failed."""
         start = time.perf_counter()
         store, world, decided = self.trainer.runtime.store, self.trainer.runtime.world_size, keys.step_committed(step)
-        if store.add(keys.step_commit(step), 1) >= world:
+        summed = store.add(keys.step_commit(step), 1)
+        if summed == 1:  # the first here, who waits anyway: everyone is past step - 2's keys
+            for key in (keys.step_commit(step - 2), keys.step_committed(step - 2)):
+                store.delete_key(key)  # a long run leaves no key a step
+        if summed >= world:
             outcome = store.compare_set(decided, "", STEP)  # unless a waiter gave the step up first
-            for key in (keys.step_commit(step - 1), keys.step_committed(step - 1)):
-                store.delete_key(key)  # every worker is past it: a long run leaves no key a step
         else:
             self.trainer.wait_for_key(store, decided, unless=lambda: self._give_up(decided))
             outcome = store.get(decided)
