@@ -78,6 +78,10 @@ class PlanInfeasible(InputError):
     """No plan meets the constraints (memory, batch split, devices). Names the constraint class."""
 
 
+class PlanDoesNotFit(PlanInfeasible):
+    """No plan fits the devices' memory (the planner may try one holding less)."""
+
+
 class ProfilingError(FelactlError):
     """A measurement could not be taken (a worker died, a transfer timed out)."""
 

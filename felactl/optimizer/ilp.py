@@ -92,7 +92,7 @@ from dataclasses import dataclass, replace
 
 import pulp
 
-from felactl.errors import PlanInfeasible
+from felactl.errors import PlanDoesNotFit, PlanInfeasible
 from felactl.optimizer.cost import stage_memory_bytes
 from felactl.optimizer.evaluate import chain_follows, in_flight
 from felactl.optimizer.space import SearchSpace, StageOption
@@ -314,7 +314,7 @@ def solve(
     has fewer rows), and the one that breaks none is the program's optimum; the best plan within
     :data:`HELD_GAP` of a round's optimum is kept as ``near optimal``."""
     if not space.options:
-        raise PlanInfeasible(_infeasible_reason(space, exclusive))
+        raise _infeasible(space, exclusive)
     space = _without_hopeless(space)
     began, rows, best = time.perf_counter(), frozenset(), None
     for _ in range(MAX_ROW_ROUNDS):
@@ -391,7 +391,7 @@ def _solve_rows(space: SearchSpace, exclusive: bool, time_limit_s, lp_path, warm
         with open(log_path, encoding="utf-8", errors="replace") as log:
             bound = _lower_bound(log.read())
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise PlanInfeasible(_infeasible_reason(space, exclusive))
+        raise _infeasible(space, exclusive)
     chosen = sorted(
         (k for k, var in enumerate(x) if (var.value() or 0) > 0.5), key=lambda k: space.options[k].choice.start
     )
@@ -428,17 +428,19 @@ def _warm_start(space: SearchSpace, x: list, warm: tuple[StageOption, ...] | Non
     return True
 
 
-def _infeasible_reason(space: SearchSpace, exclusive: bool) -> str:
+def _infeasible(space: SearchSpace, exclusive: bool) -> PlanInfeasible:
+    """Why nothing is feasible: a part of the model, or every cut, fits no device's memory
+    (:class:`PlanDoesNotFit`), or no equal pipelines can be formed."""
     covered = {c for o in space.options for c in range(o.choice.start, o.choice.end)}
     missing = [c for c in range(space.boundaries[-1]) if c not in covered]
     if missing:
-        return _part_that_does_not_fit(space, missing[0])
+        return PlanDoesNotFit(_part_that_does_not_fit(space, missing[0]))
     if exclusive:
-        return (
+        return PlanInfeasible(
             f"degree: the devices cannot form equal pipelines of at most {space.max_stages} stages "
             f"in which each device runs one stage within its memory, at one micro-batch size"
         )
-    return (
+    return PlanDoesNotFit(
         f"memory: no cut of the model into at most {space.max_stages} stages fits the devices' "
         f"usable memory (largest {max(s.memory_bytes for s in space.slots) / 1e9:.3g} GB) with micro-batches "
         f"the runtime can chain (each stage's a multiple of the one before, every token holding a sample)"

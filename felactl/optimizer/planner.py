@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from felactl import limits
-from felactl.errors import InputError, PlanInfeasible
+from felactl.errors import InputError, PlanDoesNotFit, PlanInfeasible
 from felactl.optimizer import baselines, ilp, sharded_plans
 from felactl.optimizer.cost import CostModel, MemoryHeadroom, stage_memory_bytes, stage_param_bytes
 from felactl.optimizer.evaluate import StageChoice, memory_limits, predict, stage_in_flight, token_samples
@@ -245,14 +245,7 @@ def _checked(cluster: ClusterSpec, model: ModelSpec, global_batch: int, sync: st
 def plan_cost_model(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, use_trees: bool) -> CostModel:
     """The cost model ``plan`` is priced by, for a reader to explain or simulate it: its devices,
     the rings its rank order makes, and the tokens its sync mode claims."""
-    return CostModel(
-        cluster.subset(plan.devices),
-        model,
-        use_trees=use_trees,
-        sync_reference=cluster,
-        ring_order=tuple(plan.devices),
-        data_parallel_tokens=sync_support(plan.sync.mode).data_parallel_tokens,
-    )
+    return _cost_model(cluster.subset(plan.devices), cluster, model, plan.sync.mode, use_trees, None, plan.devices)
 
 
 def make_plan(
@@ -313,7 +306,8 @@ def make_plan(
 
 
 def _cost_model(sub, cluster, model, mode, use_trees, headroom, ranks) -> CostModel:
-    """The cost model ``make_plan`` prices the devices ``sub`` of ``cluster`` with."""
+    """The cost model of the devices ``sub`` of ``cluster`` (``make_plan``'s, a plan's): the tokens
+    ``mode`` claims, and the rings of the rank order ``ranks`` where it is fixed."""
     return CostModel(
         sub,
         model,
@@ -334,8 +328,8 @@ def _fewest_in_flight(solved: Callable[[int], _Candidate], max_stages: int, prog
     for bound in range(max_stages, 1, -1):
         try:
             return solved(bound), bound
-        except PlanInfeasible as exc:
-            if bound == 2 or not str(exc).startswith("memory"):
+        except PlanDoesNotFit as exc:
+            if bound == 2:
                 raise
             progress(f"{exc}: trying at most {bound - 1} stages, fewer micro-batches in flight")
     return solved(max_stages), max_stages  # one stage: nothing in flight to spare
