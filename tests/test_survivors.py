@@ -16,24 +16,25 @@ from _worker_helpers import pipeline_plan
 from torch import nn
 
 from felactl.agents.worker.checkpoint import checkpoint_path
-from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.survivors import GIVEN_UP, KeptState, StepCommit, leave_state
+from felactl.agents.worker.waits import Waits
 from felactl.control import keys
+from felactl.control.store import generation_store
 from felactl.errors import AnotherWorkerFailed
 
 
-def _worker(store: dist.Store, worker_id: int, world: int = 2, plan=None):
+class _Worker(Waits):
     """What StepCommit asks of a trainer: its store, the job's size, its plan, and the trainer's own
-    wait (Trainer.wait_for_key, bound to this stand-in)."""
-    worker = SimpleNamespace(
-        runtime=SimpleNamespace(store=store, world_size=world, cfg=SimpleNamespace(timeout_s=30.0)),
-        plan=plan or pipeline_plan([0, 2, 3], num_replicas=2),
-        worker_id=worker_id,
-        membership=SimpleNamespace(members_changed=lambda: False),
-    )
-    worker.wait_for_key = Trainer.wait_for_key.__get__(worker)
-    worker._give_up_if_stuck = Trainer._give_up_if_stuck.__get__(worker)
-    return worker
+    waits (:class:`~felactl.agents.worker.waits.Waits`)."""
+
+    def __init__(self, store: dist.Store, worker_id: int, world: int, plan):
+        self.runtime = SimpleNamespace(store=store, world_size=world, cfg=SimpleNamespace(timeout_s=30.0))
+        self.plan, self.worker_id = plan, worker_id
+        self.membership = SimpleNamespace(members_changed=lambda: False)
+
+
+def _worker(store: dist.Store, worker_id: int, world: int = 2, plan=None) -> _Worker:
+    return _Worker(store, worker_id, world, plan or pipeline_plan([0, 2, 3], num_replicas=2))
 
 
 @pytest.fixture
@@ -184,7 +185,7 @@ def test_an_agent_still_ending_past_its_time_is_lost_with_its_node(monkeypatch):
     }
     coordinator = SimpleNamespace(
         prefix="felactl/j/0/",
-        store=SimpleNamespace(set=lambda key, value: None),
+        store=dist.TCPStore("127.0.0.1", 0, 1, True),
         publish=lambda *args, **kwargs: None,
         agent_state=reports.get,
     )
@@ -192,3 +193,6 @@ def test_an_agent_still_ending_past_its_time_is_lost_with_its_node(monkeypatch):
     state = SimpleNamespace(plan=pipeline_plan([0, 2, 3], num_replicas=2), members=members)
     job = restarts.Restarts(coordinator, state, None, {}, None, 3, 10, None, {}, None)
     assert job._lost_nodes(0) == ["node-a", "node-c"]
+    # and it told the attempt's workers, where they look (a worker waiting to step stops waiting)
+    workers = generation_store(coordinator.store, coordinator.prefix, 0)
+    assert workers.check([keys.ATTEMPT_FAILED])

@@ -65,6 +65,16 @@ def serve_store(host: str, port: int = 0):
     return store, port
 
 
+def generation_store(store, store_prefix: str, generation: int):
+    """``store`` seen as one generation's (an attempt's) workers see it: their process groups meet
+    there, and their own agreements live there (:func:`felactl.control.keys.generation_namespace`)."""
+    import torch.distributed as dist
+
+    from felactl.control import keys
+
+    return dist.PrefixStore(keys.generation_namespace(store_prefix, generation), store)
+
+
 def parse_endpoint(endpoint: str, default_port: int | None = None) -> tuple[str, int]:
     """``HOST:PORT`` (or ``HOST`` when a default port is given) -> (host, port)."""
     host, sep, port_text = endpoint.rpartition(":")

@@ -33,6 +33,7 @@ from felactl.control import EventKind, keys
 from felactl.control.documents import StopDoc, WorkerState
 from felactl.control.events import record
 from felactl.control.metrics import RESTART_KINDS, pause_at, restarts
+from felactl.control.store import generation_store
 from felactl.errors import InputError, WorkerFailed
 from felactl.launcher.controlplane import Coordinator
 from felactl.launcher.follow import LaunchState, follow
@@ -245,8 +246,8 @@ class Restarts:
         how they ended, so that the restart finds what they wrote."""
         keep_s = self._keep_state_s()
         if keep_s:  # the workers that wait to step together stop waiting and write their state
-            generation = keys.generation_namespace(self.coordinator.prefix, self.base_generation + attempt)
-            self.coordinator.store.set(f"{generation}/{keys.ATTEMPT_FAILED}", "1")
+            workers = generation_store(self.coordinator.store, self.coordinator.prefix, self.base_generation + attempt)
+            workers.set(keys.ATTEMPT_FAILED, "1")
         self.coordinator.publish(keys.attempt_stop(attempt), StopDoc.KIND.value, StopDoc("restart", keep_s).to_body())
         node_of = {m.agent_id: m.node_name for m in self.state.members}
         unheard = dict(node_of)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import time
@@ -45,8 +44,9 @@ from felactl.agents.worker.runtime import Runtime
 from felactl.agents.worker.stages import Placement, held_stages, micro_batches, place
 from felactl.agents.worker.stragglers import Straggler
 from felactl.agents.worker.tied import tied_weights
+from felactl.agents.worker.waits import Waits
 from felactl.control.metrics import MetricsWriter
-from felactl.errors import InputError, WorkerFailed
+from felactl.errors import InputError
 from felactl.fsutil import STORAGE_ERRORS, atomic_write_text
 from felactl.job import TrainJob
 from felactl.models import values
@@ -54,8 +54,6 @@ from felactl.parallel.fsdp import is_sharded, local, shard
 from felactl.spec import Plan
 
 log = logging.getLogger(__name__)
-WAIT_SLICE_S = 0.25
-"""How often a wait on the others looks up whether the job's members changed under it."""
 
 
 def make_optimizer(plan: Plan, params, job: TrainJob | None = None) -> torch.optim.Optimizer:
@@ -93,7 +91,7 @@ class ComputeResult:
     waited_s: float = 0.0
 
 
-class Trainer:
+class Trainer(Waits):
     def __init__(
         self,
         runtime: Runtime,
@@ -202,32 +200,6 @@ class Trainer:
         trained); such modes keep a fixed global batch, so a step is ``position // batch``."""
         self.data_position = data_position
         self.steps_done = data_position // self.global_batch
-
-    def wait_for_key(self, store: dist.Store, key: str, unless: Callable[[], None] = lambda: None) -> None:
-        """Block until another worker sets ``key``. A writer that died never sets it: give up as a
-        collective with a dead peer does (RuntimeError) once the members changed under the wait (an
-        elastic job re-forms without it) or ``unless()`` raises; fail after the store timeout."""
-        deadline = time.monotonic() + self.runtime.cfg.timeout_s
-        while True:
-            try:
-                return store.wait([key], datetime.timedelta(seconds=WAIT_SLICE_S))
-            except RuntimeError:  # this slice timed out
-                unless()
-                self._give_up_if_stuck(deadline, f"nobody wrote {key}")
-
-    def join_thread(self, thread, what: str) -> None:
-        """Join a helper thread that waits on the others (a scheduler), giving up as :meth:`wait_for_key` does."""
-        deadline = time.monotonic() + self.runtime.cfg.timeout_s
-        while thread.is_alive():
-            thread.join(WAIT_SLICE_S)
-            if thread.is_alive():
-                self._give_up_if_stuck(deadline, what)
-
-    def _give_up_if_stuck(self, deadline: float, what: str) -> None:
-        if self.membership.members_changed():
-            raise RuntimeError(f"worker {self.worker_id}: {what}, and the job's members changed")
-        if time.monotonic() > deadline:
-            raise WorkerFailed(f"worker {self.worker_id}: {what} within {self.runtime.cfg.timeout_s:g} s")
 
     def sync_replicas(self, buffers_only: bool = False) -> None:
         """felactl never re-initialises what the user's model holds; it makes the replicas agree

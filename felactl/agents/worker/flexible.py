@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker import wire
-from felactl.agents.worker.engine import WAIT_SLICE_S, Trainer
+from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.strategy import Lockstep, StepResult, Work
 from felactl.agents.worker.survivors import KeptState, stop_if_another_failed
 from felactl.agents.worker.sync.token_policy import Token, TokenDAG, TokenServer, token_samples
 from felactl.agents.worker.tied import sum_tied_over_holders, tied_ids
+from felactl.agents.worker.waits import WAIT_SLICE_S
 from felactl.control import keys
-from felactl.errors import WorkerFailed
 from felactl.models import values
 from felactl.spec import Plan
 from felactl.spec.executable import num_first_tokens
@@ -287,17 +287,16 @@ class FlexibleWorker:
             done = reply["token"]
 
     def reply(self, step: int) -> dict:
-        """The token server's reply to this worker's request in ``step``. Awaited in slices: a
-        worker of a job whose survivors keep their state stops waiting once another failed (the
-        server may be the one that did); any fails after the store timeout, as a blocking pop did."""
-        deadline = time.monotonic() + self.t.runtime.cfg.timeout_s
-        while True:
-            try:
-                return json.loads(self.replies.queue_pop(keys.flexible_reply(step, self.t.runtime.rank), True))
-            except dist.DistStoreError:  # this slice timed out
-                stop_if_another_failed(self.t)
-                if time.monotonic() > deadline:
-                    raise WorkerFailed(f"worker {self.t.worker_id}: no token reply in step {step}") from None
+        """The token server's reply to this worker's request in ``step``, awaited in slices: a worker
+        of a job whose survivors keep their state stops waiting once another failed (the server may
+        be the one that did)."""
+        key = keys.flexible_reply(step, self.t.runtime.rank)
+        popped = self.t.wait_in_slices(
+            lambda: self.replies.queue_pop(key, True),
+            f"no token reply in step {step}",
+            lambda: stop_if_another_failed(self.t),
+        )
+        return json.loads(popped)
 
     def sync(self) -> float:
         """Each stage's workers sum their gradients (stage order: the same on every rank)."""

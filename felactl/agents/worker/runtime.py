@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from felactl.agents.worker.config import WorkerConfig
-from felactl.control import keys
+from felactl.control.store import generation_store
 from felactl.errors import ControlPlaneError, InputError
 
 
@@ -67,10 +67,7 @@ class Runtime:
     def new_store_client(self) -> dist.Store:
         """A second connection, for a thread that blocks on the store while the trainer uses it."""
         raw = connect_store(self.cfg.store_host, self.cfg.store_port, is_master=False, timeout_s=self.cfg.timeout_s)
-        return dist.PrefixStore(self._prefix(), raw)
-
-    def _prefix(self) -> str:
-        return keys.generation_namespace(self.cfg.store_prefix, self.cfg.generation)
+        return generation_store(raw, self.cfg.store_prefix, self.cfg.generation)
 
     def group(self, ranks: tuple[int, ...]):
         """The process group of ``ranks`` (the default group for everyone). Create groups through
@@ -139,7 +136,7 @@ def form_group(cfg: WorkerConfig, raw: dist.TCPStore, backend: str, *, timeout_s
     the job's store ``raw``, on ``backend`` (the plan's), its collectives timing out after
     ``timeout_s``: every worker's groups are formed here, a fixed job's once and an elastic job's
     at each generation."""
-    store = dist.PrefixStore(keys.generation_namespace(cfg.store_prefix, cfg.generation), raw)
+    store = generation_store(raw, cfg.store_prefix, cfg.generation)
     device = choose_device(cfg, backend)
     dist.init_process_group(
         backend,
