@@ -15,11 +15,12 @@ times (the last stage first), and each stage's replicas sum their gradients in a
 own: the last stage's replicas could step their optimizer for step k while the first stage's
 sum failed with the dead worker. So no worker steps its optimizer for a step before every worker
 of the job has summed that step's gradients (:class:`StepCommit`: a counter in the attempt's
-store, one round trip a step): after a failure, either every survivor stepped or none did. The
-first worker to fail says so in the store (:data:`felactl.control.keys.ATTEMPT_FAILED`; a killed
-one cannot, but its peers then fail on the lost connection), so that one waiting there stops
-waiting, fails the step and leaves its state too. Its agent gives it the time
-(:attr:`felactl.control.documents.Assignment.keep_state_s`).
+store, and one decision, step or give up, that the first to write it makes for everyone): after
+a failure, either every survivor stepped or none did. The first worker to fail says so in the
+store (:data:`felactl.control.keys.ATTEMPT_FAILED`; a killed one cannot, and the launcher says it
+then, once its agent reported the failure), so that one waiting there stops waiting, fails the
+step and leaves its state too (:class:`~felactl.errors.AnotherWorkerFailed`). Its agent gives it
+the time (:attr:`felactl.control.documents.Assignment.keep_state_s`).
 """
 
 from __future__ import annotations
