@@ -196,3 +196,25 @@ def test_an_agent_still_ending_past_its_time_is_lost_with_its_node(monkeypatch):
     # and it told the attempt's workers, where they look (a worker waiting to step stops waiting)
     workers = generation_store(coordinator.store, coordinator.prefix, 0)
     assert workers.check([keys.ATTEMPT_FAILED])
+
+
+def test_an_agent_told_to_give_its_workers_time_says_they_are_ending():
+    """The restart's stop after a failure gives the workers time to write their state (drain_s): an
+    agent that takes it says at once that its workers are ending, so that the launcher waits for
+    them past LOST_AFTER_S instead of taking its node as lost. A plain stop says nothing."""
+    from felactl.agents.node import _superseded
+    from felactl.agents.session import StopOrder
+
+    said = []
+    session = SimpleNamespace(
+        attempt_published=lambda attempt: False,
+        attempt_stopped=lambda attempt: order,
+        report=lambda state, **details: said.append((state, details)),
+    )
+    assignment = SimpleNamespace(attempt=2, more_may_follow=True)
+    order = StopOrder("restart", 20.0)
+    assert _superseded(session, assignment) is order
+    assert said == [("healthy", {"attempt": 2, "ending": True})]
+    said.clear()
+    order = StopOrder("restart", 0.0)
+    assert _superseded(session, assignment) is order and said == []
