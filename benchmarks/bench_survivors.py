@@ -58,7 +58,7 @@ def one_round(root: Path, plan_path: Path, run_id: str) -> dict[str, float]:
 
 def _worker(launch_pid: int, rank: int) -> psutil.Process:
     for proc in psutil.Process(launch_pid).children(recursive=True):
-        if "felactl.agents.worker" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == str(rank):
+        if proc.name() == f"felactl-w{rank}":  # each worker names itself (agents/worker/__main__.py)
             return proc
     raise RuntimeError(f"no worker of rank {rank}")
 

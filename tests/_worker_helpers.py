@@ -361,6 +361,21 @@ def second_node(job: Job, tmp_path: Path, run: str, endpoint: str, node: str, np
     )
 
 
+def worker_processes(pid: int) -> dict[int, psutil.Process]:
+    """The running workers under process ``pid`` (a launch, an agent) by worker id: each names
+    itself ``felactl-w<id>`` (``agents/worker/__main__.py:name_process``; one forked from its
+    agent's zygote shows the zygote's command line and environment)."""
+    found = {}
+    for proc in _procs_of(pid):
+        try:
+            name = proc.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith("felactl-w") and name[len("felactl-w") :].isdigit():
+            found[int(name[len("felactl-w") :])] = proc
+    return found
+
+
 def _procs_of(pid: int) -> list[psutil.Process]:
     try:
         proc = psutil.Process(pid)

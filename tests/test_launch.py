@@ -24,7 +24,7 @@ from felactl.machine import short_hostname
 from felactl.spec import DeviceKind, ModelRef, Placement, save
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker_helpers import dp_plan, fake_ssh  # noqa: E402
+from _worker_helpers import dp_plan, fake_ssh, worker_processes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -270,11 +270,7 @@ def _start_launch(tmp_path: Path, run_id: str) -> tuple[subprocess.Popen, list[p
         while not (metrics.exists() and metrics.stat().st_size > 0):
             assert launch.poll() is None and time.monotonic() < deadline, launch.stderr.read().decode()[-2000:]
             time.sleep(0.05)
-        workers = [
-            c
-            for c in psutil.Process(launch.pid).children(recursive=True)
-            if "felactl.agents.worker" in " ".join(c.cmdline())
-        ]
+        workers = list(worker_processes(launch.pid).values())
         assert len(workers) == 2
     except BaseException:
         _kill(launch)

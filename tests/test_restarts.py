@@ -28,6 +28,7 @@ from _worker_helpers import (  # noqa: E402
     second_node,
     single_process,
     wait_checkpoint,
+    worker_processes,
 )
 from test_job_errors import SLIP, _user_job  # noqa: E402
 
@@ -62,10 +63,9 @@ def _pipeline_job(tmp_path: Path, run_id: str, steps: int, num_replicas: int = 1
 
 def _worker_process(job: Job, rank: int) -> psutil.Process:
     """The launch's worker process of ``rank`` (a job of fixed members records no pids)."""
-    for proc in psutil.Process(job.proc.pid).children(recursive=True):
-        if "felactl.agents.worker" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == str(rank):
-            return proc
-    raise AssertionError(f"no worker of rank {rank} is running")
+    workers = worker_processes(job.proc.pid)
+    assert rank in workers, f"no worker of rank {rank} is running"
+    return workers[rank]
 
 
 def test_a_killed_worker_of_a_two_stage_pipeline_restarts_from_the_checkpoint_and_completes_every_step(

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from felactl.agents.worker.zygote import ForkedWorker, Zygote, start_process
 from felactl.control.documents import WorkerState, group_state
 from felactl.errors import EXIT_AFTER_ANOTHER, InputError
 
@@ -102,7 +103,7 @@ class Worker:
     local_rank: int
     global_rank: int
     log_path: Path
-    process: subprocess.Popen | None = field(default=None, repr=False)
+    process: subprocess.Popen | ForkedWorker | None = field(default=None, repr=False)
     state: WorkerState = WorkerState.INIT
     exit_code: int | None = None
     ended_at: float | None = None
@@ -181,8 +182,10 @@ def last_line(path: Path, max_bytes: int = 4096, since: int = 0) -> str:
 class LocalWorkerAgent:
     """Starts, watches and stops the worker processes of one node."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, zygote: Zygote | None = None):
         self.spec = spec
+        self.zygote = zygote
+        """Where felactl's workers are forked from, torch already imported (the node's); else each is exec'd."""
         self.workers: list[Worker] = []
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
@@ -274,17 +277,10 @@ class LocalWorkerAgent:
         table = self.spec.cpu_affinity
         return None if not table else table[slot % len(table)]
 
-    def _popen(self, log_path: Path, env: dict[str, str]) -> subprocess.Popen:
-        """The one way a worker process starts: its own session, its output to its log."""
-        with open(log_path, "ab") as log_file:
-            return subprocess.Popen(
-                self.spec.argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+    def _popen(self, log_path: Path, env: dict[str, str]) -> subprocess.Popen | ForkedWorker:
+        """The one way a worker process starts: its own session, its output to its log; forked
+        from the node's zygote where it serves this worker, else exec'd."""
+        return start_process(self.spec.argv, env, log_path, self.zygote)
 
     def kill_worker(self, worker_id: int) -> bool:
         """SIGKILL one worker's process group (a hung or dropped member); False if it is not ours."""

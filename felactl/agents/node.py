@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from torch.distributed import DistError
 
 from felactl.agents.agent import LocalWorkerAgent, RunResult, WorkerSpec
+from felactl.agents.worker.zygote import Zygote
 from felactl.control import keys
 from felactl.control.documents import CommandDoc, WorkerState
 from felactl.control.store import first_line
@@ -63,21 +64,39 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
     """
     from felactl.agents.session import AgentSession
 
-    session = AgentSession(
-        config.endpoint, config.secret, job=config.job, generation=config.generation, timeout_s=config.join_timeout_s
-    )
-    agent_id, config = _join(session, config)
-    session.reader.on_refused = _refusal_log(config.log_dir, session.reader.on_refused)
-    on_joined(agent_id)
+    # felactl's workers fork from one process that imports torch once for every worker of this
+    # node and every attempt (restarts and newcomers start without the import); it starts now,
+    # so that the import overlaps the rendezvous, and ends if the job is a user's script
+    zygote = Zygote()
     try:
-        assignment = session.wait_assignment(config.join_timeout_s, alive=lambda: _raise_if_stopped(session))
-    except ControlPlaneError as exc:
-        _report_quietly(session, WorkerState.STOPPED.value, message=str(exc))
-        raise
+        session = AgentSession(
+            config.endpoint,
+            config.secret,
+            job=config.job,
+            generation=config.generation,
+            timeout_s=config.join_timeout_s,
+        )
+        agent_id, config = _join(session, config)
+        session.reader.on_refused = _refusal_log(config.log_dir, session.reader.on_refused)
+        on_joined(agent_id)
+        try:
+            assignment = session.wait_assignment(config.join_timeout_s, alive=lambda: _raise_if_stopped(session))
+        except ControlPlaneError as exc:
+            _report_quietly(session, WorkerState.STOPPED.value, message=str(exc))
+            raise
+        if not assignment.module:
+            zygote.close()
+        return _run_attempts(session, config, assignment, zygote if assignment.module else None)
+    finally:
+        zygote.close()
+
+
+def _run_attempts(session, config: NodeAgentConfig, assignment, zygote: Zygote | None) -> RunResult:
+    """Run the assigned workers, then each next attempt's, until the job needs no more."""
     while True:
         spec = _worker_spec(config, session, assignment)
         session.report(WorkerState.HEALTHY.value, attempt=assignment.attempt)
-        agent = LocalWorkerAgent(spec)
+        agent = LocalWorkerAgent(spec, zygote)
         if assignment.elastic:
             result = _supervise_elastic(agent, session)
         else:

@@ -71,6 +71,10 @@ class StopDoc(Document):
     drain_s: float = 0.0
 
 
+WORKER_MODULE = "felactl.agents.worker"
+"""The module an agent runs for each of a plan's workers (``python -m``)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Assignment:
     """What one agent runs in a job: its slots' global ranks and the worker module (or script)."""

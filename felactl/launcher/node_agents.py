@@ -16,7 +16,7 @@ from pathlib import Path
 
 from felactl.agents.local_node import AgentThread, local_agent_config
 from felactl.control import EventKind
-from felactl.control.documents import Assignment
+from felactl.control.documents import WORKER_MODULE, Assignment
 from felactl.control.events import record
 from felactl.errors import ControlPlaneError, InputError, Stopped
 from felactl.launcher import hosts as hostfile
@@ -30,8 +30,6 @@ from felactl.machine import stop_processes
 from felactl.spec import Plan
 
 log = logging.getLogger(__name__)
-WORKER_MODULE = "felactl.agents.worker"
-"""What an agent runs for each of a plan's workers."""
 
 
 def start_coordinator(secret: str, endpoint: str | None, run: RunDir, *, new_run: bool = True) -> Coordinator:

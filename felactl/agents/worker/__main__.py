@@ -35,9 +35,25 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="felactl-parent-watch", daemon=True).start()
 
 
+def name_process(name: str) -> None:
+    """This process's name in ``ps -o comm`` and ``top`` (15 characters at most)."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass  # not Linux: the name stays python's
+
+
+def worker_name() -> str:
+    """``felactl-w<id>``: a worker forked from its agent's zygote shows the zygote's command line
+    and environment in ``/proc``, so its name is where a person (or a test) finds which it is."""
+    return f"felactl-w{os.environ.get('FELACTL_WORKER_ID') or os.environ.get('RANK', '')}"
+
+
 def main() -> int:
     drain.listen()
     exit_with_parent()
+    name_process(worker_name())
     try:
         run_worker(from_env())
     except FelactlError as exc:

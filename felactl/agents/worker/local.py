@@ -16,6 +16,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from felactl.agents.worker.zygote import ForkedWorker, Zygote, start_process
+from felactl.control.documents import WORKER_MODULE
 from felactl.control.store import serve_store
 from felactl.errors import WorkerFailed
 
@@ -60,27 +62,27 @@ def run_local(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     store, port = serve_store("127.0.0.1")  # loopback only (a plain TCPStore server listens everywhere)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | ForkedWorker] = []
     logs = []
     start = time.perf_counter()
     secret = secrets.token_hex(32)  # the workers sign what they agree on (a graceful stop's last step)
+    envs = [
+        worker_env(
+            rank,
+            world_size,
+            store_port=port,
+            plan_path=Path(plan_path),
+            run_dir=run_dir,
+            extra={"FELACTL_SECRET": secret, **(extra_env or {}), **((per_rank_env or {}).get(rank, {}))},
+        )
+        for rank in range(world_size)
+    ]
+    zygote = Zygote(envs[0])  # one import of torch for every worker, as the agent does
     try:
-        for rank in range(world_size):
-            env = worker_env(
-                rank,
-                world_size,
-                store_port=port,
-                plan_path=Path(plan_path),
-                run_dir=run_dir,
-                extra={"FELACTL_SECRET": secret, **(extra_env or {}), **((per_rank_env or {}).get(rank, {}))},
-            )
-            log = open(run_dir / f"worker{rank}.log", "w+b")
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "felactl.agents.worker"], env=env, stdout=log, stderr=subprocess.STDOUT
-                )
-            )
+        for rank, env in enumerate(envs):
+            log_path = run_dir / f"worker{rank}.log"
+            logs.append(open(log_path, "w+b"))  # read back for a failure's last lines
+            procs.append(start_process([sys.executable, "-m", WORKER_MODULE], env, log_path, zygote))
         _wait_all(procs, logs, start + timeout_s)
         return time.perf_counter() - start
     finally:
@@ -88,6 +90,7 @@ def run_local(
             if p.poll() is None:
                 p.kill()
             p.wait()
+        zygote.close()
         for log in logs:
             log.close()
         del store
@@ -97,7 +100,7 @@ STACKS_GRACE_S = 1.0
 """How long a worker that timed out is given to write its threads' stacks to its log."""
 
 
-def _wait_all(procs: list[subprocess.Popen], logs: list, deadline: float) -> None:
+def _wait_all(procs: list[subprocess.Popen | ForkedWorker], logs: list, deadline: float) -> None:
     while any(p.poll() is None for p in procs):
         failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
         if failed:
@@ -113,7 +116,7 @@ def _wait_all(procs: list[subprocess.Popen], logs: list, deadline: float) -> Non
         raise WorkerFailed(f"worker {failed[0]} exited with {procs[failed[0]].returncode}: {_tail(logs[failed[0]])}")
 
 
-def _stacks(proc: subprocess.Popen, log) -> str:
+def _stacks(proc: subprocess.Popen | ForkedWorker, log) -> str:
     """A stuck worker's threads' stacks: every worker dumps them on SIGUSR1 (``faulthandler``, in
     ``main.run_worker``), which lands in the log; a hang seen once in CI left an empty log and
     nothing to go on."""

@@ -1,0 +1,302 @@
+"""Start felactl's workers by forking a process that has already imported torch (a zygote).
+
+A worker started as ``python -m felactl.agents.worker`` spends ~1.6 s of a core importing torch
+and felactl before it does anything, every time: each worker of a node, and again for each one
+at every restart and scale-out (where the pause is what the user waits through). The node's
+agent starts one zygote instead (``python -m felactl.agents.worker.zygote``), which imports them once
+and forks a worker per request, the way Android starts apps and Python's ``forkserver`` starts
+``multiprocessing`` children. The zygote never starts a thread of its own and never touches a
+GPU, so a forked child starts as clean as an exec'd one.
+
+A forked worker is what an exec'd one is: its own session (the agent stops its group), its own
+environment, log and cores; it knows its parent (the zygote, which leaves when the agent goes, so
+an orphaned worker exits as before: ``worker/__main__.py:exit_with_parent``). What cannot be set
+after the zygote's start is not: a worker whose environment differs from the zygote's in a
+variable read at import time (``PYTHONPATH``, thread counts, ``LD_*`` ...) is started the old way,
+as is any other module or a user's script (:meth:`Zygote.serves`).
+
+Protocol, one JSON object a line: the agent writes ``{"env": ..., "log": ...}`` to
+the zygote's stdin (and ``"module"``); the zygote answers ``{"pid": N}`` (or ``{"error": ...}``) in order, and
+``{"exited": N, "code": C}`` when a child ends, and ``{"ready": true}`` once its imports are done (``C`` as ``Popen.returncode``: ``-signal`` when
+killed). A closed stdin (the agent gone) ends the zygote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+from felactl.control.documents import WORKER_MODULE
+
+LATE_READ = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""The torchrun variables a worker reads when it runs (any may differ from the zygote's)."""
+
+LATE_READ_PREFIXES = ("FELACTL_", "TORCHELASTIC_", "NCCL_", "GLOO_", "CUDA_", "PYTHONUNBUFFERED")
+"""Prefixes of variables read when a worker runs, not when torch is imported (CUDA's at its
+first use, which the zygote never makes; felactl's, NCCL's and gloo's when groups form)."""
+
+START_TIMEOUT_S = 120.0
+"""How long the agent waits for the zygote to answer a start (it may still be importing torch)."""
+
+REAP_S = 0.02
+"""How often the zygote looks for children that ended while no request came."""
+
+
+class Zygote:
+    """The agent's side: starts the zygote, asks it for workers, learns how they exit."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        self.env = dict(os.environ if env is None else env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "felactl.agents.worker.zygote"],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,  # its own errors go where the agent's go
+            start_new_session=True,  # a terminal's Ctrl-C is the agent's to handle
+        )
+        self._lock = threading.Lock()  # one request and its answer at a time
+        self._answers: queue.Queue[dict] = queue.Queue()
+        self._exits: dict[int, int] = {}
+        self._gone = threading.Event()
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, name="felactl-zygote-reader", daemon=True).start()
+
+    def serves(self, argv: list[str], env: dict[str, str]) -> bool:
+        """Whether a worker of ``argv`` and ``env`` starts from this zygote as it would exec'd:
+        ``python -m felactl.<module>`` (the training worker, the profiling one), no arguments."""
+        if len(argv) != 3 or argv[1] != "-m" or not argv[2].startswith("felactl.") or self._gone.is_set():
+            return False
+        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return all(k in LATE_READ or k.startswith(LATE_READ_PREFIXES) for k in changed)
+
+    def start(self, module: str, env: dict[str, str], log_path: Path) -> ForkedWorker:
+        """``python -m module`` forked with ``env``, its output appended to ``log_path``. Raises
+        OSError where the zygote cannot start it (the agent then starts it the old way)."""
+        request = {"module": module, "env": env, "log": str(log_path)}
+        with self._lock:
+            if self._gone.is_set():
+                raise OSError("the zygote is gone")
+            try:
+                self.proc.stdin.write((json.dumps(request) + "\n").encode())
+                self.proc.stdin.flush()
+                answer = self._answers.get(timeout=START_TIMEOUT_S)
+            except (OSError, ValueError, queue.Empty) as exc:
+                raise OSError(f"the zygote did not start a worker: {exc!r}") from exc
+        if "pid" not in answer:
+            raise OSError(f"the zygote did not start a worker: {answer.get('error')}")
+        return ForkedWorker(answer["pid"], self)
+
+    def exit_code(self, pid: int) -> int | None:
+        """``pid``'s exit code once the zygote saw it end; where the zygote itself is gone, a
+        child it can no longer report on counts as failed once it is no longer running."""
+        if pid in self._exits:
+            return self._exits[pid]
+        if self._gone.is_set() and not _running(pid):
+            return self._exits.setdefault(pid, 1)
+        return None
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the zygote (its children are the agent's to stop first); one still importing has
+        none, and is not waited for."""
+        if not self._ready.is_set():
+            self.proc.kill()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if "exited" in message:
+                self._exits[int(message["exited"])] = int(message["code"])
+            elif "ready" in message:
+                self._ready.set()
+            else:
+                self._answers.put(message)
+        self._gone.set()
+        self._answers.put({"error": "the zygote exited"})
+
+
+def start_process(
+    argv: list[str], env: dict[str, str], log_path: Path, zygote: Zygote | None
+) -> subprocess.Popen | ForkedWorker:
+    """``argv`` in its own session with ``env``, its output appended to ``log_path``: forked from
+    ``zygote`` where it serves it, else exec'd."""
+    if zygote is not None and zygote.serves(argv, env):
+        try:
+            return zygote.start(argv[2], env, log_path)
+        except OSError as exc:
+            print(f"felactl: {exc}; starting the worker as a new process", file=sys.stderr)
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+class ForkedWorker:
+    """A forked worker, read as a ``subprocess.Popen`` is (what the agent holds of a worker)."""
+
+    def __init__(self, pid: int, zygote: Zygote):
+        self.pid, self._zygote = pid, zygote
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([WORKER_MODULE], timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --- the zygote's side ------------------------------------------------------------------------
+def serve() -> None:
+    """Import what a worker imports, then fork a worker per request until stdin closes."""
+    import torch
+
+    from felactl.agents.worker.__main__ import name_process  # torch and the whole worker, once
+
+    if torch.cuda.is_initialized():  # a child of a process that holds a CUDA context cannot use CUDA
+        return  # the agent sees the zygote gone and execs its workers
+    name_process("felactl-zygote")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent ends the zygote by closing its stdin
+    requests, answers = sys.stdin.buffer.raw, sys.stdout.fileno()
+    _answer(answers, {"ready": True})
+    pending = b""
+    while True:
+        readable, _, _ = select.select([requests], [], [], REAP_S)
+        if readable:
+            chunk = os.read(requests.fileno(), 1 << 16)
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                _answer(answers, _fork(json.loads(line), requests.fileno(), answers))
+        _reap(answers)
+
+
+def _fork(request: dict, *zygote_fds: int) -> dict:
+    try:
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        return {"error": f"cannot open the worker's log: {exc}"}
+    pid = os.fork()
+    if pid:
+        os.close(log)
+        return {"pid": pid}
+    try:  # the child: it never returns into the zygote's loop
+        _become_worker(request, log, zygote_fds)
+    finally:
+        os._exit(1)
+
+
+def _become_worker(request: dict, log: int, zygote_fds: tuple[int, ...]) -> None:
+    """In the forked child: take the worker's session, environment and output, then run it (the
+    agent pins it to its cores, as it does an exec'd one)."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    env = dict(request["env"], FELACTL_PARENT_PID=str(os.getppid()))
+    os.environ.clear()
+    os.environ.update(env)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    for fd in {devnull, log, *zygote_fds} - {0, 1, 2}:
+        os.close(fd)
+    if "numpy" in sys.modules:  # every fork would otherwise draw the same numbers (random reseeds itself)
+        sys.modules["numpy"].random.seed()
+    if request["module"] == WORKER_MODULE:
+        from felactl.agents.worker.__main__ import run
+
+        run()  # leaves with the worker's exit code
+    _run_as_main(request["module"])
+
+
+def _run_as_main(module: str) -> NoReturn:
+    """``python -m module``, leaving as the interpreter would (0, ``SystemExit``'s code, or 1
+    after the traceback), without its teardown."""
+    sys.argv = [module]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the module's own error: shown as python -m shows it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _answer(fd: int, message: dict) -> None:
+    os.write(fd, (json.dumps(message) + "\n").encode())
+
+
+def _reap(answers: int) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _answer(answers, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    try:
+        serve()
+    except BrokenPipeError:
+        pass  # the agent is gone
+    os._exit(0)  # without the interpreter's teardown of torch (half a second the agent would wait)

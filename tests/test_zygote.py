@@ -1,0 +1,109 @@
+"""Workers forked from a zygote that imported torch once (felactl.agents.worker.zygote): each is
+what an exec'd one is (its own environment, session, log and exit code), the agent reads it as a
+``Popen``, and what a fork cannot set (a variable read at import time) is exec'd instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from felactl.agents.worker.zygote import ForkedWorker, Zygote, start_process
+from felactl.control.documents import WORKER_MODULE
+
+pytestmark = pytest.mark.multiprocess
+TESTS = str(Path(__file__).parent)
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    zygote = Zygote(env)
+    yield zygote
+    zygote.close()
+    assert zygote.proc.returncode == 0
+
+
+def _fork(zygote: Zygote, tmp_path: Path, what: str, worker: int = 0) -> tuple[ForkedWorker, Path]:
+    log = tmp_path / f"child{worker}.log"
+    env = dict(zygote.env, ZYGOTE_CHILD=what, FELACTL_WORKER_ID=str(worker))
+    return zygote.start("_zygote_child", env, log), log
+
+
+def test_a_forked_child_has_its_own_environment_session_and_log(zygote, tmp_path):
+    child, log = _fork(zygote, tmp_path, "env", worker=7)
+    assert child.wait(timeout=30) == 0
+    worker, own_session, parent = log.read_text().split()
+    assert worker == "7" and own_session == "True" and int(parent) == zygote.proc.pid
+
+
+@pytest.mark.parametrize(("what", "code"), [("exit:0", 0), ("exit:3", 3), ("raise", 1)])
+def test_its_exit_code_is_the_one_python_m_gives(zygote, tmp_path, what, code):
+    child, log = _fork(zygote, tmp_path, what)
+    assert child.wait(timeout=30) == code
+    if what == "raise":
+        assert "ValueError: the child's own error" in log.read_text()
+
+
+def test_a_signal_reads_as_popen_reads_it_and_its_group_is_its_own(zygote, tmp_path):
+    child, log = _fork(zygote, tmp_path, "sleep")
+    deadline = time.monotonic() + 30
+    while "sleeping" not in log.read_text():
+        assert time.monotonic() < deadline and child.poll() is None
+        time.sleep(0.02)
+    assert child.poll() is None
+    with pytest.raises(Exception, match="timed out"):
+        child.wait(timeout=0.05)
+    os.killpg(child.pid, signal.SIGKILL)  # how the agent stops a worker's group
+    assert child.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_two_forks_draw_different_numbers(zygote, tmp_path):
+    draws = []
+    for worker in (0, 1):
+        child, log = _fork(zygote, tmp_path, "random", worker)
+        assert child.wait(timeout=30) == 0
+        draws.append(log.read_text())
+    assert draws[0] != draws[1]
+
+
+def test_what_a_fork_cannot_set_is_exec_d(zygote):
+    argv = [sys.executable, "-m", WORKER_MODULE]
+    assert zygote.serves(argv, dict(zygote.env, RANK="3", FELACTL_PLAN="p.yaml", CUDA_VISIBLE_DEVICES="1"))
+    assert not zygote.serves(argv, dict(zygote.env, PYTHONPATH="/elsewhere"))  # read when python starts
+    assert not zygote.serves(argv, dict(zygote.env, OMP_NUM_THREADS="7"))  # read when torch loads
+    assert not zygote.serves([sys.executable, "train.py"], zygote.env)  # a user's script
+    assert not zygote.serves([sys.executable, "-m", "mypackage.train"], zygote.env)
+    assert not zygote.serves([*argv, "--flag"], zygote.env)
+
+
+def test_a_worker_the_zygote_does_not_serve_starts_as_a_process_of_its_own(zygote, tmp_path):
+    env = dict(zygote.env, PYTHONPATH=TESTS, ZYGOTE_CHILD="exit:4")
+    proc = start_process([sys.executable, "-m", "_zygote_child"], env, tmp_path / "c.log", zygote)
+    assert not isinstance(proc, ForkedWorker) and proc.wait(timeout=30) == 4
+
+
+def test_workers_end_when_the_zygote_ends_and_a_zygote_still_importing_is_not_waited_for(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    zygote = Zygote(env)
+    try:
+        child, log = _fork(zygote, tmp_path, "sleep")
+        deadline = time.monotonic() + 30
+        while "sleeping" not in log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        zygote.proc.kill()  # as when its agent is killed: a worker left alone exits (exit_with_parent)
+        zygote.proc.wait()
+        assert child.wait(timeout=30) == 1  # the zygote can no longer say how: counted as failed
+        assert not psutil.pid_exists(child.pid) or psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        zygote.close()
+    importing = Zygote(env)
+    start = time.monotonic()
+    importing.close()
+    assert time.monotonic() - start < 1.0 and importing.proc.returncode == -signal.SIGKILL
