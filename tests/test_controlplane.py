@@ -465,3 +465,24 @@ def test_an_agent_joining_a_running_job_waits_for_its_place_in_the_job_document(
         assert not waiter.is_alive() and found["a"].num_workers == 0 and found["a"].elastic
     finally:
         coordinator.close()
+
+
+def test_a_joined_agent_beats_from_a_thread_of_its_own_while_it_is_busy():
+    """The coordinator reads an agent's beat (``Coordinator.agent_beat``) to tell a node gone
+    from one busy stopping its workers: the beat goes on while the agent's own thread is held
+    up, and stops when the agent is done."""
+    secret = new_secret()
+    coordinator = Coordinator(secret)
+    try:
+        thread, outcome = _join_in_thread(coordinator.endpoint, secret, "na", 1)
+        _serve_until(coordinator, thread)
+        session, agent_id = outcome["session"], outcome["agent_id"]
+        assert coordinator.agent_beat(agent_id) is None
+        with session.beating():
+            time.sleep(1.6)  # busy: no call of this thread's beats
+            during = int(coordinator.agent_beat(agent_id))
+        after = int(coordinator.agent_beat(agent_id))
+        time.sleep(0.6)
+        assert during >= 2 and int(coordinator.agent_beat(agent_id)) == after
+    finally:
+        coordinator.close()

@@ -5,6 +5,7 @@ with processes: tests/test_restarts.py.)"""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from types import SimpleNamespace
@@ -188,6 +189,7 @@ def test_an_agent_still_ending_past_its_time_is_lost_with_its_node(monkeypatch):
         store=dist.TCPStore("127.0.0.1", 0, 1, True),
         publish=lambda *args, **kwargs: None,
         agent_state=reports.get,
+        agent_beat=lambda agent_id: None,  # no beats seen: each wait runs to its deadline
     )
     members = [SimpleNamespace(agent_id=a, node_name=f"node-{a}") for a in reports]
     state = SimpleNamespace(plan=pipeline_plan([0, 2, 3], num_replicas=2), members=members)
@@ -218,3 +220,28 @@ def test_an_agent_told_to_give_its_workers_time_says_they_are_ending():
     said.clear()
     order = StopOrder("restart", 0.0)
     assert _superseded(session, assignment) is order and said == []
+
+
+def test_an_agent_whose_beat_stopped_is_lost_at_once_and_one_that_beats_is_waited_for(monkeypatch):
+    """An agent beats from a thread of its own (``AgentSession.beating``), busy or not: after a
+    failure, one whose beat stopped is gone with its node within :data:`SILENT_S`, not after
+    :data:`LOST_AFTER_S` (a node's loss paused a restart 10 s); one that beats on is waited for
+    until it reports, however long its workers take to stop."""
+    from felactl.launcher import restarts
+
+    monkeypatch.setattr(restarts, "LOST_AFTER_S", 30.0)
+    monkeypatch.setattr(restarts, "SILENT_S", 0.3)
+    start = time.monotonic()
+    beats = {"a": itertools.repeat("7"), "b": itertools.count()}  # a's node died; b beats on
+    coordinator = SimpleNamespace(
+        prefix="felactl/j/0/",
+        store=dist.TCPStore("127.0.0.1", 0, 1, True),
+        publish=lambda *args, **kwargs: None,
+        agent_state=lambda a: {"attempt": 0, "state": "stopped"} if a == "b" and time.monotonic() > start + 1 else None,
+        agent_beat=lambda a: str(next(beats[a])),
+    )
+    members = [SimpleNamespace(agent_id=a, node_name=f"node-{a}") for a in beats]
+    state = SimpleNamespace(plan=pipeline_plan([0, 2, 3], num_replicas=1), members=members)
+    job = restarts.Restarts(coordinator, state, None, {}, None, 3, 10, None, {}, None)
+    assert job._lost_nodes(0) == ["node-a"]
+    assert 1 < time.monotonic() - start < 10

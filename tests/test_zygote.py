@@ -5,10 +5,13 @@ what an exec'd one is (its own environment, session, log and exit code), the age
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -107,3 +110,15 @@ def test_workers_end_when_the_zygote_ends_and_a_zygote_still_importing_is_not_wa
     start = time.monotonic()
     importing.close()
     assert time.monotonic() - start < 1.0 and importing.proc.returncode == -signal.SIGKILL
+
+
+def test_a_pid_given_again_is_not_taken_for_the_earlier_child_that_had_it():
+    """The kernel reuses pids: the ended child keeps its exit code, the new one with its pid runs."""
+    zygote = object.__new__(Zygote)
+    lines = [b'{"ready": true}\n', b'{"pid": 4242}\n', b'{"exited": 4242, "code": 3}\n', b'{"pid": 4242}\n']
+    zygote.proc = SimpleNamespace(stdout=iter(lines))
+    zygote._answers, zygote._children = queue.Queue(), {}
+    zygote._gone, zygote._ready = threading.Event(), threading.Event()
+    zygote._read()
+    (_, first), (_, second) = zygote._answers.get_nowait(), zygote._answers.get_nowait()
+    assert first.pid == second.pid == 4242 and first.returncode == 3 and second.returncode is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 from torch.distributed import DistError
 
 from felactl.agents.agent import LocalWorkerAgent, RunResult, WorkerSpec
-from felactl.agents.worker.zygote import Zygote
+from felactl.agents.worker.zygote import ZYGOTE_SWITCH, Zygote
 from felactl.control import keys
 from felactl.control.documents import CommandDoc, WorkerState
 from felactl.control.store import first_line
@@ -66,8 +67,9 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
 
     # felactl's workers fork from one process that imports torch once for every worker of this
     # node and every attempt (restarts and newcomers start without the import); it starts now,
-    # so that the import overlaps the rendezvous, and ends if the job is a user's script
-    zygote = Zygote()
+    # so that the import overlaps the rendezvous, and ends if the job is a user's script.
+    # FELACTL_ZYGOTE=0: every worker is exec'd (a benchmark's baseline; a way out of the fork)
+    zygote = Zygote() if os.environ.get(ZYGOTE_SWITCH, "1") != "0" else None
     try:
         session = AgentSession(
             config.endpoint,
@@ -84,11 +86,14 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
         except ControlPlaneError as exc:
             _report_quietly(session, WorkerState.STOPPED.value, message=str(exc))
             raise
-        if not assignment.module:
+        if zygote is not None and not assignment.module:
             zygote.close()
-        return _run_attempts(session, config, assignment, zygote if assignment.module else None)
+            zygote = None
+        with session.beating():
+            return _run_attempts(session, config, assignment, zygote)
     finally:
-        zygote.close()
+        if zygote is not None:
+            zygote.close()
 
 
 def _run_attempts(session, config: NodeAgentConfig, assignment, zygote: Zygote | None) -> RunResult:
@@ -247,11 +252,8 @@ def _supervise_elastic(agent: LocalWorkerAgent, session) -> RunResult:
 
 def _follow_coordinator(agent: LocalWorkerAgent, session) -> RunResult:
     """:func:`_supervise_elastic`'s loop, until the coordinator says stop."""
-    reported, last_beat = None, 0.0
+    reported = None
     while True:
-        if time.monotonic() - last_beat >= keys.AGENT_BEAT_S:
-            session.beat()
-            last_beat = time.monotonic()
         for command in _pop_commands(session):
             if command.get("op") == "add":
                 agent.add_worker(int(command["worker_id"]), dict(command.get("env", {})))

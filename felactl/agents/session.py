@@ -7,12 +7,15 @@ coordinator's side is :mod:`felactl.launcher.controlplane`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import socket
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,9 +231,32 @@ class AgentSession:
             ),
         )
 
-    def beat(self) -> None:
-        """Say this agent is alive (an elastic job's coordinator stops sending work to a silent one)."""
-        self.store.add(self.prefix + keys.agent_beat(self.agent_id), 1)
+    @contextlib.contextmanager
+    def beating(self) -> Iterator[None]:
+        """Say every :data:`~felactl.control.keys.AGENT_BEAT_S` that this agent is alive, from a
+        thread and a store client of its own, while the block runs: an elastic job's coordinator
+        stops sending work to a silent agent, and a restart counts a silent agent's node lost
+        without waiting out :data:`~felactl.launcher.restarts.LOST_AFTER_S`. A thread, so that an
+        agent busy stopping its workers (or waiting for the next attempt) is not taken for gone."""
+        stop = threading.Event()
+        store = connect_store(self.host, self.port, self.timeout_s)
+        name = self.prefix + keys.agent_beat(self.agent_id)
+
+        def beat() -> None:
+            while not stop.is_set():
+                try:
+                    store.add(name, 1)
+                except RuntimeError:  # the coordinator is gone: nobody to tell
+                    return
+                stop.wait(keys.AGENT_BEAT_S)
+
+        thread = threading.Thread(target=beat, name="felactl-agent-beat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def worker_env(self) -> dict[str, str]:
         """What felactl's own workers need to verify and sign documents: the secret (in their

@@ -326,6 +326,12 @@ class Coordinator:
             self.refuse(name, "a generation document the coordinator never published; removed")
             self.store.delete_key(self.prefix + name)
 
+    def agent_beat(self, agent_id: str) -> str | None:
+        """The agent's beat counter as it stands (unsigned: a forged beat can only delay the
+        verdict that an agent is gone, to the deadline every wait for a report has)."""
+        raw = self.reader.raw(keys.agent_beat(agent_id))
+        return None if raw is None else raw.decode("utf-8", "replace")
+
     def agent_state(self, agent_id: str) -> dict | None:
         """The agent's newest valid report (a forged or replayed one is refused and ignored)."""
         name = keys.agent_state(agent_id)

@@ -53,6 +53,9 @@ RESCALE_DRAIN_S = 30.0
 LOST_AFTER_S = 10.0
 """After a failure, how long a live agent gets to stop its workers (SIGTERM, then SIGKILL after
 3 s) and report; one that has not by then is taken as lost, with its node."""
+SILENT_S = 6 * keys.AGENT_BEAT_S
+"""An agent whose beat (sent from a thread of its own, whatever the agent is busy with) has not
+moved this long is gone, with its node, without waiting out :data:`LOST_AFTER_S`."""
 KEEP_STATE_S = 20.0
 """After a failure, how long the workers that survive get to write their state for the restart
 (:mod:`felactl.agents.worker.survivors`) before their agents stop them (each exits once it has)."""
@@ -240,10 +243,11 @@ class Restarts:
 
     def _lost_nodes(self, attempt: int) -> list[str]:
         """The nodes whose agent is gone: the attempt's workers are stopped (each live agent
-        stops its own and reports, in a few seconds); an agent not heard of within
-        :data:`LOST_AFTER_S` is taken as lost with its node. One that said its workers are still
-        ending (they write their state for the restart) gets :data:`KEEP_STATE_S` more to report
-        how they ended, so that the restart finds what they wrote."""
+        stops its own and reports, in a few seconds); an agent whose beat stopped for
+        :data:`SILENT_S`, or not heard of within :data:`LOST_AFTER_S`, is taken as lost with its
+        node. One that said its workers are still ending (they write their state for the
+        restart) gets :data:`KEEP_STATE_S` more to report how they ended, so that the restart
+        finds what they wrote."""
         keep_s = self._keep_state_s()
         if keep_s:  # the workers that wait to step together stop waiting and write their state
             workers = generation_store(self.coordinator.store, self.coordinator.prefix, self.base_generation + attempt)
@@ -252,12 +256,16 @@ class Restarts:
         node_of = {m.agent_id: m.node_name for m in self.state.members}
         unheard = dict(node_of)
         ending: set[str] = set()
+        beats = _BeatWatch(self.coordinator.agent_beat)
         start = time.monotonic()
         while unheard or ending:
             waited = time.monotonic() - start
             if waited > LOST_AFTER_S + keep_s or (not ending and waited > LOST_AFTER_S):
                 break
-            for agent_id in [*unheard, *ending]:
+            waiting = [a for a in [*unheard, *ending] if not beats.silent(a)]
+            if not waiting:  # the ones left are gone
+                break
+            for agent_id in waiting:
                 report = self.coordinator.agent_state(agent_id)
                 if not report or int(report.get("attempt", 0)) != attempt:
                     continue
@@ -371,3 +379,21 @@ def changes_summary(run: RunDir) -> dict[str, Any]:
     if not any(e.get("kind") in RESTART_KINDS for e in events):
         return {}
     return {"restarts": restarts(events, read_jsonl(run.metrics))}
+
+
+class _BeatWatch:
+    """When each agent's beat counter last moved, read as it is asked about."""
+
+    def __init__(self, read: Callable[[str], str | None]):
+        self.read = read
+        self.moved: dict[str, tuple[str | None, float]] = {}
+
+    def silent(self, agent_id: str) -> bool:
+        """Whether ``agent_id`` beat once and has not since for :data:`SILENT_S` (one never seen
+        beating is left to the deadline)."""
+        beat, now = self.read(agent_id), time.monotonic()
+        last = self.moved.get(agent_id)
+        if last is None or last[0] != beat:
+            self.moved[agent_id] = (beat, now)
+            return False
+        return beat is not None and now - last[1] > SILENT_S

@@ -57,7 +57,7 @@ class Lookout:
             )
         )
         switched = frozenset() if state.switching is None else self._read_reports(state.switching, reports)
-        agent_beats = {a.agent_id: self._agent_beat(a.agent_id) for a in state.agents.values()}
+        agent_beats = {a.agent_id: self.coordinator.agent_beat(a.agent_id) for a in state.agents.values()}
         return Seen(
             now=time.monotonic(),
             joins=joins,
@@ -79,10 +79,6 @@ class Lookout:
             reported = self.coordinator.agent_state(agent.agent_id) or {}
             table.update(reported.get("workers", {}))
         return table
-
-    def _agent_beat(self, agent_id: str) -> str | None:
-        raw = self.reader.raw(keys.agent_beat(agent_id))
-        return None if raw is None else raw.decode("utf-8", "replace")
 
     def _beat(self, wid: int) -> Opened | None:
         """The newest valid heartbeat of ``wid``, else None: a forged or replayed beat does not

@@ -46,6 +46,9 @@ LATE_READ_PREFIXES = ("FELACTL_", "TORCHELASTIC_", "NCCL_", "GLOO_", "CUDA_", "P
 """Prefixes of variables read when a worker runs, not when torch is imported (CUDA's at its
 first use, which the zygote never makes; felactl's, NCCL's and gloo's when groups form)."""
 
+ZYGOTE_SWITCH = "FELACTL_ZYGOTE"
+"""The environment variable that, set to ``0`` where an agent starts, has it exec every worker."""
+
 START_TIMEOUT_S = 120.0
 """How long the agent waits for the zygote to answer a start (it may still be importing torch)."""
 
@@ -67,8 +70,9 @@ class Zygote:
             start_new_session=True,  # a terminal's Ctrl-C is the agent's to handle
         )
         self._lock = threading.Lock()  # one request and its answer at a time
-        self._answers: queue.Queue[dict] = queue.Queue()
-        self._exits: dict[int, int] = {}
+        self._answers: queue.Queue[tuple[dict, ForkedWorker | None]] = queue.Queue()
+        self._children: dict[int, ForkedWorker] = {}
+        """Each pid's newest child (the kernel gives an ended child's pid again)."""
         self._gone = threading.Event()
         self._ready = threading.Event()
         threading.Thread(target=self._read, name="felactl-zygote-reader", daemon=True).start()
@@ -76,7 +80,7 @@ class Zygote:
     def serves(self, argv: list[str], env: dict[str, str]) -> bool:
         """Whether a worker of ``argv`` and ``env`` starts from this zygote as it would exec'd:
         ``python -m felactl.<module>`` (the training worker, the profiling one), no arguments."""
-        if len(argv) != 3 or argv[1] != "-m" or not argv[2].startswith("felactl.") or self._gone.is_set():
+        if len(argv) != 3 or argv[1] != "-m" or not argv[2].startswith("felactl.") or self.gone():
             return False
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         return all(k in LATE_READ or k.startswith(LATE_READ_PREFIXES) for k in changed)
@@ -91,21 +95,16 @@ class Zygote:
             try:
                 self.proc.stdin.write((json.dumps(request) + "\n").encode())
                 self.proc.stdin.flush()
-                answer = self._answers.get(timeout=START_TIMEOUT_S)
+                answer, child = self._answers.get(timeout=START_TIMEOUT_S)
             except (OSError, ValueError, queue.Empty) as exc:
                 raise OSError(f"the zygote did not start a worker: {exc!r}") from exc
-        if "pid" not in answer:
+        if child is None:
             raise OSError(f"the zygote did not start a worker: {answer.get('error')}")
-        return ForkedWorker(answer["pid"], self)
+        return child
 
-    def exit_code(self, pid: int) -> int | None:
-        """``pid``'s exit code once the zygote saw it end; where the zygote itself is gone, a
-        child it can no longer report on counts as failed once it is no longer running."""
-        if pid in self._exits:
-            return self._exits[pid]
-        if self._gone.is_set() and not _running(pid):
-            return self._exits.setdefault(pid, 1)
-        return None
+    def gone(self) -> bool:
+        """Whether the zygote has exited (it reports on no child any more)."""
+        return self._gone.is_set()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """End the zygote (its children are the agent's to stop first); one still importing has
@@ -128,14 +127,18 @@ class Zygote:
                 message = json.loads(line)
             except ValueError:
                 continue
-            if "exited" in message:
-                self._exits[int(message["exited"])] = int(message["code"])
+            if "exited" in message:  # reported before the pid can be given to a later child
+                if (child := self._children.get(int(message["exited"]))) is not None:
+                    child.returncode = int(message["code"])
             elif "ready" in message:
                 self._ready.set()
+            elif "pid" in message:
+                child = self._children[int(message["pid"])] = ForkedWorker(int(message["pid"]), self)
+                self._answers.put((message, child))
             else:
-                self._answers.put(message)
+                self._answers.put((message, None))
         self._gone.set()
-        self._answers.put({"error": "the zygote exited"})
+        self._answers.put(({"error": "the zygote exited"}, None))
 
 
 def start_process(
@@ -160,10 +163,13 @@ class ForkedWorker:
     def __init__(self, pid: int, zygote: Zygote):
         self.pid, self._zygote = pid, zygote
         self.returncode: int | None = None
+        """Set by the zygote's report of its end."""
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._zygote.exit_code(self.pid)
+        """Its exit code once ended; one the zygote can no longer report on (the zygote is gone)
+        counts as failed once it no longer runs."""
+        if self.returncode is None and self._zygote.gone() and not _running(self.pid):
+            self.returncode = 1
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -238,10 +244,9 @@ def _fork(request: dict, *zygote_fds: int) -> dict:
 
 
 def _become_worker(request: dict, log: int, zygote_fds: tuple[int, ...]) -> None:
-    """In the forked child: take the worker's session, environment and output, then run it (the
-    agent pins it to its cores, as it does an exec'd one)."""
+    """In the forked child: take the worker's session, environment, output and cores, then run it."""
     os.setsid()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any python: KeyboardInterrupt
     env = dict(request["env"], FELACTL_PARENT_PID=str(os.getppid()))
     os.environ.clear()
     os.environ.update(env)
@@ -251,6 +256,8 @@ def _become_worker(request: dict, log: int, zygote_fds: tuple[int, ...]) -> None
     os.dup2(log, 2)
     for fd in {devnull, log, *zygote_fds} - {0, 1, 2}:
         os.close(fd)
+    if cores := env.get("FELACTL_CPU_CORES"):  # pinned before it runs a line (its agent pins it too)
+        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
     if "numpy" in sys.modules:  # every fork would otherwise draw the same numbers (random reseeds itself)
         sys.modules["numpy"].random.seed()
     if request["module"] == WORKER_MODULE:
