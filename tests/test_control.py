@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -193,10 +194,9 @@ def test_run_local_serves_its_store_on_loopback_only(monkeypatch, tmp_path):
     real = local.serve_store
     monkeypatch.setattr(local, "serve_store", lambda host: seen.append(host) or real(host))
     monkeypatch.setattr(local, "_wait_all", lambda procs, logs, deadline: None)
+    monkeypatch.setattr(local, "Zygote", lambda env: SimpleNamespace(close=lambda: None))
     monkeypatch.setattr(
-        local.subprocess,
-        "Popen",
-        lambda *a, **k: type("P", (), {"poll": lambda self: 0, "wait": lambda self: 0, "kill": lambda self: None})(),
+        local, "start_process", lambda *a: SimpleNamespace(poll=lambda: 0, wait=lambda: 0, kill=lambda: None)
     )
     local.run_local(tmp_path / "plan.yaml", tmp_path / "run", 1)
     assert seen == ["127.0.0.1"]
