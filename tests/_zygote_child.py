@@ -1,6 +1,7 @@
 """A module the zygote tests fork (``tests/test_zygote.py``): what its environment asks, then exit.
 
-``ZYGOTE_CHILD``: ``env`` prints its FELACTL_WORKER_ID, session and parent; ``random`` prints a
+``ZYGOTE_CHILD``: ``env`` prints its FELACTL_WORKER_ID, session and parent (twice: the pid and
+the one it watches); ``threads`` its torch threads and cores; ``random`` prints a
 draw of numpy's global generator; ``sleep`` waits to be signalled or for its parent to go, as a
 worker does (``exit_with_parent``); ``exit:N`` exits with N; ``raise`` raises.
 """
@@ -15,7 +16,11 @@ from felactl.agents.worker.__main__ import exit_with_parent
 
 what = os.environ.get("ZYGOTE_CHILD", "")
 if what == "env":
-    print(os.environ["FELACTL_WORKER_ID"], os.getsid(0) == os.getpid(), os.getppid())
+    print(os.environ["FELACTL_WORKER_ID"], os.getsid(0) == os.getpid(), os.getppid(), os.environ["FELACTL_PARENT_PID"])
+elif what == "threads":
+    import torch
+
+    print(torch.get_num_threads(), len(os.sched_getaffinity(0)))
 elif what == "random":
     print(numpy.random.randint(1 << 30))
 elif what == "sleep":

@@ -245,3 +245,20 @@ def test_an_agent_whose_beat_stopped_is_lost_at_once_and_one_that_beats_is_waite
     job = restarts.Restarts(coordinator, state, None, {}, None, 3, 10, None, {}, None)
     assert job._lost_nodes(0) == ["node-a"]
     assert 1 < time.monotonic() - start < 10
+
+
+def test_a_silence_that_the_launcher_itself_slept_through_is_not_the_agents():
+    """The launcher process stalled (swapped out, say): the beats it did not see in that time
+    were not missing; an agent is silent only over time the launcher was looking."""
+    from felactl.launcher.restarts import SILENT_S, _BeatWatch
+
+    now = [0.0]
+    watch = _BeatWatch(lambda agent_id: "7", clock=lambda: now[0])
+    for now[0] in (0.0, 0.1, 0.2, 0.2 + 3 * SILENT_S):  # the last look after a stall
+        assert not watch.silent("a")
+    t = now[0]
+    while now[0] < t + SILENT_S - 0.1:
+        now[0] += 0.1
+        assert not watch.silent("a")
+    now[0] = t + SILENT_S + 0.2
+    assert watch.silent("a")

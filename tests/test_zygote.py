@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -41,8 +42,8 @@ def _fork(zygote: Zygote, tmp_path: Path, what: str, worker: int = 0) -> tuple[F
 def test_a_forked_child_has_its_own_environment_session_and_log(zygote, tmp_path):
     child, log = _fork(zygote, tmp_path, "env", worker=7)
     assert child.wait(timeout=30) == 0
-    worker, own_session, parent = log.read_text().split()
-    assert worker == "7" and own_session == "True" and int(parent) == zygote.proc.pid
+    worker, own_session, parent, watched = log.read_text().split()
+    assert worker == "7" and own_session == "True" and int(parent) == int(watched) == zygote.proc.pid
 
 
 @pytest.mark.parametrize(("what", "code"), [("exit:0", 0), ("exit:3", 3), ("raise", 1)])
@@ -122,3 +123,43 @@ def test_a_pid_given_again_is_not_taken_for_the_earlier_child_that_had_it():
     zygote._read()
     (_, first), (_, second) = zygote._answers.get_nowait(), zygote._answers.get_nowait()
     assert first.pid == second.pid == 4242 and first.returncode == 3 and second.returncode is None
+
+
+def test_its_group_is_its_own_as_soon_as_its_pid_is_known(zygote, tmp_path):
+    """The agent may stop a newcomer's group the moment it starts (an elastic ``kill``)."""
+    child, _ = _fork(zygote, tmp_path, "sleep")
+    os.killpg(child.pid, signal.SIGKILL)  # no ProcessLookupError: the child already leads its group
+    assert child.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_pinned_child_sizes_its_threads_to_its_cores_and_a_core_gone_leaves_it_unpinned(tmp_path):
+    """An exec'd worker loaded OpenMP once pinned, which sized its pool to the slot; the zygote
+    loaded it with every core of the node."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores to tell a slot's threads from the node's")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    zygote = Zygote(dict(env, PYTHONPATH=os.pathsep.join([TESTS, env.get("PYTHONPATH", "")])))
+    try:
+        outputs = []
+        for cores in ("0", "999"):  # a core the cpuset does not hold: unpinned, as the agent leaves it
+            log = tmp_path / f"threads-{cores}.log"
+            child = zygote.start(
+                "_zygote_child", dict(zygote.env, ZYGOTE_CHILD="threads", FELACTL_CPU_CORES=cores), log
+            )
+            assert child.wait(timeout=30) == 0, log.read_text()
+            outputs.append(log.read_text().split())
+        assert outputs[0] == ["1", "1"]
+        assert outputs[1][1] == str(len(os.sched_getaffinity(0)))
+    finally:
+        zygote.close()
+
+
+def test_a_zombie_left_to_this_process_reads_as_ended():
+    """An agent that is PID 1 in a container inherits the zygote's orphans: it reaps them."""
+    from felactl.agents.worker.zygote import _running
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    assert not _running(proc.pid)
+    assert not psutil.pid_exists(proc.pid)  # reaped

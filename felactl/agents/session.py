@@ -246,8 +246,8 @@ class AgentSession:
             while not stop.is_set():
                 try:
                     store.add(name, 1)
-                except RuntimeError:  # the coordinator is gone: nobody to tell
-                    return
+                except RuntimeError:  # a timeout, a reset: the next beat tries again
+                    pass
                 stop.wait(keys.AGENT_BEAT_S)
 
         thread = threading.Thread(target=beat, name="felactl-agent-beat", daemon=True)
@@ -256,7 +256,7 @@ class AgentSession:
             yield
         finally:
             stop.set()
-            thread.join()
+            thread.join(timeout=2 * keys.AGENT_BEAT_S)  # not a beat held up by a coordinator gone
 
     def worker_env(self) -> dict[str, str]:
         """What felactl's own workers need to verify and sign documents: the secret (in their

@@ -53,7 +53,7 @@ RESCALE_DRAIN_S = 30.0
 LOST_AFTER_S = 10.0
 """After a failure, how long a live agent gets to stop its workers (SIGTERM, then SIGKILL after
 3 s) and report; one that has not by then is taken as lost, with its node."""
-SILENT_S = 6 * keys.AGENT_BEAT_S
+SILENT_S = 10 * keys.AGENT_BEAT_S
 """An agent whose beat (sent from a thread of its own, whatever the agent is busy with) has not
 moved this long is gone, with its node, without waiting out :data:`LOST_AFTER_S`."""
 KEEP_STATE_S = 20.0
@@ -262,10 +262,7 @@ class Restarts:
             waited = time.monotonic() - start
             if waited > LOST_AFTER_S + keep_s or (not ending and waited > LOST_AFTER_S):
                 break
-            waiting = [a for a in [*unheard, *ending] if not beats.silent(a)]
-            if not waiting:  # the ones left are gone
-                break
-            for agent_id in waiting:
+            for agent_id in [*unheard, *ending]:
                 report = self.coordinator.agent_state(agent_id)
                 if not report or int(report.get("attempt", 0)) != attempt:
                     continue
@@ -275,6 +272,8 @@ class Restarts:
                 elif report.get("state") != WorkerState.HEALTHY.value:  # they ended
                     unheard.pop(agent_id, None)
                     ending.discard(agent_id)
+            if all(beats.silent(a) for a in [*unheard, *ending]):  # the ones left are gone
+                break
             time.sleep(0.1)
         # one still ending past its time is gone too (its agent keeps its workers no longer than that)
         lost = {**unheard, **{agent_id: node_of[agent_id] for agent_id in ending}}
@@ -384,14 +383,22 @@ def changes_summary(run: RunDir) -> dict[str, Any]:
 class _BeatWatch:
     """When each agent's beat counter last moved, read as it is asked about."""
 
-    def __init__(self, read: Callable[[str], str | None]):
-        self.read = read
+    STALLED_S = 1.0
+    """A gap between two looks this long is the watcher's own stall (this process swapped out,
+    say), in which a beat had no chance to be seen: silences start again after it."""
+
+    def __init__(self, read: Callable[[str], str | None], clock: Callable[[], float] = time.monotonic):
+        self.read, self.clock = read, clock
         self.moved: dict[str, tuple[str | None, float]] = {}
+        self.looked = clock()
 
     def silent(self, agent_id: str) -> bool:
         """Whether ``agent_id`` beat once and has not since for :data:`SILENT_S` (one never seen
         beating is left to the deadline)."""
-        beat, now = self.read(agent_id), time.monotonic()
+        beat, now = self.read(agent_id), self.clock()
+        if now - self.looked > self.STALLED_S:
+            self.moved = {a: (b, now) for a, (b, _) in self.moved.items()}
+        self.looked = now
         last = self.moved.get(agent_id)
         if last is None or last[0] != beat:
             self.moved[agent_id] = (beat, now)

@@ -37,6 +37,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+import psutil
+
 from felactl.control.documents import WORKER_MODULE
 
 LATE_READ = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -75,6 +77,7 @@ class Zygote:
         """Each pid's newest child (the kernel gives an ended child's pid again)."""
         self._gone = threading.Event()
         self._ready = threading.Event()
+        self._was_ready = False
         threading.Thread(target=self._read, name="felactl-zygote-reader", daemon=True).start()
 
     def serves(self, argv: list[str], env: dict[str, str]) -> bool:
@@ -82,22 +85,32 @@ class Zygote:
         ``python -m felactl.<module>`` (the training worker, the profiling one), no arguments."""
         if len(argv) != 3 or argv[1] != "-m" or not argv[2].startswith("felactl.") or self.gone():
             return False
+        if self._was_ready and not self._ready.is_set():  # it stopped answering: no more requests
+            return False
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         return all(k in LATE_READ or k.startswith(LATE_READ_PREFIXES) for k in changed)
 
     def start(self, module: str, env: dict[str, str], log_path: Path) -> ForkedWorker:
         """``python -m module`` forked with ``env``, its output appended to ``log_path``. Raises
-        OSError where the zygote cannot start it (the agent then starts it the old way)."""
+        OSError where the zygote cannot start it and has not (the agent then execs the worker):
+        it is gone, or still importing after :data:`START_TIMEOUT_S` (it is ended: it has no
+        child yet). A ready zygote that does not answer may yet fork: that is a RuntimeError,
+        since a worker exec'd beside it would run twice."""
         request = {"module": module, "env": env, "log": str(log_path)}
         with self._lock:
-            if self._gone.is_set():
-                raise OSError("the zygote is gone")
+            if not self._ready.wait(START_TIMEOUT_S) or self.gone():
+                self.close()
+                raise OSError(f"the zygote did not get ready within {START_TIMEOUT_S:.0f} s")
             try:
                 self.proc.stdin.write((json.dumps(request) + "\n").encode())
                 self.proc.stdin.flush()
-                answer, child = self._answers.get(timeout=START_TIMEOUT_S)
-            except (OSError, ValueError, queue.Empty) as exc:
+            except (OSError, ValueError) as exc:
                 raise OSError(f"the zygote did not start a worker: {exc!r}") from exc
+            try:
+                answer, child = self._answers.get(timeout=START_TIMEOUT_S)
+            except queue.Empty:
+                self._ready.clear()  # no more requests: an answer that comes now would be misread
+                raise RuntimeError(f"the zygote did not answer within {START_TIMEOUT_S:.0f} s") from None
         if child is None:
             raise OSError(f"the zygote did not start a worker: {answer.get('error')}")
         return child
@@ -132,6 +145,7 @@ class Zygote:
                     child.returncode = int(message["code"])
             elif "ready" in message:
                 self._ready.set()
+                self._was_ready = True
             elif "pid" in message:
                 child = self._children[int(message["pid"])] = ForkedWorker(int(message["pid"]), self)
                 self._answers.put((message, child))
@@ -192,13 +206,18 @@ class ForkedWorker:
 
 
 def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs. One the zygote left behind may have become this process's
+    child (an agent that is PID 1 in a container inherits orphans): reaped here, else its zombie
+    would read as running for ever."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- the zygote's side ------------------------------------------------------------------------
@@ -233,21 +252,30 @@ def _fork(request: dict, *zygote_fds: int) -> dict:
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as exc:
         return {"error": f"cannot open the worker's log: {exc}"}
+    zygote = os.getpid()  # the parent it watches, named before a fork it could die during
+    in_session, session_taken = os.pipe()
     pid = os.fork()
     if pid:
         os.close(log)
+        os.close(session_taken)
+        os.read(in_session, 1)  # until the child has its own session: the agent may killpg(pid) at once
+        os.close(in_session)
         return {"pid": pid}
     try:  # the child: it never returns into the zygote's loop
-        _become_worker(request, log, zygote_fds)
+        os.setsid()
+        os.close(session_taken)
+        _become_worker(request, log, zygote, (*zygote_fds, in_session))
+    except BaseException:  # noqa: BLE001 - said in its log (fd 2 is the log once dup'd), then gone
+        traceback.print_exc()
     finally:
         os._exit(1)
 
 
-def _become_worker(request: dict, log: int, zygote_fds: tuple[int, ...]) -> None:
-    """In the forked child: take the worker's session, environment, output and cores, then run it."""
-    os.setsid()
+def _become_worker(request: dict, log: int, zygote: int, zygote_fds: tuple[int, ...]) -> None:
+    """In the forked child, in its own session: take the worker's environment, output and cores,
+    then run it as ``python -m`` would."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any python: KeyboardInterrupt
-    env = dict(request["env"], FELACTL_PARENT_PID=str(os.getppid()))
+    env = dict(request["env"], FELACTL_PARENT_PID=str(zygote))
     os.environ.clear()
     os.environ.update(env)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -256,10 +284,10 @@ def _become_worker(request: dict, log: int, zygote_fds: tuple[int, ...]) -> None
     os.dup2(log, 2)
     for fd in {devnull, log, *zygote_fds} - {0, 1, 2}:
         os.close(fd)
-    if cores := env.get("FELACTL_CPU_CORES"):  # pinned before it runs a line (its agent pins it too)
-        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+    _take_cores(env)
     if "numpy" in sys.modules:  # every fork would otherwise draw the same numbers (random reseeds itself)
         sys.modules["numpy"].random.seed()
+    sys.argv = [request["module"]]
     if request["module"] == WORKER_MODULE:
         from felactl.agents.worker.__main__ import run
 
@@ -267,10 +295,26 @@ def _become_worker(request: dict, log: int, zygote_fds: tuple[int, ...]) -> None
     _run_as_main(request["module"])
 
 
+def _take_cores(env: dict[str, str]) -> None:
+    """Pin to the slot's cores before running a line (the agent pins it too, after). An exec'd
+    worker loaded OpenMP pinned, which then sized its pool to the slot; the zygote loaded it
+    with the node's cores, so the pool is sized here (where no thread count was set)."""
+    cores = env.get("FELACTL_CPU_CORES")
+    if not cores:
+        return
+    try:
+        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+    except OSError:
+        return  # as the agent's own pinning: a core gone from the cpuset leaves it unpinned
+    if "OMP_NUM_THREADS" not in env:
+        import torch
+
+        torch.set_num_threads(len(cores.split(",")))
+
+
 def _run_as_main(module: str) -> NoReturn:
-    """``python -m module``, leaving as the interpreter would (0, ``SystemExit``'s code, or 1
-    after the traceback), without its teardown."""
-    sys.argv = [module]
+    """``python -m module``, leaving as the interpreter would (0, ``SystemExit``'s code, by
+    SIGINT after a KeyboardInterrupt, or 1 after the traceback), without its teardown."""
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
@@ -278,6 +322,10 @@ def _run_as_main(module: str) -> NoReturn:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 1
     except BaseException:  # noqa: BLE001 - the module's own error: shown as python -m shows it
         traceback.print_exc()
         code = 1
