@@ -607,8 +607,8 @@ def test_a_workers_failure_is_said_from_this_run_of_it_and_a_kill_as_a_kill(tmp_
 
 
 def test_an_elastic_agent_whose_coordinator_is_gone_says_so_and_a_finished_one_succeeds(monkeypatch):
-    """The launch may close its store between a job's end and this agent's next beat (a late
-    agent, a busy machine): its workers having succeeded, the agent succeeds; with workers still
+    """The launch may close its store between a job's end and this agent's next look at it (a
+    late agent, a busy machine): its workers having succeeded, the agent succeeds; with workers still
     running it is one line, "lost the coordinator" (was: an internal DistNetworkError)."""
     import torch.distributed as dist
 
@@ -617,11 +617,13 @@ def test_an_elastic_agent_whose_coordinator_is_gone_says_so_and_a_finished_one_s
     from felactl.control.documents import WorkerState
     from felactl.errors import ControlPlaneError
 
+    class Store:
+        def queue_len(self, name):
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes")
+
     class Session:
         host, port = "10.0.0.1", 29500
-
-        def beat(self):
-            raise dist.DistNetworkError("Failed to recv, got 0 bytes")
+        agent_id, prefix, store = "na-1", "felactl/job/0/", Store()
 
     class Workers:
         def __init__(self, state):
