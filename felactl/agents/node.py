@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 from torch.distributed import DistError
 
 from felactl.agents.agent import LocalWorkerAgent, RunResult, WorkerSpec
-from felactl.agents.worker.zygote import ZYGOTE_SWITCH, Zygote
+from felactl.agents.worker.zygote import Zygote
 from felactl.control import keys
 from felactl.control.documents import CommandDoc, WorkerState
 from felactl.control.store import first_line
@@ -67,9 +66,8 @@ def run_node_agent(config: NodeAgentConfig, on_joined: Callable[[str], None] = l
 
     # felactl's workers fork from one process that imports torch once for every worker of this
     # node and every attempt (restarts and newcomers start without the import); it starts now,
-    # so that the import overlaps the rendezvous, and ends if the job is a user's script.
-    # FELACTL_ZYGOTE=0: every worker is exec'd (a benchmark's baseline; a way out of the fork)
-    zygote = Zygote() if os.environ.get(ZYGOTE_SWITCH, "1") != "0" else None
+    # so that the import overlaps the rendezvous, and ends if the job is a user's script
+    zygote = Zygote.unless_switched_off()
     try:
         session = AgentSession(
             config.endpoint,

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from felactl.agents.worker.zygote import ZYGOTE_SWITCH, ForkedWorker, Zygote, start_process
+from felactl.agents.worker.zygote import ForkedWorker, Zygote, start_process
 from felactl.control.documents import WORKER_MODULE
 from felactl.control.store import serve_store
 from felactl.errors import WorkerFailed
@@ -77,8 +77,7 @@ def run_local(
         )
         for rank in range(world_size)
     ]
-    # one import of torch for every worker, as the agent does (FELACTL_ZYGOTE=0: each its own)
-    zygote = Zygote(envs[0]) if os.environ.get(ZYGOTE_SWITCH, "1") != "0" else None
+    zygote = Zygote.unless_switched_off(envs[0])  # one import of torch for every worker, as the agent's
     try:
         for rank, env in enumerate(envs):
             log_path = run_dir / f"worker{rank}.log"

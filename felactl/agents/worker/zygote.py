@@ -80,6 +80,12 @@ class Zygote:
         self._was_ready = False
         threading.Thread(target=self._read, name="felactl-zygote-reader", daemon=True).start()
 
+    @classmethod
+    def unless_switched_off(cls, env: dict[str, str] | None = None) -> Zygote | None:
+        """A zygote, or None where ``FELACTL_ZYGOTE=0`` (every worker exec'd: a benchmark's
+        baseline, and a way out of the fork should a library need it)."""
+        return None if os.environ.get(ZYGOTE_SWITCH, "1") == "0" else cls(env)
+
     def serves(self, argv: list[str], env: dict[str, str]) -> bool:
         """Whether a worker of ``argv`` and ``env`` starts from this zygote as it would exec'd:
         ``python -m felactl.<module>`` (the training worker, the profiling one), no arguments."""
