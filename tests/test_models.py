@@ -117,6 +117,7 @@ def user_not_sequential():
         ("vgg-mini", {"image_size": 4}, "bad config .*image_size must be >= 8"),
         ("no_such_module_xyz:f", {}, "cannot import: .* looks in the current directory, .*, and on PYTHONPATH"),
         ("test_models:missing_function", {}, "cannot import"),
+        ("test_models.py:user_layers", {}, r"name the module, not its file: test_models:user_layers"),
         ("test_models:user_not_sequential", {}, "must return a felactl.TrainJob"),
         ("test_models:user_layers", {"hiden": 16}, "unknown config key 'hiden'; it takes hidden"),
     ],

@@ -288,7 +288,10 @@ def _user_function(source: str) -> Callable[..., Any]:
         return getattr(module, func_name)
     except (ImportError, AttributeError) as exc:
         where = ""
-        if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
+        if module_name.endswith(".py") and isinstance(exc, ModuleNotFoundError):  # a file's name, as for python
+            dotted = module_name.removesuffix(".py").replace("/", ".")
+            where = f" (name the module, not its file: {dotted}:{func_name})"
+        elif isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
             where = f" (felactl looks in the current directory, {os.getcwd()}, and on PYTHONPATH)"
         elif module is not None:
             where = _shadowed(module, module_name)
