@@ -25,7 +25,7 @@ from felactl.spec import Plan, SyncMode, SyncSpec, Training, save
 from tests.test_report import check_report
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker_helpers import Job, one_node_controller, rescale  # noqa: E402
+from _worker_helpers import Job, dp_plan, one_node_controller, rescale  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 GPT_CONFIG = {"depth": 1, "width": 64}
@@ -894,3 +894,14 @@ def test_modes_at_their_own_pace_scale_and_lose_workers_keeping_one_model(sync, 
     assert len(finals) == 1
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "runs" / "w" / "events.jsonl")]
     assert kinds == ["launch", "start", "scale-out", "scale-in", "refused", "failure", "failure", "finished"], kinds
+
+
+def test_a_membership_event_records_the_rate_the_workers_train_at():
+    """A job that brings its own optimizer trains at its own rate, which the workers report
+    with their switch: the event said the plan's default (0.003) where they trained at 0.05."""
+    from felactl.launcher.elastic import _event
+
+    plan = dp_plan(2, "bsp", optimizer="adamw", lr=0.003)
+    reports = {0: {"stayed": True, "pause_s": 0.1, "lr": 0.05}}
+    event = _event("failure", 1, [0, 1], [0], reports, plan, "worker 1 exited")
+    assert event["lr"] == 0.05 and event["global_batch"] == plan.global_batch

@@ -463,7 +463,8 @@ def _event(
         "replicated_from": senders,
         "step": max((r.get("step", 0) for r in reports.values()), default=None),
         "global_batch": plan.global_batch,
-        "lr": plan.training.lr,
+        # the rate the workers train at: the plan's (its scaling policy's) unless the job brings its optimizer
+        "lr": next((r["lr"] for r in reports.values() if r.get("lr") is not None), plan.training.lr),
         "switch_s": {str(w): _timings(r) for w, r in sorted(reports.items())},
     }
     if reason:

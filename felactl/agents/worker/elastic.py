@@ -328,6 +328,7 @@ class ElasticMembership(Membership):
                     "wrap_s": wrap_s,
                     "senders": {str(self.members[r]): b for r, b in rep.senders.items()},
                     "param_checksum": float(trainer.flat_params().double().sum()),
+                    "lr": trainer.optimizer.param_groups[0]["lr"],  # the job's own, where it brings its optimizer
                 }
             ).to_body(),
             generation=doc["generation"],
