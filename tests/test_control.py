@@ -194,7 +194,8 @@ def test_run_local_serves_its_store_on_loopback_only(monkeypatch, tmp_path):
     real = local.serve_store
     monkeypatch.setattr(local, "serve_store", lambda host: seen.append(host) or real(host))
     monkeypatch.setattr(local, "_wait_all", lambda procs, logs, deadline: None)
-    monkeypatch.setattr(local, "Zygote", lambda env: SimpleNamespace(close=lambda: None))
+    zygote = SimpleNamespace(close=lambda: None)
+    monkeypatch.setattr(local, "Zygote", SimpleNamespace(unless_switched_off=lambda env: zygote))
     monkeypatch.setattr(
         local, "start_process", lambda *a: SimpleNamespace(poll=lambda: 0, wait=lambda: 0, kill=lambda: None)
     )

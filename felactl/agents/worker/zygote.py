@@ -3,8 +3,8 @@
 A worker started as ``python -m felactl.agents.worker`` spends ~1.6 s of a core importing torch
 and felactl before it does anything, every time: each worker of a node, and again for each one
 at every restart and scale-out (where the pause is what the user waits through). The node's
-agent starts one zygote instead (``python -m felactl.agents.worker.zygote``), which imports them once
-and forks a worker per request, the way Android starts apps and Python's ``forkserver`` starts
+agent starts one zygote instead (``python -m felactl.agents.worker.zygote``), which imports them
+once and forks a worker per request, the way Android starts apps and Python's ``forkserver`` starts
 ``multiprocessing`` children. The zygote never starts a thread of its own and never touches a
 GPU, so a forked child starts as clean as an exec'd one.
 
@@ -15,10 +15,11 @@ after the zygote's start is not: a worker whose environment differs from the zyg
 variable read at import time (``PYTHONPATH``, thread counts, ``LD_*`` ...) is started the old way,
 as is any other module or a user's script (:meth:`Zygote.serves`).
 
-Protocol, one JSON object a line: the agent writes ``{"env": ..., "log": ...}`` to
-the zygote's stdin (and ``"module"``); the zygote answers ``{"pid": N}`` (or ``{"error": ...}``) in order, and
-``{"exited": N, "code": C}`` when a child ends, and ``{"ready": true}`` once its imports are done (``C`` as ``Popen.returncode``: ``-signal`` when
-killed). A closed stdin (the agent gone) ends the zygote.
+Protocol, one JSON object a line. The zygote says ``{"ready": true}`` once its imports are done.
+The agent writes ``{"module": ..., "env": ..., "log": ...}`` to its stdin; the zygote answers
+each, in order, with ``{"pid": N}`` (or ``{"error": ...}``), and says ``{"exited": N, "code": C}``
+when a child ends (``C`` as ``Popen.returncode``: ``-signal`` when killed). A closed stdin (the
+agent gone) ends the zygote.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class Zygote:
             except ValueError:
                 continue
             if "exited" in message:  # reported before the pid can be given to a later child
-                if (child := self._children.get(int(message["exited"]))) is not None:
+                if (child := self._children.pop(int(message["exited"]), None)) is not None:
                     child.returncode = int(message["code"])
             elif "ready" in message:
                 self._ready.set()
@@ -202,7 +203,10 @@ class ForkedWorker:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended since (Popen's way too)
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
