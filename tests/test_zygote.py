@@ -123,6 +123,7 @@ def test_a_pid_given_again_is_not_taken_for_the_earlier_child_that_had_it():
     zygote._read()
     (_, first), (_, second) = zygote._answers.get_nowait(), zygote._answers.get_nowait()
     assert first.pid == second.pid == 4242 and first.returncode == 3 and second.returncode is None
+    assert zygote._children == {4242: second}  # an ended child leaves the table
 
 
 def test_its_group_is_its_own_as_soon_as_its_pid_is_known(zygote, tmp_path):
@@ -163,3 +164,21 @@ def test_a_zombie_left_to_this_process_reads_as_ended():
         time.sleep(0.01)
     assert not _running(proc.pid)
     assert not psutil.pid_exists(proc.pid)  # reaped
+
+
+def test_a_zygote_that_exits_before_it_is_ready_is_not_waited_for(tmp_path, monkeypatch):
+    """One whose imports fail (here torch itself) is gone at once: its workers are exec'd then,
+    not after the start-up timeout."""
+    from felactl.agents.worker import zygote as zygote_module
+
+    monkeypatch.setattr(zygote_module, "START_TIMEOUT_S", 20.0)
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    broken = Zygote(dict(os.environ, PYTHONPATH=str(tmp_path)))
+    try:
+        start = time.monotonic()
+        with pytest.raises(OSError, match="or exited"):
+            broken.start(WORKER_MODULE, broken.env, tmp_path / "w.log")
+        assert time.monotonic() - start < 10 and broken.gone()
+    finally:
+        broken.close()

@@ -78,7 +78,9 @@ class Zygote:
         """Each pid's newest child (the kernel gives an ended child's pid again)."""
         self._gone = threading.Event()
         self._ready = threading.Event()
-        self._was_ready = False
+        """Set once its imports are done, or once it is gone (nobody waits for it then)."""
+        self._mute = False
+        """It once left a request unanswered: it gets no more (an answer that comes late would be misread)."""
         threading.Thread(target=self._read, name="felactl-zygote-reader", daemon=True).start()
 
     @classmethod
@@ -92,7 +94,7 @@ class Zygote:
         ``python -m felactl.<module>`` (the training worker, the profiling one), no arguments."""
         if len(argv) != 3 or argv[1] != "-m" or not argv[2].startswith("felactl.") or self.gone():
             return False
-        if self._was_ready and not self._ready.is_set():  # it stopped answering: no more requests
+        if self._mute:
             return False
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         return all(k in LATE_READ or k.startswith(LATE_READ_PREFIXES) for k in changed)
@@ -107,7 +109,7 @@ class Zygote:
         with self._lock:
             if not self._ready.wait(START_TIMEOUT_S) or self.gone():
                 self.close()
-                raise OSError(f"the zygote did not get ready within {START_TIMEOUT_S:.0f} s")
+                raise OSError(f"the zygote did not get ready within {START_TIMEOUT_S:.0f} s, or exited")
             try:
                 self.proc.stdin.write((json.dumps(request) + "\n").encode())
                 self.proc.stdin.flush()
@@ -116,7 +118,7 @@ class Zygote:
             try:
                 answer, child = self._answers.get(timeout=START_TIMEOUT_S)
             except queue.Empty:
-                self._ready.clear()  # no more requests: an answer that comes now would be misread
+                self._mute = True
                 raise RuntimeError(f"the zygote did not answer within {START_TIMEOUT_S:.0f} s") from None
         if child is None:
             raise OSError(f"the zygote did not start a worker: {answer.get('error')}")
@@ -147,18 +149,18 @@ class Zygote:
                 message = json.loads(line)
             except ValueError:
                 continue
-            if "exited" in message:  # reported before the pid can be given to a later child
+            if "exited" in message:  # said before the kernel can give the pid to a later child
                 if (child := self._children.pop(int(message["exited"]), None)) is not None:
                     child.returncode = int(message["code"])
             elif "ready" in message:
                 self._ready.set()
-                self._was_ready = True
             elif "pid" in message:
                 child = self._children[int(message["pid"])] = ForkedWorker(int(message["pid"]), self)
                 self._answers.put((message, child))
             else:
                 self._answers.put((message, None))
         self._gone.set()
+        self._ready.set()
         self._answers.put(({"error": "the zygote exited"}, None))
 
 
