@@ -486,3 +486,26 @@ def test_a_joined_agent_beats_from_a_thread_of_its_own_while_it_is_busy():
         assert during >= 2 and int(coordinator.agent_beat(agent_id)) == after
     finally:
         coordinator.close()
+
+
+def test_an_agents_beat_goes_on_after_a_store_error(monkeypatch):
+    """One failed beat (a timeout, a reset) does not end the beating: the first reading's
+    thread returned at the first error, and the agent's node was then taken for lost."""
+    from felactl.agents import session as session_module
+
+    class FlakyStore:
+        def __init__(self):
+            self.calls = 0
+
+        def add(self, name, amount):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("Connection reset by peer")
+
+    store = FlakyStore()
+    monkeypatch.setattr(session_module, "connect_store", lambda host, port, timeout_s: store)
+    agent = object.__new__(AgentSession)
+    agent.host, agent.port, agent.timeout_s, agent.prefix, agent.agent_id = "h", 1, 1.0, "p/", "a"
+    with agent.beating():
+        time.sleep(1.2)
+    assert store.calls >= 3

@@ -262,3 +262,24 @@ def test_a_silence_that_the_launcher_itself_slept_through_is_not_the_agents():
         assert not watch.silent("a")
     now[0] = t + SILENT_S + 0.2
     assert watch.silent("a")
+
+
+def test_an_agent_whose_beat_stopped_but_that_reports_how_its_workers_ended_is_not_lost(monkeypatch):
+    """A silent agent's report is read all the same, before its silence is judged: a beat held
+    up must not cost a node that says how its workers ended (the first reading skipped it)."""
+    from felactl.launcher import restarts
+
+    monkeypatch.setattr(restarts, "LOST_AFTER_S", 30.0)
+    monkeypatch.setattr(restarts, "SILENT_S", 0.0)  # silent from the second look on
+    looks = itertools.count()
+    coordinator = SimpleNamespace(
+        prefix="felactl/j/0/",
+        store=dist.TCPStore("127.0.0.1", 0, 1, True),
+        publish=lambda *args, **kwargs: None,
+        agent_state=lambda a: {"attempt": 0, "state": "stopped"} if next(looks) >= 1 else None,
+        agent_beat=lambda a: "7",
+    )
+    members = [SimpleNamespace(agent_id="a", node_name="node-a")]
+    state = SimpleNamespace(plan=pipeline_plan([0, 2, 3], num_replicas=1), members=members)
+    job = restarts.Restarts(coordinator, state, None, {}, None, 3, 10, None, {}, None)
+    assert job._lost_nodes(0) == []
