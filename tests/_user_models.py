@@ -154,3 +154,26 @@ def branching_job():
 
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 4, (16,)))
     return TrainJob(model=Branching(), dataset=data, loss_fn=nn.functional.cross_entropy)
+
+
+def heavy_loss(hidden: int = 8, rounds: int = 30):
+    """A small ``nn.Sequential`` whose loss costs many times its layers: the output goes through
+    ``rounds`` matmuls of a fixed 256 x 256 matrix before the squared error, as a language model's
+    cross-entropy over a large vocabulary outweighs a small model's blocks."""
+    import torch
+    from torch.nn import functional as F
+
+    from felactl import TrainJob
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 256, generator=g))
+    mixing = torch.randn(256, 256, generator=g) / 16
+
+    def loss_fn(output, targets):
+        x = output
+        for _ in range(rounds):
+            x = torch.tanh(x @ mixing)
+        return F.mse_loss(x, targets)
+
+    model = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 256))
+    return TrainJob(model=model, dataset=data, loss_fn=loss_fn)

@@ -302,6 +302,22 @@ def test_layer_times_are_scaled_to_the_whole_models_time():
     assert user.whole_model_scale == {}  # no data, no loss: the layer times stand
 
 
+def test_the_loss_is_timed_alone_and_charged_to_the_last_layer():
+    """A pipeline's last stage computes the loss: a loss that outweighs the layers makes the last
+    layer the dearest, and leaves the others their own timings (spread over every layer, the
+    first layers of this model took most of it)."""
+    spec = _profile("_user_models:heavy_loss", {}, (4, 16))
+    assert set(spec.loss_ms) == {"4", "16"}
+    for b_index, batch in enumerate(("4", "16")):
+        row = [l.timings[b_index] for l in spec.layers]
+        total = [t.fwd_ms + t.bwd_ms for t in row]
+        loss = spec.loss_ms[batch]
+        assert loss > 0.5 * sum(total), (batch, loss, total)  # 30 matmuls of 256 x 256 against 16x8, 8x256
+        assert total[-1] >= loss and sum(total[:-1]) < 0.5 * sum(total), (batch, loss, total)
+        assert row[-1].fwd_ms > 0 and row[-1].bwd_ms > 0
+        assert 0 < spec.whole_model_scale[batch] < 20.0
+
+
 def test_time_whole_model_grows_with_the_micro_batch():
     bundle = build("mlp", {"input_dim": 256, "hidden": 512, "depth": 3}, seed=0)
     small = time_whole_model(bundle, bundle.layers, 1, repeats=5)

@@ -47,7 +47,8 @@ def merge_device_profiles(profiles: Mapping[str, ModelSpec]) -> ModelSpec:
         optimizer_step_ms=None,
         optimizer_step_ms_by_device_model={m: statistics.median(v) for m, v in sorted(steps.items())},
         timed_tflops={m: float(f"{statistics.median(v):.4g}") for m, v in sorted(tflops.items())},
-        whole_model_scale={},  # a record of one device's scaling; per device it would say little
+        whole_model_scale={},  # records of one device's scaling; per device they would say little
+        loss_ms={},
         data_parallel_sync=tuple(t for spec in profiles.values() for t in spec.data_parallel_sync),
         noisy=noisy,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from felactl.profiling.model_timing import (
     Clock,
     LayerTimes,
     Measured,
+    WholeModel,
     fixed_gradient,
     scale_to_whole_model,
     time_layer,
@@ -85,10 +86,9 @@ def profile_model(
     batch_sizes, torch_device = _check_settings(batch_sizes, repeats, device)
     bundle, layers, spec_config = _load(source, config, seed, torch_device, input_shape)
     input_shape = spec_config.get("input_shape")
-    input_grads = input_grads_needed(layers)
+    input_grads, clock = input_grads_needed(layers), Clock.for_device(torch_device)
     statics = profile_static(bundle, layers, batch_sizes[0], input_shape, input_grads, torch_device, seed)
-    clock = Clock.for_device(torch_device)
-    timings, scales, timed_tflops, noisy = _time_micro_batches(
+    timed = _time_micro_batches(
         source,
         bundle,
         layers,
@@ -103,24 +103,36 @@ def profile_model(
         progress=progress,
         matmul_size=matmul_size,
     )
-    first_input = example_input(bundle, 1, input_shape, torch_device, seed)
     backward = _training_backward(bundle, layers, batch_sizes, torch_device)
     step = time_optimizer_step(layers, repeats=repeats, seed=seed, backward=backward, clock=clock)
+    noisy = timed.noisy
     _note_noisy(noisy, "optimizer_step_ms", step)
     _warn_noisy(source, noisy)
     return ModelSpec(
         name=bundle.name,
         source=source,
         config=spec_config,
-        input_bytes_per_sample=tensor_bytes(first_input),
-        layers=tuple(Layer(timings=tuple(t), **vars(s)) for s, t in zip(statics, timings)),
+        input_bytes_per_sample=tensor_bytes(example_input(bundle, 1, input_shape, torch_device, seed)),
+        layers=tuple(Layer(timings=tuple(t), **vars(s)) for s, t in zip(statics, timed.timings)),
         splittable=bundle.splittable,
         tied=bundle.tied_weights(),
         optimizer_step_ms=step.ms,
-        whole_model_scale=scales,
+        whole_model_scale=timed.whole_model_scale,
+        loss_ms=timed.loss_ms,
         noisy=tuple(noisy),
-        timed_tflops=timed_tflops,
+        timed_tflops=timed.timed_tflops,
     )
+
+
+class _MicroBatchTimings(NamedTuple):
+    """Each layer's timings at every micro-batch size; per micro-batch size (as a string) the whole
+    model's scale and the loss's own milliseconds; this CPU's matmul rate; the unsettled timings."""
+
+    timings: list[list[LayerTiming]]
+    whole_model_scale: dict[str, float]
+    loss_ms: dict[str, float]
+    timed_tflops: dict[str, float]
+    noisy: list[str]
 
 
 def _time_micro_batches(
@@ -138,10 +150,9 @@ def _time_micro_batches(
     clock: Clock,
     progress: Progress | None,
     matmul_size: int | None,
-) -> tuple[list[list[LayerTiming]], dict[str, float], dict[str, float], list[str]]:
-    """Each layer's timings at every micro-batch size, the whole model's scale at each
-    (``whole_model_scale``), this CPU's matmul rate (``timed_tflops``, with ``matmul_size``) and
-    the timings that did not settle (``noisy``)."""
+) -> _MicroBatchTimings:
+    """The layers timed at every micro-batch size, each size's whole model and loss, and this
+    CPU's matmul rate (with ``matmul_size``)."""
     total = len(layers) * (len(batch_sizes) + 1)
     if progress is not None:
         progress("flops", len(layers), total)
@@ -158,6 +169,7 @@ def _time_micro_batches(
 
     time_matmul()
     scales: dict[str, float] = {}
+    loss_ms: dict[str, float] = {}
     noisy: list[str] = []
     for b_index, batch in enumerate(batch_sizes):
         hidden = example_input(bundle, batch, input_shape, torch_device, seed)
@@ -171,11 +183,12 @@ def _time_micro_batches(
                 progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
         whole = scale_to_whole_model(bundle, layers, timings, torch_device, repeats, clock)
         if whole is not None:
-            scales[str(batch)] = whole.ms
+            scales[str(batch)] = whole.scale
+            loss_ms[str(batch)] = whole.loss_ms
             _note_noisy(noisy, f"whole_model_scale[{batch}]", whole)
         time_matmul()
     timed_tflops = {device_model: float(f"{statistics.median(matmul_rates):.4g}")} if matmul_rates else {}
-    return timings, scales, timed_tflops, noisy
+    return _MicroBatchTimings(timings, scales, loss_ms, timed_tflops, noisy)
 
 
 def _load(
@@ -226,7 +239,7 @@ def _warn_noisy(source: str, noisy: list[str]) -> None:
         )
 
 
-def _note_noisy(noisy: list[str], key: str, measured: Measured | LayerTimes) -> None:
+def _note_noisy(noisy: list[str], key: str, measured: Measured | LayerTimes | WholeModel) -> None:
     if measured.noisy:
         noisy.append(f"{key}: spread {measured.spread:.2f}")
 

@@ -202,6 +202,45 @@ def time_whole_model(
     return Measured(statistics.median(r for (r,) in runs) * 1e3, timed.spread, timed.noisy)
 
 
+class WholeModel(NamedTuple):
+    """What :func:`scale_to_whole_model` found: the factor the layers' timings took, the loss's
+    own forward + backward milliseconds (on the last layer), and the whole model's spread."""
+
+    scale: float
+    loss_ms: float
+    spread: float
+    noisy: bool
+
+
+class _Loss(nn.Module):
+    """The job's loss against fixed targets, as a layer after the last: timed as a layer is."""
+
+    def __init__(self, loss: Callable[[Any, Any], torch.Tensor], targets: Any) -> None:
+        super().__init__()
+        self.loss, self.targets = loss, targets
+
+    def forward(self, output: Any) -> torch.Tensor:
+        return self.loss(output, self.targets)
+
+
+def time_loss(
+    bundle: ModelBundle, layers: nn.Sequential, batch: int, device: torch.device, *, repeats: int, clock: Clock
+) -> LayerTimes:
+    """The loss's forward and backward alone, on the model's output of one ``batch``: what the
+    last stage of a pipeline computes beyond its layers (a language model's cross-entropy over its
+    vocabulary is a tenth of a small model's step)."""
+    inputs, targets = bundle.data.batch(range(batch))
+    with torch.no_grad():
+        output = layers(values.to_device(inputs, device))
+    loss = _Loss(bundle.loss, values.to_device(targets, device))
+    return time_layer(loss, output, [torch.ones((), device=device)], repeats=repeats, clock=clock)
+
+
+MIN_LAYERS_SHARE = 0.1
+"""The least the layers' scale falls to where the loss alone timed longer than the whole model
+less the layers (noise): the layers keep a tenth of their own timings."""
+
+
 def scale_to_whole_model(
     bundle: ModelBundle,
     layers: nn.Sequential,
@@ -209,11 +248,13 @@ def scale_to_whole_model(
     device: torch.device,
     repeats: int,
     clock: Clock = WALL_CLOCK,
-) -> Measured | None:
-    """Scale the last timing of every layer (one micro-batch) by (whole model) / (sum of the
-    layers), timed right after the layers so both see the same machine, so a stage of all layers
-    costs what the whole model measured; return the factor (as ``ms``) and the whole model's
-    spread. None (nothing scaled) for models without data: no targets for a loss."""
+) -> WholeModel | None:
+    """Fit the last timing of every layer (one micro-batch) to the whole model's, timed right after
+    the layers so both see the same machine: the loss, timed alone, goes on the last layer, where a
+    pipeline's last stage computes it; the rest of the whole model's time (the glue between layers,
+    one long graph's cache effects) scales every layer by (whole - loss) / (sum of the layers). A
+    stage of all layers then costs what the whole model measured. None (nothing scaled) for
+    models without data: no targets for a loss."""
     row = [t[-1] for t in timings]
     layers_ms = sum(t.fwd_ms + t.bwd_ms for t in row)
     if bundle.data is None or layers_ms <= 0:
@@ -221,16 +262,20 @@ def scale_to_whole_model(
     batch = row[0].micro_batch
     try:
         whole = time_whole_model(bundle, layers, batch, repeats=repeats, clock=clock)
+        loss = time_loss(bundle, layers, batch, device, repeats=repeats, clock=clock)
     except torch.cuda.OutOfMemoryError:
         raise ProfilingError(
             f"model {bundle.source!r}: the whole model runs out of memory on {device} "
             f"at micro-batch {batch}: profile smaller --batch-sizes"
         ) from None
-    scale = whole.ms / layers_ms
+    loss_ms = loss.fwd_ms + loss.bwd_ms
+    scale = max(whole.ms - loss_ms, MIN_LAYERS_SHARE * layers_ms) / layers_ms
     for layer_timings in timings:
         t = layer_timings[-1]
         layer_timings[-1] = replace(t, fwd_ms=t.fwd_ms * scale, bwd_ms=t.bwd_ms * scale)
-    return whole._replace(ms=scale)
+    last = timings[-1][-1]
+    timings[-1][-1] = replace(last, fwd_ms=last.fwd_ms + loss.fwd_ms, bwd_ms=last.bwd_ms + loss.bwd_ms)
+    return WholeModel(scale, loss_ms, max(whole.spread, loss.spread), whole.noisy or loss.noisy)
 
 
 def time_optimizer_step(
@@ -289,8 +334,10 @@ __all__ = [
     "Clock",
     "LayerTimes",
     "Measured",
+    "WholeModel",
     "scale_to_whole_model",
     "time_layer",
+    "time_loss",
     "time_optimizer_step",
     "time_whole_model",
 ]

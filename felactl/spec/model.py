@@ -148,7 +148,13 @@ class ModelSpec:
     ``optimizer_step_ms`` is the one device model's."""
     whole_model_scale: dict[str, float] = field(default_factory=dict)
     """Optional record, per micro-batch (as a string): the whole model's forward + loss + backward
-    time divided by the sum of its layers' times, by which the layers' timings were scaled."""
+    time less its loss's, divided by the sum of its layers' times, by which the layers' timings
+    were scaled."""
+    loss_ms: dict[str, float] = field(default_factory=dict)
+    """Optional record, per micro-batch (as a string): the loss's forward + backward milliseconds,
+    timed alone on the model's output, which the last layer's timing includes (where a pipeline's
+    last stage computes it). Absent in profiles written before it: there the loss was spread over
+    every layer by ``whole_model_scale``."""
     data_parallel_sync: tuple[SyncTiming, ...] = ()
     timed_tflops: dict[str, float] = field(default_factory=dict)
     """Optional, per device model the timings are of: the dense matmul TFLOP/s of the device they
@@ -177,6 +183,8 @@ class ModelSpec:
             raise FieldProblem("layers", "a model needs at least one layer")
         if not any(layer.fwd_flops_per_sample or layer.bwd_flops_per_sample for layer in self.layers):
             raise FieldProblem("layers", "every layer has 0 FLOPs per sample: nothing to price a device by")
+        for batch, ms in self.loss_ms.items():
+            positive(f"loss_ms[{batch!r}]", ms, limits.MILLISECONDS, allow_zero=True)
         for device_model, tflops in self.timed_tflops.items():
             positive(f"timed_tflops[{device_model!r}]", tflops, limits.TFLOPS)
         for device_model, ms in self.optimizer_step_ms_by_device_model.items():
