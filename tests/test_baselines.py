@@ -32,7 +32,7 @@ def test_the_hybrid_baseline_gives_the_device_with_the_tail_fewer_leading_tokens
     spec = cluster([[("g", 10.0, 8.0), ("g", 5.0, 8.0), ("g", 5.0, 8.0)]])
     net = model([(10_000, 1000, 1e8), (1_000_000, 100, 2e6), (10_000, 10, 2e4)])
     # without the tokens' overhead the hybrid takes small micro-batches, fine enough to show the split
-    found = hybrid_parallel(CostModel(spec, net, use_trees=False, token_cpu_s=0.0), 256)
+    found = hybrid_parallel(CostModel(spec, net, use_trees=False, token_cpu_s=0.0, token_server_cpu_s=0.0), 256)
     first, tail = found.stages
     assert tail.devices == ("n0.d0",) and (first.start, first.end) == (0, tail.start)
     dealt = token_samples(first.shares, 256, first.micro_batch)

@@ -90,6 +90,9 @@ class _ConstantCosts:
     def token_overhead_s(self, device):
         return 0.0
 
+    def claim_s(self, start, end, device, server=None):
+        return 0.0
+
     def mean_fetch_s(self, device, num_bytes):
         return 0.0
 

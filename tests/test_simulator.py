@@ -92,7 +92,7 @@ def test_a_producer_serves_its_output_while_it_computes():
     from tests.planner_fixtures import one_way_pair
 
     net = model([(1000, 1_000_000, 1e6), (1000, 10, 1e6)])  # 1 MB of activation per sample at the cut
-    cost = CostModel(one_way_pair(), net, use_trees=False, token_cpu_s=0.0)
+    cost = CostModel(one_way_pair(), net, use_trees=False, token_cpu_s=0.0, token_server_cpu_s=0.0)
     stages = (StageChoice(0, 1, 4, (("n0.d0", 1.0),)), StageChoice(1, 2, 4, (("n1.d0", 1.0),)))
     plan = _plan_from(stages, cost, net, 4, SyncMode.TOKENS, use_trees=False, max_stages=2)
     first_fwd, first_bwd = cost.stage_times_s(0, 1, "n0.d0", 4)

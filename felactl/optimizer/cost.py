@@ -34,7 +34,9 @@ Formulas (times in seconds, sizes in bytes):
   the quota of a CPU slot a cgroup holds (one thread's work), or the slowdown of another CPU slot
   (:meth:`CostModel.host_slowdown`, :meth:`CostModel.token_overhead_s`), for each
   token a worker claims (:meth:`CostModel.tokens_per_micro_batch`). It is what keeps the planner
-  from micro-batches too small to pay for themselves. A static pipeline claims no token: its
+  from micro-batches too small to pay for themselves. A pipeline's token also waits for rank 0's
+  token server to answer its request: the server's CPU and a wake-up on either side of a
+  throttled CPU slot (:meth:`CostModel.claim_s`, :meth:`CostModel.quota_wake_s`). A static pipeline claims no token: its
   stage pays :data:`PIPELINE_MESSAGE_CPU_S` per message from and to its neighbours instead
   (:meth:`CostModel.message_overhead_s`, in the simulator, which prices static pipelines).
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
@@ -170,6 +172,17 @@ machine, a 4-item message one way and a tensor back, 0.55 ms a round trip for ea
 Priced at the testbed's :data:`PIPELINE_MESSAGE_CPU_S`, a chain of two local CPU slots (a
 user's own four-block LM, micro-batch 1) was predicted 83 samples/s and ran 155; at this, 140."""
 
+TOKEN_SERVER_CPU_S = 0.18e-3
+"""Host CPU seconds rank 0's token server (the flexible hybrid's) spends on one request: popping
+it from the store, the token DAG's update, pushing the reply. Measured by
+``benchmarks/bench_token_server.py`` (the real service and request loop on a real store, this
+project's 2-core VM): 0.15-0.18 ms (BENCHMARKS.md, "What a pipeline token's claim waits for")."""
+QUOTA_PERIOD_S = 0.01
+"""The CFS period of a CPU slot held to a quota: a testbed's (``testbed.cgroups.CPU_PERIOD_US``,
+which the optimizer may not import; a test ties them), longer below a tenth of a core, where the
+kernel's least quota of 1 ms sets it. A container's own period (100 ms by default) is not in the
+cluster profile: its slots are priced as a testbed's."""
+
 
 @dataclass
 class CostModel(SyncCosts):
@@ -194,6 +207,8 @@ class CostModel(SyncCosts):
     rings on GPUs, whatever the ranks.)"""
     token_cpu_s: float = TOKEN_OVERHEAD_S
     """Host CPU seconds per token beyond compute, at the profiled speed (:meth:`token_overhead_s`)."""
+    token_server_cpu_s: float = TOKEN_SERVER_CPU_S
+    """Rank 0's host CPU seconds per pipeline token it answers (:meth:`claim_s`)."""
     message_cpu_s: float = PIPELINE_MESSAGE_CPU_S
     """Host CPU seconds per message a static pipeline's stage exchanges with another node
     (:meth:`message_overhead_s`)."""
@@ -312,6 +327,32 @@ class CostModel(SyncCosts):
         CostModel's ``token_overhead_s``): host CPU work, so a CPU device held to part of a core
         takes :meth:`host_slowdown` times as long."""
         return self.token_cpu_s * self.host_slowdown(self.cluster.device(device_name))
+
+    def quota_wake_s(self, device_name: str) -> float:
+        """What a thread woken on ``device_name`` waits for its CPU on average: a CPU slot held to
+        a quota q < 1 core, kept busy (a pipeline's worker is), is throttled for (1 - q) of each
+        CFS period, and a wake-up in that part waits for its end: (1 - q)^2 * period / 2. 0 on
+        other devices."""
+        device = self.cluster.device(device_name)
+        quota = cpu_slot_quota(device.model) if device.kind is DeviceKind.CPU else None
+        if quota is None or quota >= 1.0:
+            return 0.0
+        return (1.0 - quota) ** 2 * max(QUOTA_PERIOD_S, 1e-3 / quota) / 2
+
+    def claim_s(self, start: int, end: int, device_name: str, server: str | None = None) -> float:
+        """What one token of layers [start, end) costs ``device_name`` beyond its compute: its
+        own work on it (:meth:`token_overhead_s`), and for a pipeline's stage, the wait for rank
+        0's token server to answer its request (:data:`TOKEN_SERVER_CPU_S` on the server's host)
+        and a wake-up on either side (:meth:`quota_wake_s`). On the two-servers testbed (0.45 of
+        a core a node) the wait measured 2.7-3.3 ms a token, priced 3.4; unpriced, the tokens
+        runtime ran 0.68-0.73 of its price. ``server``: rank 0's device (None: the first of
+        ``ring_order`` where it is fixed, else taken to be like ``device_name``)."""
+        own = self.token_overhead_s(device_name)
+        if self.whole_model(start, end):
+            return own
+        server = server or (self.ring_order[0] if self.ring_order else device_name)
+        answer = self.token_server_cpu_s * self.host_slowdown(self.cluster.device(server))
+        return own + answer + self.quota_wake_s(server) + self.quota_wake_s(device_name)
 
     def message_overhead_s(self, device_name: str, peer: str) -> float:
         """What one message to or from ``peer``, a neighbouring stage of a static pipeline, costs

@@ -5,12 +5,12 @@ samples each device computes. Under token scheduling every device pulls work fro
 serves, so over one iteration of global batch ``B``:
 
 * ``load(d)  = sum_s samples(s, d) * (compute_per_sample(s, d, b_s) + exchange_per_sample(s, d))
-  + tokens(s, d) * token_overhead(d)``
+  + tokens(s, d) * claim(s, d)``
   where ``samples`` apportions whole tokens by share (:func:`token_samples`), the exchange is
   what the device fetches per micro-batch: its input activation from the stage before, its
   output's gradient from the stage after (:meth:`CostModel.mean_fetch_s`), and each token the
   device runs (:func:`stage_tokens`) costs the runtime's work around it
-  (:meth:`CostModel.token_overhead_s`);
+  (:meth:`CostModel.claim_s`);
 * ``sync(d)  = sum_{s served by d} exposed_s(d)``: what the allreduce of the stage's gradients
   over its group adds after ``d``'s last backward (the buckets that backward completes early run
   under it, :meth:`CostModel.exposed_sync_s`);
@@ -156,7 +156,7 @@ def stage_device_cost(cost: CostModel, stage: StageChoice, device: str, samples:
     tokens = stage_tokens(cost, stage, samples)
     sync = stage_sync_s(cost, stage, device)
     step = cost.optimizer_step_s(stage.start, stage.end, device)
-    return samples * (per_sample + exchange) + tokens * cost.token_overhead_s(device) + step + sync
+    return samples * (per_sample + exchange) + tokens * cost.claim_s(stage.start, stage.end, device) + step + sync
 
 
 def held_terms(
@@ -172,7 +172,7 @@ def held_terms(
     group = max(1, next_micro_batch // stage.micro_batch)
     slots = group * max(1, limit // group)
     fwd_s, bwd_s = cost.stage_times_s(stage.start, stage.end, device, stage.micro_batch)
-    overhead_s = cost.tokens_per_micro_batch(stage.start, stage.end) * cost.token_overhead_s(device) / 2
+    overhead_s = cost.tokens_per_micro_batch(stage.start, stage.end) * cost.claim_s(stage.start, stage.end, device) / 2
     forward_s = fwd_s + _boundary_fetch_s(cost, stage.start, stage.micro_batch, device) + overhead_s
     backward_s = bwd_s + _boundary_fetch_s(cost, stage.end, stage.micro_batch, device) + overhead_s
     rounds = math.ceil(tokens / slots)
@@ -212,7 +212,7 @@ def stage_latency_s(cost: CostModel, stage: StageChoice) -> float:
     fetch = max(exchange_per_sample_s(cost, stage.start, stage.end, stage.micro_batch, d) for d in stage.devices)
     token = max(
         sum(cost.stage_times_s(stage.start, stage.end, d, stage.micro_batch))
-        + cost.tokens_per_micro_batch(stage.start, stage.end) * cost.token_overhead_s(d)
+        + cost.tokens_per_micro_batch(stage.start, stage.end) * cost.claim_s(stage.start, stage.end, d)
         for d in stage.devices
     )
     return token + fetch * stage.micro_batch

@@ -20,9 +20,9 @@ static 1F1B pipelines instead, the stages' replicas summing their gradients once
 token server's round trips go, and so does the tokens runtime's balancing between a stage's
 devices (each pipeline takes an equal share). :func:`as_static_pipelines` writes one chain so
 always, and R >= 2 where the simulator, which prices both runtimes, finds the pipelines no slower:
-a tie goes to them, as the token server's round trips are not priced (on two-servers two such
-chains ran 1.37x as pipelines, the tokens runtime 0.70 of the same price). Pure: stage arithmetic
-and the simulator.
+a tie goes to them (on two-servers two such chains ran 1.37x as pipelines; the tokens runtime
+ran 0.70 of its price until each token's wait for the token server's answer was priced,
+:meth:`~felactl.optimizer.cost.CostModel.claim_s`). Pure: stage arithmetic and the simulator.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ A token's duration is its compute (cost model, times the device's slowdown) plus
 inputs from the devices that produced them on the actual links (a request there, the tensor
 back); the producer serves them from a thread while it computes, at no cost to its tokens (the
 runtime's, :class:`~felactl.agents.worker.flexible.TensorStore`); and the runtime's own work
-around each token (:meth:`CostModel.token_overhead_s`; a static pipeline's messages to its neighbours,
+around each token, with a pipeline token's wait for rank 0's answer (:meth:`CostModel.claim_s`;
+a static pipeline's messages to its neighbours,
 :meth:`CostModel.message_overhead_s`). A backward token taken by a worker other than the one that ran
 its forward recomputes that forward first (as the runtime does: the autograd graph lives where
 the forward ran), and the worker that ran it keeps its activations to the iteration's end (the
@@ -272,7 +273,8 @@ class _Simulation:
         return compute + receive + self._overhead_s(tok, device)
 
     def _overhead_s(self, tok: _Token, device: str) -> float:
-        """The runtime's work around a token it claims (:meth:`CostModel.token_overhead_s`): the
+        """The runtime's work around a token it claims and its wait for the claim's answer from
+        rank 0 (:meth:`CostModel.claim_s`): the
         simulator's forward and backward tokens of a stage the runtime claims as one
         (:meth:`CostModel.tokens_per_micro_batch`) are charged once, with the forward. A static
         pipeline claims nothing: each forward and backward pays its messages from and to the
@@ -283,7 +285,9 @@ class _Simulation:
             return sum(self.cost.message_overhead_s(device, peer) for peer in peers)
         claims = self.cost.tokens_per_micro_batch(stage.layer_start, stage.layer_end)
         charged = claims == 2 or (claims == 1 and not tok.backward)
-        return self.cost.token_overhead_s(device) if charged else 0.0
+        if not charged:
+            return 0.0
+        return self.cost.claim_s(stage.layer_start, stage.layer_end, device, server=self.plan.devices[0])
 
     def _dispatch(self, now: float) -> None:
         for device in self.plan.devices:
