@@ -17,6 +17,13 @@ served: ``cost.TOKEN_SERVER_CPU_S`` prices it) and each worker's wall and CPU pe
 The plan is ``--stages`` stages of ``--replicas`` workers each at micro-batch 1, as the
 two-servers testbed's two chains of two (BENCHMARKS.md). Workers with nothing to compute ask as
 fast as the server answers, so the wall per token is the server's pace, not a pipeline's.
+
+``--server-main python`` keeps the server process's main thread busy in Python, as rank 0's own
+token handling is at times: the server then waits for the GIL, up to the switch interval twice a
+request (40 ms a token at Python's 5 ms). ``--switch-interval-ms`` shortens it there. Workers keep
+Python's default: on the two-servers testbed a 0.1 ms interval left each token's wait as it was
+(3.0-3.2 ms, a throttled node's wake-ups) and ran 0.91-1.00 of the default's speed in four pairs
+of runs (BENCHMARKS.md, "What a pipeline token's claim waits for").
 """
 
 from __future__ import annotations

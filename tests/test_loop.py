@@ -9,7 +9,6 @@ tests (test_scale, test_resume, ...) check the same paths end to end with real p
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
 from types import SimpleNamespace
 
@@ -143,14 +142,6 @@ class FakeMembership(Membership):
 
     def checkpoint_extra(self):
         return {}
-
-
-@pytest.fixture(autouse=True)
-def _python_default_switch_interval():
-    """run_worker sets the worker's switch interval process-wide: this test process gets Python's back."""
-    sys.setswitchinterval(0.005)
-    yield
-    sys.setswitchinterval(0.005)
 
 
 def _job(steps=6, *, changes=None, failure_change=None, **first):
@@ -312,20 +303,6 @@ def test_every_worker_runs_one_sequence_start_train_finish_then_close(monkeypatc
     assert main.run_worker(cfg=None) == {"steps": 2, "left": False}
     assert calls[0] == ("start",)
     assert calls[-4:] == [("g0", "finish"), ("g0", "close"), ("finish", True), ("close",)]
-
-
-def test_a_worker_trains_with_a_short_gil_switch_interval(monkeypatch):
-    """A worker's helper threads (the token server, tensor servers, WBSP's) answer other workers:
-    woken by a request, each waits for the GIL while the main thread runs Python, up to the
-    switch interval; at Python's 5 ms a token's answer took 40 ms (bench_token_server.py)."""
-    calls, trainer, membership = _job(steps=2)
-    seen = []
-    step = membership.first_strategy.step
-    membership.first_strategy.step = lambda work: (seen.append(sys.getswitchinterval()), step(work))[1]
-    monkeypatch.setattr(main.faulthandler, "register", lambda *args: None)
-    monkeypatch.setattr(main, "membership_for", lambda cfg: membership)
-    main.run_worker(cfg=None)
-    assert seen == pytest.approx([main.SWITCH_INTERVAL_S] * 2) and main.SWITCH_INTERVAL_S <= 1e-4
 
 
 def test_the_membership_is_closed_when_the_run_fails(monkeypatch):
