@@ -258,7 +258,7 @@ def make_plans(cluster: Path, model_yaml: Path, args, out: Path) -> dict:
     capped = cluster if not args.memory_fraction else cap_memory(cluster, model_yaml, args, out)
     plans = {name: plan(name, cluster if name == "dp" else capped) for name in names if name != TOKENS_CHAIN}
     if TOKENS_CHAIN in names:
-        chain = as_tokens(plans["felactl"][1], out / f"{TOKENS_CHAIN}.yaml")
+        chain = as_tokens(plans["felactl"][1], out / f"{TOKENS_CHAIN}.yaml", capped, model_yaml)
         if chain is None:
             print(f"{TOKENS_CHAIN}: felactl's plan here is no chain of 1F1B pipelines: not run", file=sys.stderr)
         else:
@@ -273,12 +273,25 @@ stages, shares, in-flight limits and ranks, schedule ``tokens``: what the planne
 measured beside it."""
 
 
-def as_tokens(plan, path: Path) -> tuple[Path, object] | None:
-    from felactl.spec import Schedule, save
+def as_tokens(plan, path: Path, cluster: Path, model_yaml: Path) -> tuple[Path, object] | None:
+    """felactl's static pipelines on the tokens runtime, predicted by their own simulation (the
+    tokens runtime's price, with each token's wait for rank 0's answer), not the pipelines'."""
+    from felactl.optimizer.cost import CostModel
+    from felactl.optimizer.simulator import simulate
+    from felactl.spec import Schedule, load_cluster, load_model, save
 
     if plan.schedule is Schedule.TOKENS or not plan.pipelines or any(st.shard for st in plan.stages):
         return None
     flexible = dataclasses.replace(plan, schedule=Schedule.TOKENS, pipelines=())
+    cost = CostModel(load_cluster(cluster), load_model(model_yaml), ring_order=flexible.devices)
+    iteration_s = simulate(flexible, cost).iteration_s
+    predicted = dataclasses.replace(
+        plan.predicted,
+        iteration_s=iteration_s,
+        samples_per_s=plan.global_batch / iteration_s,
+        simulated_iteration_s=iteration_s,
+    )
+    flexible = dataclasses.replace(flexible, predicted=predicted)
     return save(flexible, path), flexible
 
 
