@@ -181,7 +181,7 @@ def _time_micro_batches(
             hidden = out
             if progress is not None:
                 progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
-        whole = scale_to_whole_model(bundle, layers, timings, torch_device, repeats, clock)
+        whole = scale_to_whole_model(bundle, layers, timings, input_grads, repeats, clock)
         if whole is not None:
             scales[str(batch)] = whole.scale
             loss_ms[str(batch)] = whole.loss_ms

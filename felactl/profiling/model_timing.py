@@ -1,6 +1,6 @@
-"""Timing a model as a worker runs it: one layer's forward and backward, the whole model's
-micro-batch, the optimizer step, each on the clock that fits the device (wall seconds, or a CPU
-quota's).
+"""Timing a model as a worker runs it: one layer's forward and backward, every layer's and the
+loss's in sequence as a step runs them, the whole model's micro-batch, the optimizer step, each
+on the clock that fits the device (wall seconds, or a CPU quota's).
 
 Every time is the median of blocks of ``repeats`` runs, repeated until the blocks agree
 (``felactl.profiling.timing``); the spread is recorded with the timing, and the timings that never
@@ -203,8 +203,9 @@ def time_whole_model(
 
 
 class WholeModel(NamedTuple):
-    """What :func:`scale_to_whole_model` found: the factor the layers' timings took, the loss's
-    own forward + backward milliseconds (on the last layer), and the whole model's spread."""
+    """What :func:`scale_to_whole_model` found: the whole model's time over the layers' and the
+    loss's in sequence, the loss's forward + backward milliseconds (on the last layer, scaled),
+    and the larger spread of the two timings."""
 
     scale: float
     loss_ms: float
@@ -212,70 +213,112 @@ class WholeModel(NamedTuple):
     noisy: bool
 
 
-class _Loss(nn.Module):
-    """The job's loss against fixed targets, as a layer after the last: timed as a layer is."""
+class InSequence(NamedTuple):
+    """Medians of every layer's forward and backward milliseconds, and the loss's, timed in one
+    pass through the model as a pipeline's stages run it (:func:`time_in_sequence`)."""
 
-    def __init__(self, loss: Callable[[Any, Any], torch.Tensor], targets: Any) -> None:
-        super().__init__()
-        self.loss, self.targets = loss, targets
-
-    def forward(self, output: Any) -> torch.Tensor:
-        return self.loss(output, self.targets)
-
-
-def time_loss(
-    bundle: ModelBundle, layers: nn.Sequential, batch: int, device: torch.device, *, repeats: int, clock: Clock
-) -> LayerTimes:
-    """The loss's forward and backward alone, on the model's output of one ``batch``: what the
-    last stage of a pipeline computes beyond its layers (a language model's cross-entropy over its
-    vocabulary is a tenth of a small model's step)."""
-    inputs, targets = bundle.data.batch(range(batch))
-    with torch.no_grad():
-        output = layers(values.to_device(inputs, device))
-    loss = _Loss(bundle.loss, values.to_device(targets, device))
-    return time_layer(loss, output, [torch.ones((), device=device)], repeats=repeats, clock=clock)
+    fwd_ms: list[float]
+    bwd_ms: list[float]
+    loss_fwd_ms: float
+    loss_bwd_ms: float
+    spread: float
+    noisy: bool
 
 
-MIN_LAYERS_SHARE = 0.1
-"""The least the layers' scale falls to where the loss alone timed longer than the whole model
-less the layers (noise): the layers keep a tenth of their own timings."""
+def time_in_sequence(
+    bundle: ModelBundle,
+    layers: nn.Sequential,
+    batch: int,
+    input_grads: list[bool],
+    *,
+    repeats: int,
+    clock: Clock = WALL_CLOCK,
+) -> InSequence:
+    """Every layer's forward and backward, and the loss's, on the job's fresh micro-batches of
+    ``batch``, timed in the order a training step runs them: each layer on its input cut from the
+    layer before (as at a stage's boundary), the loss, then each layer's backward from the last.
+
+    Timed alone, on one input again and again, a layer finds its weights, its input and its
+    output's buffers in cache; in a step the layers before have pushed them out. A LLaMA-shaped
+    LM's untied head over 4096 words took 1.9 ms alone and 2.5 in sequence, its loss 0.9 and 1.4
+    (a 2 MB logits tensor), and a pipeline's last stage ran 1.44x its price
+    (``benchmarks/bench_loss_stage.py``, BENCHMARKS.md)."""
+    device = next((p.device for p in layers.parameters()), torch.device("cpu"))
+    starts = itertools.count(0, batch)  # fresh samples each run, as a worker's next micro-batch
+    timer = clock.timer
+
+    def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+        _synchronize(device)
+        start = timer()
+        out = fn()
+        _synchronize(device)
+        return out, timer() - start
+
+    def run() -> tuple[float, ...]:
+        clear_grads(layers)
+        first = next(starts)
+        inputs, targets = bundle.data.batch(range(first, first + batch))
+        x, targets = values.to_device(inputs, device), values.to_device(targets, device)
+        cuts, outs, fwd = [], [], []
+        for layer, input_grad in zip(layers, input_grads):
+            cuts.append(leaf(x, input_grad))
+            x, seconds = timed(lambda layer=layer: forward(layer, cuts[-1]))
+            outs.append(x)
+            fwd.append(seconds)
+        output = leaf(x, True)
+        loss, loss_fwd = timed(lambda: bundle.loss(output, targets))
+        _, loss_bwd = timed(loss.backward)
+        grads, bwd = values.input_grads(output), []
+        for cut, out in zip(reversed(cuts), reversed(outs)):
+            _, seconds = timed(lambda out=out, grads=grads: values.backward(out, grads))
+            bwd.append(seconds)
+            grads = values.input_grads(cut)
+        return (*fwd, loss_fwd, loss_bwd, *reversed(bwd))
+
+    runs, timed_runs = _repeat_runs(run, repeats=repeats, warmup=WARMUP_RUNS, clock=clock)
+    clear_grads(layers)
+    n = len(layers)
+    ms = [statistics.median(r[i] for r in runs) * 1e3 for i in range(2 * n + 2)]
+    return InSequence(ms[:n], ms[n + 2 :], ms[n], ms[n + 1], timed_runs.spread, timed_runs.noisy)
 
 
 def scale_to_whole_model(
     bundle: ModelBundle,
     layers: nn.Sequential,
     timings: list[list[LayerTiming]],
-    device: torch.device,
+    input_grads: list[bool],
     repeats: int,
     clock: Clock = WALL_CLOCK,
 ) -> WholeModel | None:
-    """Fit the last timing of every layer (one micro-batch) to the whole model's, timed right after
-    the layers so both see the same machine: the loss, timed alone, goes on the last layer, where a
-    pipeline's last stage computes it; the rest of the whole model's time (the glue between layers,
-    one long graph's cache effects) scales every layer by (whole - loss) / (sum of the layers). A
-    stage of all layers then costs what the whole model measured. None (nothing scaled) for
+    """Set the last timing of every layer (one micro-batch) to what the layer takes in a step:
+    timed in sequence on fresh micro-batches (:func:`time_in_sequence`), the loss on the last
+    layer, where a pipeline's last stage computes it; then scale them all by the whole model's
+    forward + loss + backward (one graph, timed right after) over their sum, so that a stage of
+    all layers costs what the whole model measured. None (the layers' own timings stand) for
     models without data: no targets for a loss."""
-    row = [t[-1] for t in timings]
-    layers_ms = sum(t.fwd_ms + t.bwd_ms for t in row)
-    if bundle.data is None or layers_ms <= 0:
+    if bundle.data is None:
         return None
-    batch = row[0].micro_batch
+    device = next((p.device for p in layers.parameters()), torch.device("cpu"))
+    batch = timings[0][-1].micro_batch
     try:
+        seq = time_in_sequence(bundle, layers, batch, input_grads, repeats=repeats, clock=clock)
         whole = time_whole_model(bundle, layers, batch, repeats=repeats, clock=clock)
-        loss = time_loss(bundle, layers, batch, device, repeats=repeats, clock=clock)
     except torch.cuda.OutOfMemoryError:
         raise ProfilingError(
             f"model {bundle.source!r}: the whole model runs out of memory on {device} "
             f"at micro-batch {batch}: profile smaller --batch-sizes"
         ) from None
-    loss_ms = loss.fwd_ms + loss.bwd_ms
-    scale = max(whole.ms - loss_ms, MIN_LAYERS_SHARE * layers_ms) / layers_ms
-    for layer_timings in timings:
-        t = layer_timings[-1]
-        layer_timings[-1] = replace(t, fwd_ms=t.fwd_ms * scale, bwd_ms=t.bwd_ms * scale)
-    last = timings[-1][-1]
-    timings[-1][-1] = replace(last, fwd_ms=last.fwd_ms + loss.fwd_ms, bwd_ms=last.bwd_ms + loss.bwd_ms)
-    return WholeModel(scale, loss_ms, max(whole.spread, loss.spread), whole.noisy or loss.noisy)
+    loss_ms = seq.loss_fwd_ms + seq.loss_bwd_ms
+    total = sum(seq.fwd_ms) + sum(seq.bwd_ms) + loss_ms
+    if total <= 0:
+        return None
+    scale = whole.ms / total
+    for k, layer_timings in enumerate(timings):
+        fwd, bwd = seq.fwd_ms[k], seq.bwd_ms[k]
+        if k == len(timings) - 1:
+            fwd, bwd = fwd + seq.loss_fwd_ms, bwd + seq.loss_bwd_ms
+        layer_timings[-1] = replace(layer_timings[-1], fwd_ms=fwd * scale, bwd_ms=bwd * scale)
+    return WholeModel(scale, loss_ms * scale, max(whole.spread, seq.spread), whole.noisy or seq.noisy)
 
 
 def time_optimizer_step(
@@ -332,12 +375,13 @@ def _synchronize(device: torch.device) -> None:
 __all__ = [
     "DEFAULT_REPEATS",
     "Clock",
+    "InSequence",
     "LayerTimes",
     "Measured",
     "WholeModel",
     "scale_to_whole_model",
+    "time_in_sequence",
     "time_layer",
-    "time_loss",
     "time_optimizer_step",
     "time_whole_model",
 ]

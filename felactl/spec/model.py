@@ -148,13 +148,13 @@ class ModelSpec:
     ``optimizer_step_ms`` is the one device model's."""
     whole_model_scale: dict[str, float] = field(default_factory=dict)
     """Optional record, per micro-batch (as a string): the whole model's forward + loss + backward
-    time less its loss's, divided by the sum of its layers' times, by which the layers' timings
-    were scaled."""
+    time divided by its layers' and its loss's timed in sequence (each layer's timing at that
+    micro-batch is its time in sequence, times this)."""
     loss_ms: dict[str, float] = field(default_factory=dict)
     """Optional record, per micro-batch (as a string): the loss's forward + backward milliseconds,
-    timed alone on the model's output, which the last layer's timing includes (where a pipeline's
-    last stage computes it). Absent in profiles written before it: there the loss was spread over
-    every layer by ``whole_model_scale``."""
+    timed after the layers in sequence and scaled as they are, which the last layer's timing
+    includes (where a pipeline's last stage computes it). Absent in profiles written before it:
+    there the loss was spread over every layer by ``whole_model_scale``."""
     data_parallel_sync: tuple[SyncTiming, ...] = ()
     timed_tflops: dict[str, float] = field(default_factory=dict)
     """Optional, per device model the timings are of: the dense matmul TFLOP/s of the device they
