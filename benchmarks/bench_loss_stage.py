@@ -122,6 +122,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--compare-profile",
+        type=Path,
+        default=None,
+        help="a model profile of the same job made otherwise (an older felactl's), in place of the loss spread",
+    )
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="bench_loss.") as tmp:
@@ -133,16 +139,20 @@ def main() -> int:
                 "-o", str(out / "model.yaml"), env=env)  # fmt: skip
         felactl("profile", "--nproc-per-node", "2", "-o", str(out / "cluster.yaml"), env=env)
         cluster, model = load_cluster(out / "cluster.yaml"), load_model(out / "model.yaml")
-        profiles = {"loss on the last layer": model, "loss spread": spread_loss(model)}
+        other = load_model(args.compare_profile) if args.compare_profile else spread_loss(model)
+        profiles = {
+            "loss on the last layer": model,
+            "loss spread" if not args.compare_profile else "given profile": other,
+        }
         order = list(cluster.device_names[:2])
         plans = {}
         for name, profile in profiles.items():
             plan = chain_plan(cluster, profile, order, args.micro_batch, args.global_batch)
-            plans[name] = (save(plan, out / f"plan-{name.split()[1]}.yaml"), plan)
+            plans[name] = (save(plan, out / f"plan-{name.replace(' ', '-')}.yaml"), plan)
         measured: dict[str, list[float]] = {name: [] for name in plans}
         for round_ in range(args.repeat):
             for name, (path, _) in plans.items():
-                run_id = f"{name.split()[1]}-{round_}"
+                run_id = f"{name.replace(' ', '-')}-{round_}"
                 felactl("launch", str(path), "--steps", str(args.steps), "--runs-root", str(out / "runs"),
                         "--run-id", run_id, "--json", env=env)  # fmt: skip
                 rate = steady_rate(read_metrics(out / "runs" / run_id), args.global_batch, args.warmup)
@@ -156,12 +166,13 @@ def main() -> int:
         }
         rows.append({"cut by": name, "stages": cuts, "measured": measured[name], "simulated": sims})
     print(json.dumps({"loss_ms": model.loss_ms, "rows": rows}, indent=1), file=sys.stderr)
+    first, second = profiles
     print("| cut by the profile with | stages (layers) | measured samples/s (median; runs) | "
-          "simulated, loss on the last layer (measured ÷) | simulated, loss spread (measured ÷) |")  # fmt: skip
+          f"simulated, {first} (measured ÷) | simulated, {second} (measured ÷) |")  # fmt: skip
     print("|---|---|---:|---:|---:|")
     for row in rows:
         m = statistics.median(row["measured"])
-        on_last, spread = row["simulated"]["loss on the last layer"], row["simulated"]["loss spread"]
+        on_last, spread = (row["simulated"][name] for name in profiles)
         runs = ", ".join(f"{x:.0f}" for x in row["measured"])
         print(f"| {row['cut by']} | {row['stages']} | {m:.1f} ({runs}) | {on_last:.1f} ({m / on_last:.2f}) "
               f"| {spread:.1f} ({m / spread:.2f}) |")  # fmt: skip
