@@ -295,3 +295,18 @@ def test_a_baseline_without_a_plan_or_with_another_sync_exits_2(runner):
     assert runner.invoke(app, [*args, "--baseline", "zz"]).exit_code == 2
     tokens = runner.invoke(app, [*args, "--baseline", "dp", "--sync", "tokens"])
     assert tokens.exit_code == 2 and "bsp" in tokens.output
+
+
+def test_explain_shows_a_small_stages_memory_to_three_figures(runner, tmp_path):
+    """Stages of 11.7 and 11.1 MB both read "0.01" GB, which said nothing where a device holds
+    15 MB (a user's trial with capped CPU slots)."""
+    data = Path(__file__).resolve().parent / "data"
+    out = tmp_path / "p.yaml"
+    args = ["plan", "--cluster", str(data / "two-servers-0.82.cluster.yaml"), "--model"]
+    args += [str(data / "llama-two-servers-0.82.model.yaml"), "--global-batch", "64", "--explain", "-o", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    memory = [max(w.predicted_memory_gb for w in st.workers) for st in load_plan(out).stages]
+    assert all(m < 0.01 for m in memory)
+    for m in memory:
+        assert f"{m:.3g}" in result.output

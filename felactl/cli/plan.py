@@ -191,7 +191,7 @@ def _render_explain(console, plan: Plan, cost: CostModel) -> None:
             f"{st.layer_start}-{st.layer_end - 1} ({names[0]}..{names[1]})",
             str(st.micro_batch),
             workers,
-            f"{memory:.2f}",
+            f"{memory:.3g}",  # a few MB on a small device is 0.0117, not 0.01
         )
     console.print(table)
     for c in plan.collectives:
