@@ -172,20 +172,24 @@ def _time_micro_batches(
     loss_ms: dict[str, float] = {}
     noisy: list[str] = []
     for b_index, batch in enumerate(batch_sizes):
-        hidden = example_input(bundle, batch, input_shape, torch_device, seed)
-        for i, layer in enumerate(layers):
-            where = f"model {source!r}: layer {i} runs out of memory on {device} at micro-batch {batch}"
-            times, out = _time_one_layer(layer, hidden, where, seed + i, repeats, input_grads[i], clock)
-            timings[i].append(times.timing(device_model, batch))
-            _note_noisy(noisy, f"layers[{i}].timings[{b_index}]", times)
-            hidden = out
+        if bundle.data is None:  # no data, no step to time the layers in: each alone
+            hidden = example_input(bundle, batch, input_shape, torch_device, seed)
+            for i, layer in enumerate(layers):
+                where = f"model {source!r}: layer {i} runs out of memory on {device} at micro-batch {batch}"
+                times, hidden = _time_one_layer(layer, hidden, where, seed + i, repeats, input_grads[i], clock)
+                timings[i].append(times.timing(device_model, batch))
+                _note_noisy(noisy, f"layers[{i}].timings[{b_index}]", times)
+                if progress is not None:
+                    progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
+        else:  # timed as a step runs them (scale_to_whole_model), which is what a stage pays
+            for row in timings:
+                row.append(LayerTiming(device_model=device_model, micro_batch=batch, fwd_ms=0.0, bwd_ms=0.0))
+            whole = scale_to_whole_model(bundle, layers, timings, input_grads, repeats, clock)
+            scales[str(batch)], loss_ms[str(batch)] = whole.scale, whole.loss_ms
+            _note_noisy(noisy, f"layers[*].timings[{b_index}]", whole)  # every layer, timed in one pass
             if progress is not None:
-                progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
-        whole = scale_to_whole_model(bundle, layers, timings, input_grads, repeats, clock)
-        if whole is not None:
-            scales[str(batch)] = whole.scale
-            loss_ms[str(batch)] = whole.loss_ms
-            _note_noisy(noisy, f"whole_model_scale[{batch}]", whole)
+                for i in range(len(layers)):
+                    progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
         time_matmul()
     timed_tflops = {device_model: float(f"{statistics.median(matmul_rates):.4g}")} if matmul_rates else {}
     return _MicroBatchTimings(timings, scales, loss_ms, timed_tflops, noisy)

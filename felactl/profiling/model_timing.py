@@ -289,15 +289,13 @@ def scale_to_whole_model(
     input_grads: list[bool],
     repeats: int,
     clock: Clock = WALL_CLOCK,
-) -> WholeModel | None:
+) -> WholeModel:
     """Set the last timing of every layer (one micro-batch) to what the layer takes in a step:
     timed in sequence on fresh micro-batches (:func:`time_in_sequence`), the loss on the last
     layer, where a pipeline's last stage computes it; then scale them all by the whole model's
     forward + loss + backward (one graph, timed right after) over their sum, so that a stage of
-    all layers costs what the whole model measured. None (the layers' own timings stand) for
-    models without data: no targets for a loss."""
-    if bundle.data is None:
-        return None
+    all layers costs what the whole model measured. For a model with data (a ``TrainJob``): one
+    without has no targets for a loss, and its layers are timed alone (:func:`time_layer`)."""
     device = next((p.device for p in layers.parameters()), torch.device("cpu"))
     batch = timings[0][-1].micro_batch
     try:
@@ -310,14 +308,13 @@ def scale_to_whole_model(
         ) from None
     loss_ms = seq.loss_fwd_ms + seq.loss_bwd_ms
     total = sum(seq.fwd_ms) + sum(seq.bwd_ms) + loss_ms
-    if total <= 0:
-        return None
-    scale = whole.ms / total
+    scale = whole.ms / total if total > 0 else 1.0
     for k, layer_timings in enumerate(timings):
         fwd, bwd = seq.fwd_ms[k], seq.bwd_ms[k]
         if k == len(timings) - 1:
             fwd, bwd = fwd + seq.loss_fwd_ms, bwd + seq.loss_bwd_ms
-        layer_timings[-1] = replace(layer_timings[-1], fwd_ms=fwd * scale, bwd_ms=bwd * scale)
+        spread = round(seq.spread, 3)
+        layer_timings[-1] = replace(layer_timings[-1], fwd_ms=fwd * scale, bwd_ms=bwd * scale, spread=spread)
     return WholeModel(scale, loss_ms * scale, max(whole.spread, seq.spread), whole.noisy or seq.noisy)
 
 
