@@ -33,7 +33,7 @@ from felactl.profiling.model_timing import (
     Measured,
     WholeModel,
     fixed_gradient,
-    scale_to_whole_model,
+    time_as_a_step,
     time_layer,
     time_optimizer_step,
 )
@@ -181,10 +181,10 @@ def _time_micro_batches(
                 _note_noisy(noisy, f"layers[{i}].timings[{b_index}]", times)
                 if progress is not None:
                     progress(f"micro-batch {batch}, layer {i}", len(layers) * (b_index + 1) + i + 1, total)
-        else:  # timed as a step runs them (scale_to_whole_model), which is what a stage pays
-            for row in timings:
-                row.append(LayerTiming(device_model=device_model, micro_batch=batch, fwd_ms=0.0, bwd_ms=0.0))
-            whole = scale_to_whole_model(bundle, layers, timings, input_grads, repeats, clock)
+        else:  # timed as a step runs them, which is what a stage pays
+            row, whole = time_as_a_step(bundle, layers, batch, input_grads, device_model, repeats=repeats, clock=clock)
+            for layer_timings, timing in zip(timings, row):
+                layer_timings.append(timing)
             scales[str(batch)], loss_ms[str(batch)] = whole.scale, whole.loss_ms
             _note_noisy(noisy, f"layers[*].timings[{b_index}]", whole)  # every layer, timed in one pass
             if progress is not None:

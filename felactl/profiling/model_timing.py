@@ -13,7 +13,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -203,7 +203,7 @@ def time_whole_model(
 
 
 class WholeModel(NamedTuple):
-    """What :func:`scale_to_whole_model` found: the whole model's time over the layers' and the
+    """What :func:`time_as_a_step` found: the whole model's time over the layers' and the
     loss's in sequence, the loss's forward + backward milliseconds (on the last layer, scaled),
     and the larger spread of the two timings."""
 
@@ -282,22 +282,23 @@ def time_in_sequence(
     return InSequence(ms[:n], ms[n + 2 :], ms[n], ms[n + 1], timed_runs.spread, timed_runs.noisy)
 
 
-def scale_to_whole_model(
+def time_as_a_step(
     bundle: ModelBundle,
     layers: nn.Sequential,
-    timings: list[list[LayerTiming]],
+    batch: int,
     input_grads: list[bool],
+    device_model: str,
+    *,
     repeats: int,
     clock: Clock = WALL_CLOCK,
-) -> WholeModel:
-    """Set the last timing of every layer (one micro-batch) to what the layer takes in a step:
-    timed in sequence on fresh micro-batches (:func:`time_in_sequence`), the loss on the last
-    layer, where a pipeline's last stage computes it; then scale them all by the whole model's
-    forward + loss + backward (one graph, timed right after) over their sum, so that a stage of
-    all layers costs what the whole model measured. For a model with data (a ``TrainJob``): one
-    without has no targets for a loss, and its layers are timed alone (:func:`time_layer`)."""
+) -> tuple[list[LayerTiming], WholeModel]:
+    """Every layer's timing at micro-batch ``batch`` as a step pays it: timed in sequence on fresh
+    micro-batches (:func:`time_in_sequence`), the loss on the last layer, where a pipeline's last
+    stage computes it; then all scaled by the whole model's forward + loss + backward (one graph,
+    timed right after) over their sum, so that a stage of all layers costs what the whole model
+    measured. For a model with data (a ``TrainJob``): one without has no targets for a loss, and
+    its layers are timed alone (:func:`time_layer`)."""
     device = next((p.device for p in layers.parameters()), torch.device("cpu"))
-    batch = timings[0][-1].micro_batch
     try:
         seq = time_in_sequence(bundle, layers, batch, input_grads, repeats=repeats, clock=clock)
         whole = time_whole_model(bundle, layers, batch, repeats=repeats, clock=clock)
@@ -309,13 +310,18 @@ def scale_to_whole_model(
     loss_ms = seq.loss_fwd_ms + seq.loss_bwd_ms
     total = sum(seq.fwd_ms) + sum(seq.bwd_ms) + loss_ms
     scale = whole.ms / total if total > 0 else 1.0
-    for k, layer_timings in enumerate(timings):
-        fwd, bwd = seq.fwd_ms[k], seq.bwd_ms[k]
-        if k == len(timings) - 1:
-            fwd, bwd = fwd + seq.loss_fwd_ms, bwd + seq.loss_bwd_ms
-        spread = round(seq.spread, 3)
-        layer_timings[-1] = replace(layer_timings[-1], fwd_ms=fwd * scale, bwd_ms=bwd * scale, spread=spread)
-    return WholeModel(scale, loss_ms * scale, max(whole.spread, seq.spread), whole.noisy or seq.noisy)
+    last = len(layers) - 1
+    row = [
+        LayerTiming(
+            device_model=device_model,
+            micro_batch=batch,
+            fwd_ms=(fwd + (seq.loss_fwd_ms if k == last else 0.0)) * scale,
+            bwd_ms=(bwd + (seq.loss_bwd_ms if k == last else 0.0)) * scale,
+            spread=round(seq.spread, 3),
+        )
+        for k, (fwd, bwd) in enumerate(zip(seq.fwd_ms, seq.bwd_ms))
+    ]
+    return row, WholeModel(scale, loss_ms * scale, max(whole.spread, seq.spread), whole.noisy or seq.noisy)
 
 
 def time_optimizer_step(
@@ -376,7 +382,7 @@ __all__ = [
     "LayerTimes",
     "Measured",
     "WholeModel",
-    "scale_to_whole_model",
+    "time_as_a_step",
     "time_in_sequence",
     "time_layer",
     "time_optimizer_step",
