@@ -18,6 +18,7 @@ sample), so labels never travel.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,18 @@ class _Link:
             tensor = tensor.to(self.device)
             self.pending.append((dist.isend(tensor, self.peer, tag=tag), tensor))
 
-    def recv(self, tag: int):
-        return wire.decode(lambda buffer: dist.recv(buffer, self.peer, tag=tag), self.device)
+    def recv(self, tag: int) -> tuple[Any, float]:
+        """The next message, and the seconds until its first part came: the wait for the peer to
+        send it. The rest of the time the message took is its transfer."""
+        first_s: list[float] = []
+
+        def receive(buffer: torch.Tensor) -> None:
+            start = time.perf_counter()
+            dist.recv(buffer, self.peer, tag=tag)
+            if not first_s:
+                first_s.append(time.perf_counter() - start)
+
+        return wire.decode(receive, self.device), first_s[0]
 
     def flush(self) -> None:
         for work, _ in self.pending:
@@ -83,7 +94,7 @@ class PipelineStep:
         self.trainer = trainer
         self.prev, self.next = prev, next
         self.weight_by = trainer.global_batch
-        self.compute_s = self.wait_s = self.loss_sum = 0.0
+        self.compute_s = self.comm_s = self.wait_s = self.loss_sum = 0.0
         self.saved: dict[int, tuple] = {}
 
     def _timed(self, fn):
@@ -94,10 +105,13 @@ class PipelineStep:
         return out
 
     def _recv(self, link: _Link, tag: int) -> torch.Tensor:
+        """A neighbour's message: waiting for it to be sent counts as wait, its transfer as comm
+        (a stage's activations and gradients are what a pipeline communicates)."""
         start = time.perf_counter()
-        tensor = link.recv(tag)
-        self.wait_s += time.perf_counter() - start
-        return tensor
+        value, waited_s = link.recv(tag)
+        self.wait_s += waited_s
+        self.comm_s += time.perf_counter() - start - waited_s
+        return value
 
     def forward(self, indices: list[int]) -> tuple:
         t = self.trainer
@@ -180,7 +194,7 @@ class Pipeline(Lockstep):
         it = PipelineStep(t, self.prev, self.next)
         it.run(list(work.indices), t.global_batch, self.sharded)
         wait_s = it.wait_s + (arrive(self.group, t.runtime.device)[0] if self.replicated else 0.0)
-        comm_s = allreduce_grads(t, self.group, self.trees) if self.replicated else 0.0
+        comm_s = it.comm_s + (allreduce_grads(t, self.group, self.trees) if self.replicated else 0.0)
         comm_s += sum_tied_grads(t, t.tied)
         committed = self.kept.optimizer_step(work.step)
         return StepResult(
@@ -227,7 +241,11 @@ class PipelineSDPipe(AtOwnPace):
         t.optimizer_step(at_step=work.step)
         comm_s, wait_s = self.sdpipe.sync()
         return StepResult(
-            len(work.indices), it.loss_sum if t.placement.is_last else None, it.compute_s, comm_s, wait_s + it.wait_s
+            len(work.indices),
+            it.loss_sum if t.placement.is_last else None,
+            it.compute_s,
+            comm_s + it.comm_s,
+            wait_s + it.wait_s,
         )
 
     def finish(self) -> None:
