@@ -310,3 +310,15 @@ def test_explain_shows_a_small_stages_memory_to_three_figures(runner, tmp_path):
     assert all(m < 0.01 for m in memory)
     for m in memory:
         assert f"{m:.3g}" in result.output
+
+
+def test_plan_says_it_cuts_the_model_because_no_replica_fits(runner, tmp_path):
+    """A user's trial: the reason a plan pipelines (data parallel does not fit) showed only with
+    --compare; the summary now says it."""
+    data = Path(__file__).resolve().parent / "data"
+    args = ["plan", "--cluster", str(data / "two-servers-0.82.cluster.yaml"), "--model"]
+    args += [str(data / "llama-two-servers-0.82.model.yaml"), "--global-batch", "64", "-o", str(tmp_path / "p.yaml")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "note: the model is cut into stages as no whole replica fits a device (dp does not fit: needs " in said, said

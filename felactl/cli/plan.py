@@ -106,6 +106,10 @@ def render_summary(console, plan: Plan, out: Path | None) -> None:
             f"note: data parallel as DDP runs it is predicted faster ({dp_s:.4g} s): under sync {plan.sync.mode.value} "
             f"each micro-batch is a token claimed through the store; `--sync bsp` plans without them"
         )
+    if len(plan.stages) > 1 and "dp" in p.baselines_missing and not any(stage.shard for stage in plan.stages):
+        console.print(
+            f"note: the model is cut into stages as no whole replica fits a device (dp {p.baselines_missing['dp']})"
+        )
     if any(stage.shard for stage in plan.stages):
         console.print(f"note: {_why_sharded(plan)}")
     elif plan.schedule is not Schedule.TOKENS and sync_support(plan.sync.mode).planned_as is not Execution.PIPELINE:
