@@ -36,9 +36,10 @@ Formulas (times in seconds, sizes in bytes):
   token a worker claims (:meth:`CostModel.tokens_per_micro_batch`). It is what keeps the planner
   from micro-batches too small to pay for themselves. A pipeline's token also waits for rank 0's
   token server to answer its request: the server's CPU and a wake-up on either side of a
-  throttled CPU slot (:meth:`CostModel.claim_s`, :meth:`CostModel.quota_wake_s`). A static pipeline claims no token: its
-  stage pays :data:`PIPELINE_MESSAGE_CPU_S` per message from and to its neighbours instead
-  (:meth:`CostModel.message_overhead_s`, in the simulator, which prices static pipelines).
+  throttled CPU slot (:meth:`CostModel.claim_s`, :meth:`CostModel.quota_wake_s`). A static
+  pipeline claims no token: its stage pays :data:`PIPELINE_MESSAGE_CPU_S` per message from and
+  to its neighbours instead (:meth:`CostModel.message_overhead_s`, in the simulator, which prices
+  static pipelines).
 * **Optimizer step** of a stage, once per iteration on each of its devices: the profiled AdamW
   ``step()`` over the whole model (``ModelSpec.optimizer_step_ms_of`` the device model that
   prices the device, :meth:`CostModel.timed_as`) times the stage's share of the parameters (the

@@ -19,11 +19,10 @@ inputs from the devices that produced them on the actual links (a request there,
 back); the producer serves them from a thread while it computes, at no cost to its tokens (the
 runtime's, :class:`~felactl.agents.worker.flexible.TensorStore`); and the runtime's own work
 around each token, with a pipeline token's wait for rank 0's answer (:meth:`CostModel.claim_s`;
-a static pipeline's messages to its neighbours,
-:meth:`CostModel.message_overhead_s`). A backward token taken by a worker other than the one that ran
-its forward recomputes that forward first (as the runtime does: the autograd graph lives where
-the forward ran), and the worker that ran it keeps its activations to the iteration's end (the
-runtime frees them there).
+a static pipeline's messages to its neighbours, :meth:`CostModel.message_overhead_s`). A
+backward token taken by a worker other than the one that ran its forward recomputes that forward
+first (as the runtime does: the autograd graph lives where the forward ran), and the worker that
+ran it keeps its activations to the iteration's end (the runtime frees them there).
 
 **Memory.** Each device holds the weights, gradients and AdamW state of every stage it serves
 and, per forward it ran, the activations autograd saves (:func:`cost.saved_bytes_per_sample`)
@@ -274,8 +273,8 @@ class _Simulation:
 
     def _overhead_s(self, tok: _Token, device: str) -> float:
         """The runtime's work around a token it claims and its wait for the claim's answer from
-        rank 0 (:meth:`CostModel.claim_s`): the
-        simulator's forward and backward tokens of a stage the runtime claims as one
+        rank 0 (:meth:`CostModel.claim_s`): the simulator's forward and backward tokens of a
+        stage the runtime claims as one
         (:meth:`CostModel.tokens_per_micro_batch`) are charged once, with the forward. A static
         pipeline claims nothing: each forward and backward pays its messages from and to the
         neighbouring stages (:meth:`CostModel.message_overhead_s`)."""
