@@ -151,8 +151,8 @@ def boundary_bytes_per_sample(model: ModelSpec, boundary: int) -> int:
 
 PIPELINE_MESSAGE_CPU_S = 1.5e-3
 """Host CPU seconds a static pipeline's stage spends on one message to or from a neighbour
-(felactl's wire: a size, a header and the tensors, each a gloo send or receive, encoded and
-decoded in Python), at the speed the model was profiled at. A forward receives from the stage
+(felactl's wire: a header and the tensors, each a gloo send or receive, encoded and decoded in
+Python), at the speed the model was profiled at. A forward receives from the stage
 before and sends to the one after, a backward the reverse: two messages a micro-batch at either
 end of a pipeline, four inside. Measured on the one-slow testbed, a 1F1B chain of its four nodes
 at micro-batch 1 (each node's cgroup CPU less the priced compute, per micro-batch: 3.3 ms on the
@@ -161,9 +161,10 @@ BENCHMARKS.md, 2026-11-30): 1.5-1.6 ms a message, charged as a token's
 (:data:`TOKEN_OVERHEAD_S`) before, which priced an inner stage half its host work and ran a chain
 through a 0.12-core node at 0.66 of its prediction. Over loopback without the testbed's network
 namespaces a message costs 0.28 ms (two processes on full cores): :data:`LOCAL_MESSAGE_CPU_S`, the
-price of a message to a neighbour on the same node. Not priced: the last stage's
-loss (2.6 ms more there, at micro-batch 1 of the example LM), so a chain whose slowest node holds
-the last stage is predicted a little fast."""
+price of a message to a neighbour on the same node. Both were measured when a message also sent
+its header's size ahead of it (three operations for one tensor, two now): they may price a
+message a little dear. The last stage's loss, unpriced then (2.6 ms more there, at micro-batch 1
+of the example LM), is on the last layer since (``ModelSpec.loss_ms``)."""
 
 
 LOCAL_MESSAGE_CPU_S = 0.28e-3
