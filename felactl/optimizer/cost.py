@@ -73,6 +73,7 @@ from felactl.spec import (
     ModelSpec,
     cpu_of_slot_model,
     cpu_slot_quota,
+    quota_period_us,
     quota_slowdown,
 )
 
@@ -179,11 +180,6 @@ TOKEN_SERVER_CPU_S = 0.18e-3
 it from the store, the token DAG's update, pushing the reply. Measured by
 ``benchmarks/bench_token_server.py`` (the real service and request loop on a real store, this
 project's 2-core VM): 0.15-0.18 ms (BENCHMARKS.md, "What a pipeline token's claim waits for")."""
-QUOTA_PERIOD_S = 0.01
-"""The CFS period of a CPU slot held to a quota: a testbed's (``testbed.cgroups.CPU_PERIOD_US``,
-which the optimizer may not import; a test ties them), longer below a tenth of a core, where the
-kernel's least quota of 1 ms sets it. A container's own period (100 ms by default) is not in the
-cluster profile: its slots are priced as a testbed's."""
 
 
 @dataclass
@@ -333,13 +329,13 @@ class CostModel(SyncCosts):
     def quota_wake_s(self, device_name: str) -> float:
         """What a thread woken on ``device_name`` waits for its CPU on average: a CPU slot held to
         a quota q < 1 core, kept busy (a pipeline's worker is), is throttled for (1 - q) of each
-        CFS period, and a wake-up in that part waits for its end: (1 - q)^2 * period / 2. 0 on
-        other devices."""
+        CFS period (:func:`~felactl.spec.quota_period_us`, a testbed's), and a wake-up in
+        that part waits for its end: (1 - q)^2 * period / 2. 0 on other devices."""
         device = self.cluster.device(device_name)
         quota = cpu_slot_quota(device.model) if device.kind is DeviceKind.CPU else None
         if quota is None or quota >= 1.0:
             return 0.0
-        return (1.0 - quota) ** 2 * max(QUOTA_PERIOD_S, 1e-3 / quota) / 2
+        return (1.0 - quota) ** 2 * quota_period_us(quota) * 1e-6 / 2
 
     def claim_s(self, start: int, end: int, device_name: str, server: str | None = None) -> float:
         """What one token of layers [start, end) costs ``device_name`` beyond its compute: its

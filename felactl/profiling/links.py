@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from felactl.spec.cluster import QUOTA_PERIOD_US
+
 GB = 1e9
 
 
@@ -36,11 +38,11 @@ class LinkProbe:
     """Timed large messages (median taken)."""
     latency_repetitions: int = 30
     """Timed small round trips: cheap, and scheduler noise on a busy host needs more of them."""
-    latency_pause_s: float = 0.01
+    latency_pause_s: float = QUOTA_PERIOD_US / 1e6
     """Idle time before each timed round trip on CPU slots: a testbed's CPU period (10 ms,
-    ``testbed.cgroups.CPU_PERIOD_US``, which profiling may not import; a test ties them), after
-    which a capped slot has its quota back (module doc). 0.3 s per ordered pair of CPU slots. (A
-    testbed node under a tenth of a core has a longer period, ``testbed.cgroups.cpu_period_us``.)"""
+    :data:`felactl.spec.QUOTA_PERIOD_US`), after which a capped slot has its quota back (module
+    doc). 0.3 s per ordered pair of CPU slots. (A testbed node under a tenth of a core has a longer
+    period, :func:`felactl.spec.quota_period_us`.)"""
 
 
 def ordered_pairs(world_size: int) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ from felactl.spec.cluster import (
     cpu_of_slot_model,
     cpu_slot_model,
     cpu_slot_quota,
+    quota_period_us,
     quota_slowdown,
 )
 from felactl.spec.executable import check_executable
@@ -65,6 +66,7 @@ __all__ = [
     "cpu_of_slot_model",
     "cpu_slot_model",
     "cpu_slot_quota",
+    "quota_period_us",
     "quota_slowdown",
     "data_parallel_plan",
     "dump_yaml",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -55,6 +56,20 @@ def quota_slowdown(model: str) -> float | None:
     quota (:func:`cpu_slot_model`): one over the quota, up to a core (None where none is named)."""
     quota = cpu_slot_quota(model)
     return 1.0 / min(1.0, quota) if quota is not None else None
+
+
+QUOTA_PERIOD_US = 10_000
+"""The CFS bandwidth period of a CPU slot held to a quota, as felactl's testbeds set it
+(``testbed.cgroups``): a slot capped at 0.25 runs 2.5 ms in every 10 (the kernel's default of
+100 ms would stall it 75 ms at a time, which a collective waiting on it would see). The cost model
+prices a throttled slot's wake-ups by it (``CostModel.quota_wake_s``); a container's own period
+(100 ms by default) is not in the cluster profile."""
+
+
+def quota_period_us(quota_cores: float) -> int:
+    """The period of a slot held to ``quota_cores``: :data:`QUOTA_PERIOD_US`, longer below a
+    tenth of a core, where the kernel's least quota of 1 ms sets it."""
+    return max(QUOTA_PERIOD_US, math.ceil(1000 / quota_cores))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

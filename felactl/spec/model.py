@@ -169,7 +169,8 @@ class ModelSpec:
     those layers on devices of one kind, so the copies step alike."""
     noisy: tuple[str, ...] = ()
     """The timings of this profile whose repetitions still disagreed when the profiler's cap on
-    them was hit, by key path with their spread (``layers[2].timings[0]: spread 0.31``): the
+    them was hit, by key path with their spread (``layers[2].timings[0]: spread 0.31``;
+    ``layers[*].timings[0]`` where every layer was timed in one pass, as a ``TrainJob``'s are): the
     machine was too busy to trust them. Empty: every timing settled (or an older profile)."""
 
     def __post_init__(self) -> None:

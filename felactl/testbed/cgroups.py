@@ -7,17 +7,16 @@ controllers): ``cpus`` caps their CPU time, ``cores`` pins them. Where the contr
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
+from felactl.spec.cluster import QUOTA_PERIOD_US, quota_period_us
 from felactl.testbed.host import CgroupLayout, TestbedError
 from felactl.testbed.state import PREFIX
 
-CPU_PERIOD_US = 10_000
-"""The CFS bandwidth period: a node capped at 0.25 runs 2.5 ms in every 10 (the kernel's default
-period of 100 ms would stall it 75 ms at a time, which a collective waiting on it would see).
-The kernel's smallest quota is 1 ms, so a share below 0.1 gets a longer period.
+CPU_PERIOD_US = QUOTA_PERIOD_US
+"""The CFS bandwidth period a testbed's nodes run in (:data:`felactl.spec.QUOTA_PERIOD_US`, where
+the cost model reads it too).
 
 Short quotas cost something on a virtual machine whose core idles while the node is throttled:
 every period the vCPU is woken again, and on this project's 2-core VM, idle otherwise, a node
@@ -33,7 +32,7 @@ is the spec's, not the load's."""
 
 
 def cpu_period_us(cpus: float) -> int:
-    return max(CPU_PERIOD_US, math.ceil(1000 / cpus))
+    return quota_period_us(cpus)
 
 
 def cgroup_name(name: str) -> str:
