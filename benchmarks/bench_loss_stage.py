@@ -1,18 +1,22 @@
-"""Where the loss is priced: on a pipeline's last stage, as it runs, or spread over every layer, as
-profiles were before ``loss_ms``: each cut measured against both prices, on this machine.
+"""A pipeline of a large-vocabulary LM on this machine's two CPU slots, measured against two
+profiles' prices: this felactl's (every layer and the loss timed in sequence, the loss on the
+last layer) and another.
 
 The model is a LLaMA-shaped LM of ``examples/llama.py`` over words of Python's own sources, with
 a vocabulary of a few thousand: its head and its cross-entropy outweigh its small blocks, as a
 real tokenizer's 32-50k vocabulary does a model's first layers. The script profiles it on this
-machine (``felactl profile --model``; the loss alone is ``loss_ms``, on the last layer) and the
-local CPU slots (``felactl profile --nproc-per-node 2``), and makes a second profile from the
-first with the loss spread over every layer by the whole model's scale, as before. On two slots it
-cuts the model as a 1F1B chain balanced by each profile (``bench_pipeline_chain.chain_plan``: the
-planner's chain) and launches each cut ``--repeat`` times in turn. It prints, per cut, the
-measured samples/s and the simulator's under each profile.
+machine (``felactl profile --model``) and the local CPU slots (``felactl profile
+--nproc-per-node 2``). The second profile is ``--compare-profile`` (one made otherwise: an
+older felactl's, whose layers were timed alone and the loss spread over them), or else this one
+with its loss spread over every layer by the whole model's scale. On two slots it cuts the model
+as a 1F1B chain balanced by each profile (``bench_pipeline_chain.chain_plan``: the planner's
+chain) and launches each cut ``--repeat`` times in turn. It prints, per cut, the measured
+samples/s and the simulator's under each profile. A profile moves by a third between runs on a
+shared machine: compare cuts within one run.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_loss_stage.py [--vocab 4096] [--width 64]
         [--depth 6] [--micro-batch 4] [--global-batch 64] [--steps 40] [--repeat 3] [--out DIR]
+        [--compare-profile OLD.yaml]
 """
 
 from __future__ import annotations
@@ -74,9 +78,10 @@ def job(vocab: int = 4096, seq_len: int = 32, width: int = 64, depth: int = 6, n
 
 
 def spread_loss(model):
-    """``model`` as profiles were before ``loss_ms``: the loss taken off the last layer and every
-    layer scaled so that they sum to the whole model again (the loss's split between forward and
-    backward taken as the last layer's own)."""
+    """``model`` with its loss spread over every layer by the whole model's scale, as profiles
+    did before ``loss_ms``: the loss taken off the last layer and every layer scaled so that they
+    sum to the whole model again (the loss's split between forward and backward taken as the last
+    layer's own)."""
     layers = list(model.layers)
     last = layers[-1]
     timings = []

@@ -182,7 +182,7 @@ def time_whole_model(
     The per-layer timings miss the loss, the glue between layers and the cache effects of one long
     graph (together ~15% on gpt-mini), and the input: mlp's ``batch`` of 256 samples takes 2 ms
     beside its 28 ms of layers, which the plans on the testbeds measured as missing."""
-    device = next((p.device for p in layers.parameters()), torch.device("cpu"))
+    device = _device_of(layers)
     starts = itertools.count(0, batch)  # fresh samples each run, as a worker's next micro-batch
 
     def run() -> tuple[float]:
@@ -243,7 +243,7 @@ def time_in_sequence(
     LM's untied head over 4096 words took 1.9 ms alone and 2.5 in sequence, its loss 0.9 and 1.4
     (a 2 MB logits tensor), and a pipeline's last stage ran 1.44x its price
     (``benchmarks/bench_loss_stage.py``, BENCHMARKS.md)."""
-    device = next((p.device for p in layers.parameters()), torch.device("cpu"))
+    device = _device_of(layers)
     starts = itertools.count(0, batch)  # fresh samples each run, as a worker's next micro-batch
     timer = clock.timer
 
@@ -298,7 +298,7 @@ def time_as_a_step(
     timed right after) over their sum, so that a stage of all layers costs what the whole model
     measured. For a model with data (a ``TrainJob``): one without has no targets for a loss, and
     its layers are timed alone (:func:`time_layer`)."""
-    device = next((p.device for p in layers.parameters()), torch.device("cpu"))
+    device = _device_of(layers)
     try:
         seq = time_in_sequence(bundle, layers, batch, input_grads, repeats=repeats, clock=clock)
         whole = time_whole_model(bundle, layers, batch, repeats=repeats, clock=clock)
@@ -368,6 +368,11 @@ def fixed_gradient(out: Any, seed: int) -> list[torch.Tensor]:
     """A seeded upstream gradient for each floating-point tensor of a layer's output."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in values.floating(out)]
+
+
+def _device_of(layers: nn.Module) -> torch.device:
+    """Where ``layers`` compute: their parameters' device (the CPU for layers without any)."""
+    return next((p.device for p in layers.parameters()), torch.device("cpu"))
 
 
 def _synchronize(device: torch.device) -> None:
