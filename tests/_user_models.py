@@ -209,3 +209,31 @@ def remembers(width: int = 64):
     data = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 4, generator=g))
     model = nn.Sequential(nn.Linear(16, width), Remembers(width), nn.Linear(width, 4))
     return TrainJob(model=model, dataset=data, loss_fn=F.mse_loss)
+
+
+def counted_builds(record: str = "", leave: str = ""):
+    """A three-layer TrainJob that appends the pid of the process building it to the file
+    ``record``; ``leave``: what its build leaves behind (``file``: a file open, ``thread``: a thread
+    running, ``print``: a line on stdout)."""
+    import os
+    import sys
+    import threading
+    import time
+
+    from torch.nn import functional as F
+
+    from felactl import TrainJob
+
+    with open(record, "a") as out:
+        out.write(f"{os.getpid()}\n")
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(128, 8, generator=g), torch.randn(128, 2, generator=g))
+    if leave == "file":
+        data.handle = open(record)  # noqa: SIM115 - left open on purpose, as a user's dataset may
+    elif leave == "thread":
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+    elif leave == "print":
+        print("building the model", end="")
+        sys.stdout.flush()
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    return TrainJob(model=model, dataset=data, loss_fn=F.mse_loss)

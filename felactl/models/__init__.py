@@ -8,6 +8,7 @@ split points, :mod:`felactl.models.split`; any other model is one layer, and can
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
@@ -395,13 +396,15 @@ def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
 
 def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> ModelBundle:
     """Build a model by built-in name or ``package.module:function``, with torch's random state
-    seeded by ``seed`` while it is built (the caller's is left as it was), so every process builds
-    the same weights. A user's model keeps the weights its function gave it (its own
+    seeded by ``seed`` while it is built (the caller's is left as it was), on one thread, so every
+    process builds the same weights (a sum over many threads rounds as their count has it: an
+    init that centres or normalises would differ between slots of different sizes), and a
+    worker's zygote can build it without starting OpenMP's threads, which a fork does not copy. A user's model keeps the weights its function gave it (its own
     initialisation, or pretrained ones it loaded): felactl never re-initialises it. A built-in
     this machine's memory cannot hold is refused before any of it is allocated."""
     config = dict(config or {})
     check_source(source, config)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _one_thread():
         torch.manual_seed(seed)
         if source in BUILTINS:
             given = dict(config)
@@ -417,6 +420,16 @@ def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> M
         else:
             bundle = _user_model(source, config)
     return bundle
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def local_data_parallel_plan(

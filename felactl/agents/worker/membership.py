@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from felactl import models
+from felactl.agents.worker import shared_model
 from felactl.agents.worker.config import WorkerConfig
 from felactl.agents.worker.engine import Trainer
 from felactl.agents.worker.membership_view import MembershipView
@@ -86,7 +87,7 @@ def load_checked(cfg: WorkerConfig) -> tuple[Plan, models.ModelBundle]:
     """The plan and its model, refused (InputError) before this worker connects to anyone unless
     the runtime can execute the one on the other."""
     plan = cfg.load_plan()
-    bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
+    bundle = shared_model.take(plan) or models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
     bundle.check_global_batch(plan.global_batch)
     # A one-stage plan of a model that is no nn.Sequential runs the user's module whole: its layer
     # count is the profile's business, and counting it would trace the model (seconds) for nothing.

@@ -15,9 +15,14 @@ after the zygote's start is not: a worker whose environment differs from the zyg
 variable read at import time (``PYTHONPATH``, thread counts, ``LD_*`` ...) is started the old way,
 as is any other module or a user's script (:meth:`Zygote.serves`).
 
+Before it forks a training worker, the zygote builds the model the worker's plan trains, where
+the node's workers can share it (``shared_model.py``: one build a node, pages shared
+copy-on-write, none at a restart).
+
 Protocol, one JSON object a line. The zygote says ``{"ready": true}`` once its imports are done.
 The agent writes ``{"module": ..., "env": ..., "log": ...}`` to its stdin; the zygote answers
-each, in order, with ``{"pid": N}`` (or ``{"error": ...}``), and says ``{"exited": N, "code": C}``
+each, in order, with ``{"pid": N}`` (or ``{"error": ...}``; with ``"unforkable": true`` when a
+build left it unable to fork, after which it answers every request so), and says ``{"exited": N, "code": C}``
 when a child ends (``C`` as ``Popen.returncode``: ``-signal`` when killed). A closed stdin (the
 agent gone) ends the zygote.
 """
@@ -80,7 +85,8 @@ class Zygote:
         self._ready = threading.Event()
         """Set once its imports are done, or once it is gone (nobody waits for it then)."""
         self._mute = False
-        """It once left a request unanswered: it gets no more (an answer that comes late would be misread)."""
+        """It once left a request unanswered (an answer that comes late would be misread), or said it
+        can fork no more: it gets no more requests."""
         threading.Thread(target=self._read, name="felactl-zygote-reader", daemon=True).start()
 
     @classmethod
@@ -121,6 +127,7 @@ class Zygote:
                 self._mute = True
                 raise RuntimeError(f"the zygote did not answer within {START_TIMEOUT_S:.0f} s") from None
         if child is None:
+            self._mute = self._mute or bool(answer.get("unforkable"))  # it forks no more: exec the rest quietly
             raise OSError(f"the zygote did not start a worker: {answer.get('error')}")
         return child
 
@@ -238,6 +245,7 @@ def serve() -> None:
     import torch
 
     from felactl.agents.worker.__main__ import name_process  # torch and the whole worker, once
+    from felactl.agents.worker.shared_model import Unforkable
 
     if torch.cuda.is_initialized():  # a child of a process that holds a CUDA context cannot use CUDA
         return  # the agent sees the zygote gone and execs its workers
@@ -246,6 +254,7 @@ def serve() -> None:
     requests, answers = sys.stdin.buffer.raw, sys.stdout.fileno()
     _answer(answers, {"ready": True})
     pending = b""
+    unforkable = ""  # once set, every request is answered with it: the agent execs the worker
     while True:
         readable, _, _ = select.select([requests], [], [], REAP_S)
         if readable:
@@ -255,8 +264,28 @@ def serve() -> None:
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                _answer(answers, _fork(json.loads(line), requests.fileno(), answers))
+                request = json.loads(line)
+                try:
+                    if not unforkable:
+                        _prepare(request)
+                except Unforkable as exc:  # it stays for the children it has (they watch it)
+                    unforkable = str(exc)
+                if unforkable:
+                    _answer(answers, {"error": unforkable, "unforkable": True})
+                else:
+                    _answer(answers, _fork(request, requests.fileno(), answers))
         _reap(answers)
+        if unforkable and not _has_children():
+            break  # what the build holds (a CUDA context, its threads) goes with it
+
+
+def _prepare(request: dict) -> None:
+    """Build the model a worker is about to be forked with, where the node's workers share it
+    (``shared_model.py``); raises ``shared_model.Unforkable``."""
+    from felactl.agents.worker import shared_model  # torch: imported by the zygote, not by its agent
+
+    if request["module"] == WORKER_MODULE and (why_not := shared_model.prepare(request["env"])):
+        print(f"felactl zygote: {why_not}", file=sys.stderr, flush=True)
 
 
 def _fork(request: dict, *zygote_fds: int) -> dict:
@@ -348,6 +377,15 @@ def _run_as_main(module: str) -> NoReturn:
 
 def _answer(fd: int, message: dict) -> None:
     os.write(fd, (json.dumps(message) + "\n").encode())
+
+
+def _has_children() -> bool:
+    """Whether a child runs or is still to be reaped (looked at, not reaped)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def _reap(answers: int) -> None:

@@ -1,0 +1,99 @@
+"""A node's workers start with the model its zygote built once (felactl.agents.worker.shared_model):
+the user's function runs once a node instead of once a worker, the forks train exactly what
+workers that built their own would, and a build a fork could not share safely is not shared."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _worker_helpers import dp_plan, final_params, pipeline_plan, reference_params, run_plan
+
+from felactl.agents.worker import shared_model
+from felactl.agents.worker.zygote import Zygote
+from felactl.control.documents import WORKER_MODULE
+from felactl.spec import ModelRef, save
+
+TESTS = Path(__file__).parent
+STEPS = 3
+
+
+def _counted(plan, record: Path, leave: str = ""):
+    source = "_user_models:counted_builds"
+    return dataclasses.replace(
+        plan, model=ModelRef(name="counted", source=source, config={"record": str(record), "leave": leave})
+    )
+
+
+def _builders(record: Path) -> list[int]:
+    return [int(line) for line in record.read_text().split()]
+
+
+def _run(tmp_path: Path, leave: str = "") -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    record = tmp_path / "builds"
+    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), record, leave)
+    run_dir = run_plan(plan, tmp_path, STEPS, env={"PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"})
+    got = torch.cat([final_params(run_dir, STEPS, stage=s) for s in range(2)])
+    builders = _builders(record)
+    record.write_text("")
+    return builders, got, reference_params(plan, STEPS)
+
+
+@pytest.mark.multiprocess
+def test_a_pipelines_workers_share_one_build_of_the_model_and_train_it_exactly(tmp_path, monkeypatch):
+    builders, got, want = _run(tmp_path)
+    assert len(builders) == 1, builders  # was one a worker: each built the whole model
+    assert (got - want).abs().max().item() < 1e-6
+    monkeypatch.setenv("FELACTL_ZYGOTE", "0")
+    exec_d, _, _ = _run(tmp_path / "exec")
+    assert len(exec_d) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("leave", ["file", "thread", "print"])
+def test_a_build_a_fork_cannot_share_is_each_workers_own_and_the_run_still_trains(tmp_path, leave):
+    """An open file would share its offset between forks; a thread is not copied by a fork (a lock
+    it held stays held), so that zygote forks no more; a print must not garble the zygote's answers."""
+    builders, got, want = _run(tmp_path, leave)
+    assert (got - want).abs().max().item() < 1e-6
+    expected = {"file": 3, "thread": 3, "print": 1}[leave]  # the zygote's build, then each worker's
+    assert len(builders) == expected, builders
+
+
+def test_only_a_plan_whose_workers_hold_part_of_the_model_builds_it_in_the_zygote():
+    assert shared_model.worth_sharing(pipeline_plan([0, 2, 3], 1, "1f1b"))
+    assert not shared_model.worth_sharing(dp_plan(2, "bsp"))  # each worker keeps it whole: one copy more
+
+
+def test_a_worker_takes_the_zygotes_model_once_and_only_the_one_its_plan_trains(tmp_path, monkeypatch):
+    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "builds")
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setattr(shared_model, "_built", None)
+    assert shared_model.prepare({"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))}) is None
+    assert shared_model.prepare({"FELACTL_PLAN": str(tmp_path / "plan.yaml")}) is None  # built once
+    assert len(_builders(tmp_path / "builds")) == 1
+    other = dataclasses.replace(plan, training=dataclasses.replace(plan.training, seed=1))
+    assert shared_model.take(other) is None
+    bundle = shared_model.take(plan)
+    assert bundle is not None and shared_model.take(plan) is None
+
+
+@pytest.mark.multiprocess
+def test_a_zygote_a_build_left_unable_to_fork_says_so_and_leaves_once_it_has_no_child(tmp_path):
+    """It would otherwise hold what the build made (a thread here; a CUDA context on a GPU node)
+    for as long as its agent runs, forking nothing."""
+    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "builds", leave="thread")
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}:{os.environ.get('PYTHONPATH', '')}")
+    zygote = Zygote(env)
+    try:
+        worker_env = dict(env, FELACTL_PLAN=str(save(plan, tmp_path / "plan.yaml")))
+        with pytest.raises(OSError, match="started a thread or touched CUDA"):
+            zygote.start(WORKER_MODULE, worker_env, tmp_path / "worker.log")
+        assert not zygote.serves([sys.executable, "-m", WORKER_MODULE], worker_env)  # the rest are exec'd
+        assert zygote.proc.wait(timeout=10) == 0  # was: it stayed, forking nothing
+    finally:
+        zygote.close()
