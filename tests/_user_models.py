@@ -214,7 +214,7 @@ def remembers(width: int = 64):
 def counted_builds(record: str = "", leave: str = ""):
     """A three-layer TrainJob that appends the pid of the process building it to the file
     ``record``; ``leave``: what its build leaves behind (``file``: a file open, ``thread``: a thread
-    running, ``print``: a line on stdout)."""
+    running, ``print``: a line on stdout, ``slow``: 30 s more)."""
     import os
     import sys
     import threading
@@ -232,6 +232,8 @@ def counted_builds(record: str = "", leave: str = ""):
         data.handle = open(record)  # noqa: SIM115 - left open on purpose, as a user's dataset may
     elif leave == "thread":
         threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+    elif leave == "slow":
+        time.sleep(30)
     elif leave == "print":
         print("building the model", end="")
         sys.stdout.flush()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,19 @@ def test_a_zygote_a_build_left_unable_to_fork_says_so_and_leaves_once_it_has_no_
         assert zygote.proc.wait(timeout=10) == 0  # was: it stayed, forking nothing
     finally:
         zygote.close()
+
+
+def test_a_build_that_runs_over_its_budget_is_given_up_and_not_tried_again(tmp_path, monkeypatch):
+    """The agent waits a bounded time for the zygote's answer: a model that takes longer to build
+    is each worker's own, and the zygote answers in time."""
+    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "builds", leave="slow")
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setattr(shared_model, "_built", None)
+    monkeypatch.setattr(shared_model, "_given_up", set())
+    monkeypatch.setattr(shared_model, "BUILD_BUDGET_S", 0.5)
+    env = {"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))}
+    start = time.monotonic()
+    assert "building it took over 0.5 s; each worker builds its own" in shared_model.prepare(env)
+    assert time.monotonic() - start < 10
+    assert shared_model.prepare(env) is None and shared_model.take(plan) is None
+    assert len(_builders(tmp_path / "builds")) == 1

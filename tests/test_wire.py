@@ -3,14 +3,17 @@ is what the receiver rebuilds, in as few sends as the format allows."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 from felactl.agents.worker import wire
 
 
-def _round_trip(value):
-    sent = wire.encode(value)
+def _round_trip(value, encode=wire.encode, decode=wire.decode):
+    sent = encode(value)
     queue = list(sent)
 
     def recv(buffer: torch.Tensor) -> None:
@@ -18,7 +21,7 @@ def _round_trip(value):
         assert part.shape == buffer.shape and part.dtype == buffer.dtype
         buffer.copy_(part)
 
-    got = wire.decode(recv, torch.device("cpu"))
+    got = decode(recv, torch.device("cpu"))
     assert not queue, "the receiver took every part that was sent"
     return got, len(sent)
 
@@ -46,3 +49,20 @@ def test_more_values_than_the_fixed_header_holds_send_their_header_after_it(coun
     assert [g if isinstance(g, int) else int(g[0]) for g in got] == list(range(count))
     tensors = count // 2
     assert sends == 1 + tensors + (count > wire.MAX_VALUES)
+
+
+def test_the_benchmarks_baseline_is_the_framing_before_the_fixed_header():
+    """benchmarks/bench_wire.py measures the wire against the framing it replaced: that framing
+    must carry the same values in the one send more that it took."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_wire", Path(__file__).parents[1] / "benchmarks" / "bench_wire.py"
+    )
+    bench_wire = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_wire)
+    encode, decode = bench_wire.size_ahead(wire)
+    x = torch.randn(3, 4)
+    got, sends = _round_trip(x, encode, decode)
+    assert torch.equal(got, x) and sends == 3
+    values = (torch.randn(2, 5, 8), torch.randn(5, 2), torch.randn(5, 2), 5)
+    got, sends = _round_trip(values, encode, decode)
+    assert got[3] == 5 and all(torch.equal(a, b) for a, b in zip(got[:3], values[:3])) and sends == 2 + 3

@@ -161,19 +161,22 @@ first stage, 7.1 and 6.0 on the inner ones, 5.9 on the last, which also computes
 BENCHMARKS.md, 2026-11-30): 1.5-1.6 ms a message, charged as a token's
 (:data:`TOKEN_OVERHEAD_S`) before, which priced an inner stage half its host work and ran a chain
 through a 0.12-core node at 0.66 of its prediction. Over loopback without the testbed's network
-namespaces a message costs 0.28 ms (two processes on full cores): :data:`LOCAL_MESSAGE_CPU_S`, the
-price of a message to a neighbour on the same node. Both were measured when a message also sent
-its header's size ahead of it (three operations for one tensor, two now): they may price a
-message a little dear. The last stage's loss, unpriced then (2.6 ms more there, at micro-batch 1
+namespaces a message costs 0.22 ms (two processes on full cores): :data:`LOCAL_MESSAGE_CPU_S`, the
+price of a message to a neighbour on the same node. This one was measured when a message also
+sent its header's size ahead of it (three operations for one tensor, two now), which cost 1.45x
+the round trip and 1.5x the CPU over loopback (``benchmarks/bench_wire.py``): it may price a
+testbed's message a little dear. The last stage's loss, unpriced then (2.6 ms more there, at micro-batch 1
 of the example LM), is on the last layer since (``ModelSpec.loss_ms``)."""
 
 
-LOCAL_MESSAGE_CPU_S = 0.28e-3
+LOCAL_MESSAGE_CPU_S = 0.22e-3
 """Host CPU seconds of a static pipeline's message to or from a neighbouring stage on the same
-node (loopback): felactl's wire timed alone between two processes on this project's 2-core
-machine, a 4-item message one way and a tensor back, 0.55 ms a round trip for each process.
-Priced at the testbed's :data:`PIPELINE_MESSAGE_CPU_S`, a chain of two local CPU slots (a
-user's own four-block LM, micro-batch 1) was predicted 83 samples/s and ran 155; at this, 140."""
+node (loopback): ``benchmarks/bench_wire.py`` sends a split LM's boundary through the very link a
+stage uses, between two processes pinned to a core each of this project's 2-core machine (a
+4-value message one way, a tensor back): 0.215 and 0.223 ms a message, medians of 5 (0.32 on the
+framing before the fixed header, which priced it 0.28). Priced at the testbed's
+:data:`PIPELINE_MESSAGE_CPU_S`, a chain of two local CPU slots (a user's own four-block LM,
+micro-batch 1) was predicted 83 samples/s and ran 155; at 0.28 ms, 140."""
 
 TOKEN_SERVER_CPU_S = 0.18e-3
 """Host CPU seconds rank 0's token server (the flexible hybrid's) spends on one request: popping

@@ -93,8 +93,9 @@ def take(plan: Plan) -> models.ModelBundle | None:
     return bundle
 
 
-class _OutOfTime(Exception):
-    pass
+class _OutOfTime(BaseException):
+    """Raised by the alarm inside the user's build: not an Exception, which their code (or
+    ``models.build``, which words a failing function's error) may catch."""
 
 
 def _build_guarded(plan: Plan) -> tuple[models.ModelBundle | None, str]:
@@ -109,7 +110,7 @@ def _build_guarded(plan: Plan) -> tuple[models.ModelBundle | None, str]:
     try:
         bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
     except _OutOfTime:
-        why_not = f"building it took over {BUILD_BUDGET_S:.0f} s"
+        why_not = f"building it took over {BUILD_BUDGET_S:g} s"
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the worker builds it again and reports it
         why_not = f"building it failed ({type(exc).__name__})"
     finally:

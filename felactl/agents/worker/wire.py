@@ -69,6 +69,11 @@ def decode(recv: Callable[[torch.Tensor], None], device: torch.device) -> Any:
         whole = torch.zeros(int(header[1]), dtype=torch.long, device=device)
         recv(whole)
         header = whole.cpu()
+    return read_values(header, recv, device)
+
+
+def read_values(header: torch.Tensor, recv: Callable[[torch.Tensor], None], device: torch.device) -> Any:
+    """The value ``header`` (on the CPU) describes, its tensors received with ``recv``."""
     items = []
     for i in range(max(1, int(header[0]))):
         row = header[1 + FIELDS * i : 1 + FIELDS * (i + 1)].tolist()
