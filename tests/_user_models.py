@@ -213,8 +213,9 @@ def remembers(width: int = 64):
 
 def counted_builds(record: str = "", leave: str = ""):
     """A three-layer TrainJob that appends the pid of the process building it to the file
-    ``record``; ``leave``: what its build leaves behind (``file``: a file open, ``thread``: a thread
-    running, ``print``: a line on stdout, ``slow``: 30 s more)."""
+    ``record``; ``leave``: what its build leaves behind (``file``: a file open, ``memmap``: a file
+    open and memory-mapped, as ``np.memmap`` leaves it, ``thread``: a thread running, ``print``: a
+    line on stdout, ``slow``: 30 s more)."""
     import os
     import sys
     import threading
@@ -230,6 +231,11 @@ def counted_builds(record: str = "", leave: str = ""):
     data = torch.utils.data.TensorDataset(torch.randn(128, 8, generator=g), torch.randn(128, 2, generator=g))
     if leave == "file":
         data.handle = open(record)  # noqa: SIM115 - left open on purpose, as a user's dataset may
+    elif leave == "memmap":
+        import numpy
+
+        numpy.zeros(64, dtype=numpy.float32).tofile(f"{record}.bin")
+        data.mapped = numpy.memmap(f"{record}.bin", dtype=numpy.float32, mode="r")
     elif leave == "thread":
         threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
     elif leave == "slow":

@@ -55,13 +55,14 @@ def test_a_pipelines_workers_share_one_build_of_the_model_and_train_it_exactly(t
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("leave", ["file", "thread", "print"])
+@pytest.mark.parametrize("leave", ["file", "thread", "print", "memmap"])
 def test_a_build_a_fork_cannot_share_is_each_workers_own_and_the_run_still_trains(tmp_path, leave):
-    """An open file would share its offset between forks; a thread is not copied by a fork (a lock
-    it held stays held), so that zygote forks no more; a print must not garble the zygote's answers."""
+    """An open file would share its offset between forks (a memory-mapped one, as np.memmap keeps
+    it, is read through the map: shared); a thread is not copied by a fork (a lock it held stays
+    held), so that zygote forks no more; a print must not garble the zygote's answers."""
     builders, got, want = _run(tmp_path, leave)
     assert (got - want).abs().max().item() < 1e-6
-    expected = {"file": 3, "thread": 3, "print": 1}[leave]  # the zygote's build, then each worker's
+    expected = {"file": 3, "thread": 3, "print": 1, "memmap": 1}[leave]  # the zygote's build, then each worker's
     assert len(builders) == expected, builders
 
 
@@ -114,3 +115,15 @@ def test_a_build_that_runs_over_its_budget_is_given_up_and_not_tried_again(tmp_p
     assert time.monotonic() - start < 10
     assert shared_model.prepare(env) is None and shared_model.take(plan) is None
     assert len(_builders(tmp_path / "builds")) == 1
+
+
+def test_the_zygote_says_which_file_a_build_left_open(tmp_path, monkeypatch):
+    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "builds", leave="file")
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setattr(shared_model, "_built", None)
+    monkeypatch.setattr(shared_model, "_given_up", set())
+    why_not = shared_model.prepare({"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))})
+    assert why_not == (
+        f"_user_models:counted_builds: building it left {tmp_path / 'builds'} open, which forks would share; "
+        "each worker builds its own"
+    )

@@ -14,10 +14,15 @@ from one whose workers each build their own, the zygote does not share, and says
 
 - a plan that keeps the whole model in every worker's host memory (one replicated stage on CPUs)
   gains nothing, and would hold one copy more: not built;
-- a build that leaves a file or socket open (forks would share its offset), or takes more than
-  :data:`BUILD_BUDGET_S`: dropped, and each worker builds its own;
+- a build that leaves a file or socket open (forks would share its offset; a memory-mapped file,
+  read through its map, is fine), or takes more than :data:`BUILD_BUDGET_S`: dropped, and each
+  worker builds its own;
 - a build that starts a thread or touches CUDA leaves the zygote unable to fork safely: it
-  answers with an error and exits, and the agent execs every worker from then on.
+  answers every request with an error, the agent execs every worker from then on, and the zygote
+  leaves once it has no child (what the build holds goes with it).
+
+The zygote imports the user's module to build the model: a restarted worker runs the code of the
+job's first start, as its model is that start's (a change to the module takes a new launch).
 """
 
 from __future__ import annotations
@@ -121,8 +126,8 @@ def _build_guarded(plan: Plan) -> tuple[models.ModelBundle | None, str]:
         os.close(protocol)
     if torch.cuda.is_initialized() or _tasks() > threads:
         raise Unforkable(f"building {plan.model.source} started a thread or touched CUDA; workers are exec'd")
-    if bundle is not None and (opened := _open_fds() - files):  # (the listing's own fd is in both)
-        bundle, why_not = None, f"building it left {len(opened)} file(s) open, which forks would share"
+    if bundle is not None and (opened := _read_through_offsets(_open_fds() - files)):
+        bundle, why_not = None, f"building it left {', '.join(opened)} open, which forks would share"
     return bundle, why_not
 
 
@@ -136,3 +141,19 @@ def _tasks() -> int:
 
 def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd")) - {"0", "1", "2"}
+
+
+def _read_through_offsets(fds: set[str]) -> list[str]:
+    """What ``fds`` are open on, but for files this process has memory-mapped: a dataset that
+    keeps a map (``np.memmap``, Arrow's) keeps its file open too, and reads it through the map,
+    which forks share safely. Any other file, socket or pipe is read at an offset the forks would
+    move for each other. (The listing's own descriptor, in every listing, is gone by now.)"""
+    targets = []
+    for fd in sorted(fds, key=int):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split(maxsplit=5)[5].strip() for line in maps if "/" in line}  # the lines with a path
+    return [t for t in targets if t not in mapped]
