@@ -130,3 +130,24 @@ def test_a_seed_torch_cannot_take_is_refused(tmp_path, monkeypatch):
     _write(tmp_path, plan=_changed(PLAN, lambda p: p.setdefault("training", {}).update(seed=2**70)))
     line = _check_error(tmp_path, monkeypatch, "plan.yaml")
     assert "training.seed: must be at most" in line, line
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (
+            {"hiden": 64},
+            "felactl: error: plan.yaml: model 'mlp': unknown config key 'hiden'; it takes input_dim, hidden",
+        ),
+        ({}, None),
+    ],
+)
+def test_a_plans_model_config_is_checked_as_launch_checks_it(tmp_path, monkeypatch, config, expected):
+    """A plan with a config key its model does not take passed check, and failed the launch."""
+    plan = _changed(PLAN, lambda p: p["model"].update(config=config))
+    _write(tmp_path, plan=plan)
+    if expected is None:
+        monkeypatch.chdir(tmp_path)
+        assert runner.invoke(app, ["check", "plan.yaml"]).exit_code == 0
+        return
+    assert _check_error(tmp_path, monkeypatch, "plan.yaml").startswith(expected)

@@ -21,6 +21,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from _worker_helpers import dp_plan
+
 from felactl.cli.main import app
 from felactl.cli.runview import duration, live_run
 from felactl.control.metrics import progress, recent_step_rate, summarize
@@ -173,3 +175,32 @@ def test_a_launch_piped_to_a_log_prints_progress_lines(tmp_path, no_leftovers):
     lines = [line for line in err.splitlines() if line.startswith("step ") and "/30" in line]
     assert lines and all(LINE.fullmatch(line) for line in lines), err[-3000:]
     assert read_jsonl(tmp_path / "runs" / "p" / "events.jsonl")[0]["steps"] == 30
+
+
+def test_a_run_whose_every_step_so_far_was_redone_by_a_restart_has_no_summary_yet(tmp_path):
+    """A user killed a worker twice before the first checkpoint: each restart went back to step 0,
+    so every record written so far was redone, and the launch died on its progress view (exit 2,
+    "no metrics records to summarize"), as did ``felactl status`` of the run."""
+    _running_run(tmp_path, 300)
+    run = RunDir(tmp_path / "r")
+    append_jsonl(run.events, {"time": 200.0, "kind": "restart", "from_step": 0, "attempt": 1})
+    state = LaunchState(run=run, plan=dp_plan(2))
+    assert state.summary_so_far() is None
+    result = CliRunner().invoke(app, ["status", "r", "--runs-root", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["summary"] is None
+
+
+def test_the_closing_line_says_how_often_and_why_the_job_restarted():
+    """It read "restarted 2 time(s): 2 restart" (a user's trial)."""
+    from felactl.cli.launch import _restarts
+
+    def said(*changes):
+        return _restarts({"restarts": [{"kind": k, "pause_s": p} for k, p in changes]})
+
+    assert said() == ""
+    assert said(("restart", 4.4)) == ", restarted once after a failure (pause 4.4 s)"
+    assert said(("restart", 4.4), ("restart", None)) == ", restarted 2 times after a failure (pause 4.4 s)"
+    assert said(("restart", 8.1), ("scale-out", 12.3), ("restart", 2.0)) == (
+        ", restarted 3 times: 2 after a failure, 1 to scale out (pauses 8.1, 12.3, 2.0 s)"
+    )

@@ -127,3 +127,23 @@ def test_the_zygote_says_which_file_a_build_left_open(tmp_path, monkeypatch):
         f"_user_models:counted_builds: building it left {tmp_path / 'builds'} open, which forks would share; "
         "each worker builds its own"
     )
+
+
+def test_a_build_that_raises_is_left_to_the_workers_to_report(tmp_path, monkeypatch):
+    """The zygote said "building it failed (InputError)" first, which read as the cause; the
+    workers build it again and say what the user's function raised."""
+    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "no" / "such" / "dir" / "builds")
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setattr(shared_model, "_built", None)
+    monkeypatch.setattr(shared_model, "_given_up", set())
+    env = {"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))}
+    assert shared_model.prepare(env) is None and shared_model.take(plan) is None
+
+
+def test_what_a_model_function_prints_goes_to_stderr_not_a_commands_json(tmp_path, monkeypatch, capsys):
+    from felactl import models
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    models.build("_user_models:counted_builds", {"record": str(tmp_path / "builds"), "leave": "print"})
+    out, err = capsys.readouterr()
+    assert out == "" and "building the model" in err

@@ -117,7 +117,7 @@ def test_a_pid_given_again_is_not_taken_for_the_earlier_child_that_had_it():
     """The kernel reuses pids: the ended child keeps its exit code, the new one with its pid runs."""
     zygote = object.__new__(Zygote)
     lines = [b'{"ready": true}\n', b'{"pid": 4242}\n', b'{"exited": 4242, "code": 3}\n', b'{"pid": 4242}\n']
-    zygote.proc = SimpleNamespace(stdout=iter(lines))
+    zygote.proc = SimpleNamespace(stdout=iter(lines), wait=lambda timeout: 0)
     zygote._answers, zygote._children = queue.Queue(), {}
     zygote._gone, zygote._ready = threading.Event(), threading.Event()
     zygote._read()
@@ -182,3 +182,22 @@ def test_a_zygote_that_exits_before_it_is_ready_is_not_waited_for(tmp_path, monk
         assert time.monotonic() - start < 10 and broken.gone()
     finally:
         broken.close()
+
+
+def test_a_zygote_that_dies_is_reaped_at_once_not_left_a_zombie(tmp_path):
+    """A user's trial killed the zygote: it stayed <defunct> until the launch ended."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    zygote = Zygote(env)
+    try:
+        child, _ = _fork(zygote, tmp_path, "exit:0")  # once it is ready
+        child.wait(timeout=30)
+        os.kill(zygote.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not zygote.gone() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert zygote.gone() and zygote.proc.returncode == -signal.SIGKILL
+        assert (
+            not psutil.pid_exists(zygote.proc.pid) or psutil.Process(zygote.proc.pid).status() != psutil.STATUS_ZOMBIE
+        )
+    finally:
+        zygote.close()

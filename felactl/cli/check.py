@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from felactl.cli import output
-from felactl.errors import SpecError
+from felactl.errors import InputError, SpecError
 from felactl.spec import ClusterSpec, ModelSpec, Plan, check_together, from_dict
 from felactl.spec.io import KINDS, parse_yaml, read_text
 
@@ -98,6 +98,18 @@ def summarize(path: str, spec: ClusterSpec | ModelSpec | Plan) -> dict[str, Any]
     return {"path": path, "kind": spec.kind, **facts, "line": f"{path}: {line}"}
 
 
+def _check_model_source(where: str, plan: Plan) -> None:
+    """The plan's model as ``felactl launch`` checks it before a worker starts: a built-in, or a
+    function it can import, that takes the plan's config (a user's typo in a config key passed
+    check, then failed the launch). The model is not built."""
+    from felactl.models import check_source  # torch: only for a plan
+
+    try:
+        check_source(plan.model.source, plan.model.config)
+    except InputError as exc:
+        raise InputError(f"{where}: {exc}") from None
+
+
 def register(app: typer.Typer) -> None:
     @app.command("check")
     def check(
@@ -109,6 +121,9 @@ def register(app: typer.Typer) -> None:
         line per file, or the first problem (exit 2)."""
         loaded = [(str(path), load_any(path)) for path in files]
         check_together(loaded)
+        for where, spec in loaded:
+            if isinstance(spec, Plan):
+                _check_model_source(where, spec)
         summaries = [summarize(where, spec) for where, spec in loaded]
         output.emit(
             {"files": summaries},

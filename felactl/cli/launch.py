@@ -289,15 +289,21 @@ def _each(*callbacks: Callable[[Any], None]) -> Callable[[Any], None]:
     return call
 
 
+RESTART_REASONS = {"restart": "after a failure", "scale-out": "to scale out", "scale-in": "to scale in"}
+
+
 def _restarts(summary: dict) -> str:
-    """``, restarted 2 time(s): 1 restart, 1 scale-out (pauses 8.1, 12.3 s)``: what a job that
-    restarts its workers did."""
+    """``, restarted 3 times: 2 after a failure, 1 to scale out (pauses 8.1, 12.3, 2.0 s)``: what a
+    job that restarts its workers did (``, restarted once after a failure (pause 4.4 s)``)."""
     changes = summary.get("restarts") or []
     if not changes:
         return ""
-    pauses = ", ".join(f"{c['pause_s']:.1f}" for c in changes if c.get("pause_s") is not None)
-    kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(c["kind"] for c in changes).items())
-    return f", restarted {len(changes)} time(s): {kinds}" + (f" (pauses {pauses} s)" if pauses else "")
+    pauses = [f"{c['pause_s']:.1f}" for c in changes if c.get("pause_s") is not None]
+    counts = Counter(RESTART_REASONS.get(c["kind"], c["kind"]) for c in changes)
+    times = "once" if len(changes) == 1 else f"{len(changes)} times"
+    why = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{n} {reason}" for reason, n in counts.items())
+    said = f", restarted {times} {why}" if len(counts) == 1 else f", restarted {times}: {why}"
+    return said + (f" (pause{'s' if len(pauses) > 1 else ''} {', '.join(pauses)} s)" if pauses else "")
 
 
 def _launch_script(flags: LaunchFlags, as_json: bool) -> None:

@@ -156,6 +156,14 @@ def _running_s(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> f
     return sum(end - start for start, end in spans.values())
 
 
+def summary_so_far(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]] = ()) -> dict[str, Any] | None:
+    """:func:`summarize` of a run under way or stopped: None where no step stands yet, none
+    recorded or every one recorded redone (a restart, before the first checkpoint, went back to
+    step 0: its records so far are all of steps it trains again)."""
+    records, events = list(records), list(events)
+    return summarize(records, events) if without_redone(records, events) else None
+
+
 def summarize(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]] = ()) -> dict[str, Any]:
     """Aggregate metrics records into the run summary (pure); ``events``: the run's, so that the
     steps a resume redid count once (:func:`without_redone`).

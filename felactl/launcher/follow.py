@@ -12,7 +12,7 @@ from typing import Any
 
 from felactl.control import EventKind
 from felactl.control.documents import WorkerState
-from felactl.control.metrics import summarize
+from felactl.control.metrics import summary_so_far
 from felactl.errors import EXIT_BAD_INPUT, InputError, WorkerFailed
 from felactl.fsutil import JsonlTail
 from felactl.launcher.controlplane import Coordinator, Member
@@ -62,7 +62,7 @@ class LaunchState:
         with the run's events, so a resumed run counts neither its redone steps nor the time it
         lay stopped."""
         self.read_new()
-        return summarize(self.records, read_jsonl(self.run.events)) if self.records else None
+        return summary_so_far(self.records, read_jsonl(self.run.events))
 
 
 def follow(

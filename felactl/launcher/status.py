@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from felactl.control import EventKind
-from felactl.control.metrics import check_records, progress, restarts, summarize
+from felactl.control.metrics import check_records, progress, restarts, summary_so_far
 from felactl.launcher.resume import previous_launch
 from felactl.launcher.rundir import RunDir, read_jsonl
 
@@ -39,10 +39,10 @@ def run_status(run: str, runs_root: Path) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     if not summary:
         records = check_records(read_jsonl(rundir.metrics), rundir.metrics)
-        summary = summarize(records, events) if records else None
+        summary = summary_so_far(records, events)
     state = rundir.run_state()
     history = _with_restart_pauses([e for e in events if e.get("kind") in HISTORY_KINDS], summary, events, records)
-    steps_total = _steps_total(rundir, runs_root) if state.name == "running" and records else None
+    steps_total = _steps_total(rundir, runs_root) if state.name == "running" and summary else None
     return {
         "run": rundir.run_id,
         "run_dir": str(rundir.path),

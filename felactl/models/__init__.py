@@ -377,7 +377,8 @@ def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
     func = _user_function(source)
     _check_user_config(source, func, config)
     try:
-        built = func(**_user_kwargs(func, config))
+        with contextlib.redirect_stdout(sys.stderr):  # a command's --json output is its stdout alone
+            built = func(**_user_kwargs(func, config))
     except InputError as exc:
         raise InputError(f"model {source!r}: {exc}") from None
     except Exception as exc:

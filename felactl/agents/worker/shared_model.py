@@ -83,7 +83,9 @@ def prepare(env: Mapping[str, str]) -> str | None:
     bundle, why_not = _build_guarded(plan)
     if bundle is None:
         _given_up.add(key)
-        return f"{plan.model.source}: {why_not}; each worker builds its own"
+        # a build that failed is the workers' to report, as they build it again: said here too,
+        # it would come first, and read as the cause
+        return f"{plan.model.source}: {why_not}; each worker builds its own" if why_not else None
     _built = (key, bundle)
     return None
 
@@ -105,7 +107,8 @@ class _OutOfTime(BaseException):
 
 def _build_guarded(plan: Plan) -> tuple[models.ModelBundle | None, str]:
     """Build ``plan``'s model with the zygote's output kept off its protocol (the user's function
-    may print) and its time bounded; then check it left nothing a fork would share unsafely."""
+    may print) and its time bounded; then check it left nothing a fork would share unsafely.
+    Returns the model, or None and why not ("" where building it failed)."""
     threads, files = _tasks(), _open_fds()
     protocol = os.dup(1)
     os.dup2(2, 1)  # fd 1 is the zygote's answers to the agent: a print would corrupt one
@@ -116,8 +119,8 @@ def _build_guarded(plan: Plan) -> tuple[models.ModelBundle | None, str]:
         bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
     except _OutOfTime:
         why_not = f"building it took over {BUILD_BUDGET_S:g} s"
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the worker builds it again and reports it
-        why_not = f"building it failed ({type(exc).__name__})"
+    except (Exception, SystemExit):  # noqa: BLE001 - the worker builds it again and reports it
+        pass
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

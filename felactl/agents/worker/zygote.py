@@ -166,6 +166,10 @@ class Zygote:
                 self._answers.put((message, child))
             else:
                 self._answers.put((message, None))
+        try:
+            self.proc.wait(timeout=5)  # reaped now, not left a zombie until the agent closes it
+        except subprocess.TimeoutExpired:
+            pass  # it closed its output but runs on: close() ends it
         self._gone.set()
         self._ready.set()
         self._answers.put(({"error": "the zygote exited"}, None))
