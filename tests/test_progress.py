@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _worker_helpers import dp_plan
 from rich.console import Console
 from typer.testing import CliRunner
-
-from _worker_helpers import dp_plan
 
 from felactl.cli.main import app
 from felactl.cli.runview import duration, live_run

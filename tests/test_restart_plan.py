@@ -150,3 +150,23 @@ def test_a_restarts_pause_is_measured_on_the_records_and_shown_in_the_history():
     assert history[0]["pause_s"] == 8.5 and "pause_s" not in history[1]
     summary = {"restarts": [{**change, "pause_s": 7.0}]}  # a finished run's summary says it
     assert _with_restart_pauses(events, summary, events, [])[0]["pause_s"] == 7.0
+
+
+def test_a_worker_killed_by_a_signal_is_said_before_its_peers_lost_connections():
+    """A user's trial: "rank 0: RuntimeError: [...pair.cc:537] Read error ... GLHF!; rank 1: killed
+    by SIGKILL": the consequence read first, as the cause."""
+    from types import SimpleNamespace
+
+    from felactl.launcher.follow import _failure_line
+
+    state = SimpleNamespace(members=[SimpleNamespace(agent_id="a", node_name="vm")], run=SimpleNamespace(logs="L"))
+    failed = {
+        "a": {
+            "failures": {"0": "RuntimeError: Read error: Connection reset by peer", "1": "killed by SIGKILL"},
+            "exit_codes": {"0": 1, "1": -9},
+        }
+    }
+    assert _failure_line(failed, state) == (
+        "worker failed (node 'vm' rank 1: killed by SIGKILL; node 'vm' rank 0: RuntimeError: Read error: "
+        "Connection reset by peer); logs in L"
+    )

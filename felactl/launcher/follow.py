@@ -148,14 +148,18 @@ def raised_lines(failed: dict[str, dict]) -> frozenset[str]:
 
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
     """One line of what the failed workers said: the ranks of a node that said the same, once
-    (a plan every worker refuses the same way is one reason, not four)."""
+    (a plan every worker refuses the same way is one reason, not four); a worker killed by a
+    signal first (its peers' lost connections came after it, and read as the cause)."""
     node_of = {m.agent_id: m.node_name for m in state.members}
     said: dict[tuple[str, str], list[int]] = {}
+    killed: set[tuple[str, str]] = set()  # a worker killed by a signal: its peers' errors follow from it
     for agent_id, s in failed.items():
         for rank, line in s.get("failures", {}).items():
             said.setdefault((node_of.get(agent_id, agent_id), line), []).append(int(rank))
+            if int(s.get("exit_codes", {}).get(rank, 1)) < 0:
+                killed.add((node_of.get(agent_id, agent_id), line))
     parts = []
-    for (node, line), ranks in sorted(said.items(), key=lambda item: (item[0][0], min(item[1]))):
+    for (node, line), ranks in sorted(said.items(), key=lambda item: (item[0] not in killed, item[0][0], min(item[1]))):
         which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"
         parts.append(f"node {node!r} {which}: {line}")
     return f"worker failed ({'; '.join(parts) or 'no message'}); logs in {state.run.logs}"
