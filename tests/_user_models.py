@@ -215,7 +215,9 @@ def counted_builds(record: str = "", leave: str = ""):
     """A three-layer TrainJob that appends the pid of the process building it to the file
     ``record``; ``leave``: what its build leaves behind (``file``: a file open, ``memmap``: a file
     open and memory-mapped, as ``np.memmap`` leaves it, ``thread``: a thread running, ``print``: a
-    line on stdout, ``slow``: 30 s more)."""
+    line on stdout, from Python and on file descriptor 1, ``slow``: 30 s more, ``environ``: a
+    variable set, ``seed``: Python's and numpy's global generators seeded, ``signal``: SIGCHLD
+    ignored, ``raise``: a RuntimeError)."""
     import os
     import sys
     import threading
@@ -243,5 +245,21 @@ def counted_builds(record: str = "", leave: str = ""):
     elif leave == "print":
         print("building the model", end="")
         sys.stdout.flush()
+        os.write(1, b"building it on fd 1")
+    elif leave == "environ":
+        os.environ["COUNTED_BUILDS"] = "set by the build"
+    elif leave == "seed":
+        import random
+
+        import numpy
+
+        random.seed(0)
+        numpy.random.seed(0)
+    elif leave == "signal":
+        import signal
+
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    elif leave == "raise":
+        raise RuntimeError("the user's own build error")
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     return TrainJob(model=model, dataset=data, loss_fn=F.mse_loss)

@@ -17,6 +17,7 @@ from _worker_helpers import dp_plan, final_params, pipeline_plan, reference_para
 from felactl.agents.worker import shared_model
 from felactl.agents.worker.zygote import Zygote
 from felactl.control.documents import WORKER_MODULE
+from felactl.errors import WorkerFailed
 from felactl.spec import ModelRef, save
 
 TESTS = Path(__file__).parent
@@ -75,8 +76,8 @@ def test_a_worker_takes_the_zygotes_model_once_and_only_the_one_its_plan_trains(
     plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "builds")
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setattr(shared_model, "_built", None)
-    assert shared_model.prepare({"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))}) is None
-    assert shared_model.prepare({"FELACTL_PLAN": str(tmp_path / "plan.yaml")}) is None  # built once
+    shared_model.prepare({"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))})
+    shared_model.prepare({"FELACTL_PLAN": str(tmp_path / "plan.yaml")})  # built once
     assert len(_builders(tmp_path / "builds")) == 1
     other = dataclasses.replace(plan, training=dataclasses.replace(plan.training, seed=1))
     assert shared_model.take(other) is None
@@ -93,7 +94,7 @@ def test_a_zygote_a_build_left_unable_to_fork_says_so_and_leaves_once_it_has_no_
     zygote = Zygote(env)
     try:
         worker_env = dict(env, FELACTL_PLAN=str(save(plan, tmp_path / "plan.yaml")))
-        with pytest.raises(OSError, match="started a thread or touched CUDA"):
+        with pytest.raises(OSError, match="started a thread, which a forked worker would lack"):
             zygote.start(WORKER_MODULE, worker_env, tmp_path / "worker.log")
         assert not zygote.serves([sys.executable, "-m", WORKER_MODULE], worker_env)  # the rest are exec'd
         assert zygote.proc.wait(timeout=10) == 0  # was: it stayed, forking nothing
@@ -101,43 +102,70 @@ def test_a_zygote_a_build_left_unable_to_fork_says_so_and_leaves_once_it_has_no_
         zygote.close()
 
 
-def test_a_build_that_runs_over_its_budget_is_given_up_and_not_tried_again(tmp_path, monkeypatch):
-    """The agent waits a bounded time for the zygote's answer: a model that takes longer to build
-    is each worker's own, and the zygote answers in time."""
-    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "builds", leave="slow")
+@pytest.fixture
+def in_zygote(tmp_path, monkeypatch):
+    """``prepare(leave)``: what the zygote does before it forks a worker of a two-stage plan of
+    :func:`_user_models.counted_builds`, in this process; returns the plan."""
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setattr(shared_model, "_built", None)
-    monkeypatch.setattr(shared_model, "_given_up", set())
+
+    def prepare(leave: str = "", record: Path | None = None):
+        plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), record or tmp_path / "builds", leave)
+        shared_model.prepare({"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))})
+        return plan
+
+    return prepare
+
+
+def test_a_build_that_runs_over_its_budget_leaves_every_worker_to_build_its_own(in_zygote, monkeypatch):
+    """The agent waits a bounded time for the zygote's answer: the zygote answers in time, and
+    forks no more (the code it cut short left who knows what behind)."""
     monkeypatch.setattr(shared_model, "BUILD_BUDGET_S", 0.5)
-    env = {"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))}
     start = time.monotonic()
-    assert "building it took over 0.5 s; each worker builds its own" in shared_model.prepare(env)
-    assert time.monotonic() - start < 10
-    assert shared_model.prepare(env) is None and shared_model.take(plan) is None
-    assert len(_builders(tmp_path / "builds")) == 1
+    with pytest.raises(shared_model.Unforkable, match=r"took over 0.5 s; each worker builds its own") as caught:
+        in_zygote("slow")
+    assert time.monotonic() - start < 10 and not caught.value.quiet
 
 
-def test_the_zygote_says_which_file_a_build_left_open(tmp_path, monkeypatch):
-    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "builds", leave="file")
-    monkeypatch.syspath_prepend(str(TESTS))
-    monkeypatch.setattr(shared_model, "_built", None)
-    monkeypatch.setattr(shared_model, "_given_up", set())
-    why_not = shared_model.prepare({"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))})
-    assert why_not == (
-        f"_user_models:counted_builds: building it left {tmp_path / 'builds'} open, which forks would share; "
-        "each worker builds its own"
+def test_the_zygote_says_which_file_a_build_left_open(in_zygote, tmp_path):
+    with pytest.raises(shared_model.Unforkable) as caught:
+        in_zygote("file")
+    assert str(caught.value) == (
+        f"building _user_models:counted_builds left {tmp_path / 'builds'} open, which forked workers would share"
     )
 
 
-def test_a_build_that_raises_is_left_to_the_workers_to_report(tmp_path, monkeypatch):
+def test_a_build_that_raises_is_left_quietly_to_the_workers_to_report(in_zygote):
     """The zygote said "building it failed (InputError)" first, which read as the cause; the
     workers build it again and say what the user's function raised."""
-    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), tmp_path / "no" / "such" / "dir" / "builds")
-    monkeypatch.syspath_prepend(str(TESTS))
-    monkeypatch.setattr(shared_model, "_built", None)
-    monkeypatch.setattr(shared_model, "_given_up", set())
-    env = {"FELACTL_PLAN": str(save(plan, tmp_path / "plan.yaml"))}
-    assert shared_model.prepare(env) is None and shared_model.take(plan) is None
+    with pytest.raises(shared_model.Unforkable) as caught:
+        in_zygote("raise")
+    assert caught.value.quiet and shared_model._built is None
+
+
+def test_what_a_build_does_to_the_environment_and_directory_is_done_in_the_worker_not_the_zygote(
+    in_zygote, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("COUNTED_BUILDS", raising=False)
+    plan = in_zygote("environ")
+    assert "COUNTED_BUILDS" not in os.environ  # the zygote's own environment is as it was
+    assert shared_model.take(plan) is not None
+    assert os.environ["COUNTED_BUILDS"] == "set by the build"  # as in a worker that built it
+
+
+def test_a_builds_seeds_and_signal_handlers_stay_out_of_the_zygote(in_zygote):
+    """A user's set_seed would otherwise hold in an exec'd worker and not in a fork (which reseeds
+    its generators); a SIGCHLD ignored would leave the zygote unable to say how its children end."""
+    import random
+    import signal
+
+    import numpy
+
+    before = (random.getstate(), numpy.random.get_state()[1].copy(), signal.getsignal(signal.SIGCHLD))
+    in_zygote("seed")
+    in_zygote("signal")  # another model: dropped for it
+    assert random.getstate() == before[0] and (numpy.random.get_state()[1] == before[1]).all()
+    assert signal.getsignal(signal.SIGCHLD) == before[2]
 
 
 def test_what_a_model_function_prints_goes_to_stderr_not_a_commands_json(tmp_path, monkeypatch, capsys):
@@ -147,3 +175,23 @@ def test_what_a_model_function_prints_goes_to_stderr_not_a_commands_json(tmp_pat
     models.build("_user_models:counted_builds", {"record": str(tmp_path / "builds"), "leave": "print"})
     out, err = capsys.readouterr()
     assert out == "" and "building the model" in err
+
+
+@pytest.mark.multiprocess
+def test_a_failed_build_is_each_workers_to_report_and_the_zygote_says_nothing(tmp_path, capfd):
+    record = tmp_path / "builds"
+    plan = _counted(pipeline_plan([0, 2, 3], 1, "1f1b"), record, "raise")
+    with pytest.raises(WorkerFailed, match="the user's own build error"):
+        run_plan(plan, tmp_path, STEPS, env={"PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"})
+    assert "zygote" not in capfd.readouterr().err
+
+
+def test_what_a_models_module_prints_as_it_imports_goes_to_stderr_too(tmp_path, monkeypatch, capsys):
+    """``felactl check --json`` of a plan of such a module printed the banner before its JSON."""
+    from felactl import models
+
+    (tmp_path / "banner_module.py").write_text("print('IMPORT-TIME BANNER')\n\ndef job():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    models.check_source("banner_module:job", {})
+    out, err = capsys.readouterr()
+    assert out == "" and "IMPORT-TIME BANNER" in err

@@ -5,6 +5,7 @@ storage trouble said on the console, and the summary it ends with."""
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -146,17 +147,22 @@ def raised_lines(failed: dict[str, dict]) -> frozenset[str]:
     return frozenset(line for s in failed.values() for line in s.get("failures", {}).values())
 
 
+KILLED_FROM_OUTSIDE = (-signal.SIGKILL, -signal.SIGTERM)
+"""Exit codes of a worker something outside killed (a person, the OOM killer), whose peers' errors
+follow from it; a SIGABRT (NCCL's watchdog, a C++ abort) may itself follow from a peer's death."""
+
+
 def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
     """One line of what the failed workers said: the ranks of a node that said the same, once
-    (a plan every worker refuses the same way is one reason, not four); a worker killed by a
-    signal first (its peers' lost connections came after it, and read as the cause)."""
+    (a plan every worker refuses the same way is one reason, not four); a worker killed from
+    outside first (its peers' lost connections came after it, and read as the cause)."""
     node_of = {m.agent_id: m.node_name for m in state.members}
     said: dict[tuple[str, str], list[int]] = {}
     killed: set[tuple[str, str]] = set()  # a worker killed by a signal: its peers' errors follow from it
     for agent_id, s in failed.items():
         for rank, line in s.get("failures", {}).items():
             said.setdefault((node_of.get(agent_id, agent_id), line), []).append(int(rank))
-            if int(s.get("exit_codes", {}).get(rank, 1)) < 0:
+            if int(s.get("exit_codes", {}).get(rank, 1)) in KILLED_FROM_OUTSIDE:
                 killed.add((node_of.get(agent_id, agent_id), line))
     parts = []
     for (node, line), ranks in sorted(said.items(), key=lambda item: (item[0] not in killed, item[0][0], min(item[1]))):

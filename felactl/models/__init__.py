@@ -13,6 +13,7 @@ import importlib
 import inspect
 import math
 import os
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -285,7 +286,8 @@ def _user_function(source: str) -> Callable[..., Any]:
     module_name, _, func_name = source.partition(":")
     module = None  # an AttributeError may come from the module's own code, while it imports
     try:
-        module = _import_user_module(module_name)
+        with contextlib.redirect_stdout(sys.stderr):  # what it prints as it imports, as its function's
+            module = _import_user_module(module_name)
         return getattr(module, func_name)
     except (ImportError, AttributeError) as exc:
         where = ""
@@ -397,7 +399,8 @@ def _user_model(source: str, config: dict[str, Any]) -> ModelBundle:
 
 def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> ModelBundle:
     """Build a model by built-in name or ``package.module:function``, with torch's random state
-    seeded by ``seed`` while it is built (the caller's is left as it was), on one thread, so every
+    seeded by ``seed`` while it is built (the caller's is left as it was, as are Python's and
+    numpy's global generators, whatever the function does to them), on one thread, so every
     process builds the same weights (a sum over many threads rounds as their count has it: an
     init that centres or normalises would differ between slots of different sizes), and a
     worker's zygote can build it without starting OpenMP's threads, which a fork does not copy. A user's model keeps the weights its function gave it (its own
@@ -405,7 +408,7 @@ def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> M
     this machine's memory cannot hold is refused before any of it is allocated."""
     config = dict(config or {})
     check_source(source, config)
-    with torch.random.fork_rng(devices=[]), _one_thread():
+    with torch.random.fork_rng(devices=[]), _global_rngs_kept(), _one_thread():
         torch.manual_seed(seed)
         if source in BUILTINS:
             given = dict(config)
@@ -421,6 +424,23 @@ def build(source: str, config: dict[str, Any] | None = None, seed: int = 0) -> M
         else:
             bundle = _user_model(source, config)
     return bundle
+
+
+@contextlib.contextmanager
+def _global_rngs_kept():
+    """Python's and numpy's global generators as they were before: a build in a node's zygote,
+    whose forks reseed them, and one in a worker then leave the same state (a fresh one where
+    numpy was first imported by the build)."""
+    state = random.getstate()
+    numpy_state = sys.modules["numpy"].random.get_state() if "numpy" in sys.modules else None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if numpy_state is not None:
+            sys.modules["numpy"].random.set_state(numpy_state)
+        elif "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
 
 
 @contextlib.contextmanager

@@ -5,21 +5,30 @@ worker) and keeps it while it trains only its part: a node of 8 GPU workers of a
 8 x 28 GB of host memory at start-up, and a CPU pipeline of n stages keeps n whole models. The
 zygote (``zygote.py``) instead builds the model before it forks the node's first worker, and each
 fork starts with it: the kernel shares its pages copy-on-write, so a node holds one model, plus
-what each worker changes (its own stage, once it steps) or moves to its GPU. A restart's or a
-newcomer's worker starts with it too, without building it again.
+what each worker changes (its own stage, once it steps) or moves to its GPU. The zygote keeps its
+copy for the job's restarts and newcomers, which start with it without building it again (on a
+GPU node that one host copy stays, where workers that built their own freed theirs once on the
+GPU).
 
 A forked worker takes the model it would have built (:func:`take`): the same function, config and
-seed (``models.build``), never run in the zygote before. Where sharing could make a run differ
-from one whose workers each build their own, the zygote does not share, and says so:
+seed (``models.build``, which leaves the global random generators as it found them), never run
+in the zygote before, with what the build did to the environment and the working directory done
+again in the worker. The build runs with the agent's environment: a worker's own variables
+(``RANK``, ``LOCAL_RANK``) are not set, as the model every worker shares is no one worker's.
 
-- a plan that keeps the whole model in every worker's host memory (one replicated stage on CPUs)
-  gains nothing, and would hold one copy more: not built;
-- a build that leaves a file or socket open (forks would share its offset; a memory-mapped file,
-  read through its map, is fine), or takes more than :data:`BUILD_BUDGET_S`: dropped, and each
-  worker builds its own;
-- a build that starts a thread or touches CUDA leaves the zygote unable to fork safely: it
-  answers every request with an error, the agent execs every worker from then on, and the zygote
-  leaves once it has no child (what the build holds goes with it).
+What the user's code leaves in the zygote, every later fork inherits. So only a build that left
+nothing a fork could not share is used; after any other, the zygote forks no more (it answers
+every request with an error, the agent execs every worker from then on, and the zygote leaves
+once it has no child, taking what the build left with it):
+
+- it left a file, socket or pipe open: forks would move one offset for each other (a file it
+  memory-mapped, as ``np.memmap`` and Arrow keep theirs, is read through the map: fine);
+- it started a thread (a fork copies none, and a lock one held stays held), or touched CUDA
+  (a child of a process that initialised it cannot use it);
+- it took more than :data:`BUILD_BUDGET_S`, or failed (the workers build it again and say why).
+
+A plan that keeps the whole model in every worker's host memory (one replicated stage on CPUs)
+gains nothing, and would hold one copy more: no model is built for it.
 
 The zygote imports the user's module to build the model: a restarted worker runs the code of the
 job's first start, as its model is that start's (a change to the module takes a new launch).
@@ -27,6 +36,8 @@ job's first start, as its model is that start's (a change to the module takes a 
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -40,20 +51,39 @@ from felactl import models
 from felactl.spec import Plan, load_plan
 from felactl.spec.executable import plan_backend
 
-BUILD_BUDGET_S = 90.0
+BUILD_BUDGET_S = 60.0
 """The longest the zygote spends building a model; the agent waits at most ``START_TIMEOUT_S``
-(120 s) for its answer to the first worker. A model that takes longer is built by each worker."""
+(120 s) for its answer to the first worker, and the alarm is heard only between the build's
+Python lines. A model that takes longer is built by each worker."""
 
-_built: tuple[str, models.ModelBundle] | None = None
-"""The model the zygote built (its key, the bundle), inherited by every fork; the first
-:func:`take` in a worker takes it."""
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+"""Set in the zygote: ``torch.cuda.is_available()``, which user code and libraries call as they
+import, then asks NVML instead of initialising the CUDA driver, which no fork could then use."""
 
-_given_up: set[str] = set()
-"""Models the zygote will not try again (a build that failed, ran long or left files open)."""
+
+@dataclasses.dataclass
+class Built:
+    """A model the zygote built, and what its build did that a worker's own would have done to itself."""
+
+    key: str
+    bundle: models.ModelBundle
+    environ: dict[str, str | None]
+    """Variables the build set (a value) or removed (None)."""
+    cwd: str | None
+    """The directory the build moved to, where it moved."""
+
+
+_built: Built | None = None
+"""Inherited by every fork; the first :func:`take` in a worker takes it."""
 
 
 class Unforkable(RuntimeError):
-    """The build left the zygote unable to fork a worker safely (a thread, a CUDA context)."""
+    """The build left the zygote unable to fork a worker that would run as an exec'd one.
+    ``quiet``: nothing to tell the user (the build failed: each worker says why)."""
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def model_key(plan: Plan) -> str:
@@ -67,37 +97,37 @@ def worth_sharing(plan: Plan) -> bool:
     return len(plan.stages) > 1 or any(s.shard for s in plan.stages) or plan_backend(plan) == "nccl"
 
 
-def prepare(env: Mapping[str, str]) -> str | None:
+def prepare(env: Mapping[str, str]) -> None:
     """In the zygote, before it forks the worker of ``env``: build the model of the plan it names
-    (``FELACTL_PLAN``) where that is worth it and not done. Returns why a model worth sharing
-    is not shared (for the zygote's log), or None. Raises :class:`Unforkable`."""
+    (``FELACTL_PLAN``) where that is worth it and not done. Raises :class:`Unforkable`."""
     global _built
     try:
         plan = load_plan(Path(env["FELACTL_PLAN"]))
     except Exception:  # noqa: BLE001 - a bad or missing plan is the worker's to report
-        return None
+        return
     key = model_key(plan)
-    if not worth_sharing(plan) or key in _given_up or (_built is not None and _built[0] == key):
-        return None
+    if not worth_sharing(plan) or (_built is not None and _built.key == key):
+        return
     _built = None  # a model the job no longer trains (a re-plan changed it) is dropped first
-    bundle, why_not = _build_guarded(plan)
-    if bundle is None:
-        _given_up.add(key)
-        # a build that failed is the workers' to report, as they build it again: said here too,
-        # it would come first, and read as the cause
-        return f"{plan.model.source}: {why_not}; each worker builds its own" if why_not else None
-    _built = (key, bundle)
-    return None
+    _built = _build_guarded(key, plan)
 
 
 def take(plan: Plan) -> models.ModelBundle | None:
     """In a worker: the model its zygote built for ``plan``, once (a second build in the same
-    worker, of a model already trained on, is a fresh one). None where none was built."""
+    worker, of a model already trained on, is a fresh one), with what its build did to the
+    environment and the working directory done here too. None where none was built."""
     global _built
-    if _built is None or _built[0] != model_key(plan):
+    if _built is None or _built.key != model_key(plan):
         return None
-    bundle, _built = _built[1], None
-    return bundle
+    built, _built = _built, None
+    for name, value in built.environ.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if built.cwd is not None:
+        os.chdir(built.cwd)
+    return built.bundle
 
 
 class _OutOfTime(BaseException):
@@ -105,37 +135,70 @@ class _OutOfTime(BaseException):
     ``models.build``, which words a failing function's error) may catch."""
 
 
-def _build_guarded(plan: Plan) -> tuple[models.ModelBundle | None, str]:
+def _build_guarded(key: str, plan: Plan) -> Built:
     """Build ``plan``'s model with the zygote's output kept off its protocol (the user's function
-    may print) and its time bounded; then check it left nothing a fork would share unsafely.
-    Returns the model, or None and why not ("" where building it failed)."""
-    threads, files = _tasks(), _open_fds()
+    may print), its time bounded, and what it changes in the zygote's own process put back; then
+    check it left nothing a fork would share unsafely (:class:`Unforkable`)."""
+    threads, files, environ, cwd = _tasks(), _open_fds(), dict(os.environ), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _catchable_signals()}
     protocol = os.dup(1)
     os.dup2(2, 1)  # fd 1 is the zygote's answers to the agent: a print would corrupt one
-    previous = signal.signal(signal.SIGALRM, _out_of_time)
+    signal.signal(signal.SIGALRM, _out_of_time)
     signal.setitimer(signal.ITIMER_REAL, BUILD_BUDGET_S)
-    bundle, why_not = None, ""
+    source, failed = plan.model.source, None
     try:
-        bundle = models.build(plan.model.source, plan.model.config, seed=plan.training.seed)
+        bundle = models.build(source, plan.model.config, seed=plan.training.seed)
     except _OutOfTime:
-        why_not = f"building it took over {BUILD_BUDGET_S:g} s"
-    except (Exception, SystemExit):  # noqa: BLE001 - the worker builds it again and reports it
-        pass
+        failed = Unforkable(f"building {source} took over {BUILD_BUDGET_S:g} s; each worker builds its own")
+    except BaseException:  # noqa: BLE001 - the workers build it again and say why
+        failed = Unforkable(f"building {source} failed", quiet=True)
     finally:
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)  # an alarm due now must not escape
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        for number, handler in handlers.items():  # the zygote reaps and stops as it did
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
         sys.stdout.flush()
         os.dup2(protocol, 1)
         os.close(protocol)
-    if torch.cuda.is_initialized() or _tasks() > threads:
-        raise Unforkable(f"building {plan.model.source} started a thread or touched CUDA; workers are exec'd")
-    if bundle is not None and (opened := _read_through_offsets(_open_fds() - files)):
-        bundle, why_not = None, f"building it left {', '.join(opened)} open, which forks would share"
-    return bundle, why_not
+    moved_to = os.getcwd()
+    os.chdir(cwd)
+    changed = {k: os.environ.get(k) for k in environ.keys() | os.environ.keys() if os.environ.get(k) != environ.get(k)}
+    os.environ.clear()
+    os.environ.update(environ)
+    if torch.cuda.is_initialized() or _cuda_driver_initialized():
+        raise Unforkable(f"building {source} initialised CUDA, which a forked worker could not use")
+    if _tasks() > threads:
+        raise Unforkable(f"building {source} started a thread, which a forked worker would lack")
+    if failed is not None:
+        raise failed
+    if opened := _read_through_offsets(_open_fds() - files):
+        raise Unforkable(f"building {source} left {', '.join(opened)} open, which forked workers would share")
+    return Built(key, bundle, changed, moved_to if moved_to != cwd else None)
 
 
 def _out_of_time(signum, frame) -> None:
     raise _OutOfTime
+
+
+def _catchable_signals() -> list[signal.Signals]:
+    return [
+        s
+        for s in signal.valid_signals()
+        if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) is not None
+    ]
+
+
+def _cuda_driver_initialized() -> bool:
+    """Whether this process initialised the CUDA driver (``cuInit``), which torch does not
+    always say (``torch.cuda.is_available()`` inits it, ``is_initialized()`` stays False):
+    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3) until then. False without a
+    driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != 3
 
 
 def _tasks() -> int:

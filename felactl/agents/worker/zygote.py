@@ -128,7 +128,7 @@ class Zygote:
                 raise RuntimeError(f"the zygote did not answer within {START_TIMEOUT_S:.0f} s") from None
         if child is None:
             self._mute = self._mute or bool(answer.get("unforkable"))  # it forks no more: exec the rest quietly
-            raise OSError(f"the zygote did not start a worker: {answer.get('error')}")
+            raise Declined(f"the zygote did not start a worker: {answer.get('error')}", quiet=bool(answer.get("quiet")))
         return child
 
     def gone(self) -> bool:
@@ -175,6 +175,15 @@ class Zygote:
         self._answers.put(({"error": "the zygote exited"}, None))
 
 
+class Declined(OSError):
+    """The zygote answered a start with an error: the worker is exec'd. ``quiet``: the zygote has
+    nothing to tell (a model's build failed in it: the worker builds it again and says why)."""
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
+
+
 def start_process(
     argv: list[str], env: dict[str, str], log_path: Path, zygote: Zygote | None
 ) -> subprocess.Popen | ForkedWorker:
@@ -184,7 +193,8 @@ def start_process(
         try:
             return zygote.start(argv[2], env, log_path)
         except OSError as exc:
-            print(f"felactl: {exc}; starting the worker as a new process", file=sys.stderr)
+            if not getattr(exc, "quiet", False):
+                print(f"felactl: {exc}; starting the worker as a new process", file=sys.stderr)
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
@@ -248,8 +258,10 @@ def serve() -> None:
     """Import what a worker imports, then fork a worker per request until stdin closes."""
     import torch
 
+    from felactl.agents.worker import shared_model  # the model its workers share is built here
     from felactl.agents.worker.__main__ import name_process  # torch and the whole worker, once
-    from felactl.agents.worker.shared_model import Unforkable
+
+    os.environ.setdefault(shared_model.NVML_CHECK, "1")  # a library's is_available() inits no CUDA here
 
     if torch.cuda.is_initialized():  # a child of a process that holds a CUDA context cannot use CUDA
         return  # the agent sees the zygote gone and execs its workers
@@ -258,7 +270,7 @@ def serve() -> None:
     requests, answers = sys.stdin.buffer.raw, sys.stdout.fileno()
     _answer(answers, {"ready": True})
     pending = b""
-    unforkable = ""  # once set, every request is answered with it: the agent execs the worker
+    unforkable = None  # once set, every request is answered with it: the agent execs the worker
     while True:
         readable, _, _ = select.select([requests], [], [], REAP_S)
         if readable:
@@ -270,26 +282,19 @@ def serve() -> None:
             for line in lines:
                 request = json.loads(line)
                 try:
-                    if not unforkable:
-                        _prepare(request)
-                except Unforkable as exc:  # it stays for the children it has (they watch it)
-                    unforkable = str(exc)
-                if unforkable:
-                    _answer(answers, {"error": unforkable, "unforkable": True})
+                    if unforkable is None and request["module"] == WORKER_MODULE:
+                        shared_model.prepare(request["env"])
+                except shared_model.Unforkable as exc:  # it stays for the children it has (they watch it)
+                    unforkable = exc
+                except Exception as exc:  # noqa: BLE001 - what the check itself met (no file left to open)
+                    unforkable = shared_model.Unforkable(f"the zygote could not check the model's build: {exc!r}")
+                if unforkable is not None:
+                    _answer(answers, {"error": str(unforkable), "unforkable": True, "quiet": unforkable.quiet})
                 else:
                     _answer(answers, _fork(request, requests.fileno(), answers))
         _reap(answers)
-        if unforkable and not _has_children():
+        if unforkable is not None and not _has_children():
             break  # what the build holds (a CUDA context, its threads) goes with it
-
-
-def _prepare(request: dict) -> None:
-    """Build the model a worker is about to be forked with, where the node's workers share it
-    (``shared_model.py``); raises ``shared_model.Unforkable``."""
-    from felactl.agents.worker import shared_model  # torch: imported by the zygote, not by its agent
-
-    if request["module"] == WORKER_MODULE and (why_not := shared_model.prepare(request["env"])):
-        print(f"felactl zygote: {why_not}", file=sys.stderr, flush=True)
 
 
 def _fork(request: dict, *zygote_fds: int) -> dict:
