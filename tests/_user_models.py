@@ -217,7 +217,8 @@ def counted_builds(record: str = "", leave: str = ""):
     open and memory-mapped, as ``np.memmap`` leaves it, ``thread``: a thread running, ``print``: a
     line on stdout, from Python and on file descriptor 1, ``slow``: 30 s more, ``environ``: a
     variable set, ``seed``: Python's and numpy's global generators seeded, ``signal``: SIGCHLD
-    ignored, ``raise``: a RuntimeError)."""
+    ignored, ``raise``: a RuntimeError, ``cuda_check``: ``torch.cuda.is_available()`` asked, as
+    libraries ask it when they import)."""
     import os
     import sys
     import threading
@@ -259,6 +260,8 @@ def counted_builds(record: str = "", leave: str = ""):
         import signal
 
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    elif leave == "cuda_check":
+        torch.cuda.is_available()
     elif leave == "raise":
         raise RuntimeError("the user's own build error")
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))

@@ -15,6 +15,27 @@ two_gpus = pytest.mark.skipif(
 )
 
 
+def test_a_model_whose_build_asks_for_cuda_is_built_once_by_the_zygote_and_trains_on_the_gpu(tmp_path):
+    """torch.cuda.is_available() inits the CUDA driver (is_initialized() stays False), and a fork
+    of a process that did cannot use CUDA: the zygote asks NVML instead
+    (PYTORCH_NVML_BASED_CUDA_CHECK), so its fork trains on the GPU with the model it built."""
+    import dataclasses
+    import os
+    from pathlib import Path
+
+    from felactl.spec import ModelRef
+
+    tests = Path(__file__).parent
+    record = tmp_path / "builds"
+    model = ModelRef(
+        name="counted", source="_user_models:counted_builds", config={"record": str(record), "leave": "cuda_check"}
+    )
+    plan = placed(dataclasses.replace(dp_plan(1, "bsp"), model=model), DeviceKind.CUDA)
+    run_dir = run_plan(plan, tmp_path, 3, env={"PYTHONPATH": f"{tests}:{os.environ.get('PYTHONPATH', '')}"})
+    assert len(record.read_text().split()) == 1  # the zygote's build, taken by the worker it forked
+    assert (final_params(run_dir, 3) - reference_params(plan, 3)).abs().max().item() < 1e-4
+
+
 def test_bsp_on_one_gpu_matches_single_process(tmp_path):
     plan = placed(dp_plan(1, "bsp"), DeviceKind.CUDA)  # the worker runs NCCL because its plan says GPUs
     run_dir = run_plan(plan, tmp_path, 3)
