@@ -283,3 +283,20 @@ def test_an_agent_whose_beat_stopped_but_that_reports_how_its_workers_ended_is_n
     state = SimpleNamespace(plan=pipeline_plan([0, 2, 3], num_replicas=1), members=members)
     job = restarts.Restarts(coordinator, state, None, {}, None, 3, 10, None, {}, None)
     assert job._lost_nodes(0) == []
+
+
+def test_survivors_get_the_time_their_stage_takes_to_write():
+    """Fixed at 20 s, a 7B stage's survivors (20 GB to write) were stopped half-way, and the restart
+    went back to the newest regular checkpoint."""
+    import dataclasses
+
+    from felactl.launcher import restarts
+    from felactl.spec import Prediction
+
+    plan = pipeline_plan([0, 2, 3], num_replicas=2)
+    assert restarts.keep_state_s(plan) == restarts.KEEP_STATE_S  # no memory known: the floor
+    big = Prediction(iteration_s=1.0, samples_per_s=32.0, simulated_peak_memory_gb={"cpu0": 20.0, "cpu1": 4.0})
+    assert restarts.keep_state_s(dataclasses.replace(plan, predicted=big)) == pytest.approx(
+        restarts.KEEP_STATE_S + 20.0 / restarts.STATE_WRITE_GBPS
+    )
+    assert restarts.keep_state_s(pipeline_plan([0, 2, 3], num_replicas=1)) == 0.0  # no replica holds a stage

@@ -58,7 +58,24 @@ SILENT_S = 10 * keys.AGENT_BEAT_S
 moved this long is gone, with its node, without waiting out :data:`LOST_AFTER_S`."""
 KEEP_STATE_S = 20.0
 """After a failure, how long the workers that survive get to write their state for the restart
-(:mod:`felactl.agents.worker.survivors`) before their agents stop them (each exits once it has)."""
+(:mod:`felactl.agents.worker.survivors`) before their agents stop them (each exits once it has),
+plus the time their state takes to write (:data:`STATE_WRITE_GBPS`)."""
+STATE_WRITE_GBPS = 0.5
+"""The pace a survivor's state (its stage's weights and optimizer state) is taken to be written
+at, GB/s, to the run's checkpoint directory: a shared file system's, slower than a local disk. A
+stage of a 7B model on a GPU (20 GB with its AdamW state) takes 40 s at it: with 20 s in all, its
+survivors were stopped half-way and the restart went back to the newest regular checkpoint."""
+
+
+def keep_state_s(plan: Plan) -> float:
+    """How long the workers that survive a failure of ``plan`` get to write their state for the
+    restart: :data:`KEEP_STATE_S`, and the largest device's simulated peak memory (its stage's
+    weights, gradients, optimizer state and activations: more than it writes) at
+    :data:`STATE_WRITE_GBPS`; 0 where the plan's survivors do not hold every stage of one step."""
+    if not survivors_keep_state(plan):
+        return 0.0
+    peak_gb = max(plan.predicted.simulated_peak_memory_gb.values(), default=0.0) if plan.predicted else 0.0
+    return KEEP_STATE_S + peak_gb / STATE_WRITE_GBPS
 
 
 @dataclasses.dataclass
@@ -189,9 +206,7 @@ class Restarts:
             self.rescale.published_at = time.time()
 
     def _keep_state_s(self) -> float:
-        """How long the workers that survive a failure get to write their state for the restart
-        (0: the plan's do not hold every stage of one step)."""
-        return KEEP_STATE_S if survivors_keep_state(self.state.plan) else 0.0
+        return keep_state_s(self.state.plan)
 
     def _adopt(self, plan: Plan, nodes: dict[str, str]) -> None:
         """Run ``plan`` from the next attempt on: its devices on their ``nodes``."""
