@@ -63,8 +63,9 @@ plus the time their state takes to write (:data:`STATE_WRITE_GBPS`)."""
 STATE_WRITE_GBPS = 0.5
 """The pace a survivor's state (its stage's weights and optimizer state) is taken to be written
 at, GB/s, to the run's checkpoint directory: a shared file system's, slower than a local disk. A
-stage of a 7B model on a GPU (20 GB with its AdamW state) takes 40 s at it: with 20 s in all, its
-survivors were stopped half-way and the restart went back to the newest regular checkpoint."""
+stage of a 7B model on a GPU (20 GB with its AdamW state) takes 40 s at it: given 20 s in all, its
+survivors would be stopped half-way and the restart would go back to the newest regular
+checkpoint (reasoned, not measured: no session has had the GPUs)."""
 
 
 def keep_state_s(plan: Plan) -> float:
