@@ -3,18 +3,21 @@ workers from a checkpoint it drains to, next to a data-parallel job's live resca
 
 ``OMP_NUM_THREADS=1 python benchmarks/bench_restart_rescale.py [--repeat 3]``: each round launches
 (CPU, gloo) the mlp as a two-stage pipeline on 2 workers and ``felactl scale --add 2`` (two
-pipelines), and the same mlp data-parallel on 2 workers and ``felactl scale --add 1``. The pause
+pipelines), and the same mlp data-parallel on 2 workers and ``felactl scale --add 1``
+(``--model SOURCE --config K=V``: that model instead, cut in two halves, global batch 8). The pause
 is what ``felactl scale`` answers: from the last step before the change to the first after it
 (the restart's includes draining to the agreed step, starting the workers and restoring the
-checkpoint; the live rescale's, the members' switch). The pipeline's restart runs twice a round:
-its workers forked from the agent's zygote (torch imported once, felactl's default), and exec'd
-each with its own import of torch (``FELACTL_ZYGOTE=0``, felactl before the zygote and how
-torchrun starts workers). Medians over rounds.
+checkpoint; the live rescale's, the members' switch). The pipeline's restart runs three times a
+round: its workers forked from the agent's zygote (torch imported once and the model built once,
+felactl's default), forked but each building its own model (``FELACTL_SHARED_MODEL=0``, felactl
+before the shared model), and exec'd each with its own import of torch (``FELACTL_ZYGOTE=0``,
+felactl before the zygote and how torchrun starts workers). Medians over rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -26,10 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+import yaml  # noqa: E402
 from _worker_helpers import dp_plan, pipeline_plan  # noqa: E402
 
 from felactl.launcher.rundir import read_jsonl  # noqa: E402
-from felactl.spec import save  # noqa: E402
+from felactl.spec import ModelRef, save  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
@@ -78,18 +82,34 @@ def pause_of(root: Path, plan_path: Path, run_id: str, add: int, env: dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--model", default=None, help="a model source for both jobs instead of the mlp")
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="its config")
     args = parser.parse_args()
+    cuts = [0, 2, 3]
+    if args.model is not None:  # the layers cut in two halves
+        from felactl import models
+
+        config = {k: yaml.safe_load(v) for k, v in (c.split("=", 1) for c in args.config)}
+        layers = len(models.build(args.model, config).layers)
+        cuts = [0, layers // 2, layers]
     pauses: dict[str, list[float]] = {
         "pipeline (restart)": [],
+        "pipeline (restart), each worker builds the model": [],
         "pipeline (restart), workers exec'd": [],
         "data parallel (live)": [],
     }
     with tempfile.TemporaryDirectory(prefix="bench_restart.") as tmp:
         root = Path(tmp)
-        pipe = save(pipeline_plan([0, 2, 3], optimizer="adamw", lr=0.01), root / "pipeline.yaml")
-        dp = save(dp_plan(2, "bsp", optimizer="adamw", lr=0.01), root / "dp.yaml")
-        for round_ in range(args.repeat):  # interleaved: a slow minute of the machine hits both
+        pipe_plan, dp = pipeline_plan(cuts, optimizer="adamw", lr=0.01), dp_plan(2, "bsp", optimizer="adamw", lr=0.01)
+        if args.model is not None:
+            model = ModelRef(name=args.model, source=args.model, config=config)
+            pipe_plan, dp = (dataclasses.replace(p, model=model, global_batch=8) for p in (pipe_plan, dp))
+        pipe = save(pipe_plan, root / "pipeline.yaml")
+        dp = save(dp, root / "dp.yaml")
+        for round_ in range(args.repeat):  # interleaved: a slow minute of the machine hits each
             pauses["pipeline (restart)"].append(pause_of(root, pipe, f"pipe{round_}", 2))
+            own = pause_of(root, pipe, f"own{round_}", 2, env={"FELACTL_SHARED_MODEL": "0"})
+            pauses["pipeline (restart), each worker builds the model"].append(own)
             exec_d = pause_of(root, pipe, f"exec{round_}", 2, env={"FELACTL_ZYGOTE": "0"})
             pauses["pipeline (restart), workers exec'd"].append(exec_d)
             pauses["data parallel (live)"].append(pause_of(root, dp, f"dp{round_}", 1))
@@ -98,7 +118,7 @@ def main() -> None:
     print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.repeat} round(s)\n")
     print("| job | scale | pause s, median | min–max |")
     print("|---|---|---:|---:|")
-    hows = ("--add 2 (1x2 -> 2x2)", "--add 2, FELACTL_ZYGOTE=0", "--add 1 (2 -> 3)")
+    hows = ("--add 2 (1x2 -> 2x2)", "--add 2, FELACTL_SHARED_MODEL=0", "--add 2, FELACTL_ZYGOTE=0", "--add 1 (2 -> 3)")
     for (name, values), how in zip(pauses.items(), hows):
         print(f"| {name} | {how} | {statistics.median(values):.2f} | {min(values):.2f}–{max(values):.2f} |")
 

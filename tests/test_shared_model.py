@@ -53,6 +53,10 @@ def test_a_pipelines_workers_share_one_build_of_the_model_and_train_it_exactly(t
     monkeypatch.setenv("FELACTL_ZYGOTE", "0")
     exec_d, _, _ = _run(tmp_path / "exec")
     assert len(exec_d) == 2
+    monkeypatch.setenv("FELACTL_ZYGOTE", "1")
+    monkeypatch.setenv(shared_model.SWITCH, "0")  # the way out: forked, each building its own
+    own, _, _ = _run(tmp_path / "own")
+    assert len(own) == 2
 
 
 @pytest.mark.multiprocess

@@ -56,6 +56,11 @@ BUILD_BUDGET_S = 60.0
 (120 s) for its answer to the first worker, and the alarm is heard only between the build's
 Python lines. A model that takes longer is built by each worker."""
 
+SWITCH = "FELACTL_SHARED_MODEL"
+"""Set to ``0`` where an agent starts, its zygote builds no model: each worker builds its own, as
+before (a way out, should a build hold something the checks below do not see; and a benchmark's
+baseline), while workers are still forked."""
+
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 """Set in the zygote: ``torch.cuda.is_available()``, which user code and libraries call as they
 import, then asks NVML instead of initialising the CUDA driver, which no fork could then use."""
@@ -106,7 +111,7 @@ def prepare(env: Mapping[str, str]) -> None:
     except Exception:  # noqa: BLE001 - a bad or missing plan is the worker's to report
         return
     key = model_key(plan)
-    if not worth_sharing(plan) or (_built is not None and _built.key == key):
+    if os.environ.get(SWITCH, "1") == "0" or not worth_sharing(plan) or (_built is not None and _built.key == key):
         return
     _built = None  # a model the job no longer trains (a re-plan changed it) is dropped first
     _built = _build_guarded(key, plan)
