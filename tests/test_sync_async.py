@@ -33,10 +33,12 @@ def test_wbsp_trains_and_replicas_end_equal(tmp_path, overlap):
     )  # compute well above the push/pull
     run_dir = run_plan(plan, tmp_path, STEPS, env={"FELACTL_SLOWDOWN": "1=3"})
     records = _checks(run_dir, 2)
-    fast = sum(1 for r in records if r["rank"] == 0)
-    slow = sum(1 for r in records if r["rank"] == 1)
-    assert fast > slow, f"nobody waits in WBSP: the fast worker takes more local steps ({fast} vs {slow})"
+    # Nobody waits in WBSP: each worker steps at its own pace, busy the whole run. (It asserted that
+    # the worker slowed 3x took fewer steps, which a loaded machine reversed once: 21 vs 39, rank
+    # 0, which also hosts the store, starved by another test's processes on the two cores.)
     assert all(r["wait_s"] == 0 for r in records)
+    busy = [sum(r["duration_s"] for r in records if r["rank"] == rank) for rank in (0, 1)]
+    assert 0.5 < busy[0] / busy[1] < 2.0, f"both step for the whole run: busy {busy}"
 
 
 def test_wbsp_with_one_worker_is_plain_sgd(tmp_path):
