@@ -301,8 +301,10 @@ def _restarts(summary: dict) -> str:
     pauses = [f"{c['pause_s']:.1f}" for c in changes if c.get("pause_s") is not None]
     counts = Counter(RESTART_REASONS.get(c["kind"], c["kind"]) for c in changes)
     times = "once" if len(changes) == 1 else f"{len(changes)} times"
-    why = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{n} {reason}" for reason, n in counts.items())
-    said = f", restarted {times} {why}" if len(counts) == 1 else f", restarted {times}: {why}"
+    if len(counts) == 1:
+        said = f", restarted {times} {next(iter(counts))}"
+    else:
+        said = f", restarted {times}: " + ", ".join(f"{n} {reason}" for reason, n in counts.items())
     return said + (f" (pause{'s' if len(pauses) > 1 else ''} {', '.join(pauses)} s)" if pauses else "")
 
 

@@ -160,8 +160,9 @@ def summary_so_far(records: Iterable[dict[str, Any]], events: Iterable[dict[str,
     """:func:`summarize` of a run under way or stopped: None where no step stands yet, none
     recorded or every one recorded redone (a restart, before the first checkpoint, went back to
     step 0: its records so far are all of steps it trains again)."""
-    records, events = list(records), list(events)
-    return summarize(records, events) if without_redone(records, events) else None
+    events = list(events)
+    records = without_redone(records, events)
+    return summarize(records, events) if records else None  # (what stands, redone already left out)
 
 
 def summarize(records: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]] = ()) -> dict[str, Any]:
