@@ -24,7 +24,7 @@ from felactl.agents.worker.local import run_local
 from felactl.cli.main import app
 from felactl.control.metrics import read_metrics
 from felactl.errors import InputError
-from felactl.launcher.resume import pick_checkpoint
+from felactl.launcher.resume import load_stage, pick_checkpoint
 from felactl.launcher.rundir import RunDir, read_jsonl
 from felactl.spec import (
     DeviceKind,
@@ -146,7 +146,7 @@ def run_plan(plan: Plan, tmp_path: Path, steps: int, env=None, per_rank_env=None
 
 
 def final_params(run_dir: Path, steps: int, stage: int = 0) -> torch.Tensor:
-    state = torch.load(checkpoint_path(run_dir, steps, stage), map_location="cpu", weights_only=False)
+    state = load_stage(checkpoint_path(run_dir, steps, stage))  # a sharded stage's read whole
     return torch.cat([v.reshape(-1) for k, v in state["model"].items()])
 
 

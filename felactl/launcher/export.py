@@ -49,7 +49,7 @@ def export_model(run: str, runs_root: Path, output: Path | None = None, step: in
         check_output_file(output)  # before reading checkpoints that may take long
     rundir = RunDir.find(run, root=runs_root)
     chosen = pick_checkpoint(rundir, step)
-    state = merge_stages(chosen.directory, chosen.plan, chosen.stage0)
+    state = merge_stages(chosen.directory, chosen.plan)
     reference = models.build(chosen.plan.model.source, chosen.plan.model.config).model
     check_state_dict(state, reference.state_dict(), where=str(chosen.directory))
     target = atomic_write(
@@ -67,7 +67,7 @@ def export_model(run: str, runs_root: Path, output: Path | None = None, step: in
     )
 
 
-def merge_stages(directory: Path, plan: Plan, stage0: dict) -> OrderedDict[str, torch.Tensor]:
+def merge_stages(directory: Path, plan: Plan) -> OrderedDict[str, torch.Tensor]:
     """Every stage's ``model`` dict in one, stage after stage (with torch's ``_metadata``, the
     modules' state versions, so a load treats the tensors as the stages' modules wrote them).
     A key two stages hold is a weight they share (a tied embedding and head, each stage holding a
@@ -75,7 +75,7 @@ def merge_stages(directory: Path, plan: Plan, stage0: dict) -> OrderedDict[str, 
     merged: OrderedDict[str, torch.Tensor] = OrderedDict()
     metadata: OrderedDict[str, dict] = OrderedDict()
     for s in range(len(plan.stages)):
-        stage = stage0["model"] if s == 0 else load_stage(directory / f"stage{s}.pt")["model"]
+        stage = load_stage(directory / f"stage{s}.pt")["model"]
         differ = [key for key in stage if key in merged and not torch.equal(stage[key], merged[key])]
         if differ:
             raise InputError(

@@ -73,7 +73,7 @@ def pick_checkpoint(rundir: RunDir, step: int | None = None) -> Checkpoint:
     for k, directory in candidates:
         if not (directory / "stage0.pt").exists():
             continue
-        stage0 = load_stage(directory / "stage0.pt")
+        stage0 = load_stage(directory / "stage0.pt", tensors=False)
         plan_path = checkpoint_plan(rundir, stage0)[0]
         plan = load_plan(plan_path)
         if is_complete(directory, len(plan.stages)):
@@ -101,10 +101,14 @@ def resume_hint(rundir: RunDir) -> str:
     return f"its newest complete checkpoint is step {step}: continue with `felactl launch --resume {rundir.run_id}`"
 
 
-def load_stage(path: Path) -> dict:
+def load_stage(path: Path, tensors: bool = True) -> dict:
     """A stage's checkpoint file (``model``, ``optimizer``, ``step``, ``data_position``, and
-    ``generation`` where the job rescaled), its tensors on the CPU."""
+    ``generation`` where the job rescaled), its tensors on the CPU. A sharded stage's model and
+    optimizer state are read whole from its shards where ``tensors`` (else the file alone: its
+    step and the rest)."""
     import torch  # here: `felactl status` reads runs through this module and never pays for torch
+
+    from felactl.parallel.fsdp import SHARDS, read_whole
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
@@ -114,8 +118,17 @@ def load_stage(path: Path) -> dict:
         raise InputError(
             f"{path}: not a readable checkpoint, truncated or corrupt ({type(exc).__name__}); {OLDER_CHECKPOINT}"
         ) from None
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+    sharded = isinstance(state, dict) and isinstance(state.get(SHARDS), str)
+    if not isinstance(state, dict) or not (sharded or isinstance(state.get("model"), dict)):
         raise InputError(f"{path}: not a felactl checkpoint (no model state); {OLDER_CHECKPOINT}")
+    if sharded and tensors:
+        try:
+            state = {**state, **read_whole(path.parent / state[SHARDS])}
+        except Exception as exc:  # DCP raises its own kinds on a missing or damaged shard
+            raise InputError(
+                f"{path.parent / state[SHARDS]}: the stage's shards are not readable ({type(exc).__name__}); "
+                f"{OLDER_CHECKPOINT}"
+            ) from None
     return state
 
 

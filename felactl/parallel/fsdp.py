@@ -79,3 +79,39 @@ class ShardedReplica:
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
+
+
+SHARDS = "shards"
+"""The key under which a sharded stage's checkpoint file names the directory beside it that its
+workers wrote their shards to, in ``torch.distributed.checkpoint``'s format (each worker its own
+part: no worker gathers the stage)."""
+
+
+def read_whole(directory) -> dict:
+    """A sharded stage's checkpoint shards (``{"model": ..., "optimizer": ...}``) read whole into
+    this process, every tensor on the CPU, with no process group: what an export, or a plan that
+    cuts the model elsewhere, needs. (DCP's own ``dcp_to_torch_save`` reads it this way; its
+    planner is private, so ``tests/test_sharded_checkpoint.py`` pins it to the torch we run.)"""
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    try:
+        _load_state_dict(
+            state, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
+    except CheckpointException as exc:  # a BaseException, which `except Exception` misses: its cause is one
+        raise first_failure(exc) from None
+    return state
+
+
+def first_failure(exc) -> BaseException:
+    """The first of the exceptions a ``torch.distributed.checkpoint.CheckpointException`` wraps
+    (one per worker that failed)."""
+    return next(iter(exc.failures.values()))[0]
+
+
+def stage_group(module: nn.Module):
+    """The process group a sharded ``module`` is sharded over (its parameters' mesh's)."""
+    return next(module.parameters()).device_mesh.get_group()

@@ -2,7 +2,10 @@
 
 A checkpoint holds the stage's parameters, the optimizer state, the step and the data position;
 ``step{K:06d}/stage{S}.pt`` is written by the first worker of each stage through
-:func:`felactl.fsutil.atomic_write`, so a crash never leaves half a file. A checkpoint the
+:func:`felactl.fsutil.atomic_write`, so a crash never leaves half a file. A sharded stage's
+workers each write their own shards of its state, with ``torch.distributed.checkpoint``, to
+``stage{S}.shards/`` (:func:`save_shards`; no worker gathers the whole stage, which a stage sharded
+because no device holds it could not), and its file names that directory. A checkpoint the
 storage cannot take (a read-only or full filesystem) is said (:func:`checkpoint_not_written`)
 and the job goes on: a healthy job is not ended by its disk.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +24,8 @@ from torch import nn
 from felactl.control import EventKind
 from felactl.control.events import record
 from felactl.errors import InputError
-from felactl.fsutil import atomic_write
-from felactl.parallel.fsdp import is_sharded
+from felactl.fsutil import STORAGE_ERRORS, atomic_write
+from felactl.parallel.fsdp import SHARDS, first_failure, is_sharded, read_whole, stage_group
 
 log = logging.getLogger(__name__)
 
@@ -33,25 +37,72 @@ def checkpoint_path(run_dir: str | os.PathLike, step: int, stage: int) -> Path:
 def stage_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The stage's model and optimizer state as one process holding it whole would write them,
     both keyed by the user's names (the optimizer's as ``torch.distributed.checkpoint`` keys it),
-    so a plan that cuts the model elsewhere can take them (:func:`restore_stage`). A sharded
-    stage's is gathered from its workers through that state-dict API (collective: each of them
-    calls it)."""
-    if is_sharded(model):
-        # Here, not at the top: it imports DTensor's ops and sympy (~1 s of every worker's start)
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True)
-        return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    so a plan that cuts the model elsewhere can take them (:func:`restore_stage`). (A sharded
+    stage's workers write theirs apart: :func:`save_shards`.)"""
     names = optimizer_names(model, optimizer)
     state = optimizer.state_dict()
     return model.state_dict(), {
         "state": {names[i]: value for i, value in state["state"].items()},
         "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
     }
+
+
+def save_shards(stage_file: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Every worker of the sharded stage whose checkpoint is ``stage_file`` writes its shards of
+    the stage's model and optimizer state (collective over the stage's workers) to a directory
+    beside it; returns that directory's name, for the stage file (:data:`SHARDS`).
+
+    They are written to ``.partial`` and renamed into place whole by the stage's first worker,
+    which writes the stage file after (``FileSystemWriter`` writes the shards in place): a stage
+    file that exists names a complete directory, even where a restart writes the same step again
+    (the old file goes first)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    group = stage_group(model)
+    first = torch.distributed.get_rank(group) == 0
+    final = stage_file.with_suffix(".shards")
+    partial = final.with_name(final.name + ".partial")
+    if first:
+        shutil.rmtree(partial, ignore_errors=True)  # a crashed attempt's; before the save's first collective
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    try:
+        dcp.save(state, checkpoint_id=partial, process_group=group)
+    except dcp.CheckpointException as exc:  # every worker of the stage gets it where one's write failed
+        failures = [failure for failure, _trace in exc.failures.values()]
+        if failures and all(isinstance(failure, STORAGE_ERRORS) for failure in failures):
+            raise OSError(f"writing the stage's shards failed: {failures[0]}") from None
+        raise
+    if first:
+        if final.exists():
+            stage_file.unlink(missing_ok=True)
+            shutil.rmtree(final)
+        partial.rename(final)
+    return final.name
+
+
+def load_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every worker of a sharded stage reads its shards of the state :func:`save_shards` wrote to
+    ``directory`` (collective over the stage's workers; their number may differ from the writers':
+    ``torch.distributed.checkpoint`` reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    try:
+        dcp.load(state, checkpoint_id=directory, process_group=stage_group(model))
+    except dcp.CheckpointException as exc:  # every worker of the stage gets it where one's read failed
+        failure = first_failure(exc)
+        raise InputError(
+            f"{directory}: the stage's shards are not readable ({type(failure).__name__}: {failure})"
+        ) from None
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -66,18 +117,21 @@ def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
 def save_checkpoint(
     path: str | os.PathLike,
     *,
-    state: tuple[dict, dict],
+    state: tuple[dict, dict] | None,
     step: int,
     data_position: int,
     layers: tuple[int, int],
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``state`` (:func:`stage_state`) of the stage of ``layers`` (its first and past-last
-    layer), the step and data position, atomically."""
-    model_state, optimizer_state = state
+    """Write ``state`` (:func:`stage_state`; None for a sharded stage, whose ``extra`` names its
+    shards) of the stage of ``layers`` (its first and past-last layer), the step and data
+    position, atomically."""
+    tensors = {}
+    if state is not None:
+        model_state, optimizer_state = state
+        tensors = {"model": {k: v.cpu() for k, v in model_state.items()}, "optimizer": optimizer_state}
     state = {
-        "model": {k: v.cpu() for k, v in model_state.items()},
-        "optimizer": optimizer_state,
+        **tensors,
         "layers": list(layers),
         "step": step,
         "data_position": data_position,
@@ -114,8 +168,14 @@ def restore_stage(
     user's names, each tensor taken by its name or, for a weight the model ties, by another of
     its names (``aliases``). A sharded stage's workers each take their shards."""
     own = directory / f"stage{stage}.pt"
-    state = _load(own) if own.exists() else None
-    if state is None or tuple(state.get("layers", layers)) != tuple(layers):
+    state = torch.load(own, map_location="cpu", weights_only=False) if own.exists() else None
+    same = state is not None and tuple(state.get("layers", layers)) == tuple(layers)
+    if same and SHARDS in state and is_sharded(model):
+        load_shards(directory / state[SHARDS], model, optimizer)  # each worker its part, resharded
+        return state
+    if same:
+        state = whole(state, directory)
+    else:
         state = merged_stages([_load(path) for path in sorted(directory.glob("stage*.pt"))], directory)
     if any(isinstance(n, int) for g in state["optimizer"]["param_groups"] for n in g["params"]):
         # written before checkpoints named the optimizer's parameters: the same layout only
@@ -206,5 +266,11 @@ def _by_name(saved, key: str, aliases: dict[str, tuple[str, ...]]) -> str | None
     return next((name for name in (key, *aliases.get(key, ())) if name in saved), None)
 
 
+def whole(state: dict, directory: Path) -> dict:
+    """A stage file's ``state`` with its model and optimizer state, read whole from its shards
+    where a sharded stage wrote it."""
+    return {**state, **read_whole(directory / state[SHARDS])} if SHARDS in state else state
+
+
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return whole(torch.load(path, map_location="cpu", weights_only=False), path.parent)

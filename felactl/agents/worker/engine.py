@@ -35,6 +35,7 @@ from felactl.agents.worker.checkpoint import (
     parameter_aliases,
     restore_stage,
     save_checkpoint,
+    save_shards,
     stage_state,
 )
 from felactl.agents.worker.clipping import clip_gradients
@@ -50,7 +51,7 @@ from felactl.errors import InputError
 from felactl.fsutil import STORAGE_ERRORS, atomic_write_text
 from felactl.job import TrainJob
 from felactl.models import values
-from felactl.parallel.fsdp import is_sharded, local, shard
+from felactl.parallel.fsdp import SHARDS, is_sharded, local, shard
 from felactl.spec import Plan
 
 log = logging.getLogger(__name__)
@@ -407,14 +408,30 @@ class Trainer(Waits):
         counted as taken, so the next one (or the run's last) is tried."""
         written = True
         for part in self.parts:
-            state = stage_state(part.module, part.optimizer)  # a sharded stage's workers gather it together
-            if self.runtime.rank == part.ranks[0]:
-                written = self.write_checkpoint(part, state) and written
+            first = self.runtime.rank == part.ranks[0]
+            if is_sharded(part.module):
+                written = self.write_shards(part, first) and written
+            elif first:
+                written = self.write_checkpoint(part, stage_state(part.module, part.optimizer)) and written
         if written:
             self.checkpointed_at = self.steps_done
 
-    def write_checkpoint(self, part: Part, state: tuple[dict, dict], steps: int | None = None, **extra) -> bool:
-        """Write ``part``'s ``state`` as the checkpoint of ``steps`` (default: the steps done); False: not written."""
+    def write_shards(self, part: Part, first: bool) -> bool:
+        """Write this worker's shards of the sharded ``part`` (every worker of its stage together),
+        then, the ``first`` of them, its stage file; False: not written."""
+        path = checkpoint_path(self.runtime.cfg.run_dir, self.steps_done, part.stage)
+        try:
+            shards = save_shards(path, part.module, part.optimizer)
+        except STORAGE_ERRORS as exc:
+            checkpoint_not_written(
+                self.runtime.cfg.events, worker=self.worker_id, step=self.steps_done, path=path, exc=exc
+            )
+            return False
+        return self.write_checkpoint(part, None, **{SHARDS: shards}) if first else True
+
+    def write_checkpoint(self, part: Part, state: tuple[dict, dict] | None, steps: int | None = None, **extra) -> bool:
+        """Write ``part``'s ``state`` (None: a sharded stage's, its shards named in ``extra``) as the
+        checkpoint of ``steps`` (default: the steps done); False: not written."""
         cfg, steps = self.runtime.cfg, self.steps_done if steps is None else steps
         path = checkpoint_path(cfg.run_dir, steps, part.stage)
         scheduler = {} if part.scheduler is None else {"lr_scheduler": part.scheduler.state_dict()}
