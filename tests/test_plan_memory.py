@@ -371,3 +371,31 @@ def test_where_the_ilps_cut_puts_a_tied_weight_on_two_kinds_a_sharded_plan_runs_
     assert [stage.shard for stage in plan.stages] == [True] and plan.solver.name == "sharded"
     assert len({capped.device(d).model for d in plan.devices}) == 2
     assert tied_across_kinds(plan, llama, capped) is None
+
+
+def test_a_sharded_plan_over_devices_of_unequal_memory_leaves_out_those_too_small_to_hold_a_shard():
+    """Llama-7B-like on 4 fast GPUs of 16 GB and 4 slower of 40 GB: no cut into stages fits;
+    sharded over all 8 (or any group with a 16 GB one) a shard does not fit the small ones, over
+    the 4 large ones it does. The planner shards over those (it once took groups fastest first
+    only, every one of which held a small device, and refused the model, "needs 19.1 GB per device
+    (13.4 GB usable on the smallest)"); every worker's simulated peak fits its device."""
+    from benchmarks.synthetic_models import transformer_spec
+
+    uneven = cluster([[("fast-16g", 100.0, 16.0)] * 4, [("big-40g", 60.0, 40.0)] * 4])
+    llama7b = transformer_spec(34, width=4096, seq_len=2048, vocab=32000)
+    plan = make_plan(uneven, llama7b, 256, sync="bsp")
+    (stage,) = plan.stages
+    assert stage.shard and {w.device for w in stage.workers} == {f"n1.d{i}" for i in range(4)}
+    cost = CostModel(uneven, llama7b)
+    for device, peak_gb in plan.predicted.simulated_peak_memory_gb.items():
+        assert 0 < peak_gb * 1e9 <= cost.usable_memory_bytes(device)
+
+
+def test_a_model_no_group_of_unequal_devices_holds_sharded_is_refused_with_the_smallest_ones_memory():
+    from benchmarks.synthetic_models import transformer_spec
+
+    small = cluster([[("gpu-24g", 60.0, 24.0)] * 2, [("gpu-12g", 60.0, 12.0)] * 2])
+    llama7b = transformer_spec(34, width=4096, seq_len=2048, vocab=32000)
+    usable = CostModel(small, llama7b).usable_memory_bytes("n1.d0") / 1e9
+    with pytest.raises(PlanInfeasible, match=rf"needs [\d.]+ GB per device \({usable:.3g} GB usable on the smallest\)"):
+        make_plan(small, llama7b, 256, sync="bsp")

@@ -108,21 +108,28 @@ def best_sharded(cost: CostModel, global_batch: int, devices: tuple[str, ...] | 
 
 
 def best_shard_group(cost: CostModel, global_batch: int) -> tuple[float, int, tuple[str, ...]] | str:
-    """The planner's sharded candidate: the group of the k fastest devices (k >= 2) whose step is
-    shortest, with its seconds and micro-batch; or why even every device does not hold the model.
+    """The planner's sharded candidate: the group of devices (two or more) whose step is shortest,
+    with its seconds and micro-batch; or why even every device does not hold the model.
 
     A sharded stage's workers run equal shares in lockstep (every gather waits for all of them),
     so a slow device slows every step, and leaving it out can pay even though each of the others
-    then holds more of the state. Groups are taken fastest first: with equal shares, any other
-    group of k is no faster than the k fastest (a small-memory fast device that keeps them from
-    fitting is the case this misses)."""
-    order = sorted(cost.cluster.device_names, key=lambda d: cost.per_sample_s(0, cost.model.num_layers, d, 1))
-    best = None
-    for k in range(2, len(order) + 1):
-        group = tuple(d for d in cost.cluster.device_names if d in order[:k])  # the cluster's rank order
-        found = best_sharded(cost, global_batch, group)
-        if not isinstance(found, str) and (best is None or found[0] < best[0]):
-            best = (*found, group)
+    then holds more of the state. Groups are the k fastest of the devices with at least so much
+    memory, for each memory size the cluster has: with equal shares, any other group of k of them
+    is no faster, and a fast device with little memory (which keeps every group it is in from
+    fitting) does not keep the larger ones from being tried without it."""
+    names = cost.cluster.device_names
+    by_speed = sorted(names, key=lambda d: cost.per_sample_s(0, cost.model.num_layers, d, 1))
+    best, tried = None, set()
+    for floor in sorted({cost.usable_memory_bytes(d) for d in names}):
+        order = [d for d in by_speed if cost.usable_memory_bytes(d) >= floor]
+        for k in range(2, len(order) + 1):
+            group = tuple(d for d in names if d in order[:k])  # the cluster's rank order
+            if group in tried:
+                continue
+            tried.add(group)
+            found = best_sharded(cost, global_batch, group)
+            if not isinstance(found, str) and (best is None or found[0] < best[0]):
+                best = (*found, group)
     return best if best is not None else best_sharded(cost, global_batch)
 
 
