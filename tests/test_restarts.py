@@ -16,7 +16,7 @@ import pytest
 
 from felactl.control.metrics import step_losses, without_redone
 from felactl.launcher.rundir import read_jsonl
-from felactl.spec import Placement, load_plan, save
+from felactl.spec import ModelRef, Placement, Plan, load_plan, save
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -42,8 +42,23 @@ def _step_losses(records: list[dict]) -> dict[tuple[int, int], float]:
     return {(r.get("generation", 0), r["step"]): r["loss"] for r in records if r.get("loss") is not None}
 
 
+LM = "examples.llama:job"
+LM_CONFIG = {"seq_len": 16, "width": 32, "depth": 2, "num_heads": 2, "total_steps": 200}
+"""The LLaMA-shaped example (embedding, a ModuleList of RoPE blocks, a tied head; its own AdamW,
+schedule and clipping), small: cut at its blocks it is the split model a user's LM is."""
+
+
+def lm_pipeline(replicas: int = 1) -> Plan:
+    """The LM cut after its first block: 2 stages x ``replicas`` pipelines."""
+    plan = pipeline_plan([0, 2, 4], num_replicas=replicas, global_batch=16, micro_batch=4, config=LM_CONFIG)
+    return dataclasses.replace(plan, model=ModelRef(name=LM, source=LM, config=LM_CONFIG))
+
+
+LM_ENV = {"PYTHONPATH": f"{TESTS.parent}:{os.environ.get('PYTHONPATH', '')}"}
+"""Where the launch and its workers import the example from."""
+
 TWO_STAGES = {
-    "pipelines": lambda replicas: pipeline_plan([0, 2, 3], num_replicas=replicas, optimizer="adamw", lr=0.01),
+    "lm": lm_pipeline,
     "flexible": lambda replicas: hybrid_plan(
         [(0, 2, 4, list(range(replicas))), (2, 3, 4, list(range(replicas, 2 * replicas)))],
         2 * replicas,
@@ -51,14 +66,14 @@ TWO_STAGES = {
         lr=0.01,
     ),
 }
-"""The mlp cut in two stages (AdamW), each on ``replicas`` workers: static pipelines or the flexible hybrid."""
+"""Two stages, each on ``replicas`` workers: the LM's static pipelines, or the mlp (AdamW) as the flexible hybrid."""
 
 
-def _pipeline_job(tmp_path: Path, run_id: str, steps: int, num_replicas: int = 1, shape="pipelines"):
+def _pipeline_job(tmp_path: Path, run_id: str, steps: int, num_replicas: int = 1, shape="lm"):
     """``TWO_STAGES[shape]`` launched, with room for 4 workers: (its plan, the job)."""
     plan = TWO_STAGES[shape](num_replicas)
     args = ("--run-id", run_id, "--steps", str(steps), "--straggler", "roundrobin:0.1", "--max-nproc-per-node", "4")
-    return plan, Job(tmp_path, str(save(plan, tmp_path / "plan.yaml")), *args)
+    return plan, Job(tmp_path, str(save(plan, tmp_path / "plan.yaml")), *args, env=LM_ENV)
 
 
 def _worker_process(job: Job, rank: int) -> psutil.Process:
@@ -71,13 +86,14 @@ def _worker_process(job: Job, rank: int) -> psutil.Process:
 def test_a_killed_worker_of_a_two_stage_pipeline_restarts_from_the_checkpoint_and_completes_every_step(
     tmp_path, no_leftovers
 ):
-    """Kill -9 the last stage's worker mid-run: the launch restarts both stages from the newest
-    complete checkpoint, redoes the steps after it exactly (the same losses), and ends at the
-    last step with the restart, its pause and what it redid in the summary."""
-    plan = save(pipeline_plan([0, 2, 3], optimizer="adamw", lr=0.01), tmp_path / "plan.yaml")
+    """Kill -9 the last stage's worker of the LM cut at a block mid-run: the launch restarts both
+    stages from the newest complete checkpoint, redoes the steps after it exactly (the same
+    losses), and ends at the last step with the restart, its pause and what it redid in the
+    summary."""
+    plan = save(lm_pipeline(), tmp_path / "plan.yaml")
     steps = 40
     args = ("--run-id", "p", "--steps", str(steps), "--checkpoint-every", "5", "--straggler", "roundrobin:0.1")
-    job = Job(tmp_path, str(plan), *args)
+    job = Job(tmp_path, str(plan), *args, env=LM_ENV)
     try:
         job.wait_step("p", 12, timeout_s=STARTUP_S)
         wait_checkpoint(tmp_path / "runs", "p", at_least=10, timeout_s=STARTUP_S)
@@ -99,12 +115,12 @@ def test_a_killed_worker_of_a_two_stage_pipeline_restarts_from_the_checkpoint_an
         assert losses[(1, step)] == pytest.approx(losses[(0, step)], rel=1e-5, abs=1e-6), step
 
 
-@pytest.mark.parametrize("shape", ["pipelines", "flexible"])
+@pytest.mark.parametrize("shape", ["lm", "flexible"])
 def test_a_killed_worker_of_replicated_stages_restarts_from_what_the_survivors_hold_and_redoes_no_step(
     tmp_path, no_leftovers, shape
 ):
-    """2 stages of 2 workers each (2 static pipelines, or the flexible hybrid's token-scheduled
-    stages) and no checkpoint before the run's last: kill -9 a worker mid-run. The three left hold
+    """2 stages of 2 workers each (2 static pipelines of the LM cut at a block, or the flexible
+    hybrid's token-scheduled stages of the mlp) and no checkpoint before the run's last: kill -9 a worker mid-run. The three left hold
     every stage of the last step every worker summed (no worker steps its optimizer before all
     have), write it as that step's checkpoint, and the restart goes on from there: no step
     redone, each step's loss one process's."""
@@ -114,7 +130,7 @@ def test_a_killed_worker_of_replicated_stages_restarts_from_what_the_survivors_h
         job.wait_step("k", 10, timeout_s=STARTUP_S)
         # pipelines: cpu2, stage 0 of pipeline 1; flexible: rank 0, whose token server the others
         # wait on (nothing fails in them: the launcher tells them of the failure)
-        _worker_process(job, rank=2 if shape == "pipelines" else 0).send_signal(signal.SIGKILL)
+        _worker_process(job, rank=2 if shape == "lm" else 0).send_signal(signal.SIGKILL)
         summary = job.finish(timeout_s=STARTUP_S)
     finally:
         job.stop()
@@ -148,12 +164,12 @@ def test_a_failure_that_repeats_after_a_restart_ends_the_job_as_the_jobs_own(tmp
 
 
 def test_a_two_stage_pipeline_scaled_out_and_in_restarts_on_each_plan_and_trains_as_one_process(tmp_path, no_leftovers):
-    """``felactl scale`` on a pipeline: the job drains (its workers agree on a last step and
-    checkpoint it), restarts on the plan for the new workers (2 stages x 2 pipelines, then back to
-    one), each worker taking its stage from the checkpoint; every step is trained once and each
-    step's loss is one process's on the same batches."""
+    """``felactl scale`` on the LM cut at a block: the job drains (its workers agree on a last
+    step and checkpoint it), restarts on the plan for the new workers (2 stages x 2 pipelines,
+    then back to one), each worker taking its stage from the checkpoint; every step is trained
+    once and each step's loss is one process's on the same batches."""
     steps = 120
-    plan, job = _pipeline_job(tmp_path, "s", steps)
+    plan, job = _pipeline_job(tmp_path, "s", steps, shape="lm")
     try:
         job.wait_step("s", 5, timeout_s=STARTUP_S)
         grown = job.scale("s", "--add", "2")
