@@ -112,6 +112,7 @@ def job(
     warmup: int = 10,
     total_steps: int = 200,
     max_grad_norm: float = 1.0,
+    precision: str = "fp32",
 ) -> TrainJob:
     data = Chars(inspect.getsource(textwrap), seq_len)
     schedule = functools.partial(warmup_cosine, warmup=warmup, total=total_steps)
@@ -122,4 +123,5 @@ def job(
         optimizer=functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.01),
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
         max_grad_norm=max_grad_norm,
+        precision=precision,  # bf16: forward and loss under autocast on GPUs
     )
