@@ -266,3 +266,28 @@ def counted_builds(record: str = "", leave: str = ""):
         raise RuntimeError("the user's own build error")
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     return TrainJob(model=model, dataset=data, loss_fn=F.mse_loss)
+
+
+def titan_llama(seq_len: int = 16, width: int = 32, depth: int = 3, num_heads: int = 2):
+    """The LLaMA-shaped example laid out as torchtitan lays its models out: the blocks in a
+    ``ModuleDict`` keyed "0", "1", ... (a pipeline stage there deletes the others and keeps the
+    names), the forward over its values."""
+    import dataclasses
+
+    from examples.llama import Llama, job
+
+    class TitanLlama(Llama):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(self.layers)})
+
+        def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+            t = ids.shape[1]
+            x, rope = self.embed(ids), (self.cos[:t], self.sin[:t])
+            for block in self.layers.values():
+                x = block(x, rope)
+            return {"logits": self.head(self.norm(x))}
+
+    own = job(seq_len=seq_len, width=width, depth=depth, num_heads=num_heads)
+    vocab = own.model.embed.num_embeddings
+    return dataclasses.replace(own, model=TitanLlama(vocab, seq_len, width, depth, num_heads, True, True))

@@ -181,6 +181,27 @@ def test_a_llama_shaped_pipeline_trains_to_the_single_process_result(tmp_path, c
 
 
 @pytest.mark.multiprocess
+def test_a_model_whose_blocks_are_a_module_dict_is_cut_at_them_and_trains_as_one_process(tmp_path):
+    """torchtitan's layout (``layers`` a ModuleDict keyed "0", "1", ..., the forward over its
+    values): its blocks are found, each a split point, and a 2-stage pipeline of it trains to the
+    single-process result; the export loads strict into the user's model."""
+    source = "_user_models:titan_llama"
+    bundle = models.build(source)
+    assert find_blocks(bundle.model) == "layers" and default_split_points(bundle.model) == [
+        "layers.0",
+        "layers.1",
+        "layers.2",
+    ]
+    assert bundle.splittable and bundle.layer_names == ["embedding", "layers.0", "layers.1", "layers.2", "head"]
+    plan, run_dir = _run_pipeline(tmp_path, source, {}, [0, 2, 5], 6)
+    want, losses = single_process(plan, 6, micro_batch=plan.stages[0].micro_batch)
+    assert max(abs(a - b) for a, b in zip(_step_losses(run_dir), losses, strict=True)) < 1e-5
+    got = _trained(plan, run_dir, 6)
+    assert _largest_difference(got, want) < 1e-5
+    models.build(source).model.load_state_dict(got, strict=True)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("tied", [False, True])
 def test_two_pipelines_sum_each_stage_and_a_tied_head_over_stages_too(tmp_path, tied):
     config = dict(SMALL, tied=tied, rope=tied)  # learned positions where untied
