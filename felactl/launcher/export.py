@@ -75,7 +75,7 @@ def merge_stages(directory: Path, plan: Plan) -> OrderedDict[str, torch.Tensor]:
     merged: OrderedDict[str, torch.Tensor] = OrderedDict()
     metadata: OrderedDict[str, dict] = OrderedDict()
     for s in range(len(plan.stages)):
-        stage = load_stage(directory / f"stage{s}.pt")["model"]
+        stage = load_stage(directory / f"stage{s}.pt", tensors=("model",))["model"]
         differ = [key for key in stage if key in merged and not torch.equal(stage[key], merged[key])]
         if differ:
             raise InputError(

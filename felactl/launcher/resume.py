@@ -73,7 +73,7 @@ def pick_checkpoint(rundir: RunDir, step: int | None = None) -> Checkpoint:
     for k, directory in candidates:
         if not (directory / "stage0.pt").exists():
             continue
-        stage0 = load_stage(directory / "stage0.pt", tensors=False)
+        stage0 = load_stage(directory / "stage0.pt", tensors=())
         plan_path = checkpoint_plan(rundir, stage0)[0]
         plan = load_plan(plan_path)
         if is_complete(directory, len(plan.stages)):
@@ -101,11 +101,10 @@ def resume_hint(rundir: RunDir) -> str:
     return f"its newest complete checkpoint is step {step}: continue with `felactl launch --resume {rundir.run_id}`"
 
 
-def load_stage(path: Path, tensors: bool = True) -> dict:
+def load_stage(path: Path, tensors: tuple[str, ...] = ("model", "optimizer")) -> dict:
     """A stage's checkpoint file (``model``, ``optimizer``, ``step``, ``data_position``, and
-    ``generation`` where the job rescaled), its tensors on the CPU. A sharded stage's model and
-    optimizer state are read whole from its shards where ``tensors`` (else the file alone: its
-    step and the rest)."""
+    ``generation`` where the job rescaled), its tensors on the CPU. A sharded stage's state of
+    ``tensors`` is read whole from its shards (none: the file alone, its step and the rest)."""
     import torch  # here: `felactl status` reads runs through this module and never pays for torch
 
     from felactl.parallel.fsdp import SHARDS, read_whole
@@ -123,7 +122,7 @@ def load_stage(path: Path, tensors: bool = True) -> dict:
         raise InputError(f"{path}: not a felactl checkpoint (no model state); {OLDER_CHECKPOINT}")
     if sharded and tensors:
         try:
-            state = {**state, **read_whole(path.parent / state[SHARDS])}
+            state = {**state, **read_whole(path.parent / state[SHARDS], tensors)}
         except Exception as exc:  # DCP raises its own kinds on a missing or damaged shard
             raise InputError(
                 f"{path.parent / state[SHARDS]}: the stage's shards are not readable ({type(exc).__name__}); "

@@ -87,8 +87,9 @@ workers wrote their shards to, in ``torch.distributed.checkpoint``'s format (eac
 part: no worker gathers the stage)."""
 
 
-def read_whole(directory) -> dict:
-    """A sharded stage's checkpoint shards (``{"model": ..., "optimizer": ...}``) read whole into
+def read_whole(directory, parts: tuple[str, ...] = ("model", "optimizer")) -> dict:
+    """A sharded stage's checkpoint shards (``{"model": ..., "optimizer": ...}``, or those of
+    ``parts``: an export reads no optimizer state, twice the weights under AdamW) read whole into
     this process, every tensor on the CPU, with no process group: what an export, or a plan that
     cuts the model elsewhere, needs. (DCP's own ``dcp_to_torch_save`` reads it this way; its
     planner is private, so ``tests/test_sharded_checkpoint.py`` pins it to the torch we run.)"""
@@ -99,7 +100,10 @@ def read_whole(directory) -> dict:
     state: dict = {}
     try:
         _load_state_dict(
-            state, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+            state,
+            storage_reader=FileSystemReader(directory),
+            planner=_EmptyStateDictLoadPlanner(keys=set(parts)),
+            no_dist=True,
         )
     except CheckpointException as exc:  # a BaseException, which `except Exception` misses: its cause is one
         raise first_failure(exc) from None
