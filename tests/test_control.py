@@ -416,3 +416,25 @@ def test_a_refusal_without_a_key_is_said_without_a_stray_space(caplog):
         "control plane: refused: cannot add 100",
         "control plane: refused stop: forged",
     ]
+
+
+def test_status_prints_a_reason_with_brackets_as_it_is():
+    """gloo's errors name their C++ source in brackets: a restart's reason printed as rich markup
+    failed `felactl status` with "MarkupError: closing tag '[/__w/pytorch/...]'" (a user's trial).
+    Every console of felactl prints text as it is."""
+    import io
+
+    from rich.console import Console
+
+    from felactl.cli import output
+    from felactl.cli.status import history_table
+
+    reason = "Connection closed by peer [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537]"
+    table = history_table([{"time": 0, "kind": "restart", "reason": reason}])
+    with output.stderr.capture() as captured:
+        output.stderr.print(table)
+        output.stderr.print(f"[bold]{reason}[/bold]")
+    assert "pair.cc:537]" in captured.get() and "[bold]" in captured.get()
+    piped = io.StringIO()
+    output.wide(Console(file=piped)).print(table)  # a log, not a terminal
+    assert "pair.cc:537]" in piped.getvalue()

@@ -10,12 +10,14 @@ import multiprocessing as mp
 import os
 import socket
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
-from felactl.agents.worker.checkpoint import restore_stage, save_checkpoint, save_shards
+from felactl.agents.worker import checkpoint
+from felactl.agents.worker.checkpoint import drop_other_shards, restore_stage, save_checkpoint, save_shards
 from felactl.launcher.resume import load_stage
 from felactl.parallel.fsdp import SHARDS
 from felactl.profiling.data_parallel import reap
@@ -71,18 +73,22 @@ def _worker(rank: int, port: int, run_dir: str, results) -> None:
         module, optimizer = _trained(group)
         stage_file = Path(run_dir) / "step000002" / "stage0.pt"
         if rank == 0:  # a crashed attempt's leftovers
-            (stage_file.parent / "stage0.shards.partial").mkdir(parents=True)
-            (stage_file.parent / "stage0.shards.partial" / "__7_0.distcp").write_bytes(b"junk")
+            (stage_file.parent / "stage0.deadbeef.shards").mkdir(parents=True)
+            (stage_file.parent / "stage0.deadbeef.shards" / "__7_0.distcp").write_bytes(b"junk")
+        named = []
         for _ in range(2):  # the same step written twice, as a restart that redoes it writes it
             shards = save_shards(stage_file, module, optimizer)
-            if rank == 0:
+            named.append(shards)
+            if shards is not None:  # the stage's first worker names them, as the trainer does
                 save_checkpoint(stage_file, state=None, step=2, data_position=8, layers=LAYERS, extra={SHARDS: shards})
+                drop_other_shards(stage_file, keep=shards)
             dist.barrier()
         whole = {n: p.full_tensor() for n, p in module.named_parameters()}
         whole_optimizer = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
 
         fresh, fresh_optimizer = _sharded(group)  # other weights than the trained ones: reads must change them
-        restore_stage(stage_file.parent, 0, LAYERS, fresh, fresh_optimizer, {})
+        with mock.patch.object(checkpoint, "read_whole", side_effect=AssertionError("read whole")):
+            restore_stage(stage_file.parent, 0, LAYERS, fresh, fresh_optimizer, {})  # each its shards, no more
         restored = _local_state(fresh, fresh_optimizer)
         saved = _local_state(module, optimizer)
         same = all(torch.equal(restored[k], saved[k]) for k in saved) and restored.keys() == saved.keys()
@@ -97,7 +103,8 @@ def _worker(rank: int, port: int, run_dir: str, results) -> None:
         except OSError as exc:
             failure = str(exc)
         found = io.BytesIO()  # tensors as bytes: a queue shares a tensor's memory, gone with this process
-        torch.save({"same": same, "failure": failure, "whole": whole, "optimizer": whole_optimizer}, found)
+        found_state = {"same": same, "failure": failure, "whole": whole, "optimizer": whole_optimizer, "named": named}
+        torch.save(found_state, found)
         results.put((rank, found.getvalue()))
     finally:
         dist.destroy_process_group()
@@ -124,15 +131,19 @@ def written(tmp_path_factory):
 
 
 def test_each_worker_writes_its_own_shards_and_the_stage_file_names_them(written):
-    directory, _ = written
+    directory, got = written
     stage = torch.load(directory / "stage0.pt", weights_only=False)
     assert "model" not in stage and "optimizer" not in stage  # nobody gathered the stage to write it
-    assert stage[SHARDS] == "stage0.shards" and stage["step"] == 2 and stage["layers"] == list(LAYERS)
-    shards = sorted((directory / "stage0.shards").glob("*.distcp"))
-    assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"]  # the stale partial's junk is gone
+    assert stage["step"] == 2 and stage["layers"] == list(LAYERS)
+    # each write a directory of its own, named by the stage's first worker alone (it writes the file)
+    assert got[1]["named"] == [None, None] and len(set(got[0]["named"])) == 2
+    assert stage[SHARDS] == got[0]["named"][-1]
+    # the first write's and the crashed one's directories are gone
+    assert [p.name for p in directory.glob("stage0.*.shards")] == [stage[SHARDS]]
+    shards = sorted((directory / stage[SHARDS]).glob("*.distcp"))
+    assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"]
     sizes = [p.stat().st_size for p in shards]
     assert max(sizes) < 0.7 * sum(sizes), f"each worker writes about half the stage: {sizes}"
-    assert not (directory / "stage0.shards.partial").exists()
 
 
 def test_a_restore_gives_each_worker_its_shards_of_the_weights_and_the_optimizer_back(written):
@@ -177,8 +188,32 @@ def test_unreadable_shards_are_one_line_naming_them(written, tmp_path):
 
     broken = tmp_path / "step000002"
     shutil.copytree(directory, broken)
-    (broken / "stage0.shards" / "__1_0.distcp").unlink()
+    name = torch.load(broken / "stage0.pt", weights_only=False)[SHARDS]
+    (broken / name / "__1_0.distcp").unlink()
     from felactl.errors import InputError
 
-    with pytest.raises(InputError, match=r"stage0.shards: the stage's shards are not readable"):
+    missing = rf"{name}: the stage's shards are not readable \(FileNotFoundError: .*__1_0.distcp"
+    with pytest.raises(InputError, match=missing):
         load_stage(broken / "stage0.pt")
+    with pytest.raises(InputError, match=missing):
+        module = _model()
+        restore_stage(broken, 0, LAYERS, module, torch.optim.AdamW(module.parameters()), {})
+    (broken / name / ".metadata").unlink()  # DCP logged two tracebacks looking for another
+    with pytest.raises(InputError, match=r"no \.metadata: the shards were not all written: .*\.metadata"):
+        load_stage(broken / "stage0.pt")
+
+
+def test_a_stage_cut_elsewhere_reads_only_its_own_weights_of_the_shards(written):
+    """A plan whose first stage holds layer 0 alone reads layer 0's weights and optimizer state
+    of the shards, not the rest (a 7B stage's workers would each read every stage whole)."""
+    directory, got = written
+    first = nn.Sequential(nn.Linear(8, 16))  # layers [0, 1) of the model: keys 0.weight, 0.bias
+    optimizer = torch.optim.AdamW(first.parameters())
+    with mock.patch.object(checkpoint, "read_whole", wraps=checkpoint.read_whole) as read:
+        restore_stage(directory, 0, (0, 1), first, optimizer, {})
+    (call,) = read.call_args_list
+    asked = call.args[1]
+    assert "model.0.weight" in asked and "optimizer.state.0.bias" in asked
+    assert not any(key.startswith(("model.2", "optimizer.state.2")) for key in asked)
+    assert torch.equal(first[0].weight, got[0]["whole"]["0.weight"])
+    assert torch.equal(optimizer.state[first[0].bias]["exp_avg"], got[0]["optimizer"]["state"]["0.bias"]["exp_avg"])

@@ -329,12 +329,12 @@ def test_a_sharded_stage_trains_as_its_replicated_twin_and_exports_whole(tmp_pat
     model.load_state_dict(got, strict=True)
     whole = sum(p.numel() for p in model.parameters())
     held = [json.loads((run_dir / "workers" / f"rank{r}.json").read_text())["params_held"] for r in range(2)]
-    shards = checkpoint_path(run_dir, steps, 0).with_suffix(".shards")
+    shards = list(checkpoint_path(run_dir, steps, 0).parent.glob("stage0.*.shards"))
     if shard:
         assert sum(held) == whole and max(held) < whole, f"each worker holds a shard: {held} of {whole}"
-        assert len(list(shards.glob("*.distcp"))) == 2  # and writes it: nobody gathers the stage
+        assert len(list(shards[0].glob("*.distcp"))) == 2  # and writes it: nobody gathers the stage
     else:
-        assert held == [whole, whole] and not shards.exists()
+        assert held == [whole, whole] and not shards
 
 
 def test_a_sharded_stage_is_refused_where_it_cannot_run():
@@ -379,12 +379,15 @@ def test_a_sharded_stage_of_a_pipeline_is_refused_where_it_cannot_run():
     [
         (["--sync", "tokens"], "--shard runs under sync bsp"),
         (["--resume", "r"], "--shard: only with --job"),
+        (["--nproc-per-node", "1"], "--shard needs 2 workers or more to shard over; these flags give 1"),
+        (["--global-batch", "5", "--micro-batch", "2"], "--shard: stages[0].workers: the workers of a sharded stage"),
     ],
 )
 def test_shard_flags_that_cannot_run_exit_2_in_one_line(args, why, tmp_path):
     base = ["launch", "--shard", "--runs-root", str(tmp_path)]
-    job = ["--job", LLAMA, "--nproc-per-node", "2", "--global-batch", "8"] if "--resume" not in args else []
-    result = runner.invoke(app, [*base, *job, *args])
+    flags = {"--nproc-per-node": "2", "--global-batch": "8", **dict(zip(args[::2], args[1::2]))}
+    job = ["--job", LLAMA, *(item for pair in flags.items() for item in pair)] if "--resume" not in args else args
+    result = runner.invoke(app, [*base, *job])
     assert result.exit_code == 2 and why in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
 

@@ -61,7 +61,7 @@ def demo(
         as_dict(result),
         as_json,
         lambda c: c.print(
-            f"[bold]done[/bold]: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
+            f"done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
             f"{summary['samples_per_s']:.0f} samples/s (predicted {result['plan_spec'].predicted.samples_per_s:.0f}"
             f"{trust}).\n"
             f"inputs in {out_dir}/ (cluster.yaml, model.yaml, plan.yaml); results in {summary['run_dir']}/ "

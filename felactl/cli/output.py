@@ -11,8 +11,10 @@ from rich.console import Console
 
 # Human output (tables, progress, messages) never touches stdout, so `--json | jq` always works.
 # Lines are not wrapped by rich (soft_wrap): a path or a command broken across lines cannot be
-# copied; a terminal still folds a long line for the eye. Tables keep their own layout.
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+# copied; a terminal still folds a long line for the eye. Tables keep their own layout. Text is
+# printed as it is, never read as rich markup: what felactl prints is mostly others' words (a
+# user's exception, gloo's errors, which name their C++ source in brackets, paths, plan fields).
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
 
 def emit(result: dict[str, Any], as_json: bool, render: Callable[[Console], None]) -> None:
@@ -27,7 +29,9 @@ def emit(result: dict[str, Any], as_json: bool, render: Callable[[Console], None
 def wide(console: Console) -> Console:
     """``console`` on a terminal; piped to a file or a CI log, where there is no width to respect,
     a 160-column console on the same file, so tables keep their numbers whole."""
-    return console if console.is_terminal else Console(file=console.file, width=160, highlight=False, soft_wrap=True)
+    if console.is_terminal:
+        return console
+    return Console(file=console.file, width=160, highlight=False, soft_wrap=True, markup=False)
 
 
 def progress():

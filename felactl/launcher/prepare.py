@@ -279,8 +279,12 @@ def job_plan(
         )
     if not shard:
         return plan
+    if workers < 2:  # said here: the launch's own check would name the scratch plan it writes
+        raise InputError(f"--shard needs 2 workers or more to shard over; these flags give {workers}")
     stage = dataclasses.replace(plan.stages[0], shard=True)
-    return dataclasses.replace(plan, stages=(stage,), sync=dataclasses.replace(plan.sync, mode=SyncMode.BSP))
+    sharded = dataclasses.replace(plan, stages=(stage,), sync=dataclasses.replace(plan.sync, mode=SyncMode.BSP))
+    check_executable(sharded, where="--shard")  # e.g. a --micro-batch that gives workers unequal counts
+    return sharded
 
 
 def node_devices(plan: Plan, local_node: str) -> dict[str, tuple[str, ...]]:

@@ -110,7 +110,7 @@ def load_stage(path: Path, tensors: tuple[str, ...] = ("model", "optimizer")) ->
     from felactl.parallel.fsdp import SHARDS, read_whole
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # tensors read where used
     except FileNotFoundError:
         raise InputError(f"{path}: deleted while it was read (the run pruned it); try again") from None
     except Exception as exc:  # torch.load fails in many ways on a damaged file (zip, pickle, EOF)
@@ -125,7 +125,7 @@ def load_stage(path: Path, tensors: tuple[str, ...] = ("model", "optimizer")) ->
             state = {**state, **read_whole(path.parent / state[SHARDS], tensors)}
         except Exception as exc:  # DCP raises its own kinds on a missing or damaged shard
             raise InputError(
-                f"{path.parent / state[SHARDS]}: the stage's shards are not readable ({type(exc).__name__}); "
+                f"{path.parent / state[SHARDS]}: the stage's shards are not readable ({type(exc).__name__}: {exc}); "
                 f"{OLDER_CHECKPOINT}"
             ) from None
     return state

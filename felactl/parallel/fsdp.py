@@ -6,8 +6,10 @@ DDP's)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,6 +99,7 @@ def read_whole(directory, parts: tuple[str, ...] = ("model", "optimizer")) -> di
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    require_metadata(directory)
     state: dict = {}
     try:
         _load_state_dict(
@@ -108,6 +111,14 @@ def read_whole(directory, parts: tuple[str, ...] = ("model", "optimizer")) -> di
     except CheckpointException as exc:  # a BaseException, which `except Exception` misses: its cause is one
         raise first_failure(exc) from None
     return state
+
+
+def require_metadata(directory) -> None:
+    """FileNotFoundError where the shards' ``.metadata`` (written last, once every worker's
+    shards are) is missing: DCP would log two tracebacks looking for another before failing."""
+    metadata = Path(directory) / ".metadata"
+    if not metadata.is_file():
+        raise FileNotFoundError(errno.ENOENT, "no .metadata: the shards were not all written", str(metadata))
 
 
 def first_failure(exc) -> BaseException:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from felactl.control import EventKind
 from felactl.control.events import record
 from felactl.errors import InputError
 from felactl.fsutil import STORAGE_ERRORS, atomic_write
-from felactl.parallel.fsdp import SHARDS, first_failure, is_sharded, read_whole, stage_group
+from felactl.parallel.fsdp import SHARDS, first_failure, is_sharded, read_whole, require_metadata, stage_group
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def stage_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     both keyed by the user's names (the optimizer's as ``torch.distributed.checkpoint`` keys it),
     so a plan that cuts the model elsewhere can take them (:func:`restore_stage`). (A sharded
     stage's workers write theirs apart: :func:`save_shards`.)"""
+    assert not is_sharded(model), "a sharded stage's state is its workers' shards: save_shards"
     names = optimizer_names(model, optimizer)
     state = optimizer.state_dict()
     return model.state_dict(), {
@@ -47,38 +49,44 @@ def stage_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     }
 
 
-def save_shards(stage_file: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+def save_shards(stage_file: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
     """Every worker of the sharded stage whose checkpoint is ``stage_file`` writes its shards of
-    the stage's model and optimizer state (collective over the stage's workers) to a directory
-    beside it; returns that directory's name, for the stage file (:data:`SHARDS`).
+    the stage's model and optimizer state (collective over the stage's workers) to a directory of
+    this write's own beside it. Returns that directory's name on the stage's first worker (its
+    group's rank 0), which writes the stage file naming it (:data:`SHARDS`), then drops the
+    step's other directories of the stage (:func:`drop_other_shards`); None on the others.
 
-    They are written to ``.partial`` and renamed into place whole by the stage's first worker,
-    which writes the stage file after (``FileSystemWriter`` writes the shards in place): a stage
-    file that exists names a complete directory, even where a restart writes the same step again
-    (the old file goes first)."""
+    A stage file that exists names a complete directory: DCP writes the directory's ``.metadata``
+    last and returns on every worker only after it. A restart that writes the same step again
+    writes another directory and replaces the stage file in one rename, so no moment holds a
+    stage file without its shards."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     group = stage_group(model)
-    first = torch.distributed.get_rank(group) == 0
-    final = stage_file.with_suffix(".shards")
-    partial = final.with_name(final.name + ".partial")
-    if first:
-        shutil.rmtree(partial, ignore_errors=True)  # a crashed attempt's; before the save's first collective
+    first = dist.get_rank(group) == 0
+    name = [f"{stage_file.stem}.{uuid.uuid4().hex[:8]}.shards" if first else None]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     try:
-        dcp.save(state, checkpoint_id=partial, process_group=group)
-    except dcp.CheckpointException as exc:  # every worker of the stage gets it where one's write failed
+        dcp.save(state, checkpoint_id=stage_file.with_name(name[0]), process_group=group)
+    except (
+        dcp.CheckpointException
+    ) as exc:  # a BaseException; every worker of the stage gets it where one's write failed
         failures = [failure for failure, _trace in exc.failures.values()]
         if failures and all(isinstance(failure, STORAGE_ERRORS) for failure in failures):
             raise OSError(f"writing the stage's shards failed: {failures[0]}") from None
-        raise
-    if first:
-        if final.exists():
-            stage_file.unlink(missing_ok=True)
-            shutil.rmtree(final)
-        partial.rename(final)
-    return final.name
+        raise RuntimeError(f"writing the stage's shards failed: {failures[0]!r}") from failures[0]
+    return name[0] if first else None
+
+
+def drop_other_shards(stage_file: Path, keep: str) -> None:
+    """Remove the shard directories of ``stage_file``'s stage and step but ``keep`` (the one its
+    stage file names): an earlier write's of the same step, or one a crash left unnamed."""
+    for directory in stage_file.parent.glob(f"{stage_file.stem}.*.shards"):
+        if directory.name != keep:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def load_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -95,9 +103,10 @@ def load_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimi
 
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     try:
+        require_metadata(directory)
         dcp.load(state, checkpoint_id=directory, process_group=stage_group(model))
-    except dcp.CheckpointException as exc:  # every worker of the stage gets it where one's read failed
-        failure = first_failure(exc)
+    except (OSError, dcp.CheckpointException) as exc:  # every worker of the stage gets it where one's read failed
+        failure = first_failure(exc) if isinstance(exc, dcp.CheckpointException) else exc
         raise InputError(
             f"{directory}: the stage's shards are not readable ({type(failure).__name__}: {failure})"
         ) from None
@@ -168,15 +177,17 @@ def restore_stage(
     user's names, each tensor taken by its name or, for a weight the model ties, by another of
     its names (``aliases``). A sharded stage's workers each take their shards."""
     own = directory / f"stage{stage}.pt"
-    state = torch.load(own, map_location="cpu", weights_only=False) if own.exists() else None
+    state = _read(own) if own.exists() else None
     same = state is not None and tuple(state.get("layers", layers)) == tuple(layers)
     if same and SHARDS in state and is_sharded(model):
         load_shards(directory / state[SHARDS], model, optimizer)  # each worker its part, resharded
         return state
+    needed = _needed_keys(model, optimizer, aliases)  # of a sharded stage's shards, the rest unread
     if same:
-        state = whole(state, directory)
+        state = whole(state, directory, needed)
     else:
-        state = merged_stages([_load(path) for path in sorted(directory.glob("stage*.pt"))], directory)
+        stages = [whole(_read(path), directory, needed) for path in sorted(directory.glob("stage*.pt"))]
+        state = merged_stages(stages, directory)
     if any(isinstance(n, int) for g in state["optimizer"]["param_groups"] for n in g["params"]):
         # written before checkpoints named the optimizer's parameters: the same layout only
         model.load_state_dict(state["model"])
@@ -188,6 +199,15 @@ def restore_stage(
         if found is None:
             raise InputError(f"{directory}: no stage of the checkpoint holds {key!r}")
         model_state[key] = state["model"][found]
+    _load_whole(
+        model, optimizer, model_state, _optimizer_part(state["optimizer"], model, optimizer, aliases, directory)
+    )
+    return state
+
+
+def _load_whole(model: nn.Module, optimizer, model_state: dict, named: dict) -> None:
+    """Load a stage's whole state (``model_state``, and the optimizer's by name: ``named``) into
+    ``model`` and ``optimizer``; a sharded stage's workers each keep their shards of it."""
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -197,12 +217,9 @@ def restore_stage(
 
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, model_state, options=options)
-        set_optimizer_state_dict(
-            model, optimizer, _optimizer_part(state["optimizer"], model, optimizer, aliases, directory), options=options
-        )
-        return state
+        set_optimizer_state_dict(model, optimizer, named, options=options)
+        return
     model.load_state_dict(model_state)
-    named = _optimizer_part(state["optimizer"], model, optimizer, aliases, directory)
     names = optimizer_names(model, optimizer)
     index = {name: i for i, name in enumerate(names)}
     optimizer.load_state_dict(
@@ -211,7 +228,6 @@ def restore_stage(
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]],
         }
     )
-    return state
 
 
 def merged_stages(states: list[dict], directory: Path) -> dict:
@@ -266,11 +282,34 @@ def _by_name(saved, key: str, aliases: dict[str, tuple[str, ...]]) -> str | None
     return next((name for name in (key, *aliases.get(key, ())) if name in saved), None)
 
 
-def whole(state: dict, directory: Path) -> dict:
-    """A stage file's ``state`` with its model and optimizer state, read whole from its shards
-    where a sharded stage wrote it."""
-    return {**state, **read_whole(directory / state[SHARDS])} if SHARDS in state else state
+def whole(state: dict, directory: Path, keys: tuple[str, ...] = ("model", "optimizer")) -> dict:
+    """A stage file's ``state`` with its model and optimizer state (of ``keys``, DCP's dotted
+    names: ``model.<name>``, ``optimizer.state.<name>``), read whole from its shards where a
+    sharded stage wrote it."""
+    if SHARDS not in state:
+        return state
+    try:
+        return {**state, **read_whole(directory / state[SHARDS], keys)}
+    except Exception as exc:  # DCP raises its own kinds on a missing or damaged shard
+        raise InputError(
+            f"{directory / state[SHARDS]}: the stage's shards are not readable ({type(exc).__name__}: {exc})"
+        ) from None
 
 
-def _load(path: Path) -> dict:
-    return whole(torch.load(path, map_location="cpu", weights_only=False), path.parent)
+def _needed_keys(model: nn.Module, optimizer, aliases: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The DCP names of what ``model`` and ``optimizer`` take from a checkpoint: each weight's (by
+    any of a tied weight's names), its optimizer state's, and the optimizer's groups."""
+    names = {
+        n for key in (*model.state_dict(), *optimizer_names(model, optimizer)) for n in (key, *aliases.get(key, ()))
+    }
+    return (
+        *(f"model.{n}" for n in sorted(names)),
+        *(f"optimizer.state.{n}" for n in sorted(names)),
+        "optimizer.param_groups",
+    )
+
+
+def _read(path: Path) -> dict:
+    """A stage file, memory-mapped: a tensor is read where it is used (a restart's stage takes
+    its own layers of another plan's stage files), and the workers of a node share its pages."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)

@@ -32,6 +32,7 @@ from felactl import models
 from felactl.agents.worker.checkpoint import (
     checkpoint_not_written,
     checkpoint_path,
+    drop_other_shards,
     parameter_aliases,
     restore_stage,
     save_checkpoint,
@@ -408,17 +409,16 @@ class Trainer(Waits):
         counted as taken, so the next one (or the run's last) is tried."""
         written = True
         for part in self.parts:
-            first = self.runtime.rank == part.ranks[0]
             if is_sharded(part.module):
-                written = self.write_shards(part, first) and written
-            elif first:
+                written = self.write_shards(part) and written
+            elif self.runtime.rank == part.ranks[0]:
                 written = self.write_checkpoint(part, stage_state(part.module, part.optimizer)) and written
         if written:
             self.checkpointed_at = self.steps_done
 
-    def write_shards(self, part: Part, first: bool) -> bool:
+    def write_shards(self, part: Part) -> bool:
         """Write this worker's shards of the sharded ``part`` (every worker of its stage together),
-        then, the ``first`` of them, its stage file; False: not written."""
+        then, the stage's first worker, the stage file naming them; False: not written."""
         path = checkpoint_path(self.runtime.cfg.run_dir, self.steps_done, part.stage)
         try:
             shards = save_shards(path, part.module, part.optimizer)
@@ -427,7 +427,12 @@ class Trainer(Waits):
                 self.runtime.cfg.events, worker=self.worker_id, step=self.steps_done, path=path, exc=exc
             )
             return False
-        return self.write_checkpoint(part, None, **{SHARDS: shards}) if first else True
+        if shards is None:
+            return True  # the stage's first worker names them
+        written = self.write_checkpoint(part, None, **{SHARDS: shards})
+        if written:
+            drop_other_shards(path, keep=shards)
+        return written
 
     def write_checkpoint(self, part: Part, state: tuple[dict, dict] | None, steps: int | None = None, **extra) -> bool:
         """Write ``part``'s ``state`` (None: a sharded stage's, its shards named in ``extra``) as the
