@@ -69,6 +69,18 @@ def test_the_eta_runs_at_the_recent_step_rate():
     assert recent_step_rate(one) is None and progress(summarize(one), one, 300)["eta_s"] is None
 
 
+def test_the_eta_of_a_resumed_run_is_timed_by_the_steps_since_it_resumed():
+    """A run resumed a minute after it died: its newest 20 steps spanned the minute, and the ETA
+    read 0:05:15 for a run that ended 20 s later (a user's trial). The rate is the newest steps'
+    since the last pause much longer than their steps (a resume, a restart's)."""
+    before = _records(range(130), step_s=0.1)
+    resumed = _records(range(130, 140), step_s=0.1, start=before[-1]["time"] + 60.0 - 130 * 0.1)
+    records = before + resumed
+    assert recent_step_rate(records) == pytest.approx(10.0)
+    just = before + _records(range(130, 131), step_s=0.1, start=before[-1]["time"] + 60.0 - 130 * 0.1)
+    assert recent_step_rate(just) is None  # one step since: no rate yet
+
+
 def test_durations_read_as_a_clock_then_days_then_years():
     assert [duration(s) for s in (0.4, 42, 3725, 99 * 3600)] == ["0:00:00", "0:00:42", "1:02:05", "99:00:00"]
     assert duration(100 * 3600) == "4.17 days" and duration(5e29) == "1.58e+22 years"

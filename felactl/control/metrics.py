@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -237,12 +238,23 @@ def step_ends(records: Iterable[dict[str, Any]]) -> dict[int, float]:
     return ends
 
 
+PAUSE_STEPS = 10
+"""A gap between two steps' ends this many times the newest steps' median step is a pause (a
+resume, a restart): the step rate is measured after it, not across it."""
+
+
 def recent_step_rate(records: Iterable[dict[str, Any]]) -> float | None:
-    """Steps a second over the newest :data:`RECENT_STEPS` steps, each ending with its last
-    record; None until two steps have ended (or when they ended at the same instant)."""
-    newest = sorted(step_ends(records).items())[-RECENT_STEPS:]
-    span = newest[-1][1] - newest[0][1] if len(newest) > 1 else 0.0
-    return (len(newest) - 1) / span if span > 0 else None
+    """Steps a second over the newest :data:`RECENT_STEPS` steps since the last pause, each step
+    ending with its last record; None until two steps have ended (or when they ended at the same
+    instant)."""
+    ends = [end for _, end in sorted(step_ends(records).items())[-RECENT_STEPS:]]
+    gaps = [later - earlier for earlier, later in zip(ends, ends[1:])]
+    typical = statistics.median(gaps) if gaps else 0.0
+    paused = [i for i, gap in enumerate(gaps) if typical > 0 and gap > PAUSE_STEPS * typical]
+    if paused:
+        ends = ends[paused[-1] + 1 :]
+    span = ends[-1] - ends[0] if len(ends) > 1 else 0.0
+    return (len(ends) - 1) / span if span > 0 else None
 
 
 def progress(summary: dict[str, Any], records: Iterable[dict[str, Any]], steps_total: int) -> dict[str, Any]:
