@@ -217,3 +217,30 @@ def test_a_stage_cut_elsewhere_reads_only_its_own_weights_of_the_shards(written)
     assert not any(key.startswith(("model.2", "optimizer.state.2")) for key in asked)
     assert torch.equal(first[0].weight, got[0]["whole"]["0.weight"])
     assert torch.equal(optimizer.state[first[0].bias]["exp_avg"], got[0]["optimizer"]["state"]["0.bias"]["exp_avg"])
+
+
+def test_a_resume_finds_a_lost_or_cut_shard_before_it_starts_the_workers(written, tmp_path):
+    """Every file the shards' .metadata names must be there, as long as what is read of it: a
+    resume says which is not before the workers start (each would build the model first)."""
+    import shutil
+
+    from felactl.errors import InputError
+    from felactl.launcher.resume import Checkpoint, check_stage_shards
+    from felactl.spec import ModelRef, data_parallel_plan
+
+    directory, _ = written
+    broken = tmp_path / "step000002"
+    shutil.copytree(directory, broken)
+    plan = data_parallel_plan(
+        model=ModelRef(name="m", source="m:job"), num_layers=3, devices=["cpu0", "cpu1"], global_batch=8, micro_batch=4
+    )
+    stage0 = load_stage(broken / "stage0.pt", tensors=())
+    chosen = Checkpoint(step=2, directory=broken, plan=plan, plan_path=tmp_path / "plan.yaml", stage0=stage0)
+    check_stage_shards(chosen)  # whole
+    shard = broken / stage0[SHARDS] / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(InputError, match=r"a shard is cut short \(100 of \d+ bytes\): '.*__1_0.distcp'"):
+        check_stage_shards(chosen)
+    shard.unlink()
+    with pytest.raises(InputError, match=r"a shard is missing: '.*__1_0.distcp'.*--step K"):
+        check_stage_shards(chosen)

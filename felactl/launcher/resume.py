@@ -42,6 +42,7 @@ def find_resume_point(run: str, runs_root: Path) -> ResumePoint:
     if rundir.read_summary() is not None:
         raise InputError(f"run {rundir.run_id} already finished (summary.json exists); nothing to resume")
     chosen = pick_checkpoint(rundir)
+    check_stage_shards(chosen)
     _, generation = checkpoint_plan(rundir, chosen.stage0)
     used = [int(p.name.split(".")[1]) for p in rundir.path.glob("plan.*.yaml") if p.name.split(".")[1].isdigit()]
     return ResumePoint(
@@ -51,6 +52,22 @@ def find_resume_point(run: str, runs_root: Path) -> ResumePoint:
         plan_path=chosen.plan_path,
         generation=max(used + [generation]) + 1,
     )
+
+
+def check_stage_shards(chosen: Checkpoint) -> None:
+    """Each sharded stage of ``chosen`` has every shard its ``.metadata`` names, whole (InputError
+    else, naming the file): found before the workers start."""
+    from felactl.parallel.fsdp import SHARDS, check_shards
+
+    for s in range(len(chosen.plan.stages)):
+        stage = chosen.stage0 if s == 0 else load_stage(chosen.directory / f"stage{s}.pt", tensors=())
+        if SHARDS in stage:
+            try:
+                check_shards(chosen.directory / stage[SHARDS])
+            except OSError as exc:
+                raise InputError(
+                    f"{chosen.directory}: the stage's shards are not readable ({exc}); {OLDER_CHECKPOINT}"
+                ) from None
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,24 @@ def require_metadata(directory) -> None:
         raise FileNotFoundError(errno.ENOENT, "no .metadata: the shards were not all written", str(metadata))
 
 
+def check_shards(directory) -> None:
+    """That every file a sharded stage's ``.metadata`` names is there, whole (as long as the bytes
+    it reads of it): a resume finds a lost or cut shard before it starts the workers, which would
+    each build the model first. OSError naming the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    require_metadata(directory)
+    needs: dict[str, int] = {}
+    for item in FileSystemReader(directory).read_metadata().storage_data.values():
+        needs[item.relative_path] = max(needs.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needs.items()):
+        path = Path(directory) / name
+        if not path.is_file():
+            raise FileNotFoundError(errno.ENOENT, "a shard is missing", str(path))
+        if path.stat().st_size < size:
+            raise OSError(errno.EIO, f"a shard is cut short ({path.stat().st_size} of {size} bytes)", str(path))
+
+
 def first_failure(exc) -> BaseException:
     """The first of the exceptions a ``torch.distributed.checkpoint.CheckpointException`` wraps
     (one per worker that failed)."""
