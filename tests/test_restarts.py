@@ -90,17 +90,8 @@ def test_a_killed_worker_of_a_two_stage_pipeline_restarts_from_the_checkpoint_an
     stages from the newest complete checkpoint, redoes the steps after it exactly (the same
     losses), and ends at the last step with the restart, its pause and what it redid in the
     summary."""
-    plan = save(lm_pipeline(), tmp_path / "plan.yaml")
     steps = 40
-    args = ("--run-id", "p", "--steps", str(steps), "--checkpoint-every", "5", "--straggler", "roundrobin:0.1")
-    job = Job(tmp_path, str(plan), *args, env=LM_ENV)
-    try:
-        job.wait_step("p", 12, timeout_s=STARTUP_S)
-        wait_checkpoint(tmp_path / "runs", "p", at_least=10, timeout_s=STARTUP_S)
-        _worker_process(job, rank=1).send_signal(signal.SIGKILL)
-        summary = job.finish(timeout_s=STARTUP_S)
-    finally:
-        job.stop()
+    summary = _killed_after_a_checkpoint(tmp_path, save(lm_pipeline(), tmp_path / "plan.yaml"), "p", steps)
     run = tmp_path / "runs" / "p"
     assert summary["steps"] == steps
     (restart,) = summary["restarts"]
@@ -109,10 +100,40 @@ def test_a_killed_worker_of_a_two_stage_pipeline_restarts_from_the_checkpoint_an
     assert len(events) == 1 and events[0]["checkpoint"].endswith(f"step{restart['from_step']:06d}")
     losses = _step_losses(read_jsonl(run / "metrics.jsonl"))
     assert {step for _, step in losses} == set(range(steps)), "every step trained"
-    redone = [step for generation, step in losses if generation == 1 and (0, step) in losses]
-    assert redone and min(redone) == restart["from_step"], (restart, sorted(losses))
-    for step in redone:  # the same state and the same batches: the same loss
-        assert losses[(1, step)] == pytest.approx(losses[(0, step)], rel=1e-5, abs=1e-6), step
+    _redone_as_first(losses, restart["from_step"])
+
+
+def _killed_after_a_checkpoint(tmp_path: Path, plan: Path, run_id: str, steps: int, *args: str) -> dict:
+    """``plan`` launched for ``steps`` (a checkpoint every 5), its rank 1 killed -9 once step 12
+    is done and step 10's checkpoint written: the launch's summary."""
+    args = (
+        "--run-id",
+        run_id,
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        "5",
+        "--straggler",
+        "roundrobin:0.1",
+        *args,
+    )
+    job = Job(tmp_path, str(plan), *args, env=LM_ENV)
+    try:
+        job.wait_step(run_id, 12, timeout_s=STARTUP_S)
+        wait_checkpoint(tmp_path / "runs", run_id, at_least=10, timeout_s=STARTUP_S)
+        _worker_process(job, rank=1).send_signal(signal.SIGKILL)
+        return job.finish(timeout_s=STARTUP_S)
+    finally:
+        job.stop()
+
+
+def _redone_as_first(losses: dict[tuple, float], from_step: int) -> None:
+    """Each loss of a step the restart redid (keys ``(generation, step, ...)``) is its first
+    attempt's: the same state and the same batches."""
+    redone = [key for key in losses if key[0] == 1 and (0, *key[1:]) in losses]
+    assert redone and min(key[1] for key in redone) == from_step, (from_step, sorted(losses))
+    for key in redone:
+        assert losses[key] == pytest.approx(losses[(0, *key[1:])], rel=1e-5, abs=1e-6), key
 
 
 def test_a_killed_worker_of_a_sharded_stage_restarts_from_its_shards_and_completes_every_step(tmp_path, no_leftovers):
@@ -129,16 +150,7 @@ def test_a_killed_worker_of_a_sharded_stage_restarts_from_its_shards_and_complet
         dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shard=True),)), tmp_path / "p.yaml"
     )
     steps = 30
-    args = ("--run-id", "f", "--steps", str(steps), "--checkpoint-every", "5", "--keep-checkpoints", "0")
-    args += ("--straggler", "roundrobin:0.1")
-    job = Job(tmp_path, str(plan), *args, env=LM_ENV)
-    try:
-        job.wait_step("f", 12, timeout_s=STARTUP_S)
-        wait_checkpoint(tmp_path / "runs", "f", at_least=10, timeout_s=STARTUP_S)
-        _worker_process(job, rank=1).send_signal(signal.SIGKILL)
-        summary = job.finish(timeout_s=STARTUP_S)
-    finally:
-        job.stop()
+    summary = _killed_after_a_checkpoint(tmp_path, plan, "f", steps, "--keep-checkpoints", "0")
     run = tmp_path / "runs" / "f"
     assert summary["steps"] == steps
     (restart,) = summary["restarts"]
@@ -148,10 +160,7 @@ def test_a_killed_worker_of_a_sharded_stage_restarts_from_its_shards_and_complet
     records = read_jsonl(run / "metrics.jsonl")
     losses = {(r.get("generation", 0), r["step"], r["rank"]): r["loss"] for r in records}
     assert {step for _, step, _ in losses} == set(range(steps)), "every step trained"
-    redone = [key for key in losses if key[0] == 1 and (0, *key[1:]) in losses]
-    assert redone and min(step for _, step, _ in redone) == restart["from_step"], (restart, sorted(losses))
-    for key in redone:  # the same state and the same batches: the same loss
-        assert losses[key] == pytest.approx(losses[(0, *key[1:])], rel=1e-5, abs=1e-6), key
+    _redone_as_first(losses, restart["from_step"])
 
 
 @pytest.mark.parametrize("shape", ["lm", "flexible"])
