@@ -216,7 +216,7 @@ def test_a_two_stage_pipeline_scaled_out_and_in_restarts_on_each_plan_and_trains
     step and checkpoint it), restarts on the plan for the new workers (2 stages x 2 pipelines,
     then back to one), each worker taking its stage from the checkpoint; every step is trained
     once and each step's loss is one process's on the same batches."""
-    steps = 120
+    steps = 60
     plan, job = _pipeline_job(tmp_path, "s", steps, shape="lm")
     try:
         job.wait_step("s", 5, timeout_s=STARTUP_S)
