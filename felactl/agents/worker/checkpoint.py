@@ -4,8 +4,8 @@ A checkpoint holds the stage's parameters, the optimizer state, the step and the
 ``step{K:06d}/stage{S}.pt`` is written by the first worker of each stage through
 :func:`felactl.fsutil.atomic_write`, so a crash never leaves half a file. A sharded stage's
 workers each write their own shards of its state, with ``torch.distributed.checkpoint``, to
-``stage{S}.shards/`` (:func:`save_shards`; no worker gathers the whole stage, which a stage sharded
-because no device holds it could not), and its file names that directory. A checkpoint the
+``stage{S}.<id>.shards/`` (:func:`save_shards`; no worker gathers the whole stage, which a stage
+sharded because no device holds it could not), and its file names that directory. A checkpoint the
 storage cannot take (a read-only or full filesystem) is said (:func:`checkpoint_not_written`)
 and the job goes on: a healthy job is not ended by its disk.
 """
@@ -71,9 +71,9 @@ def save_shards(stage_file: Path, model: nn.Module, optimizer: torch.optim.Optim
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     try:
         dcp.save(state, checkpoint_id=stage_file.with_name(name[0]), process_group=group)
-    except (
-        dcp.CheckpointException
-    ) as exc:  # a BaseException; every worker of the stage gets it where one's write failed
+    # a BaseException, which the worker's `except Exception` would miss; every worker of the stage
+    # gets it where one's write failed
+    except dcp.CheckpointException as exc:
         failures = [failure for failure, _trace in exc.failures.values()]
         if failures and all(isinstance(failure, STORAGE_ERRORS) for failure in failures):
             raise OSError(f"writing the stage's shards failed: {failures[0]}") from None
