@@ -40,3 +40,27 @@ def gpt2_with_cache(depth: int = 2, seq_len: int = 16) -> TrainJob:
     data = CharCorpus(seq_len)
     config = transformers.GPT2Config(vocab_size=len(data.vocab), n_embd=32, n_layer=depth, n_head=4, n_positions=32)
     return TrainJob(model=transformers.GPT2LMHeadModel(config), dataset=data, loss_fn=causal_lm_loss)
+
+
+def gpt2(depth: int = 2, seq_len: int = 16) -> TrainJob:
+    """GPT-2 built to train (no key/value cache, no dropout: runs that differ by a random stream
+    would not compare): learned positions, its head tied to the token embedding."""
+    data = CharCorpus(seq_len)
+    config = transformers.GPT2Config(
+        vocab_size=len(data.vocab),
+        n_embd=32,
+        n_layer=depth,
+        n_head=4,
+        n_positions=2 * seq_len,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    return TrainJob(
+        model=transformers.GPT2LMHeadModel(config),
+        dataset=data,
+        loss_fn=causal_lm_loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )

@@ -247,18 +247,33 @@ def test_a_pipeline_of_sharded_stages_trains_to_the_single_process_result(tmp_pa
 
 
 @pytest.mark.multiprocess
-def test_a_hugging_face_llama_profiles_per_block_and_trains_as_a_two_stage_pipeline(tmp_path):
+@pytest.mark.parametrize(
+    "source,blocks,kind",
+    [
+        ("_hf_models:llama", "model.layers", "LlamaDecoderLayer"),
+        ("_hf_models:gpt2", "transformer.h", "GPT2Block"),  # learned positions, lm_head tied to wte
+    ],
+)
+def test_a_hugging_face_lm_profiles_per_block_and_trains_as_a_two_stage_pipeline(tmp_path, source, blocks, kind):
+    """transformers' own classes, built from a config: profiled per block, cut between them, and
+    trained as 2 stages to the single-process weights; GPT-2's head, the token embedding's tensor,
+    sits in both stages, its gradient summed over them, and exports as one."""
     pytest.importorskip("transformers", reason="transformers is a test-only dependency (the dev extra)")
     from felactl.profiling.model import profile_model
 
-    source, config = "_hf_models:llama", {"depth": 2}
+    config = {"depth": 2}
     spec = profile_model(source, config, [2], repeats=1)
-    assert [layer.name for layer in spec.layers] == ["embedding", "model.layers.0", "model.layers.1", "head"]
-    assert spec.layers[1].kind == "LlamaDecoderLayer" and spec.layers[1].params == spec.layers[2].params
+    assert [layer.name for layer in spec.layers] == ["embedding", f"{blocks}.0", f"{blocks}.1", "head"]
+    assert spec.layers[1].kind == kind and spec.layers[1].params == spec.layers[2].params
     steps = 4
     plan, run_dir = _run_pipeline(tmp_path, source, config, [0, 2, 4], steps)
     want, _ = single_process(plan, steps)
-    assert _largest_difference(_trained(plan, run_dir, steps), want) < 1e-5
+    got = _trained(plan, run_dir, steps)
+    assert _largest_difference(got, want) < 1e-5
+    model = models.build(source, config).model
+    model.load_state_dict(got, strict=True)
+    if source.endswith("gpt2"):
+        assert model.lm_head.weight is model.transformer.wte.weight and spec.tied
 
 
 @pytest.mark.multiprocess
