@@ -26,9 +26,14 @@ def llama(depth: int = 2, width: int = 32, seq_len: int = 16) -> TrainJob:
         max_position_embeddings=2 * seq_len,
         use_cache=False,
     )
+    return _job(transformers.LlamaForCausalLM, config, data)
+
+
+def _job(model_class, config, data: CharCorpus) -> TrainJob:
+    """``model_class`` built from ``config``, seeded, as a causal LM TrainJob on ``data`` (AdamW)."""
     torch.manual_seed(0)
     return TrainJob(
-        model=transformers.LlamaForCausalLM(config),
+        model=model_class(config),
         dataset=data,
         loss_fn=causal_lm_loss,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -57,10 +62,4 @@ def gpt2(depth: int = 2, seq_len: int = 16) -> TrainJob:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    torch.manual_seed(0)
-    return TrainJob(
-        model=transformers.GPT2LMHeadModel(config),
-        dataset=data,
-        loss_fn=causal_lm_loss,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
-    )
+    return _job(transformers.GPT2LMHeadModel, config, data)

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from felactl.agents.worker import checkpoint
 from felactl.agents.worker.checkpoint import drop_other_shards, restore_stage, save_checkpoint, save_shards
 from felactl.launcher.resume import load_stage
+from felactl.parallel import fsdp
 from felactl.parallel.fsdp import SHARDS
 from felactl.profiling.data_parallel import reap
 
@@ -87,7 +87,7 @@ def _worker(rank: int, port: int, run_dir: str, results) -> None:
         whole_optimizer = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
 
         fresh, fresh_optimizer = _sharded(group)  # other weights than the trained ones: reads must change them
-        with mock.patch.object(checkpoint, "read_whole", side_effect=AssertionError("read whole")):
+        with mock.patch.object(fsdp, "read_whole", side_effect=AssertionError("read whole")):
             restore_stage(stage_file.parent, 0, LAYERS, fresh, fresh_optimizer, {})  # each its shards, no more
         restored = _local_state(fresh, fresh_optimizer)
         saved = _local_state(module, optimizer)
@@ -209,7 +209,7 @@ def test_a_stage_cut_elsewhere_reads_only_its_own_weights_of_the_shards(written)
     directory, got = written
     first = nn.Sequential(nn.Linear(8, 16))  # layers [0, 1) of the model: keys 0.weight, 0.bias
     optimizer = torch.optim.AdamW(first.parameters())
-    with mock.patch.object(checkpoint, "read_whole", wraps=checkpoint.read_whole) as read:
+    with mock.patch.object(fsdp, "read_whole", wraps=fsdp.read_whole) as read:
         restore_stage(directory, 0, (0, 1), first, optimizer, {})
     (call,) = read.call_args_list
     asked = call.args[1]

@@ -160,10 +160,11 @@ def _failure_line(failed: dict[str, dict], state: LaunchState) -> str:
     said: dict[tuple[str, str], list[int]] = {}
     killed: set[tuple[str, str]] = set()  # a worker killed by a signal: its peers' errors follow from it
     for agent_id, s in failed.items():
+        node = node_of.get(agent_id, agent_id)
         for rank, line in s.get("failures", {}).items():
-            said.setdefault((node_of.get(agent_id, agent_id), line), []).append(int(rank))
+            said.setdefault((node, line), []).append(int(rank))
             if int(s.get("exit_codes", {}).get(rank, 1)) in KILLED_FROM_OUTSIDE:
-                killed.add((node_of.get(agent_id, agent_id), line))
+                killed.add((node, line))
     parts = []
     for (node, line), ranks in sorted(said.items(), key=lambda item: (item[0] not in killed, item[0][0], min(item[1]))):
         which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"

@@ -279,11 +279,10 @@ def job_plan(
         )
     if not shard:
         return plan
-    if workers < 2:  # said here: the launch's own check would name the scratch plan it writes
-        raise InputError(f"--shard needs 2 workers or more to shard over; these flags give {workers}")
     stage = dataclasses.replace(plan.stages[0], shard=True)
     sharded = dataclasses.replace(plan, stages=(stage,), sync=dataclasses.replace(plan.sync, mode=SyncMode.BSP))
-    check_executable(sharded, where="--shard")  # e.g. a --micro-batch that gives workers unequal counts
+    # checked here, by the flags' name: the launch's own check would name the scratch plan it writes
+    check_executable(sharded, where="--shard")
     return sharded
 
 

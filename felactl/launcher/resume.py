@@ -124,7 +124,7 @@ def load_stage(path: Path, tensors: tuple[str, ...] = ("model", "optimizer")) ->
     ``tensors`` is read whole from its shards (none: the file alone, its step and the rest)."""
     import torch  # here: `felactl status` reads runs through this module and never pays for torch
 
-    from felactl.parallel.fsdp import SHARDS, read_whole
+    from felactl.parallel.fsdp import SHARDS, with_shards
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # tensors read where used
@@ -137,15 +137,10 @@ def load_stage(path: Path, tensors: tuple[str, ...] = ("model", "optimizer")) ->
     sharded = isinstance(state, dict) and isinstance(state.get(SHARDS), str)
     if not isinstance(state, dict) or not (sharded or isinstance(state.get("model"), dict)):
         raise InputError(f"{path}: not a felactl checkpoint (no model state); {OLDER_CHECKPOINT}")
-    if sharded and tensors:
-        try:
-            state = {**state, **read_whole(path.parent / state[SHARDS], tensors)}
-        except Exception as exc:  # DCP raises its own kinds on a missing or damaged shard
-            raise InputError(
-                f"{path.parent / state[SHARDS]}: the stage's shards are not readable ({type(exc).__name__}: {exc}); "
-                f"{OLDER_CHECKPOINT}"
-            ) from None
-    return state
+    try:
+        return with_shards(state, path.parent, tensors)
+    except InputError as exc:
+        raise InputError(f"{exc}; {OLDER_CHECKPOINT}") from None
 
 
 def checkpoint_plan(rundir: RunDir, stage0: dict) -> tuple[Path, int]:

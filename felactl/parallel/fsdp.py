@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from felactl.errors import InputError
+
 # FSDP and DTensor are imported where a stage is sharded, not with this module: they bring
 # DTensor's ops and sympy, a second of every worker's start-up, for the few stages that shard.
 # A module cannot be sharded, nor a tensor a DTensor, before they are imported (the tests below).
@@ -111,6 +113,20 @@ def read_whole(directory, parts: tuple[str, ...] = ("model", "optimizer")) -> di
     except CheckpointException as exc:  # a BaseException, which `except Exception` misses: its cause is one
         raise first_failure(exc) from None
     return state
+
+
+def with_shards(state: dict, directory, parts: tuple[str, ...] = ("model", "optimizer")) -> dict:
+    """A stage file's ``state`` (read from ``directory``) with ``parts`` of its model and optimizer
+    state (:func:`read_whole`'s) read from the shards it names, where a sharded stage wrote it;
+    InputError naming them where they cannot be read. The one reader of both the workers' restore
+    and the launcher's export and resume."""
+    if SHARDS not in state or not parts:
+        return state
+    shards = Path(directory) / state[SHARDS]
+    try:
+        return {**state, **read_whole(shards, parts)}
+    except Exception as exc:  # DCP raises its own kinds on a missing or damaged shard
+        raise InputError(f"{shards}: the stage's shards are not readable ({type(exc).__name__}: {exc})") from None
 
 
 def require_metadata(directory) -> None:

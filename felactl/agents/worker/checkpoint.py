@@ -26,7 +26,7 @@ from felactl.control import EventKind
 from felactl.control.events import record
 from felactl.errors import InputError
 from felactl.fsutil import STORAGE_ERRORS, atomic_write
-from felactl.parallel.fsdp import SHARDS, first_failure, is_sharded, read_whole, require_metadata, stage_group
+from felactl.parallel.fsdp import SHARDS, first_failure, is_sharded, require_metadata, stage_group, with_shards
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +184,9 @@ def restore_stage(
         return state
     needed = _needed_keys(model, optimizer, aliases)  # of a sharded stage's shards, the rest unread
     if same:
-        state = whole(state, directory, needed)
+        state = with_shards(state, directory, needed)
     else:
-        stages = [whole(_read(path), directory, needed) for path in sorted(directory.glob("stage*.pt"))]
+        stages = [with_shards(_read(path), directory, needed) for path in sorted(directory.glob("stage*.pt"))]
         state = merged_stages(stages, directory)
     if any(isinstance(n, int) for g in state["optimizer"]["param_groups"] for n in g["params"]):
         # written before checkpoints named the optimizer's parameters: the same layout only
@@ -280,20 +280,6 @@ def parameter_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
 def _by_name(saved, key: str, aliases: dict[str, tuple[str, ...]]) -> str | None:
     """The name ``saved`` holds ``key`` under: its own, or another name of the tied weight it is."""
     return next((name for name in (key, *aliases.get(key, ())) if name in saved), None)
-
-
-def whole(state: dict, directory: Path, keys: tuple[str, ...] = ("model", "optimizer")) -> dict:
-    """A stage file's ``state`` with its model and optimizer state (of ``keys``, DCP's dotted
-    names: ``model.<name>``, ``optimizer.state.<name>``), read whole from its shards where a
-    sharded stage wrote it."""
-    if SHARDS not in state:
-        return state
-    try:
-        return {**state, **read_whole(directory / state[SHARDS], keys)}
-    except Exception as exc:  # DCP raises its own kinds on a missing or damaged shard
-        raise InputError(
-            f"{directory / state[SHARDS]}: the stage's shards are not readable ({type(exc).__name__}: {exc})"
-        ) from None
 
 
 def _needed_keys(model: nn.Module, optimizer, aliases: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
