@@ -9,6 +9,7 @@ import io
 import multiprocessing as mp
 import os
 import socket
+import traceback
 from pathlib import Path
 from unittest import mock
 
@@ -102,8 +103,18 @@ def _worker(rank: int, port: int, run_dir: str, results) -> None:
             failure = None
         except OSError as exc:
             failure = str(exc)
+        import torch.distributed.checkpoint as dcp
+
+        other = dcp.CheckpointException("save", {0: (ValueError("not the disk"), traceback.StackSummary())})
+        with mock.patch.object(dcp, "save", side_effect=other):
+            try:
+                save_shards(stage_file, module, optimizer)
+                other_failure = None
+            except Exception as exc:  # noqa: BLE001 - DCP's own is a BaseException: the worker would miss it
+                other_failure = f"{type(exc).__name__}: {exc}"
         found = io.BytesIO()  # tensors as bytes: a queue shares a tensor's memory, gone with this process
         found_state = {"same": same, "failure": failure, "whole": whole, "optimizer": whole_optimizer, "named": named}
+        found_state["other_failure"] = other_failure
         torch.save(found_state, found)
         results.put((rank, found.getvalue()))
     finally:
@@ -180,6 +191,16 @@ def test_shards_the_storage_cannot_take_are_a_storage_error_on_every_worker(writ
     _, got = written
     assert got[0]["failure"] and got[1]["failure"]
     assert "writing the stage's shards failed" in got[0]["failure"]
+
+
+def test_a_failure_of_dcp_not_the_disks_is_an_exception_the_worker_handles(written):
+    """``CheckpointException`` is a BaseException: past the worker's ``except Exception`` it would
+    skip the failure's handling (its peers told, its state left). It comes out a RuntimeError."""
+    _, got = written
+    for rank in (0, 1):
+        assert (
+            got[rank]["other_failure"] == "RuntimeError: writing the stage's shards failed: ValueError('not the disk')"
+        )
 
 
 def test_unreadable_shards_are_one_line_naming_them(written, tmp_path):
