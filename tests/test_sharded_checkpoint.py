@@ -210,10 +210,15 @@ def test_unreadable_shards_are_one_line_naming_them(written, tmp_path):
     broken = tmp_path / "step000002"
     shutil.copytree(directory, broken)
     name = torch.load(broken / "stage0.pt", weights_only=False)[SHARDS]
-    (broken / name / "__1_0.distcp").unlink()
     from felactl.errors import InputError
 
-    missing = rf"{name}: the stage's shards are not readable \(FileNotFoundError: .*__1_0.distcp"
+    shard = broken / name / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])  # DCP said only "failed reading zip archive"
+    with pytest.raises(InputError, match=r"a shard is cut short \(1000 of \d+ bytes\): '.*__0_0.distcp'"):
+        load_stage(broken / "stage0.pt")
+    shutil.copy(directory / name / "__0_0.distcp", shard)
+    (broken / name / "__1_0.distcp").unlink()
+    missing = rf"{name}: the stage's shards are not readable \(FileNotFoundError: .*a shard is missing: .*__1_0.distcp"
     with pytest.raises(InputError, match=missing):
         load_stage(broken / "stage0.pt")
     with pytest.raises(InputError, match=missing):

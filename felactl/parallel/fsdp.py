@@ -101,7 +101,7 @@ def read_whole(directory, parts: tuple[str, ...] = ("model", "optimizer")) -> di
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    require_metadata(directory)
+    check_shards(directory)
     state: dict = {}
     try:
         _load_state_dict(
@@ -129,21 +129,17 @@ def with_shards(state: dict, directory, parts: tuple[str, ...] = ("model", "opti
         raise InputError(f"{shards}: the stage's shards are not readable ({type(exc).__name__}: {exc})") from None
 
 
-def require_metadata(directory) -> None:
-    """FileNotFoundError where the shards' ``.metadata`` (written last, once every worker's
-    shards are) is missing: DCP would log two tracebacks looking for another before failing."""
+def check_shards(directory) -> None:
+    """That a sharded stage's shards are all there: the ``.metadata`` DCP writes last, once every
+    worker's shards are (without it DCP logs two tracebacks looking for another before failing),
+    and every file it names, as long as the bytes read of it (DCP says only "failed reading zip
+    archive"). OSError naming the file. A resume checks before it starts the workers, which would
+    each build the model first."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     metadata = Path(directory) / ".metadata"
     if not metadata.is_file():
         raise FileNotFoundError(errno.ENOENT, "no .metadata: the shards were not all written", str(metadata))
-
-
-def check_shards(directory) -> None:
-    """That every file a sharded stage's ``.metadata`` names is there, whole (as long as the bytes
-    it reads of it): a resume finds a lost or cut shard before it starts the workers, which would
-    each build the model first. OSError naming the file."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    require_metadata(directory)
     needs: dict[str, int] = {}
     for item in FileSystemReader(directory).read_metadata().storage_data.values():
         needs[item.relative_path] = max(needs.get(item.relative_path, 0), item.offset + item.length)

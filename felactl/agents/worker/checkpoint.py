@@ -26,7 +26,7 @@ from felactl.control import EventKind
 from felactl.control.events import record
 from felactl.errors import InputError
 from felactl.fsutil import STORAGE_ERRORS, atomic_write
-from felactl.parallel.fsdp import SHARDS, first_failure, is_sharded, require_metadata, stage_group, with_shards
+from felactl.parallel.fsdp import SHARDS, check_shards, first_failure, is_sharded, stage_group, with_shards
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def load_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimi
 
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     try:
-        require_metadata(directory)
+        check_shards(directory)
         dcp.load(state, checkpoint_id=directory, process_group=stage_group(model))
     except (OSError, dcp.CheckpointException) as exc:  # every worker of the stage gets it where one's read failed
         failure = first_failure(exc) if isinstance(exc, dcp.CheckpointException) else exc
